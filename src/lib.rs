@@ -1,0 +1,7 @@
+//! lorafit: LoRA fine-tuning (ORPO, SFT, DPO) of Llama-family language models on one NVIDIA GPU
+//! or the CPU.
+//!
+//! Data flows one way: config → data → model → train → outputs. `tensor` is the engine under all
+//! of it: a CPU reference backend and a CUDA backend with the same ops.
+
+pub mod tensor;

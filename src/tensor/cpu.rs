@@ -1,0 +1,533 @@
+//! The CPU backend: f32 reference implementations of every op, parallel with rayon, matrix
+//! products through the `gemm` crate. These are the definitions the CUDA kernels are tested
+//! against, so they favour plain loops over cleverness; only the GEMMs are optimised.
+
+use super::{AdamW, AttnMask, AttnShape, RopeTable, Tensor};
+use anyhow::{ensure, Result};
+use rayon::prelude::*;
+
+fn out(data: Vec<f32>, shape: &[usize]) -> Result<Tensor> {
+    Tensor::cpu(data, shape)
+}
+
+/// Strides (row, col) of `op(x)` for a row-major `[r, c]` matrix.
+fn op_dims(x: &Tensor, t: bool) -> (usize, usize, isize, isize) {
+    let (r, c) = x.rows_cols();
+    if t {
+        (c, r, 1, c as isize)
+    } else {
+        (r, c, c as isize, 1)
+    }
+}
+
+pub fn matmul(a: &Tensor, ta: bool, b: &Tensor, tb: bool, alpha: f32) -> Result<Tensor> {
+    let (m, _, _, _) = op_dims(a, ta);
+    let (_, n, _, _) = op_dims(b, tb);
+    let mut c = Tensor::cpu(vec![0.0; m * n], &[m, n])?;
+    matmul_acc(&mut c, a, ta, b, tb, alpha, 0.0)?;
+    Ok(c)
+}
+
+pub fn matmul_acc(
+    c: &mut Tensor,
+    a: &Tensor,
+    ta: bool,
+    b: &Tensor,
+    tb: bool,
+    alpha: f32,
+    beta: f32,
+) -> Result<()> {
+    let (m, k, a_rs, a_cs) = op_dims(a, ta);
+    let (k2, n, b_rs, b_cs) = op_dims(b, tb);
+    ensure!(
+        k == k2,
+        "matmul: inner dims differ: {:?}{} x {:?}{}",
+        a.shape(),
+        if ta { "ᵀ" } else { "" },
+        b.shape(),
+        if tb { "ᵀ" } else { "" }
+    );
+    ensure!(
+        c.numel() == m * n,
+        "matmul: output {:?} is not [{m}, {n}]",
+        c.shape()
+    );
+    if m == 0 || n == 0 {
+        return Ok(());
+    }
+    let (a, b) = (a.as_cpu()?, b.as_cpu()?);
+    let c = c.as_cpu_mut()?;
+    if k == 0 {
+        c.iter_mut().for_each(|x| *x *= beta);
+        return Ok(());
+    }
+    let threads = rayon::current_num_threads();
+    let par = if m * n * k < 64 * 64 * 64 || threads == 1 {
+        gemm::Parallelism::None
+    } else {
+        gemm::Parallelism::Rayon(threads)
+    };
+    // SAFETY: the strides describe exactly the buffers' extents (checked above: a is m*k, b is
+    // k*n, c is m*n elements), and c does not alias a or b (distinct borrows).
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            c.as_mut_ptr(),
+            1,
+            n as isize,
+            beta != 0.0,
+            a.as_ptr(),
+            a_cs,
+            a_rs,
+            b.as_ptr(),
+            b_cs,
+            b_rs,
+            beta,
+            alpha,
+            false,
+            false,
+            false,
+            par,
+        );
+    }
+    Ok(())
+}
+
+pub fn embedding(table: &Tensor, ids: &[u32]) -> Result<Tensor> {
+    let h = table.dim(-1);
+    let t = table.as_cpu()?;
+    let mut y = vec![0f32; ids.len() * h];
+    for (row, &id) in y.chunks_mut(h).zip(ids) {
+        row.copy_from_slice(&t[id as usize * h..(id as usize + 1) * h]);
+    }
+    out(y, &[ids.len(), h])
+}
+
+pub fn embedding_bwd(dy: &Tensor, ids: &[u32], vocab: usize) -> Result<Tensor> {
+    let h = dy.dim(-1);
+    let d = dy.as_cpu()?;
+    let mut g = vec![0f32; vocab * h];
+    for (i, &id) in ids.iter().enumerate() {
+        for (gv, dv) in g[id as usize * h..(id as usize + 1) * h]
+            .iter_mut()
+            .zip(&d[i * h..(i + 1) * h])
+        {
+            *gv += dv;
+        }
+    }
+    out(g, &[vocab, h])
+}
+
+pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f32) -> Result<(Tensor, Tensor)> {
+    let (rows, h) = x.rows_cols();
+    let (xs, ws) = (x.as_cpu()?, w.as_cpu()?);
+    let mut y = vec![0f32; rows * h];
+    let mut rstd = vec![0f32; rows];
+    y.par_chunks_mut(h)
+        .zip(rstd.par_iter_mut())
+        .enumerate()
+        .for_each(|(r, (yr, rs))| {
+            let xr = &xs[r * h..(r + 1) * h];
+            let ms = xr.iter().map(|v| (*v as f64) * (*v as f64)).sum::<f64>() / h as f64;
+            let s = (1.0 / (ms + eps as f64).sqrt()) as f32;
+            *rs = s;
+            for i in 0..h {
+                yr[i] = xr[i] * s * ws[i];
+            }
+        });
+    Ok((out(y, x.shape())?, out(rstd, &[rows])?))
+}
+
+pub fn rms_norm_bwd(dy: &Tensor, x: &Tensor, w: &Tensor, rstd: &Tensor) -> Result<Tensor> {
+    let (rows, h) = x.rows_cols();
+    let (xs, ws, ds, rs) = (x.as_cpu()?, w.as_cpu()?, dy.as_cpu()?, rstd.as_cpu()?);
+    let mut dx = vec![0f32; rows * h];
+    dx.par_chunks_mut(h).enumerate().for_each(|(r, dxr)| {
+        let xr = &xs[r * h..(r + 1) * h];
+        let dr = &ds[r * h..(r + 1) * h];
+        let s = rs[r] as f64;
+        // y = x*s*w; dx = s*(dy*w) - s^3/h * x * sum(dy*w*x)
+        let dot: f64 = (0..h)
+            .map(|i| dr[i] as f64 * ws[i] as f64 * xr[i] as f64)
+            .sum();
+        let c = s * s * s * dot / h as f64;
+        for i in 0..h {
+            dxr[i] = (s * dr[i] as f64 * ws[i] as f64 - c * xr[i] as f64) as f32;
+        }
+    });
+    out(dx, x.shape())
+}
+
+pub fn rope(x: &Tensor, table: &RopeTable, n_heads: usize, inverse: bool) -> Result<Tensor> {
+    let hd = table.head_dim;
+    let half = hd / 2;
+    let (t, width) = x.rows_cols();
+    let (xs, cos, sin) = (x.as_cpu()?, table.cos.as_cpu()?, table.sin.as_cpu()?);
+    let sign = if inverse { -1.0 } else { 1.0 };
+    let mut y = vec![0f32; t * width];
+    y.par_chunks_mut(width).enumerate().for_each(|(r, yr)| {
+        for h in 0..n_heads {
+            let base = h * hd;
+            for i in 0..half {
+                let (c, s) = (cos[r * half + i], sign * sin[r * half + i]);
+                let (a, b) = (xs[r * width + base + i], xs[r * width + base + i + half]);
+                yr[base + i] = a * c - b * s;
+                yr[base + i + half] = b * c + a * s;
+            }
+        }
+    });
+    out(y, x.shape())
+}
+
+pub fn attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: &AttnMask,
+    s: AttnShape,
+) -> Result<(Tensor, Tensor)> {
+    let t = q.dim(0);
+    let (nh, nkv, hd) = (s.n_heads, s.n_kv_heads, s.head_dim);
+    let group = nh / nkv;
+    let (qs, ks, vs) = (q.as_cpu()?, k.as_cpu()?, v.as_cpu()?);
+    let (qw, kw) = (nh * hd, nkv * hd);
+    // One task per (head, query).
+    let results: Vec<(Vec<f32>, f32)> = (0..nh * t)
+        .into_par_iter()
+        .map(|job| {
+            let (h, i) = (job / t, job % t);
+            let kvh = h / group;
+            let qi = &qs[i * qw + h * hd..i * qw + (h + 1) * hd];
+            let mut scores = Vec::new();
+            let mut m = f32::NEG_INFINITY;
+            for j in 0..t {
+                if mask.visible(i, j) {
+                    let kj = &ks[j * kw + kvh * hd..j * kw + (kvh + 1) * hd];
+                    let sc = s.scale * dot(qi, kj);
+                    m = m.max(sc);
+                    scores.push((j, sc));
+                }
+            }
+            let mut o = vec![0f32; hd];
+            if scores.is_empty() {
+                return (o, f32::NEG_INFINITY);
+            }
+            let mut l = 0f64;
+            for &(_, sc) in &scores {
+                l += ((sc - m) as f64).exp();
+            }
+            let lse = m + l.ln() as f32;
+            for &(j, sc) in &scores {
+                let p = (sc - lse).exp();
+                let vj = &vs[j * kw + kvh * hd..j * kw + (kvh + 1) * hd];
+                for d in 0..hd {
+                    o[d] += p * vj[d];
+                }
+            }
+            (o, lse)
+        })
+        .collect();
+    let mut o = vec![0f32; t * qw];
+    let mut lse = vec![0f32; nh * t];
+    for (job, (oi, l)) in results.into_iter().enumerate() {
+        let (h, i) = (job / t, job % t);
+        o[i * qw + h * hd..i * qw + (h + 1) * hd].copy_from_slice(&oi);
+        lse[h * t + i] = l;
+    }
+    Ok((out(o, q.shape())?, out(lse, &[nh, t])?))
+}
+
+#[allow(clippy::too_many_arguments)]
+pub fn attention_bwd(
+    d_o: &Tensor,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    o: &Tensor,
+    lse: &Tensor,
+    mask: &AttnMask,
+    s: AttnShape,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let t = q.dim(0);
+    let (nh, nkv, hd) = (s.n_heads, s.n_kv_heads, s.head_dim);
+    let group = nh / nkv;
+    let (qs, ks, vs, os, dos, ls) = (
+        q.as_cpu()?,
+        k.as_cpu()?,
+        v.as_cpu()?,
+        o.as_cpu()?,
+        d_o.as_cpu()?,
+        lse.as_cpu()?,
+    );
+    let (qw, kw) = (nh * hd, nkv * hd);
+    // D_i = do_i · o_i per (head, query).
+    let big_d: Vec<f32> = (0..nh * t)
+        .into_par_iter()
+        .map(|job| {
+            let (h, i) = (job / t, job % t);
+            dot(
+                &dos[i * qw + h * hd..i * qw + (h + 1) * hd],
+                &os[i * qw + h * hd..i * qw + (h + 1) * hd],
+            )
+        })
+        .collect();
+    // dS_ij = P_ij (dP_ij - D_i) with dP_ij = do_i · v_j; recomputed in both passes.
+    let ds = |h: usize, i: usize, j: usize| -> (f32, f32) {
+        let kvh = h / group;
+        let qi = &qs[i * qw + h * hd..i * qw + (h + 1) * hd];
+        let kj = &ks[j * kw + kvh * hd..j * kw + (kvh + 1) * hd];
+        let vj = &vs[j * kw + kvh * hd..j * kw + (kvh + 1) * hd];
+        let p = (s.scale * dot(qi, kj) - ls[h * t + i]).exp();
+        let dp = dot(&dos[i * qw + h * hd..i * qw + (h + 1) * hd], vj);
+        (p, p * (dp - big_d[h * t + i]))
+    };
+    // Pass 1: dq per (head, query).
+    let dq_parts: Vec<Vec<f32>> = (0..nh * t)
+        .into_par_iter()
+        .map(|job| {
+            let (h, i) = (job / t, job % t);
+            let kvh = h / group;
+            let mut acc = vec![0f32; hd];
+            for j in 0..t {
+                if mask.visible(i, j) {
+                    let (_, d) = ds(h, i, j);
+                    let kj = &ks[j * kw + kvh * hd..j * kw + (kvh + 1) * hd];
+                    for x in 0..hd {
+                        acc[x] += s.scale * d * kj[x];
+                    }
+                }
+            }
+            acc
+        })
+        .collect();
+    // Pass 2: dk, dv per (kv head, key), summing over the query heads of the group.
+    let dkv_parts: Vec<(Vec<f32>, Vec<f32>)> = (0..nkv * t)
+        .into_par_iter()
+        .map(|job| {
+            let (kvh, j) = (job / t, job % t);
+            let mut dk = vec![0f32; hd];
+            let mut dv = vec![0f32; hd];
+            for h in kvh * group..(kvh + 1) * group {
+                for i in 0..t {
+                    if mask.visible(i, j) {
+                        let (p, d) = ds(h, i, j);
+                        let qi = &qs[i * qw + h * hd..i * qw + (h + 1) * hd];
+                        let doi = &dos[i * qw + h * hd..i * qw + (h + 1) * hd];
+                        for x in 0..hd {
+                            dk[x] += s.scale * d * qi[x];
+                            dv[x] += p * doi[x];
+                        }
+                    }
+                }
+            }
+            (dk, dv)
+        })
+        .collect();
+    let mut dq = vec![0f32; t * qw];
+    for (job, part) in dq_parts.into_iter().enumerate() {
+        let (h, i) = (job / t, job % t);
+        dq[i * qw + h * hd..i * qw + (h + 1) * hd].copy_from_slice(&part);
+    }
+    let mut dk = vec![0f32; t * kw];
+    let mut dv = vec![0f32; t * kw];
+    for (job, (pk, pv)) in dkv_parts.into_iter().enumerate() {
+        let (kvh, j) = (job / t, job % t);
+        dk[j * kw + kvh * hd..j * kw + (kvh + 1) * hd].copy_from_slice(&pk);
+        dv[j * kw + kvh * hd..j * kw + (kvh + 1) * hd].copy_from_slice(&pv);
+    }
+    Ok((
+        out(dq, q.shape())?,
+        out(dk, k.shape())?,
+        out(dv, v.shape())?,
+    ))
+}
+
+#[inline]
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).map(|(x, y)| x * y).sum()
+}
+
+#[inline]
+fn silu(x: f32) -> f32 {
+    x / (1.0 + (-x).exp())
+}
+
+pub fn silu_mul(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+    let (g, u) = (gate.as_cpu()?, up.as_cpu()?);
+    let y: Vec<f32> = g
+        .par_iter()
+        .zip(u.par_iter())
+        .map(|(&g, &u)| silu(g) * u)
+        .collect();
+    out(y, gate.shape())
+}
+
+pub fn silu_mul_bwd(dh: &Tensor, gate: &Tensor, up: &Tensor) -> Result<(Tensor, Tensor)> {
+    let (d, g, u) = (dh.as_cpu()?, gate.as_cpu()?, up.as_cpu()?);
+    let (dg, du): (Vec<f32>, Vec<f32>) = d
+        .par_iter()
+        .zip(g.par_iter().zip(u.par_iter()))
+        .map(|(&d, (&g, &u))| {
+            let sig = 1.0 / (1.0 + (-g).exp());
+            let dsilu = sig * (1.0 + g * (1.0 - sig));
+            (d * u * dsilu, d * g * sig)
+        })
+        .unzip();
+    Ok((out(dg, gate.shape())?, out(du, up.shape())?))
+}
+
+pub fn add_assign(a: &mut Tensor, b: &Tensor, alpha: f32) -> Result<()> {
+    let b = b.as_cpu()?;
+    a.as_cpu_mut()?
+        .par_iter_mut()
+        .zip(b.par_iter())
+        .for_each(|(x, y)| *x += alpha * y);
+    Ok(())
+}
+
+pub fn add_bias(x: &mut Tensor, bias: &Tensor) -> Result<()> {
+    let b = bias.as_cpu()?;
+    let n = b.len();
+    x.as_cpu_mut()?
+        .par_chunks_mut(n)
+        .for_each(|r| r.iter_mut().zip(b).for_each(|(x, y)| *x += y));
+    Ok(())
+}
+
+pub fn scale(x: &mut Tensor, s: f32) -> Result<()> {
+    x.as_cpu_mut()?.par_iter_mut().for_each(|v| *v *= s);
+    Ok(())
+}
+
+pub fn slice_rows(x: &Tensor, start: usize, end: usize) -> Result<Tensor> {
+    let (_, c) = x.rows_cols();
+    let mut shape = x.shape().to_vec();
+    if shape.len() == 1 {
+        shape[0] = end - start;
+    } else {
+        let lead: usize = shape[..shape.len() - 1].iter().product();
+        debug_assert!(lead * c == x.numel());
+        shape = vec![end - start, c];
+    }
+    let c = if x.shape().len() == 1 { 1 } else { c };
+    out(x.as_cpu()?[start * c..end * c].to_vec(), &shape)
+}
+
+pub fn gather_rows(x: &Tensor, idx: &[u32]) -> Result<Tensor> {
+    let (_, c) = x.rows_cols();
+    let xs = x.as_cpu()?;
+    let mut y = vec![0f32; idx.len() * c];
+    for (row, &i) in y.chunks_mut(c).zip(idx) {
+        row.copy_from_slice(&xs[i as usize * c..(i as usize + 1) * c]);
+    }
+    out(y, &[idx.len(), c])
+}
+
+pub fn scatter_add_rows(dst: &mut Tensor, idx: &[u32], src: &Tensor) -> Result<()> {
+    let (_, c) = dst.rows_cols();
+    let s = src.as_cpu()?;
+    let d = dst.as_cpu_mut()?;
+    for (k, &i) in idx.iter().enumerate() {
+        for (a, b) in d[i as usize * c..(i as usize + 1) * c]
+            .iter_mut()
+            .zip(&s[k * c..(k + 1) * c])
+        {
+            *a += b;
+        }
+    }
+    Ok(())
+}
+
+pub fn logsoftmax_gather(logits: &Tensor, targets: &[u32]) -> Result<(Tensor, Tensor)> {
+    let (rows, v) = logits.rows_cols();
+    let l = logits.as_cpu()?;
+    let (logp, lse): (Vec<f32>, Vec<f32>) = (0..rows)
+        .into_par_iter()
+        .map(|r| {
+            let row = &l[r * v..(r + 1) * v];
+            let m = row.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+            let s: f64 = row.iter().map(|&x| ((x - m) as f64).exp()).sum();
+            let lse = m + s.ln() as f32;
+            let t = targets[r];
+            (
+                if t == u32::MAX {
+                    0.0
+                } else {
+                    row[t as usize] - lse
+                },
+                lse,
+            )
+        })
+        .unzip();
+    Ok((out(logp, &[rows])?, out(lse, &[rows])?))
+}
+
+pub fn logsoftmax_gather_bwd(
+    dlogp: &Tensor,
+    logits: &Tensor,
+    lse: &Tensor,
+    targets: &[u32],
+) -> Result<Tensor> {
+    let (rows, v) = logits.rows_cols();
+    let (l, ls, dl) = (logits.as_cpu()?, lse.as_cpu()?, dlogp.as_cpu()?);
+    let mut d = vec![0f32; rows * v];
+    d.par_chunks_mut(v).enumerate().for_each(|(r, dr)| {
+        let t = targets[r];
+        if t == u32::MAX {
+            return;
+        }
+        let g = dl[r];
+        for (j, x) in dr.iter_mut().enumerate() {
+            *x = -g * (l[r * v + j] - ls[r]).exp();
+        }
+        dr[t as usize] += g;
+    });
+    out(d, logits.shape())
+}
+
+pub fn dropout(x: &Tensor, p: f32, seed: u64) -> Result<Tensor> {
+    let keep_scale = 1.0 / (1.0 - p);
+    let y: Vec<f32> = x
+        .as_cpu()?
+        .par_iter()
+        .enumerate()
+        .map(|(i, &v)| {
+            if super::dropout_keep(seed, i as u64, p) {
+                v * keep_scale
+            } else {
+                0.0
+            }
+        })
+        .collect();
+    out(y, x.shape())
+}
+
+pub fn sum_sq(x: &[f32]) -> f64 {
+    x.par_iter().map(|&v| v as f64 * v as f64).sum()
+}
+
+pub fn adamw_step(
+    param: &mut Tensor,
+    grad: &Tensor,
+    m: &mut Tensor,
+    v: &mut Tensor,
+    h: AdamW,
+) -> Result<()> {
+    let g = grad.as_cpu()?;
+    let (ms, vs) = (m.as_cpu_mut()?, v.as_cpu_mut()?);
+    let p = param.as_cpu_mut()?;
+    let bc1 = 1.0 - (h.beta1 as f64).powi(h.step as i32);
+    let bc2 = 1.0 - (h.beta2 as f64).powi(h.step as i32);
+    for i in 0..p.len() {
+        let gi = g[i] * h.grad_scale;
+        ms[i] = h.beta1 * ms[i] + (1.0 - h.beta1) * gi;
+        vs[i] = h.beta2 * vs[i] + (1.0 - h.beta2) * gi * gi;
+        let mhat = ms[i] as f64 / bc1;
+        let vhat = vs[i] as f64 / bc2;
+        p[i] *= 1.0 - h.lr * h.weight_decay;
+        p[i] -= (h.lr as f64 * mhat / (vhat.sqrt() + h.eps as f64)) as f32;
+    }
+    Ok(())
+}

@@ -1,0 +1,674 @@
+//! The tensor layer: a contiguous, row-major buffer with a shape and a dtype on one device, and the
+//! ops the model needs, each a plain function with a forward and (where training needs it) a
+//! backward that receives what the forward saved.
+//!
+//! Every op here dispatches on the device of its first operand: `cpu` holds the f32 reference
+//! implementation every CUDA kernel is tested against, `cuda` the GPU backend (bf16 storage, fp32
+//! accumulation). Transposes are GEMM flags, not views; reshapes are free because tensors are
+//! always contiguous.
+
+pub mod cpu;
+pub mod cuda;
+
+use anyhow::{bail, ensure, Result};
+use std::sync::Arc;
+
+/// Element type of a tensor's storage. CPU tensors are always `F32`; CUDA tensors hold
+/// activations and frozen weights in `BF16` and LoRA masters, optimiser state and statistics in
+/// `F32`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DType {
+    F32,
+    BF16,
+}
+
+impl DType {
+    pub fn size(self) -> usize {
+        match self {
+            DType::F32 => 4,
+            DType::BF16 => 2,
+        }
+    }
+}
+
+/// Where a tensor lives.
+#[derive(Clone)]
+pub enum Device {
+    Cpu,
+    Cuda(Arc<cuda::CudaBackend>),
+}
+
+impl Device {
+    pub fn is_cuda(&self) -> bool {
+        matches!(self, Device::Cuda(_))
+    }
+
+    /// Opens CUDA device `ordinal`; a clear error where no driver or GPU exists.
+    pub fn cuda(ordinal: usize) -> Result<Device> {
+        Ok(Device::Cuda(cuda::CudaBackend::new(ordinal)?))
+    }
+
+    /// Parses `cpu`, `cuda` or `cuda:N`.
+    pub fn parse(s: &str) -> Result<Device> {
+        match s {
+            "cpu" => Ok(Device::Cpu),
+            "cuda" | "gpu" => Device::cuda(0),
+            _ => match s.strip_prefix("cuda:").map(str::parse::<usize>) {
+                Some(Ok(n)) => Device::cuda(n),
+                _ => bail!("unknown device {s:?}: expected cpu, cuda or cuda:N"),
+            },
+        }
+    }
+
+    /// The dtype activations and frozen weights use on this device.
+    pub fn compute_dtype(&self) -> DType {
+        match self {
+            Device::Cpu => DType::F32,
+            Device::Cuda(_) => DType::BF16,
+        }
+    }
+
+    pub fn name(&self) -> String {
+        match self {
+            Device::Cpu => "cpu".into(),
+            Device::Cuda(c) => c.name(),
+        }
+    }
+
+    /// Live and peak bytes of device memory held by tensors (CUDA allocator counters); zero on
+    /// the CPU.
+    pub fn memory(&self) -> MemoryStats {
+        match self {
+            Device::Cpu => MemoryStats::default(),
+            Device::Cuda(c) => c.memory(),
+        }
+    }
+
+    pub fn reset_peak(&self) {
+        if let Device::Cuda(c) = self {
+            c.reset_peak()
+        }
+    }
+
+    /// Waits for queued device work (a host sync point; only at step or benchmark boundaries).
+    pub fn synchronize(&self) -> Result<()> {
+        match self {
+            Device::Cpu => Ok(()),
+            Device::Cuda(c) => c.synchronize(),
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, Default)]
+pub struct MemoryStats {
+    pub live_bytes: usize,
+    pub peak_bytes: usize,
+}
+
+pub enum Storage {
+    Cpu(Vec<f32>),
+    Cuda(cuda::CudaStorage),
+}
+
+/// A contiguous row-major tensor.
+pub struct Tensor {
+    shape: Vec<usize>,
+    dtype: DType,
+    device: Device,
+    storage: Storage,
+}
+
+impl std::fmt::Debug for Tensor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "Tensor({:?}, {:?}, {})",
+            self.shape,
+            self.dtype,
+            self.device.name()
+        )
+    }
+}
+
+impl Tensor {
+    pub fn from_parts(shape: Vec<usize>, dtype: DType, device: Device, storage: Storage) -> Tensor {
+        Tensor {
+            shape,
+            dtype,
+            device,
+            storage,
+        }
+    }
+
+    /// A CPU f32 tensor owning `data`.
+    pub fn cpu(data: Vec<f32>, shape: &[usize]) -> Result<Tensor> {
+        let n: usize = shape.iter().product();
+        ensure!(
+            data.len() == n,
+            "tensor data has {} elements but shape {shape:?} needs {n}",
+            data.len()
+        );
+        Ok(Tensor {
+            shape: shape.to_vec(),
+            dtype: DType::F32,
+            device: Device::Cpu,
+            storage: Storage::Cpu(data),
+        })
+    }
+
+    /// Places host f32 data on `device` in `dtype` (CPU tensors are always f32).
+    pub fn from_f32(
+        data: &[f32],
+        shape: &[usize],
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Tensor> {
+        let n: usize = shape.iter().product();
+        ensure!(
+            data.len() == n,
+            "tensor data has {} elements but shape {shape:?} needs {n}",
+            data.len()
+        );
+        match device {
+            Device::Cpu => Tensor::cpu(data.to_vec(), shape),
+            Device::Cuda(c) => c.upload(data, shape, dtype),
+        }
+    }
+
+    pub fn zeros(shape: &[usize], dtype: DType, device: &Device) -> Result<Tensor> {
+        match device {
+            Device::Cpu => Tensor::cpu(vec![0.0; shape.iter().product()], shape),
+            Device::Cuda(c) => c.zeros(shape, dtype),
+        }
+    }
+
+    pub fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+    pub fn storage(&self) -> &Storage {
+        &self.storage
+    }
+    pub fn storage_mut(&mut self) -> &mut Storage {
+        &mut self.storage
+    }
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+    /// Size of dimension `i` (negative counts from the end).
+    pub fn dim(&self, i: isize) -> usize {
+        let i = if i < 0 {
+            self.shape.len() as isize + i
+        } else {
+            i
+        };
+        self.shape[i as usize]
+    }
+    /// Rows and columns when viewed as a matrix whose columns are the last dimension.
+    pub fn rows_cols(&self) -> (usize, usize) {
+        let c = *self.shape.last().unwrap_or(&1);
+        (if c == 0 { 0 } else { self.numel() / c }, c)
+    }
+
+    /// Same data, new shape (free: tensors are contiguous).
+    pub fn reshape(mut self, shape: &[usize]) -> Result<Tensor> {
+        let n: usize = shape.iter().product();
+        ensure!(
+            n == self.numel(),
+            "cannot reshape {:?} to {shape:?}",
+            self.shape
+        );
+        self.shape = shape.to_vec();
+        Ok(self)
+    }
+
+    /// The CPU f32 data (errors on a device tensor: use `to_vec` to copy it back).
+    pub fn as_cpu(&self) -> Result<&[f32]> {
+        match &self.storage {
+            Storage::Cpu(v) => Ok(v),
+            Storage::Cuda(_) => bail!("tensor lives on {}, not the CPU", self.device.name()),
+        }
+    }
+    pub fn as_cpu_mut(&mut self) -> Result<&mut [f32]> {
+        match &mut self.storage {
+            Storage::Cpu(v) => Ok(v),
+            Storage::Cuda(_) => bail!("tensor is not on the CPU"),
+        }
+    }
+
+    /// Copies the values to the host as f32 (a sync point on CUDA).
+    pub fn to_vec(&self) -> Result<Vec<f32>> {
+        match &self.storage {
+            Storage::Cpu(v) => Ok(v.clone()),
+            Storage::Cuda(s) => s.download_f32(self.numel(), self.dtype),
+        }
+    }
+
+    pub fn try_clone(&self) -> Result<Tensor> {
+        match &self.device {
+            Device::Cpu => Tensor::cpu(self.as_cpu()?.to_vec(), &self.shape),
+            Device::Cuda(c) => c.copy(self),
+        }
+    }
+
+    /// Converts to `dtype` on the same device (a copy).
+    pub fn to_dtype(&self, dtype: DType) -> Result<Tensor> {
+        match &self.device {
+            Device::Cpu => self.try_clone(),
+            Device::Cuda(c) => c.cast(self, dtype),
+        }
+    }
+
+    pub fn to_device(&self, device: &Device, dtype: DType) -> Result<Tensor> {
+        match (&self.device, device) {
+            (Device::Cpu, Device::Cpu) => self.try_clone(),
+            _ => Tensor::from_f32(&self.to_vec()?, &self.shape, dtype, device),
+        }
+    }
+}
+
+fn same_device(a: &Tensor, b: &Tensor, op: &str) -> Result<()> {
+    ensure!(
+        std::mem::discriminant(&a.device) == std::mem::discriminant(&b.device),
+        "{op}: operands on different devices ({} and {})",
+        a.device.name(),
+        b.device.name()
+    );
+    Ok(())
+}
+
+// ------------------------------------------------------------------------------------------------
+// Attention masks
+
+/// Which keys each query may see: the union of two half-open key-index ranges per query, further
+/// cut by an optional sliding window over *logical* positions (key k is visible to query q only if
+/// `pos[q] - pos[k] < window`). Plain causal attention is `[0, q+1) ∪ ∅`; the prefix-shared layout
+/// [prompt P; chosen C; rejected R] gives a rejected query `[0, P) ∪ [P+C, q+1)`.
+#[derive(Clone, Debug)]
+pub struct AttnMask {
+    /// Per query: `[start0, end0, start1, end1]`.
+    pub ranges: Vec<[u32; 4]>,
+    /// Logical position of every token (also the RoPE positions).
+    pub positions: Vec<i32>,
+    pub window: Option<u32>,
+}
+
+impl AttnMask {
+    pub fn causal(t: usize) -> AttnMask {
+        AttnMask {
+            ranges: (0..t as u32).map(|q| [0, q + 1, 0, 0]).collect(),
+            positions: (0..t as i32).collect(),
+            window: None,
+        }
+    }
+
+    /// The prefix-shared layout `[prompt; chosen; rejected]`: both responses start at logical
+    /// position `p`, and rejected tokens never see chosen ones.
+    pub fn prefix_shared(p: usize, c: usize, r: usize) -> AttnMask {
+        let (p32, c32) = (p as u32, c as u32);
+        let mut ranges = Vec::with_capacity(p + c + r);
+        let mut positions = Vec::with_capacity(p + c + r);
+        for q in 0..(p + c) as u32 {
+            ranges.push([0, q + 1, 0, 0]);
+            positions.push(q as i32);
+        }
+        for k in 0..r as u32 {
+            let q = p32 + c32 + k;
+            ranges.push([0, p32, p32 + c32, q + 1]);
+            positions.push((p32 + k) as i32);
+        }
+        AttnMask {
+            ranges,
+            positions,
+            window: None,
+        }
+    }
+
+    pub fn with_window(mut self, window: Option<u32>) -> AttnMask {
+        self.window = window;
+        self
+    }
+
+    pub fn len(&self) -> usize {
+        self.ranges.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.ranges.is_empty()
+    }
+
+    /// Whether query `q` may attend to key `k`.
+    #[inline]
+    pub fn visible(&self, q: usize, k: usize) -> bool {
+        let [a0, a1, b0, b1] = self.ranges[q];
+        let k32 = k as u32;
+        let in_range = (k32 >= a0 && k32 < a1) || (k32 >= b0 && k32 < b1);
+        in_range
+            && match self.window {
+                Some(w) => (self.positions[q] - self.positions[k]) < w as i32,
+                None => true,
+            }
+    }
+}
+
+/// Attention geometry shared by the forward and backward.
+#[derive(Clone, Copy, Debug)]
+pub struct AttnShape {
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    pub scale: f32,
+}
+
+/// RoPE cos/sin tables for one sequence of positions: `[T, head_dim/2]` each, f32, built once per
+/// step and shared by every layer.
+pub struct RopeTable {
+    pub cos: Tensor,
+    pub sin: Tensor,
+    pub head_dim: usize,
+}
+
+impl RopeTable {
+    pub fn new(positions: &[i32], inv_freq: &[f32], device: &Device) -> Result<RopeTable> {
+        let half = inv_freq.len();
+        let mut cos = vec![0f32; positions.len() * half];
+        let mut sin = vec![0f32; positions.len() * half];
+        for (t, &p) in positions.iter().enumerate() {
+            for (i, &f) in inv_freq.iter().enumerate() {
+                // Angles in f64 so long positions keep their precision before the f32 cos/sin.
+                let a = p as f64 * f as f64;
+                cos[t * half + i] = a.cos() as f32;
+                sin[t * half + i] = a.sin() as f32;
+            }
+        }
+        let shape = [positions.len(), half];
+        Ok(RopeTable {
+            cos: Tensor::from_f32(&cos, &shape, DType::F32, device)?,
+            sin: Tensor::from_f32(&sin, &shape, DType::F32, device)?,
+            head_dim: 2 * half,
+        })
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Ops. Each dispatches to the CPU reference or the CUDA backend.
+
+macro_rules! dispatch {
+    ($dev:expr, $cpu:expr, $c:ident => $cuda:expr) => {
+        match $dev {
+            Device::Cpu => $cpu,
+            Device::Cuda($c) => $cuda,
+        }
+    };
+}
+
+/// `alpha * op(a) @ op(b)` where `op` transposes when the flag is set; a is `[M,K]` (or `[K,M]`),
+/// b is `[K,N]` (or `[N,K]`). Leading dims of `a` fold into M. Output dtype is `out_dtype`.
+pub fn matmul(
+    a: &Tensor,
+    ta: bool,
+    b: &Tensor,
+    tb: bool,
+    alpha: f32,
+    out_dtype: DType,
+) -> Result<Tensor> {
+    same_device(a, b, "matmul")?;
+    dispatch!(a.device(), cpu::matmul(a, ta, b, tb, alpha), c => c.matmul(a, ta, b, tb, alpha, out_dtype))
+}
+
+/// `c = beta * c + alpha * op(a) @ op(b)`, accumulating into an existing tensor.
+pub fn matmul_acc(
+    c: &mut Tensor,
+    a: &Tensor,
+    ta: bool,
+    b: &Tensor,
+    tb: bool,
+    alpha: f32,
+    beta: f32,
+) -> Result<()> {
+    same_device(a, b, "matmul_acc")?;
+    let dev = a.device().clone();
+    dispatch!(&dev, cpu::matmul_acc(c, a, ta, b, tb, alpha, beta), cu => cu.matmul_acc(c, a, ta, b, tb, alpha, beta))
+}
+
+/// Rows of `table` `[V,H]` picked by `ids` -> `[T,H]`.
+pub fn embedding(table: &Tensor, ids: &[u32]) -> Result<Tensor> {
+    let v = table.dim(0);
+    if let Some(bad) = ids.iter().find(|&&i| i as usize >= v) {
+        bail!("token id {bad} is outside the vocabulary of {v}");
+    }
+    dispatch!(table.device(), cpu::embedding(table, ids), c => c.embedding(table, ids))
+}
+
+/// Gradient of `embedding` with respect to the table: scatter-add of `dy` rows into `[V,H]`.
+pub fn embedding_bwd(dy: &Tensor, ids: &[u32], vocab: usize) -> Result<Tensor> {
+    dispatch!(dy.device(), cpu::embedding_bwd(dy, ids, vocab), c => c.embedding_bwd(dy, ids, vocab))
+}
+
+/// RMSNorm over the last dim: `y = x * rstd * w`, `rstd = 1/sqrt(mean(x²) + eps)`.
+/// Returns `(y, rstd)` with rstd f32 `[rows]`.
+pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f32) -> Result<(Tensor, Tensor)> {
+    ensure!(
+        x.dim(-1) == w.numel(),
+        "rms_norm: x {:?} vs weight {:?}",
+        x.shape(),
+        w.shape()
+    );
+    dispatch!(x.device(), cpu::rms_norm(x, w, eps), c => c.rms_norm(x, w, eps))
+}
+
+/// dx of RMSNorm (the weight is frozen).
+pub fn rms_norm_bwd(dy: &Tensor, x: &Tensor, w: &Tensor, rstd: &Tensor) -> Result<Tensor> {
+    dispatch!(x.device(), cpu::rms_norm_bwd(dy, x, w, rstd), c => c.rms_norm_bwd(dy, x, w, rstd))
+}
+
+/// Rotary embedding (Hugging Face's rotate-half layout) of `x` `[T, n_heads*head_dim]`.
+/// `inverse` applies the transposed rotation, which is the backward.
+pub fn rope(x: &Tensor, table: &RopeTable, n_heads: usize, inverse: bool) -> Result<Tensor> {
+    ensure!(
+        x.dim(-1) == n_heads * table.head_dim,
+        "rope: x {:?} vs {n_heads} heads of {}",
+        x.shape(),
+        table.head_dim
+    );
+    ensure!(
+        x.dim(0) == table.cos.dim(0),
+        "rope: {} tokens vs a table of {}",
+        x.dim(0),
+        table.cos.dim(0)
+    );
+    dispatch!(x.device(), cpu::rope(x, table, n_heads, inverse), c => c.rope(x, table, n_heads, inverse))
+}
+
+/// Scaled dot-product attention with GQA and a per-query visibility mask. q `[T, nh*hd]`,
+/// k and v `[T, nkv*hd]`. Returns `(o [T, nh*hd], lse [nh, T] f32)`.
+pub fn attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: &AttnMask,
+    s: AttnShape,
+) -> Result<(Tensor, Tensor)> {
+    ensure!(
+        q.dim(0) == mask.len() && k.dim(0) == mask.len(),
+        "attention: mask covers {} tokens, q has {}",
+        mask.len(),
+        q.dim(0)
+    );
+    ensure!(
+        s.n_heads % s.n_kv_heads == 0,
+        "attention: {} heads not a multiple of {} kv heads",
+        s.n_heads,
+        s.n_kv_heads
+    );
+    dispatch!(q.device(), cpu::attention(q, k, v, mask, s), c => c.attention(q, k, v, mask, s))
+}
+
+/// Backward of `attention`: `(dq, dk, dv)` from `do`, recomputing probabilities from `lse`.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_bwd(
+    d_o: &Tensor,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    o: &Tensor,
+    lse: &Tensor,
+    mask: &AttnMask,
+    s: AttnShape,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    dispatch!(q.device(), cpu::attention_bwd(d_o, q, k, v, o, lse, mask, s), c => c.attention_bwd(d_o, q, k, v, o, lse, mask, s))
+}
+
+/// The gated MLP activation: `silu(gate) * up`.
+pub fn silu_mul(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+    ensure!(
+        gate.shape() == up.shape(),
+        "silu_mul: {:?} vs {:?}",
+        gate.shape(),
+        up.shape()
+    );
+    dispatch!(gate.device(), cpu::silu_mul(gate, up), c => c.silu_mul(gate, up))
+}
+
+/// Backward of `silu_mul`: `(dgate, dup)`.
+pub fn silu_mul_bwd(dh: &Tensor, gate: &Tensor, up: &Tensor) -> Result<(Tensor, Tensor)> {
+    dispatch!(gate.device(), cpu::silu_mul_bwd(dh, gate, up), c => c.silu_mul_bwd(dh, gate, up))
+}
+
+/// `a += alpha * b` (residual adds and gradient accumulation; b may be f32 or a's dtype).
+pub fn add_assign(a: &mut Tensor, b: &Tensor, alpha: f32) -> Result<()> {
+    ensure!(
+        a.numel() == b.numel(),
+        "add: {:?} vs {:?}",
+        a.shape(),
+        b.shape()
+    );
+    let dev = a.device().clone();
+    dispatch!(&dev, cpu::add_assign(a, b, alpha), c => c.add_assign(a, b, alpha))
+}
+
+/// `x[t, :] += bias` for every row (Qwen2's q/k/v bias).
+pub fn add_bias(x: &mut Tensor, bias: &Tensor) -> Result<()> {
+    ensure!(
+        x.dim(-1) == bias.numel(),
+        "add_bias: {:?} vs {:?}",
+        x.shape(),
+        bias.shape()
+    );
+    let dev = x.device().clone();
+    dispatch!(&dev, cpu::add_bias(x, bias), c => c.add_bias(x, bias))
+}
+
+/// `x * scale` in place.
+pub fn scale(x: &mut Tensor, s: f32) -> Result<()> {
+    let dev = x.device().clone();
+    dispatch!(&dev, cpu::scale(x, s), c => c.scale(x, s))
+}
+
+/// Rows `[start, end)` of a tensor viewed as a matrix (a copy).
+pub fn slice_rows(x: &Tensor, start: usize, end: usize) -> Result<Tensor> {
+    let (r, _) = x.rows_cols();
+    ensure!(
+        start <= end && end <= r,
+        "slice_rows {start}..{end} of {r} rows"
+    );
+    dispatch!(x.device(), cpu::slice_rows(x, start, end), c => c.slice_rows(x, start, end))
+}
+
+/// `out[i] = x[idx[i]]` over rows.
+pub fn gather_rows(x: &Tensor, idx: &[u32]) -> Result<Tensor> {
+    let (r, _) = x.rows_cols();
+    ensure!(
+        idx.iter().all(|&i| (i as usize) < r),
+        "gather_rows: index out of {r} rows"
+    );
+    dispatch!(x.device(), cpu::gather_rows(x, idx), c => c.gather_rows(x, idx))
+}
+
+/// `dst[idx[i]] += src[i]` over rows (the backward of `gather_rows`; indices may repeat).
+pub fn scatter_add_rows(dst: &mut Tensor, idx: &[u32], src: &Tensor) -> Result<()> {
+    let (r, _) = dst.rows_cols();
+    ensure!(
+        idx.iter().all(|&i| (i as usize) < r),
+        "scatter_add_rows: index out of {r} rows"
+    );
+    let dev = dst.device().clone();
+    dispatch!(&dev, cpu::scatter_add_rows(dst, idx, src), c => c.scatter_add_rows(dst, idx, src))
+}
+
+/// Row-wise log-softmax gathered at `targets`: returns `(logp [T], lse [T])`, both f32. Rows whose
+/// target is `u32::MAX` give logp 0 (ignored positions).
+pub fn logsoftmax_gather(logits: &Tensor, targets: &[u32]) -> Result<(Tensor, Tensor)> {
+    ensure!(
+        logits.rows_cols().0 == targets.len(),
+        "logsoftmax_gather: {} rows vs {} targets",
+        logits.rows_cols().0,
+        targets.len()
+    );
+    dispatch!(logits.device(), cpu::logsoftmax_gather(logits, targets), c => c.logsoftmax_gather(logits, targets))
+}
+
+/// Backward of `logsoftmax_gather`: `dlogits = dlogp * (onehot(target) - softmax)`.
+pub fn logsoftmax_gather_bwd(
+    dlogp: &Tensor,
+    logits: &Tensor,
+    lse: &Tensor,
+    targets: &[u32],
+) -> Result<Tensor> {
+    dispatch!(logits.device(), cpu::logsoftmax_gather_bwd(dlogp, logits, lse, targets), c => c.logsoftmax_gather_bwd(dlogp, logits, lse, targets))
+}
+
+/// LoRA-input dropout with a mask that is a pure function of `(seed, element index)`, so that a
+/// recomputation replays it: kept elements are scaled by `1/(1-p)`. The backward is the same call
+/// on the upstream gradient.
+pub fn dropout(x: &Tensor, p: f32, seed: u64) -> Result<Tensor> {
+    dispatch!(x.device(), cpu::dropout(x, p, seed), c => c.dropout(x, p, seed))
+}
+
+/// Sum of squares of all elements (f64 on the host; a sync point on CUDA).
+pub fn sum_sq(x: &Tensor) -> Result<f64> {
+    dispatch!(x.device(), Ok(cpu::sum_sq(x.as_cpu()?)), c => c.sum_sq(x))
+}
+
+/// Hyperparameters of one AdamW update.
+#[derive(Clone, Copy, Debug)]
+pub struct AdamW {
+    pub lr: f32,
+    pub beta1: f32,
+    pub beta2: f32,
+    pub eps: f32,
+    pub weight_decay: f32,
+    /// 1-based step count for bias correction.
+    pub step: u64,
+    /// Gradient multiplier applied before the update (clipping and accumulation averaging).
+    pub grad_scale: f32,
+}
+
+/// Decoupled-weight-decay Adam on f32 parameters, in place.
+pub fn adamw_step(
+    param: &mut Tensor,
+    grad: &Tensor,
+    m: &mut Tensor,
+    v: &mut Tensor,
+    h: AdamW,
+) -> Result<()> {
+    let dev = param.device().clone();
+    dispatch!(&dev, cpu::adamw_step(param, grad, m, v, h), c => c.adamw_step(param, grad, m, v, h))
+}
+
+/// The dropout keep-decision shared bit-for-bit by the CPU and CUDA backends.
+#[inline]
+pub fn dropout_keep(seed: u64, index: u64, p: f32) -> bool {
+    let mut h = seed ^ index.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    h ^= h >> 33;
+    h = h.wrapping_mul(0xFF51_AFD7_ED55_8CCD);
+    h ^= h >> 33;
+    h = h.wrapping_mul(0xC4CE_B9FE_1A85_EC53);
+    h ^= h >> 33;
+    // Top 24 bits as a uniform in [0, 1).
+    ((h >> 40) as f32) * (1.0 / 16_777_216.0) >= p
+}
