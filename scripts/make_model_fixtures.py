@@ -274,6 +274,120 @@ def reload_and_forward(fam, d, input_ids):
 
 
 # --------------------------------------------------------------------------------------
+# Independent "spec" forward: re-implements the math from the files on disk only
+# (config.json, model.safetensors, adapter/*), without transformers/peft. It documents
+# the exact semantics the Rust implementation must follow and is checked against the
+# reference logits/hidden.
+# --------------------------------------------------------------------------------------
+
+
+def spec_inv_freq(cfg):
+    rp = cfg.get("rope_parameters") or {}
+    if not rp:  # transformers v4 style
+        rp = dict(cfg.get("rope_scaling") or {})
+        rp.setdefault("rope_type", rp.get("type", "default"))
+        rp["rope_theta"] = cfg.get("rope_theta", 10000.0)
+    hd = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    base = rp["rope_theta"]
+    inv = 1.0 / (base ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
+    t = rp.get("rope_type", "default")
+    if t == "linear":
+        inv = inv / rp["factor"]
+    elif t == "llama3":
+        f, lo, hi = rp["factor"], rp["low_freq_factor"], rp["high_freq_factor"]
+        old = rp.get("original_max_position_embeddings", cfg["max_position_embeddings"])
+        lo_wl, hi_wl = old / lo, old / hi
+        wl = 2 * math.pi / inv
+        out = torch.where(wl > lo_wl, inv / f, inv)
+        smooth = (old / wl - lo) / (hi - lo)
+        smoothed = (1 - smooth) * out / f + smooth * out
+        medium = (wl >= hi_wl) & (wl <= lo_wl)
+        inv = torch.where(medium, smoothed, out)
+    else:
+        assert t == "default", t
+    return inv
+
+
+@torch.no_grad()
+def spec_forward(d, input_ids):
+    with open(os.path.join(d, "config.json")) as f:
+        cfg = json.load(f)
+    with open(os.path.join(d, "adapter", "adapter_config.json")) as f:
+        acfg = json.load(f)
+    W = load_file(os.path.join(d, "model.safetensors"))
+    A = load_file(os.path.join(d, "adapter", "adapter_model.safetensors"))
+    H, nh, nkv = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    hd = cfg.get("head_dim") or H // nh
+    eps = cfg["rms_norm_eps"]
+    mt = cfg["model_type"]
+    window = None
+    if mt == "mistral":
+        window = cfg.get("sliding_window")
+    elif mt in ("qwen2", "qwen3"):
+        # sliding only if use_sliding_window and layer_types says so (not the case here)
+        assert all(t == "full_attention" for t in cfg["layer_types"])
+
+    def rms(x, w):
+        return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+    def lin(x, prefix):
+        y = x @ W[prefix + ".weight"].T
+        if prefix + ".bias" in W:
+            y = y + W[prefix + ".bias"]
+        ka = f"base_model.model.{prefix}.lora_A.weight"
+        if ka in A:
+            a, b = A[ka], A[f"base_model.model.{prefix}.lora_B.weight"]
+            r = a.shape[0]
+            alpha = acfg["lora_alpha"]  # (alpha_pattern is empty in these fixtures)
+            assert not acfg.get("alpha_pattern")
+            scale = alpha / math.sqrt(r) if acfg.get("use_rslora") else alpha / r
+            y = y + (x @ a.T) @ b.T * scale
+        return y
+
+    Tn = input_ids.shape[0]
+    inv = spec_inv_freq(cfg)
+    ang = torch.arange(Tn).float()[:, None] * inv[None, :]
+    emb = torch.cat([ang, ang], -1)
+    cos, sin = emb.cos()[:, None, :], emb.sin()[:, None, :]  # [T,1,hd]
+
+    def rope(x):  # x [T, heads, hd]; rotate_half convention (not interleaved)
+        x1, x2 = x[..., : hd // 2], x[..., hd // 2 :]
+        return x * cos + torch.cat([-x2, x1], -1) * sin
+
+    i = torch.arange(Tn)[:, None]
+    j = torch.arange(Tn)[None, :]
+    allowed = j <= i
+    if window is not None:
+        allowed = allowed & (j > i - window)  # query i sees keys i-window+1 ..= i
+
+    x = W["model.embed_tokens.weight"][input_ids]
+    for l in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{l}"
+        n = rms(x, W[f"{p}.input_layernorm.weight"])
+        q = lin(n, f"{p}.self_attn.q_proj").view(Tn, nh, hd)
+        k = lin(n, f"{p}.self_attn.k_proj").view(Tn, nkv, hd)
+        v = lin(n, f"{p}.self_attn.v_proj").view(Tn, nkv, hd)
+        if f"{p}.self_attn.q_norm.weight" in W:  # qwen3: per-head RMSNorm over head_dim, before RoPE
+            q = rms(q, W[f"{p}.self_attn.q_norm.weight"])
+            k = rms(k, W[f"{p}.self_attn.k_norm.weight"])
+        q, k = rope(q), rope(k)
+        rep = nh // nkv  # query head h uses kv head h // rep
+        k = k.repeat_interleave(rep, dim=1)
+        v = v.repeat_interleave(rep, dim=1)
+        s = torch.einsum("ihd,jhd->hij", q, k) * hd**-0.5
+        s = s.masked_fill(~allowed[None], float("-inf"))
+        o = torch.einsum("hij,jhd->ihd", s.softmax(-1), v).reshape(Tn, nh * hd)
+        x = x + lin(o, f"{p}.self_attn.o_proj")
+        n = rms(x, W[f"{p}.post_attention_layernorm.weight"])
+        g = lin(n, f"{p}.mlp.gate_proj")
+        u = lin(n, f"{p}.mlp.up_proj")
+        x = x + lin(torch.nn.functional.silu(g) * u, f"{p}.mlp.down_proj")
+    hidden = rms(x, W["model.norm.weight"])
+    lm = W["model.embed_tokens.weight"] if cfg.get("tie_word_embeddings") else W["lm_head.weight"]
+    return hidden @ lm.T, hidden, inv
+
+
+# --------------------------------------------------------------------------------------
 # Main per-family generation
 # --------------------------------------------------------------------------------------
 
@@ -378,6 +492,16 @@ def generate(name, fam, out_root):
     if os.path.exists(os.path.join(adir, "README.md")):
         os.remove(os.path.join(adir, "README.md"))
 
+    # PEFT stores target_modules from a Python set, so its order depends on the hash seed;
+    # sort it so the fixture is reproducible byte-for-byte (semantics unchanged).
+    acfg_path = os.path.join(adir, "adapter_config.json")
+    with open(acfg_path) as f:
+        acfg = json.load(f)
+    if isinstance(acfg.get("target_modules"), list):
+        acfg["target_modules"] = sorted(acfg["target_modules"])
+    with open(acfg_path, "w") as f:
+        f.write(json.dumps(acfg, indent=2, sort_keys=True))
+
     # print scalings
     scalings = {}
     for n, m in pm.named_modules():
@@ -433,12 +557,19 @@ def generate(name, fam, out_root):
         ref[f"grad_logits.{k}"] = v
     for k, v in g_hidden.items():
         ref[f"grad_hidden.{k}"] = v
+    # One metadata key (a JSON string) so the file is byte-for-byte reproducible
+    # (safetensors does not preserve metadata key order).
     meta = {
-        "family": name,
-        "T": str(T),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "peft": peft.__version__,
+        "info": json.dumps(
+            {
+                "family": name,
+                "T": T,
+                "torch": torch.__version__,
+                "transformers": transformers.__version__,
+                "peft": peft.__version__,
+            },
+            sort_keys=True,
+        )
     }
     save_file(ref, os.path.join(d, "reference.safetensors"), metadata=meta)
 
@@ -447,6 +578,14 @@ def generate(name, fam, out_root):
     rdiff = (reload_logits - logits).abs().max().item()
     assert rdiff < 1e-5, f"reloaded model+adapter logits differ by {rdiff}"
     print(f"  reload from disk: max|logits diff| = {rdiff:.2e}")
+
+    # ---- independent spec forward from the files on disk ----
+    s_logits, s_hidden, s_inv = spec_forward(d, input_ids)
+    sd_l = (s_logits - logits).abs().max().item()
+    sd_h = (s_hidden - hidden).abs().max().item()
+    sd_f = (s_inv - ref["rope_inv_freq"]).abs().max().item()
+    print(f"  spec forward: max|dlogits| = {sd_l:.2e}  max|dhidden| = {sd_h:.2e}  max|dinv_freq| = {sd_f:.2e}")
+    assert sd_l < 1e-4 and sd_h < 1e-4 and sd_f < 1e-7, (sd_l, sd_h, sd_f)
 
     # ---- report ----
     print(f"  max|logits| = {logits.abs().max().item():.4f}  std(logits) = {logits.std().item():.4f}")

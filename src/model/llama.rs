@@ -1,0 +1,412 @@
+//! The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM): one decoder layer's forward and
+//! its hand-written backward, and the whole-model passes built from them.
+//!
+//! Read `layer_forward` and `layer_backward` side by side: the backward is the forward's op list
+//! in reverse. Frozen weights get no gradient; the backward yields d(input) and accumulates the
+//! LoRA gradients dA, dB into the adapters. Shapes: T tokens, H hidden, I intermediate,
+//! nh/nkv heads of hd dims.
+
+use super::config::ModelSpec;
+use super::lora::{Lora, LoraPair, Target};
+use super::weights::{ModelWeights, Weight};
+use crate::tensor::{self as ops, AttnMask, AttnShape, DType, Device, RopeTable, Tensor};
+use anyhow::Result;
+
+/// Per-pass context shared by every layer.
+pub struct PassCtx<'a> {
+    pub mask: &'a AttnMask,
+    pub rope: &'a RopeTable,
+    /// LoRA-input dropout `(p, step seed)`; the mask is keyed by (step seed, layer, target) so a
+    /// recomputation replays it.
+    pub dropout: Option<(f32, u64)>,
+}
+
+impl PassCtx<'_> {
+    fn dropout_for(&self, layer: usize, t: Target) -> Option<(f32, u64)> {
+        self.dropout.filter(|(p, _)| *p > 0.0).map(|(p, seed)| {
+            let key = (layer as u64) * 8 + t.index() as u64;
+            (p, seed ^ key.wrapping_mul(0xD6E8_FEB8_6659_FD93))
+        })
+    }
+}
+
+/// What a LoRA-carrying projection keeps for its backward: `xa = dropout(x) Aᵀ`, `(T, r)`.
+pub struct LoraSaved {
+    xa: Tensor,
+}
+
+/// What one layer's forward keeps for its backward.
+pub struct LayerActs {
+    x: Tensor,              // (T, H) layer input
+    xn: Tensor,             // (T, H) after the attention norm
+    rstd1: Tensor,          // (T)
+    q_pre: Option<Tensor>,  // (T*nh, hd) q before its per-head norm (Qwen3)
+    q_rstd: Option<Tensor>, // (T*nh)
+    k_pre: Option<Tensor>,  // (T*nkv, hd)
+    k_rstd: Option<Tensor>, // (T*nkv)
+    q: Tensor,              // (T, nh*hd) after RoPE
+    k: Tensor,              // (T, nkv*hd) after RoPE
+    v: Tensor,              // (T, nkv*hd)
+    attn: Tensor,           // (T, nh*hd) attention output
+    lse: Tensor,            // (nh, T) f32
+    x1: Tensor,             // (T, H) after the attention residual
+    xn2: Tensor,            // (T, H) after the MLP norm
+    rstd2: Tensor,          // (T)
+    gate: Tensor,           // (T, I)
+    up: Tensor,             // (T, I)
+    act: Tensor,            // (T, I) silu(gate) * up
+    lora: [Option<LoraSaved>; 7],
+}
+
+/// A loaded model: spec, frozen weights, and its device.
+pub struct Model {
+    pub spec: ModelSpec,
+    pub weights: ModelWeights,
+    pub device: Device,
+    pub inv_freq: Vec<f32>,
+}
+
+/// `y = x Wᵀ (+ scale · dropout(x) Aᵀ Bᵀ)`.
+fn linear_fwd(
+    x: &Tensor,
+    w: &Weight,
+    lora: Option<&LoraPair>,
+    dropout: Option<(f32, u64)>,
+) -> Result<(Tensor, Option<LoraSaved>)> {
+    let dt = x.dtype();
+    let mut y = ops::matmul(x, false, &*w.dense()?, true, 1.0, dt)?;
+    let Some(p) = lora else { return Ok((y, None)) };
+    let xa = match dropout {
+        Some((prob, seed)) => {
+            ops::matmul(&ops::dropout(x, prob, seed)?, false, p.a(), true, 1.0, dt)?
+        }
+        None => ops::matmul(x, false, p.a(), true, 1.0, dt)?,
+    };
+    ops::matmul_acc(&mut y, &xa, false, p.b(), true, p.scale, 1.0)?;
+    Ok((y, Some(LoraSaved { xa })))
+}
+
+/// Backward of `linear_fwd`: returns dx and accumulates dA, dB.
+///   dB += s · dyᵀ xa        dxa = s · dy B
+///   dA += dxaᵀ dropout(x)   dx  = dy W + dropout(dxa A)
+fn linear_bwd(
+    dy: &Tensor,
+    x: &Tensor,
+    w: &Weight,
+    lora: Option<&mut LoraPair>,
+    saved: Option<&LoraSaved>,
+    dropout: Option<(f32, u64)>,
+) -> Result<Tensor> {
+    let dt = dy.dtype();
+    let mut dx = ops::matmul(dy, false, &*w.dense()?, false, 1.0, dt)?;
+    let (Some(p), Some(saved)) = (lora, saved) else {
+        return Ok(dx);
+    };
+    ops::matmul_acc(&mut p.grad_b, dy, true, &saved.xa, false, p.scale, 1.0)?;
+    let dxa = ops::matmul(dy, false, p.b(), false, p.scale, dt)?;
+    let dx_lora = ops::matmul(&dxa, false, p.a(), false, 1.0, dt)?;
+    match dropout {
+        Some((prob, seed)) => {
+            ops::matmul_acc(
+                &mut p.grad_a,
+                &dxa,
+                true,
+                &ops::dropout(x, prob, seed)?,
+                false,
+                1.0,
+                1.0,
+            )?;
+            ops::add_assign(&mut dx, &ops::dropout(&dx_lora, prob, seed)?, 1.0)?;
+        }
+        None => {
+            ops::matmul_acc(&mut p.grad_a, &dxa, true, x, false, 1.0, 1.0)?;
+            ops::add_assign(&mut dx, &dx_lora, 1.0)?;
+        }
+    }
+    Ok(dx)
+}
+
+impl Model {
+    pub fn new(spec: ModelSpec, weights: ModelWeights, device: Device) -> Model {
+        let inv_freq = spec.inv_freq();
+        Model {
+            spec,
+            weights,
+            device,
+            inv_freq,
+        }
+    }
+
+    fn attn_shape(&self) -> AttnShape {
+        let s = &self.spec;
+        AttnShape {
+            n_heads: s.n_heads,
+            n_kv_heads: s.n_kv_heads,
+            head_dim: s.head_dim,
+            scale: 1.0 / (s.head_dim as f32).sqrt(),
+        }
+    }
+
+    /// The attention mask of a plain causal sequence with this model's sliding window.
+    pub fn causal_mask(&self, t: usize) -> AttnMask {
+        AttnMask::causal(t).with_window(self.spec.sliding_window.map(|w| w as u32))
+    }
+
+    pub fn rope_table(&self, positions: &[i32]) -> Result<RopeTable> {
+        RopeTable::new(positions, &self.inv_freq, &self.device)
+    }
+
+    /// Token embeddings `(T, H)` in the compute dtype.
+    pub fn embed(&self, ids: &[u32]) -> Result<Tensor> {
+        ops::embedding(&*self.weights.embed.dense()?, ids)
+    }
+
+    /// One decoder layer: returns the layer output and what its backward needs.
+    pub fn layer_forward(
+        &self,
+        l: usize,
+        x: Tensor,
+        lora: Option<&Lora>,
+        ctx: &PassCtx,
+    ) -> Result<(Tensor, LayerActs)> {
+        let s = &self.spec;
+        let w = &self.weights.layers[l];
+        let t = x.dim(0);
+        let pair = |tg: Target| lora.and_then(|lo| lo.get(l, tg));
+        let mut saved: [Option<LoraSaved>; 7] = Default::default();
+        let mut lin = |inp: &Tensor, wt: &Weight, tg: Target| -> Result<Tensor> {
+            let (y, sv) = linear_fwd(inp, wt, pair(tg), ctx.dropout_for(l, tg))?;
+            saved[tg.index()] = sv;
+            Ok(y)
+        };
+
+        let (xn, rstd1) = ops::rms_norm(&x, &w.attn_norm, s.rms_eps)?;
+        let mut q = lin(&xn, &w.q, Target::Q)?;
+        let mut k = lin(&xn, &w.k, Target::K)?;
+        let mut v = lin(&xn, &w.v, Target::V)?;
+        if let (Some(qb), Some(kb), Some(vb)) = (&w.q_bias, &w.k_bias, &w.v_bias) {
+            ops::add_bias(&mut q, qb)?;
+            ops::add_bias(&mut k, kb)?;
+            ops::add_bias(&mut v, vb)?;
+        }
+        let (mut q_pre, mut q_rstd, mut k_pre, mut k_rstd) = (None, None, None, None);
+        if let (Some(qn), Some(kn)) = (&w.q_norm, &w.k_norm) {
+            let qp = q.reshape(&[t * s.n_heads, s.head_dim])?;
+            let kp = k.reshape(&[t * s.n_kv_heads, s.head_dim])?;
+            let (qy, qr) = ops::rms_norm(&qp, qn, s.rms_eps)?;
+            let (ky, kr) = ops::rms_norm(&kp, kn, s.rms_eps)?;
+            q = qy.reshape(&[t, s.q_dim()])?;
+            k = ky.reshape(&[t, s.kv_dim()])?;
+            (q_pre, q_rstd, k_pre, k_rstd) = (Some(qp), Some(qr), Some(kp), Some(kr));
+        }
+        let q = ops::rope(&q, ctx.rope, s.n_heads, false)?;
+        let k = ops::rope(&k, ctx.rope, s.n_kv_heads, false)?;
+        let (attn, lse) = ops::attention(&q, &k, &v, ctx.mask, self.attn_shape())?;
+        let mut x1 = lin(&attn, &w.o, Target::O)?;
+        ops::add_assign(&mut x1, &x, 1.0)?;
+
+        let (xn2, rstd2) = ops::rms_norm(&x1, &w.mlp_norm, s.rms_eps)?;
+        let gate = lin(&xn2, &w.gate, Target::Gate)?;
+        let up = lin(&xn2, &w.up, Target::Up)?;
+        let act = ops::silu_mul(&gate, &up)?;
+        let mut out = lin(&act, &w.down, Target::Down)?;
+        ops::add_assign(&mut out, &x1, 1.0)?;
+        let acts = LayerActs {
+            x,
+            xn,
+            rstd1,
+            q_pre,
+            q_rstd,
+            k_pre,
+            k_rstd,
+            q,
+            k,
+            v,
+            attn,
+            lse,
+            x1,
+            xn2,
+            rstd2,
+            gate,
+            up,
+            act,
+            lora: saved,
+        };
+        Ok((out, acts))
+    }
+
+    /// Backward of `layer_forward`: d(layer input) from d(layer output); LoRA grads accumulate.
+    pub fn layer_backward(
+        &self,
+        l: usize,
+        d_out: &Tensor,
+        a: &LayerActs,
+        mut lora: Option<&mut Lora>,
+        ctx: &PassCtx,
+    ) -> Result<Tensor> {
+        let s = &self.spec;
+        let w = &self.weights.layers[l];
+        let t = d_out.dim(0);
+        let mut lin_bwd = |dy: &Tensor, inp: &Tensor, wt: &Weight, tg: Target| -> Result<Tensor> {
+            let pair = lora.as_deref_mut().and_then(|lo| lo.get_mut(l, tg));
+            linear_bwd(
+                dy,
+                inp,
+                wt,
+                pair,
+                a.lora[tg.index()].as_ref(),
+                ctx.dropout_for(l, tg),
+            )
+        };
+
+        // MLP: out = x1 + down(silu(gate(xn2)) * up(xn2))
+        let d_act = lin_bwd(d_out, &a.act, &w.down, Target::Down)?;
+        let (d_gate, d_up) = ops::silu_mul_bwd(&d_act, &a.gate, &a.up)?;
+        let mut d_xn2 = lin_bwd(&d_gate, &a.xn2, &w.gate, Target::Gate)?;
+        ops::add_assign(&mut d_xn2, &lin_bwd(&d_up, &a.xn2, &w.up, Target::Up)?, 1.0)?;
+        let mut d_x1 = ops::rms_norm_bwd(&d_xn2, &a.x1, &w.mlp_norm, &a.rstd2)?;
+        ops::add_assign(&mut d_x1, d_out, 1.0)?;
+
+        // Attention: x1 = x + o(attention(rope(q), rope(k), v))
+        let d_attn = lin_bwd(&d_x1, &a.attn, &w.o, Target::O)?;
+        let (dq, dk, dv) = ops::attention_bwd(
+            &d_attn,
+            &a.q,
+            &a.k,
+            &a.v,
+            &a.attn,
+            &a.lse,
+            ctx.mask,
+            self.attn_shape(),
+        )?;
+        let mut dq = ops::rope(&dq, ctx.rope, s.n_heads, true)?;
+        let mut dk = ops::rope(&dk, ctx.rope, s.n_kv_heads, true)?;
+        if let (Some(qn), Some(kn)) = (&w.q_norm, &w.k_norm) {
+            let dqp = dq.reshape(&[t * s.n_heads, s.head_dim])?;
+            let dkp = dk.reshape(&[t * s.n_kv_heads, s.head_dim])?;
+            dq = ops::rms_norm_bwd(
+                &dqp,
+                a.q_pre.as_ref().unwrap(),
+                qn,
+                a.q_rstd.as_ref().unwrap(),
+            )?
+            .reshape(&[t, s.q_dim()])?;
+            dk = ops::rms_norm_bwd(
+                &dkp,
+                a.k_pre.as_ref().unwrap(),
+                kn,
+                a.k_rstd.as_ref().unwrap(),
+            )?
+            .reshape(&[t, s.kv_dim()])?;
+        }
+        let mut d_xn = lin_bwd(&dq, &a.xn, &w.q, Target::Q)?;
+        ops::add_assign(&mut d_xn, &lin_bwd(&dk, &a.xn, &w.k, Target::K)?, 1.0)?;
+        ops::add_assign(&mut d_xn, &lin_bwd(&dv, &a.xn, &w.v, Target::V)?, 1.0)?;
+        let mut dx = ops::rms_norm_bwd(&d_xn, &a.x, &w.attn_norm, &a.rstd1)?;
+        ops::add_assign(&mut dx, &d_x1, 1.0)?;
+        Ok(dx)
+    }
+
+    /// Forward through all layers and the final norm. Keeps what the backward needs according to
+    /// `segment_size`: 0 keeps every layer's activations; s > 0 keeps only the input of every s-th
+    /// layer and recomputes a segment at a time in the backward.
+    pub fn forward(
+        &self,
+        ids: &[u32],
+        lora: Option<&Lora>,
+        ctx: &PassCtx,
+        segment_size: usize,
+    ) -> Result<(Tensor, ForwardState)> {
+        let mut x = self.embed(ids)?;
+        let mut acts = Vec::new();
+        let mut boundaries = Vec::new();
+        for l in 0..self.spec.n_layers {
+            if segment_size > 0 && l % segment_size == 0 {
+                boundaries.push((l, x.try_clone()?));
+            }
+            let (y, a) = self.layer_forward(l, x, lora, ctx)?;
+            if segment_size == 0 {
+                acts.push(a);
+            }
+            x = y;
+        }
+        let (h, rstd) = ops::rms_norm(&x, &self.weights.norm, self.spec.rms_eps)?;
+        Ok((
+            h,
+            ForwardState {
+                acts,
+                boundaries,
+                last: x,
+                rstd,
+                segment_size,
+            },
+        ))
+    }
+
+    /// Backward from d(final hidden) to every LoRA gradient. Returns d(embeddings) for tests.
+    pub fn backward(
+        &self,
+        d_hidden: &Tensor,
+        state: ForwardState,
+        mut lora: Option<&mut Lora>,
+        ctx: &PassCtx,
+    ) -> Result<Tensor> {
+        let mut d = ops::rms_norm_bwd(d_hidden, &state.last, &self.weights.norm, &state.rstd)?;
+        drop(state.last);
+        if state.segment_size == 0 {
+            for (l, a) in state.acts.iter().enumerate().rev() {
+                d = self.layer_backward(l, &d, a, lora.as_deref_mut(), ctx)?;
+            }
+            return Ok(d);
+        }
+        let n = self.spec.n_layers;
+        for (start, x) in state.boundaries.into_iter().rev() {
+            let end = (start + state.segment_size).min(n);
+            // Recompute this segment's activations from its boundary; only one segment is live.
+            let mut seg = Vec::with_capacity(end - start);
+            let mut x = x;
+            for l in start..end {
+                let (y, a) = self.layer_forward(l, x, lora.as_deref(), ctx)?;
+                seg.push(a);
+                x = y;
+            }
+            drop(x);
+            for (i, a) in seg.iter().enumerate().rev() {
+                d = self.layer_backward(start + i, &d, a, lora.as_deref_mut(), ctx)?;
+            }
+        }
+        Ok(d)
+    }
+
+    /// Logits `(T, V)` from final hidden states.
+    pub fn logits(&self, hidden: &Tensor, out_dtype: DType) -> Result<Tensor> {
+        ops::matmul(
+            hidden,
+            false,
+            &*self.weights.head().dense()?,
+            true,
+            1.0,
+            out_dtype,
+        )
+    }
+
+    /// d(hidden) from d(logits): `dH = dLogits · W_head`.
+    pub fn logits_bwd(&self, d_logits: &Tensor) -> Result<Tensor> {
+        let dt = self.device.compute_dtype();
+        let d = if d_logits.dtype() != dt {
+            d_logits.to_dtype(dt)?
+        } else {
+            d_logits.try_clone()?
+        };
+        ops::matmul(&d, false, &*self.weights.head().dense()?, false, 1.0, dt)
+    }
+}
+
+/// What `Model::forward` keeps for `Model::backward`.
+pub struct ForwardState {
+    acts: Vec<LayerActs>,
+    boundaries: Vec<(usize, Tensor)>,
+    last: Tensor,
+    rstd: Tensor,
+    segment_size: usize,
+}

@@ -1,0 +1,473 @@
+//! LoRA adapters: which projections get one, their rank and scale, PEFT's initialisation, and the
+//! PEFT on-disk format (`adapter_config.json` + `adapter_model.safetensors`) in both directions.
+//!
+//! A LoRA pair adds `scale · B A x` to a frozen projection `W x`: A is `[r, in]`, B is `[out, r]`,
+//! `scale = alpha / r` (or `alpha / sqrt(r)` with rsLoRA). Masters and gradients are f32 on every
+//! device; the CUDA forward reads bf16 copies refreshed after each optimiser step.
+
+use crate::tensor::{DType, Device, Tensor};
+use anyhow::{bail, ensure, Context, Result};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use super::config::ModelSpec;
+
+/// The seven projections of a Llama-family layer that can carry an adapter.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Target {
+    Q,
+    K,
+    V,
+    O,
+    Gate,
+    Up,
+    Down,
+}
+
+impl Target {
+    pub const ALL: [Target; 7] = [
+        Target::Q,
+        Target::K,
+        Target::V,
+        Target::O,
+        Target::Gate,
+        Target::Up,
+        Target::Down,
+    ];
+
+    pub fn index(self) -> usize {
+        self as usize
+    }
+    /// Hugging Face module name, e.g. `q_proj`.
+    pub fn module(self) -> &'static str {
+        match self {
+            Target::Q => "q_proj",
+            Target::K => "k_proj",
+            Target::V => "v_proj",
+            Target::O => "o_proj",
+            Target::Gate => "gate_proj",
+            Target::Up => "up_proj",
+            Target::Down => "down_proj",
+        }
+    }
+    /// Path inside a decoder layer, e.g. `self_attn.q_proj`.
+    pub fn path(self) -> String {
+        let parent = match self {
+            Target::Q | Target::K | Target::V | Target::O => "self_attn",
+            _ => "mlp",
+        };
+        format!("{parent}.{}", self.module())
+    }
+    pub fn parse(s: &str) -> Result<Target> {
+        let s = s.trim();
+        let s = s.strip_suffix("_proj").unwrap_or(s);
+        Ok(match s {
+            "q" => Target::Q,
+            "k" => Target::K,
+            "v" => Target::V,
+            "o" => Target::O,
+            "gate" => Target::Gate,
+            "up" => Target::Up,
+            "down" => Target::Down,
+            _ => bail!("unknown LoRA target {s:?}: expected q, k, v, o, gate, up or down (with or without _proj)"),
+        })
+    }
+    /// `(out_features, in_features)` of this projection.
+    pub fn dims(self, spec: &ModelSpec) -> (usize, usize) {
+        match self {
+            Target::Q => (spec.q_dim(), spec.hidden),
+            Target::K | Target::V => (spec.kv_dim(), spec.hidden),
+            Target::O => (spec.hidden, spec.q_dim()),
+            Target::Gate | Target::Up => (spec.intermediate, spec.hidden),
+            Target::Down => (spec.hidden, spec.intermediate),
+        }
+    }
+}
+
+/// Adapter hyperparameters, saved as PEFT's `adapter_config.json`.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct LoraConfig {
+    pub rank: usize,
+    pub alpha: f64,
+    pub targets: Vec<Target>,
+    pub rslora: bool,
+    /// Per-module rank overrides keyed by a module name or a suffix of it (PEFT's `rank_pattern`),
+    /// e.g. `model.layers.3.mlp.down_proj` or `down_proj`.
+    pub rank_pattern: BTreeMap<String, usize>,
+    pub alpha_pattern: BTreeMap<String, f64>,
+    pub dropout: f32,
+    pub seed: u64,
+}
+
+impl Default for LoraConfig {
+    fn default() -> Self {
+        LoraConfig {
+            rank: 16,
+            alpha: 32.0,
+            targets: Target::ALL.to_vec(),
+            rslora: false,
+            rank_pattern: BTreeMap::new(),
+            alpha_pattern: BTreeMap::new(),
+            dropout: 0.0,
+            seed: 0,
+        }
+    }
+}
+
+fn pattern_lookup<T: Copy>(map: &BTreeMap<String, T>, name: &str) -> Option<T> {
+    // PEFT matches `(.*\.)?{key}$`: the key is the whole name or a dot-separated suffix of it.
+    map.iter()
+        .find(|(k, _)| name == k.as_str() || name.ends_with(&format!(".{k}")))
+        .map(|(_, v)| *v)
+}
+
+impl LoraConfig {
+    /// Rank and scale of one module.
+    pub fn resolve(&self, layer: usize, t: Target) -> (usize, f32) {
+        let name = module_name(layer, t);
+        let r = pattern_lookup(&self.rank_pattern, &name).unwrap_or(self.rank);
+        let alpha = pattern_lookup(&self.alpha_pattern, &name).unwrap_or(self.alpha);
+        let scale = if self.rslora {
+            alpha / (r as f64).sqrt()
+        } else {
+            alpha / r as f64
+        };
+        (r, scale as f32)
+    }
+}
+
+pub fn module_name(layer: usize, t: Target) -> String {
+    format!("model.layers.{layer}.{}", t.path())
+}
+
+/// PEFT's safetensors key of one LoRA matrix.
+pub fn peft_key(layer: usize, t: Target, b: bool) -> String {
+    format!(
+        "base_model.model.{}.lora_{}.weight",
+        module_name(layer, t),
+        if b { "B" } else { "A" }
+    )
+}
+
+/// One adapter: A `[r, in]`, B `[out, r]`, their gradients and the compute-dtype copies.
+pub struct LoraPair {
+    pub rank: usize,
+    pub scale: f32,
+    pub a: Tensor,
+    pub b: Tensor,
+    pub grad_a: Tensor,
+    pub grad_b: Tensor,
+    a_compute: Option<Tensor>,
+    b_compute: Option<Tensor>,
+}
+
+impl LoraPair {
+    /// A and B in the device's compute dtype (the f32 masters on the CPU).
+    pub fn a(&self) -> &Tensor {
+        self.a_compute.as_ref().unwrap_or(&self.a)
+    }
+    pub fn b(&self) -> &Tensor {
+        self.b_compute.as_ref().unwrap_or(&self.b)
+    }
+}
+
+/// All adapters of a model: `layers[l][target.index()]`.
+pub struct Lora {
+    pub config: LoraConfig,
+    pub layers: Vec<[Option<LoraPair>; 7]>,
+    pub device: Device,
+}
+
+/// A small, seedable generator (SplitMix64) so that initialisation and dropout are reproducible
+/// without a dependency.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Rng(pub u64);
+
+impl Rng {
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    /// Uniform in [0, 1).
+    pub fn uniform(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
+    }
+    /// Standard normal (Box-Muller).
+    pub fn normal(&mut self) -> f64 {
+        let u1 = self.uniform().max(1e-300);
+        let u2 = self.uniform();
+        (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()
+    }
+}
+
+impl Lora {
+    /// Fresh adapters with PEFT's initialisation: B = 0, A ~ Kaiming-uniform with a = √5, i.e.
+    /// U(−1/√in, 1/√in).
+    pub fn new(spec: &ModelSpec, config: LoraConfig, device: &Device) -> Result<Lora> {
+        ensure!(config.rank > 0, "LoRA rank must be positive");
+        let mut rng = Rng(config.seed ^ 0x5EED_1077_AF17_0000);
+        let mut layers = Vec::with_capacity(spec.n_layers);
+        for l in 0..spec.n_layers {
+            let mut row: [Option<LoraPair>; 7] = Default::default();
+            for &t in &config.targets {
+                let (r, scale) = config.resolve(l, t);
+                let (out, inp) = t.dims(spec);
+                let bound = 1.0 / (inp as f64).sqrt();
+                let a: Vec<f32> = (0..r * inp)
+                    .map(|_| ((rng.uniform() * 2.0 - 1.0) * bound) as f32)
+                    .collect();
+                let b = vec![0f32; out * r];
+                row[t.index()] = Some(LoraPair::from_host(&a, &b, r, out, inp, scale, device)?);
+            }
+            layers.push(row);
+        }
+        let mut lora = Lora {
+            config,
+            layers,
+            device: device.clone(),
+        };
+        lora.refresh_compute_copies()?;
+        Ok(lora)
+    }
+
+    pub fn pairs(&self) -> impl Iterator<Item = (usize, Target, &LoraPair)> {
+        self.layers.iter().enumerate().flat_map(|(l, row)| {
+            Target::ALL
+                .iter()
+                .filter_map(move |&t| row[t.index()].as_ref().map(|p| (l, t, p)))
+        })
+    }
+    pub fn pairs_mut(&mut self) -> impl Iterator<Item = (usize, Target, &mut LoraPair)> {
+        self.layers.iter_mut().enumerate().flat_map(|(l, row)| {
+            row.iter_mut()
+                .enumerate()
+                .filter_map(move |(i, p)| p.as_mut().map(|p| (l, Target::ALL[i], p)))
+        })
+    }
+    pub fn get(&self, layer: usize, t: Target) -> Option<&LoraPair> {
+        self.layers[layer][t.index()].as_ref()
+    }
+    pub fn get_mut(&mut self, layer: usize, t: Target) -> Option<&mut LoraPair> {
+        self.layers[layer][t.index()].as_mut()
+    }
+
+    /// Number of trainable parameters.
+    pub fn num_params(&self) -> usize {
+        self.pairs()
+            .map(|(_, _, p)| p.a.numel() + p.b.numel())
+            .sum()
+    }
+
+    pub fn zero_grads(&mut self) -> Result<()> {
+        for (_, _, p) in self.pairs_mut() {
+            crate::tensor::scale(&mut p.grad_a, 0.0)?;
+            crate::tensor::scale(&mut p.grad_b, 0.0)?;
+        }
+        Ok(())
+    }
+
+    /// Re-derives the compute-dtype copies of A and B from the f32 masters (after an update).
+    pub fn refresh_compute_copies(&mut self) -> Result<()> {
+        let dt = self.device.compute_dtype();
+        for (_, _, p) in self.pairs_mut() {
+            if dt != DType::F32 {
+                p.a_compute = Some(p.a.to_dtype(dt)?);
+                p.b_compute = Some(p.b.to_dtype(dt)?);
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes a PEFT adapter folder.
+    pub fn save_peft(&self, dir: &Path, base_model: &str) -> Result<()> {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        let mut host: Vec<(String, Vec<usize>, Vec<f32>)> = Vec::new();
+        for (l, t, p) in self.pairs() {
+            host.push((peft_key(l, t, false), p.a.shape().to_vec(), p.a.to_vec()?));
+            host.push((peft_key(l, t, true), p.b.shape().to_vec(), p.b.to_vec()?));
+        }
+        let bytes: Vec<Vec<u8>> = host
+            .iter()
+            .map(|(_, _, v)| bytemuck::cast_slice(v).to_vec())
+            .collect();
+        let views: Vec<(String, safetensors::tensor::TensorView)> = host
+            .iter()
+            .zip(&bytes)
+            .map(|((k, shape, _), b)| {
+                Ok((
+                    k.clone(),
+                    safetensors::tensor::TensorView::new(
+                        safetensors::Dtype::F32,
+                        shape.clone(),
+                        b,
+                    )?,
+                ))
+            })
+            .collect::<Result<_>>()?;
+        let tmp = dir.join("adapter_model.safetensors.tmp");
+        safetensors::serialize_to_file(views, None, &tmp)?;
+        std::fs::rename(&tmp, dir.join("adapter_model.safetensors"))?;
+        let c = &self.config;
+        let mut rank_pattern = serde_json::Map::new();
+        for (k, v) in &c.rank_pattern {
+            rank_pattern.insert(k.clone(), (*v).into());
+        }
+        let mut alpha_pattern = serde_json::Map::new();
+        for (k, v) in &c.alpha_pattern {
+            alpha_pattern.insert(k.clone(), (*v).into());
+        }
+        let cfg = serde_json::json!({
+            "peft_type": "LORA",
+            "task_type": "CAUSAL_LM",
+            "base_model_name_or_path": base_model,
+            "r": c.rank,
+            "lora_alpha": c.alpha,
+            "lora_dropout": c.dropout,
+            "target_modules": c.targets.iter().map(|t| t.module()).collect::<Vec<_>>(),
+            "use_rslora": c.rslora,
+            "rank_pattern": rank_pattern,
+            "alpha_pattern": alpha_pattern,
+            "bias": "none",
+            "fan_in_fan_out": false,
+            "init_lora_weights": true,
+            "inference_mode": true,
+            "modules_to_save": null,
+            "layers_to_transform": null,
+            "use_dora": false,
+        });
+        std::fs::write(
+            dir.join("adapter_config.json"),
+            serde_json::to_string_pretty(&cfg)?,
+        )?;
+        Ok(())
+    }
+
+    /// Reads a PEFT adapter folder onto `spec`'s layers; shapes are checked against the model.
+    pub fn load_peft(dir: &Path, spec: &ModelSpec, device: &Device) -> Result<Lora> {
+        let cfg_path = dir.join("adapter_config.json");
+        let text = std::fs::read_to_string(&cfg_path)
+            .with_context(|| format!("reading {}", cfg_path.display()))?;
+        let v: serde_json::Value = serde_json::from_str(&text)
+            .with_context(|| format!("parsing {}", cfg_path.display()))?;
+        let field = |k: &str| v.get(k).filter(|x| !x.is_null());
+        let rank = field("r")
+            .and_then(|x| x.as_u64())
+            .with_context(|| format!("{}: field \"r\" missing", cfg_path.display()))?
+            as usize;
+        let alpha = field("lora_alpha")
+            .and_then(|x| x.as_f64())
+            .unwrap_or(rank as f64);
+        let targets: Vec<Target> = match field("target_modules") {
+            Some(serde_json::Value::Array(a)) => a
+                .iter()
+                .map(|x| Target::parse(x.as_str().unwrap_or("")))
+                .collect::<Result<_>>()
+                .with_context(|| format!("{}: field \"target_modules\"", cfg_path.display()))?,
+            _ => bail!(
+                "{}: field \"target_modules\" must be a list of module names",
+                cfg_path.display()
+            ),
+        };
+        let map_usize = |k: &str| -> BTreeMap<String, usize> {
+            field(k)
+                .and_then(|x| x.as_object())
+                .map(|o| {
+                    o.iter()
+                        .filter_map(|(k, v)| v.as_u64().map(|n| (k.clone(), n as usize)))
+                        .collect()
+                })
+                .unwrap_or_default()
+        };
+        let map_f64 = |k: &str| -> BTreeMap<String, f64> {
+            field(k)
+                .and_then(|x| x.as_object())
+                .map(|o| {
+                    o.iter()
+                        .filter_map(|(k, v)| v.as_f64().map(|n| (k.clone(), n)))
+                        .collect()
+                })
+                .unwrap_or_default()
+        };
+        let config = LoraConfig {
+            rank,
+            alpha,
+            targets,
+            rslora: field("use_rslora")
+                .and_then(|x| x.as_bool())
+                .unwrap_or(false),
+            rank_pattern: map_usize("rank_pattern"),
+            alpha_pattern: map_f64("alpha_pattern"),
+            dropout: field("lora_dropout")
+                .and_then(|x| x.as_f64())
+                .unwrap_or(0.0) as f32,
+            seed: 0,
+        };
+        let st_path = dir.join("adapter_model.safetensors");
+        let bytes =
+            std::fs::read(&st_path).with_context(|| format!("reading {}", st_path.display()))?;
+        let st = safetensors::SafeTensors::deserialize(&bytes)
+            .with_context(|| format!("parsing {}", st_path.display()))?;
+        let mut layers = Vec::with_capacity(spec.n_layers);
+        for l in 0..spec.n_layers {
+            let mut row: [Option<LoraPair>; 7] = Default::default();
+            for &t in &config.targets {
+                let (r, scale) = config.resolve(l, t);
+                let (out, inp) = t.dims(spec);
+                let read = |b: bool, want: [usize; 2]| -> Result<Vec<f32>> {
+                    let key = peft_key(l, t, b);
+                    let view = st.tensor(&key).with_context(|| {
+                        format!("{}: tensor {key} is missing", st_path.display())
+                    })?;
+                    ensure!(
+                        view.shape() == want,
+                        "{}: tensor {key} has shape {:?}, the model needs {:?}",
+                        st_path.display(),
+                        view.shape(),
+                        want
+                    );
+                    super::weights::view_to_f32(&view)
+                        .with_context(|| format!("{}: tensor {key}", st_path.display()))
+                };
+                let a = read(false, [r, inp])?;
+                let b = read(true, [out, r])?;
+                row[t.index()] = Some(LoraPair::from_host(&a, &b, r, out, inp, scale, device)?);
+            }
+            layers.push(row);
+        }
+        let mut lora = Lora {
+            config,
+            layers,
+            device: device.clone(),
+        };
+        lora.refresh_compute_copies()?;
+        Ok(lora)
+    }
+}
+
+impl LoraPair {
+    pub fn from_host(
+        a: &[f32],
+        b: &[f32],
+        r: usize,
+        out: usize,
+        inp: usize,
+        scale: f32,
+        device: &Device,
+    ) -> Result<LoraPair> {
+        Ok(LoraPair {
+            rank: r,
+            scale,
+            a: Tensor::from_f32(a, &[r, inp], DType::F32, device)?,
+            b: Tensor::from_f32(b, &[out, r], DType::F32, device)?,
+            grad_a: Tensor::zeros(&[r, inp], DType::F32, device)?,
+            grad_b: Tensor::zeros(&[out, r], DType::F32, device)?,
+            a_compute: None,
+            b_compute: None,
+        })
+    }
+}

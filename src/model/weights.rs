@@ -1,0 +1,348 @@
+//! Frozen base weights: reading Hugging Face safetensors (single file or sharded with an index),
+//! checking every tensor against the model spec, and placing it on the device. A `Weight` is a
+//! projection matrix `[out, in]`, dense or kept quantized and dequantized per use.
+
+use super::config::ModelSpec;
+use crate::tensor::{DType, Device, Tensor};
+use anyhow::{bail, ensure, Context, Result};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+/// A frozen projection matrix `[out, in]`.
+pub enum Weight {
+    Dense(Tensor),
+}
+
+impl Weight {
+    /// `(out, in)`.
+    pub fn rows_cols(&self) -> (usize, usize) {
+        match self {
+            Weight::Dense(t) => t.rows_cols(),
+        }
+    }
+    /// The dense matrix: borrowed, or freshly dequantized.
+    pub fn dense(&self) -> Result<Dense<'_>> {
+        match self {
+            Weight::Dense(t) => Ok(Dense::Borrowed(t)),
+        }
+    }
+}
+
+/// A dense view of a `Weight`: the stored tensor, or a dequantized temporary.
+pub enum Dense<'a> {
+    Borrowed(&'a Tensor),
+    Owned(Tensor),
+}
+
+impl std::ops::Deref for Dense<'_> {
+    type Target = Tensor;
+    fn deref(&self) -> &Tensor {
+        match self {
+            Dense::Borrowed(t) => t,
+            Dense::Owned(t) => t,
+        }
+    }
+}
+
+/// Weights of one decoder layer.
+pub struct LayerWeights {
+    pub attn_norm: Tensor,
+    pub mlp_norm: Tensor,
+    pub q: Weight,
+    pub k: Weight,
+    pub v: Weight,
+    pub o: Weight,
+    pub gate: Weight,
+    pub up: Weight,
+    pub down: Weight,
+    pub q_bias: Option<Tensor>,
+    pub k_bias: Option<Tensor>,
+    pub v_bias: Option<Tensor>,
+    pub q_norm: Option<Tensor>,
+    pub k_norm: Option<Tensor>,
+}
+
+pub struct ModelWeights {
+    pub embed: Weight,
+    pub layers: Vec<LayerWeights>,
+    pub norm: Tensor,
+    /// `None` when the head is tied to the embedding.
+    pub lm_head: Option<Weight>,
+}
+
+impl ModelWeights {
+    pub fn head(&self) -> &Weight {
+        self.lm_head.as_ref().unwrap_or(&self.embed)
+    }
+}
+
+/// Converts a safetensors view (f32, f16 or bf16) to f32.
+pub fn view_to_f32(view: &safetensors::tensor::TensorView) -> Result<Vec<f32>> {
+    let b = view.data();
+    Ok(match view.dtype() {
+        safetensors::Dtype::F32 => b
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect(),
+        safetensors::Dtype::F16 => b
+            .chunks_exact(2)
+            .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
+            .collect(),
+        safetensors::Dtype::BF16 => b
+            .chunks_exact(2)
+            .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
+            .collect(),
+        other => bail!("unsupported dtype {other:?} (expected F32, F16 or BF16)"),
+    })
+}
+
+/// Anything that hands out named host tensors in f32: safetensors folders, GGUF files, random
+/// initialisers.
+pub trait TensorSource {
+    /// `(shape, data)` of tensor `name` in PyTorch's `[out, in]` order; errors name the file.
+    fn get(&self, name: &str) -> Result<(Vec<usize>, Vec<f32>)>;
+    fn contains(&self, name: &str) -> bool;
+    /// A projection weight, dense or kept quantized on the device (the default reads it dense).
+    fn weight(&self, name: &str, want: [usize; 2], device: &Device) -> Result<Weight> {
+        Ok(Weight::Dense(self.tensor(name, &want, device)?))
+    }
+    /// A tensor checked against the expected shape and placed on `device`.
+    fn tensor(&self, name: &str, want: &[usize], device: &Device) -> Result<Tensor> {
+        let (shape, data) = self.get(name)?;
+        ensure!(
+            shape == want,
+            "{}: tensor {name} has shape {shape:?}, but config.json implies {want:?}",
+            self.describe()
+        );
+        Tensor::from_f32(&data, &shape, device.compute_dtype(), device)
+    }
+    fn describe(&self) -> String;
+}
+
+/// A Hugging Face model folder's safetensors, memory-mapped.
+pub struct SafetensorsFolder {
+    files: Vec<(PathBuf, memmap2::Mmap)>,
+    /// tensor name -> index into `files`
+    index: HashMap<String, usize>,
+    dir: PathBuf,
+}
+
+impl SafetensorsFolder {
+    pub fn open(dir: &Path) -> Result<SafetensorsFolder> {
+        let index_path = dir.join("model.safetensors.index.json");
+        let names: Vec<PathBuf> = if index_path.exists() {
+            let text = std::fs::read_to_string(&index_path)
+                .with_context(|| format!("reading {}", index_path.display()))?;
+            let v: serde_json::Value = serde_json::from_str(&text)
+                .with_context(|| format!("parsing {}", index_path.display()))?;
+            let map = v
+                .get("weight_map")
+                .and_then(|m| m.as_object())
+                .with_context(|| format!("{}: no weight_map", index_path.display()))?;
+            let mut files: Vec<String> = map
+                .values()
+                .filter_map(|f| f.as_str().map(String::from))
+                .collect();
+            files.sort();
+            files.dedup();
+            files.into_iter().map(|f| dir.join(f)).collect()
+        } else if dir.join("model.safetensors").exists() {
+            vec![dir.join("model.safetensors")]
+        } else {
+            bail!(
+                "{}: no model.safetensors or model.safetensors.index.json",
+                dir.display()
+            );
+        };
+        let mut files = Vec::new();
+        let mut index = HashMap::new();
+        for path in names {
+            let f = std::fs::File::open(&path)
+                .with_context(|| format!("opening {}", path.display()))?;
+            // SAFETY: the file is opened read-only and not modified while mapped.
+            let mmap = unsafe { memmap2::Mmap::map(&f) }
+                .with_context(|| format!("mapping {}", path.display()))?;
+            let (_, meta) = safetensors::SafeTensors::read_metadata(&mmap).with_context(|| {
+                format!(
+                    "{}: not a valid safetensors file (truncated?)",
+                    path.display()
+                )
+            })?;
+            let data_len =
+                mmap.len() - 8 - u64::from_le_bytes(mmap[..8].try_into().unwrap()) as usize;
+            for (name, info) in meta.tensors() {
+                ensure!(
+                    info.data_offsets.1 <= data_len,
+                    "{}: tensor {name} extends past the end of the file (truncated?)",
+                    path.display()
+                );
+                index.insert(name.to_string(), files.len());
+            }
+            files.push((path, mmap));
+        }
+        Ok(SafetensorsFolder {
+            files,
+            index,
+            dir: dir.to_path_buf(),
+        })
+    }
+}
+
+impl TensorSource for SafetensorsFolder {
+    fn get(&self, name: &str) -> Result<(Vec<usize>, Vec<f32>)> {
+        let &i = self
+            .index
+            .get(name)
+            .with_context(|| format!("{}: tensor {name} is missing", self.dir.display()))?;
+        let (path, mmap) = &self.files[i];
+        let st = safetensors::SafeTensors::deserialize(mmap)
+            .with_context(|| format!("parsing {}", path.display()))?;
+        let view = st
+            .tensor(name)
+            .with_context(|| format!("{}: tensor {name}", path.display()))?;
+        let data =
+            view_to_f32(&view).with_context(|| format!("{}: tensor {name}", path.display()))?;
+        Ok((view.shape().to_vec(), data))
+    }
+    fn contains(&self, name: &str) -> bool {
+        self.index.contains_key(name)
+    }
+    fn describe(&self) -> String {
+        self.dir.display().to_string()
+    }
+}
+
+/// Loads every base weight of `spec` from `src` (Hugging Face names).
+pub fn load_weights(
+    spec: &ModelSpec,
+    src: &dyn TensorSource,
+    device: &Device,
+) -> Result<ModelWeights> {
+    let (h, q, kv, i, v) = (
+        spec.hidden,
+        spec.q_dim(),
+        spec.kv_dim(),
+        spec.intermediate,
+        spec.vocab,
+    );
+    let mut layers = Vec::with_capacity(spec.n_layers);
+    for l in 0..spec.n_layers {
+        let p = |s: &str| format!("model.layers.{l}.{s}");
+        let opt = |name: String, want: &[usize], on: bool| -> Result<Option<Tensor>> {
+            if on {
+                Ok(Some(src.tensor(&name, want, device)?))
+            } else {
+                Ok(None)
+            }
+        };
+        layers.push(LayerWeights {
+            attn_norm: src.tensor(&p("input_layernorm.weight"), &[h], device)?,
+            mlp_norm: src.tensor(&p("post_attention_layernorm.weight"), &[h], device)?,
+            q: src.weight(&p("self_attn.q_proj.weight"), [q, h], device)?,
+            k: src.weight(&p("self_attn.k_proj.weight"), [kv, h], device)?,
+            v: src.weight(&p("self_attn.v_proj.weight"), [kv, h], device)?,
+            o: src.weight(&p("self_attn.o_proj.weight"), [h, q], device)?,
+            gate: src.weight(&p("mlp.gate_proj.weight"), [i, h], device)?,
+            up: src.weight(&p("mlp.up_proj.weight"), [i, h], device)?,
+            down: src.weight(&p("mlp.down_proj.weight"), [h, i], device)?,
+            q_bias: opt(p("self_attn.q_proj.bias"), &[q], spec.qkv_bias)?,
+            k_bias: opt(p("self_attn.k_proj.bias"), &[kv], spec.qkv_bias)?,
+            v_bias: opt(p("self_attn.v_proj.bias"), &[kv], spec.qkv_bias)?,
+            q_norm: opt(p("self_attn.q_norm.weight"), &[spec.head_dim], spec.qk_norm)?,
+            k_norm: opt(p("self_attn.k_norm.weight"), &[spec.head_dim], spec.qk_norm)?,
+        });
+    }
+    let embed = src.weight("model.embed_tokens.weight", [v, h], device)?;
+    let lm_head = if spec.tie_embeddings || !src.contains("lm_head.weight") {
+        ensure!(
+            spec.tie_embeddings,
+            "{}: lm_head.weight is missing and tie_word_embeddings is false",
+            src.describe()
+        );
+        None
+    } else {
+        Some(src.weight("lm_head.weight", [v, h], device)?)
+    };
+    Ok(ModelWeights {
+        embed,
+        layers,
+        norm: src.tensor("model.norm.weight", &[h], device)?,
+        lm_head,
+    })
+}
+
+/// Random weights of a given shape (benchmarks and tests), deterministic in `seed`: projections
+/// ~ N(0, 0.02), norms = 1.
+pub struct RandomSource {
+    pub spec: ModelSpec,
+    pub seed: u64,
+}
+
+impl TensorSource for RandomSource {
+    fn get(&self, name: &str) -> Result<(Vec<usize>, Vec<f32>)> {
+        let s = &self.spec;
+        let shape =
+            random_shape(s, name).with_context(|| format!("random model: no tensor {name}"))?;
+        let n: usize = shape.iter().product();
+        let data = if name.ends_with("norm.weight") || name.ends_with("layernorm.weight") {
+            vec![1.0; n]
+        } else {
+            let mut h = 0xcbf29ce484222325u64 ^ self.seed;
+            for b in name.bytes() {
+                h = (h ^ b as u64).wrapping_mul(0x100000001b3);
+            }
+            random_normal(n, h, 0.02)
+        };
+        Ok((shape, data))
+    }
+    fn contains(&self, name: &str) -> bool {
+        random_shape(&self.spec, name).is_some()
+    }
+    fn describe(&self) -> String {
+        "random model".into()
+    }
+}
+
+fn random_shape(s: &ModelSpec, name: &str) -> Option<Vec<usize>> {
+    let (h, q, kv, i, v) = (s.hidden, s.q_dim(), s.kv_dim(), s.intermediate, s.vocab);
+    let leaf = name
+        .rsplit_once("layers.")
+        .map(|(_, r)| r.split_once('.').map(|(_, x)| x).unwrap_or(r))
+        .unwrap_or(name);
+    Some(match leaf {
+        "model.embed_tokens.weight" => vec![v, h],
+        "lm_head.weight" if !s.tie_embeddings => vec![v, h],
+        "model.norm.weight" | "input_layernorm.weight" | "post_attention_layernorm.weight" => {
+            vec![h]
+        }
+        "self_attn.q_proj.weight" => vec![q, h],
+        "self_attn.k_proj.weight" | "self_attn.v_proj.weight" => vec![kv, h],
+        "self_attn.o_proj.weight" => vec![h, q],
+        "mlp.gate_proj.weight" | "mlp.up_proj.weight" => vec![i, h],
+        "mlp.down_proj.weight" => vec![h, i],
+        "self_attn.q_proj.bias" if s.qkv_bias => vec![q],
+        "self_attn.k_proj.bias" | "self_attn.v_proj.bias" if s.qkv_bias => vec![kv],
+        "self_attn.q_norm.weight" | "self_attn.k_norm.weight" if s.qk_norm => vec![s.head_dim],
+        _ => return None,
+    })
+}
+
+/// `n` normal samples with standard deviation `std`, generated in parallel chunks from `seed`.
+pub fn random_normal(n: usize, seed: u64, std: f32) -> Vec<f32> {
+    use rayon::prelude::*;
+    let mut out = vec![0f32; n];
+    out.par_chunks_mut(1 << 16)
+        .enumerate()
+        .for_each(|(c, chunk)| {
+            let mut rng = super::lora::Rng(seed ^ (c as u64).wrapping_mul(0xA24B_AED4_963E_E407));
+            for x in chunk.iter_mut() {
+                *x = rng.normal() as f32 * std;
+            }
+        });
+    out
+}
+
+/// DType used to hold dense frozen weights on `device`.
+pub fn weight_dtype(device: &Device) -> DType {
+    device.compute_dtype()
+}

@@ -1,0 +1,3 @@
+//! Training: objectives, the logp head, the optimiser and the loop.
+
+pub mod objectives;
