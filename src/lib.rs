@@ -4,6 +4,7 @@
 //! Data flows one way: config → data → model → train → outputs. `tensor` is the engine under all
 //! of it: a CPU reference backend and a CUDA backend with the same ops.
 
+pub mod data;
 pub mod model;
 pub mod tensor;
 pub mod train;

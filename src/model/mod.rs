@@ -8,3 +8,31 @@ pub mod weights;
 pub use config::{Family, ModelSpec};
 pub use llama::{Model, PassCtx};
 pub use lora::{Lora, LoraConfig, Target};
+pub mod gguf;
+pub mod gguf_model;
+pub mod smollm2;
+
+use anyhow::{bail, Context, Result};
+use std::path::Path;
+
+/// Loads a model from a Hugging Face folder (config.json + safetensors) or a GGUF file.
+pub fn load(path: &Path, device: &crate::tensor::Device) -> Result<Model> {
+    if path.is_dir() {
+        let spec = ModelSpec::from_config_file(&path.join("config.json"))?;
+        let src = weights::SafetensorsFolder::open(path)?;
+        let w = weights::load_weights(&spec, &src, device)?;
+        Ok(Model::new(spec, w, device.clone()))
+    } else if path.extension().is_some_and(|e| e == "gguf") {
+        let src = gguf_model::GgufSource::open(path)?;
+        let spec = src.spec.clone();
+        let w = weights::load_weights(&spec, &src, device)?;
+        Ok(Model::new(spec, w, device.clone()))
+    } else if !path.exists() {
+        bail!("model path {} does not exist", path.display())
+    } else {
+        Err(anyhow::anyhow!(
+            "expected a Hugging Face model folder or a .gguf file"
+        ))
+        .with_context(|| format!("{}", path.display()))
+    }
+}

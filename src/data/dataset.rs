@@ -1,0 +1,944 @@
+//! JSONL training data: parsing and validating preference rows (ORPO/DPO) and
+//! SFT rows into typed [`Example`]s.
+//!
+//! This module exists so that every malformed row is caught once, up front, with
+//! a message that names the file, the 1-based line and the offending field —
+//! instead of surfacing later as a confusing tokenizer or template failure, or
+//! worse, being dropped silently. It understands the row layouts TRL accepts:
+//!
+//! * preference, plain text: `{"prompt": str, "chosen": str, "rejected": str}`
+//! * preference, conversational: `prompt` is a list of `{role, content}`
+//!   messages and `chosen`/`rejected` are lists of messages (usually one
+//!   assistant message)
+//! * preference, implicit prompt: no `prompt`; `chosen`/`rejected` are whole
+//!   conversations and the prompt is their longest common prefix of messages
+//! * SFT: `{prompt, completion}` (strings or messages), `{messages}` (the final
+//!   assistant message is the completion, everything before it the prompt) or
+//!   `{text}` (plain text, every token trained)
+//!
+//! Text rows and chat rows are kept apart in the types ([`PreferenceData`],
+//! [`SftData`]) because they are turned into token sequences differently: chat
+//! rows go through the model's chat template, text rows are used as-is.
+
+use std::fmt;
+use std::fs::File;
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+
+use anyhow::{bail, Context, Result};
+use serde::Serialize;
+use serde_json::{Map, Value};
+
+/// How many skip reasons [`LoadReport`] keeps for the log.
+pub const MAX_SKIP_REASONS: usize = 5;
+
+/// Which kind of rows a file is expected to hold.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DatasetKind {
+    /// `{prompt, chosen, rejected}` rows (ORPO, DPO).
+    Preference,
+    /// `{prompt, completion}`, `{messages}` or `{text}` rows.
+    Sft,
+}
+
+impl fmt::Display for DatasetKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            DatasetKind::Preference => f.write_str("preference"),
+            DatasetKind::Sft => f.write_str("SFT"),
+        }
+    }
+}
+
+/// The speaker of a chat message. Any other role in a data file is an error.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    System,
+    User,
+    Assistant,
+    Tool,
+}
+
+impl Role {
+    /// The role name as chat templates expect it (`"user"`, ...).
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Role::System => "system",
+            Role::User => "user",
+            Role::Assistant => "assistant",
+            Role::Tool => "tool",
+        }
+    }
+
+    /// Parses a role name; `None` for anything not in [`Role`].
+    pub fn parse(s: &str) -> Option<Role> {
+        match s {
+            "system" => Some(Role::System),
+            "user" => Some(Role::User),
+            "assistant" => Some(Role::Assistant),
+            "tool" => Some(Role::Tool),
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for Role {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// One chat message. Serialises as `{"role": ..., "content": ...}`, which is
+/// what chat templates receive.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Message {
+    pub role: Role,
+    pub content: String,
+}
+
+impl Message {
+    pub fn new(role: Role, content: impl Into<String>) -> Self {
+        Message {
+            role,
+            content: content.into(),
+        }
+    }
+    pub fn system(content: impl Into<String>) -> Self {
+        Self::new(Role::System, content)
+    }
+    pub fn user(content: impl Into<String>) -> Self {
+        Self::new(Role::User, content)
+    }
+    pub fn assistant(content: impl Into<String>) -> Self {
+        Self::new(Role::Assistant, content)
+    }
+}
+
+/// A preference example, either plain text or chat.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PreferenceData {
+    /// Plain strings: the prompt is used as-is and each response is appended
+    /// to it as-is (no template).
+    Text {
+        prompt: String,
+        chosen: String,
+        rejected: String,
+    },
+    /// Chat messages rendered with the model's chat template. `chosen` and
+    /// `rejected` are the messages that follow `prompt` (usually one
+    /// assistant message each).
+    Chat {
+        prompt: Vec<Message>,
+        chosen: Vec<Message>,
+        rejected: Vec<Message>,
+    },
+}
+
+/// An SFT example, either plain text or chat. Only completion tokens are
+/// trained.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SftData {
+    /// Plain strings. A `{text}` row becomes `prompt: ""`, `completion: text`,
+    /// so that all of its tokens are trained.
+    Text { prompt: String, completion: String },
+    /// Chat messages rendered with the model's chat template; `completion`
+    /// is the messages that follow `prompt` (a `{messages}` row's final
+    /// assistant message).
+    Chat {
+        prompt: Vec<Message>,
+        completion: Vec<Message>,
+    },
+}
+
+/// One validated training row. `line` is the 1-based line of the source file
+/// (0 for examples built in code) so later stages can point back at it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Example {
+    Preference { line: usize, data: PreferenceData },
+    Sft { line: usize, data: SftData },
+}
+
+impl Example {
+    /// The 1-based source line (0 when not loaded from a file).
+    pub fn line(&self) -> usize {
+        match self {
+            Example::Preference { line, .. } | Example::Sft { line, .. } => *line,
+        }
+    }
+
+    /// Whether the example is in chat (message) form.
+    pub fn is_chat(&self) -> bool {
+        matches!(
+            self,
+            Example::Preference {
+                data: PreferenceData::Chat { .. },
+                ..
+            } | Example::Sft {
+                data: SftData::Chat { .. },
+                ..
+            }
+        )
+    }
+
+    pub fn kind(&self) -> DatasetKind {
+        match self {
+            Example::Preference { .. } => DatasetKind::Preference,
+            Example::Sft { .. } => DatasetKind::Sft,
+        }
+    }
+}
+
+/// What [`load_jsonl`] did, for the log.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct LoadReport {
+    /// The file that was read, as given.
+    pub path: String,
+    /// Rows turned into examples.
+    pub loaded: usize,
+    /// Malformed rows skipped (only with `skip_bad = true`).
+    pub skipped: usize,
+    /// Blank (whitespace-only) lines ignored.
+    pub blank_lines: usize,
+    /// Rows in text form / chat form among `loaded`.
+    pub text_rows: usize,
+    pub chat_rows: usize,
+    /// The first [`MAX_SKIP_REASONS`] skip reasons, each `file:line: ...`.
+    pub skip_reasons: Vec<String>,
+}
+
+impl fmt::Display for LoadReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{}: {} examples ({} chat, {} text)",
+            self.path, self.loaded, self.chat_rows, self.text_rows
+        )?;
+        if self.skipped > 0 {
+            write!(f, ", {} malformed rows skipped", self.skipped)?;
+            for r in &self.skip_reasons {
+                write!(f, "\n  skipped {r}")?;
+            }
+            if self.skipped > self.skip_reasons.len() {
+                write!(
+                    f,
+                    "\n  ... and {} more",
+                    self.skipped - self.skip_reasons.len()
+                )?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Why one row is malformed: the field (dotted path such as `chosen[0].role`,
+/// or none for row-level problems) and what is wrong with it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RowError {
+    pub field: Option<String>,
+    pub message: String,
+}
+
+impl RowError {
+    fn field(field: impl Into<String>, message: impl Into<String>) -> Self {
+        RowError {
+            field: Some(field.into()),
+            message: message.into(),
+        }
+    }
+    fn row(message: impl Into<String>) -> Self {
+        RowError {
+            field: None,
+            message: message.into(),
+        }
+    }
+}
+
+impl fmt::Display for RowError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.field {
+            Some(field) => write!(f, "field \"{field}\": {}", self.message),
+            None => f.write_str(&self.message),
+        }
+    }
+}
+
+impl std::error::Error for RowError {}
+
+/// Reads a JSONL file of `kind` rows.
+///
+/// Blank lines are ignored (and counted). A malformed row is an error naming
+/// `file:line: field "...": ...`; with `skip_bad` it is skipped instead and
+/// counted in the report, which keeps the first few reasons. A file that
+/// yields no example at all is an error either way.
+pub fn load_jsonl(
+    path: impl AsRef<Path>,
+    kind: DatasetKind,
+    skip_bad: bool,
+) -> Result<(Vec<Example>, LoadReport)> {
+    let path = path.as_ref();
+    let name = path.display().to_string();
+    let file = File::open(path).with_context(|| format!("opening {kind} dataset {name}"))?;
+    let (examples, report) = read_jsonl(BufReader::new(file), &name, kind, skip_bad)?;
+    if examples.is_empty() {
+        bail!(
+            "{name}: no {kind} examples found ({} malformed rows skipped, {} blank lines)",
+            report.skipped,
+            report.blank_lines
+        );
+    }
+    Ok((examples, report))
+}
+
+/// [`load_jsonl`] over any reader; `name` is used in messages. Unlike
+/// `load_jsonl` an empty input is not an error here.
+pub fn read_jsonl(
+    reader: impl BufRead,
+    name: &str,
+    kind: DatasetKind,
+    skip_bad: bool,
+) -> Result<(Vec<Example>, LoadReport)> {
+    let mut reader = reader;
+    let mut report = LoadReport {
+        path: name.to_string(),
+        ..Default::default()
+    };
+    let mut examples = Vec::new();
+    let mut buf = Vec::new();
+    let mut line_no = 0usize;
+    loop {
+        buf.clear();
+        let n = reader
+            .read_until(b'\n', &mut buf)
+            .with_context(|| format!("{name}: reading line {}", line_no + 1))?;
+        if n == 0 {
+            break;
+        }
+        line_no += 1;
+        let parsed = match std::str::from_utf8(&buf) {
+            Ok(text) => {
+                let text = if line_no == 1 {
+                    text.trim_start_matches('\u{feff}')
+                } else {
+                    text
+                };
+                if text.trim().is_empty() {
+                    report.blank_lines += 1;
+                    continue;
+                }
+                parse_line(text, kind, line_no)
+            }
+            Err(e) => Err(RowError::row(format!("line is not valid UTF-8 ({e})"))),
+        };
+        match parsed {
+            Ok(ex) => {
+                if ex.is_chat() {
+                    report.chat_rows += 1;
+                } else {
+                    report.text_rows += 1;
+                }
+                report.loaded += 1;
+                examples.push(ex);
+            }
+            Err(err) => {
+                let msg = format!("{name}:{line_no}: {err}");
+                if !skip_bad {
+                    bail!(msg);
+                }
+                report.skipped += 1;
+                if report.skip_reasons.len() < MAX_SKIP_REASONS {
+                    report.skip_reasons.push(msg);
+                }
+            }
+        }
+    }
+    Ok((examples, report))
+}
+
+/// Parses one non-blank JSONL line into an example. `line` is recorded in the
+/// example.
+pub fn parse_line(text: &str, kind: DatasetKind, line: usize) -> Result<Example, RowError> {
+    let value: Value =
+        serde_json::from_str(text).map_err(|e| RowError::row(format!("invalid JSON: {e}")))?;
+    parse_row(&value, kind, line)
+}
+
+/// Validates one already-parsed JSON row.
+pub fn parse_row(value: &Value, kind: DatasetKind, line: usize) -> Result<Example, RowError> {
+    let obj = value.as_object().ok_or_else(|| {
+        RowError::row(format!(
+            "expected a JSON object, found {}",
+            json_type(value)
+        ))
+    })?;
+    match kind {
+        DatasetKind::Preference => Ok(Example::Preference {
+            line,
+            data: parse_preference(obj)?,
+        }),
+        DatasetKind::Sft => Ok(Example::Sft {
+            line,
+            data: parse_sft(obj)?,
+        }),
+    }
+}
+
+/// A field value that is either a string or a list of messages.
+enum Field {
+    Text(String),
+    Chat(Vec<Message>),
+}
+
+fn json_type(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "a list",
+        Value::Object(_) => "an object",
+    }
+}
+
+fn get_field<'a>(obj: &'a Map<String, Value>, name: &str) -> Result<&'a Value, RowError> {
+    match obj.get(name) {
+        Some(v) => Ok(v),
+        None => Err(RowError::field(name, "missing")),
+    }
+}
+
+fn parse_field(obj: &Map<String, Value>, name: &str) -> Result<Field, RowError> {
+    let v = get_field(obj, name)?;
+    match v {
+        Value::String(s) => Ok(Field::Text(s.clone())),
+        Value::Array(items) => Ok(Field::Chat(parse_messages(items, name)?)),
+        other => Err(RowError::field(
+            name,
+            format!(
+                "expected a string or a list of messages, found {}",
+                json_type(other)
+            ),
+        )),
+    }
+}
+
+fn parse_messages(items: &[Value], field: &str) -> Result<Vec<Message>, RowError> {
+    items
+        .iter()
+        .enumerate()
+        .map(|(i, item)| parse_message(item, &format!("{field}[{i}]")))
+        .collect()
+}
+
+fn parse_message(item: &Value, field: &str) -> Result<Message, RowError> {
+    let obj = item.as_object().ok_or_else(|| {
+        RowError::field(
+            field,
+            format!(
+                "expected a message object {{\"role\", \"content\"}}, found {}",
+                json_type(item)
+            ),
+        )
+    })?;
+    let role = match obj.get("role") {
+        Some(Value::String(r)) => Role::parse(r).ok_or_else(|| {
+            RowError::field(
+                format!("{field}.role"),
+                format!("unknown role \"{r}\" (expected system, user, assistant or tool)"),
+            )
+        })?,
+        Some(other) => {
+            return Err(RowError::field(
+                format!("{field}.role"),
+                format!("expected a string, found {}", json_type(other)),
+            ));
+        }
+        None => return Err(RowError::field(format!("{field}.role"), "missing")),
+    };
+    let content = match obj.get("content") {
+        Some(Value::String(c)) => c.clone(),
+        Some(other) => {
+            return Err(RowError::field(
+                format!("{field}.content"),
+                format!("expected a string, found {}", json_type(other)),
+            ));
+        }
+        None => return Err(RowError::field(format!("{field}.content"), "missing")),
+    };
+    Ok(Message { role, content })
+}
+
+fn check_text_response(field: &str, s: &str) -> Result<(), RowError> {
+    if s.trim().is_empty() {
+        return Err(RowError::field(field, "empty response"));
+    }
+    Ok(())
+}
+
+/// A response (the messages after the prompt) must be non-empty, end with an
+/// assistant message, and not be all blank.
+fn check_chat_response(field: &str, msgs: &[Message]) -> Result<(), RowError> {
+    let Some(last) = msgs.last() else {
+        return Err(RowError::field(field, "empty response (no messages)"));
+    };
+    if last.role != Role::Assistant {
+        return Err(RowError::field(
+            field,
+            format!(
+                "the response must end with an assistant message, found role \"{}\"",
+                last.role
+            ),
+        ));
+    }
+    if msgs.iter().all(|m| m.content.trim().is_empty()) {
+        return Err(RowError::field(field, "empty response"));
+    }
+    Ok(())
+}
+
+fn parse_preference(obj: &Map<String, Value>) -> Result<PreferenceData, RowError> {
+    let chosen = parse_field(obj, "chosen")?;
+    let rejected = parse_field(obj, "rejected")?;
+    if obj.contains_key("prompt") {
+        let prompt = parse_field(obj, "prompt")?;
+        return match (prompt, chosen, rejected) {
+            (Field::Text(prompt), Field::Text(chosen), Field::Text(rejected)) => {
+                check_text_response("chosen", &chosen)?;
+                check_text_response("rejected", &rejected)?;
+                Ok(PreferenceData::Text {
+                    prompt,
+                    chosen,
+                    rejected,
+                })
+            }
+            (Field::Chat(prompt), Field::Chat(chosen), Field::Chat(rejected)) => {
+                if prompt.is_empty() {
+                    return Err(RowError::field("prompt", "empty list of messages"));
+                }
+                check_chat_response("chosen", &chosen)?;
+                check_chat_response("rejected", &rejected)?;
+                Ok(PreferenceData::Chat {
+                    prompt,
+                    chosen,
+                    rejected,
+                })
+            }
+            (Field::Text(_), c, r) => {
+                let bad = if matches!(c, Field::Chat(_)) {
+                    "chosen"
+                } else {
+                    debug_assert!(matches!(r, Field::Chat(_)));
+                    "rejected"
+                };
+                Err(RowError::field(
+                    bad,
+                    "expected a string, like \"prompt\" (text and message lists cannot be mixed)",
+                ))
+            }
+            (Field::Chat(_), c, _) => {
+                let bad = if matches!(c, Field::Text(_)) {
+                    "chosen"
+                } else {
+                    "rejected"
+                };
+                Err(RowError::field(
+                    bad,
+                    "expected a list of messages, like \"prompt\" (text and message lists cannot be mixed)",
+                ))
+            }
+        };
+    }
+    // Implicit prompt: chosen and rejected are whole conversations.
+    match (chosen, rejected) {
+        (Field::Chat(chosen), Field::Chat(rejected)) => {
+            let common = chosen
+                .iter()
+                .zip(rejected.iter())
+                .take_while(|(a, b)| a == b)
+                .count();
+            if common == 0 {
+                return Err(RowError::field(
+                    "prompt",
+                    "missing, and \"chosen\" and \"rejected\" share no leading messages to use as an implicit prompt",
+                ));
+            }
+            let prompt = chosen[..common].to_vec();
+            let chosen = chosen[common..].to_vec();
+            let rejected = rejected[common..].to_vec();
+            check_chat_response("chosen", &chosen)?;
+            check_chat_response("rejected", &rejected)?;
+            Ok(PreferenceData::Chat {
+                prompt,
+                chosen,
+                rejected,
+            })
+        }
+        _ => Err(RowError::field(
+            "prompt",
+            "missing (an implicit prompt needs \"chosen\" and \"rejected\" to be lists of messages)",
+        )),
+    }
+}
+
+fn parse_sft(obj: &Map<String, Value>) -> Result<SftData, RowError> {
+    if obj.contains_key("completion") {
+        let prompt = parse_field(obj, "prompt")?;
+        let completion = parse_field(obj, "completion")?;
+        return match (prompt, completion) {
+            (Field::Text(prompt), Field::Text(completion)) => {
+                check_text_response("completion", &completion)?;
+                Ok(SftData::Text { prompt, completion })
+            }
+            (Field::Chat(prompt), Field::Chat(completion)) => {
+                if prompt.is_empty() {
+                    return Err(RowError::field("prompt", "empty list of messages"));
+                }
+                check_chat_response("completion", &completion)?;
+                Ok(SftData::Chat { prompt, completion })
+            }
+            (Field::Text(_), Field::Chat(_)) => Err(RowError::field(
+                "completion",
+                "expected a string, like \"prompt\" (text and message lists cannot be mixed)",
+            )),
+            (Field::Chat(_), Field::Text(_)) => Err(RowError::field(
+                "completion",
+                "expected a list of messages, like \"prompt\" (text and message lists cannot be mixed)",
+            )),
+        };
+    }
+    if let Some(v) = obj.get("messages") {
+        let Value::Array(items) = v else {
+            return Err(RowError::field(
+                "messages",
+                format!("expected a list of messages, found {}", json_type(v)),
+            ));
+        };
+        let mut msgs = parse_messages(items, "messages")?;
+        let Some(last) = msgs.last() else {
+            return Err(RowError::field("messages", "empty list of messages"));
+        };
+        if last.role != Role::Assistant {
+            return Err(RowError::field(
+                "messages",
+                format!(
+                    "the conversation must end with an assistant message (the completion), found role \"{}\"",
+                    last.role
+                ),
+            ));
+        }
+        if msgs.len() < 2 {
+            return Err(RowError::field(
+                "messages",
+                "needs at least one message before the final assistant message",
+            ));
+        }
+        let completion = vec![msgs.pop().expect("checked non-empty")];
+        check_chat_response(&format!("messages[{}]", msgs.len()), &completion)?;
+        return Ok(SftData::Chat {
+            prompt: msgs,
+            completion,
+        });
+    }
+    if let Some(v) = obj.get("text") {
+        let Value::String(text) = v else {
+            return Err(RowError::field(
+                "text",
+                format!("expected a string, found {}", json_type(v)),
+            ));
+        };
+        if text.trim().is_empty() {
+            return Err(RowError::field("text", "empty text"));
+        }
+        return Ok(SftData::Text {
+            prompt: String::new(),
+            completion: text.clone(),
+        });
+    }
+    if obj.contains_key("prompt") {
+        return Err(RowError::field("completion", "missing"));
+    }
+    Err(RowError::row(
+        "expected an SFT row: {\"prompt\", \"completion\"}, {\"messages\"} or {\"text\"}",
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Cursor;
+
+    fn read(kind: DatasetKind, skip: bool, text: &str) -> Result<(Vec<Example>, LoadReport)> {
+        read_jsonl(Cursor::new(text.as_bytes()), "data/train.jsonl", kind, skip)
+    }
+
+    fn err(kind: DatasetKind, text: &str) -> String {
+        read(kind, false, text).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn text_preference_rows() {
+        let (ex, rep) = read(
+            DatasetKind::Preference,
+            false,
+            "{\"prompt\":\"Q: 1+1?\",\"chosen\":\" 2\",\"rejected\":\" 3\",\"id\":7}\n\n",
+        )
+        .unwrap();
+        assert_eq!(rep.loaded, 1);
+        assert_eq!(rep.blank_lines, 1);
+        assert_eq!(rep.text_rows, 1);
+        assert_eq!(
+            ex[0],
+            Example::Preference {
+                line: 1,
+                data: PreferenceData::Text {
+                    prompt: "Q: 1+1?".into(),
+                    chosen: " 2".into(),
+                    rejected: " 3".into()
+                }
+            }
+        );
+    }
+
+    #[test]
+    fn chat_preference_rows() {
+        let row = r#"{"prompt":[{"role":"system","content":"Be nice."},{"role":"user","content":"Hi"}],"chosen":[{"role":"assistant","content":"Hello!"}],"rejected":[{"role":"assistant","content":"Go away."}]}"#;
+        let (ex, rep) = read(DatasetKind::Preference, false, row).unwrap();
+        assert_eq!(rep.chat_rows, 1);
+        let Example::Preference {
+            data:
+                PreferenceData::Chat {
+                    prompt,
+                    chosen,
+                    rejected,
+                },
+            ..
+        } = &ex[0]
+        else {
+            panic!("expected chat")
+        };
+        assert_eq!(prompt.len(), 2);
+        assert_eq!(chosen, &vec![Message::assistant("Hello!")]);
+        assert_eq!(rejected, &vec![Message::assistant("Go away.")]);
+    }
+
+    #[test]
+    fn implicit_prompt_is_longest_common_prefix() {
+        let row = r#"{"chosen":[{"role":"user","content":"Hi"},{"role":"assistant","content":"Hello"},{"role":"user","content":"2+2?"},{"role":"assistant","content":"4"}],
+                     "rejected":[{"role":"user","content":"Hi"},{"role":"assistant","content":"Hello"},{"role":"user","content":"2+2?"},{"role":"assistant","content":"5"}]}"#
+            .replace('\n', " ");
+        let (ex, _) = read(DatasetKind::Preference, false, &row).unwrap();
+        let Example::Preference {
+            data:
+                PreferenceData::Chat {
+                    prompt,
+                    chosen,
+                    rejected,
+                },
+            ..
+        } = &ex[0]
+        else {
+            panic!("expected chat")
+        };
+        assert_eq!(
+            prompt,
+            &vec![
+                Message::user("Hi"),
+                Message::assistant("Hello"),
+                Message::user("2+2?")
+            ]
+        );
+        assert_eq!(chosen, &vec![Message::assistant("4")]);
+        assert_eq!(rejected, &vec![Message::assistant("5")]);
+    }
+
+    #[test]
+    fn implicit_prompt_errors() {
+        // One response is a prefix of the other: empty chosen response.
+        let row = r#"{"chosen":[{"role":"user","content":"Hi"},{"role":"assistant","content":"A"}],"rejected":[{"role":"user","content":"Hi"},{"role":"assistant","content":"A"},{"role":"user","content":"x"},{"role":"assistant","content":"B"}]}"#;
+        assert_eq!(
+            err(DatasetKind::Preference, row),
+            "data/train.jsonl:1: field \"chosen\": empty response (no messages)"
+        );
+        let row = r#"{"chosen":[{"role":"user","content":"Hi"},{"role":"assistant","content":"A"}],"rejected":[{"role":"user","content":"Yo"},{"role":"assistant","content":"B"}]}"#;
+        assert!(err(DatasetKind::Preference, row)
+            .starts_with("data/train.jsonl:1: field \"prompt\": missing, and"));
+        let row = r#"{"chosen":"a","rejected":"b"}"#;
+        assert!(err(DatasetKind::Preference, row)
+            .starts_with("data/train.jsonl:1: field \"prompt\": missing (an implicit prompt"));
+    }
+
+    #[test]
+    fn error_messages_name_file_line_and_field() {
+        let good = r#"{"prompt":"p","chosen":"a","rejected":"b"}"#;
+        let text =
+            format!("{good}\n\n{good}\n{{\"prompt\":\"p\",\"chosen\":5,\"rejected\":\"b\"}}\n");
+        assert_eq!(
+            err(DatasetKind::Preference, &text),
+            "data/train.jsonl:4: field \"chosen\": expected a string or a list of messages, found a number"
+        );
+        assert_eq!(
+            err(DatasetKind::Preference, r#"{"prompt":"p","chosen":"a"}"#),
+            "data/train.jsonl:1: field \"rejected\": missing"
+        );
+        assert!(err(DatasetKind::Preference, "{\"prompt\": ")
+            .starts_with("data/train.jsonl:1: invalid JSON:"));
+        assert_eq!(
+            err(DatasetKind::Preference, "[1,2]"),
+            "data/train.jsonl:1: expected a JSON object, found a list"
+        );
+        assert_eq!(
+            err(
+                DatasetKind::Preference,
+                r#"{"prompt":"p","chosen":"  ","rejected":"b"}"#
+            ),
+            "data/train.jsonl:1: field \"chosen\": empty response"
+        );
+        assert_eq!(
+            err(
+                DatasetKind::Preference,
+                r#"{"prompt":[{"role":"user","content":"x"}],"chosen":[{"role":"bot","content":"a"}],"rejected":[{"role":"assistant","content":"b"}]}"#
+            ),
+            "data/train.jsonl:1: field \"chosen[0].role\": unknown role \"bot\" (expected system, user, assistant or tool)"
+        );
+        assert_eq!(
+            err(
+                DatasetKind::Preference,
+                r#"{"prompt":[{"role":"user"}],"chosen":[{"role":"assistant","content":"a"}],"rejected":[{"role":"assistant","content":"b"}]}"#
+            ),
+            "data/train.jsonl:1: field \"prompt[0].content\": missing"
+        );
+        assert_eq!(
+            err(
+                DatasetKind::Preference,
+                r#"{"prompt":"p","chosen":[{"role":"assistant","content":"a"}],"rejected":"b"}"#
+            ),
+            "data/train.jsonl:1: field \"chosen\": expected a string, like \"prompt\" (text and message lists cannot be mixed)"
+        );
+        assert_eq!(
+            err(
+                DatasetKind::Preference,
+                r#"{"prompt":[{"role":"user","content":"x"}],"chosen":[{"role":"user","content":"a"}],"rejected":[{"role":"assistant","content":"b"}]}"#
+            ),
+            "data/train.jsonl:1: field \"chosen\": the response must end with an assistant message, found role \"user\""
+        );
+    }
+
+    #[test]
+    fn skip_bad_counts_and_keeps_reasons() {
+        let good = r#"{"prompt":"p","chosen":"a","rejected":"b"}"#;
+        let mut text = String::new();
+        for i in 0..10 {
+            if i % 2 == 0 {
+                text.push_str(good);
+            } else {
+                text.push_str("not json");
+            }
+            text.push('\n');
+        }
+        text.push_str("   \n");
+        let (ex, rep) = read(DatasetKind::Preference, true, &text).unwrap();
+        assert_eq!(ex.len(), 5);
+        assert_eq!(rep.loaded, 5);
+        assert_eq!(rep.skipped, 5);
+        assert_eq!(rep.blank_lines, 1);
+        assert_eq!(rep.skip_reasons.len(), MAX_SKIP_REASONS);
+        assert!(rep.skip_reasons[0].starts_with("data/train.jsonl:2: invalid JSON"));
+        assert_eq!(ex[1].line(), 3);
+        let shown = rep.to_string();
+        assert!(shown.contains("5 malformed rows skipped"), "{shown}");
+        // Without skip_bad the first bad row is fatal.
+        assert!(read(DatasetKind::Preference, false, &text).is_err());
+    }
+
+    #[test]
+    fn sft_forms() {
+        let text = [
+            r#"{"prompt":"Q: hi","completion":" A: hello"}"#,
+            r#"{"messages":[{"role":"system","content":"S"},{"role":"user","content":"U"},{"role":"assistant","content":"A"}]}"#,
+            r#"{"text":"Once upon a time."}"#,
+            r#"{"prompt":[{"role":"user","content":"U"}],"completion":[{"role":"assistant","content":"A"}]}"#,
+        ]
+        .join("\n");
+        let (ex, rep) = read(DatasetKind::Sft, false, &text).unwrap();
+        assert_eq!((rep.loaded, rep.chat_rows, rep.text_rows), (4, 2, 2));
+        assert_eq!(
+            ex[0],
+            Example::Sft {
+                line: 1,
+                data: SftData::Text {
+                    prompt: "Q: hi".into(),
+                    completion: " A: hello".into()
+                }
+            }
+        );
+        assert_eq!(
+            ex[1],
+            Example::Sft {
+                line: 2,
+                data: SftData::Chat {
+                    prompt: vec![Message::system("S"), Message::user("U")],
+                    completion: vec![Message::assistant("A")]
+                }
+            }
+        );
+        assert_eq!(
+            ex[2],
+            Example::Sft {
+                line: 3,
+                data: SftData::Text {
+                    prompt: String::new(),
+                    completion: "Once upon a time.".into()
+                }
+            }
+        );
+        assert!(ex[3].is_chat());
+    }
+
+    #[test]
+    fn sft_errors() {
+        assert_eq!(
+            err(
+                DatasetKind::Sft,
+                r#"{"messages":[{"role":"user","content":"U"}]}"#
+            ),
+            "data/train.jsonl:1: field \"messages\": the conversation must end with an assistant message (the completion), found role \"user\""
+        );
+        assert_eq!(
+            err(DatasetKind::Sft, r#"{"prompt":"x"}"#),
+            "data/train.jsonl:1: field \"completion\": missing"
+        );
+        assert_eq!(
+            err(DatasetKind::Sft, r#"{"text":3}"#),
+            "data/train.jsonl:1: field \"text\": expected a string, found a number"
+        );
+        assert_eq!(
+            err(DatasetKind::Sft, r#"{"foo":"bar"}"#),
+            "data/train.jsonl:1: expected an SFT row: {\"prompt\", \"completion\"}, {\"messages\"} or {\"text\"}"
+        );
+        assert_eq!(
+            err(DatasetKind::Sft, r#"{"prompt":"x","completion":""}"#),
+            "data/train.jsonl:1: field \"completion\": empty response"
+        );
+    }
+
+    #[test]
+    fn load_jsonl_reports_path_and_empty_file() {
+        let dir = std::env::temp_dir().join(format!("lorafit-data-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join("t.jsonl");
+        std::fs::write(&p, "\u{feff}{\"text\":\"hello\"}\r\n").unwrap();
+        let (ex, rep) = load_jsonl(&p, DatasetKind::Sft, false).unwrap();
+        assert_eq!(ex.len(), 1);
+        assert_eq!(rep.path, p.display().to_string());
+        std::fs::write(&p, "\n\n").unwrap();
+        let e = load_jsonl(&p, DatasetKind::Sft, false)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("no SFT examples found"), "{e}");
+        let e = load_jsonl(dir.join("missing.jsonl"), DatasetKind::Sft, false)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("missing.jsonl"), "{e}");
+        std::fs::remove_dir_all(&dir).ok();
+    }
+}

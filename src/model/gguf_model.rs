@@ -1,0 +1,147 @@
+//! Llama-architecture GGUF files as a model source: the geometry from GGUF metadata, tensors
+//! renamed to Hugging Face's names, and the q/k rows that llama.cpp's converter permuted for its
+//! RoPE layout put back in Hugging Face's order.
+
+use super::config::{Family, ModelSpec, RopeScaling};
+use super::gguf::{unpermute_qk_rows, GgufFile};
+use super::weights::TensorSource;
+use anyhow::{bail, Context, Result};
+
+/// GGUF tensor name for a Hugging Face name (llama architecture).
+fn gguf_name(hf: &str) -> Option<String> {
+    if let Some(rest) = hf.strip_prefix("model.layers.") {
+        let (layer, leaf) = rest.split_once('.')?;
+        let g = match leaf {
+            "input_layernorm.weight" => "attn_norm.weight",
+            "post_attention_layernorm.weight" => "ffn_norm.weight",
+            "self_attn.q_proj.weight" => "attn_q.weight",
+            "self_attn.k_proj.weight" => "attn_k.weight",
+            "self_attn.v_proj.weight" => "attn_v.weight",
+            "self_attn.o_proj.weight" => "attn_output.weight",
+            "self_attn.q_proj.bias" => "attn_q.bias",
+            "self_attn.k_proj.bias" => "attn_k.bias",
+            "self_attn.v_proj.bias" => "attn_v.bias",
+            "self_attn.q_norm.weight" => "attn_q_norm.weight",
+            "self_attn.k_norm.weight" => "attn_k_norm.weight",
+            "mlp.gate_proj.weight" => "ffn_gate.weight",
+            "mlp.up_proj.weight" => "ffn_up.weight",
+            "mlp.down_proj.weight" => "ffn_down.weight",
+            _ => return None,
+        };
+        return Some(format!("blk.{layer}.{g}"));
+    }
+    Some(
+        match hf {
+            "model.embed_tokens.weight" => "token_embd.weight",
+            "model.norm.weight" => "output_norm.weight",
+            "lm_head.weight" => "output.weight",
+            _ => return None,
+        }
+        .to_string(),
+    )
+}
+
+/// A GGUF file read as Hugging Face-named f32 tensors.
+pub struct GgufSource {
+    pub file: GgufFile,
+    pub spec: ModelSpec,
+}
+
+impl GgufSource {
+    pub fn open(path: &std::path::Path) -> Result<GgufSource> {
+        let file = GgufFile::open(path)?;
+        let spec = spec_from_gguf(&file)?;
+        Ok(GgufSource { file, spec })
+    }
+}
+
+impl TensorSource for GgufSource {
+    fn get(&self, name: &str) -> Result<(Vec<usize>, Vec<f32>)> {
+        let g = gguf_name(name).with_context(|| {
+            format!("{}: no GGUF tensor corresponds to {name}", self.describe())
+        })?;
+        let info = self.file.tensor_info(&g)?;
+        let shape = info.torch_shape();
+        let mut data = self.file.tensor_f32(&g)?;
+        // llama.cpp's converter permutes q and k rows (per head: [2, hd/2] -> [hd/2, 2]).
+        let heads = if g.ends_with("attn_q.weight") {
+            Some(self.spec.n_heads)
+        } else if g.ends_with("attn_k.weight") {
+            Some(self.spec.n_kv_heads)
+        } else {
+            None
+        };
+        if let Some(n_head) = heads {
+            unpermute_qk_rows(&mut data, shape[0], shape[1], n_head)
+                .with_context(|| format!("{}: tensor {g}", self.describe()))?;
+        }
+        Ok((shape, data))
+    }
+    fn contains(&self, name: &str) -> bool {
+        gguf_name(name).is_some_and(|g| self.file.tensor_info(&g).is_ok())
+    }
+    fn describe(&self) -> String {
+        self.file.path().display().to_string()
+    }
+}
+
+/// Model geometry from the metadata of a llama-architecture GGUF file.
+pub fn spec_from_gguf(f: &GgufFile) -> Result<ModelSpec> {
+    let arch = f.arch()?;
+    if arch != "llama" {
+        bail!(
+            "{}: GGUF architecture {arch:?} is not supported (supported: llama)",
+            f.path().display()
+        );
+    }
+    let k = |s: &str| format!("{arch}.{s}");
+    let n_heads = f.get_usize(&k("attention.head_count"))?;
+    let hidden = f.get_usize(&k("embedding_length"))?;
+    let vocab = match f.get_usize(&k("vocab_size")) {
+        Ok(v) => v,
+        Err(_) => f.get_str_array("tokenizer.ggml.tokens")?.len(),
+    };
+    let head_dim = f
+        .get_usize(&k("rope.dimension_count"))
+        .unwrap_or(hidden / n_heads);
+    let rope_scaling = match (
+        f.get_str(&k("rope.scaling.type")).ok(),
+        f.get_f32(&k("rope.scaling.factor")).ok(),
+    ) {
+        (Some("linear"), Some(factor)) => RopeScaling::Linear {
+            factor: factor as f64,
+        },
+        (None | Some("none"), _) => RopeScaling::None,
+        (Some(other), _) => bail!(
+            "{}: rope scaling {other:?} is not supported",
+            f.path().display()
+        ),
+    };
+    let spec = ModelSpec {
+        family: Family::Llama,
+        hidden,
+        intermediate: f.get_usize(&k("feed_forward_length"))?,
+        n_layers: f.get_usize(&k("block_count"))?,
+        n_heads,
+        n_kv_heads: f
+            .get_usize(&k("attention.head_count_kv"))
+            .unwrap_or(n_heads),
+        head_dim,
+        vocab,
+        rms_eps: f
+            .get_f32(&k("attention.layer_norm_rms_epsilon"))
+            .unwrap_or(1e-5),
+        rope_theta: f.get_f32(&k("rope.freq_base")).unwrap_or(10000.0) as f64,
+        rope_scaling,
+        tie_embeddings: f.tensor_info("output.weight").is_err(),
+        qkv_bias: f.tensor_info("blk.0.attn_q.bias").is_ok(),
+        qk_norm: false,
+        sliding_window: None,
+        max_position_embeddings: f.get_usize(&k("context_length")).unwrap_or(4096),
+        bos_token_id: f.get_u32("tokenizer.ggml.bos_token_id").ok(),
+        eos_token_id: f.get_u32("tokenizer.ggml.eos_token_id").ok(),
+    };
+    spec.validate()
+        .with_context(|| format!("{}", f.path().display()))?;
+    Ok(spec)
+}
