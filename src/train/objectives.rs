@@ -18,7 +18,7 @@
 //! losses/metrics over the examples and scale each example's gradients by `1 / batch`.
 //! Reductions are done in `f64`; inputs and gradients are `f32`.
 //!
-//! Only `std` is used; errors are `Result<_, String>`, no function panics on bad input.
+//! Errors are `Result<_, String>`; no function panics on bad input.
 
 /// Log-probabilities above this value are rejected as "not a log-probability".
 /// (Small positive values can come out of `log_softmax` rounding and are tolerated.)
@@ -63,7 +63,8 @@ pub struct BranchGrads {
 }
 
 /// Which tokens ORPO's NLL term averages over.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum SftScope {
     /// TRL-faithful: token-mean cross-entropy over all chosen tokens, prompt and response.
     #[default]

@@ -1,0 +1,167 @@
+//! `lorafit bench`: ORPO training steps (forward, head, backward, optimiser) on a random-weight
+//! model of a named shape, timed end to end, one JSON line per run.
+//!
+//! Model FLOPs per step, as defined here: every projection (attention, MLP, LM head over the rows
+//! that have a target) costs 2·in·out FLOPs per token forward and the same again backward (dX
+//! only: the base is frozen), LoRA adds its own small matmuls (forward, dX, dA, dB), and attention
+//! costs 4·hd FLOPs per visible (query, key) pair and head forward and 10·hd backward (recompute
+//! of scores, dP, dS·K, dSᵀ·Q, Pᵀ·dO). MFU divides by the bf16 dense GEMM rate measured on the same
+//! device at start.
+
+use crate::model::weights::{load_weights, RandomSource};
+use crate::model::{Lora, LoraConfig, Model, ModelSpec};
+use crate::tensor::{self as ops, DType, Device, Tensor};
+use crate::train::head::HeadTier;
+use crate::train::objectives::SftScope;
+use crate::train::optim::{apply_update, AdamState, OptimOptions};
+use crate::train::plan::Plan;
+use crate::train::step::{run_example, Objective, PassOptions};
+use anyhow::{Context, Result};
+use std::time::Instant;
+
+#[derive(clap::Args, Debug)]
+pub struct BenchArgs {
+    /// qwen0.5b, qwen1.5b, llama8b, tiny, or a path to a config.json.
+    #[arg(long, default_value = "qwen1.5b")]
+    pub shape: String,
+    /// Prompt tokens P.
+    #[arg(long, default_value_t = 3584)]
+    pub prompt_len: usize,
+    /// Tokens of each response R.
+    #[arg(long, default_value_t = 512)]
+    pub resp_len: usize,
+    #[arg(long, default_value_t = 6)]
+    pub steps: usize,
+    #[arg(long, default_value_t = 2)]
+    pub warmup: usize,
+    #[arg(long, default_value_t = 0)]
+    pub segment_size: usize,
+    #[arg(long, value_enum, default_value = "chunked")]
+    pub head: HeadArg,
+    #[arg(long, default_value_t = 4096)]
+    pub head_chunk: usize,
+    /// Share the prompt between chosen and rejected (one forward over [P; Rc; Rr]).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub prefix_shared: bool,
+    #[arg(long, default_value = "cuda")]
+    pub device: String,
+    #[arg(long, default_value_t = 16)]
+    pub rank: usize,
+}
+
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+pub enum HeadArg {
+    Full,
+    Chunked,
+}
+
+/// The anchor shapes (shared/anchors/torch_orpo_bench.py), as Hugging Face configs.
+pub fn named_shape(name: &str) -> Result<ModelSpec> {
+    let json = match name {
+        "llama8b" => r#"{"architectures":["LlamaForCausalLM"],"hidden_size":4096,"intermediate_size":14336,"num_hidden_layers":32,"num_attention_heads":32,"num_key_value_heads":8,"vocab_size":128256,"rope_theta":500000.0,"tie_word_embeddings":false,"rms_norm_eps":1e-5}"#.to_string(),
+        "qwen1.5b" => r#"{"architectures":["Qwen2ForCausalLM"],"hidden_size":1536,"intermediate_size":8960,"num_hidden_layers":28,"num_attention_heads":12,"num_key_value_heads":2,"vocab_size":151936,"rope_theta":1000000.0,"tie_word_embeddings":true,"rms_norm_eps":1e-6}"#.to_string(),
+        "qwen0.5b" => r#"{"architectures":["Qwen2ForCausalLM"],"hidden_size":896,"intermediate_size":4864,"num_hidden_layers":24,"num_attention_heads":14,"num_key_value_heads":2,"vocab_size":151936,"rope_theta":1000000.0,"tie_word_embeddings":true,"rms_norm_eps":1e-6}"#.to_string(),
+        "tiny" => r#"{"architectures":["LlamaForCausalLM"],"hidden_size":128,"intermediate_size":256,"num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":2,"vocab_size":512,"tie_word_embeddings":false}"#.to_string(),
+        path => std::fs::read_to_string(path).with_context(|| format!("shape {path:?} is not a known name (qwen0.5b, qwen1.5b, llama8b, tiny) nor a readable config.json"))?,
+    };
+    ModelSpec::from_config_json(&json)
+}
+
+/// Model FLOPs of one ORPO step (see the module doc).
+pub fn step_flops(spec: &ModelSpec, plan: &Plan, rank: usize, head_rows: usize) -> f64 {
+    let (h, q, kv, i) = (spec.hidden as f64, spec.q_dim() as f64, spec.kv_dim() as f64, spec.intermediate as f64);
+    let per_tok_linear = 2.0 * (h * (q + 2.0 * kv) + q * h + 3.0 * h * i);
+    let r = rank as f64;
+    let lora_in_out = (h + q) + (h + kv) * 2.0 + (q + h) + (h + i) * 2.0 + (i + h);
+    let per_tok_lora = 2.0 * r * lora_in_out;
+    let mut total = 0.0;
+    for s in &plan.seqs {
+        let t = s.ids.len() as f64;
+        let visible: f64 = (0..s.mask.len()).map(|qi| (0..=qi).filter(|&k| s.mask.visible(qi, k)).count() as f64).sum();
+        let attn = visible * spec.n_heads as f64 * spec.head_dim as f64 * (4.0 + 10.0);
+        total += spec.n_layers as f64 * (t * (2.0 * per_tok_linear + 4.0 * per_tok_lora) + attn);
+    }
+    total + 4.0 * head_rows as f64 * h * spec.vocab as f64
+}
+
+/// Dense bf16 GEMM rate of the device in FLOP/s (8192³, median of 5).
+pub fn measure_gemm_peak(device: &Device) -> Result<f64> {
+    let n = if device.is_cuda() { 8192 } else { 512 };
+    let dt = device.compute_dtype();
+    let a = Tensor::from_f32(&crate::model::weights::random_normal(n * n, 1, 1.0), &[n, n], dt, device)?;
+    let b = Tensor::from_f32(&crate::model::weights::random_normal(n * n, 2, 1.0), &[n, n], dt, device)?;
+    let mut times = Vec::new();
+    for _ in 0..6 {
+        device.synchronize()?;
+        let t = Instant::now();
+        let c = ops::matmul(&a, false, &b, true, 1.0, dt)?;
+        device.synchronize()?;
+        times.push(t.elapsed().as_secs_f64());
+        drop(c);
+    }
+    times.remove(0);
+    times.sort_by(|x, y| x.partial_cmp(y).unwrap());
+    Ok(2.0 * (n as f64).powi(3) / times[times.len() / 2])
+}
+
+pub fn run(a: BenchArgs) -> Result<()> {
+    let device = Device::parse(&a.device)?;
+    let spec = named_shape(&a.shape)?;
+    let t_load = Instant::now();
+    let weights = load_weights(&spec, &RandomSource { spec: spec.clone(), seed: 0 }, &device)?;
+    let model = Model::new(spec.clone(), weights, device.clone());
+    eprintln!("random {} weights on {} in {:.1}s", a.shape, device.name(), t_load.elapsed().as_secs_f64());
+    let mut lora = Lora::new(&spec, LoraConfig { rank: a.rank, alpha: 2.0 * a.rank as f64, ..Default::default() }, &device)?;
+    let mut adam = AdamState::new(&lora)?;
+    let optim = OptimOptions { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0, grad_clip: 1.0, lora_plus_ratio: 1.0 };
+    let peak_flops = measure_gemm_peak(&device)?;
+
+    let mut rng = crate::model::lora::Rng(1);
+    let mut tok = |n: usize| -> Vec<u32> { (0..n).map(|_| 3 + (rng.next_u64() % (spec.vocab as u64 - 3)) as u32).collect() };
+    let opts = PassOptions {
+        segment_size: a.segment_size,
+        head: match a.head {
+            HeadArg::Full => HeadTier::Full,
+            HeadArg::Chunked => HeadTier::Chunked,
+        },
+        head_chunk: a.head_chunk,
+        dropout: None,
+    };
+    let objective = Objective::Orpo { lambda: 0.1, scope: SftScope::Full };
+    let mut times = Vec::new();
+    let mut flops = 0.0;
+    let mut tokens = 0;
+    for step in 0..a.warmup + a.steps {
+        let pair = crate::data::TokenizedPair { prompt: tok(a.prompt_len), chosen: tok(a.resp_len), rejected: tok(a.resp_len) };
+        let plan = Plan::pair(&pair, a.prefix_shared, spec.sliding_window.map(|w| w as u32))?;
+        if step == a.warmup {
+            device.reset_peak();
+        }
+        device.synchronize()?;
+        let t = Instant::now();
+        run_example(&model, &mut lora, &plan, &objective, None, &opts, true, 1.0)?;
+        apply_update(&mut lora, &mut adam, 1e-5, step as u64 + 1, 1.0, &optim)?;
+        device.synchronize()?;
+        let dt = t.elapsed().as_secs_f64();
+        if step >= a.warmup {
+            times.push(dt);
+        }
+        let head_rows = plan.chosen.prompt.rows.len() + 2 * a.resp_len;
+        flops = step_flops(&spec, &plan, a.rank, head_rows);
+        tokens = 2 * (a.prompt_len + a.resp_len);
+        eprintln!("step {step}: {dt:.3}s");
+    }
+    times.sort_by(|x, y| x.partial_cmp(y).unwrap());
+    let med = times[times.len() / 2];
+    let mem = device.memory();
+    let line = serde_json::json!({
+        "tool": "lorafit", "shape": a.shape, "P": a.prompt_len, "R": a.resp_len, "device": device.name(),
+        "segment_size": a.segment_size, "head": format!("{:?}", a.head).to_lowercase(), "prefix_shared": a.prefix_shared,
+        "s_per_step": med, "pairs_per_s": 1.0 / med, "tokens_per_s": tokens as f64 / med,
+        "model_tflops_per_step": flops / 1e12, "gemm_peak_tflops": peak_flops / 1e12, "mfu": flops / med / peak_flops,
+        "peak_gib": mem.peak_bytes as f64 / (1u64 << 30) as f64, "steps": a.steps,
+    });
+    println!("RESULT {line}");
+    let _ = DType::F32;
+    Ok(())
+}

@@ -1,0 +1,203 @@
+//! `TrainConfig`: the one description of a training run behind the CLI flags, TOML files and the
+//! saved plan. Defaults follow the spec's table (ORPO: lr 1e-5, λ 0.1, rank 16, scale 2.0,
+//! warmup ≈ 3%); `resolve` fills what depends on the method.
+
+use crate::model::{LoraConfig, Target};
+use crate::train::head::HeadTier;
+use crate::train::objectives::SftScope;
+use crate::train::step::Objective;
+use anyhow::{bail, Context, Result};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::path::Path;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Method {
+    Orpo,
+    Sft,
+    Dpo,
+    Simpo,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TrainConfig {
+    /// Hugging Face model folder, GGUF file, or "smollm2" (fetched and cached).
+    pub model: String,
+    /// Training JSONL.
+    pub data: String,
+    /// Validation JSONL (optional).
+    pub valid: Option<String>,
+    /// Output folder: adapter, checkpoints, metrics.jsonl, plan.toml.
+    pub output: String,
+    pub method: Method,
+    /// cpu, cuda or cuda:N.
+    pub device: String,
+    pub seed: u64,
+    /// Optimiser steps; 0 derives them from `epochs`.
+    pub steps: usize,
+    pub epochs: f64,
+    pub grad_accum: usize,
+    /// Peak learning rate; 0 picks the method's default (ORPO 1e-5, SFT 2e-4, DPO 5e-6, SimPO 1e-6·…).
+    pub lr: f64,
+    pub warmup_ratio: f64,
+    /// Learning-rate schedule: "cosine" or "constant" (both after linear warmup).
+    pub schedule: String,
+    pub weight_decay: f64,
+    /// Global gradient-norm clip; 0 disables.
+    pub grad_clip: f64,
+    pub adam_beta1: f64,
+    pub adam_beta2: f64,
+    pub adam_eps: f64,
+    pub rank: usize,
+    /// LoRA alpha; 0 means `2 × rank` (scale 2.0).
+    pub alpha: f64,
+    pub rslora: bool,
+    /// Learning-rate multiplier on B (LoRA+); 1 disables.
+    pub lora_plus_ratio: f64,
+    pub lora_dropout: f32,
+    pub targets: Vec<String>,
+    pub rank_pattern: BTreeMap<String, usize>,
+    pub orpo_lambda: f64,
+    pub sft_scope: SftScope,
+    /// SFT: train on prompt tokens too.
+    pub sft_all_tokens: bool,
+    pub dpo_beta: f64,
+    pub label_smoothing: f64,
+    pub simpo_beta: f64,
+    pub simpo_gamma: f64,
+    pub max_seq_len: usize,
+    pub max_prompt_len: usize,
+    /// Skip (and count) malformed rows instead of failing.
+    pub skip_bad_rows: bool,
+    /// Keep every `segment_size`-th layer boundary and recompute segments in the backward; 0 keeps
+    /// all activations.
+    pub segment_size: usize,
+    pub head: HeadTier,
+    pub head_chunk: usize,
+    /// One forward over [prompt; chosen; rejected] when a pair's prompt tokens are shared.
+    pub prefix_shared: bool,
+    pub eval_every: usize,
+    /// Validation examples used per evaluation; 0 = all.
+    pub eval_limit: usize,
+    pub save_every: usize,
+    /// Start from this PEFT adapter's weights (optimiser and schedule start fresh).
+    pub warm_start: Option<String>,
+}
+
+impl Default for TrainConfig {
+    fn default() -> Self {
+        TrainConfig {
+            model: "smollm2".into(),
+            data: String::new(),
+            valid: None,
+            output: "runs/lorafit".into(),
+            method: Method::Orpo,
+            device: "cpu".into(),
+            seed: 0,
+            steps: 0,
+            epochs: 1.0,
+            grad_accum: 1,
+            lr: 0.0,
+            warmup_ratio: 0.03,
+            schedule: "cosine".into(),
+            weight_decay: 0.0,
+            grad_clip: 1.0,
+            adam_beta1: 0.9,
+            adam_beta2: 0.999,
+            adam_eps: 1e-8,
+            rank: 16,
+            alpha: 0.0,
+            rslora: false,
+            lora_plus_ratio: 1.0,
+            lora_dropout: 0.0,
+            targets: Target::ALL.iter().map(|t| t.module().to_string()).collect(),
+            rank_pattern: BTreeMap::new(),
+            orpo_lambda: 0.1,
+            sft_scope: SftScope::Full,
+            sft_all_tokens: false,
+            dpo_beta: 0.1,
+            label_smoothing: 0.0,
+            simpo_beta: 2.0,
+            simpo_gamma: 1.0,
+            max_seq_len: 2048,
+            max_prompt_len: 1024,
+            skip_bad_rows: false,
+            segment_size: 0,
+            head: HeadTier::Chunked,
+            head_chunk: crate::train::head::DEFAULT_CHUNK,
+            prefix_shared: true,
+            eval_every: 50,
+            eval_limit: 0,
+            save_every: 100,
+            warm_start: None,
+        }
+    }
+}
+
+impl TrainConfig {
+    pub fn from_toml_file(path: &Path) -> Result<TrainConfig> {
+        let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+        toml::from_str(&text).with_context(|| format!("{}: invalid config", path.display()))
+    }
+
+    pub fn to_toml(&self) -> Result<String> {
+        Ok(toml::to_string_pretty(self)?)
+    }
+
+    /// The learning rate after method defaults.
+    pub fn learning_rate(&self) -> f64 {
+        if self.lr > 0.0 {
+            return self.lr;
+        }
+        match self.method {
+            Method::Orpo => 1e-5,
+            Method::Sft => 2e-4,
+            Method::Dpo => 5e-6,
+            Method::Simpo => 1e-6,
+        }
+    }
+
+    pub fn objective(&self) -> Objective {
+        match self.method {
+            Method::Orpo => Objective::Orpo { lambda: self.orpo_lambda, scope: self.sft_scope },
+            Method::Sft => Objective::Sft { all_tokens: self.sft_all_tokens },
+            Method::Dpo => Objective::Dpo { beta: self.dpo_beta, label_smoothing: self.label_smoothing },
+            Method::Simpo => Objective::Simpo { beta: self.simpo_beta, gamma: self.simpo_gamma },
+        }
+    }
+
+    pub fn lora_config(&self) -> Result<LoraConfig> {
+        let targets = self.targets.iter().map(|t| Target::parse(t)).collect::<Result<Vec<_>>>().context("config field \"targets\"")?;
+        Ok(LoraConfig {
+            rank: self.rank,
+            alpha: if self.alpha > 0.0 { self.alpha } else { 2.0 * self.rank as f64 },
+            targets,
+            rslora: self.rslora,
+            rank_pattern: self.rank_pattern.clone(),
+            alpha_pattern: BTreeMap::new(),
+            dropout: self.lora_dropout,
+            seed: self.seed,
+        })
+    }
+
+    pub fn validate(&self) -> Result<()> {
+        if self.data.is_empty() {
+            bail!("no training data: set `data` in the config or pass --data FILE.jsonl");
+        }
+        if self.grad_accum == 0 || self.rank == 0 {
+            bail!("grad_accum and rank must be at least 1");
+        }
+        if !(0.0..1.0).contains(&self.lora_dropout) {
+            bail!("lora_dropout must be in [0, 1)");
+        }
+        if !["cosine", "constant"].contains(&self.schedule.as_str()) {
+            bail!("schedule {:?}: expected cosine or constant", self.schedule);
+        }
+        if self.max_prompt_len >= self.max_seq_len {
+            bail!("max_prompt_len ({}) must be below max_seq_len ({})", self.max_prompt_len, self.max_seq_len);
+        }
+        Ok(())
+    }
+}

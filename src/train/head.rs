@@ -1,0 +1,59 @@
+//! The logp engine: per-token log p(target) from final hidden states and the LM head, and the
+//! gradient back to the hidden states, without keeping `[tokens, vocab]` logits beyond one chunk.
+//!
+//! Tiers: `Full` materialises the logits of every selected row at once (the reference);
+//! `Chunked(c)` runs `c` rows at a time and recomputes each chunk's logits in the backward.
+//! Only rows that have a target are ever projected: callers gather those rows first.
+
+use crate::model::Model;
+use crate::tensor::{self as ops, DType, Tensor};
+use anyhow::Result;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum HeadTier {
+    Full,
+    Chunked,
+}
+
+/// Rows per chunk for the chunked tier.
+pub const DEFAULT_CHUNK: usize = 1024;
+
+fn chunks(rows: usize, tier: HeadTier, chunk: usize) -> Vec<(usize, usize)> {
+    let c = match tier {
+        HeadTier::Full => rows.max(1),
+        HeadTier::Chunked => chunk.max(1),
+    };
+    (0..rows).step_by(c).map(|s| (s, (s + c).min(rows))).collect()
+}
+
+/// log p(targets[i] | h[i]) for every row of `h` `(N, H)`.
+pub fn logp_forward(model: &Model, h: &Tensor, targets: &[u32], tier: HeadTier, chunk: usize) -> Result<Vec<f32>> {
+    let mut out = Vec::with_capacity(targets.len());
+    for (s, e) in chunks(targets.len(), tier, chunk) {
+        let hc = if s == 0 && e == targets.len() { h.try_clone()? } else { ops::slice_rows(h, s, e)? };
+        let logits = model.logits(&hc, DType::F32)?;
+        let (logp, _) = ops::logsoftmax_gather(&logits, &targets[s..e])?;
+        out.extend(logp.to_vec()?);
+    }
+    Ok(out)
+}
+
+/// d loss / d h `(N, H)` from d loss / d logp, recomputing each chunk's logits.
+pub fn logp_backward(model: &Model, h: &Tensor, targets: &[u32], dlogp: &[f32], tier: HeadTier, chunk: usize) -> Result<Tensor> {
+    let (n, hid) = h.rows_cols();
+    let dev = h.device().clone();
+    let mut dh = Tensor::zeros(&[n, hid], h.dtype(), &dev)?;
+    for (s, e) in chunks(n, tier, chunk) {
+        let hc = ops::slice_rows(h, s, e)?;
+        let logits = model.logits(&hc, DType::F32)?;
+        let (_, lse) = ops::logsoftmax_gather(&logits, &targets[s..e])?;
+        let g = Tensor::from_f32(&dlogp[s..e], &[e - s], DType::F32, &dev)?;
+        let dlogits = ops::logsoftmax_gather_bwd(&g, &logits, &lse, &targets[s..e])?;
+        drop(logits);
+        let dhc = model.logits_bwd(&dlogits)?;
+        let idx: Vec<u32> = (s as u32..e as u32).collect();
+        ops::scatter_add_rows(&mut dh, &idx, &dhc)?;
+    }
+    Ok(dh)
+}

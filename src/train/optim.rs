@@ -1,0 +1,89 @@
+//! The optimiser side of a step: AdamW state for every LoRA matrix, the learning-rate schedule
+//! (linear warmup, then cosine or constant), global-norm clipping and LoRA+.
+
+use crate::model::Lora;
+use crate::tensor::{self as ops, AdamW, DType, Tensor};
+use anyhow::Result;
+
+/// First and second moments per LoRA matrix, in `Lora::pairs` order (A then B).
+pub struct AdamState {
+    pub m: Vec<Tensor>,
+    pub v: Vec<Tensor>,
+}
+
+impl AdamState {
+    pub fn new(lora: &Lora) -> Result<AdamState> {
+        let mut m = Vec::new();
+        let mut v = Vec::new();
+        for (_, _, p) in lora.pairs() {
+            for t in [&p.a, &p.b] {
+                m.push(Tensor::zeros(t.shape(), DType::F32, t.device())?);
+                v.push(Tensor::zeros(t.shape(), DType::F32, t.device())?);
+            }
+        }
+        Ok(AdamState { m, v })
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+pub struct Schedule {
+    pub peak_lr: f64,
+    pub warmup_steps: usize,
+    pub total_steps: usize,
+    pub cosine: bool,
+}
+
+impl Schedule {
+    /// Learning rate of optimiser step `step` (0-based).
+    pub fn lr(&self, step: usize) -> f64 {
+        if step < self.warmup_steps {
+            return self.peak_lr * (step + 1) as f64 / self.warmup_steps as f64;
+        }
+        if !self.cosine {
+            return self.peak_lr;
+        }
+        let span = (self.total_steps - self.warmup_steps).max(1) as f64;
+        let progress = ((step - self.warmup_steps) as f64 / span).min(1.0);
+        self.peak_lr * 0.5 * (1.0 + (std::f64::consts::PI * progress).cos())
+    }
+}
+
+pub struct OptimOptions {
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
+    pub weight_decay: f64,
+    pub grad_clip: f64,
+    pub lora_plus_ratio: f64,
+}
+
+/// Applies one AdamW update to every LoRA matrix from the accumulated gradients; returns the
+/// gradient norm before clipping. `grad_scale` averages accumulated micro-steps.
+pub fn apply_update(lora: &mut Lora, state: &mut AdamState, lr: f64, step: u64, grad_scale: f64, o: &OptimOptions) -> Result<f64> {
+    let mut sq = 0.0;
+    for (_, _, p) in lora.pairs() {
+        sq += ops::sum_sq(&p.grad_a)? + ops::sum_sq(&p.grad_b)?;
+    }
+    let norm = sq.sqrt() * grad_scale;
+    let clip = if o.grad_clip > 0.0 && norm > o.grad_clip { o.grad_clip / norm } else { 1.0 };
+    let mut i = 0;
+    for (_, _, p) in lora.pairs_mut() {
+        for (is_b, (param, grad)) in [(false, (&mut p.a, &p.grad_a)), (true, (&mut p.b, &p.grad_b))] {
+            let lr_here = if is_b { lr * o.lora_plus_ratio } else { lr };
+            let h = AdamW {
+                lr: lr_here as f32,
+                beta1: o.beta1 as f32,
+                beta2: o.beta2 as f32,
+                eps: o.eps as f32,
+                weight_decay: o.weight_decay as f32,
+                step,
+                grad_scale: (grad_scale * clip) as f32,
+            };
+            ops::adamw_step(param, grad, &mut state.m[i], &mut state.v[i], h)?;
+            i += 1;
+        }
+    }
+    lora.refresh_compute_copies()?;
+    lora.zero_grads()?;
+    Ok(norm)
+}

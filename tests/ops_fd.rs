@@ -1,0 +1,909 @@
+//! Finite-difference checks of every hand-written backward on the CPU reference backend, and of
+//! the whole model's LoRA gradients.
+//!
+//! Why this file exists: `model_parity.rs` compares against PyTorch fixtures, which only covers
+//! the shapes and masks the fixtures happen to use, and the CUDA kernels are tested against the
+//! CPU ops, so a wrong CPU backward would silently become the "reference". Here every op's
+//! backward is checked against the definition of a derivative instead: for a non-uniform random
+//! cotangent `c` the scalar `L(x) = Σ c ∘ f(x)` (summed in f64 from the f32 forward) has gradient
+//! `∂L/∂x = f'(x)ᵀ c`, which is exactly what the backward is given `c` as the upstream gradient;
+//! the test perturbs input elements with central differences `(L(x+h) − L(x−h)) / 2h` and
+//! compares.
+//!
+//! Error budget (f32 forward, f64 loss accumulation): the forward's rounding noise in `L` is about
+//! `√N · 6e-8 · |y|` for N outputs, i.e. 1e-7..1e-6 here; divided by `2h = 2e-2` that is an
+//! absolute FD error of ~1e-5..5e-5 against gradients of order 0.1..3, so ~1e-4 relative. The
+//! central-difference truncation error is `h²/6 · f'''`, ~2e-5·|f'''| with h = 1e-2, zero for
+//! the linear ops. Unless stated otherwise: linear ops use rel-norm ≤ 1e-3, smooth nonlinear ops
+//! rel-norm ≤ 2e-3 — an order of magnitude above the budget, yet a wrong term in a backward (a
+//! missing factor, a sign, a dropped mask or head) gives errors of order 1e-1..1. Every check also
+//! bounds the worst single element (max |diff| ≤ 5·tol·max|grad|) and asserts the gradient is not
+//! trivially small, so no check passes vacuously.
+
+mod common;
+use common::*;
+use lorafit::model::lora::Rng;
+use lorafit::model::weights::{load_weights, RandomSource, Weight};
+use lorafit::model::{Lora, LoraConfig, Model, ModelSpec, PassCtx, Target};
+use lorafit::tensor::{self as ops, AttnMask, AttnShape, DType, Device, RopeTable, Tensor};
+
+// ------------------------------------------------------------------------------------------------
+// Helpers
+
+/// Step for the central differences of the op checks (inputs are O(1)).
+const H: f32 = 1e-2;
+/// Tolerance (rel-norm) for ops that are linear in the perturbed input: FD is exact up to
+/// rounding (~1e-5 relative, see the module doc).
+const TOL_LINEAR: f64 = 1e-3;
+/// Tolerance (rel-norm) for smooth nonlinear ops: rounding ~1e-4 plus truncation ~1e-4.
+const TOL_SMOOTH: f64 = 2e-3;
+
+fn t(data: &[f32], shape: &[usize]) -> Tensor {
+    Tensor::cpu(data.to_vec(), shape).unwrap()
+}
+
+/// `rand_vec` scaled by `s`.
+fn rv(n: usize, seed: u64, s: f32) -> Vec<f32> {
+    rand_vec(n, seed).into_iter().map(|x| x * s).collect()
+}
+
+/// `Σ c ∘ y` in f64.
+fn dotc(c: &[f32], y: &Tensor) -> f64 {
+    let y = y.as_cpu().unwrap();
+    assert_eq!(c.len(), y.len(), "cotangent / output size mismatch");
+    c.iter().zip(y).map(|(&a, &b)| a as f64 * b as f64).sum()
+}
+
+/// All indices when `n ≤ k`, else `k` distinct indices drawn deterministically from `seed`.
+fn sample(n: usize, k: usize, seed: u64) -> Vec<usize> {
+    let mut idx: Vec<usize> = (0..n).collect();
+    if n <= k {
+        return idx;
+    }
+    let mut r = Rng(seed);
+    for i in 0..k {
+        let j = i + (r.next_u64() % (n - i) as u64) as usize;
+        idx.swap(i, j);
+    }
+    idx.truncate(k);
+    idx.sort_unstable();
+    idx
+}
+
+/// Central-difference derivative of `loss` with respect to `x[i]` for each `i` in `idx`. The
+/// denominator is the step actually taken after f32 rounding of `x ± h`.
+fn fd_grad(x: &[f32], idx: &[usize], h: f32, mut loss: impl FnMut(&[f32]) -> f64) -> Vec<f32> {
+    let mut xv = x.to_vec();
+    idx.iter()
+        .map(|&i| {
+            let x0 = xv[i];
+            let (xp, xm) = (x0 + h, x0 - h);
+            xv[i] = xp;
+            let lp = loss(&xv);
+            xv[i] = xm;
+            let lm = loss(&xv);
+            xv[i] = x0;
+            ((lp - lm) / (xp as f64 - xm as f64)) as f32
+        })
+        .collect()
+}
+
+/// Richardson-extrapolated central differences, `(4·D(h/2) − D(h)) / 3`: the `h²` truncation
+/// terms cancel, leaving `O(h⁴)`, at ~1.5× the rounding noise of `D(h/2)`. Used for the
+/// whole-model checks, where the loss is strongly curved in some parameters (see `MODEL_H`).
+fn fd_grad_richardson(
+    x: &[f32],
+    idx: &[usize],
+    h: f32,
+    mut loss: impl FnMut(&[f32]) -> f64,
+) -> Vec<f32> {
+    let d1 = fd_grad(x, idx, h, &mut loss);
+    let d2 = fd_grad(x, idx, h / 2.0, &mut loss);
+    d1.iter()
+        .zip(&d2)
+        .map(|(&a, &b)| ((4.0 * b as f64 - a as f64) / 3.0) as f32)
+        .collect()
+}
+
+/// Compares the analytic gradient (at `idx`) with the FD one: rel-norm ≤ `tol`, worst element
+/// ≤ 5·tol·max|fd|, and the gradient must not be negligible. Returns the rel-norm error.
+fn fd_compare(
+    what: &str,
+    analytic: &[f32],
+    idx: &[usize],
+    fd: &[f32],
+    tol: f64,
+) -> Result<f64, String> {
+    let an: Vec<f32> = idx.iter().map(|&i| analytic[i]).collect();
+    let scale = max_abs(fd);
+    if scale < 1e-3 {
+        return Err(format!(
+            "{what}: FD gradient is negligible (max {scale:.2e}); the check would be vacuous"
+        ));
+    }
+    let rn = rel_norm(&an, fd);
+    let (md, i) = max_diff(&an, fd);
+    eprintln!(
+        "{what}: {} entries, max|grad| {scale:.3e}, rel-norm {rn:.2e}, max|diff| {md:.2e} (tol {tol:.0e})",
+        idx.len()
+    );
+    if rn > tol || md > 5.0 * tol * scale {
+        return Err(format!(
+            "{what}: analytic backward disagrees with finite differences: rel-norm {rn:.3e} \
+             (tol {tol:.1e}), max|diff| {md:.3e} at element {} (analytic {} vs FD {}), \
+             max|FD grad| {scale:.3e}",
+            idx[i], an[i], fd[i]
+        ));
+    }
+    Ok(rn)
+}
+
+fn check(what: &str, analytic: &[f32], idx: &[usize], fd: &[f32], tol: f64) {
+    if let Err(e) = fd_compare(what, analytic, idx, fd, tol) {
+        panic!("{e}");
+    }
+}
+
+/// FD of `loss` at every element of `x` (or a deterministic sample of 400 for larger inputs; every
+/// op input below is ≤ 400 elements, so all are checked) against `analytic`.
+fn check_all(
+    what: &str,
+    x: &[f32],
+    analytic: &[f32],
+    tol: f64,
+    loss: impl FnMut(&[f32]) -> f64,
+) {
+    assert_eq!(x.len(), analytic.len(), "{what}: gradient shape");
+    let idx = sample(x.len(), 400, 0xFD ^ x.len() as u64);
+    let fd = fd_grad(x, &idx, H, loss);
+    check(what, analytic, &idx, &fd, tol);
+}
+
+// ------------------------------------------------------------------------------------------------
+// Meta-test: the checker must reject a subtly wrong backward.
+
+#[test]
+fn fd_checker_rejects_a_wrong_backward() {
+    let n = 60;
+    let g = rv(n, 1, 3.0);
+    let u = rv(n, 2, 1.0);
+    let c = rand_vec(n, 3);
+    // A plausible bug: silu'(g) taken as sigmoid(g) (dropping the g·σ(1−σ) term).
+    let wrong: Vec<f32> = (0..n)
+        .map(|i| {
+            let sig = 1.0 / (1.0 + (-g[i]).exp());
+            c[i] * u[i] * sig
+        })
+        .collect();
+    let idx = sample(n, n, 0);
+    let fd = fd_grad(&g, &idx, H, |x| {
+        dotc(&c, &ops::silu_mul(&t(x, &[n]), &t(&u, &[n])).unwrap())
+    });
+    assert!(fd_compare("wrong silu'", &wrong, &idx, &fd, TOL_SMOOTH).is_err());
+    // And a right one within a 0.5% scale error is also caught at the smooth tolerance.
+    let (dg, _) = ops::silu_mul_bwd(&t(&c, &[n]), &t(&g, &[n]), &t(&u, &[n])).unwrap();
+    let scaled: Vec<f32> = dg.as_cpu().unwrap().iter().map(|x| x * 1.005).collect();
+    assert!(fd_compare("scaled silu'", &scaled, &idx, &fd, TOL_SMOOTH).is_err());
+    assert!(fd_compare("right silu'", dg.as_cpu().unwrap(), &idx, &fd, TOL_SMOOTH).is_ok());
+}
+
+// ------------------------------------------------------------------------------------------------
+// Op checks
+
+#[test]
+fn embedding_bwd_matches_fd_with_repeated_ids() {
+    let (v, h) = (7, 5);
+    // Id 3 three times, 1 twice; rows 2, 4, 5 unused (their gradient must be exactly zero).
+    let ids = [3u32, 1, 3, 0, 6, 3, 1];
+    let table = rv(v * h, 10, 1.0);
+    let c = rand_vec(ids.len() * h, 11);
+    let g = ops::embedding_bwd(&t(&c, &[ids.len(), h]), &ids, v).unwrap();
+    assert_eq!(g.shape(), &[v, h]);
+    let g = g.as_cpu().unwrap();
+    for row in [2, 4, 5] {
+        assert!(g[row * h..(row + 1) * h].iter().all(|&x| x == 0.0));
+    }
+    // Linear in the table: TOL_LINEAR.
+    check_all("embedding d(table)", &table, g, TOL_LINEAR, |x| {
+        dotc(&c, &ops::embedding(&t(x, &[v, h]), &ids).unwrap())
+    });
+}
+
+#[test]
+fn rms_norm_bwd_matches_fd() {
+    let (rows, h) = (6, 16);
+    // Rows of very different scale (0.3 .. 3) and a non-uniform weight.
+    let mut x = rv(rows * h, 20, 1.0);
+    for r in 0..rows {
+        let s = 0.3 + 0.54 * r as f32;
+        x[r * h..(r + 1) * h].iter_mut().for_each(|v| *v *= s);
+    }
+    let w: Vec<f32> = rv(h, 21, 0.5).into_iter().map(|v| 1.0 + v).collect();
+    let c = rand_vec(rows * h, 22);
+    let eps = 1e-6;
+    let wt = t(&w, &[h]);
+    let (_, rstd) = ops::rms_norm(&t(&x, &[rows, h]), &wt, eps).unwrap();
+    let dx = ops::rms_norm_bwd(&t(&c, &[rows, h]), &t(&x, &[rows, h]), &wt, &rstd).unwrap();
+    // Smooth nonlinear; the smallest row has ‖x‖ ≈ 0.7, so h = 1e-2 moves rstd by < 2%:
+    // truncation ~(h/‖x‖)²/6 ≈ 3e-5 relative. TOL_SMOOTH.
+    check_all("rms_norm dx", &x, dx.as_cpu().unwrap(), TOL_SMOOTH, |xv| {
+        dotc(&c, &ops::rms_norm(&t(xv, &[rows, h]), &wt, eps).unwrap().0)
+    });
+}
+
+fn rope_case(what: &str, inv_freq: &[f32]) {
+    let positions = [5i32, 0, 3, 3, 100, 7];
+    let (nh, hd) = (2, 2 * inv_freq.len());
+    let tt = positions.len();
+    let width = nh * hd;
+    let table = RopeTable::new(&positions, inv_freq, &Device::Cpu).unwrap();
+    let x = rv(tt * width, 30, 1.0);
+    let c = rand_vec(tt * width, 31);
+    // The backward of rope w.r.t. x is the inverse rotation applied to the upstream gradient.
+    let dx = ops::rope(&t(&c, &[tt, width]), &table, nh, true).unwrap();
+    // Linear (a rotation): TOL_LINEAR.
+    check_all(what, &x, dx.as_cpu().unwrap(), TOL_LINEAR, |xv| {
+        dotc(&c, &ops::rope(&t(xv, &[tt, width]), &table, nh, false).unwrap())
+    });
+    // The rotation is not the identity at these positions (otherwise the check above would not
+    // distinguish forward from inverse), and inverse ∘ forward is the identity.
+    let y = ops::rope(&t(&x, &[tt, width]), &table, nh, false).unwrap();
+    assert!(max_diff(y.as_cpu().unwrap(), &x).0 > 0.1, "{what}: rope did nothing");
+    let back = ops::rope(&y, &table, nh, true).unwrap();
+    assert_close(&format!("{what} inverse∘rope"), back.as_cpu().unwrap(), &x, 1e-6);
+}
+
+#[test]
+fn rope_inverse_is_the_backward_plain_freqs() {
+    let hd = 8;
+    let inv: Vec<f32> = (0..hd / 2)
+        .map(|i| (1.0 / 10000f64.powf(2.0 * i as f64 / hd as f64)) as f32)
+        .collect();
+    rope_case("rope dx (plain inv_freq)", &inv);
+}
+
+#[test]
+fn rope_inverse_is_the_backward_scaled_freqs() {
+    let hd = 8;
+    // Linear scaling by 4.
+    let inv: Vec<f32> = (0..hd / 2)
+        .map(|i| (0.25 / 10000f64.powf(2.0 * i as f64 / hd as f64)) as f32)
+        .collect();
+    rope_case("rope dx (linear-scaled inv_freq)", &inv);
+    // Llama 3.1 piecewise scaling via the spec (head_dim 8 with theta 5e5 puts one frequency in
+    // each of the three regimes).
+    let spec = ModelSpec::from_config_json(
+        r#"{"architectures":["LlamaForCausalLM"],"hidden_size":32,"intermediate_size":48,
+            "num_hidden_layers":1,"num_attention_heads":4,"vocab_size":16,"rope_theta":500000.0,
+            "rope_scaling":{"rope_type":"llama3","factor":8.0,"low_freq_factor":1.0,
+            "high_freq_factor":4.0,"original_max_position_embeddings":8192}}"#,
+    )
+    .unwrap();
+    rope_case("rope dx (llama3-scaled inv_freq)", &spec.inv_freq());
+}
+
+fn attention_case(what: &str, mask: &AttnMask, nh: usize, nkv: usize) {
+    let (tt, hd) = (mask.len(), 8);
+    let s = AttnShape {
+        n_heads: nh,
+        n_kv_heads: nkv,
+        head_dim: hd,
+        scale: 1.0 / (hd as f32).sqrt(),
+    };
+    let (qw, kw) = (nh * hd, nkv * hd);
+    // Scores of order ±3: a far-from-uniform softmax.
+    let q = rv(tt * qw, 40, 1.5);
+    let k = rv(tt * kw, 41, 1.5);
+    let v = rv(tt * kw, 42, 1.0);
+    let c = rand_vec(tt * qw, 43);
+    let attn = |q: &[f32], k: &[f32], v: &[f32]| -> Tensor {
+        ops::attention(&t(q, &[tt, qw]), &t(k, &[tt, kw]), &t(v, &[tt, kw]), mask, s)
+            .unwrap()
+            .0
+    };
+    let (o, lse) = ops::attention(
+        &t(&q, &[tt, qw]),
+        &t(&k, &[tt, kw]),
+        &t(&v, &[tt, kw]),
+        mask,
+        s,
+    )
+    .unwrap();
+    let (dq, dk, dv) = ops::attention_bwd(
+        &t(&c, &[tt, qw]),
+        &t(&q, &[tt, qw]),
+        &t(&k, &[tt, kw]),
+        &t(&v, &[tt, kw]),
+        &o,
+        &lse,
+        mask,
+        s,
+    )
+    .unwrap();
+    // Smooth (softmax of bilinear scores) in q and k: TOL_SMOOTH. Linear in v: TOL_LINEAR.
+    check_all(&format!("{what} dq"), &q, dq.as_cpu().unwrap(), TOL_SMOOTH, |x| {
+        dotc(&c, &attn(x, &k, &v))
+    });
+    check_all(&format!("{what} dk"), &k, dk.as_cpu().unwrap(), TOL_SMOOTH, |x| {
+        dotc(&c, &attn(&q, x, &v))
+    });
+    check_all(&format!("{what} dv"), &v, dv.as_cpu().unwrap(), TOL_LINEAR, |x| {
+        dotc(&c, &attn(&q, &k, x))
+    });
+}
+
+#[test]
+fn attention_bwd_matches_fd_causal() {
+    attention_case("attention causal", &AttnMask::causal(10), 2, 2);
+}
+
+#[test]
+fn attention_bwd_matches_fd_gqa() {
+    attention_case("attention causal GQA 4/2", &AttnMask::causal(10), 4, 2);
+}
+
+#[test]
+fn attention_bwd_matches_fd_prefix_shared() {
+    let mask = AttnMask::prefix_shared(4, 3, 3);
+    assert_eq!(mask.positions, vec![0, 1, 2, 3, 4, 5, 6, 4, 5, 6]);
+    attention_case("attention prefix-shared(4,3,3) GQA", &mask, 4, 2);
+
+    // Rejected queries must not depend on chosen keys/values: with a cotangent only on the
+    // rejected rows, dk and dv of the chosen rows are exactly zero.
+    let (tt, hd, nh, nkv) = (10, 8, 4, 2);
+    let s = AttnShape {
+        n_heads: nh,
+        n_kv_heads: nkv,
+        head_dim: hd,
+        scale: 1.0 / (hd as f32).sqrt(),
+    };
+    let q = t(&rv(tt * nh * hd, 40, 1.5), &[tt, nh * hd]);
+    let k = t(&rv(tt * nkv * hd, 41, 1.5), &[tt, nkv * hd]);
+    let v = t(&rv(tt * nkv * hd, 42, 1.0), &[tt, nkv * hd]);
+    let mut c = rand_vec(tt * nh * hd, 43);
+    c[..7 * nh * hd].iter_mut().for_each(|x| *x = 0.0);
+    let (o, lse) = ops::attention(&q, &k, &v, &mask, s).unwrap();
+    let (_, dk, dv) =
+        ops::attention_bwd(&t(&c, &[tt, nh * hd]), &q, &k, &v, &o, &lse, &mask, s).unwrap();
+    let (dk, dv) = (dk.as_cpu().unwrap(), dv.as_cpu().unwrap());
+    let chosen = 4 * nkv * hd..7 * nkv * hd;
+    assert!(dk[chosen.clone()].iter().all(|&x| x == 0.0));
+    assert!(dv[chosen].iter().all(|&x| x == 0.0));
+    // ... while the prompt rows do get gradient from the rejected queries.
+    assert!(max_abs(&dv[..4 * nkv * hd]) > 1e-3);
+}
+
+#[test]
+fn attention_bwd_matches_fd_sliding_window() {
+    let mask = AttnMask::causal(10).with_window(Some(3));
+    attention_case("attention causal window 3 GQA", &mask, 4, 2);
+    // The window really cuts: query 9 does not see key 0.
+    assert!(!mask.visible(9, 0) && mask.visible(9, 7) && !mask.visible(9, 6));
+    let mask = AttnMask::prefix_shared(4, 3, 3).with_window(Some(3));
+    attention_case("attention prefix-shared window 3", &mask, 2, 1);
+}
+
+#[test]
+fn silu_mul_bwd_matches_fd() {
+    let (r, c_) = (5, 12);
+    let n = r * c_;
+    let g = rv(n, 50, 4.0);
+    let u = rv(n, 51, 1.5);
+    let c = rand_vec(n, 52);
+    let (dg, du) = ops::silu_mul_bwd(&t(&c, &[r, c_]), &t(&g, &[r, c_]), &t(&u, &[r, c_])).unwrap();
+    let f = |g: &[f32], u: &[f32]| ops::silu_mul(&t(g, &[r, c_]), &t(u, &[r, c_])).unwrap();
+    // Smooth in gate (|silu'''| ≤ ~0.5): TOL_SMOOTH. Linear in up: TOL_LINEAR.
+    check_all("silu_mul dgate", &g, dg.as_cpu().unwrap(), TOL_SMOOTH, |x| {
+        dotc(&c, &f(x, &u))
+    });
+    check_all("silu_mul dup", &u, du.as_cpu().unwrap(), TOL_LINEAR, |x| {
+        dotc(&c, &f(&g, x))
+    });
+}
+
+#[test]
+fn matmul_all_transpose_combos_match_fd() {
+    let (m, k, n) = (5, 7, 6);
+    let alpha = 0.7f32;
+    for (ta, tb) in [(false, false), (false, true), (true, false), (true, true)] {
+        let a_shape = if ta { [k, m] } else { [m, k] };
+        let b_shape = if tb { [n, k] } else { [k, n] };
+        let a = rv(m * k, 60, 1.0);
+        let b = rv(k * n, 61, 1.0);
+        let c = rand_vec(m * n, 62);
+        let ct = t(&c, &[m, n]);
+        let (at, bt) = (t(&a, &a_shape), t(&b, &b_shape));
+        // By hand: d op(A) = α dC op(B)ᵀ, d op(B) = α op(A)ᵀ dC, transposed back where stored
+        // transposed.
+        let da = if ta {
+            ops::matmul(&bt, tb, &ct, true, alpha, DType::F32).unwrap()
+        } else {
+            ops::matmul(&ct, false, &bt, !tb, alpha, DType::F32).unwrap()
+        };
+        let db = if tb {
+            ops::matmul(&ct, true, &at, ta, alpha, DType::F32).unwrap()
+        } else {
+            ops::matmul(&at, !ta, &ct, false, alpha, DType::F32).unwrap()
+        };
+        assert_eq!(da.shape(), &a_shape);
+        assert_eq!(db.shape(), &b_shape);
+        let f = |a: &[f32], b: &[f32]| {
+            ops::matmul(&t(a, &a_shape), ta, &t(b, &b_shape), tb, alpha, DType::F32).unwrap()
+        };
+        // Linear in each operand: TOL_LINEAR.
+        check_all(
+            &format!("matmul ta={ta} tb={tb} dA"),
+            &a,
+            da.as_cpu().unwrap(),
+            TOL_LINEAR,
+            |x| dotc(&c, &f(x, &b)),
+        );
+        check_all(
+            &format!("matmul ta={ta} tb={tb} dB"),
+            &b,
+            db.as_cpu().unwrap(),
+            TOL_LINEAR,
+            |x| dotc(&c, &f(&a, x)),
+        );
+        // matmul_acc: c0·β + α op(A) op(B) has the same gradients w.r.t. A and B.
+        let c0 = rv(m * n, 63, 1.0);
+        let mut acc = t(&c0, &[m, n]);
+        ops::matmul_acc(&mut acc, &at, ta, &bt, tb, alpha, 0.5).unwrap();
+        let want: Vec<f32> = f(&a, &b)
+            .as_cpu()
+            .unwrap()
+            .iter()
+            .zip(&c0)
+            .map(|(y, z)| y + 0.5 * z)
+            .collect();
+        assert_close("matmul_acc", acc.as_cpu().unwrap(), &want, 1e-6);
+    }
+}
+
+#[test]
+fn gather_rows_and_scatter_add_rows_are_adjoint_by_fd() {
+    let (rows, cols) = (8, 5);
+    let idx = [2u32, 7, 2, 0, 5, 2];
+    let x = rv(rows * cols, 70, 1.0);
+    let c = rand_vec(idx.len() * cols, 71);
+    // d/dx Σ c ∘ gather(x) = scatter_add(0, c).
+    let mut dx = Tensor::zeros(&[rows, cols], DType::F32, &Device::Cpu).unwrap();
+    ops::scatter_add_rows(&mut dx, &idx, &t(&c, &[idx.len(), cols])).unwrap();
+    check_all(
+        "gather_rows dx (via scatter_add_rows)",
+        &x,
+        dx.as_cpu().unwrap(),
+        TOL_LINEAR,
+        |xv| dotc(&c, &ops::gather_rows(&t(xv, &[rows, cols]), &idx).unwrap()),
+    );
+    // d/dsrc Σ c' ∘ scatter_add(dst0, src) = gather(c').
+    let src = rv(idx.len() * cols, 72, 1.0);
+    let dst0 = rv(rows * cols, 73, 1.0);
+    let c2 = rand_vec(rows * cols, 74);
+    let dsrc = ops::gather_rows(&t(&c2, &[rows, cols]), &idx).unwrap();
+    check_all(
+        "scatter_add_rows dsrc (via gather_rows)",
+        &src,
+        dsrc.as_cpu().unwrap(),
+        TOL_LINEAR,
+        |s| {
+            let mut d = t(&dst0, &[rows, cols]);
+            ops::scatter_add_rows(&mut d, &idx, &t(s, &[idx.len(), cols])).unwrap();
+            dotc(&c2, &d)
+        },
+    );
+}
+
+#[test]
+fn logsoftmax_gather_bwd_matches_fd_with_ignored_target() {
+    let (rows, v) = (6, 11);
+    let targets = [3u32, 0, u32::MAX, 10, 3, 7];
+    // Logits of spread ±3: a peaked softmax.
+    let logits = rv(rows * v, 80, 3.0);
+    let c = rand_vec(rows, 81);
+    let lt = t(&logits, &[rows, v]);
+    let (logp, lse) = ops::logsoftmax_gather(&lt, &targets).unwrap();
+    assert_eq!(logp.as_cpu().unwrap()[2], 0.0, "ignored row gives logp 0");
+    let d = ops::logsoftmax_gather_bwd(&t(&c, &[rows]), &lt, &lse, &targets).unwrap();
+    let d = d.as_cpu().unwrap();
+    assert!(
+        d[2 * v..3 * v].iter().all(|&x| x == 0.0),
+        "ignored row must get zero gradient"
+    );
+    // Smooth; |∂³ log-softmax| ≤ ~1: truncation ≲ 2e-5. TOL_SMOOTH.
+    check_all("logsoftmax_gather dlogits", &logits, d, TOL_SMOOTH, |x| {
+        dotc(&c, &ops::logsoftmax_gather(&t(x, &[rows, v]), &targets).unwrap().0)
+    });
+}
+
+#[test]
+fn dropout_backward_is_the_same_mask_by_fd() {
+    let (r, cols) = (7, 13);
+    let n = r * cols;
+    let (p, seed) = (0.3f32, 0xD80u64);
+    let x = rv(n, 90, 1.0);
+    let c = rand_vec(n, 91);
+    let y = ops::dropout(&t(&x, &[r, cols]), p, seed).unwrap();
+    // The mask is non-trivial: some dropped, most kept and scaled by 1/(1-p).
+    let dropped = y.as_cpu().unwrap().iter().filter(|&&v| v == 0.0).count();
+    assert!(dropped > n / 8 && dropped < n / 2, "{dropped} of {n} dropped");
+    let dx = ops::dropout(&t(&c, &[r, cols]), p, seed).unwrap();
+    // Linear: TOL_LINEAR.
+    check_all("dropout dx", &x, dx.as_cpu().unwrap(), TOL_LINEAR, |xv| {
+        dotc(&c, &ops::dropout(&t(xv, &[r, cols]), p, seed).unwrap())
+    });
+}
+
+#[test]
+fn add_bias_add_assign_scale_match_fd() {
+    let (r, cols) = (4, 6);
+    let x = rv(r * cols, 100, 1.0);
+    let bias = rv(cols, 101, 1.0);
+    let c = rand_vec(r * cols, 102);
+    // d bias = column sums of c.
+    let dbias: Vec<f32> = (0..cols)
+        .map(|j| (0..r).map(|i| c[i * cols + j]).sum())
+        .collect();
+    check_all("add_bias dbias", &bias, &dbias, TOL_LINEAR, |b| {
+        let mut y = t(&x, &[r, cols]);
+        ops::add_bias(&mut y, &t(b, &[cols])).unwrap();
+        dotc(&c, &y)
+    });
+    // a += α b: d b = α c.
+    let alpha = -0.6f32;
+    let db: Vec<f32> = c.iter().map(|v| alpha * v).collect();
+    check_all("add_assign db", &bias.repeat(r), &db, TOL_LINEAR, |b| {
+        let mut y = t(&x, &[r, cols]);
+        ops::add_assign(&mut y, &t(b, &[r, cols]), alpha).unwrap();
+        dotc(&c, &y)
+    });
+    // x · s: d x = s c.
+    let s = 1.7f32;
+    let dx: Vec<f32> = c.iter().map(|v| s * v).collect();
+    check_all("scale dx", &x, &dx, TOL_LINEAR, |xv| {
+        let mut y = t(xv, &[r, cols]);
+        ops::scale(&mut y, s).unwrap();
+        dotc(&c, &y)
+    });
+}
+
+// ------------------------------------------------------------------------------------------------
+// Whole-model checks: LoRA gradients of a tiny random 2-layer model by FD.
+
+const LLAMA: &str = r#"{"architectures":["LlamaForCausalLM"],"hidden_size":32,
+    "intermediate_size":48,"num_hidden_layers":2,"num_attention_heads":4,
+    "num_key_value_heads":2,"vocab_size":64,"rms_norm_eps":1e-6,"rope_theta":10000.0,
+    "tie_word_embeddings":false,"max_position_embeddings":128}"#;
+const QWEN3: &str = r#"{"architectures":["Qwen3ForCausalLM"],"hidden_size":32,
+    "intermediate_size":48,"num_hidden_layers":2,"num_attention_heads":4,
+    "num_key_value_heads":2,"head_dim":8,"vocab_size":64,"rms_norm_eps":1e-6,
+    "rope_theta":1000000.0,"tie_word_embeddings":false,"max_position_embeddings":128}"#;
+const QWEN2: &str = r#"{"architectures":["Qwen2ForCausalLM"],"hidden_size":32,
+    "intermediate_size":48,"num_hidden_layers":2,"num_attention_heads":4,
+    "num_key_value_heads":2,"vocab_size":64,"rms_norm_eps":1e-6,"rope_theta":1000000.0,
+    "tie_word_embeddings":true,"max_position_embeddings":128}"#;
+const MISTRAL: &str = r#"{"architectures":["MistralForCausalLM"],"hidden_size":32,
+    "intermediate_size":48,"num_hidden_layers":2,"num_attention_heads":4,
+    "num_key_value_heads":2,"vocab_size":64,"rms_norm_eps":1e-5,"rope_theta":10000.0,
+    "sliding_window":4,"tie_word_embeddings":false,"max_position_embeddings":128}"#;
+
+/// Token ids of the T = 9 sequence (with repeats).
+const IDS: [u32; 9] = [1, 17, 5, 63, 17, 0, 42, 5, 9];
+
+struct Tiny {
+    model: Model,
+    lora: Lora,
+    c: Vec<f32>,
+}
+
+fn tiny(config: &str, seed: u64) -> Tiny {
+    let spec = ModelSpec::from_config_json(config).unwrap();
+    let dev = Device::Cpu;
+    let src = RandomSource {
+        spec: spec.clone(),
+        seed,
+    };
+    let weights = load_weights(&spec, &src, &dev).unwrap();
+    let model = Model::new(spec.clone(), weights, dev.clone());
+    let mut lora = Lora::new(
+        &spec,
+        LoraConfig {
+            rank: 4,
+            alpha: 8.0,
+            ..Default::default()
+        },
+        &dev,
+    )
+    .unwrap();
+    // PEFT initialises B = 0, which would make every dA zero; use random non-zero B.
+    for (i, (_, _, p)) in lora.pairs_mut().enumerate() {
+        let n = p.b.numel();
+        p.b.as_cpu_mut()
+            .unwrap()
+            .copy_from_slice(&rv(n, seed * 1000 + i as u64, 0.2));
+    }
+    lora.refresh_compute_copies().unwrap();
+    let c = rand_vec(IDS.len() * spec.vocab, seed + 7);
+    Tiny { model, lora, c }
+}
+
+fn ctx_parts(m: &Model) -> (AttnMask, RopeTable) {
+    let mask = m.causal_mask(IDS.len());
+    let rope = m.rope_table(&mask.positions).unwrap();
+    (mask, rope)
+}
+
+/// `L = Σ c ∘ logits`.
+fn model_loss(m: &Model, lora: &Lora, ctx: &PassCtx, c: &[f32]) -> f64 {
+    let (hidden, _) = m.forward(&IDS, Some(lora), ctx, 0).unwrap();
+    dotc(c, &m.logits(&hidden, DType::F32).unwrap())
+}
+
+/// Analytic LoRA gradients (and d(embeddings)) of `L = Σ c ∘ logits`.
+fn model_grads(
+    m: &Model,
+    lora: &mut Lora,
+    ctx: &PassCtx,
+    c: &[f32],
+    segment_size: usize,
+) -> Tensor {
+    lora.zero_grads().unwrap();
+    let (hidden, state) = m.forward(&IDS, Some(&*lora), ctx, segment_size).unwrap();
+    let logits = m.logits(&hidden, DType::F32).unwrap();
+    let dl = t(c, logits.shape());
+    let dh = m.logits_bwd(&dl).unwrap();
+    m.backward(&dh, state, Some(lora), ctx).unwrap()
+}
+
+/// Model-level FD step, with Richardson extrapolation (steps 1e-2 and 5e-3). The LoRA parameters
+/// are O(0.1..0.2) (A ~ U(±1/√in), B ~ U(±0.2)), but the model is strongly curved in some of
+/// them: the random residual stream is tiny (embeddings ~ N(0, 0.02)), so a LoRA delta on
+/// layer 0's v_proj dominates the next RMSNorm's input. Plain central differences at h = 1e-2
+/// showed an O(h²) truncation error of 1.4% there (analytic −7.435, FD −7.329 at h = 1e-2,
+/// −7.408 at 5e-3, −7.4255 at 3e-3, −7.4339 at 1e-3: converging on the analytic value);
+/// extrapolation removes that term. What remains is rounding noise: L ~ O(1) from a deep f32
+/// computation carries ~1e-6 of noise, i.e. ~1e-4 absolute in the derivative at h/2 = 5e-3
+/// (observed max |diff| 1e-4..3e-4 against gradients up to 7.5).
+const MODEL_H: f32 = 1e-2;
+/// Rel-norm over the whole sample of one model (224 entries): observed 3e-5..1e-4, so 1e-3 is
+/// a 10× margin while a wrong term in any large gradient would give ≳1e-2.
+const MODEL_TOL: f64 = 1e-3;
+/// Per element: |analytic − FD| ≤ MODEL_REL·|FD| + MODEL_ABS. MODEL_ABS is 5× the observed FD
+/// noise floor (1e-4), MODEL_REL 1% (observed relative errors after extrapolation are ≤ 1e-4 on
+/// entries above the floor). This catches a wrong gradient in a matrix whose gradients are small
+/// (q/k of Qwen2, ~1e-2) and could hide behind the large ones in the global rel-norm.
+const MODEL_REL: f64 = 1e-2;
+const MODEL_ABS: f64 = 5e-4;
+
+/// Per-element check of one matrix's sample (see `MODEL_REL`, `MODEL_ABS`).
+fn check_elementwise(what: &str, analytic: &[f32], idx: &[usize], fd: &[f32]) {
+    let scale = max_abs(fd);
+    assert!(
+        scale > 10.0 * MODEL_ABS,
+        "{what}: FD gradient is negligible (max {scale:.2e}); the check would be vacuous"
+    );
+    let mut worst = 0.0f64;
+    for (k, &i) in idx.iter().enumerate() {
+        let (a, f) = (analytic[i] as f64, fd[k] as f64);
+        let bound = MODEL_REL * f.abs() + MODEL_ABS;
+        worst = worst.max((a - f).abs() / bound);
+        assert!(
+            (a - f).abs() <= bound,
+            "{what}: element {i}: analytic {a:.6e} vs FD {f:.6e} (|diff| {:.3e} > {bound:.3e})",
+            (a - f).abs()
+        );
+    }
+    eprintln!(
+        "{what}: {} entries, max|grad| {scale:.3e}, worst |diff|/bound {worst:.2}",
+        idx.len()
+    );
+}
+
+/// FD-checks a sample of A and B entries of every target in both layers.
+fn check_lora_grads(name: &str, tiny: &mut Tiny, dropout: Option<(f32, u64)>) {
+    let Tiny { model, lora, c } = tiny;
+    let (mask, rope) = ctx_parts(model);
+    let ctx = PassCtx {
+        mask: &mask,
+        rope: &rope,
+        dropout,
+    };
+    model_grads(model, lora, &ctx, c, 0);
+    let mut analytic = Vec::new();
+    let mut fd = Vec::new();
+    let mut n_pairs = 0;
+    for l in 0..model.spec.n_layers {
+        for (ti, tg) in Target::ALL.into_iter().enumerate() {
+            for is_b in [false, true] {
+                let p = lora.get(l, tg).unwrap();
+                let (x0, g) = if is_b {
+                    (p.b.to_vec().unwrap(), p.grad_b.to_vec().unwrap())
+                } else {
+                    (p.a.to_vec().unwrap(), p.grad_a.to_vec().unwrap())
+                };
+                let idx = sample(x0.len(), 8, (l * 16 + ti * 2 + is_b as usize) as u64);
+                let f = fd_grad_richardson(&x0, &idx, MODEL_H, |x| {
+                    let p = lora.get_mut(l, tg).unwrap();
+                    let dst = if is_b { &mut p.b } else { &mut p.a };
+                    dst.as_cpu_mut().unwrap().copy_from_slice(x);
+                    lora.refresh_compute_copies().unwrap();
+                    model_loss(model, lora, &ctx, c)
+                });
+                // Restore the unperturbed value.
+                let p = lora.get_mut(l, tg).unwrap();
+                let dst = if is_b { &mut p.b } else { &mut p.a };
+                dst.as_cpu_mut().unwrap().copy_from_slice(&x0);
+                lora.refresh_compute_copies().unwrap();
+                let what = format!(
+                    "{name} layer {l} {} {}",
+                    tg.module(),
+                    if is_b { "B" } else { "A" }
+                );
+                check_elementwise(&what, &g, &idx, &f);
+                analytic.extend(idx.iter().map(|&i| g[i]));
+                fd.extend(f);
+                n_pairs += 1;
+            }
+        }
+    }
+    assert_eq!(n_pairs, 28);
+    let all: Vec<usize> = (0..fd.len()).collect();
+    check(
+        &format!("{name} all LoRA samples"),
+        &analytic,
+        &all,
+        &fd,
+        MODEL_TOL,
+    );
+}
+
+#[test]
+fn model_lora_grads_match_fd_llama() {
+    check_lora_grads("llama", &mut tiny(LLAMA, 1), None);
+}
+
+#[test]
+fn model_lora_grads_match_fd_qwen3_qk_norm() {
+    let mut m = tiny(QWEN3, 2);
+    assert!(m.model.spec.qk_norm);
+    check_lora_grads("qwen3", &mut m, None);
+}
+
+#[test]
+fn model_lora_grads_match_fd_qwen2_qkv_bias_tied() {
+    let mut m = tiny(QWEN2, 3);
+    assert!(m.model.spec.qkv_bias && m.model.spec.tie_embeddings);
+    check_lora_grads("qwen2", &mut m, None);
+}
+
+#[test]
+fn model_lora_grads_match_fd_mistral_sliding_window() {
+    let mut m = tiny(MISTRAL, 4);
+    assert_eq!(m.model.spec.sliding_window, Some(4));
+    check_lora_grads("mistral", &mut m, None);
+}
+
+#[test]
+fn model_lora_grads_match_fd_with_dropout() {
+    let mut m = tiny(LLAMA, 5);
+    // Dropout must actually change the output, or this would re-test the plain path.
+    {
+        let (mask, rope) = ctx_parts(&m.model);
+        let plain = PassCtx {
+            mask: &mask,
+            rope: &rope,
+            dropout: None,
+        };
+        let drop = PassCtx {
+            mask: &mask,
+            rope: &rope,
+            dropout: Some((0.3, 1234)),
+        };
+        let (a, b) = (
+            model_loss(&m.model, &m.lora, &plain, &m.c),
+            model_loss(&m.model, &m.lora, &drop, &m.c),
+        );
+        assert!((a - b).abs() > 1e-3 * a.abs().max(1e-3), "dropout had no effect: {a} vs {b}");
+    }
+    check_lora_grads("llama+dropout", &mut m, Some((0.3, 1234)));
+}
+
+#[test]
+fn model_qwen3_with_dropout_matches_fd() {
+    check_lora_grads("qwen3+dropout", &mut tiny(QWEN3, 6), Some((0.3, 1234)));
+}
+
+/// d(embeddings) returned by `backward` (frozen path: norms, attention, RoPE, residuals) against
+/// FD on the embedding table rows of the tokens used.
+fn check_embedding_grad(name: &str, tiny: &mut Tiny) {
+    let Tiny { model, lora, c } = tiny;
+    assert!(!model.spec.tie_embeddings, "FD on a tied table also moves the head");
+    let (mask, rope) = ctx_parts(model);
+    let ctx = PassCtx {
+        mask: &mask,
+        rope: &rope,
+        dropout: None,
+    };
+    let dx = model_grads(model, lora, &ctx, c, 0);
+    let (v, h) = (model.spec.vocab, model.spec.hidden);
+    let dtable = ops::embedding_bwd(&dx, &IDS, v).unwrap();
+    let table0 = model.weights.embed.dense().unwrap().to_vec().unwrap();
+    // Entries of rows 17 and 5 (each used twice), 63 and 0.
+    let idx: Vec<usize> = [17usize, 5, 63, 0]
+        .iter()
+        .flat_map(|&r| (0..h).step_by(2).map(move |j| r * h + j))
+        .collect();
+    let set = |m: &mut Model, x: &[f32]| match &mut m.weights.embed {
+        Weight::Dense(tt) => tt.as_cpu_mut().unwrap().copy_from_slice(x),
+        #[allow(unreachable_patterns)]
+        _ => panic!("{name}: the random model's embedding should be dense"),
+    };
+    // The embeddings are N(0, 0.02) and the gradients large (up to ~40: RMSNorm divides by the
+    // tiny residual rms), so the step is 2e-3 (and 1e-3), with Richardson extrapolation as for
+    // the LoRA entries; observed rel-norm 3e-5..7e-5, tolerance MODEL_TOL.
+    let f = fd_grad_richardson(&table0, &idx, 2e-3, |x| {
+        set(model, x);
+        model_loss(model, lora, &ctx, c)
+    });
+    set(model, &table0);
+    check(
+        &format!("{name} d(embedding table)"),
+        dtable.as_cpu().unwrap(),
+        &idx,
+        &f,
+        MODEL_TOL,
+    );
+}
+
+#[test]
+fn model_embedding_grad_matches_fd() {
+    check_embedding_grad("llama", &mut tiny(LLAMA, 1));
+    check_embedding_grad("qwen3", &mut tiny(QWEN3, 2));
+}
+
+#[test]
+fn segmented_backward_is_bit_identical() {
+    for (name, cfg, dropout) in [
+        ("llama", LLAMA, None),
+        ("llama+dropout", LLAMA, Some((0.3f32, 1234u64))),
+        ("qwen3", QWEN3, None),
+        ("qwen2", QWEN2, Some((0.3, 99))),
+    ] {
+        let mut m = tiny(cfg, 11);
+        let (mask, rope) = ctx_parts(&m.model);
+        let ctx = PassCtx {
+            mask: &mask,
+            rope: &rope,
+            dropout,
+        };
+        let grads = |lora: &Lora| -> Vec<Vec<f32>> {
+            lora.pairs()
+                .flat_map(|(_, _, p)| [p.grad_a.to_vec().unwrap(), p.grad_b.to_vec().unwrap()])
+                .collect()
+        };
+        let d0 = model_grads(&m.model, &mut m.lora, &ctx, &m.c, 0);
+        let g0 = grads(&m.lora);
+        assert_eq!(g0.len(), 28);
+        assert!(
+            g0.iter().all(|g| max_abs(g) > 0.0),
+            "{name}: some LoRA gradient is all zero"
+        );
+        for seg in [1usize, 2] {
+            let d1 = model_grads(&m.model, &mut m.lora, &ctx, &m.c, seg);
+            let g1 = grads(&m.lora);
+            for (i, (a, b)) in g0.iter().zip(&g1).enumerate() {
+                assert!(
+                    a == b,
+                    "{name}: segment_size {seg} gradient #{i} differs from segment_size 0 \
+                     (max|diff| {:.3e})",
+                    max_diff(a, b).0
+                );
+            }
+            assert!(
+                d0.as_cpu().unwrap() == d1.as_cpu().unwrap(),
+                "{name}: segment_size {seg} d(embeddings) differs"
+            );
+        }
+    }
+}
+
