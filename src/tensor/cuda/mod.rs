@@ -1101,13 +1101,49 @@ impl CudaBackend {
             Self::attn_smem("dq", hdp),
             &common(vec![Arg::P(cuda_ptr(&dq)?)])?,
         )?;
+        // One block per (key tile, query head); with GQA the heads' f32 partials are then summed
+        // per kv head (keeps every SM busy when there are few kv heads).
+        let group = s.n_heads / s.n_kv_heads;
+        let parts = if group > 1 {
+            Some((
+                self.empty(&[s.n_heads, t, s.head_dim], DType::F32)?,
+                self.empty(&[s.n_heads, t, s.head_dim], DType::F32)?,
+            ))
+        } else {
+            None
+        };
+        let (pk, pv) = match &parts {
+            Some((a, b)) => (cuda_ptr(a)?, cuda_ptr(b)?),
+            None => (0, 0),
+        };
         self.launch(
             Self::attn_fn("dkdv", hdp),
-            (t.div_ceil(64) as u32, s.n_kv_heads as u32, 1),
+            (t.div_ceil(64) as u32, s.n_heads as u32, 1),
             128,
             Self::attn_smem("dkdv", hdp),
-            &common(vec![Arg::P(cuda_ptr(&dk)?), Arg::P(cuda_ptr(&dv)?)])?,
+            &common(vec![
+                Arg::P(cuda_ptr(&dk)?),
+                Arg::P(cuda_ptr(&dv)?),
+                Arg::P(pk),
+                Arg::P(pv),
+            ])?,
         )?;
+        if parts.is_some() {
+            self.launch_n(
+                "lf_attn_dkdv_reduce",
+                t * s.n_kv_heads * s.head_dim,
+                &[
+                    Arg::P(pk),
+                    Arg::P(pv),
+                    Arg::P(cuda_ptr(&dk)?),
+                    Arg::P(cuda_ptr(&dv)?),
+                    Arg::I32(t as i32),
+                    Arg::I32(s.n_kv_heads as i32),
+                    Arg::I32(group as i32),
+                    Arg::I32(s.head_dim as i32),
+                ],
+            )?;
+        }
         Ok((dq, dk, dv))
     }
 

@@ -106,7 +106,8 @@ __device__ void attn_fwd(const bf16* __restrict__ q, const bf16* __restrict__ k,
     int* kpos = (int*)(vt + HDP * SV);
 
     const int h = blockIdx.y, kvh = h / (nh / nkv);
-    const int q0 = blockIdx.x * BQ;
+    // Late query tiles see the most keys under a causal mask: schedule them first.
+    const int q0 = (gridDim.x - 1 - blockIdx.x) * BQ;
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
     const i64 qstride = (i64)nh * hd, kstride = (i64)nkv * hd;
     const float sl2 = scale * LOG2E;
@@ -278,7 +279,8 @@ __device__ void attn_bwd_dq(const bf16* __restrict__ q, const bf16* __restrict__
     int* kpos = (int*)(kt_s + HDP * SK);
 
     const int h = blockIdx.y, kvh = h / (nh / nkv);
-    const int q0 = blockIdx.x * BQ;
+    // Late query tiles see the most keys under a causal mask: schedule them first.
+    const int q0 = (gridDim.x - 1 - blockIdx.x) * BQ;
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
     const i64 qstride = (i64)nh * hd, kstride = (i64)nkv * hd;
     const float sl2 = scale * LOG2E;
@@ -390,14 +392,17 @@ __device__ void attn_bwd_dq(const bf16* __restrict__ q, const bf16* __restrict__
 }
 
 // ------------------------------------------------------------------------------------------------
-// dK, dV. grid (ceil(T/64), n_kv_heads); warp w owns keys 16w.. of the 64-key tile; loops over the
-// group's query heads and 32-query tiles. Matrices are transposed (keys are the M dimension).
+// dK, dV. grid (ceil(T/64), n_heads); warp w owns keys 16w.. of the 64-key tile; loops over the
+// 32-query tiles of query head blockIdx.y. Matrices are transposed (keys are the M dimension).
+// With GQA (group > 1) each query head writes f32 partials [n_heads, T, hd] that
+// lf_attn_dkdv_reduce sums over the group; with group 1 it writes bf16 dK/dV directly.
 #define BQ2 32
 template <int HDP>
 __device__ void attn_bwd_dkdv(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v,
                               const bf16* __restrict__ d_o, const float* __restrict__ lse,
-                              const float* __restrict__ dd, bf16* __restrict__ dk, bf16* __restrict__ dv, Mask mk,
-                              int t, int nh, int nkv, int hd, float scale) {
+                              const float* __restrict__ dd, bf16* __restrict__ dk, bf16* __restrict__ dv,
+                              float* __restrict__ dk_part, float* __restrict__ dv_part, Mask mk, int t, int nh,
+                              int nkv, int hd, float scale) {
     extern __shared__ __align__(16) unsigned char smem[];
     const int SQ = HDP + 8, ST = BQ2 + 8;
     bf16* ks = (bf16*)smem;
@@ -411,7 +416,7 @@ __device__ void attn_bwd_dkdv(const bf16* __restrict__ q, const bf16* __restrict
     uint4* qr_s = (uint4*)(d_s + BQ2);
     int* qpos_s = (int*)(qr_s + BQ2);
 
-    const int kvh = blockIdx.y, group = nh / nkv;
+    const int h = blockIdx.y, group = nh / nkv, kvh = h / group;
     const int k0 = blockIdx.x * BK;
     const u32 k1 = (u32)min(k0 + BK, t);
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
@@ -432,7 +437,7 @@ __device__ void attn_bwd_dkdv(const bf16* __restrict__ q, const bf16* __restrict
     }
     const uint4 empty = make_uint4(0, 0, 0, 0);
     const int nqt = (t + BQ2 - 1) / BQ2;
-    for (int h = kvh * group; h < (kvh + 1) * group; h++) {
+    {
         for (int it = 0; it < nqt; it++) {
             const int q0 = it * BQ2;
             bool any = false, all = true;
@@ -532,7 +537,16 @@ __device__ void attn_bwd_dkdv(const bf16* __restrict__ q, const bf16* __restrict
         const int d = nd * 8 + 2 * tq;
         #pragma unroll
         for (int e = 0; e < 2; e++) {
-            if (d + e < hd) {
+            if (d + e < hd && group > 1) {
+                if (ka < t) {
+                    dk_part[((i64)h * t + ka) * hd + d + e] = adk[nd][e] * scale;
+                    dv_part[((i64)h * t + ka) * hd + d + e] = adv[nd][e];
+                }
+                if (kb < t) {
+                    dk_part[((i64)h * t + kb) * hd + d + e] = adk[nd][2 + e] * scale;
+                    dv_part[((i64)h * t + kb) * hd + d + e] = adv[nd][2 + e];
+                }
+            } else if (d + e < hd) {
                 const i64 col = (i64)kvh * hd + d + e;
                 if (ka < t) {
                     dk[(i64)ka * kstride + col] = __float2bfloat16(adk[nd][e] * scale);
@@ -544,6 +558,24 @@ __device__ void attn_bwd_dkdv(const bf16* __restrict__ q, const bf16* __restrict
                 }
             }
         }
+    }
+}
+
+// dK[key, kvh, :] = sum over the group's query heads of the f32 partials; likewise dV.
+extern "C" __global__ void lf_attn_dkdv_reduce(const float* dkp, const float* dvp, bf16* dk, bf16* dv, int t,
+                                               int nkv, int group, int hd) {
+    const i64 n = (i64)t * nkv * hd;
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
+        const i64 key = i / ((i64)nkv * hd);
+        const int rem = (int)(i % ((i64)nkv * hd)), kvh = rem / hd, d = rem % hd;
+        float a = 0.f, b = 0.f;
+        for (int g = 0; g < group; g++) {
+            const i64 o = ((i64)(kvh * group + g) * t + key) * hd + d;
+            a += dkp[o];
+            b += dvp[o];
+        }
+        dk[i] = __float2bfloat16(a);
+        dv[i] = __float2bfloat16(b);
     }
 }
 
@@ -560,8 +592,9 @@ __device__ void attn_bwd_dkdv(const bf16* __restrict__ q, const bf16* __restrict
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(NTHREADS) lf_attn_bwd_dkdv_##HDP(                             \
         const bf16* q, const bf16* k, const bf16* v, const bf16* d_o, const float* lse, const float* dd,       \
-        bf16* dk, bf16* dv, Mask mk, int t, int nh, int nkv, int hd, float scale) {                            \
-        attn_bwd_dkdv<HDP>(q, k, v, d_o, lse, dd, dk, dv, mk, t, nh, nkv, hd, scale);                          \
+        bf16* dk, bf16* dv, float* dk_part, float* dv_part, Mask mk, int t, int nh, int nkv, int hd,           \
+        float scale) {                                                                                         \
+        attn_bwd_dkdv<HDP>(q, k, v, d_o, lse, dd, dk, dv, dk_part, dv_part, mk, t, nh, nkv, hd, scale);        \
     }
 
 INSTANTIATE(16)
