@@ -9,6 +9,7 @@
 
 pub mod cpu;
 pub mod cuda;
+pub mod parity;
 
 use anyhow::{bail, ensure, Result};
 use std::sync::Arc;

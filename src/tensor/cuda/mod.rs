@@ -1,45 +1,679 @@
-//! The CUDA backend (contract stub; kernels land in this folder).
+//! The CUDA backend: one context and one stream on one GPU, bf16 storage with fp32 accumulation,
+//! kernels compiled by NVRTC on first use (see `compile`), matrix products through cuBLAS
+//! (`cublasGemmEx`, fp32 compute). Memory is stream-ordered (`cuMemAllocAsync`) and counted
+//! (live and peak bytes); small host-to-device copies (token ids, masks) go through pinned staging
+//! buffers so no op waits for the GPU. Downloads (`to_vec`, `sum_sq`) are the only sync points.
+//!
+//! Everything here talks to the driver through cudarc's thin `result`/`sys` layers, so memory,
+//! launches and lifetimes are explicit. cudarc loads the driver with `dlopen` and panics when the
+//! library is missing; `CudaBackend::new` turns that into an error.
 
-use super::{AdamW, AttnMask, AttnShape, DType, MemoryStats, RopeTable, Tensor};
-use anyhow::{bail, Result};
-use std::sync::Arc;
+pub mod compile;
 
-pub struct CudaBackend {}
-pub struct CudaStorage {}
+use super::{AdamW, AttnMask, AttnShape, DType, Device, MemoryStats, RopeTable, Storage, Tensor};
+use anyhow::{anyhow, bail, ensure, Context, Result};
+use cudarc::cublas::{result as cublas, sys as cublas_sys};
+use cudarc::driver::{result as drv, sys, CudaContext, CudaStream};
+use std::collections::HashMap;
+use std::ffi::{c_void, CString};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, Weak};
 
-impl CudaStorage {
-    pub fn download_f32(&self, _n: usize, _dtype: DType) -> Result<Vec<f32>> {
-        bail!("cuda: todo")
+/// Storage formats the frozen base weights may arrive in (ggml block layouts for the quantized
+/// ones); `CudaBackend::dequantize` turns any of them into a bf16 matrix.
+#[allow(non_camel_case_types)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum QuantKind {
+    F32,
+    F16,
+    BF16,
+    Q8_0,
+    Q4_0,
+    Q4_1,
+    Q4_K,
+    Q6_K,
+}
+
+impl QuantKind {
+    /// (elements per block, bytes per block).
+    pub fn block(self) -> (usize, usize) {
+        match self {
+            QuantKind::F32 => (1, 4),
+            QuantKind::F16 | QuantKind::BF16 => (1, 2),
+            QuantKind::Q8_0 => (32, 34),
+            QuantKind::Q4_0 => (32, 18),
+            QuantKind::Q4_1 => (32, 20),
+            QuantKind::Q4_K => (256, 144),
+            QuantKind::Q6_K => (256, 210),
+        }
+    }
+    fn kernel(self) -> &'static str {
+        match self {
+            QuantKind::F32 => "lf_deq_f32",
+            QuantKind::F16 => "lf_deq_f16",
+            QuantKind::BF16 => "lf_deq_bf16",
+            QuantKind::Q8_0 => "lf_deq_q8_0",
+            QuantKind::Q4_0 => "lf_deq_q4_0",
+            QuantKind::Q4_1 => "lf_deq_q4_1",
+            QuantKind::Q4_K => "lf_deq_q4_k",
+            QuantKind::Q6_K => "lf_deq_q6_k",
+        }
     }
 }
 
-#[allow(unused_variables, clippy::too_many_arguments)]
-impl CudaBackend {
-    pub fn new(ordinal: usize) -> Result<Arc<CudaBackend>> {
-        bail!("cuda: todo")
+#[derive(Clone, Copy)]
+struct Func(sys::CUfunction);
+// SAFETY: a CUfunction is a handle valid in the backend's context from any thread.
+unsafe impl Send for Func {}
+// SAFETY: as above; launching does not mutate the handle.
+unsafe impl Sync for Func {}
+
+#[derive(Clone, Copy)]
+struct Module(sys::CUmodule);
+// SAFETY: a CUmodule handle is usable from any thread bound to its context.
+unsafe impl Send for Module {}
+
+/// One pinned host buffer for small uploads, reusable once its event has completed.
+struct Staging {
+    ptr: *mut u8,
+    cap: usize,
+    event: sys::CUevent,
+    pending: bool,
+}
+// SAFETY: the pointer is pinned host memory owned by this struct; access is under a Mutex.
+unsafe impl Send for Staging {}
+
+/// Uploads up to this size go through pinned staging (no host sync); larger ones are plain copies.
+const STAGING_MAX: usize = 4 << 20;
+
+struct Inner {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    cublas: cublas_sys::cublasHandle_t,
+    arch: String,
+    name: String,
+    sm_count: u32,
+    smem_optin: i32,
+    modules: Mutex<HashMap<&'static str, Module>>,
+    funcs: Mutex<HashMap<&'static str, Func>>,
+    staging: Mutex<Vec<Staging>>,
+    live: AtomicUsize,
+    peak: AtomicUsize,
+}
+// SAFETY: the raw cuBLAS handle is only used on the backend's stream, and every driver call binds
+// the context first; the mutable state is behind Mutexes and atomics.
+unsafe impl Send for Inner {}
+// SAFETY: as above.
+unsafe impl Sync for Inner {}
+
+impl Inner {
+    fn bind(&self) -> Result<()> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| anyhow!("cuda: binding the context: {e:?}"))
     }
+    fn cu_stream(&self) -> sys::CUstream {
+        self.stream.cu_stream()
+    }
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        let _ = self.bind();
+        let _ = self.stream.synchronize();
+        // SAFETY: the handle was created in `new` and is not used after this.
+        let _ = unsafe { cublas::destroy_handle(self.cublas) };
+        for s in self.staging.lock().unwrap().drain(..) {
+            // SAFETY: pinned buffer and event created by this backend; the stream is idle.
+            unsafe {
+                let _ = drv::free_host(s.ptr as *mut c_void);
+                let _ = drv::event::destroy(s.event);
+            }
+        }
+        for (_, m) in self.modules.lock().unwrap().drain() {
+            // SAFETY: no kernel of the module is running (stream synchronised above).
+            let _ = unsafe { drv::module::unload(m.0) };
+        }
+    }
+}
+
+/// The CUDA device: context, stream, cuBLAS handle, kernel cache, allocator counters.
+pub struct CudaBackend {
+    me: Weak<CudaBackend>,
+    inner: Arc<Inner>,
+}
+
+/// A device buffer (stream-ordered allocation, freed on drop, counted in `MemoryStats`).
+pub struct CudaStorage {
+    ptr: sys::CUdeviceptr,
+    bytes: usize,
+    inner: Arc<Inner>,
+}
+
+impl Drop for CudaStorage {
+    fn drop(&mut self) {
+        self.inner.live.fetch_sub(self.bytes, Ordering::Relaxed);
+        if self.inner.bind().is_ok() {
+            // SAFETY: `ptr` was allocated on this stream and is freed once, in stream order.
+            let _ = unsafe { drv::free_async(self.ptr, self.inner.cu_stream()) };
+        }
+    }
+}
+
+impl CudaStorage {
+    pub fn device_ptr(&self) -> u64 {
+        self.ptr
+    }
+    pub fn len_bytes(&self) -> usize {
+        self.bytes
+    }
+
+    /// Copies `n` elements to the host as f32 (a sync point).
+    pub fn download_f32(&self, n: usize, dtype: DType) -> Result<Vec<f32>> {
+        ensure!(n * dtype.size() <= self.bytes, "download past the buffer");
+        self.inner.bind()?;
+        Ok(match dtype {
+            DType::F32 => {
+                let mut v = vec![0f32; n];
+                self.dtoh(&mut v)?;
+                v
+            }
+            DType::BF16 => {
+                let mut v = vec![half::bf16::ZERO; n];
+                self.dtoh(&mut v)?;
+                v.into_iter().map(f32::from).collect()
+            }
+        })
+    }
+
+    fn dtoh<T>(&self, out: &mut [T]) -> Result<()> {
+        if out.is_empty() {
+            return Ok(());
+        }
+        // SAFETY: `out` is a host buffer of the copied size, within this allocation (checked by
+        // callers); the stream is synchronised before `out` is read.
+        unsafe {
+            drv::memcpy_dtoh_async(out, self.ptr, self.inner.cu_stream())
+                .map_err(|e| anyhow!("cuda: download: {e:?}"))?;
+        }
+        self.inner
+            .stream
+            .synchronize()
+            .map_err(|e| anyhow!("cuda: stream sync: {e:?}"))
+    }
+}
+
+/// Raw bytes on the device (quantized weights before dequantisation).
+pub struct DeviceBytes {
+    buf: CudaStorage,
+    len: usize,
+}
+
+impl DeviceBytes {
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+/// A kernel argument.
+enum Arg {
+    P(u64),
+    I32(i32),
+    I64(i64),
+    U64(u64),
+    F32(f32),
+    F64(f64),
+    Mask(MaskArg),
+}
+
+/// Mirrors `struct Mask` in attention.cu.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct MaskArg {
+    ranges: u64,
+    pos: u64,
+    kt_min: u64,
+    kt_max: u64,
+    window: i32,
+}
+
+const KEY_TILE: usize = 64;
+
+fn dt(d: DType) -> Arg {
+    Arg::I32(match d {
+        DType::F32 => 0,
+        DType::BF16 => 1,
+    })
+}
+
+fn cuda_ptr(t: &Tensor) -> Result<u64> {
+    match t.storage() {
+        Storage::Cuda(s) => Ok(s.ptr),
+        Storage::Cpu(_) => bail!("expected a CUDA tensor, got a CPU one"),
+    }
+}
+
+fn module_of(func: &str) -> &'static str {
+    if func.starts_with("lf_attn") {
+        "attention"
+    } else if func.starts_with("lf_deq") {
+        "dequant"
+    } else {
+        "elementwise"
+    }
+}
+
+fn catch<T>(what: &str, f: impl FnOnce() -> Result<T>) -> Result<T> {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
+        Ok(r) => r,
+        Err(p) => {
+            let msg = p
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_else(|| "unknown panic".into());
+            Err(anyhow!("{what}: {msg}"))
+        }
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+impl CudaBackend {
+    /// Opens GPU `ordinal`: an error (not a panic) where the driver library or the GPU is missing.
+    pub fn new(ordinal: usize) -> Result<Arc<CudaBackend>> {
+        // SAFETY: probing only opens the library.
+        if !unsafe { sys::is_culib_present() } {
+            bail!("CUDA is not available: the NVIDIA driver library (libcuda.so) was not found");
+        }
+        let inner = catch("CUDA initialisation failed", || {
+            let ctx = CudaContext::new(ordinal).map_err(|e| {
+                anyhow!("CUDA device {ordinal} could not be opened: {e:?} (is there a GPU?)")
+            })?;
+            let stream = ctx
+                .new_stream()
+                .map_err(|e| anyhow!("cuda: creating a stream: {e:?}"))?;
+            let (maj, min) = ctx
+                .compute_capability()
+                .map_err(|e| anyhow!("cuda: compute capability: {e:?}"))?;
+            let name = ctx.name().unwrap_or_else(|_| "cuda".into());
+            let attr = |a| ctx.attribute(a).unwrap_or(0);
+            let sm_count =
+                attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT) as u32;
+            let smem_optin = attr(
+                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+            );
+            let handle = catch("cuBLAS could not be loaded (libcublas.so.13)", || {
+                cublas::create_handle().map_err(|e| anyhow!("cublasCreate: {e:?}"))
+            })?;
+            // SAFETY: a fresh handle and a live stream.
+            unsafe { cublas::set_stream(handle, stream.cu_stream() as _) }
+                .map_err(|e| anyhow!("cublasSetStream: {e:?}"))?;
+            Ok(Inner {
+                ctx,
+                stream,
+                cublas: handle,
+                arch: format!("sm_{maj}{min}"),
+                name: format!("cuda:{ordinal} ({name})"),
+                sm_count: sm_count.max(1),
+                smem_optin,
+                modules: Mutex::new(HashMap::new()),
+                funcs: Mutex::new(HashMap::new()),
+                staging: Mutex::new(Vec::new()),
+                live: AtomicUsize::new(0),
+                peak: AtomicUsize::new(0),
+            })
+        })?;
+        Ok(Arc::new_cyclic(|me| CudaBackend {
+            me: me.clone(),
+            inner: Arc::new(inner),
+        }))
+    }
+
     pub fn name(&self) -> String {
-        "cuda".into()
+        self.inner.name.clone()
+    }
+    /// The compute architecture kernels are compiled for, e.g. `sm_90`.
+    pub fn arch(&self) -> &str {
+        &self.inner.arch
     }
     pub fn memory(&self) -> MemoryStats {
-        MemoryStats::default()
+        MemoryStats {
+            live_bytes: self.inner.live.load(Ordering::Relaxed),
+            peak_bytes: self.inner.peak.load(Ordering::Relaxed),
+        }
     }
-    pub fn reset_peak(&self) {}
+    pub fn reset_peak(&self) {
+        self.inner
+            .peak
+            .store(self.inner.live.load(Ordering::Relaxed), Ordering::Relaxed);
+    }
     pub fn synchronize(&self) -> Result<()> {
+        self.inner.bind()?;
+        self.inner
+            .stream
+            .synchronize()
+            .map_err(|e| anyhow!("cuda: stream sync: {e:?}"))
+    }
+
+    fn device(&self) -> Device {
+        Device::Cuda(self.me.upgrade().expect("backend alive while in use"))
+    }
+
+    // --------------------------------------------------------------------------------------------
+    // Memory
+
+    fn alloc(&self, bytes: usize) -> Result<CudaStorage> {
+        self.inner.bind()?;
+        let n = bytes.max(1).next_multiple_of(16);
+        // SAFETY: a live stream; the memory is only used on it and freed in Drop.
+        let ptr = unsafe {
+            if self.inner.ctx.has_async_alloc() {
+                drv::malloc_async(self.inner.cu_stream(), n)
+            } else {
+                drv::malloc_sync(n)
+            }
+        }
+        .map_err(|e| anyhow!("cuda: allocating {bytes} bytes: {e:?}"))?;
+        let live = self.inner.live.fetch_add(bytes, Ordering::Relaxed) + bytes;
+        self.inner.peak.fetch_max(live, Ordering::Relaxed);
+        Ok(CudaStorage {
+            ptr,
+            bytes,
+            inner: self.inner.clone(),
+        })
+    }
+
+    fn empty(&self, shape: &[usize], dtype: DType) -> Result<Tensor> {
+        let n: usize = shape.iter().product();
+        let s = self.alloc(n * dtype.size())?;
+        Ok(Tensor::from_parts(
+            shape.to_vec(),
+            dtype,
+            self.device(),
+            Storage::Cuda(s),
+        ))
+    }
+
+    fn memset0(&self, s: &CudaStorage) -> Result<()> {
+        if s.bytes == 0 {
+            return Ok(());
+        }
+        // SAFETY: the range lies inside the allocation; stream-ordered.
+        unsafe { drv::memset_d8_async(s.ptr, 0, s.bytes, self.inner.cu_stream()) }
+            .map_err(|e| anyhow!("cuda: memset: {e:?}"))
+    }
+
+    /// Host-to-device copy without a host sync for small buffers (pinned staging ring).
+    fn htod(&self, dst: &CudaStorage, bytes: &[u8]) -> Result<()> {
+        ensure!(bytes.len() <= dst.bytes, "upload past the buffer");
+        if bytes.is_empty() {
+            return Ok(());
+        }
+        self.inner.bind()?;
+        let stream = self.inner.cu_stream();
+        if bytes.len() > STAGING_MAX {
+            // SAFETY: `bytes` lives across the call; pageable copies are staged by the driver
+            // before this returns.
+            return unsafe { drv::memcpy_htod_async(dst.ptr, bytes, stream) }
+                .map_err(|e| anyhow!("cuda: upload: {e:?}"));
+        }
+        let mut pool = self.inner.staging.lock().unwrap();
+        let mut slot = None;
+        for (i, s) in pool.iter_mut().enumerate() {
+            if s.cap < bytes.len() {
+                continue;
+            }
+            // SAFETY: a live event of this backend.
+            if !s.pending || unsafe { drv::event::query(s.event) }.is_ok() {
+                s.pending = false;
+                slot = Some(i);
+                break;
+            }
+        }
+        let i = match slot {
+            Some(i) => i,
+            None if pool.len() >= 64 => {
+                // Bounded pool: wait for the oldest copy (only under a flood of uploads).
+                let i = pool.iter().position(|s| s.cap >= bytes.len()).unwrap_or(0);
+                // SAFETY: a live event.
+                unsafe { drv::event::synchronize(pool[i].event) }
+                    .map_err(|e| anyhow!("cuda: event sync: {e:?}"))?;
+                if pool[i].cap < bytes.len() {
+                    let old = pool.remove(i);
+                    // SAFETY: its copy has completed.
+                    unsafe {
+                        let _ = drv::free_host(old.ptr as *mut c_void);
+                        let _ = drv::event::destroy(old.event);
+                    }
+                    pool.push(self.new_staging(bytes.len())?);
+                    pool.len() - 1
+                } else {
+                    pool[i].pending = false;
+                    i
+                }
+            }
+            None => {
+                pool.push(self.new_staging(bytes.len())?);
+                pool.len() - 1
+            }
+        };
+        let s = &mut pool[i];
+        // SAFETY: `s.ptr` is pinned memory of `s.cap >= len` bytes not used by any pending copy;
+        // the event marks when the copy has read it.
+        unsafe {
+            std::ptr::copy_nonoverlapping(bytes.as_ptr(), s.ptr, bytes.len());
+            sys::cuMemcpyHtoDAsync_v2(dst.ptr, s.ptr as *const c_void, bytes.len(), stream)
+                .result()
+                .map_err(|e| anyhow!("cuda: upload: {e:?}"))?;
+            drv::event::record(s.event, stream).map_err(|e| anyhow!("cuda: event: {e:?}"))?;
+        }
+        s.pending = true;
         Ok(())
     }
+
+    fn new_staging(&self, len: usize) -> Result<Staging> {
+        let cap = len.next_power_of_two().max(64 << 10);
+        // SAFETY: plain pinned allocation, freed in Inner::drop.
+        let ptr = unsafe { drv::malloc_host(cap, 0) }
+            .map_err(|e| anyhow!("cuda: pinned alloc: {e:?}"))? as *mut u8;
+        let event = drv::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+            .map_err(|e| anyhow!("cuda: event: {e:?}"))?;
+        Ok(Staging {
+            ptr,
+            cap,
+            event,
+            pending: false,
+        })
+    }
+
+    fn upload_u32(&self, v: &[u32]) -> Result<CudaStorage> {
+        let s = self.alloc(v.len() * 4)?;
+        self.htod(&s, bytemuck::cast_slice(v))?;
+        Ok(s)
+    }
+
     pub fn upload(&self, data: &[f32], shape: &[usize], dtype: DType) -> Result<Tensor> {
-        bail!("cuda: todo")
+        let t = self.empty(shape, dtype)?;
+        if let Storage::Cuda(s) = t.storage() {
+            match dtype {
+                DType::F32 => self.htod(s, bytemuck::cast_slice(data))?,
+                DType::BF16 => {
+                    let v: Vec<half::bf16> =
+                        data.iter().map(|&x| half::bf16::from_f32(x)).collect();
+                    self.htod(s, bytemuck::cast_slice(&v))?
+                }
+            }
+        }
+        Ok(t)
     }
+
+    /// Raw bytes to the device (quantized weights).
+    pub fn upload_bytes(&self, bytes: &[u8]) -> Result<DeviceBytes> {
+        let buf = self.alloc(bytes.len())?;
+        self.htod(&buf, bytes)?;
+        Ok(DeviceBytes {
+            buf,
+            len: bytes.len(),
+        })
+    }
+
     pub fn zeros(&self, shape: &[usize], dtype: DType) -> Result<Tensor> {
-        bail!("cuda: todo")
+        let t = self.empty(shape, dtype)?;
+        if let Storage::Cuda(s) = t.storage() {
+            self.memset0(s)?;
+        }
+        Ok(t)
     }
+
+    fn dtod(&self, dst: u64, src: u64, bytes: usize) -> Result<()> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        // SAFETY: both ranges lie inside live allocations of this context; stream-ordered.
+        unsafe { drv::memcpy_dtod_async(dst, src, bytes, self.inner.cu_stream()) }
+            .map_err(|e| anyhow!("cuda: copy: {e:?}"))
+    }
+
     pub fn copy(&self, x: &Tensor) -> Result<Tensor> {
-        bail!("cuda: todo")
+        let y = self.empty(x.shape(), x.dtype())?;
+        self.dtod(cuda_ptr(&y)?, cuda_ptr(x)?, x.numel() * x.dtype().size())?;
+        Ok(y)
     }
+
     pub fn cast(&self, x: &Tensor, dtype: DType) -> Result<Tensor> {
-        bail!("cuda: todo")
+        if x.dtype() == dtype {
+            return self.copy(x);
+        }
+        let y = self.empty(x.shape(), dtype)?;
+        let n = x.numel();
+        self.launch_n(
+            "lf_cast",
+            n,
+            &[
+                Arg::P(cuda_ptr(x)?),
+                dt(x.dtype()),
+                Arg::P(cuda_ptr(&y)?),
+                dt(dtype),
+                Arg::I64(n as i64),
+            ],
+        )?;
+        Ok(y)
     }
+
+    // --------------------------------------------------------------------------------------------
+    // Kernels
+
+    fn function(&self, name: &'static str) -> Result<sys::CUfunction> {
+        if let Some(f) = self.inner.funcs.lock().unwrap().get(name) {
+            return Ok(f.0);
+        }
+        self.inner.bind()?;
+        let mname = module_of(name);
+        let module = {
+            let mut mods = self.inner.modules.lock().unwrap();
+            match mods.get(mname) {
+                Some(m) => m.0,
+                None => {
+                    let src = compile::module_source(mname)?;
+                    let bin = compile::compile(mname, &src, &self.inner.arch, true)
+                        .with_context(|| format!("compiling kernel module {mname}"))?;
+                    // SAFETY: `bin` is a complete CUBIN image for this device's architecture.
+                    let m = unsafe { drv::module::load_data(bin.as_ptr() as *const c_void) }
+                        .map_err(|e| anyhow!("cuda: loading module {mname}: {e:?}"))?;
+                    mods.insert(mname, Module(m));
+                    m
+                }
+            }
+        };
+        let cname = CString::new(name)?;
+        // SAFETY: a loaded module and a NUL-terminated name.
+        let f = unsafe { drv::module::get_function(module, cname) }
+            .map_err(|e| anyhow!("cuda: kernel {name} not found: {e:?}"))?;
+        if mname == "attention" {
+            // The largest attention kernel needs about 88 KB (head_dim 128).
+            let want = (self.inner.smem_optin - 1024).min(160 * 1024);
+            ensure!(
+                want >= Self::attn_smem("dq", 128) as i32,
+                "cuda: the device allows only {} bytes of shared memory per block",
+                self.inner.smem_optin
+            );
+            // SAFETY: a valid function; the value is the device's opt-in limit.
+            unsafe {
+                drv::function::set_function_attribute(
+                    f,
+                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    want,
+                )
+            }
+            .map_err(|e| anyhow!("cuda: shared-memory limit of {name}: {e:?}"))?;
+        }
+        self.inner.funcs.lock().unwrap().insert(name, Func(f));
+        Ok(f)
+    }
+
+    fn launch(
+        &self,
+        name: &'static str,
+        grid: (u32, u32, u32),
+        block: u32,
+        smem: u32,
+        args: &[Arg],
+    ) -> Result<()> {
+        if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
+            return Ok(());
+        }
+        let f = self.function(name)?;
+        // Each argument's bytes in an 8-byte aligned box; the driver copies them at launch.
+        let mut boxes: Vec<Box<[u64]>> = Vec::with_capacity(args.len());
+        for a in args {
+            let b: Box<[u64]> = match a {
+                Arg::P(v) | Arg::U64(v) => Box::new([*v]),
+                Arg::I64(v) => Box::new([*v as u64]),
+                Arg::F64(v) => Box::new([v.to_bits()]),
+                Arg::I32(v) => Box::new([*v as u32 as u64]),
+                Arg::F32(v) => Box::new([v.to_bits() as u64]),
+                Arg::Mask(m) => {
+                    Box::new([m.ranges, m.pos, m.kt_min, m.kt_max, m.window as u32 as u64])
+                }
+            };
+            boxes.push(b);
+        }
+        let mut ptrs: Vec<*mut c_void> = boxes
+            .iter_mut()
+            .map(|b| b.as_mut_ptr() as *mut c_void)
+            .collect();
+        self.inner.bind()?;
+        // SAFETY: `f` is a kernel of this context whose parameter list matches `args` (each
+        // call site mirrors the kernel's signature; 4-byte scalars sit in the low bytes of their
+        // box, little-endian); the pointers are live device buffers.
+        unsafe {
+            drv::launch_kernel(
+                f,
+                grid,
+                (block, 1, 1),
+                smem,
+                self.inner.cu_stream(),
+                &mut ptrs,
+            )
+        }
+        .map_err(|e| anyhow!("cuda: launching {name}: {e:?}"))
+    }
+
+    /// Grid-stride launch over `n` elements.
+    fn launch_n(&self, name: &'static str, n: usize, args: &[Arg]) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        let blocks = n.div_ceil(256).min(self.inner.sm_count as usize * 16) as u32;
+        self.launch(name, (blocks, 1, 1), 256, 0, args)
+    }
+
+    // --------------------------------------------------------------------------------------------
+    // GEMM
+
     pub fn matmul(
         &self,
         a: &Tensor,
@@ -49,8 +683,15 @@ impl CudaBackend {
         alpha: f32,
         out_dtype: DType,
     ) -> Result<Tensor> {
-        bail!("cuda: todo")
+        let (ar, ac) = a.rows_cols();
+        let (br, bc) = b.rows_cols();
+        let m = if ta { ac } else { ar };
+        let n = if tb { br } else { bc };
+        let mut c = self.empty(&[m, n], out_dtype)?;
+        self.matmul_acc(&mut c, a, ta, b, tb, alpha, 0.0)?;
+        Ok(c)
     }
+
     pub fn matmul_acc(
         &self,
         c: &mut Tensor,
@@ -61,17 +702,155 @@ impl CudaBackend {
         alpha: f32,
         beta: f32,
     ) -> Result<()> {
-        bail!("cuda: todo")
+        let (ar, ac) = a.rows_cols();
+        let (br, bc) = b.rows_cols();
+        let (m, k) = if ta { (ac, ar) } else { (ar, ac) };
+        let (k2, n) = if tb { (bc, br) } else { (br, bc) };
+        ensure!(
+            k == k2,
+            "matmul: inner dims differ: {:?}{} x {:?}{}",
+            a.shape(),
+            if ta { "ᵀ" } else { "" },
+            b.shape(),
+            if tb { "ᵀ" } else { "" }
+        );
+        ensure!(
+            c.numel() == m * n,
+            "matmul: output {:?} is not [{m}, {n}]",
+            c.shape()
+        );
+        if m == 0 || n == 0 {
+            return Ok(());
+        }
+        if k == 0 {
+            return self.scale(c, beta);
+        }
+        // Supported directly: bf16 x bf16 -> bf16 | f32, and f32 x f32 -> f32.
+        let direct = match (a.dtype(), b.dtype(), c.dtype()) {
+            (DType::BF16, DType::BF16, _) => true,
+            (DType::F32, DType::F32, DType::F32) => true,
+            _ => false,
+        };
+        if !direct {
+            // Mixed operands: widen to f32 (lossless), then accumulate into c.
+            let a32 = a.to_dtype(DType::F32)?;
+            let b32 = b.to_dtype(DType::F32)?;
+            if c.dtype() == DType::F32 {
+                return self.matmul_acc(c, &a32, ta, &b32, tb, alpha, beta);
+            }
+            let mut tmp = self.empty(&[m, n], DType::F32)?;
+            self.matmul_acc(&mut tmp, &a32, ta, &b32, tb, alpha, 0.0)?;
+            if beta != 1.0 {
+                self.scale(c, beta)?;
+            }
+            return self.add_assign(c, &tmp, 1.0);
+        }
+        let ty = |d: DType| match d {
+            DType::F32 => cublas_sys::cudaDataType::CUDA_R_32F,
+            DType::BF16 => cublas_sys::cudaDataType::CUDA_R_16BF,
+        };
+        let op = |t: bool| {
+            if t {
+                cublas_sys::cublasOperation_t::CUBLAS_OP_T
+            } else {
+                cublas_sys::cublasOperation_t::CUBLAS_OP_N
+            }
+        };
+        self.inner.bind()?;
+        // Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T.
+        // SAFETY: the pointers are live buffers of the sizes checked above; alpha/beta are host
+        // scalars (pointer mode host); the handle is bound to our stream.
+        unsafe {
+            cublas::gemm_ex(
+                self.inner.cublas,
+                op(tb),
+                op(ta),
+                n as i32,
+                m as i32,
+                k as i32,
+                &alpha as *const f32 as *const c_void,
+                cuda_ptr(b)? as *const c_void,
+                ty(b.dtype()),
+                bc as i32,
+                cuda_ptr(a)? as *const c_void,
+                ty(a.dtype()),
+                ac as i32,
+                &beta as *const f32 as *const c_void,
+                cuda_ptr(c)? as *mut c_void,
+                ty(c.dtype()),
+                n as i32,
+                cublas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                cublas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DFALT,
+            )
+        }
+        .map_err(|e| anyhow!("cublasGemmEx [{m}x{k}]x[{k}x{n}]: {e:?}"))
     }
+
+    // --------------------------------------------------------------------------------------------
+    // Ops
+
     pub fn embedding(&self, table: &Tensor, ids: &[u32]) -> Result<Tensor> {
-        bail!("cuda: todo")
+        let h = table.dim(-1);
+        let y = self.empty(&[ids.len(), h], table.dtype())?;
+        let idb = self.upload_u32(ids)?;
+        self.launch_n(
+            "lf_embedding",
+            ids.len() * h,
+            &[
+                Arg::P(cuda_ptr(table)?),
+                dt(table.dtype()),
+                Arg::P(idb.ptr),
+                Arg::P(cuda_ptr(&y)?),
+                Arg::I64(ids.len() as i64),
+                Arg::I64(h as i64),
+            ],
+        )?;
+        Ok(y)
     }
+
+    /// f32 `[vocab, H]`.
     pub fn embedding_bwd(&self, dy: &Tensor, ids: &[u32], vocab: usize) -> Result<Tensor> {
-        bail!("cuda: todo")
+        let h = dy.dim(-1);
+        let g = self.zeros(&[vocab, h], DType::F32)?;
+        let idb = self.upload_u32(ids)?;
+        self.launch_n(
+            "lf_embedding_bwd",
+            ids.len() * h,
+            &[
+                Arg::P(cuda_ptr(dy)?),
+                dt(dy.dtype()),
+                Arg::P(idb.ptr),
+                Arg::P(cuda_ptr(&g)?),
+                Arg::I64(ids.len() as i64),
+                Arg::I64(h as i64),
+            ],
+        )?;
+        Ok(g)
     }
+
     pub fn rms_norm(&self, x: &Tensor, w: &Tensor, eps: f32) -> Result<(Tensor, Tensor)> {
-        bail!("cuda: todo")
+        let (rows, h) = x.rows_cols();
+        let y = self.empty(x.shape(), x.dtype())?;
+        let rstd = self.empty(&[rows], DType::F32)?;
+        self.launch(
+            "lf_rms_norm",
+            (rows as u32, 1, 1),
+            256,
+            0,
+            &[
+                Arg::P(cuda_ptr(x)?),
+                dt(x.dtype()),
+                Arg::P(cuda_ptr(w)?),
+                dt(w.dtype()),
+                Arg::P(cuda_ptr(&y)?),
+                Arg::P(cuda_ptr(&rstd)?),
+                Arg::I32(h as i32),
+                Arg::F32(eps),
+            ],
+        )?;
+        Ok((y, rstd))
     }
+
     pub fn rms_norm_bwd(
         &self,
         dy: &Tensor,
@@ -79,8 +858,29 @@ impl CudaBackend {
         w: &Tensor,
         rstd: &Tensor,
     ) -> Result<Tensor> {
-        bail!("cuda: todo")
+        let (rows, h) = x.rows_cols();
+        ensure!(rstd.dtype() == DType::F32, "rms_norm_bwd: rstd must be f32");
+        let dx = self.empty(x.shape(), x.dtype())?;
+        self.launch(
+            "lf_rms_norm_bwd",
+            (rows as u32, 1, 1),
+            256,
+            0,
+            &[
+                Arg::P(cuda_ptr(dy)?),
+                dt(dy.dtype()),
+                Arg::P(cuda_ptr(x)?),
+                dt(x.dtype()),
+                Arg::P(cuda_ptr(w)?),
+                dt(w.dtype()),
+                Arg::P(cuda_ptr(rstd)?),
+                Arg::P(cuda_ptr(&dx)?),
+                Arg::I32(h as i32),
+            ],
+        )?;
+        Ok(dx)
     }
+
     pub fn rope(
         &self,
         x: &Tensor,
@@ -88,8 +888,120 @@ impl CudaBackend {
         n_heads: usize,
         inverse: bool,
     ) -> Result<Tensor> {
-        bail!("cuda: todo")
+        ensure!(
+            table.cos.dtype() == DType::F32 && table.sin.dtype() == DType::F32,
+            "rope: tables must be f32"
+        );
+        let (t, _) = x.rows_cols();
+        let y = self.empty(x.shape(), x.dtype())?;
+        self.launch_n(
+            "lf_rope",
+            t * n_heads * (table.head_dim / 2),
+            &[
+                Arg::P(cuda_ptr(x)?),
+                dt(x.dtype()),
+                Arg::P(cuda_ptr(&table.cos)?),
+                Arg::P(cuda_ptr(&table.sin)?),
+                Arg::P(cuda_ptr(&y)?),
+                Arg::I64(t as i64),
+                Arg::I32(n_heads as i32),
+                Arg::I32(table.head_dim as i32),
+                Arg::F32(if inverse { -1.0 } else { 1.0 }),
+            ],
+        )?;
+        Ok(y)
     }
+
+    /// Uploads the mask as one buffer: ranges (16 B per query), positions, then per-64-key-tile
+    /// min and max positions; returns the buffer and the kernel argument pointing into it.
+    fn upload_mask(&self, mask: &AttnMask) -> Result<(CudaStorage, MaskArg)> {
+        let t = mask.len();
+        let tiles = t.div_ceil(KEY_TILE).max(1);
+        let off_pos = t * 16;
+        let off_min = (off_pos + t * 4).next_multiple_of(16);
+        let off_max = (off_min + tiles * 4).next_multiple_of(16);
+        let total = off_max + tiles * 4;
+        let mut buf = vec![0u8; total];
+        for (i, r) in mask.ranges.iter().enumerate() {
+            buf[i * 16..i * 16 + 16].copy_from_slice(bytemuck::cast_slice(r));
+        }
+        buf[off_pos..off_pos + t * 4].copy_from_slice(bytemuck::cast_slice(&mask.positions));
+        for tile in 0..tiles {
+            let ps = &mask.positions[(tile * KEY_TILE).min(t)..((tile + 1) * KEY_TILE).min(t)];
+            let mn = ps.iter().copied().min().unwrap_or(0);
+            let mx = ps.iter().copied().max().unwrap_or(0);
+            buf[off_min + tile * 4..off_min + tile * 4 + 4].copy_from_slice(&mn.to_ne_bytes());
+            buf[off_max + tile * 4..off_max + tile * 4 + 4].copy_from_slice(&mx.to_ne_bytes());
+        }
+        let s = self.alloc(total)?;
+        self.htod(&s, &buf)?;
+        let window = match mask.window {
+            None => -1,
+            Some(w) => w.min(i32::MAX as u32) as i32,
+        };
+        let arg = MaskArg {
+            ranges: s.ptr,
+            pos: s.ptr + off_pos as u64,
+            kt_min: s.ptr + off_min as u64,
+            kt_max: s.ptr + off_max as u64,
+            window,
+        };
+        Ok((s, arg))
+    }
+
+    fn attn_check(&self, q: &Tensor, k: &Tensor, v: &Tensor, s: &AttnShape) -> Result<usize> {
+        ensure!(
+            q.dtype() == DType::BF16 && k.dtype() == DType::BF16 && v.dtype() == DType::BF16,
+            "cuda attention takes bf16 q, k, v"
+        );
+        ensure!(
+            q.dim(-1) == s.n_heads * s.head_dim && k.dim(-1) == s.n_kv_heads * s.head_dim,
+            "attention: q {:?} / k {:?} do not match {s:?}",
+            q.shape(),
+            k.shape()
+        );
+        ensure!(k.shape() == v.shape(), "attention: k and v differ");
+        let hdp = match s.head_dim {
+            0 => bail!("attention: head_dim 0"),
+            1..=16 => 16,
+            17..=32 => 32,
+            33..=64 => 64,
+            65..=96 => 96,
+            97..=128 => 128,
+            d => bail!("cuda attention supports head_dim up to 128, got {d}"),
+        };
+        Ok(hdp)
+    }
+
+    fn attn_smem(kind: &str, hdp: usize) -> u32 {
+        let sq = hdp + 8;
+        let b = match kind {
+            "fwd" => (64 * sq + 64 * sq + hdp * (64 + 8)) * 2 + 64 * 4,
+            "dq" => (2 * 64 * sq + 2 * 64 * sq + hdp * (64 + 8)) * 2 + 64 * 4,
+            _ => (2 * 64 * sq + 2 * 32 * sq + 2 * hdp * (32 + 8)) * 2 + 32 * (4 + 4 + 16 + 4),
+        };
+        b as u32
+    }
+
+    fn attn_fn(kind: &str, hdp: usize) -> &'static str {
+        macro_rules! pick {
+            ($k:literal) => {
+                match hdp {
+                    16 => concat!("lf_attn_", $k, "_16"),
+                    32 => concat!("lf_attn_", $k, "_32"),
+                    64 => concat!("lf_attn_", $k, "_64"),
+                    96 => concat!("lf_attn_", $k, "_96"),
+                    _ => concat!("lf_attn_", $k, "_128"),
+                }
+            };
+        }
+        match kind {
+            "fwd" => pick!("fwd"),
+            "dq" => pick!("bwd_dq"),
+            _ => pick!("bwd_dkdv"),
+        }
+    }
+
     pub fn attention(
         &self,
         q: &Tensor,
@@ -98,8 +1010,33 @@ impl CudaBackend {
         mask: &AttnMask,
         s: AttnShape,
     ) -> Result<(Tensor, Tensor)> {
-        bail!("cuda: todo")
+        let hdp = self.attn_check(q, k, v, &s)?;
+        let t = q.dim(0);
+        let o = self.empty(q.shape(), q.dtype())?;
+        let lse = self.empty(&[s.n_heads, t], DType::F32)?;
+        let (_mbuf, marg) = self.upload_mask(mask)?;
+        self.launch(
+            Self::attn_fn("fwd", hdp),
+            (t.div_ceil(64) as u32, s.n_heads as u32, 1),
+            128,
+            Self::attn_smem("fwd", hdp),
+            &[
+                Arg::P(cuda_ptr(q)?),
+                Arg::P(cuda_ptr(k)?),
+                Arg::P(cuda_ptr(v)?),
+                Arg::P(cuda_ptr(&o)?),
+                Arg::P(cuda_ptr(&lse)?),
+                Arg::Mask(marg),
+                Arg::I32(t as i32),
+                Arg::I32(s.n_heads as i32),
+                Arg::I32(s.n_kv_heads as i32),
+                Arg::I32(s.head_dim as i32),
+                Arg::F32(s.scale),
+            ],
+        )?;
+        Ok((o, lse))
     }
+
     pub fn attention_bwd(
         &self,
         d_o: &Tensor,
@@ -111,40 +1048,278 @@ impl CudaBackend {
         mask: &AttnMask,
         s: AttnShape,
     ) -> Result<(Tensor, Tensor, Tensor)> {
-        bail!("cuda: todo")
+        let hdp = self.attn_check(q, k, v, &s)?;
+        ensure!(
+            d_o.dtype() == DType::BF16 && o.dtype() == DType::BF16 && lse.dtype() == DType::F32,
+            "attention_bwd: do/o bf16 and lse f32 expected"
+        );
+        let t = q.dim(0);
+        let dq = self.empty(q.shape(), DType::BF16)?;
+        let dk = self.empty(k.shape(), DType::BF16)?;
+        let dv = self.empty(v.shape(), DType::BF16)?;
+        let dd = self.empty(&[s.n_heads, t], DType::F32)?;
+        let (_mbuf, marg) = self.upload_mask(mask)?;
+        let rows = t * s.n_heads;
+        self.launch(
+            "lf_attn_bwd_dot",
+            ((rows * 32).div_ceil(256) as u32, 1, 1),
+            256,
+            0,
+            &[
+                Arg::P(cuda_ptr(d_o)?),
+                Arg::P(cuda_ptr(o)?),
+                Arg::P(cuda_ptr(&dd)?),
+                Arg::I32(t as i32),
+                Arg::I32(s.n_heads as i32),
+                Arg::I32(s.head_dim as i32),
+            ],
+        )?;
+        let common = |out: Vec<Arg>| -> Result<Vec<Arg>> {
+            let mut a = vec![
+                Arg::P(cuda_ptr(q)?),
+                Arg::P(cuda_ptr(k)?),
+                Arg::P(cuda_ptr(v)?),
+                Arg::P(cuda_ptr(d_o)?),
+                Arg::P(cuda_ptr(lse)?),
+                Arg::P(cuda_ptr(&dd)?),
+            ];
+            a.extend(out);
+            a.extend([
+                Arg::Mask(marg),
+                Arg::I32(t as i32),
+                Arg::I32(s.n_heads as i32),
+                Arg::I32(s.n_kv_heads as i32),
+                Arg::I32(s.head_dim as i32),
+                Arg::F32(s.scale),
+            ]);
+            Ok(a)
+        };
+        self.launch(
+            Self::attn_fn("dq", hdp),
+            (t.div_ceil(64) as u32, s.n_heads as u32, 1),
+            128,
+            Self::attn_smem("dq", hdp),
+            &common(vec![Arg::P(cuda_ptr(&dq)?)])?,
+        )?;
+        // One block per (key tile, query head); with GQA the heads' f32 partials are then summed
+        // per kv head (keeps every SM busy when there are few kv heads).
+        let group = s.n_heads / s.n_kv_heads;
+        let parts = if group > 1 {
+            Some((
+                self.empty(&[s.n_heads, t, s.head_dim], DType::F32)?,
+                self.empty(&[s.n_heads, t, s.head_dim], DType::F32)?,
+            ))
+        } else {
+            None
+        };
+        let (pk, pv) = match &parts {
+            Some((a, b)) => (cuda_ptr(a)?, cuda_ptr(b)?),
+            None => (0, 0),
+        };
+        self.launch(
+            Self::attn_fn("dkdv", hdp),
+            (t.div_ceil(64) as u32, s.n_heads as u32, 1),
+            128,
+            Self::attn_smem("dkdv", hdp),
+            &common(vec![
+                Arg::P(cuda_ptr(&dk)?),
+                Arg::P(cuda_ptr(&dv)?),
+                Arg::P(pk),
+                Arg::P(pv),
+            ])?,
+        )?;
+        if parts.is_some() {
+            self.launch_n(
+                "lf_attn_dkdv_reduce",
+                t * s.n_kv_heads * s.head_dim,
+                &[
+                    Arg::P(pk),
+                    Arg::P(pv),
+                    Arg::P(cuda_ptr(&dk)?),
+                    Arg::P(cuda_ptr(&dv)?),
+                    Arg::I32(t as i32),
+                    Arg::I32(s.n_kv_heads as i32),
+                    Arg::I32(group as i32),
+                    Arg::I32(s.head_dim as i32),
+                ],
+            )?;
+        }
+        Ok((dq, dk, dv))
     }
+
     pub fn silu_mul(&self, gate: &Tensor, up: &Tensor) -> Result<Tensor> {
-        bail!("cuda: todo")
+        let y = self.empty(gate.shape(), gate.dtype())?;
+        let n = gate.numel();
+        self.launch_n(
+            "lf_silu_mul",
+            n,
+            &[
+                Arg::P(cuda_ptr(gate)?),
+                dt(gate.dtype()),
+                Arg::P(cuda_ptr(up)?),
+                dt(up.dtype()),
+                Arg::P(cuda_ptr(&y)?),
+                Arg::I64(n as i64),
+            ],
+        )?;
+        Ok(y)
     }
+
     pub fn silu_mul_bwd(
         &self,
         dh: &Tensor,
         gate: &Tensor,
         up: &Tensor,
     ) -> Result<(Tensor, Tensor)> {
-        bail!("cuda: todo")
+        let dg = self.empty(gate.shape(), gate.dtype())?;
+        let du = self.empty(up.shape(), up.dtype())?;
+        let n = gate.numel();
+        self.launch_n(
+            "lf_silu_mul_bwd",
+            n,
+            &[
+                Arg::P(cuda_ptr(dh)?),
+                dt(dh.dtype()),
+                Arg::P(cuda_ptr(gate)?),
+                dt(gate.dtype()),
+                Arg::P(cuda_ptr(up)?),
+                dt(up.dtype()),
+                Arg::P(cuda_ptr(&dg)?),
+                Arg::P(cuda_ptr(&du)?),
+                Arg::I64(n as i64),
+            ],
+        )?;
+        Ok((dg, du))
     }
+
     pub fn add_assign(&self, a: &mut Tensor, b: &Tensor, alpha: f32) -> Result<()> {
-        bail!("cuda: todo")
+        let n = a.numel();
+        self.launch_n(
+            "lf_add_assign",
+            n,
+            &[
+                Arg::P(cuda_ptr(a)?),
+                dt(a.dtype()),
+                Arg::P(cuda_ptr(b)?),
+                dt(b.dtype()),
+                Arg::F32(alpha),
+                Arg::I64(n as i64),
+            ],
+        )
     }
+
     pub fn add_bias(&self, x: &mut Tensor, bias: &Tensor) -> Result<()> {
-        bail!("cuda: todo")
+        let n = x.numel();
+        self.launch_n(
+            "lf_add_bias",
+            n,
+            &[
+                Arg::P(cuda_ptr(x)?),
+                dt(x.dtype()),
+                Arg::P(cuda_ptr(bias)?),
+                dt(bias.dtype()),
+                Arg::I64(n as i64),
+                Arg::I64(bias.numel() as i64),
+            ],
+        )
     }
+
     pub fn scale(&self, x: &mut Tensor, s: f32) -> Result<()> {
-        bail!("cuda: todo")
+        let n = x.numel();
+        self.launch_n(
+            "lf_scale",
+            n,
+            &[
+                Arg::P(cuda_ptr(x)?),
+                dt(x.dtype()),
+                Arg::F32(s),
+                Arg::I64(n as i64),
+            ],
+        )
     }
+
     pub fn slice_rows(&self, x: &Tensor, start: usize, end: usize) -> Result<Tensor> {
-        bail!("cuda: todo")
+        let (_, c) = x.rows_cols();
+        let (shape, c) = if x.shape().len() == 1 {
+            (vec![end - start], 1)
+        } else {
+            (vec![end - start, c], c)
+        };
+        let y = self.empty(&shape, x.dtype())?;
+        let es = x.dtype().size();
+        self.dtod(
+            cuda_ptr(&y)?,
+            cuda_ptr(x)? + (start * c * es) as u64,
+            (end - start) * c * es,
+        )?;
+        Ok(y)
     }
+
     pub fn gather_rows(&self, x: &Tensor, idx: &[u32]) -> Result<Tensor> {
-        bail!("cuda: todo")
+        let (_, c) = x.rows_cols();
+        let y = self.empty(&[idx.len(), c], x.dtype())?;
+        let ib = self.upload_u32(idx)?;
+        self.launch_n(
+            "lf_gather_rows",
+            idx.len() * c,
+            &[
+                Arg::P(cuda_ptr(x)?),
+                dt(x.dtype()),
+                Arg::P(ib.ptr),
+                Arg::P(cuda_ptr(&y)?),
+                Arg::I64(idx.len() as i64),
+                Arg::I64(c as i64),
+            ],
+        )?;
+        Ok(y)
     }
+
     pub fn scatter_add_rows(&self, dst: &mut Tensor, idx: &[u32], src: &Tensor) -> Result<()> {
-        bail!("cuda: todo")
+        let (_, c) = dst.rows_cols();
+        ensure!(
+            src.numel() == idx.len() * c,
+            "scatter_add_rows: src {:?} vs {} rows of {c}",
+            src.shape(),
+            idx.len()
+        );
+        let ib = self.upload_u32(idx)?;
+        self.launch_n(
+            "lf_scatter_add_rows",
+            idx.len() * c,
+            &[
+                Arg::P(cuda_ptr(dst)?),
+                dt(dst.dtype()),
+                Arg::P(ib.ptr),
+                Arg::P(cuda_ptr(src)?),
+                dt(src.dtype()),
+                Arg::I64(idx.len() as i64),
+                Arg::I64(c as i64),
+            ],
+        )
     }
+
     pub fn logsoftmax_gather(&self, logits: &Tensor, targets: &[u32]) -> Result<(Tensor, Tensor)> {
-        bail!("cuda: todo")
+        let (rows, v) = logits.rows_cols();
+        let logp = self.empty(&[rows], DType::F32)?;
+        let lse = self.empty(&[rows], DType::F32)?;
+        let tb = self.upload_u32(targets)?;
+        self.launch(
+            "lf_logsoftmax_gather",
+            (rows as u32, 1, 1),
+            1024,
+            0,
+            &[
+                Arg::P(cuda_ptr(logits)?),
+                dt(logits.dtype()),
+                Arg::P(tb.ptr),
+                Arg::P(cuda_ptr(&logp)?),
+                Arg::P(cuda_ptr(&lse)?),
+                Arg::I64(v as i64),
+            ],
+        )?;
+        Ok((logp, lse))
     }
+
     pub fn logsoftmax_gather_bwd(
         &self,
         dlogp: &Tensor,
@@ -152,14 +1327,73 @@ impl CudaBackend {
         lse: &Tensor,
         targets: &[u32],
     ) -> Result<Tensor> {
-        bail!("cuda: todo")
+        ensure!(
+            dlogp.dtype() == DType::F32 && lse.dtype() == DType::F32,
+            "logsoftmax_gather_bwd: dlogp and lse must be f32"
+        );
+        let (rows, v) = logits.rows_cols();
+        let d = self.empty(logits.shape(), logits.dtype())?;
+        let tb = self.upload_u32(targets)?;
+        let bx = v.div_ceil(256).min(64) as u32;
+        self.launch(
+            "lf_logsoftmax_gather_bwd",
+            (rows as u32, bx, 1),
+            256,
+            0,
+            &[
+                Arg::P(cuda_ptr(dlogp)?),
+                Arg::P(cuda_ptr(logits)?),
+                dt(logits.dtype()),
+                Arg::P(cuda_ptr(lse)?),
+                Arg::P(tb.ptr),
+                Arg::P(cuda_ptr(&d)?),
+                dt(logits.dtype()),
+                Arg::I64(v as i64),
+            ],
+        )?;
+        Ok(d)
     }
+
     pub fn dropout(&self, x: &Tensor, p: f32, seed: u64) -> Result<Tensor> {
-        bail!("cuda: todo")
+        let y = self.empty(x.shape(), x.dtype())?;
+        let n = x.numel();
+        self.launch_n(
+            "lf_dropout",
+            n,
+            &[
+                Arg::P(cuda_ptr(x)?),
+                dt(x.dtype()),
+                Arg::P(cuda_ptr(&y)?),
+                Arg::I64(n as i64),
+                Arg::F32(p),
+                Arg::U64(seed),
+                Arg::F32(1.0 / (1.0 - p)),
+            ],
+        )?;
+        Ok(y)
     }
+
+    /// Sum of squares (f64 partials; a sync point).
     pub fn sum_sq(&self, x: &Tensor) -> Result<f64> {
-        bail!("cuda: todo")
+        let out = self.alloc(8)?;
+        self.memset0(&out)?;
+        let n = x.numel();
+        self.launch_n(
+            "lf_sum_sq",
+            n,
+            &[
+                Arg::P(cuda_ptr(x)?),
+                dt(x.dtype()),
+                Arg::I64(n as i64),
+                Arg::P(out.ptr),
+            ],
+        )?;
+        let mut v = [0f64; 1];
+        self.inner.bind()?;
+        out.dtoh(&mut v)?;
+        Ok(v[0])
     }
+
     pub fn adamw_step(
         &self,
         param: &mut Tensor,
@@ -168,6 +1402,107 @@ impl CudaBackend {
         v: &mut Tensor,
         h: AdamW,
     ) -> Result<()> {
-        bail!("cuda: todo")
+        ensure!(
+            param.dtype() == DType::F32 && m.dtype() == DType::F32 && v.dtype() == DType::F32,
+            "adamw: parameters and moments must be f32"
+        );
+        let n = param.numel();
+        ensure!(
+            grad.numel() == n && m.numel() == n && v.numel() == n,
+            "adamw: sizes differ"
+        );
+        let bc1 = 1.0 - (h.beta1 as f64).powi(h.step as i32);
+        let bc2 = 1.0 - (h.beta2 as f64).powi(h.step as i32);
+        self.launch_n(
+            "lf_adamw",
+            n,
+            &[
+                Arg::P(cuda_ptr(param)?),
+                Arg::P(cuda_ptr(grad)?),
+                dt(grad.dtype()),
+                Arg::P(cuda_ptr(m)?),
+                Arg::P(cuda_ptr(v)?),
+                Arg::I64(n as i64),
+                Arg::F32(h.lr),
+                Arg::F32(h.beta1),
+                Arg::F32(h.beta2),
+                Arg::F32(h.eps),
+                Arg::F32(h.weight_decay),
+                Arg::F32(h.grad_scale),
+                Arg::F64(bc1),
+                Arg::F64(bc2),
+            ],
+        )
+    }
+
+    /// Dequantises `rows x cols` elements stored in `kind`'s layout to a bf16 `[rows, cols]`.
+    pub fn dequantize(
+        &self,
+        q: &DeviceBytes,
+        kind: QuantKind,
+        rows: usize,
+        cols: usize,
+    ) -> Result<Tensor> {
+        let n = rows * cols;
+        let (be, bb) = kind.block();
+        ensure!(
+            n % be == 0,
+            "dequantize: {n} elements are not whole {kind:?} blocks of {be}"
+        );
+        ensure!(
+            q.len >= n / be * bb,
+            "dequantize: {kind:?} [{rows}, {cols}] needs {} bytes, got {}",
+            n / be * bb,
+            q.len
+        );
+        let y = self.empty(&[rows, cols], DType::BF16)?;
+        self.launch_n(
+            kind.kernel(),
+            n,
+            &[Arg::P(q.buf.ptr), Arg::P(cuda_ptr(&y)?), Arg::I64(n as i64)],
+        )?;
+        Ok(y)
+    }
+
+    /// Runs `f` `iters` times between two events and returns the mean milliseconds per run
+    /// (a sync point; for benchmarks and the parity report).
+    pub fn time_ms(&self, iters: usize, mut f: impl FnMut() -> Result<()>) -> Result<f32> {
+        self.inner.bind()?;
+        let flags = sys::CUevent_flags::CU_EVENT_DEFAULT;
+        let e0 = drv::event::create(flags).map_err(|e| anyhow!("{e:?}"))?;
+        let e1 = drv::event::create(flags).map_err(|e| anyhow!("{e:?}"))?;
+        let stream = self.inner.cu_stream();
+        // SAFETY: live events recorded on our stream and destroyed after use.
+        let r = (|| unsafe {
+            drv::event::record(e0, stream).map_err(|e| anyhow!("{e:?}"))?;
+            for _ in 0..iters.max(1) {
+                f()?;
+            }
+            drv::event::record(e1, stream).map_err(|e| anyhow!("{e:?}"))?;
+            drv::event::synchronize(e1).map_err(|e| anyhow!("{e:?}"))?;
+            drv::event::elapsed(e0, e1).map_err(|e| anyhow!("{e:?}"))
+        })();
+        // SAFETY: the events are complete.
+        unsafe {
+            let _ = drv::event::destroy(e0);
+            let _ = drv::event::destroy(e1);
+        }
+        Ok(r? / iters.max(1) as f32)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// On a machine without a driver or GPU, opening CUDA is an error with a readable message.
+    #[test]
+    fn cuda_errors_cleanly_without_gpu() {
+        match crate::tensor::Device::cuda(0) {
+            Ok(d) => eprintln!("note: a GPU is present ({}); nothing to check", d.name()),
+            Err(e) => {
+                let msg = format!("{e:#}");
+                eprintln!("Device::cuda(0) -> {msg}");
+                assert!(msg.to_lowercase().contains("cuda"), "unclear error: {msg}");
+            }
+        }
     }
 }

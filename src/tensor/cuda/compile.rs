@@ -1,0 +1,318 @@
+//! Kernel compilation: CUDA C sources (the `.cu` files beside this) compiled by NVRTC for the
+//! device's architecture on first use, cached on disk by a hash of source, architecture, options
+//! and NVRTC version. Needs no GPU, only libnvrtc, so tests on a GPU-less machine can compile
+//! every kernel.
+
+use anyhow::{anyhow, bail, Context, Result};
+use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys};
+use std::ffi::{c_char, c_int, c_void, CString};
+use std::path::PathBuf;
+use std::sync::OnceLock;
+
+const COMMON: &str = include_str!("kernels/common.cuh");
+
+/// The kernel modules: (name, source without the common prelude).
+pub const MODULES: &[(&str, &str)] = &[
+    ("elementwise", include_str!("kernels/elementwise.cu")),
+    ("attention", include_str!("kernels/attention.cu")),
+    ("dequant", include_str!("kernels/dequant.cu")),
+];
+
+/// Full source of a module: the shared prelude, then the module.
+pub fn module_source(name: &str) -> Result<String> {
+    let (_, body) = MODULES
+        .iter()
+        .find(|(n, _)| *n == name)
+        .ok_or_else(|| anyhow!("no kernel module {name:?}"))?;
+    Ok(format!("{COMMON}\n{body}"))
+}
+
+extern "C" {
+    fn dlopen(filename: *const c_char, flag: c_int) -> *mut c_void;
+}
+
+/// Candidate folders of the CUDA toolkit's libraries and headers: `CUDA_HOME`/`CUDA_PATH`,
+/// /usr/local/cuda, and the pip wheels' `site-packages/nvidia/cu13`.
+fn toolkit_roots() -> Vec<PathBuf> {
+    let mut roots = Vec::new();
+    for var in ["CUDA_HOME", "CUDA_PATH"] {
+        if let Ok(v) = std::env::var(var) {
+            roots.push(PathBuf::from(v));
+        }
+    }
+    roots.push(PathBuf::from("/usr/local/cuda"));
+    if let Some(p) = python_nvidia_dir() {
+        roots.push(p.join("cu13"));
+    }
+    roots
+}
+
+fn python_nvidia_dir() -> Option<PathBuf> {
+    static DIR: OnceLock<Option<PathBuf>> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let out = std::process::Command::new("python3")
+            .args(["-c", "import nvidia, os; print(list(nvidia.__path__)[0])"])
+            .stderr(std::process::Stdio::null())
+            .output()
+            .ok()?;
+        let s = String::from_utf8(out.stdout).ok()?;
+        let p = PathBuf::from(s.trim());
+        p.is_dir().then_some(p)
+    })
+    .clone()
+}
+
+/// The include folder that holds `cuda_bf16.h`.
+pub fn include_dir() -> Option<PathBuf> {
+    if let Ok(v) = std::env::var("LORAFIT_CUDA_INCLUDE") {
+        return Some(PathBuf::from(v));
+    }
+    toolkit_roots()
+        .into_iter()
+        .map(|r| r.join("include"))
+        .find(|d| d.join("cuda_bf16.h").is_file())
+}
+
+/// Makes libnvrtc loadable: if it is not on the loader's path, dlopen it by full path from
+/// `LORAFIT_NVRTC_LIB` or a toolkit folder, so cudarc's later lookup by soname finds it loaded.
+pub fn ensure_nvrtc() -> Result<()> {
+    static OK: OnceLock<std::result::Result<(), String>> = OnceLock::new();
+    OK.get_or_init(|| {
+        // SAFETY: probing only opens (and drops) the library.
+        if unsafe { nvrtc_sys::is_culib_present() } {
+            return Ok(());
+        }
+        let mut candidates: Vec<PathBuf> = Vec::new();
+        if let Ok(v) = std::env::var("LORAFIT_NVRTC_LIB") {
+            candidates.push(PathBuf::from(v));
+        }
+        for r in toolkit_roots() {
+            for sub in ["lib64", "lib"] {
+                candidates.push(r.join(sub).join("libnvrtc.so.13"));
+            }
+        }
+        for c in &candidates {
+            if !c.is_file() {
+                continue;
+            }
+            let Ok(cs) = CString::new(c.to_string_lossy().as_bytes()) else {
+                continue;
+            };
+            // NVRTC dlopens its builtins library by soname at compile time: load it first from
+            // the same folder so that lookup finds it.
+            if let Some(dir) = c.parent() {
+                if let Ok(entries) = std::fs::read_dir(dir) {
+                    for e in entries.flatten() {
+                        let name = e.file_name().to_string_lossy().into_owned();
+                        if name.starts_with("libnvrtc-builtins.so") {
+                            if let Ok(bs) = CString::new(e.path().to_string_lossy().as_bytes()) {
+                                // SAFETY: as below.
+                                unsafe { dlopen(bs.as_ptr(), 0x102) };
+                            }
+                        }
+                    }
+                }
+            }
+            // SAFETY: dlopen with a valid NUL-terminated path; the handle is leaked on purpose
+            // so the library stays loaded for the process.
+            let h = unsafe { dlopen(cs.as_ptr(), 0x102 /* RTLD_NOW | RTLD_GLOBAL */) };
+            // SAFETY: as above, a probe.
+            if !h.is_null() && unsafe { nvrtc_sys::is_culib_present() } {
+                return Ok(());
+            }
+        }
+        Err(format!(
+            "libnvrtc.so.13 not found (set LD_LIBRARY_PATH or LORAFIT_NVRTC_LIB); looked in {candidates:?}"
+        ))
+    })
+    .clone()
+    .map_err(|e| anyhow!(e))
+}
+
+pub fn nvrtc_version() -> Result<(i32, i32)> {
+    ensure_nvrtc()?;
+    let (mut a, mut b) = (0, 0);
+    // SAFETY: two valid out-pointers.
+    unsafe { nvrtc_sys::nvrtcVersion(&mut a, &mut b) }
+        .result()
+        .map_err(|e| anyhow!("nvrtcVersion: {e:?}"))?;
+    Ok((a, b))
+}
+
+fn fnv1a(parts: &[&[u8]]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for p in parts {
+        for &b in *p {
+            h ^= b as u64;
+            h = h.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+        h ^= 0xff;
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    h
+}
+
+fn cache_dir() -> Option<PathBuf> {
+    if let Ok(v) = std::env::var("LORAFIT_CACHE") {
+        return Some(PathBuf::from(v).join("kernels"));
+    }
+    std::env::var("HOME")
+        .ok()
+        .map(|h| PathBuf::from(h).join(".cache/lorafit/kernels"))
+}
+
+/// Compiles `src` for `arch` (e.g. "sm_90"): a CUBIN when `cubin`, else PTX for the matching
+/// virtual architecture. Results are cached on disk.
+pub fn compile(name: &str, src: &str, arch: &str, cubin: bool) -> Result<Vec<u8>> {
+    ensure_nvrtc()?;
+    let inc = include_dir()
+        .ok_or_else(|| anyhow!("cuda_bf16.h not found: set CUDA_HOME or LORAFIT_CUDA_INCLUDE"))?;
+    let gpu_arch = if cubin {
+        arch.to_string()
+    } else {
+        arch.replace("sm_", "compute_")
+    };
+    let mut opts = vec![
+        format!("--gpu-architecture={gpu_arch}"),
+        format!("--include-path={}", inc.display()),
+        "--std=c++17".to_string(),
+        "--fmad=true".to_string(),
+        "-default-device".to_string(),
+    ];
+    // LORAFIT_PTXAS_VERBOSE=1 prints registers, spills and shared memory per kernel.
+    let verbose = std::env::var_os("LORAFIT_PTXAS_VERBOSE").is_some();
+    if verbose {
+        opts.push("--ptxas-options=-v".into());
+    }
+    let (maj, min) = nvrtc_version()?;
+    let ver = format!("{maj}.{min}");
+    // The include path is left out of the key: the headers are the toolkit's, whose version the
+    // NVRTC version already names, so a cache built on one machine serves another.
+    let key_opts: Vec<&str> = opts
+        .iter()
+        .filter(|o| !o.starts_with("--include-path"))
+        .map(|s| s.as_str())
+        .collect();
+    let key = fnv1a(&[
+        src.as_bytes(),
+        key_opts.join(" ").as_bytes(),
+        ver.as_bytes(),
+        if cubin { b"cubin" } else { b"ptx" },
+    ]);
+    let ext = if cubin { "cubin" } else { "ptx" };
+    let path = cache_dir().map(|d| d.join(format!("{name}-{gpu_arch}-{key:016x}.{ext}")));
+    if let Some(p) = path.as_ref().filter(|_| !verbose) {
+        if let Ok(bytes) = std::fs::read(p) {
+            if !bytes.is_empty() {
+                return Ok(bytes);
+            }
+        }
+    }
+    let bytes = compile_uncached(name, src, &opts, cubin)?;
+    if let Some(p) = &path {
+        // Best effort: a read-only home just means no cache.
+        if let Some(dir) = p.parent() {
+            let _ = std::fs::create_dir_all(dir);
+        }
+        let tmp = p.with_extension(format!("{ext}.tmp{}", std::process::id()));
+        if std::fs::write(&tmp, &bytes).is_ok() {
+            let _ = std::fs::rename(&tmp, p);
+        }
+    }
+    Ok(bytes)
+}
+
+fn compile_uncached(name: &str, src: &str, opts: &[String], cubin: bool) -> Result<Vec<u8>> {
+    let csrc = CString::new(src).context("kernel source has a NUL byte")?;
+    let cname = CString::new(format!("{name}.cu"))?;
+    let prog = nvrtc::create_program(&csrc, Some(&cname))
+        .map_err(|e| anyhow!("nvrtcCreateProgram({name}): {e:?}"))?;
+    // SAFETY: `prog` is a live program until destroy_program below.
+    let res = unsafe { nvrtc::compile_program(prog, opts) };
+    // SAFETY: as above.
+    let log = unsafe { nvrtc::get_program_log(prog) }
+        .map(|l| {
+            let bytes: Vec<u8> = l
+                .iter()
+                .take_while(|&&c| c != 0)
+                .map(|&c| c as u8)
+                .collect();
+            String::from_utf8_lossy(&bytes).into_owned()
+        })
+        .unwrap_or_default();
+    if let Err(e) = res {
+        // SAFETY: as above.
+        let _ = unsafe { nvrtc::destroy_program(prog) };
+        bail!("NVRTC failed to compile kernel module {name}: {e:?}\n{log}");
+    }
+    if std::env::var_os("LORAFIT_PTXAS_VERBOSE").is_some() {
+        eprintln!("{log}");
+    }
+    let out = if cubin {
+        let mut size = 0usize;
+        // SAFETY: `prog` compiled successfully; `buf` has `size` bytes.
+        unsafe {
+            nvrtc_sys::nvrtcGetCUBINSize(prog, &mut size)
+                .result()
+                .map_err(|e| anyhow!("nvrtcGetCUBINSize: {e:?}"))?;
+            let mut buf = vec![0u8; size];
+            nvrtc_sys::nvrtcGetCUBIN(prog, buf.as_mut_ptr() as *mut c_char)
+                .result()
+                .map_err(|e| anyhow!("nvrtcGetCUBIN: {e:?}"))?;
+            buf
+        }
+    } else {
+        // SAFETY: `prog` compiled successfully.
+        let ptx = unsafe { nvrtc::get_ptx(prog) }.map_err(|e| anyhow!("nvrtcGetPTX: {e:?}"))?;
+        let mut bytes: Vec<u8> = ptx.into_iter().map(|c| c as u8).collect();
+        if bytes.last() != Some(&0) {
+            bytes.push(0);
+        }
+        bytes
+    };
+    // SAFETY: `prog` is live and not used after this.
+    let _ = unsafe { nvrtc::destroy_program(prog) };
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every kernel module compiles for sm_90 (CUBIN) where libnvrtc and the CUDA headers exist;
+    /// skipped with a note otherwise. Needs no GPU.
+    #[test]
+    fn kernels_compile_for_sm90() {
+        if let Err(e) = ensure_nvrtc() {
+            eprintln!("note: skipping NVRTC compile test: {e}");
+            return;
+        }
+        if include_dir().is_none() {
+            eprintln!("note: skipping NVRTC compile test: cuda_bf16.h not found");
+            return;
+        }
+        // A private cache folder so the test really compiles.
+        let dir = std::env::temp_dir().join(format!("lorafit-kcache-{}", std::process::id()));
+        std::env::set_var("LORAFIT_CACHE", &dir);
+        for (name, _) in MODULES {
+            let src = module_source(name).unwrap();
+            let bin = compile(name, &src, "sm_90", true)
+                .unwrap_or_else(|e| panic!("module {name}: {e:#}"));
+            assert!(bin.len() > 100, "module {name}: empty cubin");
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// Fills the on-disk kernel cache (`LORAFIT_CACHE`) for `LORAFIT_ARCH` (default sm_90), so a
+    /// GPU machine can skip compilation: `--ignored warm_kernel_cache`.
+    #[test]
+    #[ignore]
+    fn warm_kernel_cache() {
+        let arch = std::env::var("LORAFIT_ARCH").unwrap_or_else(|_| "sm_90".into());
+        for (name, _) in MODULES {
+            let src = module_source(name).unwrap();
+            compile(name, &src, &arch, true).unwrap();
+        }
+        eprintln!("kernel cache warmed in {:?}", cache_dir());
+    }
+}

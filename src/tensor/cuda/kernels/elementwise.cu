@@ -1,0 +1,243 @@
+// Elementwise and row-wise ops of the tensor layer (see src/tensor/cpu.rs for the reference
+// semantics of each). Grid-stride loops; dtype flags select bf16 or f32 per operand.
+
+#define GRID_STRIDE(i, n) for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (i64)gridDim.x * blockDim.x)
+
+extern "C" __global__ void lf_cast(const void* x, int xdt, void* y, int ydt, i64 n) {
+    GRID_STRIDE(i, n) stf(y, ydt, i, ldf(x, xdt, i));
+}
+
+extern "C" __global__ void lf_fill_zero_f32(float* y, i64 n) {
+    GRID_STRIDE(i, n) y[i] = 0.f;
+}
+
+// y[t, :] = table[ids[t], :]
+extern "C" __global__ void lf_embedding(const void* table, int dt, const u32* ids, void* y, i64 t, i64 h) {
+    GRID_STRIDE(i, t * h) {
+        i64 r = i / h, c = i % h;
+        stf(y, dt, i, ldf(table, dt, (i64)ids[r] * h + c));
+    }
+}
+
+// g[ids[t], :] += dy[t, :]  (g f32)
+extern "C" __global__ void lf_embedding_bwd(const void* dy, int dt, const u32* ids, float* g, i64 t, i64 h) {
+    GRID_STRIDE(i, t * h) {
+        i64 r = i / h, c = i % h;
+        atomicAdd(&g[(i64)ids[r] * h + c], ldf(dy, dt, i));
+    }
+}
+
+// One block per row.
+extern "C" __global__ void lf_rms_norm(const void* x, int xdt, const void* w, int wdt, void* y,
+                                       float* rstd, int h, float eps) {
+    i64 row = blockIdx.x;
+    const i64 base = row * h;
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < h; i += blockDim.x) {
+        float v = ldf(x, xdt, base + i);
+        ss += v * v;
+    }
+    ss = block_sum(ss);
+    float s = 1.0f / sqrtf(ss / (float)h + eps);
+    if (threadIdx.x == 0) rstd[row] = s;
+    for (int i = threadIdx.x; i < h; i += blockDim.x)
+        stf(y, xdt, base + i, ldf(x, xdt, base + i) * s * ldf(w, wdt, i));
+}
+
+// dx = s*(dy*w) - s^3/h * x * sum(dy*w*x)
+extern "C" __global__ void lf_rms_norm_bwd(const void* dy, int ddt, const void* x, int xdt,
+                                           const void* w, int wdt, const float* rstd, void* dx, int h) {
+    i64 row = blockIdx.x;
+    const i64 base = row * h;
+    float dot = 0.f;
+    for (int i = threadIdx.x; i < h; i += blockDim.x)
+        dot += ldf(dy, ddt, base + i) * ldf(w, wdt, i) * ldf(x, xdt, base + i);
+    dot = block_sum(dot);
+    float s = rstd[row];
+    float c = s * s * s * dot / (float)h;
+    for (int i = threadIdx.x; i < h; i += blockDim.x)
+        stf(dx, xdt, base + i, s * ldf(dy, ddt, base + i) * ldf(w, wdt, i) - c * ldf(x, xdt, base + i));
+}
+
+// Rotate-half RoPE; one thread per (token, head, pair). sign = -1 applies the inverse.
+extern "C" __global__ void lf_rope(const void* x, int dt, const float* cosv, const float* sinv, void* y,
+                                   i64 t, int nh, int hd, float sign) {
+    int half = hd / 2;
+    GRID_STRIDE(j, t * nh * half) {
+        i64 r = j / (nh * half);
+        int rem = (int)(j % (nh * half));
+        int h = rem / half, i = rem % half;
+        float c = cosv[r * half + i], s = sign * sinv[r * half + i];
+        i64 base = r * (i64)nh * hd + (i64)h * hd;
+        float a = ldf(x, dt, base + i), b = ldf(x, dt, base + i + half);
+        stf(y, dt, base + i, a * c - b * s);
+        stf(y, dt, base + i + half, b * c + a * s);
+    }
+}
+
+extern "C" __global__ void lf_silu_mul(const void* g, int gdt, const void* u, int udt, void* y, i64 n) {
+    GRID_STRIDE(i, n) {
+        float gv = ldf(g, gdt, i);
+        stf(y, gdt, i, gv / (1.f + expf(-gv)) * ldf(u, udt, i));
+    }
+}
+
+extern "C" __global__ void lf_silu_mul_bwd(const void* dh, int ddt, const void* g, int gdt, const void* u,
+                                           int udt, void* dg, void* du, i64 n) {
+    GRID_STRIDE(i, n) {
+        float d = ldf(dh, ddt, i), gv = ldf(g, gdt, i), uv = ldf(u, udt, i);
+        float sig = 1.f / (1.f + expf(-gv));
+        float dsilu = sig * (1.f + gv * (1.f - sig));
+        stf(dg, gdt, i, d * uv * dsilu);
+        stf(du, udt, i, d * gv * sig);
+    }
+}
+
+extern "C" __global__ void lf_add_assign(void* a, int adt, const void* b, int bdt, float alpha, i64 n) {
+    GRID_STRIDE(i, n) stf(a, adt, i, ldf(a, adt, i) + alpha * ldf(b, bdt, i));
+}
+
+extern "C" __global__ void lf_add_bias(void* x, int xdt, const void* b, int bdt, i64 n, i64 cols) {
+    GRID_STRIDE(i, n) stf(x, xdt, i, ldf(x, xdt, i) + ldf(b, bdt, i % cols));
+}
+
+extern "C" __global__ void lf_scale(void* x, int dt, float s, i64 n) {
+    GRID_STRIDE(i, n) stf(x, dt, i, ldf(x, dt, i) * s);
+}
+
+extern "C" __global__ void lf_gather_rows(const void* x, int dt, const u32* idx, void* y, i64 rows, i64 cols) {
+    GRID_STRIDE(i, rows * cols) {
+        i64 r = i / cols, c = i % cols;
+        stf(y, dt, i, ldf(x, dt, (i64)idx[r] * cols + c));
+    }
+}
+
+// dst[idx[r], :] += src[r, :] (atomics: indices may repeat).
+extern "C" __global__ void lf_scatter_add_rows(void* dst, int ddt, const u32* idx, const void* src, int sdt,
+                                               i64 rows, i64 cols) {
+    GRID_STRIDE(i, rows * cols) {
+        i64 r = i / cols, c = i % cols;
+        i64 o = (i64)idx[r] * cols + c;
+        float v = ldf(src, sdt, i);
+        if (ddt) atomicAdd(&((bf16*)dst)[o], __float2bfloat16(v));
+        else atomicAdd(&((float*)dst)[o], v);
+    }
+}
+
+// Bit-for-bit the host's `tensor::dropout_keep`.
+__device__ __forceinline__ bool dropout_keep(u64 seed, u64 index, float p) {
+    u64 h = seed ^ (index * 0x9E3779B97F4A7C15ull);
+    h ^= h >> 33;
+    h *= 0xFF51AFD7ED558CCDull;
+    h ^= h >> 33;
+    h *= 0xC4CEB9FE1A85EC53ull;
+    h ^= h >> 33;
+    return ((float)(h >> 40)) * (1.0f / 16777216.0f) >= p;
+}
+
+extern "C" __global__ void lf_dropout(const void* x, int dt, void* y, i64 n, float p, u64 seed, float keep_scale) {
+    GRID_STRIDE(i, n) stf(y, dt, i, dropout_keep(seed, (u64)i, p) ? ldf(x, dt, i) * keep_scale : 0.f);
+}
+
+// Partial sums of squares in f64, one atomic per block.
+extern "C" __global__ void lf_sum_sq(const void* x, int dt, i64 n, double* out) {
+    __shared__ double red[32];
+    double acc = 0.0;
+    GRID_STRIDE(i, n) {
+        double v = (double)ldf(x, dt, i);
+        acc += v * v;
+    }
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    if (lane == 0) red[w] = acc;
+    __syncthreads();
+    if (w == 0) {
+        acc = lane < (int)(blockDim.x >> 5) ? red[lane] : 0.0;
+        #pragma unroll
+        for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+        if (lane == 0) atomicAdd(out, acc);
+    }
+}
+
+// AdamW on f32 masters, mirroring the CPU reference's f32/f64 mix exactly.
+extern "C" __global__ void lf_adamw(float* p, const void* g, int gdt, float* m, float* v, i64 n, float lr,
+                                    float b1, float b2, float eps, float wd, float grad_scale, double bc1,
+                                    double bc2) {
+    GRID_STRIDE(i, n) {
+        float gi = ldf(g, gdt, i) * grad_scale;
+        float mi = b1 * m[i] + (1.f - b1) * gi;
+        float vi = b2 * v[i] + (1.f - b2) * gi * gi;
+        m[i] = mi;
+        v[i] = vi;
+        double mhat = (double)mi / bc1, vhat = (double)vi / bc2;
+        float pi = p[i] * (1.f - lr * wd);
+        pi -= (float)((double)lr * mhat / (sqrt(vhat) + (double)eps));
+        p[i] = pi;
+    }
+}
+
+// One block per row: online max/sum over the vocabulary, then logp at the target.
+extern "C" __global__ void lf_logsoftmax_gather(const void* logits, int dt, const u32* targets, float* logp,
+                                                float* lse_out, i64 v) {
+    i64 row = blockIdx.x;
+    const i64 base = row * v;
+    float m = -LF_INF, s = 0.f;
+    for (i64 j = threadIdx.x; j < v; j += blockDim.x) {
+        float x = ldf(logits, dt, base + j);
+        if (x > m) {
+            s = s * expf(m - x) + 1.f;
+            m = x;
+        } else {
+            s += expf(x - m);
+        }
+    }
+    // Combine (m, s) pairs across the warp, then across warps.
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        float m2 = __shfl_xor_sync(0xffffffffu, m, o), s2 = __shfl_xor_sync(0xffffffffu, s, o);
+        float mm = fmaxf(m, m2);
+        s = (mm == -LF_INF) ? 0.f : s * expf(m - mm) + s2 * expf(m2 - mm);
+        m = mm;
+    }
+    __shared__ float sm[32], ss[32];
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    if (lane == 0) { sm[w] = m; ss[w] = s; }
+    __syncthreads();
+    if (w == 0) {
+        m = lane < nw ? sm[lane] : -LF_INF;
+        s = lane < nw ? ss[lane] : 0.f;
+        #pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            float m2 = __shfl_xor_sync(0xffffffffu, m, o), s2 = __shfl_xor_sync(0xffffffffu, s, o);
+            float mm = fmaxf(m, m2);
+            s = (mm == -LF_INF) ? 0.f : s * expf(m - mm) + s2 * expf(m2 - mm);
+            m = mm;
+        }
+        if (lane == 0) {
+            float lse = m + logf(s);
+            lse_out[row] = lse;
+            u32 t = targets[row];
+            logp[row] = (t == 0xffffffffu) ? 0.f : ldf(logits, dt, base + t) - lse;
+        }
+    }
+}
+
+// dlogits = dlogp * (onehot(target) - softmax); zero for ignored rows. grid.x = row, grid.y
+// splits the vocabulary.
+extern "C" __global__ void lf_logsoftmax_gather_bwd(const float* dlogp, const void* logits, int dt,
+                                                    const float* lse, const u32* targets, void* dl, int odt,
+                                                    i64 v) {
+    i64 row = blockIdx.x;
+    u32 t = targets[row];
+    float g = dlogp[row], l = lse[row];
+    const i64 base = row * v;
+    for (i64 j = (i64)blockIdx.y * blockDim.x + threadIdx.x; j < v; j += (i64)gridDim.y * blockDim.x) {
+        float d = 0.f;
+        if (t != 0xffffffffu) {
+            d = -g * expf(ldf(logits, dt, base + j) - l);
+            if (j == (i64)t) d += g;
+        }
+        stf(dl, odt, base + j, d);
+    }
+}

@@ -1,0 +1,1044 @@
+//! Op-by-op parity of a device backend against the CPU reference: every op (forward and
+//! backward) on the same random inputs, rounded to bf16 first so that only the op's own error is
+//! measured, with a stated bound per row. Attention is checked at several shapes and masks; the
+//! largest shapes compare a sample of query rows computed directly on the host. Timing rows (CUDA
+//! events) are information only. Run on a GPU machine with
+//! `cargo test --release -- --ignored --nocapture cuda_parity_suite`.
+
+use super::cuda::QuantKind;
+use super::*;
+use anyhow::Result;
+
+/// Bounds, as relative-norm errors ||cuda - cpu|| / ||cpu||.
+pub const BF16_FWD: f64 = 1e-2;
+pub const BF16_GRAD: f64 = 2e-2;
+/// f32 outputs computed from f32 (or bf16-exact) inputs: statistics, optimiser, f32 GEMM.
+pub const F32_TIGHT: f64 = 1e-5;
+/// f32 statistics of bf16 math (rstd, lse, logp): f32 accumulation in a different order.
+pub const F32_STAT: f64 = 1e-4;
+
+#[derive(Clone, Debug)]
+pub struct ParityRow {
+    pub op: String,
+    pub max_abs: f64,
+    pub rel: f64,
+    pub worst: usize,
+    pub bound: f64,
+    pub pass: bool,
+    /// Milliseconds per call, for timing rows.
+    pub ms: Option<f64>,
+    pub note: String,
+}
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    fn uniform(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / 16_777_216.0
+    }
+    fn normal(&mut self) -> f32 {
+        let u1 = self.uniform().max(1e-7);
+        let u2 = self.uniform();
+        (-2.0 * u1.ln()).sqrt() * (2.0 * std::f32::consts::PI * u2).cos()
+    }
+    fn normals(&mut self, n: usize, s: f32) -> Vec<f32> {
+        (0..n).map(|_| self.normal() * s).collect()
+    }
+    /// bf16-rounded normals.
+    fn bnormals(&mut self, n: usize, s: f32) -> Vec<f32> {
+        rb(&self.normals(n, s))
+    }
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+}
+
+fn rb(v: &[f32]) -> Vec<f32> {
+    v.iter()
+        .map(|&x| half::bf16::from_f32(x).to_f32())
+        .collect()
+}
+
+fn compare(op: &str, got: &[f32], want: &[f32], bound: f64) -> ParityRow {
+    let mut max_abs = 0f64;
+    let mut worst = 0;
+    let (mut dn, mut bn) = (0f64, 0f64);
+    let mut bad = got.len() != want.len();
+    for (i, (&a, &b)) in got.iter().zip(want).enumerate() {
+        let d = if a == b {
+            0.0
+        } else {
+            (a as f64 - b as f64).abs()
+        };
+        if d.is_nan() {
+            bad = true;
+        }
+        if d > max_abs || (d.is_nan() && !max_abs.is_nan()) {
+            max_abs = d;
+            worst = i;
+        }
+        if b.is_finite() {
+            bn += (b as f64) * (b as f64);
+        }
+        if d.is_finite() {
+            dn += d * d;
+        } else {
+            bad = true;
+        }
+    }
+    let rel = if bn > 0.0 {
+        (dn / bn).sqrt()
+    } else {
+        dn.sqrt()
+    };
+    ParityRow {
+        op: op.to_string(),
+        max_abs,
+        rel,
+        worst,
+        bound,
+        pass: !bad && rel <= bound,
+        ms: None,
+        note: if got.len() != want.len() {
+            format!("length {} vs {}", got.len(), want.len())
+        } else {
+            String::new()
+        },
+    }
+}
+
+fn cmp_t(op: &str, got: &Tensor, want: &Tensor, bound: f64) -> Result<ParityRow> {
+    Ok(compare(op, &got.to_vec()?, &want.to_vec()?, bound))
+}
+
+fn timing(op: &str, ms: f64, note: String) -> ParityRow {
+    ParityRow {
+        op: op.to_string(),
+        max_abs: 0.0,
+        rel: 0.0,
+        worst: 0,
+        bound: 0.0,
+        pass: true,
+        ms: Some(ms),
+        note,
+    }
+}
+
+struct Ctx<'a> {
+    dev: &'a Device,
+    rows: Vec<ParityRow>,
+}
+
+impl Ctx<'_> {
+    fn c(&self, v: &[f32], shape: &[usize]) -> Result<Tensor> {
+        Tensor::cpu(v.to_vec(), shape)
+    }
+    fn g(&self, v: &[f32], shape: &[usize], dt: DType) -> Result<Tensor> {
+        Tensor::from_f32(v, shape, dt, self.dev)
+    }
+    fn push(&mut self, r: ParityRow) {
+        // LORAFIT_PARITY_VERBOSE=1 prints each row as it is measured (to see how far a run got).
+        if std::env::var_os("LORAFIT_PARITY_VERBOSE").is_some() {
+            eprintln!(
+                "  {:<58} rel {:.3e} max {:.3e} {}{}",
+                r.op,
+                r.rel,
+                r.max_abs,
+                if r.pass { "ok" } else { "FAIL" },
+                r.ms.map(|m| format!(" {m:.3} ms")).unwrap_or_default()
+            );
+        }
+        self.rows.push(r)
+    }
+    fn time(&self, iters: usize, f: impl FnMut() -> Result<()>) -> Result<f64> {
+        match self.dev {
+            Device::Cuda(c) => Ok(c.time_ms(iters, f)? as f64),
+            Device::Cpu => {
+                let mut f = f;
+                let t0 = std::time::Instant::now();
+                for _ in 0..iters {
+                    f()?;
+                }
+                Ok(t0.elapsed().as_secs_f64() * 1e3 / iters as f64)
+            }
+        }
+    }
+}
+
+/// Runs every op on `device` and on the CPU with the same inputs and reports the differences.
+pub fn run_op_parity(device: &Device, seed: u64) -> Result<Vec<ParityRow>> {
+    let mut cx = Ctx {
+        dev: device,
+        rows: Vec::new(),
+    };
+    let mut r = Rng(seed);
+    elementwise(&mut cx, &mut r)?;
+    gemm(&mut cx, &mut r)?;
+    dequant(&mut cx, &mut r)?;
+    attention_suite(&mut cx, &mut r)?;
+    Ok(cx.rows)
+}
+
+fn elementwise(cx: &mut Ctx, r: &mut Rng) -> Result<()> {
+    let bf = DType::BF16;
+    // cast round trip (exact on bf16-representable values)
+    {
+        let x = r.bnormals(1000, 1.0);
+        let g = cx
+            .g(&x, &[1000], DType::F32)?
+            .to_dtype(bf)?
+            .to_dtype(DType::F32)?;
+        cx.push(compare("cast f32->bf16->f32", &g.to_vec()?, &x, 0.0));
+    }
+    // embedding
+    {
+        let (v, h, t) = (300, 96, 57);
+        let table = r.bnormals(v * h, 1.0);
+        let ids: Vec<u32> = (0..t)
+            .map(|i| (r.below(v) as u32 + i as u32 % 3) % v as u32)
+            .collect();
+        let mut ids2 = ids.clone();
+        ids2[5] = ids2[3]; // a repeated id in the backward
+        let want = embedding(&cx.c(&table, &[v, h])?, &ids)?;
+        let got = embedding(&cx.g(&table, &[v, h], bf)?, &ids)?;
+        let row = cmp_t("embedding fwd", &got, &want, 0.0)?;
+        cx.push(row);
+        let dy = r.bnormals(t * h, 1.0);
+        let want = embedding_bwd(&cx.c(&dy, &[t, h])?, &ids2, v)?;
+        let got = embedding_bwd(&cx.g(&dy, &[t, h], bf)?, &ids2, v)?;
+        let row = cmp_t("embedding bwd (f32)", &got, &want, F32_TIGHT)?;
+        cx.push(row);
+    }
+    // rms_norm
+    {
+        let (rows, h) = (37, 1536);
+        let x = r.bnormals(rows * h, 2.0);
+        let w = rb(&(0..h).map(|_| 1.0 + 0.3 * r.normal()).collect::<Vec<_>>());
+        let (yc, sc) = rms_norm(&cx.c(&x, &[rows, h])?, &cx.c(&w, &[h])?, 1e-6)?;
+        let xg = cx.g(&x, &[rows, h], bf)?;
+        let wg = cx.g(&w, &[h], bf)?;
+        let (yg, sg) = rms_norm(&xg, &wg, 1e-6)?;
+        let row = cmp_t("rms_norm fwd y", &yg, &yc, BF16_FWD)?;
+        cx.push(row);
+        let row = cmp_t("rms_norm fwd rstd (f32)", &sg, &sc, F32_STAT)?;
+        cx.push(row);
+        let dy = r.bnormals(rows * h, 1.0);
+        let want = rms_norm_bwd(
+            &cx.c(&dy, &[rows, h])?,
+            &cx.c(&x, &[rows, h])?,
+            &cx.c(&w, &[h])?,
+            &sc,
+        )?;
+        let got = rms_norm_bwd(
+            &cx.g(&dy, &[rows, h], bf)?,
+            &xg,
+            &wg,
+            &cx.g(&sc.to_vec()?, &[rows], DType::F32)?,
+        )?;
+        let row = cmp_t("rms_norm bwd dx", &got, &want, BF16_GRAD)?;
+        cx.push(row);
+    }
+    // rope
+    {
+        let (t, nh, hd) = (29, 3, 64);
+        let pos: Vec<i32> = (0..t as i32).map(|p| p * 7 + 3).collect();
+        let inv: Vec<f32> = (0..hd / 2)
+            .map(|i| 10000f32.powf(-((2 * i) as f32) / hd as f32))
+            .collect();
+        let tc = RopeTable::new(&pos, &inv, &Device::Cpu)?;
+        let tg = RopeTable::new(&pos, &inv, cx.dev)?;
+        let x = r.bnormals(t * nh * hd, 1.0);
+        for inverse in [false, true] {
+            let want = rope(&cx.c(&x, &[t, nh * hd])?, &tc, nh, inverse)?;
+            let got = rope(&cx.g(&x, &[t, nh * hd], bf)?, &tg, nh, inverse)?;
+            let name = if inverse {
+                "rope inverse (bwd)"
+            } else {
+                "rope fwd"
+            };
+            let row = cmp_t(
+                name,
+                &got,
+                &want,
+                if inverse { BF16_GRAD } else { BF16_FWD },
+            )?;
+            cx.push(row);
+        }
+    }
+    // silu_mul
+    {
+        let n = 4099;
+        let (g, u, d) = (r.bnormals(n, 2.0), r.bnormals(n, 1.0), r.bnormals(n, 1.0));
+        let want = silu_mul(&cx.c(&g, &[n])?, &cx.c(&u, &[n])?)?;
+        let got = silu_mul(&cx.g(&g, &[n], bf)?, &cx.g(&u, &[n], bf)?)?;
+        let row = cmp_t("silu_mul fwd", &got, &want, BF16_FWD)?;
+        cx.push(row);
+        let (dgc, duc) = silu_mul_bwd(&cx.c(&d, &[n])?, &cx.c(&g, &[n])?, &cx.c(&u, &[n])?)?;
+        let (dgg, dug) = silu_mul_bwd(
+            &cx.g(&d, &[n], bf)?,
+            &cx.g(&g, &[n], bf)?,
+            &cx.g(&u, &[n], bf)?,
+        )?;
+        let row = cmp_t("silu_mul bwd dgate", &dgg, &dgc, BF16_GRAD)?;
+        cx.push(row);
+        let row = cmp_t("silu_mul bwd dup", &dug, &duc, BF16_GRAD)?;
+        cx.push(row);
+    }
+    // add_assign / add_bias / scale
+    {
+        let n = 3001;
+        let (a, b) = (r.bnormals(n, 1.0), r.normals(n, 1.0));
+        for (name, adt, bdt, bound) in [
+            ("add_assign bf16 += f32", bf, DType::F32, BF16_FWD),
+            ("add_assign bf16 += bf16", bf, bf, BF16_FWD),
+            ("add_assign f32 += f32", DType::F32, DType::F32, F32_TIGHT),
+        ] {
+            let bv = if bdt == bf { rb(&b) } else { b.clone() };
+            let mut want = cx.c(&a, &[n])?;
+            add_assign(&mut want, &cx.c(&bv, &[n])?, 0.7)?;
+            let mut got = cx.g(&a, &[n], adt)?;
+            add_assign(&mut got, &cx.g(&bv, &[n], bdt)?, 0.7)?;
+            let row = cmp_t(name, &got, &want, bound)?;
+            cx.push(row);
+        }
+        let (rows, c) = (13, 96);
+        let x = r.bnormals(rows * c, 1.0);
+        let bias = r.bnormals(c, 1.0);
+        let mut want = cx.c(&x, &[rows, c])?;
+        add_bias(&mut want, &cx.c(&bias, &[c])?)?;
+        let mut got = cx.g(&x, &[rows, c], bf)?;
+        add_bias(&mut got, &cx.g(&bias, &[c], bf)?)?;
+        let row = cmp_t("add_bias", &got, &want, BF16_FWD)?;
+        cx.push(row);
+        let mut want = cx.c(&x, &[rows, c])?;
+        scale(&mut want, -1.7)?;
+        let mut got = cx.g(&x, &[rows, c], bf)?;
+        scale(&mut got, -1.7)?;
+        let row = cmp_t("scale", &got, &want, BF16_FWD)?;
+        cx.push(row);
+    }
+    // rows
+    {
+        let (rows, c) = (41, 72);
+        let x = r.bnormals(rows * c, 1.0);
+        let want = slice_rows(&cx.c(&x, &[rows, c])?, 5, 30)?;
+        let got = slice_rows(&cx.g(&x, &[rows, c], bf)?, 5, 30)?;
+        let row = cmp_t("slice_rows", &got, &want, 0.0)?;
+        cx.push(row);
+        let idx: Vec<u32> = (0..23).map(|_| r.below(rows) as u32).collect();
+        let want = gather_rows(&cx.c(&x, &[rows, c])?, &idx)?;
+        let got = gather_rows(&cx.g(&x, &[rows, c], bf)?, &idx)?;
+        let row = cmp_t("gather_rows", &got, &want, 0.0)?;
+        cx.push(row);
+        let src = r.bnormals(idx.len() * c, 1.0);
+        let mut want = cx.c(&x, &[rows, c])?;
+        scatter_add_rows(&mut want, &idx, &cx.c(&src, &[idx.len(), c])?)?;
+        let mut got = cx.g(&x, &[rows, c], DType::F32)?;
+        scatter_add_rows(&mut got, &idx, &cx.g(&src, &[idx.len(), c], bf)?)?;
+        let row = cmp_t("scatter_add_rows (f32 dst)", &got, &want, F32_TIGHT)?;
+        cx.push(row);
+    }
+    // logsoftmax_gather
+    for (rows, v) in [(19usize, 50_000usize), (3, 262_144)] {
+        let l = r.bnormals(rows * v, 3.0);
+        let mut targets: Vec<u32> = (0..rows).map(|_| r.below(v) as u32).collect();
+        targets[1] = u32::MAX;
+        let (lpc, lsc) = logsoftmax_gather(&cx.c(&l, &[rows, v])?, &targets)?;
+        let lg = cx.g(&l, &[rows, v], bf)?;
+        let (lpg, lsg) = logsoftmax_gather(&lg, &targets)?;
+        let row = cmp_t(
+            &format!("logsoftmax_gather logp V={v}"),
+            &lpg,
+            &lpc,
+            F32_STAT,
+        )?;
+        cx.push(row);
+        let row = cmp_t(
+            &format!("logsoftmax_gather lse V={v}"),
+            &lsg,
+            &lsc,
+            F32_STAT,
+        )?;
+        cx.push(row);
+        let dl = r.normals(rows, 1.0);
+        let want =
+            logsoftmax_gather_bwd(&cx.c(&dl, &[rows])?, &cx.c(&l, &[rows, v])?, &lsc, &targets)?;
+        let got = logsoftmax_gather_bwd(
+            &cx.g(&dl, &[rows], DType::F32)?,
+            &lg,
+            &cx.g(&lsc.to_vec()?, &[rows], DType::F32)?,
+            &targets,
+        )?;
+        let row = cmp_t(
+            &format!("logsoftmax_gather bwd V={v}"),
+            &got,
+            &want,
+            BF16_GRAD,
+        )?;
+        cx.push(row);
+    }
+    // dropout: the same keep pattern bit for bit
+    {
+        let n = 100_003;
+        let x = r.bnormals(n, 1.0);
+        let want = dropout(&cx.c(&x, &[n])?, 0.1, 1234567)?.to_vec()?;
+        let got = dropout(&cx.g(&x, &[n], bf)?, 0.1, 1234567)?.to_vec()?;
+        let mismatched = want
+            .iter()
+            .zip(&got)
+            .filter(|(a, b)| (**a == 0.0) != (**b == 0.0))
+            .count();
+        let mut row = compare("dropout p=0.1", &got, &want, BF16_FWD);
+        row.pass &= mismatched == 0;
+        row.note = format!("{mismatched} keep decisions differ");
+        cx.push(row);
+    }
+    // sum_sq
+    {
+        let n = 1_000_003;
+        let x = r.bnormals(n, 1.0);
+        let want = sum_sq(&cx.c(&x, &[n])?)?;
+        let got = sum_sq(&cx.g(&x, &[n], bf)?)?;
+        cx.push(compare("sum_sq", &[got as f32], &[want as f32], F32_TIGHT));
+    }
+    // adamw
+    {
+        let n = 5000;
+        let (p, g, m) = (r.normals(n, 0.1), r.normals(n, 0.01), r.normals(n, 0.001));
+        let v: Vec<f32> = r.normals(n, 1e-4).iter().map(|x| x.abs()).collect();
+        let h = AdamW {
+            lr: 1e-3,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.01,
+            step: 7,
+            grad_scale: 0.5,
+        };
+        let (mut pc, mut mc, mut vc) = (cx.c(&p, &[n])?, cx.c(&m, &[n])?, cx.c(&v, &[n])?);
+        adamw_step(&mut pc, &cx.c(&g, &[n])?, &mut mc, &mut vc, h)?;
+        let f = DType::F32;
+        let (mut pg, mut mg, mut vg) = (cx.g(&p, &[n], f)?, cx.g(&m, &[n], f)?, cx.g(&v, &[n], f)?);
+        adamw_step(&mut pg, &cx.g(&g, &[n], f)?, &mut mg, &mut vg, h)?;
+        let row = cmp_t("adamw param (f32)", &pg, &pc, F32_TIGHT)?;
+        cx.push(row);
+        let row = cmp_t("adamw m (f32)", &mg, &mc, F32_TIGHT)?;
+        cx.push(row);
+        let row = cmp_t("adamw v (f32)", &vg, &vc, F32_TIGHT)?;
+        cx.push(row);
+    }
+    Ok(())
+}
+
+fn gemm(cx: &mut Ctx, r: &mut Rng) -> Result<()> {
+    let bf = DType::BF16;
+    let (m, k, n) = (67, 96, 80);
+    for (ta, tb) in [(false, false), (false, true), (true, false), (true, true)] {
+        let a = r.bnormals(m * k, 1.0);
+        let b = r.bnormals(k * n, 1.0);
+        let ash = if ta { [k, m] } else { [m, k] };
+        let bsh = if tb { [n, k] } else { [k, n] };
+        let want = matmul(&cx.c(&a, &ash)?, ta, &cx.c(&b, &bsh)?, tb, 0.5, DType::F32)?;
+        let (ag, bg) = (cx.g(&a, &ash, bf)?, cx.g(&b, &bsh, bf)?);
+        for odt in [bf, DType::F32] {
+            let got = matmul(&ag, ta, &bg, tb, 0.5, odt)?;
+            let bound = if odt == bf { BF16_FWD } else { F32_STAT };
+            let row = cmp_t(
+                &format!("matmul bf16 ta={ta} tb={tb} -> {odt:?}"),
+                &got,
+                &want,
+                bound,
+            )?;
+            cx.push(row);
+        }
+        let got = matmul(
+            &cx.g(&a, &ash, DType::F32)?,
+            ta,
+            &cx.g(&b, &bsh, DType::F32)?,
+            tb,
+            0.5,
+            DType::F32,
+        )?;
+        let row = cmp_t(
+            &format!("matmul f32 ta={ta} tb={tb}"),
+            &got,
+            &want,
+            F32_TIGHT,
+        )?;
+        cx.push(row);
+    }
+    // matmul_acc with beta into f32, and a mixed bf16 x f32 product
+    {
+        let a = r.bnormals(m * k, 1.0);
+        let b = r.normals(k * n, 1.0);
+        let c0 = r.normals(m * n, 1.0);
+        let mut want = cx.c(&c0, &[m, n])?;
+        matmul_acc(
+            &mut want,
+            &cx.c(&a, &[m, k])?,
+            false,
+            &cx.c(&b, &[k, n])?,
+            false,
+            1.5,
+            0.25,
+        )?;
+        let mut got = cx.g(&c0, &[m, n], DType::F32)?;
+        matmul_acc(
+            &mut got,
+            &cx.g(&a, &[m, k], bf)?,
+            false,
+            &cx.g(&b, &[k, n], DType::F32)?,
+            false,
+            1.5,
+            0.25,
+        )?;
+        let row = cmp_t(
+            "matmul_acc bf16 x f32 += f32 (beta)",
+            &got,
+            &want,
+            F32_TIGHT,
+        )?;
+        cx.push(row);
+    }
+    // a big shape: sampled rows of C compared, and the throughput
+    {
+        let (m, k, n) = (4096, 1536, 8960);
+        let a = r.bnormals(m * k, 1.0);
+        let b = r.bnormals(n * k, 1.0);
+        let (ag, bg) = (cx.g(&a, &[m, k], bf)?, cx.g(&b, &[n, k], bf)?);
+        let got = matmul(&ag, false, &bg, true, 1.0, bf)?.to_vec()?;
+        let rows: Vec<usize> = (0..48).map(|_| r.below(m)).collect();
+        let mut asub = Vec::with_capacity(rows.len() * k);
+        let mut gsub = Vec::with_capacity(rows.len() * n);
+        for &i in &rows {
+            asub.extend_from_slice(&a[i * k..(i + 1) * k]);
+            gsub.extend_from_slice(&got[i * n..(i + 1) * n]);
+        }
+        let want = matmul(
+            &cx.c(&asub, &[rows.len(), k])?,
+            false,
+            &cx.c(&b, &[n, k])?,
+            true,
+            1.0,
+            DType::F32,
+        )?;
+        let mut row = compare(
+            "matmul 4096x1536x8960 bf16 (48 rows)",
+            &gsub,
+            &want.to_vec()?,
+            BF16_FWD,
+        );
+        let ms = cx.time(10, || matmul(&ag, false, &bg, true, 1.0, bf).map(|_| ()))?;
+        row.ms = Some(ms);
+        row.note = format!("{:.0} TFLOP/s", 2.0 * (m * k * n) as f64 / ms / 1e9);
+        cx.push(row);
+    }
+    Ok(())
+}
+
+// ------------------------------------------------------------------------------------------------
+// Dequantisation: a minimal host decoder of each ggml layout, for this check only.
+
+fn f16b(b: &[u8]) -> f32 {
+    half::f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32()
+}
+
+fn host_dequant(kind: QuantKind, q: &[u8], n: usize) -> Vec<f32> {
+    let mut y = vec![0f32; n];
+    let (be, bb) = kind.block();
+    for blk in 0..n / be {
+        let b = &q[blk * bb..(blk + 1) * bb];
+        let out = &mut y[blk * be..(blk + 1) * be];
+        match kind {
+            QuantKind::F32 => out[0] = f32::from_le_bytes([b[0], b[1], b[2], b[3]]),
+            QuantKind::F16 => out[0] = f16b(b),
+            QuantKind::BF16 => {
+                out[0] = half::bf16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32()
+            }
+            QuantKind::Q8_0 => {
+                for j in 0..32 {
+                    out[j] = f16b(b) * (b[2 + j] as i8) as f32;
+                }
+            }
+            QuantKind::Q4_0 => {
+                for j in 0..16 {
+                    out[j] = ((b[2 + j] & 0xF) as i32 - 8) as f32 * f16b(b);
+                    out[j + 16] = ((b[2 + j] >> 4) as i32 - 8) as f32 * f16b(b);
+                }
+            }
+            QuantKind::Q4_1 => {
+                for j in 0..16 {
+                    out[j] = (b[4 + j] & 0xF) as f32 * f16b(b) + f16b(&b[2..]);
+                    out[j + 16] = (b[4 + j] >> 4) as f32 * f16b(b) + f16b(&b[2..]);
+                }
+            }
+            QuantKind::Q4_K => {
+                let (d, dmin) = (f16b(b), f16b(&b[2..]));
+                let sc = &b[4..16];
+                let scale_min = |j: usize| -> (u8, u8) {
+                    if j < 4 {
+                        (sc[j] & 63, sc[j + 4] & 63)
+                    } else {
+                        (
+                            (sc[j + 4] & 0xF) | ((sc[j - 4] >> 6) << 4),
+                            (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4),
+                        )
+                    }
+                };
+                let qs = &b[16..];
+                for c in 0..4 {
+                    let (s1, m1) = scale_min(2 * c);
+                    let (s2, m2) = scale_min(2 * c + 1);
+                    for l in 0..32 {
+                        out[64 * c + l] =
+                            d * s1 as f32 * (qs[32 * c + l] & 0xF) as f32 - dmin * m1 as f32;
+                        out[64 * c + 32 + l] =
+                            d * s2 as f32 * (qs[32 * c + l] >> 4) as f32 - dmin * m2 as f32;
+                    }
+                }
+            }
+            QuantKind::Q6_K => {
+                let d = f16b(&b[208..]);
+                for half in 0..2 {
+                    let ql = &b[64 * half..];
+                    let qh = &b[128 + 32 * half..];
+                    let sc = &b[192 + 8 * half..];
+                    for l in 0..32 {
+                        let is = l / 16;
+                        let q1 = ((ql[l] & 0xF) | ((qh[l] & 3) << 4)) as i32 - 32;
+                        let q2 = ((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) as i32 - 32;
+                        let q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) as i32 - 32;
+                        let q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) as i32 - 32;
+                        let o = &mut out[128 * half..];
+                        o[l] = d * (sc[is] as i8) as f32 * q1 as f32;
+                        o[l + 32] = d * (sc[is + 2] as i8) as f32 * q2 as f32;
+                        o[l + 64] = d * (sc[is + 4] as i8) as f32 * q3 as f32;
+                        o[l + 96] = d * (sc[is + 6] as i8) as f32 * q4 as f32;
+                    }
+                }
+            }
+        }
+    }
+    y
+}
+
+fn dequant(cx: &mut Ctx, r: &mut Rng) -> Result<()> {
+    let Device::Cuda(be) = cx.dev else {
+        return Ok(());
+    };
+    let (rows, cols) = (24, 512);
+    let n = rows * cols;
+    for kind in [
+        QuantKind::F32,
+        QuantKind::F16,
+        QuantKind::BF16,
+        QuantKind::Q8_0,
+        QuantKind::Q4_0,
+        QuantKind::Q4_1,
+        QuantKind::Q4_K,
+        QuantKind::Q6_K,
+    ] {
+        let (bel, bb) = kind.block();
+        let mut bytes: Vec<u8> = (0..n / bel * bb).map(|_| r.next() as u8).collect();
+        // Keep the f16/f32 scale fields finite and moderate.
+        for blk in 0..n / bel {
+            let b = &mut bytes[blk * bb..(blk + 1) * bb];
+            let mut put16 = |off: usize, v: f32| {
+                b[off..off + 2].copy_from_slice(&half::f16::from_f32(v).to_bits().to_le_bytes())
+            };
+            match kind {
+                QuantKind::F16 => put16(0, r.normal()),
+                QuantKind::Q8_0 | QuantKind::Q4_0 => put16(0, 0.01 * r.normal()),
+                QuantKind::Q4_1 => {
+                    put16(0, 0.01 * r.normal());
+                    put16(2, 0.01 * r.normal());
+                }
+                QuantKind::Q4_K => {
+                    put16(0, 0.001 * r.normal());
+                    put16(2, 0.001 * r.normal());
+                }
+                QuantKind::Q6_K => put16(208, 0.001 * r.normal()),
+                QuantKind::F32 => b.copy_from_slice(&r.normal().to_le_bytes()),
+                QuantKind::BF16 => {
+                    b.copy_from_slice(&half::bf16::from_f32(r.normal()).to_bits().to_le_bytes())
+                }
+            }
+        }
+        let want = rb(&host_dequant(kind, &bytes, n));
+        let dq = be.upload_bytes(&bytes)?;
+        let got = be.dequantize(&dq, kind, rows, cols)?.to_vec()?;
+        cx.push(compare(
+            &format!("dequantize {kind:?} -> bf16"),
+            &got,
+            &want,
+            1e-6,
+        ));
+    }
+    Ok(())
+}
+
+// ------------------------------------------------------------------------------------------------
+// Attention
+
+/// Reference rows for the largest shapes: o, lse and dq of query `i`, head `h`, computed directly
+/// from the visible keys (the backward uses the given `o` and `lse`, as the op does).
+#[allow(clippy::too_many_arguments)]
+fn ref_rows(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    d_o: &[f32],
+    o_in: &[f32],
+    lse_in: &[f32],
+    mask: &AttnMask,
+    s: AttnShape,
+    h: usize,
+    i: usize,
+) -> (Vec<f32>, f32, Vec<f32>) {
+    let t = mask.len();
+    let hd = s.head_dim;
+    let (qw, kw) = (s.n_heads * hd, s.n_kv_heads * hd);
+    let kvh = h / (s.n_heads / s.n_kv_heads);
+    let qi = &q[i * qw + h * hd..i * qw + (h + 1) * hd];
+    let doi = &d_o[i * qw + h * hd..i * qw + (h + 1) * hd];
+    let oi = &o_in[i * qw + h * hd..i * qw + (h + 1) * hd];
+    let dot = |a: &[f32], b: &[f32]| {
+        a.iter()
+            .zip(b)
+            .map(|(x, y)| (*x as f64) * (*y as f64))
+            .sum::<f64>()
+    };
+    let vis: Vec<usize> = (0..t).filter(|&j| mask.visible(i, j)).collect();
+    let sc: Vec<f64> = vis
+        .iter()
+        .map(|&j| s.scale as f64 * dot(qi, &k[j * kw + kvh * hd..j * kw + (kvh + 1) * hd]))
+        .collect();
+    let m = sc.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+    let l: f64 = sc.iter().map(|x| (x - m).exp()).sum();
+    let lse = m + l.ln();
+    let mut o = vec![0f64; hd];
+    for (&j, &x) in vis.iter().zip(&sc) {
+        let p = (x - lse).exp();
+        for d in 0..hd {
+            o[d] += p * v[j * kw + kvh * hd + d] as f64;
+        }
+    }
+    let big_d = dot(doi, oi);
+    let lse_g = lse_in[h * t + i] as f64;
+    let mut dq = vec![0f64; hd];
+    for (&j, &x) in vis.iter().zip(&sc) {
+        let p = (x - lse_g).exp();
+        let dp = dot(doi, &v[j * kw + kvh * hd..j * kw + (kvh + 1) * hd]);
+        let ds = p * (dp - big_d);
+        for d in 0..hd {
+            dq[d] += s.scale as f64 * ds * k[j * kw + kvh * hd + d] as f64;
+        }
+    }
+    (
+        o.iter().map(|&x| x as f32).collect(),
+        lse as f32,
+        dq.iter().map(|&x| x as f32).collect(),
+    )
+}
+
+fn visible_pairs(mask: &AttnMask) -> f64 {
+    let t = mask.len();
+    let mut n = 0f64;
+    for i in 0..t {
+        let [a0, a1, b0, b1] = mask.ranges[i];
+        match mask.window {
+            None => n += (a1.saturating_sub(a0) + b1.saturating_sub(b0)) as f64,
+            Some(_) => n += (0..t).filter(|&j| mask.visible(i, j)).count() as f64,
+        }
+    }
+    n
+}
+
+fn attention_suite(cx: &mut Ctx, r: &mut Rng) -> Result<()> {
+    // (T, heads, kv heads, head_dim, mask, label)
+    let cases: Vec<(usize, usize, usize, usize, AttnMask, &str)> = vec![
+        (1, 4, 4, 16, AttnMask::causal(1), "causal"),
+        (17, 4, 1, 24, AttnMask::causal(17), "causal"),
+        (17, 2, 2, 16, AttnMask::prefix_shared(5, 7, 5), "prefix"),
+        (128, 4, 4, 64, AttnMask::causal(128), "causal"),
+        (
+            128,
+            8,
+            2,
+            128,
+            AttnMask::prefix_shared(40, 50, 38),
+            "prefix",
+        ),
+        (1000, 4, 1, 64, AttnMask::causal(1000), "causal"),
+        (
+            1000,
+            4,
+            4,
+            128,
+            AttnMask::prefix_shared(300, 400, 300),
+            "prefix",
+        ),
+        (
+            1000,
+            4,
+            1,
+            128,
+            AttnMask::causal(1000).with_window(Some(256)),
+            "window256",
+        ),
+        (
+            1000,
+            2,
+            2,
+            16,
+            AttnMask::prefix_shared(200, 500, 300).with_window(Some(100)),
+            "prefix+window100",
+        ),
+        (1000, 3, 3, 96, AttnMask::causal(1000), "causal"),
+        (4096, 4, 1, 128, AttnMask::causal(4096), "causal"),
+    ];
+    for (t, nh, nkv, hd, mask, label) in cases {
+        let s = AttnShape {
+            n_heads: nh,
+            n_kv_heads: nkv,
+            head_dim: hd,
+            scale: 1.0 / (hd as f32).sqrt(),
+        };
+        let tag = format!("attn T={t} h={nh}/{nkv} d={hd} {label}");
+        let (qw, kw) = (nh * hd, nkv * hd);
+        let q = r.bnormals(t * qw, 1.0);
+        let k = r.bnormals(t * kw, 1.0);
+        let v = r.bnormals(t * kw, 1.0);
+        let d_o = r.bnormals(t * qw, 1.0);
+        let (oc, lc) = attention(
+            &cx.c(&q, &[t, qw])?,
+            &cx.c(&k, &[t, kw])?,
+            &cx.c(&v, &[t, kw])?,
+            &mask,
+            s,
+        )?;
+        let bf = DType::BF16;
+        let (qg, kg, vg) = (
+            cx.g(&q, &[t, qw], bf)?,
+            cx.g(&k, &[t, kw], bf)?,
+            cx.g(&v, &[t, kw], bf)?,
+        );
+        let (og, lg) = attention(&qg, &kg, &vg, &mask, s)?;
+        let row = cmp_t(&format!("{tag} fwd o"), &og, &oc, BF16_FWD)?;
+        cx.push(row);
+        let row = cmp_t(&format!("{tag} fwd lse"), &lg, &lc, F32_STAT)?;
+        cx.push(row);
+        // Shared backward inputs: the CPU forward's o (rounded) and lse.
+        let o_in = rb(&oc.to_vec()?);
+        let lse_in = lc.to_vec()?;
+        let (dqc, dkc, dvc) = attention_bwd(
+            &cx.c(&d_o, &[t, qw])?,
+            &cx.c(&q, &[t, qw])?,
+            &cx.c(&k, &[t, kw])?,
+            &cx.c(&v, &[t, kw])?,
+            &cx.c(&o_in, &[t, qw])?,
+            &lc,
+            &mask,
+            s,
+        )?;
+        let dog = cx.g(&d_o, &[t, qw], bf)?;
+        let oig = cx.g(&o_in, &[t, qw], bf)?;
+        let lig = cx.g(&lse_in, &[nh, t], DType::F32)?;
+        let (dqg, dkg, dvg) = attention_bwd(&dog, &qg, &kg, &vg, &oig, &lig, &mask, s)?;
+        for (name, g, c) in [("dq", &dqg, &dqc), ("dk", &dkg, &dkc), ("dv", &dvg, &dvc)] {
+            let row = cmp_t(&format!("{tag} bwd {name}"), g, c, BF16_GRAD)?;
+            cx.push(row);
+        }
+        if t >= 1000 && cx.dev.is_cuda() {
+            attn_timing(cx, &tag, &qg, &kg, &vg, &dog, &mask, s)?;
+        }
+    }
+    // Long sequences: sampled query rows against direct host references.
+    for (t, nh, nkv, mask, label) in [
+        (
+            4096usize,
+            8usize,
+            2usize,
+            AttnMask::prefix_shared(1024, 1536, 1536),
+            "prefix",
+        ),
+        (16384, 4, 1, AttnMask::causal(16384), "causal"),
+        (
+            16384,
+            4,
+            2,
+            AttnMask::prefix_shared(4096, 6144, 6144),
+            "prefix",
+        ),
+    ] {
+        let hd = 128;
+        let s = AttnShape {
+            n_heads: nh,
+            n_kv_heads: nkv,
+            head_dim: hd,
+            scale: 1.0 / (hd as f32).sqrt(),
+        };
+        let tag = format!("attn T={t} h={nh}/{nkv} d={hd} {label}");
+        let (qw, kw) = (nh * hd, nkv * hd);
+        let q = r.bnormals(t * qw, 1.0);
+        let k = r.bnormals(t * kw, 1.0);
+        let v = r.bnormals(t * kw, 1.0);
+        let d_o = r.bnormals(t * qw, 1.0);
+        let bf = DType::BF16;
+        let (qg, kg, vg) = (
+            cx.g(&q, &[t, qw], bf)?,
+            cx.g(&k, &[t, kw], bf)?,
+            cx.g(&v, &[t, kw], bf)?,
+        );
+        let (og, lg) = attention(&qg, &kg, &vg, &mask, s)?;
+        let o_all = og.to_vec()?;
+        let l_all = lg.to_vec()?;
+        let dog = cx.g(&d_o, &[t, qw], bf)?;
+        let (dqg, _, _) = attention_bwd(&dog, &qg, &kg, &vg, &og, &lg, &mask, s)?;
+        let dq_all = dqg.to_vec()?;
+        let samples: Vec<(usize, usize)> = (0..48)
+            .map(|i| {
+                (
+                    r.below(nh),
+                    if i < 4 {
+                        [0, 1, t - 1, t / 2][i]
+                    } else {
+                        r.below(t)
+                    },
+                )
+            })
+            .collect();
+        let (mut go, mut wo, mut gl, mut wl, mut gq, mut wq) =
+            (vec![], vec![], vec![], vec![], vec![], vec![]);
+        for &(h, i) in &samples {
+            let (o, l, dq) = ref_rows(&q, &k, &v, &d_o, &o_all, &l_all, &mask, s, h, i);
+            let sl = i * qw + h * hd..i * qw + (h + 1) * hd;
+            go.extend_from_slice(&o_all[sl.clone()]);
+            wo.extend(o);
+            gl.push(l_all[h * t + i]);
+            wl.push(l);
+            gq.extend_from_slice(&dq_all[sl]);
+            wq.extend(dq);
+        }
+        cx.push(compare(
+            &format!("{tag} fwd o (48 rows)"),
+            &go,
+            &wo,
+            BF16_FWD,
+        ));
+        cx.push(compare(
+            &format!("{tag} fwd lse (48 rows)"),
+            &gl,
+            &wl,
+            F32_STAT,
+        ));
+        cx.push(compare(
+            &format!("{tag} bwd dq (48 rows)"),
+            &gq,
+            &wq,
+            BF16_GRAD,
+        ));
+        if cx.dev.is_cuda() {
+            attn_timing(cx, &tag, &qg, &kg, &vg, &dog, &mask, s)?;
+        }
+    }
+    Ok(())
+}
+
+#[allow(clippy::too_many_arguments)]
+fn attn_timing(
+    cx: &mut Ctx,
+    tag: &str,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    d_o: &Tensor,
+    mask: &AttnMask,
+    s: AttnShape,
+) -> Result<()> {
+    let (o, lse) = attention(q, k, v, mask, s)?;
+    let iters = if q.dim(0) >= 8192 { 3 } else { 10 };
+    let fwd = cx.time(iters, || attention(q, k, v, mask, s).map(|_| ()))?;
+    let bwd = cx.time(iters, || {
+        attention_bwd(d_o, q, k, v, &o, &lse, mask, s).map(|_| ())
+    })?;
+    let pairs = visible_pairs(mask) * s.n_heads as f64;
+    let fl = 4.0 * pairs * s.head_dim as f64;
+    cx.push(timing(
+        &format!("{tag} time fwd"),
+        fwd,
+        format!("{:.0} TFLOP/s (4*pairs*d)", fl / fwd / 1e9),
+    ));
+    cx.push(timing(
+        &format!("{tag} time bwd"),
+        bwd,
+        format!("{:.0} TFLOP/s (10*pairs*d)", 2.5 * fl / bwd / 1e9),
+    ));
+    Ok(())
+}
+
+/// Prints the parity table and a summary line.
+pub fn print_parity(rows: &[ParityRow]) {
+    println!(
+        "{:<58} {:>10} {:>10} {:>9} {:>8} {:>5}  {}",
+        "op", "max|diff|", "rel-norm", "worst@", "bound", "ok", "note"
+    );
+    for r in rows {
+        if let Some(ms) = r.ms {
+            if r.bound == 0.0 && r.rel == 0.0 && r.max_abs == 0.0 {
+                println!("{:<58} {:>10} {:>10.3} ms  {}", r.op, "", ms, r.note);
+                continue;
+            }
+        }
+        let ms = r.ms.map(|m| format!(" [{m:.3} ms]")).unwrap_or_default();
+        println!(
+            "{:<58} {:>10.3e} {:>10.3e} {:>9} {:>8.0e} {:>5}  {}{}",
+            r.op,
+            r.max_abs,
+            r.rel,
+            r.worst,
+            r.bound,
+            if r.pass { "ok" } else { "FAIL" },
+            r.note,
+            ms
+        );
+    }
+    let fails = rows.iter().filter(|r| !r.pass).count();
+    println!("parity: {} rows, {} failed", rows.len(), fails);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The full CUDA parity suite (needs a GPU): `--ignored --nocapture cuda_parity_suite`.
+    #[test]
+    #[ignore]
+    fn cuda_parity_suite() {
+        let dev = Device::cuda(0).expect("a CUDA device");
+        println!("device: {}", dev.name());
+        let rows = run_op_parity(&dev, 42).expect("parity run");
+        print_parity(&rows);
+        let m = dev.memory();
+        println!("memory: live {} B, peak {} B", m.live_bytes, m.peak_bytes);
+        assert!(rows.iter().all(|r| r.pass), "parity failures");
+    }
+
+    /// The harness itself on the CPU against the CPU (all differences zero), on the cheap ops.
+    #[test]
+    fn parity_harness_cpu_self_check() {
+        let mut cx = Ctx {
+            dev: &Device::Cpu,
+            rows: Vec::new(),
+        };
+        let mut r = Rng(1);
+        elementwise(&mut cx, &mut r).unwrap();
+        assert!(cx.rows.iter().all(|r| r.pass), "{:?}", cx.rows);
+    }
+}
