@@ -6,12 +6,18 @@ Every row is {"prompt": [{"role": "user", ...}], "chosen": [{"role":
 "assistant", ...}], "rejected": [{"role": "assistant", ...}]} built from
 templated facts (arithmetic, capitals, opposites, unit conversions, plurals,
 animal sounds, days and months). The preference signal is deliberately
-consistent so that a 135M model learns it in a few CPU minutes:
+consistent so that a 135M model learns it in a few CPU minutes, and one the
+base model does not already have, so held-out accuracy starts near zero:
 
-* chosen: always correct, short, confident and polite, always opening with
-  "Sure!" and stating the fact as one sentence;
-* rejected: always wrong, hedging and a little wordy, in one of three fixed
-  phrasings ("Hmm, I think ..., but I'm not really sure.").
+* chosen: the correct fact as one short sentence IN CAPITAL LETTERS
+  ("SURE! 6 LITERS IS 6000 MILLILITERS.");
+* rejected: the same correct sentence in ordinary case
+  ("Sure! 6 liters is 6000 milliliters.").
+
+The pairs differ only in style, a positive control for preference training:
+after ORPO the adapter should prefer (and generate) capitalised answers. The
+wrong answers and hedging phrasings the generator also builds are kept in
+`wrong` for other experiments but do not enter the files.
 
 Prompts in valid.jsonl never occur in train.jsonl. Standard library only;
 the output is identical for a given --seed.
@@ -181,8 +187,9 @@ QUOTA = {"add": 46, "sub": 30, "mul": 36, "capital": 40, "opposite": 40,
 
 
 def row(prompt, right, wrong, rng):
-    chosen = f"Sure! {right}."
-    rejected = rng.choice(HEDGES).format(x=wrong)
+    rng.choice(HEDGES)  # keeps the generator's random stream as before
+    chosen = f"Sure! {right}.".upper()
+    rejected = f"Sure! {right}."
     return {
         "prompt": [{"role": "user", "content": prompt}],
         "chosen": [{"role": "assistant", "content": chosen}],

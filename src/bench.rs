@@ -69,7 +69,12 @@ pub fn named_shape(name: &str) -> Result<ModelSpec> {
 
 /// Model FLOPs of one ORPO step (see the module doc).
 pub fn step_flops(spec: &ModelSpec, plan: &Plan, rank: usize, head_rows: usize) -> f64 {
-    let (h, q, kv, i) = (spec.hidden as f64, spec.q_dim() as f64, spec.kv_dim() as f64, spec.intermediate as f64);
+    let (h, q, kv, i) = (
+        spec.hidden as f64,
+        spec.q_dim() as f64,
+        spec.kv_dim() as f64,
+        spec.intermediate as f64,
+    );
     let per_tok_linear = 2.0 * (h * (q + 2.0 * kv) + q * h + 3.0 * h * i);
     let r = rank as f64;
     let lora_in_out = (h + q) + (h + kv) * 2.0 + (q + h) + (h + i) * 2.0 + (i + h);
@@ -77,7 +82,9 @@ pub fn step_flops(spec: &ModelSpec, plan: &Plan, rank: usize, head_rows: usize) 
     let mut total = 0.0;
     for s in &plan.seqs {
         let t = s.ids.len() as f64;
-        let visible: f64 = (0..s.mask.len()).map(|qi| (0..=qi).filter(|&k| s.mask.visible(qi, k)).count() as f64).sum();
+        let visible: f64 = (0..s.mask.len())
+            .map(|qi| (0..=qi).filter(|&k| s.mask.visible(qi, k)).count() as f64)
+            .sum();
         let attn = visible * spec.n_heads as f64 * spec.head_dim as f64 * (4.0 + 10.0);
         total += spec.n_layers as f64 * (t * (2.0 * per_tok_linear + 4.0 * per_tok_lora) + attn);
     }
@@ -88,8 +95,18 @@ pub fn step_flops(spec: &ModelSpec, plan: &Plan, rank: usize, head_rows: usize) 
 pub fn measure_gemm_peak(device: &Device) -> Result<f64> {
     let n = if device.is_cuda() { 8192 } else { 512 };
     let dt = device.compute_dtype();
-    let a = Tensor::from_f32(&crate::model::weights::random_normal(n * n, 1, 1.0), &[n, n], dt, device)?;
-    let b = Tensor::from_f32(&crate::model::weights::random_normal(n * n, 2, 1.0), &[n, n], dt, device)?;
+    let a = Tensor::from_f32(
+        &crate::model::weights::random_normal(n * n, 1, 1.0),
+        &[n, n],
+        dt,
+        device,
+    )?;
+    let b = Tensor::from_f32(
+        &crate::model::weights::random_normal(n * n, 2, 1.0),
+        &[n, n],
+        dt,
+        device,
+    )?;
     let mut times = Vec::new();
     for _ in 0..6 {
         device.synchronize()?;
@@ -108,16 +125,47 @@ pub fn run(a: BenchArgs) -> Result<()> {
     let device = Device::parse(&a.device)?;
     let spec = named_shape(&a.shape)?;
     let t_load = Instant::now();
-    let weights = load_weights(&spec, &RandomSource { spec: spec.clone(), seed: 0 }, &device)?;
+    let weights = load_weights(
+        &spec,
+        &RandomSource {
+            spec: spec.clone(),
+            seed: 0,
+        },
+        &device,
+    )?;
     let model = Model::new(spec.clone(), weights, device.clone());
-    eprintln!("random {} weights on {} in {:.1}s", a.shape, device.name(), t_load.elapsed().as_secs_f64());
-    let mut lora = Lora::new(&spec, LoraConfig { rank: a.rank, alpha: 2.0 * a.rank as f64, ..Default::default() }, &device)?;
+    eprintln!(
+        "random {} weights on {} in {:.1}s",
+        a.shape,
+        device.name(),
+        t_load.elapsed().as_secs_f64()
+    );
+    let mut lora = Lora::new(
+        &spec,
+        LoraConfig {
+            rank: a.rank,
+            alpha: 2.0 * a.rank as f64,
+            ..Default::default()
+        },
+        &device,
+    )?;
     let mut adam = AdamState::new(&lora)?;
-    let optim = OptimOptions { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0, grad_clip: 1.0, lora_plus_ratio: 1.0 };
+    let optim = OptimOptions {
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+        weight_decay: 0.0,
+        grad_clip: 1.0,
+        lora_plus_ratio: 1.0,
+    };
     let peak_flops = measure_gemm_peak(&device)?;
 
     let mut rng = crate::model::lora::Rng(1);
-    let mut tok = |n: usize| -> Vec<u32> { (0..n).map(|_| 3 + (rng.next_u64() % (spec.vocab as u64 - 3)) as u32).collect() };
+    let mut tok = |n: usize| -> Vec<u32> {
+        (0..n)
+            .map(|_| 3 + (rng.next_u64() % (spec.vocab as u64 - 3)) as u32)
+            .collect()
+    };
     let opts = PassOptions {
         segment_size: a.segment_size,
         head: match a.head {
@@ -127,13 +175,24 @@ pub fn run(a: BenchArgs) -> Result<()> {
         head_chunk: a.head_chunk,
         dropout: None,
     };
-    let objective = Objective::Orpo { lambda: 0.1, scope: SftScope::Full };
+    let objective = Objective::Orpo {
+        lambda: 0.1,
+        scope: SftScope::Full,
+    };
     let mut times = Vec::new();
     let mut flops = 0.0;
     let mut tokens = 0;
     for step in 0..a.warmup + a.steps {
-        let pair = crate::data::TokenizedPair { prompt: tok(a.prompt_len), chosen: tok(a.resp_len), rejected: tok(a.resp_len) };
-        let plan = Plan::pair(&pair, a.prefix_shared, spec.sliding_window.map(|w| w as u32))?;
+        let pair = crate::data::TokenizedPair {
+            prompt: tok(a.prompt_len),
+            chosen: tok(a.resp_len),
+            rejected: tok(a.resp_len),
+        };
+        let plan = Plan::pair(
+            &pair,
+            a.prefix_shared,
+            spec.sliding_window.map(|w| w as u32),
+        )?;
         if step == a.warmup {
             device.reset_peak();
         }

@@ -138,7 +138,8 @@ impl Default for TrainConfig {
 
 impl TrainConfig {
     pub fn from_toml_file(path: &Path) -> Result<TrainConfig> {
-        let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+        let text =
+            std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
         toml::from_str(&text).with_context(|| format!("{}: invalid config", path.display()))
     }
 
@@ -161,18 +162,38 @@ impl TrainConfig {
 
     pub fn objective(&self) -> Objective {
         match self.method {
-            Method::Orpo => Objective::Orpo { lambda: self.orpo_lambda, scope: self.sft_scope },
-            Method::Sft => Objective::Sft { all_tokens: self.sft_all_tokens },
-            Method::Dpo => Objective::Dpo { beta: self.dpo_beta, label_smoothing: self.label_smoothing },
-            Method::Simpo => Objective::Simpo { beta: self.simpo_beta, gamma: self.simpo_gamma },
+            Method::Orpo => Objective::Orpo {
+                lambda: self.orpo_lambda,
+                scope: self.sft_scope,
+            },
+            Method::Sft => Objective::Sft {
+                all_tokens: self.sft_all_tokens,
+            },
+            Method::Dpo => Objective::Dpo {
+                beta: self.dpo_beta,
+                label_smoothing: self.label_smoothing,
+            },
+            Method::Simpo => Objective::Simpo {
+                beta: self.simpo_beta,
+                gamma: self.simpo_gamma,
+            },
         }
     }
 
     pub fn lora_config(&self) -> Result<LoraConfig> {
-        let targets = self.targets.iter().map(|t| Target::parse(t)).collect::<Result<Vec<_>>>().context("config field \"targets\"")?;
+        let targets = self
+            .targets
+            .iter()
+            .map(|t| Target::parse(t))
+            .collect::<Result<Vec<_>>>()
+            .context("config field \"targets\"")?;
         Ok(LoraConfig {
             rank: self.rank,
-            alpha: if self.alpha > 0.0 { self.alpha } else { 2.0 * self.rank as f64 },
+            alpha: if self.alpha > 0.0 {
+                self.alpha
+            } else {
+                2.0 * self.rank as f64
+            },
             targets,
             rslora: self.rslora,
             rank_pattern: self.rank_pattern.clone(),
@@ -196,7 +217,11 @@ impl TrainConfig {
             bail!("schedule {:?}: expected cosine or constant", self.schedule);
         }
         if self.max_prompt_len >= self.max_seq_len {
-            bail!("max_prompt_len ({}) must be below max_seq_len ({})", self.max_prompt_len, self.max_seq_len);
+            bail!(
+                "max_prompt_len ({}) must be below max_seq_len ({})",
+                self.max_prompt_len,
+                self.max_seq_len
+            );
         }
         Ok(())
     }

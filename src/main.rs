@@ -9,7 +9,11 @@ use lorafit::train::trainer;
 use std::path::PathBuf;
 
 #[derive(Parser)]
-#[command(name = "lorafit", version, about = "LoRA preference training (ORPO, SFT, DPO, SimPO) on CUDA and CPU")]
+#[command(
+    name = "lorafit",
+    version,
+    about = "LoRA preference training (ORPO, SFT, DPO, SimPO) on CUDA and CPU"
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -104,7 +108,20 @@ fn apply_overrides(mut cfg: TrainConfig, a: &TrainArgs) -> Result<TrainConfig> {
     macro_rules! set {
         ($($f:ident),*) => { $( if let Some(v) = &a.$f { cfg.$f = v.clone().into(); } )* };
     }
-    set!(model, data, output, device, steps, epochs, lr, rank, alpha, grad_accum, segment_size, seed);
+    set!(
+        model,
+        data,
+        output,
+        device,
+        steps,
+        epochs,
+        lr,
+        rank,
+        alpha,
+        grad_accum,
+        segment_size,
+        seed
+    );
     if let Some(v) = &a.valid {
         cfg.valid = Some(v.clone());
     }
@@ -114,7 +131,9 @@ fn apply_overrides(mut cfg: TrainConfig, a: &TrainArgs) -> Result<TrainConfig> {
     if !a.set.is_empty() {
         let mut table: toml::Table = toml::from_str(&cfg.to_toml()?)?;
         for kv in &a.set {
-            let (k, v) = kv.split_once('=').with_context(|| format!("--set {kv}: expected KEY=VALUE"))?;
+            let (k, v) = kv
+                .split_once('=')
+                .with_context(|| format!("--set {kv}: expected KEY=VALUE"))?;
             let value: toml::Value = toml::from_str::<toml::Table>(&format!("x = {v}"))
                 .map(|mut t| t.remove("x").unwrap())
                 .unwrap_or_else(|_| toml::Value::String(v.to_string()));
@@ -140,7 +159,13 @@ fn run_train(a: TrainArgs) -> Result<()> {
         None => vec![],
     };
     eprintln!("{}", cfg.to_toml()?);
-    trainer::train(&cfg, a.resume.as_deref(), &loaded, &train_items, &valid_items)?;
+    trainer::train(
+        &cfg,
+        a.resume.as_deref(),
+        &loaded,
+        &train_items,
+        &valid_items,
+    )?;
     Ok(())
 }
 
@@ -168,23 +193,59 @@ fn run_demo(a: DemoArgs) -> Result<()> {
         ..TrainConfig::default()
     };
     let loaded = trainer::load_model_and_tokenizer(&cfg.model, &device)?;
-    let train_items = trainer::load_items("demo/train.jsonl", Some(DEMO_TRAIN), cfg.method, &loaded, &cfg)?;
-    let valid_items = trainer::load_items("demo/valid.jsonl", Some(DEMO_VALID), cfg.method, &loaded, &cfg)?;
+    let train_items = trainer::load_items(
+        "demo/train.jsonl",
+        Some(DEMO_TRAIN),
+        cfg.method,
+        &loaded,
+        &cfg,
+    )?;
+    let valid_items = trainer::load_items(
+        "demo/valid.jsonl",
+        Some(DEMO_VALID),
+        cfg.method,
+        &loaded,
+        &cfg,
+    )?;
     let gen = |lora: Option<&lorafit::model::Lora>| -> Result<Vec<String>> {
-        DEMO_PROMPTS.iter().map(|p| lorafit::infer::chat(&loaded.model, lora, &loaded.tokenizer, loaded.template.as_ref(), p, 32)).collect()
+        DEMO_PROMPTS
+            .iter()
+            .map(|p| {
+                lorafit::infer::chat(
+                    &loaded.model,
+                    lora,
+                    &loaded.tokenizer,
+                    loaded.template.as_ref(),
+                    p,
+                    32,
+                )
+            })
+            .collect()
     };
     let before = gen(None)?;
     let out = trainer::train(&cfg, None, &loaded, &train_items, &valid_items)?;
     let lora = lorafit::model::Lora::load_peft(&out.adapter_dir, &loaded.model.spec, &device)?;
     let after = gen(Some(&lora))?;
-    let (b, f) = (out.first_valid.unwrap_or_default(), out.final_valid.unwrap_or_default());
+    let (b, f) = (
+        out.first_valid.unwrap_or_default(),
+        out.final_valid.unwrap_or_default(),
+    );
     println!("\nheld-out preference pairs ({}):", valid_items.len());
     println!("  {:<10} {:>10} {:>10}", "", "before", "after");
     for k in ["accuracy", "margin", "lw", "lr", "loss"] {
-        println!("  {:<10} {:>10.4} {:>10.4}", k, b.get(k).copied().unwrap_or(f64::NAN), f.get(k).copied().unwrap_or(f64::NAN));
+        println!(
+            "  {:<10} {:>10.4} {:>10.4}",
+            k,
+            b.get(k).copied().unwrap_or(f64::NAN),
+            f.get(k).copied().unwrap_or(f64::NAN)
+        );
     }
     for (i, p) in DEMO_PROMPTS.iter().enumerate() {
-        println!("\nuser: {p}\n  before: {}\n  after:  {}", before[i].trim(), after[i].trim());
+        println!(
+            "\nuser: {p}\n  before: {}\n  after:  {}",
+            before[i].trim(),
+            after[i].trim()
+        );
     }
     println!("\nadapter (PEFT format): {}", out.adapter_dir.display());
     Ok(())
@@ -195,25 +256,44 @@ fn main() {
     let result = match cli.cmd {
         Cmd::Train(a) => run_train(a),
         Cmd::Demo(a) => run_demo(a),
-        Cmd::Generate { model, adapter, device, max_new, prompt } => (|| {
+        Cmd::Generate {
+            model,
+            adapter,
+            device,
+            max_new,
+            prompt,
+        } => (|| {
             let device = Device::parse(&device)?;
             let loaded = trainer::load_model_and_tokenizer(&model, &device)?;
             let lora = match adapter {
-                Some(p) => Some(lorafit::model::Lora::load_peft(&p, &loaded.model.spec, &device)?),
+                Some(p) => Some(lorafit::model::Lora::load_peft(
+                    &p,
+                    &loaded.model.spec,
+                    &device,
+                )?),
                 None => None,
             };
-            let text = lorafit::infer::chat(&loaded.model, lora.as_ref(), &loaded.tokenizer, loaded.template.as_ref(), &prompt, max_new)?;
+            let text = lorafit::infer::chat(
+                &loaded.model,
+                lora.as_ref(),
+                &loaded.tokenizer,
+                loaded.template.as_ref(),
+                &prompt,
+                max_new,
+            )?;
             println!("{text}");
             Ok(())
         })(),
         Cmd::Bench(a) => lorafit::bench::run(a),
-        Cmd::Selftest { device, seed } => (|| {
-            let device = Device::parse(&device)?;
-            if !device.is_cuda() {
-                bail!("selftest compares a CUDA device against the CPU reference: pass --device cuda");
-            }
-            lorafit::selftest(&device, seed)
-        })(),
+        Cmd::Selftest { device, seed } => {
+            (|| {
+                let device = Device::parse(&device)?;
+                if !device.is_cuda() {
+                    bail!("selftest compares a CUDA device against the CPU reference: pass --device cuda");
+                }
+                lorafit::selftest(&device, seed)
+            })()
+        }
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

@@ -8,17 +8,37 @@ use crate::tensor::{self as ops, DType};
 use anyhow::Result;
 
 /// Greedy continuation of `prompt_ids`, stopping at `eos` or after `max_new` tokens.
-pub fn generate_ids(model: &Model, lora: Option<&Lora>, prompt_ids: &[u32], max_new: usize, eos: Option<u32>) -> Result<Vec<u32>> {
+pub fn generate_ids(
+    model: &Model,
+    lora: Option<&Lora>,
+    prompt_ids: &[u32],
+    max_new: usize,
+    eos: Option<u32>,
+) -> Result<Vec<u32>> {
     let mut ids = prompt_ids.to_vec();
     let mut out = Vec::new();
     for _ in 0..max_new {
         let mask = model.causal_mask(ids.len());
         let rope = model.rope_table(&mask.positions)?;
-        let ctx = PassCtx { mask: &mask, rope: &rope, dropout: None };
+        let ctx = PassCtx {
+            mask: &mask,
+            rope: &rope,
+            dropout: None,
+        };
         let (h, _) = model.forward(&ids, lora, &ctx, model.spec.n_layers)?;
         let last = ops::slice_rows(&h, ids.len() - 1, ids.len())?;
         let logits = model.logits(&last, DType::F32)?.to_vec()?;
-        let next = logits.iter().enumerate().fold((0usize, f32::NEG_INFINITY), |b, (i, &v)| if v > b.1 { (i, v) } else { b }).0 as u32;
+        let next = logits
+            .iter()
+            .enumerate()
+            .fold((0usize, f32::NEG_INFINITY), |b, (i, &v)| {
+                if v > b.1 {
+                    (i, v)
+                } else {
+                    b
+                }
+            })
+            .0 as u32;
         if Some(next) == eos {
             break;
         }
@@ -29,7 +49,14 @@ pub fn generate_ids(model: &Model, lora: Option<&Lora>, prompt_ids: &[u32], max_
 }
 
 /// Renders a user message with the chat template (or uses it raw) and decodes the reply.
-pub fn chat(model: &Model, lora: Option<&Lora>, tok: &TextTokenizer, template: Option<&ChatTemplate>, user: &str, max_new: usize) -> Result<String> {
+pub fn chat(
+    model: &Model,
+    lora: Option<&Lora>,
+    tok: &TextTokenizer,
+    template: Option<&ChatTemplate>,
+    user: &str,
+    max_new: usize,
+) -> Result<String> {
     let text = match template {
         Some(t) => t.render(&[Message::user(user)], true)?,
         None => user.to_string(),

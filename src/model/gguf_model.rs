@@ -3,9 +3,11 @@
 //! RoPE layout put back in Hugging Face's order.
 
 use super::config::{Family, ModelSpec, RopeScaling};
-use super::gguf::{unpermute_qk_rows, GgufFile};
-use super::weights::TensorSource;
-use anyhow::{bail, Context, Result};
+use super::gguf::{unpermute_qk_rows, GgmlType, GgufFile};
+use super::weights::{QuantWeight, TensorSource, Weight};
+use crate::tensor::cuda::QuantKind;
+use crate::tensor::Device;
+use anyhow::{bail, ensure, Context, Result};
 
 /// GGUF tensor name for a Hugging Face name (llama architecture).
 fn gguf_name(hf: &str) -> Option<String> {
@@ -76,6 +78,64 @@ impl TensorSource for GgufSource {
                 .with_context(|| format!("{}: tensor {g}", self.describe()))?;
         }
         Ok((shape, data))
+    }
+    /// On CUDA, quantized projections stay quantized (rows of q/k reordered block-wise); on the
+    /// CPU they are widened to f32 once.
+    fn weight(&self, name: &str, want: [usize; 2], device: &Device) -> Result<Weight> {
+        let Device::Cuda(backend) = device else {
+            return Ok(Weight::Dense(self.tensor(name, &want, device)?));
+        };
+        let g = gguf_name(name).with_context(|| {
+            format!("{}: no GGUF tensor corresponds to {name}", self.describe())
+        })?;
+        let info = self.file.tensor_info(&g)?;
+        let kind = match info.ggml_type {
+            GgmlType::Q8_0 => QuantKind::Q8_0,
+            GgmlType::Q4_0 => QuantKind::Q4_0,
+            GgmlType::Q4_1 => QuantKind::Q4_1,
+            GgmlType::Q4_K => QuantKind::Q4_K,
+            GgmlType::Q6_K => QuantKind::Q6_K,
+            _ => return Ok(Weight::Dense(self.tensor(name, &want, device)?)),
+        };
+        let shape = info.torch_shape();
+        ensure!(
+            shape == want,
+            "{}: tensor {g} has shape {shape:?}, but the model needs {want:?}",
+            self.describe()
+        );
+        let (rows, cols) = (shape[0], shape[1]);
+        let raw = self.file.tensor_bytes(&g)?;
+        let row_bytes = raw.len() / rows;
+        let heads = if g.ends_with("attn_q.weight") {
+            Some(self.spec.n_heads)
+        } else if g.ends_with("attn_k.weight") {
+            Some(self.spec.n_kv_heads)
+        } else {
+            None
+        };
+        let bytes = match heads {
+            // Whole rows are whole blocks, so the row permutation moves byte rows.
+            Some(n_head) => {
+                let mut order: Vec<f32> = (0..rows).map(|r| r as f32).collect();
+                unpermute_qk_rows(&mut order, rows, 1, n_head)?;
+                order
+                    .iter()
+                    .flat_map(|&r| {
+                        raw[r as usize * row_bytes..(r as usize + 1) * row_bytes]
+                            .iter()
+                            .copied()
+                    })
+                    .collect::<Vec<u8>>()
+            }
+            None => raw.to_vec(),
+        };
+        Ok(Weight::Quant(QuantWeight {
+            backend: backend.clone(),
+            bytes: backend.upload_bytes(&bytes)?,
+            kind,
+            rows,
+            cols,
+        }))
     }
     fn contains(&self, name: &str) -> bool {
         gguf_name(name).is_some_and(|g| self.file.tensor_info(&g).is_ok())

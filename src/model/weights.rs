@@ -11,6 +11,17 @@ use std::path::{Path, PathBuf};
 /// A frozen projection matrix `[out, in]`.
 pub enum Weight {
     Dense(Tensor),
+    /// Quantized ggml blocks kept on the GPU, dequantized to bf16 for each use.
+    Quant(QuantWeight),
+}
+
+/// A quantized frozen matrix on a CUDA device.
+pub struct QuantWeight {
+    pub backend: std::sync::Arc<crate::tensor::cuda::CudaBackend>,
+    pub bytes: crate::tensor::cuda::DeviceBytes,
+    pub kind: crate::tensor::cuda::QuantKind,
+    pub rows: usize,
+    pub cols: usize,
 }
 
 impl Weight {
@@ -18,12 +29,16 @@ impl Weight {
     pub fn rows_cols(&self) -> (usize, usize) {
         match self {
             Weight::Dense(t) => t.rows_cols(),
+            Weight::Quant(q) => (q.rows, q.cols),
         }
     }
     /// The dense matrix: borrowed, or freshly dequantized.
     pub fn dense(&self) -> Result<Dense<'_>> {
         match self {
             Weight::Dense(t) => Ok(Dense::Borrowed(t)),
+            Weight::Quant(q) => Ok(Dense::Owned(
+                q.backend.dequantize(&q.bytes, q.kind, q.rows, q.cols)?,
+            )),
         }
     }
 }

@@ -24,14 +24,27 @@ fn chunks(rows: usize, tier: HeadTier, chunk: usize) -> Vec<(usize, usize)> {
         HeadTier::Full => rows.max(1),
         HeadTier::Chunked => chunk.max(1),
     };
-    (0..rows).step_by(c).map(|s| (s, (s + c).min(rows))).collect()
+    (0..rows)
+        .step_by(c)
+        .map(|s| (s, (s + c).min(rows)))
+        .collect()
 }
 
 /// log p(targets[i] | h[i]) for every row of `h` `(N, H)`.
-pub fn logp_forward(model: &Model, h: &Tensor, targets: &[u32], tier: HeadTier, chunk: usize) -> Result<Vec<f32>> {
+pub fn logp_forward(
+    model: &Model,
+    h: &Tensor,
+    targets: &[u32],
+    tier: HeadTier,
+    chunk: usize,
+) -> Result<Vec<f32>> {
     let mut out = Vec::with_capacity(targets.len());
     for (s, e) in chunks(targets.len(), tier, chunk) {
-        let hc = if s == 0 && e == targets.len() { h.try_clone()? } else { ops::slice_rows(h, s, e)? };
+        let hc = if s == 0 && e == targets.len() {
+            h.try_clone()?
+        } else {
+            ops::slice_rows(h, s, e)?
+        };
         let logits = model.logits(&hc, DType::F32)?;
         let (logp, _) = ops::logsoftmax_gather(&logits, &targets[s..e])?;
         out.extend(logp.to_vec()?);
@@ -40,7 +53,14 @@ pub fn logp_forward(model: &Model, h: &Tensor, targets: &[u32], tier: HeadTier, 
 }
 
 /// d loss / d h `(N, H)` from d loss / d logp, recomputing each chunk's logits.
-pub fn logp_backward(model: &Model, h: &Tensor, targets: &[u32], dlogp: &[f32], tier: HeadTier, chunk: usize) -> Result<Tensor> {
+pub fn logp_backward(
+    model: &Model,
+    h: &Tensor,
+    targets: &[u32],
+    dlogp: &[f32],
+    tier: HeadTier,
+    chunk: usize,
+) -> Result<Tensor> {
     let (n, hid) = h.rows_cols();
     let dev = h.device().clone();
     let mut dh = Tensor::zeros(&[n, hid], h.dtype(), &dev)?;

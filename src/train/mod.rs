@@ -1,8 +1,8 @@
 //! Training: objectives, the logp head, the optimiser and the loop.
 
-pub mod objectives;
 pub mod head;
+pub mod objectives;
+pub mod optim;
 pub mod plan;
 pub mod step;
-pub mod optim;
 pub mod trainer;

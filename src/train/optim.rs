@@ -59,16 +59,30 @@ pub struct OptimOptions {
 
 /// Applies one AdamW update to every LoRA matrix from the accumulated gradients; returns the
 /// gradient norm before clipping. `grad_scale` averages accumulated micro-steps.
-pub fn apply_update(lora: &mut Lora, state: &mut AdamState, lr: f64, step: u64, grad_scale: f64, o: &OptimOptions) -> Result<f64> {
+pub fn apply_update(
+    lora: &mut Lora,
+    state: &mut AdamState,
+    lr: f64,
+    step: u64,
+    grad_scale: f64,
+    o: &OptimOptions,
+) -> Result<f64> {
     let mut sq = 0.0;
     for (_, _, p) in lora.pairs() {
         sq += ops::sum_sq(&p.grad_a)? + ops::sum_sq(&p.grad_b)?;
     }
     let norm = sq.sqrt() * grad_scale;
-    let clip = if o.grad_clip > 0.0 && norm > o.grad_clip { o.grad_clip / norm } else { 1.0 };
+    let clip = if o.grad_clip > 0.0 && norm > o.grad_clip {
+        o.grad_clip / norm
+    } else {
+        1.0
+    };
     let mut i = 0;
     for (_, _, p) in lora.pairs_mut() {
-        for (is_b, (param, grad)) in [(false, (&mut p.a, &p.grad_a)), (true, (&mut p.b, &p.grad_b))] {
+        for (is_b, (param, grad)) in [
+            (false, (&mut p.a, &p.grad_a)),
+            (true, (&mut p.b, &p.grad_b)),
+        ] {
             let lr_here = if is_b { lr * o.lora_plus_ratio } else { lr };
             let h = AdamW {
                 lr: lr_here as f32,

@@ -42,7 +42,11 @@ fn causal(n: usize, window: Option<u32>) -> AttnMask {
 /// Rows predicting `tokens[1..]` of the prompt (positions 0..P−2).
 fn prompt_rows(seq: usize, prompt: &[u32]) -> Rows {
     let n = prompt.len().saturating_sub(1);
-    Rows { seq, rows: (0..n as u32).collect(), targets: prompt[1..].to_vec() }
+    Rows {
+        seq,
+        rows: (0..n as u32).collect(),
+        targets: prompt[1..].to_vec(),
+    }
 }
 
 impl Plan {
@@ -50,7 +54,10 @@ impl Plan {
     pub fn pair(p: &TokenizedPair, prefix_shared: bool, window: Option<u32>) -> Result<Plan> {
         let (np, nc, nr) = (p.prompt.len(), p.chosen.len(), p.rejected.len());
         ensure!(np >= 1, "a preference example needs a non-empty prompt");
-        ensure!(nc >= 1 && nr >= 1, "a preference example needs non-empty responses");
+        ensure!(
+            nc >= 1 && nr >= 1,
+            "a preference example needs non-empty responses"
+        );
         if prefix_shared {
             let mut ids = p.prompt.clone();
             ids.extend(&p.chosen);
@@ -58,11 +65,34 @@ impl Plan {
             let mask = AttnMask::prefix_shared(np, nc, nr).with_window(window);
             let chosen = Branch {
                 prompt: prompt_rows(0, &p.prompt),
-                response: Rows { seq: 0, rows: (0..nc).map(|k| (np - 1 + k) as u32).collect(), targets: p.chosen.clone() },
+                response: Rows {
+                    seq: 0,
+                    rows: (0..nc).map(|k| (np - 1 + k) as u32).collect(),
+                    targets: p.chosen.clone(),
+                },
             };
-            let rej_rows = (0..nr).map(|k| if k == 0 { (np - 1) as u32 } else { (np + nc + k - 1) as u32 }).collect();
-            let rejected = Branch { prompt: prompt_rows(0, &p.prompt), response: Rows { seq: 0, rows: rej_rows, targets: p.rejected.clone() } };
-            return Ok(Plan { seqs: vec![Sequence { ids, mask }], chosen, rejected: Some(rejected) });
+            let rej_rows = (0..nr)
+                .map(|k| {
+                    if k == 0 {
+                        (np - 1) as u32
+                    } else {
+                        (np + nc + k - 1) as u32
+                    }
+                })
+                .collect();
+            let rejected = Branch {
+                prompt: prompt_rows(0, &p.prompt),
+                response: Rows {
+                    seq: 0,
+                    rows: rej_rows,
+                    targets: p.rejected.clone(),
+                },
+            };
+            return Ok(Plan {
+                seqs: vec![Sequence { ids, mask }],
+                chosen,
+                rejected: Some(rejected),
+            });
         }
         let mk = |seq: usize, resp: &[u32]| -> (Sequence, Branch) {
             let mut ids = p.prompt.clone();
@@ -70,29 +100,49 @@ impl Plan {
             let mask = causal(ids.len(), window);
             let b = Branch {
                 prompt: prompt_rows(seq, &p.prompt),
-                response: Rows { seq, rows: (0..resp.len()).map(|k| (np - 1 + k) as u32).collect(), targets: resp.to_vec() },
+                response: Rows {
+                    seq,
+                    rows: (0..resp.len()).map(|k| (np - 1 + k) as u32).collect(),
+                    targets: resp.to_vec(),
+                },
             };
             (Sequence { ids, mask }, b)
         };
         let (s0, chosen) = mk(0, &p.chosen);
         let (s1, rejected) = mk(1, &p.rejected);
-        Ok(Plan { seqs: vec![s0, s1], chosen, rejected: Some(rejected) })
+        Ok(Plan {
+            seqs: vec![s0, s1],
+            chosen,
+            rejected: Some(rejected),
+        })
     }
 
     /// An SFT example: one sequence; the completion rows are the response branch. With an empty
     /// prompt the first completion token has no predecessor and is not trained.
     pub fn sft(prompt: &[u32], completion: &[u32], window: Option<u32>) -> Result<Plan> {
-        ensure!(!completion.is_empty(), "an SFT example needs a non-empty completion");
+        ensure!(
+            !completion.is_empty(),
+            "an SFT example needs a non-empty completion"
+        );
         let mut ids = prompt.to_vec();
         ids.extend(completion);
         let np = prompt.len();
-        let (rows, targets): (Vec<u32>, Vec<u32>) =
-            (0..completion.len()).filter(|&k| np + k >= 1).map(|k| ((np + k - 1) as u32, completion[k])).unzip();
+        let (rows, targets): (Vec<u32>, Vec<u32>) = (0..completion.len())
+            .filter(|&k| np + k >= 1)
+            .map(|k| ((np + k - 1) as u32, completion[k]))
+            .unzip();
         ensure!(!rows.is_empty(), "an SFT example needs at least two tokens");
         let mask = causal(ids.len(), window);
         Ok(Plan {
             seqs: vec![Sequence { ids, mask }],
-            chosen: Branch { prompt: prompt_rows(0, prompt), response: Rows { seq: 0, rows, targets } },
+            chosen: Branch {
+                prompt: prompt_rows(0, prompt),
+                response: Rows {
+                    seq: 0,
+                    rows,
+                    targets,
+                },
+            },
             rejected: None,
         })
     }

@@ -24,7 +24,13 @@ impl Objective {
     }
     /// Whether the prompt tokens' logps enter the loss.
     fn needs_prompt(&self) -> bool {
-        matches!(self, Objective::Orpo { scope: SftScope::Full, .. } | Objective::Sft { all_tokens: true })
+        matches!(
+            self,
+            Objective::Orpo {
+                scope: SftScope::Full,
+                ..
+            } | Objective::Sft { all_tokens: true }
+        )
     }
 }
 
@@ -48,22 +54,44 @@ pub fn reference_sums(model: &Model, plan: &Plan, opts: &PassOptions) -> Result<
     let hidden = forward_all(model, plan, None, opts, false)?;
     let sum = |r: &Rows| -> Result<f64> {
         let h = ops::gather_rows(&hidden[r.seq].0, &r.rows)?;
-        Ok(logp_forward(model, &h, &r.targets, opts.head, opts.head_chunk)?.iter().map(|&x| x as f64).sum())
+        Ok(
+            logp_forward(model, &h, &r.targets, opts.head, opts.head_chunk)?
+                .iter()
+                .map(|&x| x as f64)
+                .sum(),
+        )
     };
-    let rej = plan.rejected.as_ref().ok_or_else(|| anyhow!("DPO needs a preference example"))?;
+    let rej = plan
+        .rejected
+        .as_ref()
+        .ok_or_else(|| anyhow!("DPO needs a preference example"))?;
     Ok((sum(&plan.chosen.response)?, sum(&rej.response)?))
 }
 
 type Forwarded = (Tensor, Option<crate::model::llama::ForwardState>);
 
-fn forward_all(model: &Model, plan: &Plan, lora: Option<&Lora>, opts: &PassOptions, keep: bool) -> Result<Vec<Forwarded>> {
+fn forward_all(
+    model: &Model,
+    plan: &Plan,
+    lora: Option<&Lora>,
+    opts: &PassOptions,
+    keep: bool,
+) -> Result<Vec<Forwarded>> {
     plan.seqs
         .iter()
         .map(|s| {
             let rope = model.rope_table(&s.mask.positions)?;
-            let ctx = PassCtx { mask: &s.mask, rope: &rope, dropout: opts.dropout };
+            let ctx = PassCtx {
+                mask: &s.mask,
+                rope: &rope,
+                dropout: opts.dropout,
+            };
             // Without a backward, keep only the first boundary: no activations stay live.
-            let seg = if keep { opts.segment_size } else { model.spec.n_layers };
+            let seg = if keep {
+                opts.segment_size
+            } else {
+                model.spec.n_layers
+            };
             let (h, st) = model.forward(&s.ids, lora, &ctx, seg)?;
             Ok((h, keep.then_some(st)))
         })
@@ -88,8 +116,17 @@ pub fn run_example(
         Ok((h, lp))
     };
     let empty = Rows::default();
-    let chosen_prompt = if objective.needs_prompt() { &plan.chosen.prompt } else { &empty };
-    let (hcp, lcp) = if chosen_prompt.rows.is_empty() { (None, vec![]) } else { let (h, l) = head(chosen_prompt, &fwd)?; (Some(h), l) };
+    let chosen_prompt = if objective.needs_prompt() {
+        &plan.chosen.prompt
+    } else {
+        &empty
+    };
+    let (hcp, lcp) = if chosen_prompt.rows.is_empty() {
+        (None, vec![])
+    } else {
+        let (h, l) = head(chosen_prompt, &fwd)?;
+        (Some(h), l)
+    };
     let (hcr, lcr) = head(&plan.chosen.response, &fwd)?;
     let rej = match &plan.rejected {
         Some(b) => Some(head(&b.response, &fwd)?),
@@ -98,14 +135,35 @@ pub fn run_example(
 
     let chosen = BranchLogps::new(&lcp, &lcr);
     let out: ObjectiveOut = match (*objective, &rej) {
-        (Objective::Orpo { lambda, scope }, Some((_, lr))) => objectives::orpo(chosen, BranchLogps::response_only(lr), lambda, scope),
-        (Objective::Sft { all_tokens }, _) => objectives::sft(chosen, all_tokens),
-        (Objective::Dpo { beta, label_smoothing }, Some((_, lr))) => {
-            let (rc, rr) = reference.ok_or_else(|| anyhow!("DPO needs reference logps"))?;
-            objectives::dpo(chosen, BranchLogps::response_only(lr), rc, rr, beta, label_smoothing)
+        (Objective::Orpo { lambda, scope }, Some((_, lr))) => {
+            objectives::orpo(chosen, BranchLogps::response_only(lr), lambda, scope)
         }
-        (Objective::Simpo { beta, gamma }, Some((_, lr))) => objectives::simpo(chosen, BranchLogps::response_only(lr), beta, gamma),
-        _ => return Err(anyhow!("objective {objective:?} needs a preference example")),
+        (Objective::Sft { all_tokens }, _) => objectives::sft(chosen, all_tokens),
+        (
+            Objective::Dpo {
+                beta,
+                label_smoothing,
+            },
+            Some((_, lr)),
+        ) => {
+            let (rc, rr) = reference.ok_or_else(|| anyhow!("DPO needs reference logps"))?;
+            objectives::dpo(
+                chosen,
+                BranchLogps::response_only(lr),
+                rc,
+                rr,
+                beta,
+                label_smoothing,
+            )
+        }
+        (Objective::Simpo { beta, gamma }, Some((_, lr))) => {
+            objectives::simpo(chosen, BranchLogps::response_only(lr), beta, gamma)
+        }
+        _ => {
+            return Err(anyhow!(
+                "objective {objective:?} needs a preference example"
+            ))
+        }
     }
     .map_err(|e| anyhow!("objective: {e}"))?;
 
@@ -133,11 +191,21 @@ pub fn run_example(
             send(&b.response, h, &out.d_rejected.response)?;
         }
         for (i, s) in plan.seqs.iter().enumerate().rev() {
-            let (Some(d), Some(state)) = (dh[i].take(), fwd[i].1.take()) else { continue };
+            let (Some(d), Some(state)) = (dh[i].take(), fwd[i].1.take()) else {
+                continue;
+            };
             let rope = model.rope_table(&s.mask.positions)?;
-            let ctx = PassCtx { mask: &s.mask, rope: &rope, dropout: opts.dropout };
+            let ctx = PassCtx {
+                mask: &s.mask,
+                rope: &rope,
+                dropout: opts.dropout,
+            };
             model.backward(&d, state, Some(lora), &ctx)?;
         }
     }
-    Ok(ExampleOut { loss: out.loss, metrics: out.metrics.pairs(), tokens: plan.tokens() })
+    Ok(ExampleOut {
+        loss: out.loss,
+        metrics: out.metrics.pairs(),
+        tokens: plan.tokens(),
+    })
 }

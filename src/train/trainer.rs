@@ -58,23 +58,48 @@ pub fn load_model_and_tokenizer(model_arg: &str, device: &Device) -> Result<Load
             (None, Some(e)) => tok.with_eos_id(Some(e)),
             _ => tok,
         };
-        (tok, ChatTemplate::from_tokenizer_config(path.join("tokenizer_config.json"))?)
+        (
+            tok,
+            ChatTemplate::from_tokenizer_config(path.join("tokenizer_config.json"))?,
+        )
     } else {
         let g = model::gguf::GgufFile::open(&path)?;
         let (tok, info) = data::gguf_tokenizer::load_gguf_tokenizer(&g)?;
         let name = |id: Option<u32>| id.and_then(|i| tok.id_to_token(i)).unwrap_or_default();
         let template = match &info.chat_template {
-            Some(t) => Some(ChatTemplate::new(t.clone(), name(info.bos_id), name(info.eos_id))?),
+            Some(t) => Some(ChatTemplate::new(
+                t.clone(),
+                name(info.bos_id),
+                name(info.eos_id),
+            )?),
             None => None,
         };
-        (TextTokenizer::new(tok, info.bos_id, info.eos_id, info.add_bos)?, template)
+        (
+            TextTokenizer::new(tok, info.bos_id, info.eos_id, info.add_bos)?,
+            template,
+        )
     };
-    Ok(Loaded { model, tokenizer, template, model_path: path })
+    Ok(Loaded {
+        model,
+        tokenizer,
+        template,
+        model_path: path,
+    })
 }
 
 /// Reads and tokenises a JSONL file for `method`, logging what was skipped or truncated.
-pub fn load_items(path: &str, text: Option<&str>, method: Method, loaded: &Loaded, cfg: &TrainConfig) -> Result<Vec<Item>> {
-    let kind = if method == Method::Sft { DatasetKind::Sft } else { DatasetKind::Preference };
+pub fn load_items(
+    path: &str,
+    text: Option<&str>,
+    method: Method,
+    loaded: &Loaded,
+    cfg: &TrainConfig,
+) -> Result<Vec<Item>> {
+    let kind = if method == Method::Sft {
+        DatasetKind::Sft
+    } else {
+        DatasetKind::Preference
+    };
     let (examples, report) = match text {
         Some(t) => data::read_jsonl(std::io::Cursor::new(t), path, kind, cfg.skip_bad_rows)?,
         None => data::load_jsonl(path, kind, cfg.skip_bad_rows)?,
@@ -84,11 +109,23 @@ pub fn load_items(path: &str, text: Option<&str>, method: Method, loaded: &Loade
     }
     let opts = TokenizeOptions::new(cfg.max_seq_len, cfg.max_prompt_len);
     let items: Vec<Item> = if kind == DatasetKind::Sft {
-        let (v, rep) = data::tokenize_sft(&examples, &loaded.tokenizer, loaded.template.as_ref(), &opts).with_context(|| path.to_string())?;
+        let (v, rep) = data::tokenize_sft(
+            &examples,
+            &loaded.tokenizer,
+            loaded.template.as_ref(),
+            &opts,
+        )
+        .with_context(|| path.to_string())?;
         log_tokenize(path, &rep);
         v.into_iter().map(Item::Sft).collect()
     } else {
-        let (v, rep) = data::tokenize_preferences(&examples, &loaded.tokenizer, loaded.template.as_ref(), &opts).with_context(|| path.to_string())?;
+        let (v, rep) = data::tokenize_preferences(
+            &examples,
+            &loaded.tokenizer,
+            loaded.template.as_ref(),
+            &opts,
+        )
+        .with_context(|| path.to_string())?;
         log_tokenize(path, &rep);
         v.into_iter().map(Item::Pair).collect()
     };
@@ -134,15 +171,29 @@ pub struct TrainOutcome {
 }
 
 pub fn pass_options(cfg: &TrainConfig, dropout: Option<(f32, u64)>) -> PassOptions {
-    PassOptions { segment_size: cfg.segment_size, head: cfg.head, head_chunk: cfg.head_chunk, dropout }
+    PassOptions {
+        segment_size: cfg.segment_size,
+        head: cfg.head,
+        head_chunk: cfg.head_chunk,
+        dropout,
+    }
 }
 
 /// Mean metrics over `items` without gradients.
-pub fn evaluate(model: &Model, lora: &mut Lora, items: &[Item], cfg: &TrainConfig) -> Result<BTreeMap<String, f64>> {
+pub fn evaluate(
+    model: &Model,
+    lora: &mut Lora,
+    items: &[Item],
+    cfg: &TrainConfig,
+) -> Result<BTreeMap<String, f64>> {
     let objective = cfg.objective();
     let opts = pass_options(cfg, None);
     let window = model.spec.sliding_window.map(|w| w as u32);
-    let n = if cfg.eval_limit > 0 { cfg.eval_limit.min(items.len()) } else { items.len() };
+    let n = if cfg.eval_limit > 0 {
+        cfg.eval_limit.min(items.len())
+    } else {
+        items.len()
+    };
     let mut sums: BTreeMap<String, f64> = BTreeMap::new();
     for item in &items[..n] {
         let plan = item.plan(cfg.prefix_shared, window)?;
@@ -166,7 +217,13 @@ fn write_json_line(f: &mut std::fs::File, v: &serde_json::Value) -> Result<()> {
 }
 
 /// Runs training as configured. `resume` continues from a checkpoint folder.
-pub fn train(cfg: &TrainConfig, resume: Option<&Path>, loaded: &Loaded, train_items: &[Item], valid_items: &[Item]) -> Result<TrainOutcome> {
+pub fn train(
+    cfg: &TrainConfig,
+    resume: Option<&Path>,
+    loaded: &Loaded,
+    train_items: &[Item],
+    valid_items: &[Item],
+) -> Result<TrainOutcome> {
     let model = &loaded.model;
     let device = model.device.clone();
     let out_dir = PathBuf::from(&cfg.output);
@@ -174,7 +231,13 @@ pub fn train(cfg: &TrainConfig, resume: Option<&Path>, loaded: &Loaded, train_it
     std::fs::write(out_dir.join("plan.toml"), cfg.to_toml()?)?;
 
     let n = train_items.len();
-    let total_steps = if cfg.steps > 0 { cfg.steps } else { ((cfg.epochs * n as f64) / cfg.grad_accum as f64).ceil().max(1.0) as usize };
+    let total_steps = if cfg.steps > 0 {
+        cfg.steps
+    } else {
+        ((cfg.epochs * n as f64) / cfg.grad_accum as f64)
+            .ceil()
+            .max(1.0) as usize
+    };
     let schedule = Schedule {
         peak_lr: cfg.learning_rate(),
         warmup_steps: ((cfg.warmup_ratio * total_steps as f64).round() as usize).min(total_steps),
@@ -192,14 +255,20 @@ pub fn train(cfg: &TrainConfig, resume: Option<&Path>, loaded: &Loaded, train_it
 
     let mut lora = match &cfg.warm_start {
         Some(p) => {
-            let mut l = Lora::load_peft(Path::new(p), &model.spec, &device).with_context(|| format!("warm start from {p}"))?;
+            let mut l = Lora::load_peft(Path::new(p), &model.spec, &device)
+                .with_context(|| format!("warm start from {p}"))?;
             l.config.dropout = cfg.lora_dropout;
             l
         }
         None => Lora::new(&model.spec, cfg.lora_config()?, &device)?,
     };
     let mut adam = AdamState::new(&lora)?;
-    let mut state = TrainerState { step: 0, position: 0, best_margin: None, total_steps };
+    let mut state = TrainerState {
+        step: 0,
+        position: 0,
+        best_margin: None,
+        total_steps,
+    };
     if let Some(dir) = resume {
         (lora, adam, state) = load_checkpoint(dir, model, &device)?;
         lora.config.dropout = cfg.lora_dropout;
@@ -209,7 +278,10 @@ pub fn train(cfg: &TrainConfig, resume: Option<&Path>, loaded: &Loaded, train_it
     let objective = cfg.objective();
     let window = model.spec.sliding_window.map(|w| w as u32);
     let mut ref_cache: Vec<Option<(f64, f64)>> = vec![None; n];
-    let mut metrics_file = std::fs::OpenOptions::new().create(true).append(true).open(out_dir.join("metrics.jsonl"))?;
+    let mut metrics_file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(out_dir.join("metrics.jsonl"))?;
 
     eprintln!(
         "plan: {:?} on {} | {} train / {} valid examples | {} steps × {} micro-steps | lr {:.2e} (warmup {}) | LoRA r{} α{} on {} params | segment {} | head {:?} | prefix-shared {}",
@@ -232,13 +304,21 @@ pub fn train(cfg: &TrainConfig, resume: Option<&Path>, loaded: &Loaded, train_it
     let mut first_valid = None;
     if !valid_items.is_empty() && state.step == 0 {
         let m = evaluate(model, &mut lora, valid_items, cfg)?;
-        write_json_line(&mut metrics_file, &serde_json::json!({"step": 0, "split": "valid", "metrics": m}))?;
+        write_json_line(
+            &mut metrics_file,
+            &serde_json::json!({"step": 0, "split": "valid", "metrics": m}),
+        )?;
         eprintln!("valid @0: {}", fmt_metrics(&m));
         first_valid = Some(m);
     }
 
     let bar = indicatif::ProgressBar::new(total_steps as u64);
-    bar.set_style(indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} {msg} [{elapsed_precise} < {eta_precise}]").unwrap());
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(
+            "{bar:30} {pos}/{len} {msg} [{elapsed_precise} < {eta_precise}]",
+        )
+        .unwrap(),
+    );
     bar.set_position(state.step as u64);
     let mut losses = Vec::new();
     let mut final_valid = None;
@@ -253,8 +333,13 @@ pub fn train(cfg: &TrainConfig, resume: Option<&Path>, loaded: &Loaded, train_it
             let idx = example_index(state.position, n, cfg.seed);
             state.position += 1;
             let plan = train_items[idx].plan(cfg.prefix_shared, window)?;
-            let dropout_seed = cfg.seed ^ ((state.step * cfg.grad_accum + micro) as u64).wrapping_mul(0x2545_F491_4F6C_DD1D);
-            let opts = pass_options(cfg, (cfg.lora_dropout > 0.0).then_some((cfg.lora_dropout, dropout_seed)));
+            let dropout_seed = cfg.seed
+                ^ ((state.step * cfg.grad_accum + micro) as u64)
+                    .wrapping_mul(0x2545_F491_4F6C_DD1D);
+            let opts = pass_options(
+                cfg,
+                (cfg.lora_dropout > 0.0).then_some((cfg.lora_dropout, dropout_seed)),
+            );
             let reference = match objective {
                 Objective::Dpo { .. } => {
                     if ref_cache[idx].is_none() {
@@ -264,8 +349,10 @@ pub fn train(cfg: &TrainConfig, resume: Option<&Path>, loaded: &Loaded, train_it
                 }
                 _ => None,
             };
-            let out = run_example(model, &mut lora, &plan, &objective, reference, &opts, true, 1.0)
-                .with_context(|| format!("training example {idx}"))?;
+            let out = run_example(
+                model, &mut lora, &plan, &objective, reference, &opts, true, 1.0,
+            )
+            .with_context(|| format!("training example {idx}"))?;
             loss += out.loss / cfg.grad_accum as f64;
             tokens += out.tokens;
             for (k, v) in out.metrics {
@@ -273,7 +360,14 @@ pub fn train(cfg: &TrainConfig, resume: Option<&Path>, loaded: &Loaded, train_it
             }
         }
         let lr = schedule.lr(state.step);
-        let grad_norm = apply_update(&mut lora, &mut adam, lr, state.step as u64 + 1, 1.0 / cfg.grad_accum as f64, &optim)?;
+        let grad_norm = apply_update(
+            &mut lora,
+            &mut adam,
+            lr,
+            state.step as u64 + 1,
+            1.0 / cfg.grad_accum as f64,
+            &optim,
+        )?;
         device.synchronize()?;
         state.step += 1;
         losses.push(loss);
@@ -282,9 +376,18 @@ pub fn train(cfg: &TrainConfig, resume: Option<&Path>, loaded: &Loaded, train_it
         let margin = sums.get("margin").copied();
         bar.set_message(format!(
             "loss {loss:.4}{} | {:.0} tok/s{}",
-            margin.map(|m| format!(" margin {m:+.3}")).unwrap_or_default(),
+            margin
+                .map(|m| format!(" margin {m:+.3}"))
+                .unwrap_or_default(),
             tokens as f64 / dt,
-            if device.is_cuda() { format!(" | peak {:.2} GiB", mem.peak_bytes as f64 / (1u64 << 30) as f64) } else { String::new() }
+            if device.is_cuda() {
+                format!(
+                    " | peak {:.2} GiB",
+                    mem.peak_bytes as f64 / (1u64 << 30) as f64
+                )
+            } else {
+                String::new()
+            }
         ));
         bar.set_position(state.step as u64);
         write_json_line(
@@ -297,43 +400,87 @@ pub fn train(cfg: &TrainConfig, resume: Option<&Path>, loaded: &Loaded, train_it
         )?;
 
         let last = state.step == total_steps;
-        if !valid_items.is_empty() && (last || (cfg.eval_every > 0 && state.step % cfg.eval_every == 0)) {
+        if !valid_items.is_empty()
+            && (last || (cfg.eval_every > 0 && state.step % cfg.eval_every == 0))
+        {
             let m = evaluate(model, &mut lora, valid_items, cfg)?;
-            write_json_line(&mut metrics_file, &serde_json::json!({"step": state.step, "split": "valid", "metrics": m}))?;
+            write_json_line(
+                &mut metrics_file,
+                &serde_json::json!({"step": state.step, "split": "valid", "metrics": m}),
+            )?;
             bar.println(format!("valid @{}: {}", state.step, fmt_metrics(&m)));
             if let Some(&mg) = m.get("margin") {
                 if state.best_margin.is_none_or(|b| mg > b) {
                     state.best_margin = Some(mg);
-                    save_checkpoint(&out_dir.join("best"), &lora, &adam, &state, &loaded.model_path)?;
+                    save_checkpoint(
+                        &out_dir.join("best"),
+                        &lora,
+                        &adam,
+                        &state,
+                        &loaded.model_path,
+                    )?;
                 }
             }
             final_valid = Some(m);
         }
         if cfg.save_every > 0 && state.step % cfg.save_every == 0 && !last {
-            save_checkpoint(&out_dir.join(format!("checkpoint-{:06}", state.step)), &lora, &adam, &state, &loaded.model_path)?;
+            save_checkpoint(
+                &out_dir.join(format!("checkpoint-{:06}", state.step)),
+                &lora,
+                &adam,
+                &state,
+                &loaded.model_path,
+            )?;
         }
     }
     bar.finish();
     let adapter_dir = out_dir.join("adapter");
     lora.save_peft(&adapter_dir, &loaded.model_path.display().to_string())?;
-    save_checkpoint(&out_dir.join(format!("checkpoint-{:06}", state.step)), &lora, &adam, &state, &loaded.model_path)?;
-    eprintln!("trained {} steps in {:.1}s; adapter in {}", state.step, started.elapsed().as_secs_f64(), adapter_dir.display());
-    Ok(TrainOutcome { final_valid, first_valid, losses, adapter_dir })
+    save_checkpoint(
+        &out_dir.join(format!("checkpoint-{:06}", state.step)),
+        &lora,
+        &adam,
+        &state,
+        &loaded.model_path,
+    )?;
+    eprintln!(
+        "trained {} steps in {:.1}s; adapter in {}",
+        state.step,
+        started.elapsed().as_secs_f64(),
+        adapter_dir.display()
+    );
+    Ok(TrainOutcome {
+        final_valid,
+        first_valid,
+        losses,
+        adapter_dir,
+    })
 }
 
 pub fn fmt_metrics(m: &BTreeMap<String, f64>) -> String {
-    ["loss", "nll", "nll_loss", "or", "accuracy", "margin", "lw", "lr"]
-        .iter()
-        .filter_map(|k| m.get(*k).map(|v| format!("{k} {v:.4}")))
-        .collect::<Vec<_>>()
-        .join(" | ")
+    [
+        "loss", "nll", "nll_loss", "or", "accuracy", "margin", "lw", "lr",
+    ]
+    .iter()
+    .filter_map(|k| m.get(*k).map(|v| format!("{k} {v:.4}")))
+    .collect::<Vec<_>>()
+    .join(" | ")
 }
 
 /// Writes adapter + optimiser + trainer state into `dir` atomically (a temporary folder renamed
 /// into place).
-pub fn save_checkpoint(dir: &Path, lora: &Lora, adam: &AdamState, state: &TrainerState, model_path: &Path) -> Result<()> {
+pub fn save_checkpoint(
+    dir: &Path,
+    lora: &Lora,
+    adam: &AdamState,
+    state: &TrainerState,
+    model_path: &Path,
+) -> Result<()> {
     let parent = dir.parent().unwrap_or(Path::new("."));
-    let tmp = parent.join(format!(".tmp-{}", dir.file_name().unwrap().to_string_lossy()));
+    let tmp = parent.join(format!(
+        ".tmp-{}",
+        dir.file_name().unwrap().to_string_lossy()
+    ));
     let _ = std::fs::remove_dir_all(&tmp);
     lora.save_peft(&tmp, &model_path.display().to_string())?;
     let mut tensors: Vec<(String, Vec<usize>, Vec<f32>)> = Vec::new();
@@ -341,31 +488,56 @@ pub fn save_checkpoint(dir: &Path, lora: &Lora, adam: &AdamState, state: &Traine
         tensors.push((format!("m.{i}"), m.shape().to_vec(), m.to_vec()?));
         tensors.push((format!("v.{i}"), v.shape().to_vec(), v.to_vec()?));
     }
-    let bytes: Vec<Vec<u8>> = tensors.iter().map(|(_, _, d)| bytemuck::cast_slice(d).to_vec()).collect();
+    let bytes: Vec<Vec<u8>> = tensors
+        .iter()
+        .map(|(_, _, d)| bytemuck::cast_slice(d).to_vec())
+        .collect();
     let views: Vec<(String, safetensors::tensor::TensorView)> = tensors
         .iter()
         .zip(&bytes)
-        .map(|((k, s, _), b)| Ok((k.clone(), safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b)?)))
+        .map(|((k, s, _), b)| {
+            Ok((
+                k.clone(),
+                safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b)?,
+            ))
+        })
         .collect::<Result<_>>()?;
     safetensors::serialize_to_file(views, None, &tmp.join("optimizer.safetensors"))?;
-    std::fs::write(tmp.join("trainer_state.json"), serde_json::to_string_pretty(state)?)?;
+    std::fs::write(
+        tmp.join("trainer_state.json"),
+        serde_json::to_string_pretty(state)?,
+    )?;
     let _ = std::fs::remove_dir_all(dir);
-    std::fs::rename(&tmp, dir).with_context(|| format!("moving checkpoint into {}", dir.display()))?;
+    std::fs::rename(&tmp, dir)
+        .with_context(|| format!("moving checkpoint into {}", dir.display()))?;
     Ok(())
 }
 
-pub fn load_checkpoint(dir: &Path, model: &Model, device: &Device) -> Result<(Lora, AdamState, TrainerState)> {
+pub fn load_checkpoint(
+    dir: &Path,
+    model: &Model,
+    device: &Device,
+) -> Result<(Lora, AdamState, TrainerState)> {
     let lora = Lora::load_peft(dir, &model.spec, device)?;
     let st_path = dir.join("trainer_state.json");
-    let state: TrainerState = serde_json::from_str(&std::fs::read_to_string(&st_path).with_context(|| format!("reading {}", st_path.display()))?)
-        .with_context(|| format!("parsing {}", st_path.display()))?;
+    let state: TrainerState = serde_json::from_str(
+        &std::fs::read_to_string(&st_path)
+            .with_context(|| format!("reading {}", st_path.display()))?,
+    )
+    .with_context(|| format!("parsing {}", st_path.display()))?;
     let opt_path = dir.join("optimizer.safetensors");
-    let bytes = std::fs::read(&opt_path).with_context(|| format!("reading {}", opt_path.display()))?;
+    let bytes =
+        std::fs::read(&opt_path).with_context(|| format!("reading {}", opt_path.display()))?;
     let st = safetensors::SafeTensors::deserialize(&bytes)?;
     let mut adam = AdamState::new(&lora)?;
     for i in 0..adam.m.len() {
-        for (name, slot) in [(format!("m.{i}"), &mut adam.m[i]), (format!("v.{i}"), &mut adam.v[i])] {
-            let view = st.tensor(&name).with_context(|| format!("{}: tensor {name} missing", opt_path.display()))?;
+        for (name, slot) in [
+            (format!("m.{i}"), &mut adam.m[i]),
+            (format!("v.{i}"), &mut adam.v[i]),
+        ] {
+            let view = st
+                .tensor(&name)
+                .with_context(|| format!("{}: tensor {name} missing", opt_path.display()))?;
             let data = crate::model::weights::view_to_f32(&view)?;
             *slot = Tensor::from_f32(&data, slot.shape(), DType::F32, device)?;
         }
