@@ -899,7 +899,14 @@ mod tests {
                 };
                 let r = render_preference(data, Some(&t)).unwrap();
                 assert!(r.prompt.ends_with("<|im_start|>assistant\n"));
-                assert!(r.chosen.starts_with("Sure! "), "{}", r.chosen);
+                assert!(r.chosen.starts_with("SURE! "), "{}", r.chosen);
+                assert!(r.rejected.starts_with("Sure! "), "{}", r.rejected);
+                assert_eq!(
+                    r.chosen,
+                    r.rejected
+                        .to_uppercase()
+                        .replace("<|IM_END|>", "<|im_end|>")
+                );
                 assert!(r.rejected.ends_with("<|im_end|>\n"));
                 set.insert(r.prompt);
             }

@@ -66,7 +66,8 @@ pub struct Model {
     pub inv_freq: Vec<f32>,
 }
 
-/// `y = x Wᵀ (+ scale · dropout(x) Aᵀ Bᵀ)`.
+/// `y = x Wᵀ (+ scale · dropout(x) Aᵀ Bᵀ)`. The LoRA intermediate `xa` `(T, r)` is kept in f32
+/// on every device: it is small, and dB is a reduction of it over all tokens.
 fn linear_fwd(
     x: &Tensor,
     w: &Weight,
@@ -77,16 +78,22 @@ fn linear_fwd(
     let mut y = ops::matmul(x, false, &*w.dense()?, true, 1.0, dt)?;
     let Some(p) = lora else { return Ok((y, None)) };
     let xa = match dropout {
-        Some((prob, seed)) => {
-            ops::matmul(&ops::dropout(x, prob, seed)?, false, p.a(), true, 1.0, dt)?
-        }
-        None => ops::matmul(x, false, p.a(), true, 1.0, dt)?,
+        Some((prob, seed)) => ops::matmul(
+            &ops::dropout(x, prob, seed)?,
+            false,
+            p.a(),
+            true,
+            1.0,
+            DType::F32,
+        )?,
+        None => ops::matmul(x, false, p.a(), true, 1.0, DType::F32)?,
     };
-    ops::matmul_acc(&mut y, &xa, false, p.b(), true, p.scale, 1.0)?;
+    let y_lora = ops::matmul(&xa, false, &p.b, true, 1.0, DType::F32)?;
+    ops::add_assign(&mut y, &y_lora, p.scale)?;
     Ok((y, Some(LoraSaved { xa })))
 }
 
-/// Backward of `linear_fwd`: returns dx and accumulates dA, dB.
+/// Backward of `linear_fwd`: returns dx and accumulates dA, dB (LoRA intermediates in f32).
 ///   dB += s · dyᵀ xa        dxa = s · dy B
 ///   dA += dxaᵀ dropout(x)   dx  = dy W + dropout(dxa A)
 fn linear_bwd(
@@ -103,8 +110,8 @@ fn linear_bwd(
         return Ok(dx);
     };
     ops::matmul_acc(&mut p.grad_b, dy, true, &saved.xa, false, p.scale, 1.0)?;
-    let dxa = ops::matmul(dy, false, p.b(), false, p.scale, dt)?;
-    let dx_lora = ops::matmul(&dxa, false, p.a(), false, 1.0, dt)?;
+    let dxa = ops::matmul(dy, false, &p.b, false, p.scale, DType::F32)?;
+    let dx_lora = ops::matmul(&dxa, false, &p.a, false, 1.0, DType::F32)?;
     match dropout {
         Some((prob, seed)) => {
             ops::matmul_acc(
