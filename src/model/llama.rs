@@ -66,8 +66,7 @@ pub struct Model {
     pub inv_freq: Vec<f32>,
 }
 
-/// `y = x Wᵀ (+ scale · dropout(x) Aᵀ Bᵀ)`. The LoRA intermediate `xa` `(T, r)` is kept in f32
-/// on every device: it is small, and dB is a reduction of it over all tokens.
+/// `y = x Wᵀ (+ scale · dropout(x) Aᵀ Bᵀ)`.
 fn linear_fwd(
     x: &Tensor,
     w: &Weight,
@@ -78,22 +77,16 @@ fn linear_fwd(
     let mut y = ops::matmul(x, false, &*w.dense()?, true, 1.0, dt)?;
     let Some(p) = lora else { return Ok((y, None)) };
     let xa = match dropout {
-        Some((prob, seed)) => ops::matmul(
-            &ops::dropout(x, prob, seed)?,
-            false,
-            p.a(),
-            true,
-            1.0,
-            DType::F32,
-        )?,
-        None => ops::matmul(x, false, p.a(), true, 1.0, DType::F32)?,
+        Some((prob, seed)) => {
+            ops::matmul(&ops::dropout(x, prob, seed)?, false, p.a(), true, 1.0, dt)?
+        }
+        None => ops::matmul(x, false, p.a(), true, 1.0, dt)?,
     };
-    let y_lora = ops::matmul(&xa, false, &p.b, true, 1.0, DType::F32)?;
-    ops::add_assign(&mut y, &y_lora, p.scale)?;
+    ops::matmul_acc(&mut y, &xa, false, p.b(), true, p.scale, 1.0)?;
     Ok((y, Some(LoraSaved { xa })))
 }
 
-/// Backward of `linear_fwd`: returns dx and accumulates dA, dB (LoRA intermediates in f32).
+/// Backward of `linear_fwd`: returns dx and accumulates dA, dB.
 ///   dB += s · dyᵀ xa        dxa = s · dy B
 ///   dA += dxaᵀ dropout(x)   dx  = dy W + dropout(dxa A)
 fn linear_bwd(
@@ -110,8 +103,8 @@ fn linear_bwd(
         return Ok(dx);
     };
     ops::matmul_acc(&mut p.grad_b, dy, true, &saved.xa, false, p.scale, 1.0)?;
-    let dxa = ops::matmul(dy, false, &p.b, false, p.scale, DType::F32)?;
-    let dx_lora = ops::matmul(&dxa, false, &p.a, false, 1.0, DType::F32)?;
+    let dxa = ops::matmul(dy, false, p.b(), false, p.scale, dt)?;
+    let dx_lora = ops::matmul(&dxa, false, p.a(), false, 1.0, dt)?;
     match dropout {
         Some((prob, seed)) => {
             ops::matmul_acc(
