@@ -291,26 +291,8 @@ impl Lora {
             host.push((peft_key(l, t, false), p.a.shape().to_vec(), p.a.to_vec()?));
             host.push((peft_key(l, t, true), p.b.shape().to_vec(), p.b.to_vec()?));
         }
-        let bytes: Vec<Vec<u8>> = host
-            .iter()
-            .map(|(_, _, v)| bytemuck::cast_slice(v).to_vec())
-            .collect();
-        let views: Vec<(String, safetensors::tensor::TensorView)> = host
-            .iter()
-            .zip(&bytes)
-            .map(|((k, shape, _), b)| {
-                Ok((
-                    k.clone(),
-                    safetensors::tensor::TensorView::new(
-                        safetensors::Dtype::F32,
-                        shape.clone(),
-                        b,
-                    )?,
-                ))
-            })
-            .collect::<Result<_>>()?;
         let tmp = dir.join("adapter_model.safetensors.tmp");
-        safetensors::serialize_to_file(views, None, &tmp)?;
+        super::weights::write_f32_safetensors(&tmp, &host)?;
         std::fs::rename(&tmp, dir.join("adapter_model.safetensors"))?;
         let c = &self.config;
         let mut rank_pattern = serde_json::Map::new();

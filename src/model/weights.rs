@@ -111,6 +111,30 @@ pub fn view_to_f32(view: &safetensors::tensor::TensorView) -> Result<Vec<f32>> {
     })
 }
 
+/// Writes named f32 host tensors `(name, shape, data)` as one safetensors file.
+pub fn write_f32_safetensors(
+    path: &Path,
+    tensors: &[(String, Vec<usize>, Vec<f32>)],
+) -> Result<()> {
+    let bytes: Vec<&[u8]> = tensors
+        .iter()
+        .map(|(_, _, d)| bytemuck::cast_slice(d))
+        .collect();
+    let views: Vec<(String, safetensors::tensor::TensorView)> = tensors
+        .iter()
+        .zip(&bytes)
+        .map(|((k, s, _), b)| {
+            Ok((
+                k.clone(),
+                safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b)?,
+            ))
+        })
+        .collect::<Result<_>>()?;
+    safetensors::serialize_to_file(views, None, path)
+        .with_context(|| format!("writing {}", path.display()))?;
+    Ok(())
+}
+
 /// Anything that hands out named host tensors in f32: safetensors folders, GGUF files, random
 /// initialisers.
 pub trait TensorSource {

@@ -488,21 +488,7 @@ pub fn save_checkpoint(
         tensors.push((format!("m.{i}"), m.shape().to_vec(), m.to_vec()?));
         tensors.push((format!("v.{i}"), v.shape().to_vec(), v.to_vec()?));
     }
-    let bytes: Vec<Vec<u8>> = tensors
-        .iter()
-        .map(|(_, _, d)| bytemuck::cast_slice(d).to_vec())
-        .collect();
-    let views: Vec<(String, safetensors::tensor::TensorView)> = tensors
-        .iter()
-        .zip(&bytes)
-        .map(|((k, s, _), b)| {
-            Ok((
-                k.clone(),
-                safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b)?,
-            ))
-        })
-        .collect::<Result<_>>()?;
-    safetensors::serialize_to_file(views, None, &tmp.join("optimizer.safetensors"))?;
+    crate::model::weights::write_f32_safetensors(&tmp.join("optimizer.safetensors"), &tensors)?;
     std::fs::write(
         tmp.join("trainer_state.json"),
         serde_json::to_string_pretty(state)?,
