@@ -36,6 +36,9 @@ pub struct BenchArgs {
     pub warmup: usize,
     #[arg(long, default_value_t = 0)]
     pub segment_size: usize,
+    /// MLP token chunk (0: all tokens at once).
+    #[arg(long, default_value_t = 0)]
+    pub mlp_chunk: usize,
     #[arg(long, value_enum, default_value = "chunked")]
     pub head: HeadArg,
     #[arg(long, default_value_t = 4096)]
@@ -133,7 +136,8 @@ pub fn run(a: BenchArgs) -> Result<()> {
         },
         &device,
     )?;
-    let model = Model::new(spec.clone(), weights, device.clone());
+    let mut model = Model::new(spec.clone(), weights, device.clone());
+    model.mlp_chunk = a.mlp_chunk;
     eprintln!(
         "random {} weights on {} in {:.1}s",
         a.shape,
@@ -215,7 +219,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
     let mem = device.memory();
     let line = serde_json::json!({
         "tool": "lorafit", "shape": a.shape, "P": a.prompt_len, "R": a.resp_len, "device": device.name(),
-        "segment_size": a.segment_size, "head": format!("{:?}", a.head).to_lowercase(), "prefix_shared": a.prefix_shared,
+        "segment_size": a.segment_size, "mlp_chunk": a.mlp_chunk, "head": format!("{:?}", a.head).to_lowercase(), "prefix_shared": a.prefix_shared,
         "s_per_step": med, "pairs_per_s": 1.0 / med, "tokens_per_s": tokens as f64 / med,
         "model_tflops_per_step": flops / 1e12, "gemm_peak_tflops": peak_flops / 1e12, "mfu": flops / med / peak_flops,
         "peak_gib": mem.peak_bytes as f64 / (1u64 << 30) as f64, "steps": a.steps,

@@ -74,6 +74,9 @@ pub struct TrainConfig {
     /// Keep every `segment_size`-th layer boundary and recompute segments in the backward; 0 keeps
     /// all activations.
     pub segment_size: usize,
+    /// Run the MLP in token chunks of this many tokens (0: all at once); bounds the (T, I)
+    /// intermediates at the cost of recomputing gate/up in the backward.
+    pub mlp_chunk: usize,
     pub head: HeadTier,
     pub head_chunk: usize,
     /// One forward over [prompt; chosen; rejected] when a pair's prompt tokens are shared.
@@ -125,6 +128,7 @@ impl Default for TrainConfig {
             max_prompt_len: 1024,
             skip_bad_rows: false,
             segment_size: 0,
+            mlp_chunk: 0,
             head: HeadTier::Chunked,
             head_chunk: crate::train::head::DEFAULT_CHUNK,
             prefix_shared: true,

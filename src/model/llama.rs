@@ -52,10 +52,19 @@ pub struct LayerActs {
     x1: Tensor,             // (T, H) after the attention residual
     xn2: Tensor,            // (T, H) after the MLP norm
     rstd2: Tensor,          // (T)
-    gate: Tensor,           // (T, I)
-    up: Tensor,             // (T, I)
-    act: Tensor,            // (T, I) silu(gate) * up
+    /// The MLP's intermediates; `None` when the MLP runs in token chunks and is recomputed chunk
+    /// by chunk in the backward.
+    mlp: Option<MlpActs>,
     lora: [Option<LoraSaved>; 7],
+}
+
+/// What the gated MLP keeps for its backward.
+pub struct MlpActs {
+    gate: Tensor, // (T, I)
+    up: Tensor,   // (T, I)
+    act: Tensor,  // (T, I) silu(gate) * up
+    /// LoRA inputs of gate, up, down.
+    lora: [Option<LoraSaved>; 3],
 }
 
 /// A loaded model: spec, frozen weights, and its device.
@@ -64,6 +73,16 @@ pub struct Model {
     pub weights: ModelWeights,
     pub device: Device,
     pub inv_freq: Vec<f32>,
+    /// Run the MLP in token chunks of this size (0: all tokens at once); the backward recomputes
+    /// each chunk's intermediates, trading one extra gate/up projection for (T, I) memory.
+    pub mlp_chunk: usize,
+}
+
+fn token_chunks(t: usize, c: usize) -> Vec<(usize, usize)> {
+    (0..t)
+        .step_by(c.max(1))
+        .map(|a| (a, (a + c).min(t)))
+        .collect()
 }
 
 /// `y = x Wᵀ (+ scale · dropout(x) Aᵀ Bᵀ)`.
@@ -134,6 +153,7 @@ impl Model {
             weights,
             device,
             inv_freq,
+            mlp_chunk: 0,
         }
     }
 
@@ -206,10 +226,18 @@ impl Model {
         ops::add_assign(&mut x1, &x, 1.0)?;
 
         let (xn2, rstd2) = ops::rms_norm(&x1, &w.mlp_norm, s.rms_eps)?;
-        let gate = lin(&xn2, &w.gate, Target::Gate)?;
-        let up = lin(&xn2, &w.up, Target::Up)?;
-        let act = ops::silu_mul(&gate, &up)?;
-        let mut out = lin(&act, &w.down, Target::Down)?;
+        let (mut out, mlp) = if self.mlp_chunk > 0 && t > self.mlp_chunk {
+            // Token chunks: the (T, I) intermediates never exist for all tokens at once.
+            let mut out = Tensor::zeros(x1.shape(), x1.dtype(), x1.device())?;
+            for (a, b) in token_chunks(t, self.mlp_chunk) {
+                let (o, _) = self.mlp_forward(l, &ops::slice_rows(&xn2, a, b)?, lora, ctx)?;
+                ops::scatter_add_rows(&mut out, &(a as u32..b as u32).collect::<Vec<_>>(), &o)?;
+            }
+            (out, None)
+        } else {
+            let (out, m) = self.mlp_forward(l, &xn2, lora, ctx)?;
+            (out, Some(m))
+        };
         ops::add_assign(&mut out, &x1, 1.0)?;
         let acts = LayerActs {
             x,
@@ -227,12 +255,75 @@ impl Model {
             x1,
             xn2,
             rstd2,
-            gate,
-            up,
-            act,
+            mlp,
             lora: saved,
         };
         Ok((out, acts))
+    }
+
+    /// The gated MLP on normed inputs `xn2` (any token range).
+    fn mlp_forward(
+        &self,
+        l: usize,
+        xn2: &Tensor,
+        lora: Option<&Lora>,
+        ctx: &PassCtx,
+    ) -> Result<(Tensor, MlpActs)> {
+        let w = &self.weights.layers[l];
+        let pair = |tg: Target| lora.and_then(|lo| lo.get(l, tg));
+        let (gate, sg) = linear_fwd(
+            xn2,
+            &w.gate,
+            pair(Target::Gate),
+            ctx.dropout_for(l, Target::Gate),
+        )?;
+        let (up, su) = linear_fwd(xn2, &w.up, pair(Target::Up), ctx.dropout_for(l, Target::Up))?;
+        let act = ops::silu_mul(&gate, &up)?;
+        let (out, sd) = linear_fwd(
+            &act,
+            &w.down,
+            pair(Target::Down),
+            ctx.dropout_for(l, Target::Down),
+        )?;
+        Ok((
+            out,
+            MlpActs {
+                gate,
+                up,
+                act,
+                lora: [sg, su, sd],
+            },
+        ))
+    }
+
+    /// Backward of `mlp_forward`: d(xn2) from d(out).
+    fn mlp_backward(
+        &self,
+        l: usize,
+        d_out: &Tensor,
+        xn2: &Tensor,
+        m: &MlpActs,
+        mut lora: Option<&mut Lora>,
+        ctx: &PassCtx,
+    ) -> Result<Tensor> {
+        let w = &self.weights.layers[l];
+        let mut lin_bwd =
+            |dy: &Tensor, inp: &Tensor, wt: &Weight, tg: Target, i: usize| -> Result<Tensor> {
+                let pair = lora.as_deref_mut().and_then(|lo| lo.get_mut(l, tg));
+                linear_bwd(
+                    dy,
+                    inp,
+                    wt,
+                    pair,
+                    m.lora[i].as_ref(),
+                    ctx.dropout_for(l, tg),
+                )
+            };
+        let d_act = lin_bwd(d_out, &m.act, &w.down, Target::Down, 2)?;
+        let (d_gate, d_up) = ops::silu_mul_bwd(&d_act, &m.gate, &m.up)?;
+        let mut d_xn2 = lin_bwd(&d_gate, xn2, &w.gate, Target::Gate, 0)?;
+        ops::add_assign(&mut d_xn2, &lin_bwd(&d_up, xn2, &w.up, Target::Up, 1)?, 1.0)?;
+        Ok(d_xn2)
     }
 
     /// Backward of `layer_forward`: d(layer input) from d(layer output); LoRA grads accumulate.
@@ -247,6 +338,34 @@ impl Model {
         let s = &self.spec;
         let w = &self.weights.layers[l];
         let t = d_out.dim(0);
+        // MLP: out = x1 + down(silu(gate(xn2)) * up(xn2))
+        let d_xn2 = match &a.mlp {
+            Some(m) => self.mlp_backward(l, d_out, &a.xn2, m, lora.as_deref_mut(), ctx)?,
+            None => {
+                let mut d = Tensor::zeros(a.xn2.shape(), a.xn2.dtype(), a.xn2.device())?;
+                for (c0, c1) in token_chunks(t, self.mlp_chunk) {
+                    let xc = ops::slice_rows(&a.xn2, c0, c1)?;
+                    let (_, m) = self.mlp_forward(l, &xc, lora.as_deref(), ctx)?;
+                    let dc = self.mlp_backward(
+                        l,
+                        &ops::slice_rows(d_out, c0, c1)?,
+                        &xc,
+                        &m,
+                        lora.as_deref_mut(),
+                        ctx,
+                    )?;
+                    ops::scatter_add_rows(
+                        &mut d,
+                        &(c0 as u32..c1 as u32).collect::<Vec<_>>(),
+                        &dc,
+                    )?;
+                }
+                d
+            }
+        };
+        let mut d_x1 = ops::rms_norm_bwd(&d_xn2, &a.x1, &w.mlp_norm, &a.rstd2)?;
+        ops::add_assign(&mut d_x1, d_out, 1.0)?;
+
         let mut lin_bwd = |dy: &Tensor, inp: &Tensor, wt: &Weight, tg: Target| -> Result<Tensor> {
             let pair = lora.as_deref_mut().and_then(|lo| lo.get_mut(l, tg));
             linear_bwd(
@@ -258,14 +377,6 @@ impl Model {
                 ctx.dropout_for(l, tg),
             )
         };
-
-        // MLP: out = x1 + down(silu(gate(xn2)) * up(xn2))
-        let d_act = lin_bwd(d_out, &a.act, &w.down, Target::Down)?;
-        let (d_gate, d_up) = ops::silu_mul_bwd(&d_act, &a.gate, &a.up)?;
-        let mut d_xn2 = lin_bwd(&d_gate, &a.xn2, &w.gate, Target::Gate)?;
-        ops::add_assign(&mut d_xn2, &lin_bwd(&d_up, &a.xn2, &w.up, Target::Up)?, 1.0)?;
-        let mut d_x1 = ops::rms_norm_bwd(&d_xn2, &a.x1, &w.mlp_norm, &a.rstd2)?;
-        ops::add_assign(&mut d_x1, d_out, 1.0)?;
 
         // Attention: x1 = x + o(attention(rope(q), rope(k), v))
         let d_attn = lin_bwd(&d_x1, &a.attn, &w.o, Target::O)?;

@@ -1,0 +1,193 @@
+//! The memory machinery must not change the numbers: every combination of segment size
+//! {0, 1, 2, all layers} × head tier × prefix sharing on/off × MLP token chunking gives the loss
+//! and every LoRA gradient of the plain path (all activations kept, full logits, two forwards,
+//! whole-sequence MLP). Bit-identical where the arithmetic is the same (segment sizes: the same
+//! ops on the same rows); within stated f32 bounds where it is not.
+
+mod common;
+use lorafit::data::TokenizedPair;
+use lorafit::model::weights::{load_weights, RandomSource};
+use lorafit::model::{Lora, LoraConfig, Model, ModelSpec};
+use lorafit::tensor::Device;
+use lorafit::train::head::HeadTier;
+use lorafit::train::objectives::SftScope;
+use lorafit::train::plan::Plan;
+use lorafit::train::step::{run_example, Objective, PassOptions};
+
+const CONFIG: &str = r#"{"architectures":["Qwen2ForCausalLM"],"hidden_size":64,"intermediate_size":96,"num_hidden_layers":3,"num_attention_heads":4,"num_key_value_heads":2,"vocab_size":200,"tie_word_embeddings":true}"#;
+
+struct Run {
+    loss: f64,
+    grads: Vec<Vec<f32>>,
+}
+
+fn run(seg: usize, head: HeadTier, chunk: usize, prefix: bool, mlp_chunk: usize) -> Run {
+    let spec = ModelSpec::from_config_json(CONFIG).unwrap();
+    let dev = Device::Cpu;
+    let mut model = Model::new(
+        spec.clone(),
+        load_weights(
+            &spec,
+            &RandomSource {
+                spec: spec.clone(),
+                seed: 3,
+            },
+            &dev,
+        )
+        .unwrap(),
+        dev.clone(),
+    );
+    model.mlp_chunk = mlp_chunk;
+    let mut lora = Lora::new(
+        &spec,
+        LoraConfig {
+            rank: 4,
+            alpha: 8.0,
+            ..Default::default()
+        },
+        &dev,
+    )
+    .unwrap();
+    let mut rng = lorafit::model::lora::Rng(9);
+    for (_, _, p) in lora.pairs_mut() {
+        for x in p.b.as_cpu_mut().unwrap() {
+            *x = (rng.normal() * 0.1) as f32;
+        }
+    }
+    lora.refresh_compute_copies().unwrap();
+    let ids =
+        |n: usize, off: u32| -> Vec<u32> { (0..n as u32).map(|i| (i * 37 + off) % 200).collect() };
+    let pair = TokenizedPair {
+        prompt: ids(11, 1),
+        chosen: ids(5, 50),
+        rejected: ids(7, 90),
+    };
+    let plan = Plan::pair(&pair, prefix, None).unwrap();
+    let opts = PassOptions {
+        segment_size: seg,
+        head,
+        head_chunk: chunk,
+        dropout: None,
+    };
+    let obj = Objective::Orpo {
+        lambda: 0.1,
+        scope: SftScope::Full,
+    };
+    let out = run_example(&model, &mut lora, &plan, &obj, None, &opts, true, 1.0).unwrap();
+    let grads = lora
+        .pairs()
+        .flat_map(|(_, _, p)| [p.grad_a.to_vec().unwrap(), p.grad_b.to_vec().unwrap()])
+        .collect();
+    Run {
+        loss: out.loss,
+        grads,
+    }
+}
+
+#[test]
+fn every_mode_matches_the_plain_path() {
+    let plain = run(0, HeadTier::Full, 0, false, 0);
+    assert!(
+        plain.grads.iter().all(|g| g.iter().any(|x| *x != 0.0)),
+        "every LoRA matrix must get a gradient"
+    );
+    let mut checked = 0;
+    for seg in [0, 1, 2, 3] {
+        for (head, chunk) in [(HeadTier::Full, 0), (HeadTier::Chunked, 4)] {
+            for prefix in [false, true] {
+                for mlp_chunk in [0, 5] {
+                    let r = run(seg, head, chunk, prefix, mlp_chunk);
+                    let what =
+                        format!("seg {seg} head {head:?} prefix {prefix} mlp_chunk {mlp_chunk}");
+                    if !prefix && head == HeadTier::Full && mlp_chunk == 0 {
+                        // The same ops on the same rows, in the same order: bit-identical.
+                        assert_eq!(
+                            r.loss.to_bits(),
+                            plain.loss.to_bits(),
+                            "{what}: loss {} vs {}",
+                            r.loss,
+                            plain.loss
+                        );
+                        for (g, p) in r.grads.iter().zip(&plain.grads) {
+                            assert!(
+                                g.iter().zip(p).all(|(a, b)| a.to_bits() == b.to_bits()),
+                                "{what}: gradients differ"
+                            );
+                        }
+                    } else {
+                        // Different summation orders (one sequence of P+Rc+Rr instead of two;
+                        // logits in row chunks; LoRA gradient reductions split over MLP token chunks): f32
+                        // rounding only, well below 1e-5 relative.
+                        assert!(
+                            ((r.loss - plain.loss) / plain.loss).abs() < 1e-5,
+                            "{what}: loss {} vs {}",
+                            r.loss,
+                            plain.loss
+                        );
+                        for (i, (g, p)) in r.grads.iter().zip(&plain.grads).enumerate() {
+                            common::assert_close(&format!("{what} grad {i}"), g, p, 1e-4);
+                        }
+                    }
+                    checked += 1;
+                }
+            }
+        }
+    }
+    assert_eq!(checked, 32);
+}
+
+#[test]
+fn prefix_shared_logps_equal_two_forward_logps() {
+    // The prefix-shared forward's per-token logps of both branches equal the two-forward ones.
+    let spec = ModelSpec::from_config_json(CONFIG).unwrap();
+    let dev = Device::Cpu;
+    let model = Model::new(
+        spec.clone(),
+        load_weights(
+            &spec,
+            &RandomSource {
+                spec: spec.clone(),
+                seed: 4,
+            },
+            &dev,
+        )
+        .unwrap(),
+        dev,
+    );
+    let pair = TokenizedPair {
+        prompt: vec![5, 9, 13, 2, 7, 100, 42],
+        chosen: vec![3, 4, 5, 6],
+        rejected: vec![8, 9, 10],
+    };
+    let logps = |prefix: bool| -> Vec<f32> {
+        let plan = Plan::pair(&pair, prefix, None).unwrap();
+        let mut out = Vec::new();
+        let hidden: Vec<_> = plan
+            .seqs
+            .iter()
+            .map(|s| {
+                let rope = model.rope_table(&s.mask.positions).unwrap();
+                let ctx = lorafit::model::PassCtx {
+                    mask: &s.mask,
+                    rope: &rope,
+                    dropout: None,
+                };
+                model.forward(&s.ids, None, &ctx, 0).unwrap().0
+            })
+            .collect();
+        for r in [
+            &plan.chosen.response,
+            &plan.rejected.as_ref().unwrap().response,
+        ] {
+            let h = lorafit::tensor::gather_rows(&hidden[r.seq], &r.rows).unwrap();
+            out.extend(
+                lorafit::train::head::logp_forward(&model, &h, &r.targets, HeadTier::Full, 0)
+                    .unwrap(),
+            );
+        }
+        out
+    };
+    let (a, b) = (logps(true), logps(false));
+    assert_eq!(a.len(), 7);
+    common::assert_close("prefix-shared logps", &a, &b, 1e-5);
+}
