@@ -41,7 +41,8 @@ pub struct BenchArgs {
     pub mlp_chunk: usize,
     #[arg(long, value_enum, default_value = "chunked")]
     pub head: HeadArg,
-    #[arg(long, default_value_t = 4096)]
+    /// Rows per head chunk (0: automatic, about 256 MiB of f32 logits).
+    #[arg(long, default_value_t = 0)]
     pub head_chunk: usize,
     /// Share the prompt between chosen and rejected (one forward over [P; Rc; Rr]).
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
@@ -86,7 +87,7 @@ pub fn step_flops(spec: &ModelSpec, plan: &Plan, rank: usize, head_rows: usize) 
     for s in &plan.seqs {
         let t = s.ids.len() as f64;
         let visible: f64 = (0..s.mask.len())
-            .map(|qi| (0..=qi).filter(|&k| s.mask.visible(qi, k)).count() as f64)
+            .map(|qi| s.mask.visible_count(qi) as f64)
             .sum();
         let attn = visible * spec.n_heads as f64 * spec.head_dim as f64 * (4.0 + 10.0);
         total += spec.n_layers as f64 * (t * (2.0 * per_tok_linear + 4.0 * per_tok_lora) + attn);
@@ -176,7 +177,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
             HeadArg::Full => HeadTier::Full,
             HeadArg::Chunked => HeadTier::Chunked,
         },
-        head_chunk: a.head_chunk,
+        head_chunk: crate::config::resolve_head_chunk(a.head_chunk, spec.vocab),
         dropout: None,
     };
     let objective = Objective::Orpo {

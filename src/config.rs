@@ -78,6 +78,7 @@ pub struct TrainConfig {
     /// intermediates at the cost of recomputing gate/up in the backward.
     pub mlp_chunk: usize,
     pub head: HeadTier,
+    /// Rows per chunk of the chunked head; 0 picks `auto_head_chunk(vocab)`.
     pub head_chunk: usize,
     /// One forward over [prompt; chosen; rejected] when a pair's prompt tokens are shared.
     pub prefix_shared: bool,
@@ -130,13 +131,27 @@ impl Default for TrainConfig {
             segment_size: 0,
             mlp_chunk: 0,
             head: HeadTier::Chunked,
-            head_chunk: crate::train::head::DEFAULT_CHUNK,
+            head_chunk: 0,
             prefix_shared: true,
             eval_every: 50,
             eval_limit: 0,
             save_every: 100,
             warm_start: None,
         }
+    }
+}
+
+/// Rows per head chunk so that one chunk's f32 logits stay near 256 MiB (at least 64 rows).
+pub fn auto_head_chunk(vocab: usize) -> usize {
+    ((256usize << 20) / (4 * vocab.max(1))).max(64)
+}
+
+/// `chunk`, or the automatic size when it is 0.
+pub fn resolve_head_chunk(chunk: usize, vocab: usize) -> usize {
+    if chunk > 0 {
+        chunk
+    } else {
+        auto_head_chunk(vocab)
     }
 }
 

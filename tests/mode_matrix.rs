@@ -191,3 +191,19 @@ fn prefix_shared_logps_equal_two_forward_logps() {
     assert_eq!(a.len(), 7);
     common::assert_close("prefix-shared logps", &a, &b, 1e-5);
 }
+
+#[test]
+fn visible_count_matches_visible() {
+    use lorafit::tensor::AttnMask;
+    for mask in [
+        AttnMask::causal(23),
+        AttnMask::prefix_shared(9, 5, 7),
+        AttnMask::prefix_shared(9, 5, 7).with_window(Some(4)),
+        AttnMask::causal(30).with_window(Some(6)),
+    ] {
+        for q in 0..mask.len() {
+            let brute = (0..mask.len()).filter(|&k| mask.visible(q, k)).count();
+            assert_eq!(mask.visible_count(q), brute, "query {q} of {mask:?}");
+        }
+    }
+}

@@ -342,6 +342,27 @@ impl AttnMask {
         self.ranges.is_empty()
     }
 
+    /// How many keys query `q` sees (positions are consecutive within each range, as every
+    /// layout built here has them).
+    pub fn visible_count(&self, q: usize) -> usize {
+        let [a0, a1, b0, b1] = self.ranges[q];
+        let count = |s: u32, e: u32| -> usize {
+            if e <= s {
+                return 0;
+            }
+            match self.window {
+                None => (e - s) as usize,
+                Some(w) => {
+                    // Keys k with pos[q] - pos[k] < w, i.e. pos[k] >= pos[q] - w + 1.
+                    let first = self.positions[q] as i64 - w as i64 + 1;
+                    let skip = (first - self.positions[s as usize] as i64).clamp(0, (e - s) as i64);
+                    (e - s) as usize - skip as usize
+                }
+            }
+        };
+        count(a0, a1) + count(b0, b1)
+    }
+
     /// Whether query `q` may attend to key `k`.
     #[inline]
     pub fn visible(&self, q: usize, k: usize) -> bool {

@@ -170,11 +170,11 @@ pub struct TrainOutcome {
     pub adapter_dir: PathBuf,
 }
 
-pub fn pass_options(cfg: &TrainConfig, dropout: Option<(f32, u64)>) -> PassOptions {
+pub fn pass_options(cfg: &TrainConfig, vocab: usize, dropout: Option<(f32, u64)>) -> PassOptions {
     PassOptions {
         segment_size: cfg.segment_size,
         head: cfg.head,
-        head_chunk: cfg.head_chunk,
+        head_chunk: crate::config::resolve_head_chunk(cfg.head_chunk, vocab),
         dropout,
     }
 }
@@ -187,7 +187,7 @@ pub fn evaluate(
     cfg: &TrainConfig,
 ) -> Result<BTreeMap<String, f64>> {
     let objective = cfg.objective();
-    let opts = pass_options(cfg, None);
+    let opts = pass_options(cfg, model.spec.vocab, None);
     let window = model.spec.sliding_window.map(|w| w as u32);
     let n = if cfg.eval_limit > 0 {
         cfg.eval_limit.min(items.len())
@@ -338,6 +338,7 @@ pub fn train(
                     .wrapping_mul(0x2545_F491_4F6C_DD1D);
             let opts = pass_options(
                 cfg,
+                model.spec.vocab,
                 (cfg.lora_dropout > 0.0).then_some((cfg.lora_dropout, dropout_seed)),
             );
             let reference = match objective {
