@@ -36,6 +36,9 @@ pub struct BenchArgs {
     pub warmup: usize,
     #[arg(long, default_value_t = 0)]
     pub segment_size: usize,
+    /// Keep the residual stream in bf16 instead of f32.
+    #[arg(long)]
+    pub residual_bf16: bool,
     /// MLP token chunk (0: all tokens at once).
     #[arg(long, default_value_t = 0)]
     pub mlp_chunk: usize,
@@ -139,6 +142,9 @@ pub fn run(a: BenchArgs) -> Result<()> {
     )?;
     let mut model = Model::new(spec.clone(), weights, device.clone());
     model.mlp_chunk = a.mlp_chunk;
+    if a.residual_bf16 {
+        model.residual_dtype = DType::BF16;
+    }
     eprintln!(
         "random {} weights on {} in {:.1}s",
         a.shape,
@@ -226,6 +232,5 @@ pub fn run(a: BenchArgs) -> Result<()> {
         "peak_gib": mem.peak_bytes as f64 / (1u64 << 30) as f64, "steps": a.steps,
     });
     println!("RESULT {line}");
-    let _ = DType::F32;
     Ok(())
 }

@@ -71,7 +71,7 @@ pub fn model_parity(device: &Device) -> Result<usize> {
             load_weights(&spec, &Bf16Rounded(&src), &Device::Cpu)?,
             Device::Cpu,
         );
-        let gpu = Model::new(
+        let mut gpu = Model::new(
             spec.clone(),
             load_weights(&spec, &src, device)?,
             device.clone(),
@@ -120,6 +120,20 @@ pub fn model_parity(device: &Device) -> Result<usize> {
             Ok((logits, grads))
         };
         let (lc_logits, lc_grads) = run(&cpu, &mut lc)?;
+        // For information: the same model with a bf16 residual stream (not the default).
+        gpu.residual_dtype = DType::BF16;
+        let mut lb = Lora::load_peft(&dir, &spec, device)?;
+        let (lb_logits, lb_grads) = run(&gpu, &mut lb)?;
+        let worst_b = lb_grads
+            .iter()
+            .zip(&lc_grads)
+            .map(|(g, c)| rel_norm(g, c).0)
+            .fold(0.0, f64::max);
+        println!(
+            "model {name:<6} (bf16 residual, info) logits rel-norm {:.3e}, worst LoRA grad rel-norm {worst_b:.3e}",
+            rel_norm(&lb_logits, &lc_logits).0
+        );
+        gpu.residual_dtype = DType::F32;
         let (lg_logits, lg_grads) = run(&gpu, &mut lg)?;
         let (rn, md, mi) = rel_norm(&lg_logits, &lc_logits);
         let ok = rn <= 1e-2;

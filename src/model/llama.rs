@@ -8,7 +8,7 @@
 
 use super::config::ModelSpec;
 use super::lora::{Lora, LoraPair, Target};
-use super::weights::{ModelWeights, Weight};
+use super::weights::{Dense, ModelWeights, Weight};
 use crate::tensor::{self as ops, AttnMask, AttnShape, DType, Device, RopeTable, Tensor};
 use anyhow::Result;
 
@@ -76,6 +76,10 @@ pub struct Model {
     /// Run the MLP in token chunks of this size (0: all tokens at once); the backward recomputes
     /// each chunk's intermediates, trading one extra gate/up projection for (T, I) memory.
     pub mlp_chunk: usize,
+    /// Dtype of the residual stream and its gradient between layers: f32 on every device, so
+    /// that the sums of many bf16 sublayer outputs do not round at each layer (projections and
+    /// attention still read the compute dtype).
+    pub residual_dtype: DType,
 }
 
 fn token_chunks(t: usize, c: usize) -> Vec<(usize, usize)> {
@@ -154,6 +158,7 @@ impl Model {
             device,
             inv_freq,
             mlp_chunk: 0,
+            residual_dtype: DType::F32,
         }
     }
 
@@ -174,6 +179,16 @@ impl Model {
 
     pub fn rope_table(&self, positions: &[i32]) -> Result<RopeTable> {
         RopeTable::new(positions, &self.inv_freq, &self.device)
+    }
+
+    /// `t` in the compute dtype (borrowed when it already is).
+    fn compute<'a>(&self, t: &'a Tensor) -> Result<Dense<'a>> {
+        let dt = self.device.compute_dtype();
+        Ok(if t.dtype() == dt {
+            Dense::Borrowed(t)
+        } else {
+            Dense::Owned(t.to_dtype(dt)?)
+        })
     }
 
     /// Token embeddings `(T, H)` in the compute dtype.
@@ -200,7 +215,8 @@ impl Model {
             Ok(y)
         };
 
-        let (xn, rstd1) = ops::rms_norm(&x, &w.attn_norm, s.rms_eps)?;
+        let cdt = self.device.compute_dtype();
+        let (xn, rstd1) = ops::rms_norm_to(&x, &w.attn_norm, s.rms_eps, cdt)?;
         let mut q = lin(&xn, &w.q, Target::Q)?;
         let mut k = lin(&xn, &w.k, Target::K)?;
         let mut v = lin(&xn, &w.v, Target::V)?;
@@ -222,13 +238,15 @@ impl Model {
         let q = ops::rope(&q, ctx.rope, s.n_heads, false)?;
         let k = ops::rope(&k, ctx.rope, s.n_kv_heads, false)?;
         let (attn, lse) = ops::attention(&q, &k, &v, ctx.mask, self.attn_shape())?;
-        let mut x1 = lin(&attn, &w.o, Target::O)?;
-        ops::add_assign(&mut x1, &x, 1.0)?;
+        let o = lin(&attn, &w.o, Target::O)?;
+        let mut x1 = x.try_clone()?;
+        ops::add_assign(&mut x1, &o, 1.0)?;
+        drop(o);
 
-        let (xn2, rstd2) = ops::rms_norm(&x1, &w.mlp_norm, s.rms_eps)?;
-        let (mut out, mlp) = if self.mlp_chunk > 0 && t > self.mlp_chunk {
+        let (xn2, rstd2) = ops::rms_norm_to(&x1, &w.mlp_norm, s.rms_eps, cdt)?;
+        let (mlp_out, mlp) = if self.mlp_chunk > 0 && t > self.mlp_chunk {
             // Token chunks: the (T, I) intermediates never exist for all tokens at once.
-            let mut out = Tensor::zeros(x1.shape(), x1.dtype(), x1.device())?;
+            let mut out = Tensor::zeros(x1.shape(), cdt, x1.device())?;
             for (a, b) in token_chunks(t, self.mlp_chunk) {
                 let (o, _) = self.mlp_forward(l, &ops::slice_rows(&xn2, a, b)?, lora, ctx)?;
                 ops::scatter_add_rows(&mut out, &(a as u32..b as u32).collect::<Vec<_>>(), &o)?;
@@ -238,7 +256,9 @@ impl Model {
             let (out, m) = self.mlp_forward(l, &xn2, lora, ctx)?;
             (out, Some(m))
         };
-        ops::add_assign(&mut out, &x1, 1.0)?;
+        let mut out = x1.try_clone()?;
+        ops::add_assign(&mut out, &mlp_out, 1.0)?;
+        drop(mlp_out);
         let acts = LayerActs {
             x,
             xn,
@@ -339,8 +359,9 @@ impl Model {
         let w = &self.weights.layers[l];
         let t = d_out.dim(0);
         // MLP: out = x1 + down(silu(gate(xn2)) * up(xn2))
+        let d_out_c = self.compute(d_out)?;
         let d_xn2 = match &a.mlp {
-            Some(m) => self.mlp_backward(l, d_out, &a.xn2, m, lora.as_deref_mut(), ctx)?,
+            Some(m) => self.mlp_backward(l, &d_out_c, &a.xn2, m, lora.as_deref_mut(), ctx)?,
             None => {
                 let mut d = Tensor::zeros(a.xn2.shape(), a.xn2.dtype(), a.xn2.device())?;
                 for (c0, c1) in token_chunks(t, self.mlp_chunk) {
@@ -348,7 +369,7 @@ impl Model {
                     let (_, m) = self.mlp_forward(l, &xc, lora.as_deref(), ctx)?;
                     let dc = self.mlp_backward(
                         l,
-                        &ops::slice_rows(d_out, c0, c1)?,
+                        &ops::slice_rows(&d_out_c, c0, c1)?,
                         &xc,
                         &m,
                         lora.as_deref_mut(),
@@ -379,7 +400,8 @@ impl Model {
         };
 
         // Attention: x1 = x + o(attention(rope(q), rope(k), v))
-        let d_attn = lin_bwd(&d_x1, &a.attn, &w.o, Target::O)?;
+        drop(d_out_c);
+        let d_attn = lin_bwd(&*self.compute(&d_x1)?, &a.attn, &w.o, Target::O)?;
         let (dq, dk, dv) = ops::attention_bwd(
             &d_attn,
             &a.q,
@@ -429,6 +451,9 @@ impl Model {
         segment_size: usize,
     ) -> Result<(Tensor, ForwardState)> {
         let mut x = self.embed(ids)?;
+        if x.dtype() != self.residual_dtype {
+            x = x.to_dtype(self.residual_dtype)?;
+        }
         let mut acts = Vec::new();
         let mut boundaries = Vec::new();
         for l in 0..self.spec.n_layers {
@@ -441,7 +466,12 @@ impl Model {
             }
             x = y;
         }
-        let (h, rstd) = ops::rms_norm(&x, &self.weights.norm, self.spec.rms_eps)?;
+        let (h, rstd) = ops::rms_norm_to(
+            &x,
+            &self.weights.norm,
+            self.spec.rms_eps,
+            self.device.compute_dtype(),
+        )?;
         Ok((
             h,
             ForwardState {

@@ -483,6 +483,18 @@ pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f32) -> Result<(Tensor, Tensor)> {
     dispatch!(x.device(), cpu::rms_norm(x, w, eps), c => c.rms_norm(x, w, eps))
 }
 
+/// RMSNorm whose output is stored in `out_dtype` (an f32 residual stream feeding bf16
+/// projections on CUDA; the CPU is f32 throughout).
+pub fn rms_norm_to(x: &Tensor, w: &Tensor, eps: f32, out_dtype: DType) -> Result<(Tensor, Tensor)> {
+    ensure!(
+        x.dim(-1) == w.numel(),
+        "rms_norm: x {:?} vs weight {:?}",
+        x.shape(),
+        w.shape()
+    );
+    dispatch!(x.device(), cpu::rms_norm(x, w, eps), c => c.rms_norm_to(x, w, eps, out_dtype))
+}
+
 /// dx of RMSNorm (the weight is frozen).
 pub fn rms_norm_bwd(dy: &Tensor, x: &Tensor, w: &Tensor, rstd: &Tensor) -> Result<Tensor> {
     dispatch!(x.device(), cpu::rms_norm_bwd(dy, x, w, rstd), c => c.rms_norm_bwd(dy, x, w, rstd))

@@ -829,8 +829,19 @@ impl CudaBackend {
     }
 
     pub fn rms_norm(&self, x: &Tensor, w: &Tensor, eps: f32) -> Result<(Tensor, Tensor)> {
+        self.rms_norm_to(x, w, eps, x.dtype())
+    }
+
+    /// RMSNorm with the output stored in `out_dtype`.
+    pub fn rms_norm_to(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        eps: f32,
+        out_dtype: DType,
+    ) -> Result<(Tensor, Tensor)> {
         let (rows, h) = x.rows_cols();
-        let y = self.empty(x.shape(), x.dtype())?;
+        let y = self.empty(x.shape(), out_dtype)?;
         let rstd = self.empty(&[rows], DType::F32)?;
         self.launch(
             "lf_rms_norm",
@@ -843,6 +854,7 @@ impl CudaBackend {
                 Arg::P(cuda_ptr(w)?),
                 dt(w.dtype()),
                 Arg::P(cuda_ptr(&y)?),
+                dt(out_dtype),
                 Arg::P(cuda_ptr(&rstd)?),
                 Arg::I32(h as i32),
                 Arg::F32(eps),

@@ -28,8 +28,9 @@ extern "C" __global__ void lf_embedding_bwd(const void* dy, int dt, const u32* i
 }
 
 // One block per row.
+// y may be stored in another dtype than x (ydt): an f32 residual stream feeding bf16 projections.
 extern "C" __global__ void lf_rms_norm(const void* x, int xdt, const void* w, int wdt, void* y,
-                                       float* rstd, int h, float eps) {
+                                       int ydt, float* rstd, int h, float eps) {
     i64 row = blockIdx.x;
     const i64 base = row * h;
     float ss = 0.f;
@@ -41,7 +42,7 @@ extern "C" __global__ void lf_rms_norm(const void* x, int xdt, const void* w, in
     float s = 1.0f / sqrtf(ss / (float)h + eps);
     if (threadIdx.x == 0) rstd[row] = s;
     for (int i = threadIdx.x; i < h; i += blockDim.x)
-        stf(y, xdt, base + i, ldf(x, xdt, base + i) * s * ldf(w, wdt, i));
+        stf(y, ydt, base + i, ldf(x, xdt, base + i) * s * ldf(w, wdt, i));
 }
 
 // dx = s*(dy*w) - s^3/h * x * sum(dy*w*x)
