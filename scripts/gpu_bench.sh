@@ -3,7 +3,7 @@
 # .gpu/anchors with their wheels in .gpu/whl by ../shared/anchors/fetch-wheels.sh) and
 # `lorafit bench` on the same shapes, then prints one table with the ratios.
 #
-#   scripts/gpu_bench.sh LORAFIT_BIN "shape P R anchor-mode [segment-size]" ...
+#   scripts/gpu_bench.sh LORAFIT_BIN "shape P R anchor-mode [segment-size|auto] [bench flags...]" ...
 #
 # e.g. scripts/gpu_bench.sh .gpu/lorafit "qwen1.5b 3584 512 expert-liger" "llama8b 3584 512 trl-liger"
 # An anchor mode of "-" skips the anchor for that row. Results go to $OUT (or /tmp) as JSON lines.
@@ -13,11 +13,12 @@ out=${OUT:-/tmp}
 : > "$out/lorafit.jsonl"
 for spec in "$@"; do
   set -- $spec
-  shape=$1; P=$2; R=$3; mode=$4; seg=${5:-0}
+  shape=$1; P=$2; R=$3; mode=$4; seg=${5:-auto}; shift 4; [ $# -gt 0 ] && shift; extra="$*"
+  segflag=""; [ "$seg" != "auto" ] && segflag="--segment-size $seg"
   if [ "$mode" != "-" ]; then
     OUT=$out .gpu/anchors/run-anchor.sh .gpu/whl "$mode $shape $P $R" >/dev/null
   fi
-  "$bin" bench --shape "$shape" --prompt-len "$P" --resp-len "$R" --segment-size "$seg" --device cuda \
+  "$bin" bench --shape "$shape" --prompt-len "$P" --resp-len "$R" $segflag $extra --device cuda \
     2>"$out/lorafit-$shape-$P-$seg.err" | grep '^RESULT' | sed 's/^RESULT //' >> "$out/lorafit.jsonl" \
     || echo "lorafit bench failed for $spec (see $out/lorafit-$shape-$P-$seg.err)"
 done

@@ -34,8 +34,9 @@ pub struct BenchArgs {
     pub steps: usize,
     #[arg(long, default_value_t = 2)]
     pub warmup: usize,
-    #[arg(long, default_value_t = 0)]
-    pub segment_size: usize,
+    /// Segment size (0: keep all activations); unset: chosen from free memory.
+    #[arg(long)]
+    pub segment_size: Option<usize>,
     /// Keep the residual stream in bf16 instead of f32.
     #[arg(long)]
     pub residual_bf16: bool,
@@ -177,13 +178,30 @@ pub fn run(a: BenchArgs) -> Result<()> {
             .map(|_| 3 + (rng.next_u64() % (spec.vocab as u64 - 3)) as u32)
             .collect()
     };
+    let tokens = if a.prefix_shared {
+        a.prompt_len + 2 * a.resp_len
+    } else {
+        2 * (a.prompt_len + a.resp_len)
+    };
+    let head_chunk = crate::config::resolve_head_chunk(a.head_chunk, spec.vocab);
+    let budget = crate::train::memory::budget(&device)?;
+    let segment_size = a.segment_size.unwrap_or_else(|| {
+        crate::train::memory::auto_segment_size(
+            &spec,
+            tokens,
+            a.mlp_chunk > 0,
+            device.compute_dtype().size(),
+            head_chunk,
+            budget,
+        )
+    });
     let opts = PassOptions {
-        segment_size: a.segment_size,
+        segment_size,
         head: match a.head {
             HeadArg::Full => HeadTier::Full,
             HeadArg::Chunked => HeadTier::Chunked,
         },
-        head_chunk: crate::config::resolve_head_chunk(a.head_chunk, spec.vocab),
+        head_chunk,
         dropout: None,
     };
     let objective = Objective::Orpo {
@@ -226,7 +244,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
     let mem = device.memory();
     let line = serde_json::json!({
         "tool": "lorafit", "shape": a.shape, "P": a.prompt_len, "R": a.resp_len, "device": device.name(),
-        "segment_size": a.segment_size, "mlp_chunk": a.mlp_chunk, "head": format!("{:?}", a.head).to_lowercase(), "prefix_shared": a.prefix_shared,
+        "segment_size": segment_size, "segment_auto": a.segment_size.is_none(), "mlp_chunk": a.mlp_chunk, "head": format!("{:?}", a.head).to_lowercase(), "prefix_shared": a.prefix_shared,
         "s_per_step": med, "pairs_per_s": 1.0 / med, "tokens_per_s": tokens as f64 / med,
         "model_tflops_per_step": flops / 1e12, "gemm_peak_tflops": peak_flops / 1e12, "mfu": flops / med / peak_flops,
         "peak_gib": mem.peak_bytes as f64 / (1u64 << 30) as f64, "steps": a.steps,

@@ -72,8 +72,9 @@ pub struct TrainConfig {
     /// Skip (and count) malformed rows instead of failing.
     pub skip_bad_rows: bool,
     /// Keep every `segment_size`-th layer boundary and recompute segments in the backward; 0 keeps
-    /// all activations.
-    pub segment_size: usize,
+    /// all activations; unset chooses per example: 0 when the step fits the device's free memory,
+    /// else the size with the smallest footprint (`train::memory`).
+    pub segment_size: Option<usize>,
     /// Run the MLP in token chunks of this many tokens (0: all at once); bounds the (T, I)
     /// intermediates at the cost of recomputing gate/up in the backward.
     pub mlp_chunk: usize,
@@ -128,7 +129,7 @@ impl Default for TrainConfig {
             max_seq_len: 2048,
             max_prompt_len: 1024,
             skip_bad_rows: false,
-            segment_size: 0,
+            segment_size: None,
             mlp_chunk: 0,
             head: HeadTier::Chunked,
             head_chunk: 0,

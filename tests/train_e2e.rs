@@ -633,8 +633,8 @@ fn segment_and_prefix_modes_agree() {
         let _ = std::fs::remove_dir_all(&dir);
         out.losses
     };
-    let seg0 = losses("seg0", &|c| c.segment_size = 0);
-    let seg1 = losses("seg1", &|c| c.segment_size = 1);
+    let seg0 = losses("seg0", &|c| c.segment_size = Some(0));
+    let seg1 = losses("seg1", &|c| c.segment_size = Some(1));
     assert_eq!(seg0.len(), 3);
     for (i, (a, b)) in seg0.iter().zip(&seg1).enumerate() {
         assert!(

@@ -1,6 +1,7 @@
 //! Training: objectives, the logp head, the optimiser and the loop.
 
 pub mod head;
+pub mod memory;
 pub mod objectives;
 pub mod optim;
 pub mod plan;

@@ -170,11 +170,30 @@ pub struct TrainOutcome {
     pub adapter_dir: PathBuf,
 }
 
-pub fn pass_options(cfg: &TrainConfig, vocab: usize, dropout: Option<(f32, u64)>) -> PassOptions {
+/// Pass options for one example of `tokens` tokens; an unset segment size is chosen against
+/// `budget` bytes of free device memory.
+pub fn pass_options(
+    cfg: &TrainConfig,
+    model: &Model,
+    tokens: usize,
+    budget: usize,
+    dropout: Option<(f32, u64)>,
+) -> PassOptions {
+    let head_chunk = crate::config::resolve_head_chunk(cfg.head_chunk, model.spec.vocab);
+    let segment_size = cfg.segment_size.unwrap_or_else(|| {
+        super::memory::auto_segment_size(
+            &model.spec,
+            tokens,
+            model.mlp_chunk > 0,
+            model.device.compute_dtype().size(),
+            head_chunk,
+            budget,
+        )
+    });
     PassOptions {
-        segment_size: cfg.segment_size,
+        segment_size,
         head: cfg.head,
-        head_chunk: crate::config::resolve_head_chunk(cfg.head_chunk, vocab),
+        head_chunk,
         dropout,
     }
 }
@@ -187,7 +206,7 @@ pub fn evaluate(
     cfg: &TrainConfig,
 ) -> Result<BTreeMap<String, f64>> {
     let objective = cfg.objective();
-    let opts = pass_options(cfg, model.spec.vocab, None);
+    let opts = pass_options(cfg, model, 0, usize::MAX, None);
     let window = model.spec.sliding_window.map(|w| w as u32);
     let n = if cfg.eval_limit > 0 {
         cfg.eval_limit.min(items.len())
@@ -277,6 +296,7 @@ pub fn train(
 
     let objective = cfg.objective();
     let window = model.spec.sliding_window.map(|w| w as u32);
+    let memory_budget = super::memory::budget(&device)?;
     let mut ref_cache: Vec<Option<(f64, f64)>> = vec![None; n];
     let mut metrics_file = std::fs::OpenOptions::new()
         .create(true)
@@ -296,7 +316,7 @@ pub fn train(
         lora.config.rank,
         lora.config.alpha,
         lora.num_params(),
-        cfg.segment_size,
+        cfg.segment_size.map_or("auto".to_string(), |s| s.to_string()),
         cfg.head,
         cfg.prefix_shared
     );
@@ -338,7 +358,9 @@ pub fn train(
                     .wrapping_mul(0x2545_F491_4F6C_DD1D);
             let opts = pass_options(
                 cfg,
-                model.spec.vocab,
+                model,
+                plan.tokens(),
+                memory_budget,
                 (cfg.lora_dropout > 0.0).then_some((cfg.lora_dropout, dropout_seed)),
             );
             let reference = match objective {

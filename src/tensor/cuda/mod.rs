@@ -345,6 +345,11 @@ impl CudaBackend {
             peak_bytes: self.inner.peak.load(Ordering::Relaxed),
         }
     }
+    /// `(free, total)` bytes of device memory as the driver reports them.
+    pub fn mem_info(&self) -> Result<(usize, usize)> {
+        self.inner.bind()?;
+        drv::mem_get_info().map_err(|e| anyhow!("cuda: cuMemGetInfo: {e:?}"))
+    }
     pub fn reset_peak(&self) {
         self.inner
             .peak
