@@ -68,6 +68,38 @@ pub fn reference_sums(model: &Model, plan: &Plan, opts: &PassOptions) -> Result<
     Ok((sum(&plan.chosen.response)?, sum(&rej.response)?))
 }
 
+/// Rows of one sequence read by the head, with where each branch's part lies in them.
+struct HeadGroup {
+    seq: usize,
+    rows: Vec<u32>,
+    targets: Vec<u32>,
+    /// `(part index, start, len)`.
+    spans: Vec<(usize, usize, usize)>,
+}
+
+fn head_groups(n_seqs: usize, parts: &[&Rows]) -> Vec<HeadGroup> {
+    let mut groups = Vec::new();
+    for seq in 0..n_seqs {
+        let mut g = HeadGroup {
+            seq,
+            rows: Vec::new(),
+            targets: Vec::new(),
+            spans: Vec::new(),
+        };
+        for (i, r) in parts.iter().enumerate() {
+            if r.seq == seq && !r.rows.is_empty() {
+                g.spans.push((i, g.rows.len(), r.rows.len()));
+                g.rows.extend(&r.rows);
+                g.targets.extend(&r.targets);
+            }
+        }
+        if !g.rows.is_empty() {
+            groups.push(g);
+        }
+    }
+    groups
+}
+
 type Forwarded = (Tensor, Option<crate::model::llama::ForwardState>);
 
 fn forward_all(
@@ -110,30 +142,38 @@ pub fn run_example(
     grad_weight: f32,
 ) -> Result<ExampleOut> {
     let mut fwd = forward_all(model, plan, Some(lora), opts, train)?;
-    let head = |r: &Rows, fwd: &[Forwarded]| -> Result<(Tensor, Vec<f32>)> {
-        let h = ops::gather_rows(&fwd[r.seq].0, &r.rows)?;
-        let lp = logp_forward(model, &h, &r.targets, opts.head, opts.head_chunk)?;
-        Ok((h, lp))
-    };
     let empty = Rows::default();
     let chosen_prompt = if objective.needs_prompt() {
         &plan.chosen.prompt
     } else {
         &empty
     };
-    let (hcp, lcp) = if chosen_prompt.rows.is_empty() {
-        (None, vec![])
-    } else {
-        let (h, l) = head(chosen_prompt, &fwd)?;
-        (Some(h), l)
-    };
-    let (hcr, lcr) = head(&plan.chosen.response, &fwd)?;
-    let rej = match &plan.rejected {
-        Some(b) => Some(head(&b.response, &fwd)?),
-        None => None,
-    };
+    // The branches' rows: chosen prompt (full-scope NLL), chosen response, rejected response.
+    let parts: Vec<&Rows> = [
+        Some(chosen_prompt),
+        Some(&plan.chosen.response),
+        plan.rejected.as_ref().map(|b| &b.response),
+    ]
+    .into_iter()
+    .flatten()
+    .collect();
+    // The head runs once per sequence over every row any branch reads from it: one gather, one
+    // pass through the logp engine and one download per sequence.
+    let groups = head_groups(plan.seqs.len(), &parts);
+    let mut logps: Vec<Vec<f32>> = vec![Vec::new(); parts.len()];
+    let mut group_h = Vec::with_capacity(groups.len());
+    for g in &groups {
+        let h = ops::gather_rows(&fwd[g.seq].0, &g.rows)?;
+        let lp = logp_forward(model, &h, &g.targets, opts.head, opts.head_chunk)?;
+        for &(part, start, len) in &g.spans {
+            logps[part] = lp[start..start + len].to_vec();
+        }
+        group_h.push(h);
+    }
+    let (lcp, lcr) = (&logps[0], &logps[1]);
+    let rej: Option<((), &Vec<f32>)> = plan.rejected.as_ref().map(|_| ((), &logps[2]));
 
-    let chosen = BranchLogps::new(&lcp, &lcr);
+    let chosen = BranchLogps::new(lcp, lcr);
     let out: ObjectiveOut = match (*objective, &rej) {
         (Objective::Orpo { lambda, scope }, Some((_, lr))) => {
             objectives::orpo(chosen, BranchLogps::response_only(lr), lambda, scope)
@@ -169,26 +209,27 @@ pub fn run_example(
 
     if train {
         // Gradients into each sequence's hidden states, then back through the layers.
+        let grads: Vec<&[f32]> = [
+            Some(&out.d_chosen.prompt[..]),
+            Some(&out.d_chosen.response[..]),
+            plan.rejected.as_ref().map(|_| &out.d_rejected.response[..]),
+        ]
+        .into_iter()
+        .flatten()
+        .collect();
         let mut dh: Vec<Option<Tensor>> = (0..plan.seqs.len()).map(|_| None).collect();
-        let mut send = |r: &Rows, h: &Tensor, d: &[f32]| -> Result<()> {
-            if r.rows.is_empty() {
-                return Ok(());
+        for (g, h) in groups.iter().zip(&group_h) {
+            let mut d = vec![0f32; g.rows.len()];
+            for &(part, start, len) in &g.spans {
+                for (x, y) in d[start..start + len].iter_mut().zip(grads[part]) {
+                    *x = y * grad_weight;
+                }
             }
-            let scaled: Vec<f32> = d.iter().map(|x| x * grad_weight).collect();
-            let dhc = logp_backward(model, h, &r.targets, &scaled, opts.head, opts.head_chunk)?;
-            let full = &fwd[r.seq].0;
-            let slot = &mut dh[r.seq];
-            if slot.is_none() {
-                *slot = Some(Tensor::zeros(full.shape(), full.dtype(), full.device())?);
-            }
-            ops::scatter_add_rows(slot.as_mut().unwrap(), &r.rows, &dhc)
-        };
-        if let Some(h) = &hcp {
-            send(chosen_prompt, h, &out.d_chosen.prompt)?;
-        }
-        send(&plan.chosen.response, &hcr, &out.d_chosen.response)?;
-        if let (Some(b), Some((h, _))) = (&plan.rejected, &rej) {
-            send(&b.response, h, &out.d_rejected.response)?;
+            let dhc = logp_backward(model, h, &g.targets, &d, opts.head, opts.head_chunk)?;
+            let full = &fwd[g.seq].0;
+            let mut slot = Tensor::zeros(full.shape(), full.dtype(), full.device())?;
+            ops::scatter_add_rows(&mut slot, &g.rows, &dhc)?;
+            dh[g.seq] = Some(slot);
         }
         for (i, s) in plan.seqs.iter().enumerate().rev() {
             let (Some(d), Some(state)) = (dh[i].take(), fwd[i].1.take()) else {
