@@ -55,6 +55,9 @@ pub struct BenchArgs {
     pub device: String,
     #[arg(long, default_value_t = 16)]
     pub rank: usize,
+    /// Further workloads on the same loaded model, each `P,R[,SEG|auto[,MLP_CHUNK]]`.
+    #[arg(long)]
+    pub also: Vec<String>,
 }
 
 #[derive(Clone, Copy, Debug, clap::ValueEnum)]
@@ -142,7 +145,6 @@ pub fn run(a: BenchArgs) -> Result<()> {
         &device,
     )?;
     let mut model = Model::new(spec.clone(), weights, device.clone());
-    model.mlp_chunk = a.mlp_chunk;
     if a.residual_bf16 {
         model.residual_dtype = DType::BF16;
     }
@@ -172,83 +174,128 @@ pub fn run(a: BenchArgs) -> Result<()> {
     };
     let peak_flops = measure_gemm_peak(&device)?;
 
-    let mut rng = crate::model::lora::Rng(1);
-    let mut tok = |n: usize| -> Vec<u32> {
-        (0..n)
-            .map(|_| 3 + (rng.next_u64() % (spec.vocab as u64 - 3)) as u32)
-            .collect()
-    };
-    let tokens = if a.prefix_shared {
-        a.prompt_len + 2 * a.resp_len
-    } else {
-        2 * (a.prompt_len + a.resp_len)
-    };
-    let head_chunk = crate::config::resolve_head_chunk(a.head_chunk, spec.vocab);
-    let budget = crate::train::memory::budget(&device)?;
-    let segment_size = a.segment_size.unwrap_or_else(|| {
-        crate::train::memory::auto_segment_size(
-            &spec,
-            tokens,
-            a.mlp_chunk > 0,
-            device.compute_dtype().size(),
-            head_chunk,
-            budget,
-        )
-    });
-    let opts = PassOptions {
-        segment_size,
-        head: match a.head {
-            HeadArg::Full => HeadTier::Full,
-            HeadArg::Chunked => HeadTier::Chunked,
-        },
-        head_chunk,
-        dropout: None,
-    };
-    let objective = Objective::Orpo {
-        lambda: 0.1,
-        scope: SftScope::Full,
-    };
-    let mut times = Vec::new();
-    let mut flops = 0.0;
-    let mut tokens = 0;
-    for step in 0..a.warmup + a.steps {
-        let pair = crate::data::TokenizedPair {
-            prompt: tok(a.prompt_len),
-            chosen: tok(a.resp_len),
-            rejected: tok(a.resp_len),
-        };
-        let plan = Plan::pair(
-            &pair,
-            a.prefix_shared,
-            spec.sliding_window.map(|w| w as u32),
-        )?;
-        if step == a.warmup {
-            device.reset_peak();
-        }
-        device.synchronize()?;
-        let t = Instant::now();
-        run_example(&model, &mut lora, &plan, &objective, None, &opts, true, 1.0)?;
-        apply_update(&mut lora, &mut adam, 1e-5, step as u64 + 1, 1.0, &optim)?;
-        device.synchronize()?;
-        let dt = t.elapsed().as_secs_f64();
-        if step >= a.warmup {
-            times.push(dt);
-        }
-        let head_rows = plan.chosen.prompt.rows.len() + 2 * a.resp_len;
-        flops = step_flops(&spec, &plan, a.rank, head_rows);
-        tokens = 2 * (a.prompt_len + a.resp_len);
-        eprintln!("step {step}: {dt:.3}s");
+    let mut workloads = vec![Workload {
+        prompt_len: a.prompt_len,
+        resp_len: a.resp_len,
+        segment_size: a.segment_size,
+        mlp_chunk: a.mlp_chunk,
+    }];
+    for spec_str in &a.also {
+        workloads.push(Workload::parse(spec_str)?);
     }
-    times.sort_by(|x, y| x.partial_cmp(y).unwrap());
-    let med = times[times.len() / 2];
-    let mem = device.memory();
-    let line = serde_json::json!({
-        "tool": "lorafit", "shape": a.shape, "P": a.prompt_len, "R": a.resp_len, "device": device.name(),
-        "segment_size": segment_size, "segment_auto": a.segment_size.is_none(), "mlp_chunk": a.mlp_chunk, "head": format!("{:?}", a.head).to_lowercase(), "prefix_shared": a.prefix_shared,
-        "s_per_step": med, "pairs_per_s": 1.0 / med, "tokens_per_s": tokens as f64 / med,
-        "model_tflops_per_step": flops / 1e12, "gemm_peak_tflops": peak_flops / 1e12, "mfu": flops / med / peak_flops,
-        "peak_gib": mem.peak_bytes as f64 / (1u64 << 30) as f64, "steps": a.steps,
-    });
-    println!("RESULT {line}");
+    for w in &workloads {
+        model.mlp_chunk = w.mlp_chunk;
+        let mut rng = crate::model::lora::Rng(1);
+        let mut tok = |n: usize| -> Vec<u32> {
+            (0..n)
+                .map(|_| 3 + (rng.next_u64() % (spec.vocab as u64 - 3)) as u32)
+                .collect()
+        };
+        let tokens = if a.prefix_shared {
+            w.prompt_len + 2 * w.resp_len
+        } else {
+            2 * (w.prompt_len + w.resp_len)
+        };
+        let head_chunk = crate::config::resolve_head_chunk(a.head_chunk, spec.vocab);
+        let budget = crate::train::memory::budget(&device)?;
+        let segment_size = w.segment_size.unwrap_or_else(|| {
+            crate::train::memory::auto_segment_size(
+                &spec,
+                tokens,
+                w.mlp_chunk > 0,
+                device.compute_dtype().size(),
+                head_chunk,
+                budget,
+            )
+        });
+        let opts = PassOptions {
+            segment_size,
+            head: match a.head {
+                HeadArg::Full => HeadTier::Full,
+                HeadArg::Chunked => HeadTier::Chunked,
+            },
+            head_chunk,
+            dropout: None,
+        };
+        let objective = Objective::Orpo {
+            lambda: 0.1,
+            scope: SftScope::Full,
+        };
+        let mut times = Vec::new();
+        let mut flops = 0.0;
+        let mut tokens = 0;
+        for step in 0..a.warmup + a.steps {
+            let pair = crate::data::TokenizedPair {
+                prompt: tok(w.prompt_len),
+                chosen: tok(w.resp_len),
+                rejected: tok(w.resp_len),
+            };
+            let plan = Plan::pair(
+                &pair,
+                a.prefix_shared,
+                spec.sliding_window.map(|w| w as u32),
+            )?;
+            if step == a.warmup {
+                device.reset_peak();
+            }
+            device.synchronize()?;
+            let t = Instant::now();
+            run_example(&model, &mut lora, &plan, &objective, None, &opts, true, 1.0)?;
+            apply_update(&mut lora, &mut adam, 1e-5, step as u64 + 1, 1.0, &optim)?;
+            device.synchronize()?;
+            let dt = t.elapsed().as_secs_f64();
+            if step >= a.warmup {
+                times.push(dt);
+            }
+            let head_rows = plan.chosen.prompt.rows.len() + 2 * w.resp_len;
+            flops = step_flops(&spec, &plan, a.rank, head_rows);
+            tokens = 2 * (w.prompt_len + w.resp_len);
+            eprintln!("step {step}: {dt:.3}s");
+        }
+        times.sort_by(|x, y| x.partial_cmp(y).unwrap());
+        let med = times[times.len() / 2];
+        let mem = device.memory();
+        let line = serde_json::json!({
+            "tool": "lorafit", "shape": a.shape, "P": w.prompt_len, "R": w.resp_len, "device": device.name(),
+            "segment_size": segment_size, "segment_auto": w.segment_size.is_none(), "mlp_chunk": w.mlp_chunk, "head": format!("{:?}", a.head).to_lowercase(), "prefix_shared": a.prefix_shared,
+            "s_per_step": med, "pairs_per_s": 1.0 / med, "tokens_per_s": tokens as f64 / med,
+            "model_tflops_per_step": flops / 1e12, "gemm_peak_tflops": peak_flops / 1e12, "mfu": flops / med / peak_flops,
+            "peak_gib": mem.peak_bytes as f64 / (1u64 << 30) as f64, "steps": a.steps,
+        });
+        println!("RESULT {line}");
+    }
     Ok(())
+}
+
+/// One benchmark workload: prompt and response lengths, segment size (None: automatic) and MLP
+/// token chunk.
+struct Workload {
+    prompt_len: usize,
+    resp_len: usize,
+    segment_size: Option<usize>,
+    mlp_chunk: usize,
+}
+
+impl Workload {
+    /// `P,R[,SEG|auto[,MLP_CHUNK]]`.
+    fn parse(s: &str) -> Result<Workload> {
+        let f: Vec<&str> = s.split(',').map(str::trim).collect();
+        let num = |i: usize| -> Result<usize> {
+            f[i].parse()
+                .with_context(|| format!("--also {s:?}: field {} is not a number", i + 1))
+        };
+        anyhow::ensure!(
+            f.len() >= 2,
+            "--also {s:?}: expected P,R[,SEG|auto[,MLP_CHUNK]]"
+        );
+        Ok(Workload {
+            prompt_len: num(0)?,
+            resp_len: num(1)?,
+            segment_size: match f.get(2) {
+                None | Some(&"auto") => None,
+                Some(_) => Some(num(2)?),
+            },
+            mlp_chunk: if f.len() > 3 { num(3)? } else { 0 },
+        })
+    }
 }
