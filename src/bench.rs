@@ -221,6 +221,11 @@ pub fn run(a: BenchArgs) -> Result<()> {
         "peak_gib": mem.peak_bytes as f64 / (1u64 << 30) as f64, "steps": a.steps,
     });
     println!("RESULT {line}");
+    if let crate::tensor::Device::Cuda(c) = &device {
+        if let Some(r) = c.profile_report() {
+            eprint!("{r}");
+        }
+    }
     let _ = DType::F32;
     Ok(())
 }
