@@ -384,7 +384,11 @@ impl CudaBackend {
     }
     /// Runs `f` (which enqueues work on the stream); with `LORAFIT_PROFILE` set, times it with
     /// events (synchronising) and adds the time to the row `name()`.
-    fn profiled<T>(&self, name: impl FnOnce() -> String, f: impl FnOnce() -> Result<T>) -> Result<T> {
+    fn profiled<T>(
+        &self,
+        name: impl FnOnce() -> String,
+        f: impl FnOnce() -> Result<T>,
+    ) -> Result<T> {
         let Some(prof) = &self.inner.prof else {
             return f();
         };
@@ -859,30 +863,32 @@ impl CudaBackend {
         // Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T.
         // SAFETY: the pointers are live buffers of the sizes checked above; alpha/beta are host
         // scalars (pointer mode host); the handle is bound to our stream.
-        self.profiled(pname, || unsafe {
-            cublas::gemm_ex(
-                self.inner.cublas,
-                op(tb),
-                op(ta),
-                n as i32,
-                m as i32,
-                k as i32,
-                &alpha as *const f32 as *const c_void,
-                cuda_ptr(b)? as *const c_void,
-                ty(b.dtype()),
-                bc as i32,
-                cuda_ptr(a)? as *const c_void,
-                ty(a.dtype()),
-                ac as i32,
-                &beta as *const f32 as *const c_void,
-                cuda_ptr(c)? as *mut c_void,
-                ty(c.dtype()),
-                n as i32,
-                cublas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                cublas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DFALT,
-            )
-        }
-        .map_err(|e| anyhow!("cublasGemmEx [{m}x{k}]x[{k}x{n}]: {e:?}")))
+        self.profiled(pname, || {
+            unsafe {
+                cublas::gemm_ex(
+                    self.inner.cublas,
+                    op(tb),
+                    op(ta),
+                    n as i32,
+                    m as i32,
+                    k as i32,
+                    &alpha as *const f32 as *const c_void,
+                    cuda_ptr(b)? as *const c_void,
+                    ty(b.dtype()),
+                    bc as i32,
+                    cuda_ptr(a)? as *const c_void,
+                    ty(a.dtype()),
+                    ac as i32,
+                    &beta as *const f32 as *const c_void,
+                    cuda_ptr(c)? as *mut c_void,
+                    ty(c.dtype()),
+                    n as i32,
+                    cublas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                    cublas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DFALT,
+                )
+            }
+            .map_err(|e| anyhow!("cublasGemmEx [{m}x{k}]x[{k}x{n}]: {e:?}"))
+        })
     }
 
     // --------------------------------------------------------------------------------------------
@@ -1084,12 +1090,36 @@ impl CudaBackend {
 
     /// Version 2 kernels (ldmatrix, cp.async double buffering) serve head_dim 64 and 128;
     /// `LORAFIT_ATTN_V1=1` forces version 1 everywhere (for comparison).
+    /// The version 2 kernel for `kind` and its dynamic shared memory, where one serves this shape
+    /// and its shared memory fits the device (the attention kernels' limit set in `function`).
+    fn attn2(&self, kind: &str, s: &AttnShape, t: usize) -> Option<(&'static str, u32)> {
+        let name = Self::attn2_fn(kind, s)?;
+        let k = if name.starts_with("lf_attn2_dkdvs") {
+            "dkdvs"
+        } else {
+            kind
+        };
+        let smem = Self::attn2_smem(k, s.head_dim, t);
+        let limit = (self.inner.smem_optin - 1024).min(160 * 1024);
+        (smem as i64 <= limit as i64).then_some((name, smem))
+    }
+
     fn attn2_fn(kind: &str, s: &AttnShape) -> Option<&'static str> {
         static V1: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
         if *V1.get_or_init(|| std::env::var_os("LORAFIT_ATTN_V1").is_some_and(|v| v != "0")) {
             return None;
         }
+        static FWD_B: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        let fwd_b =
+            *FWD_B.get_or_init(|| std::env::var("LORAFIT_ATTN_FWD").is_ok_and(|v| v == "b"));
+        static DKDV_S: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        let dkdv_s =
+            *DKDV_S.get_or_init(|| std::env::var("LORAFIT_ATTN_DKDV").is_ok_and(|v| v == "32"));
         Some(match (kind, s.head_dim) {
+            ("dkdv", 64) if dkdv_s => "lf_attn2_dkdvs_64",
+            ("dkdv", 128) if dkdv_s => "lf_attn2_dkdvs_128",
+            ("fwd", 64) if fwd_b => "lf_attn2_fwdb_64",
+            ("fwd", 128) if fwd_b => "lf_attn2_fwdb_128",
             ("fwd", 64) => "lf_attn2_fwd_64",
             ("fwd", 128) => "lf_attn2_fwd_128",
             ("dq", 64) => "lf_attn2_dq_64",
@@ -1107,7 +1137,9 @@ impl CudaBackend {
         let b = match kind {
             "fwd" => (128 + 4 * 64) * row + t.div_ceil(64).next_multiple_of(16),
             "dq" => (2 * 64 + 4 * 64) * row + t.div_ceil(64).next_multiple_of(16),
-            _ => (2 * 64 + 4 * 64) * row + 4 * 64 * 4 + t.div_ceil(64).next_multiple_of(16),
+            "dkdv" => (2 * 64 + 4 * 64) * row + 4 * 64 * 4 + t.div_ceil(64).next_multiple_of(16),
+            // dkdvs: 32-query tiles
+            _ => (2 * 64 + 4 * 32) * row + 4 * 32 * 4 + t.div_ceil(32).next_multiple_of(16),
         };
         b as u32
     }
@@ -1144,13 +1176,13 @@ impl CudaBackend {
         let o = self.empty(q.shape(), q.dtype())?;
         let lse = self.empty(&[s.n_heads, t], DType::F32)?;
         let (_mbuf, marg) = self.upload_mask(mask)?;
-        if let Some(name) = Self::attn2_fn("fwd", &s) {
+        if let Some((name, smem)) = self.attn2("fwd", &s, t) {
             return self
                 .launch(
                     name,
                     (t.div_ceil(128) as u32, s.n_heads as u32, 1),
                     256,
-                    Self::attn2_smem("fwd", s.head_dim, t),
+                    smem,
                     &[
                         Arg::P(cuda_ptr(q)?),
                         Arg::P(cuda_ptr(k)?),
@@ -1245,21 +1277,20 @@ impl CudaBackend {
             ]);
             Ok(a)
         };
-        let v2 = Self::attn2_fn("dq", &s).is_some();
+        let dq2 = self.attn2("dq", &s, t);
+        let dkdv2 = self.attn2("dkdv", &s, t);
         // Version 2 takes no head_dim argument (it is the template's).
         let common2 = |out: Vec<Arg>| -> Result<Vec<Arg>> {
             let mut a = common(out)?;
-            if v2 {
-                a.remove(a.len() - 2);
-            }
+            a.remove(a.len() - 2);
             Ok(a)
         };
-        if let Some(name) = Self::attn2_fn("dq", &s) {
+        if let Some((name, smem)) = dq2 {
             self.launch(
                 name,
                 (t.div_ceil(64) as u32, s.n_heads as u32, 1),
                 128,
-                Self::attn2_smem("dq", s.head_dim, t),
+                smem,
                 &common2(vec![Arg::P(cuda_ptr(&dq)?)])?,
             )?;
         } else {
@@ -1292,12 +1323,12 @@ impl CudaBackend {
             Arg::P(pk),
             Arg::P(pv),
         ];
-        if let Some(name) = Self::attn2_fn("dkdv", &s) {
+        if let Some((name, smem)) = dkdv2 {
             self.launch(
                 name,
                 (t.div_ceil(64) as u32, s.n_heads as u32, 1),
                 128,
-                Self::attn2_smem("dkdv", s.head_dim, t),
+                smem,
                 &common2(outs)?,
             )?;
         } else {

@@ -693,7 +693,9 @@ __device__ __forceinline__ bool vis2(const Mask& mk, uint4 r, int qpos, bool qok
 
 // ------------------------------------------------------------------------------------------------
 // Forward v2. grid (ceil(T/128), n_heads), 256 threads; warp w owns query rows 16w.. of the tile.
-template <int HD>
+// QREG keeps the warp's Q fragments in registers (one block per SM at head_dim 128); without it
+// they are re-read from shared memory every key tile, which fits two blocks per SM.
+template <int HD, bool QREG>
 __device__ void attn2_fwd(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v,
                           bf16* __restrict__ o, float* __restrict__ lse, Mask mk, int t, int nh, int nkv,
                           float scale) {
@@ -729,16 +731,15 @@ __device__ void attn2_fwd(const bf16* __restrict__ q, const bf16* __restrict__ k
     cp_async_commit();
 
     const int ra = q0 + 16 * w + g, rb = ra + 8;
-    const uint4 empty = make_uint4(0, 0, 0, 0);
     const bool oka = ra < t, okb = rb < t;
-    const uint4 rga = oka ? mk.ranges[ra] : empty, rgb = okb ? mk.ranges[rb] : empty;
-    const int pa = oka ? mk.pos[ra] : 0, pb = okb ? mk.pos[rb] : 0;
 
     cp_async_wait<1>();
     __syncthreads();
-    u32 qf[HD / 16][4];
-    #pragma unroll
-    for (int kk = 0; kk < HD / 16; kk++) ldsm_x4(qf[kk], qs + (16 * w) * SS + kk * 16 + lo_a<SS>(lane));
+    u32 qf[QREG ? HD / 16 : 1][4];
+    if constexpr (QREG) {
+        #pragma unroll
+        for (int kk = 0; kk < HD / 16; kk++) ldsm_x4(qf[kk], qs + (16 * w) * SS + kk * 16 + lo_a<SS>(lane));
+    }
 
     float acc[HD / 8][4];
     #pragma unroll
@@ -766,27 +767,40 @@ __device__ void attn2_fwd(const bf16* __restrict__ q, const bf16* __restrict__ k
         for (int nt = 0; nt < BK_ / 8; nt++) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
         #pragma unroll
         for (int kk = 0; kk < HD / 16; kk++) {
+            u32 qa[4];
+            if constexpr (!QREG) ldsm_x4(qa, qs + (16 * w) * SS + kk * 16 + lo_a<SS>(lane));
+            const u32* af = QREG ? qf[QREG ? kk : 0] : qa;
             #pragma unroll
             for (int np = 0; np < BK_ / 16; np++) {
                 u32 b[4];
                 ldsm_x4(b, kb + np * 16 * SS + kk * 16 + lo_bn<SS>(lane));
-                mma16816(s[2 * np], qf[kk], b[0], b[1]);
-                mma16816(s[2 * np + 1], qf[kk], b[2], b[3]);
+                mma16816(s[2 * np], af, b[0], b[1]);
+                mma16816(s[2 * np + 1], af, b[2], b[3]);
+            }
+        }
+        #pragma unroll
+        for (int nt = 0; nt < BK_ / 8; nt++) {
+            #pragma unroll
+            for (int e = 0; e < 4; e++) s[nt][e] *= sl2;
+        }
+        if (!tile_all) {
+            // The rows' ranges are read here only (partial tiles are few), to spare registers.
+            const uint4 empty = make_uint4(0, 0, 0, 0);
+            const uint4 rga = oka ? mk.ranges[ra] : empty, rgb = okb ? mk.ranges[rb] : empty;
+            const int pa = oka ? mk.pos[ra] : 0, pb = okb ? mk.pos[rb] : 0;
+            #pragma unroll
+            for (int nt = 0; nt < BK_ / 8; nt++) {
+                #pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int kx = k0 + nt * 8 + 2 * tq + (e & 1);
+                    const bool vis = e < 2 ? vis2(mk, rga, pa, oka, kx, t) : vis2(mk, rgb, pb, okb, kx, t);
+                    if (!vis) s[nt][e] = -LF_INF;
+                }
             }
         }
         float mx_a = -LF_INF, mx_b = -LF_INF;
         #pragma unroll
         for (int nt = 0; nt < BK_ / 8; nt++) {
-            #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                float x = s[nt][e] * sl2;
-                if (!tile_all) {
-                    const int kx = k0 + nt * 8 + 2 * tq + (e & 1);
-                    const bool vis = e < 2 ? vis2(mk, rga, pa, oka, kx, t) : vis2(mk, rgb, pb, okb, kx, t);
-                    if (!vis) x = -LF_INF;
-                }
-                s[nt][e] = x;
-            }
             mx_a = fmaxf(mx_a, fmaxf(s[nt][0], s[nt][1]));
             mx_b = fmaxf(mx_b, fmaxf(s[nt][2], s[nt][3]));
         }
@@ -1156,10 +1170,15 @@ __device__ void attn2_dkdv(const bf16* __restrict__ q, const bf16* __restrict__ 
 }
 
 #define INSTANTIATE2(HD, BQ2V)                                                                                 \
-    extern "C" __global__ void __launch_bounds__(256) lf_attn2_fwd_##HD(                                       \
+    extern "C" __global__ void __launch_bounds__(256, 1) lf_attn2_fwd_##HD(                                    \
         const bf16* q, const bf16* k, const bf16* v, bf16* o, float* lse, Mask mk, int t, int nh, int nkv,     \
         float scale) {                                                                                         \
-        attn2_fwd<HD>(q, k, v, o, lse, mk, t, nh, nkv, scale);                                                 \
+        attn2_fwd<HD, true>(q, k, v, o, lse, mk, t, nh, nkv, scale);                                           \
+    }                                                                                                          \
+    extern "C" __global__ void __launch_bounds__(256, 2) lf_attn2_fwdb_##HD(                                   \
+        const bf16* q, const bf16* k, const bf16* v, bf16* o, float* lse, Mask mk, int t, int nh, int nkv,     \
+        float scale) {                                                                                         \
+        attn2_fwd<HD, false>(q, k, v, o, lse, mk, t, nh, nkv, scale);                                          \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(128) lf_attn2_dq_##HD(                                        \
         const bf16* q, const bf16* k, const bf16* v, const bf16* d_o, const float* lse, const float* dd,       \
@@ -1170,6 +1189,11 @@ __device__ void attn2_dkdv(const bf16* __restrict__ q, const bf16* __restrict__ 
         const bf16* q, const bf16* k, const bf16* v, const bf16* d_o, const float* lse, const float* dd,       \
         bf16* dk, bf16* dv, float* dk_part, float* dv_part, Mask mk, int t, int nh, int nkv, float scale) {    \
         attn2_dkdv<HD, BQ2V>(q, k, v, d_o, lse, dd, dk, dv, dk_part, dv_part, mk, t, nh, nkv, scale);          \
+    }                                                                                                          \
+    extern "C" __global__ void __launch_bounds__(128) lf_attn2_dkdvs_##HD(                                     \
+        const bf16* q, const bf16* k, const bf16* v, const bf16* d_o, const float* lse, const float* dd,       \
+        bf16* dk, bf16* dv, float* dk_part, float* dv_part, Mask mk, int t, int nh, int nkv, float scale) {    \
+        attn2_dkdv<HD, 32>(q, k, v, d_o, lse, dd, dk, dv, dk_part, dv_part, mk, t, nh, nkv, scale);            \
     }
 
 INSTANTIATE2(64, 64)
