@@ -1088,18 +1088,13 @@ impl CudaBackend {
         b as u32
     }
 
-    /// Version 2 kernels (ldmatrix, cp.async double buffering) serve head_dim 64 and 128;
-    /// `LORAFIT_ATTN_V1=1` forces version 1 everywhere (for comparison).
     /// The version 2 kernel for `kind` and its dynamic shared memory, where one serves this shape
     /// and its shared memory fits the device (the attention kernels' limit set in `function`).
+    /// Version 2 (ldmatrix, cp.async double buffering) serves head_dim 64 and 128, version 1 the
+    /// rest; `LORAFIT_ATTN_V1=1` forces version 1 everywhere (for comparison).
     fn attn2(&self, kind: &str, s: &AttnShape, t: usize) -> Option<(&'static str, u32)> {
         let name = Self::attn2_fn(kind, s)?;
-        let k = if name.starts_with("lf_attn2_dkdvs") {
-            "dkdvs"
-        } else {
-            kind
-        };
-        let smem = Self::attn2_smem(k, s.head_dim, t);
+        let smem = Self::attn2_smem(kind, s.head_dim, t);
         let limit = (self.inner.smem_optin - 1024).min(160 * 1024);
         (smem as i64 <= limit as i64).then_some((name, smem))
     }
@@ -1109,17 +1104,7 @@ impl CudaBackend {
         if *V1.get_or_init(|| std::env::var_os("LORAFIT_ATTN_V1").is_some_and(|v| v != "0")) {
             return None;
         }
-        static FWD_B: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        let fwd_b =
-            *FWD_B.get_or_init(|| std::env::var("LORAFIT_ATTN_FWD").is_ok_and(|v| v == "b"));
-        static DKDV_S: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        let dkdv_s =
-            *DKDV_S.get_or_init(|| std::env::var("LORAFIT_ATTN_DKDV").is_ok_and(|v| v == "32"));
         Some(match (kind, s.head_dim) {
-            ("dkdv", 64) if dkdv_s => "lf_attn2_dkdvs_64",
-            ("dkdv", 128) if dkdv_s => "lf_attn2_dkdvs_128",
-            ("fwd", 64) if fwd_b => "lf_attn2_fwdb_64",
-            ("fwd", 128) if fwd_b => "lf_attn2_fwdb_128",
             ("fwd", 64) => "lf_attn2_fwd_64",
             ("fwd", 128) => "lf_attn2_fwd_128",
             ("dq", 64) => "lf_attn2_dq_64",
@@ -1137,9 +1122,7 @@ impl CudaBackend {
         let b = match kind {
             "fwd" => (128 + 4 * 64) * row + t.div_ceil(64).next_multiple_of(16),
             "dq" => (2 * 64 + 4 * 64) * row + t.div_ceil(64).next_multiple_of(16),
-            "dkdv" => (2 * 64 + 4 * 64) * row + 4 * 64 * 4 + t.div_ceil(64).next_multiple_of(16),
-            // dkdvs: 32-query tiles
-            _ => (2 * 64 + 4 * 32) * row + 4 * 32 * 4 + t.div_ceil(32).next_multiple_of(16),
+            _ => (2 * 64 + 4 * 64) * row + 4 * 64 * 4 + t.div_ceil(64).next_multiple_of(16),
         };
         b as u32
     }
