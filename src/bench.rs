@@ -264,6 +264,11 @@ pub fn run(a: BenchArgs) -> Result<()> {
         });
         println!("RESULT {line}");
     }
+    if let crate::tensor::Device::Cuda(c) = &device {
+        if let Some(r) = c.profile_report() {
+            eprint!("{r}");
+        }
+    }
     Ok(())
 }
 

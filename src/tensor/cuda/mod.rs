@@ -99,7 +99,19 @@ struct Inner {
     staging: Mutex<Vec<Staging>>,
     live: AtomicUsize,
     peak: AtomicUsize,
+    /// `LORAFIT_PROFILE=1`: per-kernel and per-GEMM times (synchronising; see `profiled`).
+    prof: Option<Mutex<Profile>>,
 }
+
+/// Accumulated device time per kernel or GEMM class, timed with a pair of events around each
+/// launch (the stream is synchronised after every launch, so only for profiling runs).
+struct Profile {
+    e0: sys::CUevent,
+    e1: sys::CUevent,
+    rows: HashMap<String, (u64, f64)>,
+}
+// SAFETY: the events belong to the backend's context and are used under the Mutex.
+unsafe impl Send for Profile {}
 // SAFETY: the raw cuBLAS handle is only used on the backend's stream, and every driver call binds
 // the context first; the mutable state is behind Mutexes and atomics.
 unsafe impl Send for Inner {}
@@ -128,6 +140,14 @@ impl Drop for Inner {
             unsafe {
                 let _ = drv::free_host(s.ptr as *mut c_void);
                 let _ = drv::event::destroy(s.event);
+            }
+        }
+        if let Some(p) = &self.prof {
+            let p = p.lock().unwrap();
+            // SAFETY: events created in `new`; the stream is idle.
+            unsafe {
+                let _ = drv::event::destroy(p.e0);
+                let _ = drv::event::destroy(p.e1);
             }
         }
         for (_, m) in self.modules.lock().unwrap().drain() {
@@ -324,6 +344,18 @@ impl CudaBackend {
                 staging: Mutex::new(Vec::new()),
                 live: AtomicUsize::new(0),
                 peak: AtomicUsize::new(0),
+                prof: if std::env::var_os("LORAFIT_PROFILE").is_some_and(|v| v != "0") {
+                    let flags = sys::CUevent_flags::CU_EVENT_DEFAULT;
+                    let e0 = drv::event::create(flags).map_err(|e| anyhow!("{e:?}"))?;
+                    let e1 = drv::event::create(flags).map_err(|e| anyhow!("{e:?}"))?;
+                    Some(Mutex::new(Profile {
+                        e0,
+                        e1,
+                        rows: HashMap::new(),
+                    }))
+                } else {
+                    None
+                },
             })
         })?;
         Ok(Arc::new_cyclic(|me| CudaBackend {
@@ -355,6 +387,59 @@ impl CudaBackend {
             .peak
             .store(self.inner.live.load(Ordering::Relaxed), Ordering::Relaxed);
     }
+    /// Runs `f` (which enqueues work on the stream); with `LORAFIT_PROFILE` set, times it with
+    /// events (synchronising) and adds the time to the row `name()`.
+    fn profiled<T>(
+        &self,
+        name: impl FnOnce() -> String,
+        f: impl FnOnce() -> Result<T>,
+    ) -> Result<T> {
+        let Some(prof) = &self.inner.prof else {
+            return f();
+        };
+        let mut p = prof.lock().unwrap();
+        let stream = self.inner.cu_stream();
+        // SAFETY: live events of this context recorded on our stream.
+        unsafe { drv::event::record(p.e0, stream) }.map_err(|e| anyhow!("{e:?}"))?;
+        let r = f()?;
+        // SAFETY: as above; the second event completes after the work `f` enqueued.
+        let ms = unsafe {
+            drv::event::record(p.e1, stream).map_err(|e| anyhow!("{e:?}"))?;
+            drv::event::synchronize(p.e1).map_err(|e| anyhow!("{e:?}"))?;
+            drv::event::elapsed(p.e0, p.e1).map_err(|e| anyhow!("{e:?}"))?
+        };
+        let row = p.rows.entry(name()).or_insert((0, 0.0));
+        row.0 += 1;
+        row.1 += ms as f64;
+        Ok(r)
+    }
+
+    /// With `LORAFIT_PROFILE` set: the table of device time per kernel / GEMM class (name, calls,
+    /// total ms, share), largest first; `None` otherwise.
+    pub fn profile_report(&self) -> Option<String> {
+        let prof = self.inner.prof.as_ref()?;
+        let p = prof.lock().unwrap();
+        let mut rows: Vec<(&String, &(u64, f64))> = p.rows.iter().collect();
+        rows.sort_by(|a, b| b.1 .1.partial_cmp(&a.1 .1).unwrap());
+        let total: f64 = rows.iter().map(|r| r.1 .1).sum();
+        let mut out = format!(
+            "profile (LORAFIT_PROFILE, synchronised per launch): {:.1} ms in {} launches\n{:<56} {:>8} {:>11} {:>7}\n",
+            total,
+            rows.iter().map(|r| r.1 .0).sum::<u64>(),
+            "kernel",
+            "calls",
+            "total ms",
+            "share"
+        );
+        for (name, (calls, ms)) in rows {
+            out += &format!(
+                "{name:<56} {calls:>8} {ms:>11.3} {:>6.1}%\n",
+                100.0 * ms / total.max(1e-9)
+            );
+        }
+        Some(out)
+    }
+
     pub fn synchronize(&self) -> Result<()> {
         self.inner.bind()?;
         self.inner
@@ -651,20 +736,25 @@ impl CudaBackend {
             .map(|b| b.as_mut_ptr() as *mut c_void)
             .collect();
         self.inner.bind()?;
-        // SAFETY: `f` is a kernel of this context whose parameter list matches `args` (each
-        // call site mirrors the kernel's signature; 4-byte scalars sit in the low bytes of their
-        // box, little-endian); the pointers are live device buffers.
-        unsafe {
-            drv::launch_kernel(
-                f,
-                grid,
-                (block, 1, 1),
-                smem,
-                self.inner.cu_stream(),
-                &mut ptrs,
-            )
-        }
-        .map_err(|e| anyhow!("cuda: launching {name}: {e:?}"))
+        self.profiled(
+            || name.to_string(),
+            || {
+                // SAFETY: `f` is a kernel of this context whose parameter list matches `args`
+                // (each call site mirrors the kernel's signature; 4-byte scalars sit in the low
+                // bytes of their box, little-endian); the pointers are live device buffers.
+                unsafe {
+                    drv::launch_kernel(
+                        f,
+                        grid,
+                        (block, 1, 1),
+                        smem,
+                        self.inner.cu_stream(),
+                        &mut ptrs,
+                    )
+                }
+                .map_err(|e| anyhow!("cuda: launching {name}: {e:?}"))
+            },
+        )
     }
 
     /// Grid-stride launch over `n` elements.
@@ -762,33 +852,48 @@ impl CudaBackend {
             }
         };
         self.inner.bind()?;
+        let dname = |d: DType| match d {
+            DType::F32 => "f32",
+            DType::BF16 => "bf16",
+        };
+        let pname = || {
+            format!(
+                "gemm {}->{} {}{} {m}x{n}x{k}",
+                dname(a.dtype()),
+                dname(c.dtype()),
+                if ta { "T" } else { "N" },
+                if tb { "T" } else { "N" }
+            )
+        };
         // Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T.
         // SAFETY: the pointers are live buffers of the sizes checked above; alpha/beta are host
         // scalars (pointer mode host); the handle is bound to our stream.
-        unsafe {
-            cublas::gemm_ex(
-                self.inner.cublas,
-                op(tb),
-                op(ta),
-                n as i32,
-                m as i32,
-                k as i32,
-                &alpha as *const f32 as *const c_void,
-                cuda_ptr(b)? as *const c_void,
-                ty(b.dtype()),
-                bc as i32,
-                cuda_ptr(a)? as *const c_void,
-                ty(a.dtype()),
-                ac as i32,
-                &beta as *const f32 as *const c_void,
-                cuda_ptr(c)? as *mut c_void,
-                ty(c.dtype()),
-                n as i32,
-                cublas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                cublas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DFALT,
-            )
-        }
-        .map_err(|e| anyhow!("cublasGemmEx [{m}x{k}]x[{k}x{n}]: {e:?}"))
+        self.profiled(pname, || {
+            unsafe {
+                cublas::gemm_ex(
+                    self.inner.cublas,
+                    op(tb),
+                    op(ta),
+                    n as i32,
+                    m as i32,
+                    k as i32,
+                    &alpha as *const f32 as *const c_void,
+                    cuda_ptr(b)? as *const c_void,
+                    ty(b.dtype()),
+                    bc as i32,
+                    cuda_ptr(a)? as *const c_void,
+                    ty(a.dtype()),
+                    ac as i32,
+                    &beta as *const f32 as *const c_void,
+                    cuda_ptr(c)? as *mut c_void,
+                    ty(c.dtype()),
+                    n as i32,
+                    cublas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                    cublas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DFALT,
+                )
+            }
+            .map_err(|e| anyhow!("cublasGemmEx [{m}x{k}]x[{k}x{n}]: {e:?}"))
+        })
     }
 
     // --------------------------------------------------------------------------------------------
@@ -1000,6 +1105,45 @@ impl CudaBackend {
         b as u32
     }
 
+    /// The version 2 kernel for `kind` and its dynamic shared memory, where one serves this shape
+    /// and its shared memory fits the device (the attention kernels' limit set in `function`).
+    /// Version 2 (ldmatrix, cp.async double buffering) serves head_dim 64 and 128, version 1 the
+    /// rest; `LORAFIT_ATTN_V1=1` forces version 1 everywhere (for comparison).
+    fn attn2(&self, kind: &str, s: &AttnShape, t: usize) -> Option<(&'static str, u32)> {
+        let name = Self::attn2_fn(kind, s)?;
+        let smem = Self::attn2_smem(kind, s.head_dim, t);
+        let limit = (self.inner.smem_optin - 1024).min(160 * 1024);
+        (smem as i64 <= limit as i64).then_some((name, smem))
+    }
+
+    fn attn2_fn(kind: &str, s: &AttnShape) -> Option<&'static str> {
+        static V1: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        if *V1.get_or_init(|| std::env::var_os("LORAFIT_ATTN_V1").is_some_and(|v| v != "0")) {
+            return None;
+        }
+        Some(match (kind, s.head_dim) {
+            ("fwd", 64) => "lf_attn2_fwd_64",
+            ("fwd", 128) => "lf_attn2_fwd_128",
+            ("dq", 64) => "lf_attn2_dq_64",
+            ("dq", 128) => "lf_attn2_dq_128",
+            ("dkdv", 64) => "lf_attn2_dkdv_64",
+            ("dkdv", 128) => "lf_attn2_dkdv_128",
+            _ => return None,
+        })
+    }
+
+    /// Dynamic shared memory of a version 2 kernel: padded tiles (row stride hd + 8) plus one
+    /// visibility byte per tile.
+    fn attn2_smem(kind: &str, hd: usize, t: usize) -> u32 {
+        let row = (hd + 8) * 2;
+        let b = match kind {
+            "fwd" => (128 + 4 * 64) * row + t.div_ceil(64).next_multiple_of(16),
+            "dq" => (2 * 64 + 4 * 64) * row + t.div_ceil(64).next_multiple_of(16),
+            _ => (2 * 64 + 4 * 64) * row + 4 * 64 * 4 + t.div_ceil(64).next_multiple_of(16),
+        };
+        b as u32
+    }
+
     fn attn_fn(kind: &str, hdp: usize) -> &'static str {
         macro_rules! pick {
             ($k:literal) => {
@@ -1032,6 +1176,28 @@ impl CudaBackend {
         let o = self.empty(q.shape(), q.dtype())?;
         let lse = self.empty(&[s.n_heads, t], DType::F32)?;
         let (_mbuf, marg) = self.upload_mask(mask)?;
+        if let Some((name, smem)) = self.attn2("fwd", &s, t) {
+            return self
+                .launch(
+                    name,
+                    (t.div_ceil(128) as u32, s.n_heads as u32, 1),
+                    256,
+                    smem,
+                    &[
+                        Arg::P(cuda_ptr(q)?),
+                        Arg::P(cuda_ptr(k)?),
+                        Arg::P(cuda_ptr(v)?),
+                        Arg::P(cuda_ptr(&o)?),
+                        Arg::P(cuda_ptr(&lse)?),
+                        Arg::Mask(marg),
+                        Arg::I32(t as i32),
+                        Arg::I32(s.n_heads as i32),
+                        Arg::I32(s.n_kv_heads as i32),
+                        Arg::F32(s.scale),
+                    ],
+                )
+                .map(|_| (o, lse));
+        }
         self.launch(
             Self::attn_fn("fwd", hdp),
             (t.div_ceil(64) as u32, s.n_heads as u32, 1),
@@ -1111,13 +1277,31 @@ impl CudaBackend {
             ]);
             Ok(a)
         };
-        self.launch(
-            Self::attn_fn("dq", hdp),
-            (t.div_ceil(64) as u32, s.n_heads as u32, 1),
-            128,
-            Self::attn_smem("dq", hdp),
-            &common(vec![Arg::P(cuda_ptr(&dq)?)])?,
-        )?;
+        let dq2 = self.attn2("dq", &s, t);
+        let dkdv2 = self.attn2("dkdv", &s, t);
+        // Version 2 takes no head_dim argument (it is the template's).
+        let common2 = |out: Vec<Arg>| -> Result<Vec<Arg>> {
+            let mut a = common(out)?;
+            a.remove(a.len() - 2);
+            Ok(a)
+        };
+        if let Some((name, smem)) = dq2 {
+            self.launch(
+                name,
+                (t.div_ceil(64) as u32, s.n_heads as u32, 1),
+                128,
+                smem,
+                &common2(vec![Arg::P(cuda_ptr(&dq)?)])?,
+            )?;
+        } else {
+            self.launch(
+                Self::attn_fn("dq", hdp),
+                (t.div_ceil(64) as u32, s.n_heads as u32, 1),
+                128,
+                Self::attn_smem("dq", hdp),
+                &common(vec![Arg::P(cuda_ptr(&dq)?)])?,
+            )?;
+        }
         // One block per (key tile, query head); with GQA the heads' f32 partials are then summed
         // per kv head (keeps every SM busy when there are few kv heads).
         let group = s.n_heads / s.n_kv_heads;
@@ -1133,18 +1317,29 @@ impl CudaBackend {
             Some((a, b)) => (cuda_ptr(a)?, cuda_ptr(b)?),
             None => (0, 0),
         };
-        self.launch(
-            Self::attn_fn("dkdv", hdp),
-            (t.div_ceil(64) as u32, s.n_heads as u32, 1),
-            128,
-            Self::attn_smem("dkdv", hdp),
-            &common(vec![
-                Arg::P(cuda_ptr(&dk)?),
-                Arg::P(cuda_ptr(&dv)?),
-                Arg::P(pk),
-                Arg::P(pv),
-            ])?,
-        )?;
+        let outs = vec![
+            Arg::P(cuda_ptr(&dk)?),
+            Arg::P(cuda_ptr(&dv)?),
+            Arg::P(pk),
+            Arg::P(pv),
+        ];
+        if let Some((name, smem)) = dkdv2 {
+            self.launch(
+                name,
+                (t.div_ceil(64) as u32, s.n_heads as u32, 1),
+                128,
+                smem,
+                &common2(outs)?,
+            )?;
+        } else {
+            self.launch(
+                Self::attn_fn("dkdv", hdp),
+                (t.div_ceil(64) as u32, s.n_heads as u32, 1),
+                128,
+                Self::attn_smem("dkdv", hdp),
+                &common(outs)?,
+            )?;
+        }
         if parts.is_some() {
             self.launch_n(
                 "lf_attn_dkdv_reduce",

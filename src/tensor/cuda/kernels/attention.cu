@@ -9,6 +9,9 @@
 // are fully visible skip the per-element test. Head dims are padded to HDP (a multiple of 16) with
 // zeros in shared memory, so any head_dim up to 128 works.
 //
+// Two versions: version 1 (below, any head_dim up to 128) and version 2 (after it: head_dim 64 and
+// 128 only, about 3x faster; the host picks it where it applies). Both keep these semantics.
+//
 // mma.m16n8k16 fragment layouts (g = lane / 4, t = lane % 4):
 //   A (16x16, row-major): a0 = (g, 2t..2t+1), a1 = (g+8, 2t..), a2 = (g, 2t+8..), a3 = (g+8, 2t+8..)
 //   B (16x8, "col"):      b0 = (k 2t..2t+1, n g), b1 = (k 2t+8..2t+9, n g)
@@ -602,3 +605,588 @@ INSTANTIATE(32)
 INSTANTIATE(64)
 INSTANTIATE(96)
 INSTANTIATE(128)
+
+// ================================================================================================
+// Version 2 (head_dim 64 and 128, 16-byte aligned rows): operands staged by cp.async into padded
+// row-major shared tiles (row stride HD + 8, so ldmatrix rows hit distinct banks), two buffers deep;
+// fragments read with ldmatrix (.trans where the tile is the k-major B operand, so nothing is
+// transposed on the way in); the probabilities stay in registers as the A operand of the second
+// product. Tile visibility (0 none, 1 partial, 2 full) is decided once per block, a warp per tile,
+// into shared memory, so the main loops know the next visible tile before they need it.
+// Same masking semantics, LSE and backward contract as version 1.
+
+__device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool pred) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)), "l"(src),
+                 "r"(pred ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async4(void* dst, const void* src, bool pred) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_u32(dst)), "l"(src),
+                 "r"(pred ? 4 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+__device__ __forceinline__ void ldsm_x4(u32* r, const bf16* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_u32(p)));
+}
+__device__ __forceinline__ void ldsm_x4_t(u32* r, const bf16* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_u32(p)));
+}
+
+// Lane offsets (in elements, row stride SS) for ldmatrix.x4:
+//  A fragment of a 16x16 tile at (row, col):             rows lane%16, cols (lane/16)*8
+//  B fragments of two 8-wide n-tiles, tile stored [n][k]: rows (lane/16)*8 + lane%8, cols ((lane/8)%2)*8
+//    -> r0,r1 = b0,b1 of n-tile 0; r2,r3 = b0,b1 of n-tile 1
+//  B fragments of two 8-wide n-tiles, tile stored [k][n] (.trans): rows ((lane/8)%2)*8 + lane%8,
+//    cols (lane/16)*8 -> same register order
+template <int SS>
+__device__ __forceinline__ int lo_a(int lane) { return (lane & 15) * SS + (lane >> 4) * 8; }
+template <int SS>
+__device__ __forceinline__ int lo_bn(int lane) { return ((lane >> 4) * 8 + (lane & 7)) * SS + ((lane >> 3) & 1) * 8; }
+template <int SS>
+__device__ __forceinline__ int lo_bt(int lane) { return (((lane >> 3) & 1) * 8 + (lane & 7)) * SS + (lane >> 4) * 8; }
+
+// Rows [row0, row0 + NR) x HD columns of a row-major matrix (row stride `stride`, `src` already at
+// the head's column) into a padded shared tile; rows >= t are zero-filled.
+template <int HD, int NR, int NT>
+__device__ __forceinline__ void cp_tile(bf16* dst, const bf16* src, i64 stride, int row0, int t) {
+    constexpr int CPR = HD / 8, SS = HD + 8;
+    #pragma unroll
+    for (int idx = threadIdx.x; idx < NR * CPR; idx += NT) {
+        const int r = idx / CPR, c = (idx % CPR) * 8, gr = row0 + r;
+        const bool ok = gr < t;
+        cp_async16(dst + r * SS + c, src + (i64)(ok ? gr : 0) * stride + c, ok);
+    }
+}
+
+// Visibility of key tile kt (64 keys) for query rows [q0, q0 + NR), decided by one warp.
+template <int NR>
+__device__ __forceinline__ unsigned char warp_tile_flag(const Mask& mk, int q0, int kt, int t, int lane) {
+    const int k0 = kt * 64;
+    const u32 k1 = (u32)min(k0 + 64, t);
+    const int kmin = mk.kt_min[kt], kmax = mk.kt_max[kt];
+    bool any = false, all = true;
+    #pragma unroll
+    for (int j = 0; j < (NR + 31) / 32; j++) {
+        const int rl = lane + 32 * j, qi = q0 + rl;
+        if (rl < NR && qi < t) {
+            bool a, l;
+            row_vs_tile(mk.ranges[qi], qi < t ? mk.pos[qi] : 0, (u32)k0, k1, kmin, kmax, mk.window, a, l);
+            any |= a;
+            all &= l;
+        }
+    }
+    any = __any_sync(0xffffffffu, any);
+    all = __all_sync(0xffffffffu, all);
+    if (!any) return 0;
+    return (all && k0 + 64 <= t && q0 + NR <= t) ? 2 : 1;
+}
+
+__device__ __forceinline__ bool vis2(const Mask& mk, uint4 r, int qpos, bool qok, int k, int t) {
+    if (!qok || k >= t) return false;
+    return visible(r, qpos, k, mk.pos[k], mk.window);
+}
+
+// ------------------------------------------------------------------------------------------------
+// Forward v2. grid (ceil(T/128), n_heads), 256 threads; warp w owns query rows 16w.. of the tile.
+// The warp's Q fragments stay in registers (about 206 registers at head_dim 128: one block of 8
+// warps per SM). Re-reading them from shared memory every key tile to fit two blocks per SM
+// (128 registers, small spills) measured 30% slower at T=16K.
+template <int HD>
+__device__ void attn2_fwd(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v,
+                          bf16* __restrict__ o, float* __restrict__ lse, Mask mk, int t, int nh, int nkv,
+                          float scale) {
+    constexpr int BQ_ = 128, BK_ = 64, NT = 256, NW = NT / 32, SS = HD + 8;
+    extern __shared__ __align__(16) unsigned char smem[];
+    bf16* qs = (bf16*)smem;
+    bf16* ks = qs + BQ_ * SS;
+    bf16* vs = ks + 2 * BK_ * SS;
+    unsigned char* fl = (unsigned char*)(vs + 2 * BK_ * SS);
+
+    const int h = blockIdx.y, kvh = h / (nh / nkv);
+    const int q0 = (gridDim.x - 1 - blockIdx.x) * BQ_;
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
+    const i64 qstride = (i64)nh * HD, kstride = (i64)nkv * HD;
+    const float sl2 = scale * LOG2E;
+    const int ntiles = (t + BK_ - 1) / BK_;
+    const bf16* kg = k + (i64)kvh * HD;
+    const bf16* vg = v + (i64)kvh * HD;
+
+    cp_tile<HD, BQ_, NT>(qs, q + (i64)h * HD, qstride, q0, t);
+    cp_async_commit();
+    for (int kt = w; kt < ntiles; kt += NW) {
+        const unsigned char f = warp_tile_flag<BQ_>(mk, q0, kt, t, lane);
+        if (lane == 0) fl[kt] = f;
+    }
+    __syncthreads();
+    int cur = 0;
+    while (cur < ntiles && fl[cur] == 0) cur++;
+    if (cur < ntiles) {
+        cp_tile<HD, BK_, NT>(ks, kg, kstride, cur * BK_, t);
+        cp_tile<HD, BK_, NT>(vs, vg, kstride, cur * BK_, t);
+    }
+    cp_async_commit();
+
+    const int ra = q0 + 16 * w + g, rb = ra + 8;
+    const bool oka = ra < t, okb = rb < t;
+
+    cp_async_wait<1>();
+    __syncthreads();
+    u32 qf[HD / 16][4];
+    #pragma unroll
+    for (int kk = 0; kk < HD / 16; kk++) ldsm_x4(qf[kk], qs + (16 * w) * SS + kk * 16 + lo_a<SS>(lane));
+
+    float acc[HD / 8][4];
+    #pragma unroll
+    for (int i = 0; i < HD / 8; i++) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+    float m_a = -LF_INF, m_b = -LF_INF, l_a = 0.f, l_b = 0.f;
+
+    int buf = 0;
+    while (cur < ntiles) {
+        int nxt = cur + 1;
+        while (nxt < ntiles && fl[nxt] == 0) nxt++;
+        if (nxt < ntiles) {
+            cp_tile<HD, BK_, NT>(ks + (buf ^ 1) * BK_ * SS, kg, kstride, nxt * BK_, t);
+            cp_tile<HD, BK_, NT>(vs + (buf ^ 1) * BK_ * SS, vg, kstride, nxt * BK_, t);
+        }
+        cp_async_commit();
+        cp_async_wait<1>();
+        __syncthreads();
+        const bf16* kb = ks + buf * BK_ * SS;
+        const bf16* vb = vs + buf * BK_ * SS;
+        const int k0 = cur * BK_;
+        const bool tile_all = fl[cur] == 2;
+
+        float s[BK_ / 8][4];
+        #pragma unroll
+        for (int nt = 0; nt < BK_ / 8; nt++) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+        #pragma unroll
+        for (int kk = 0; kk < HD / 16; kk++) {
+            const u32* af = qf[kk];
+            #pragma unroll
+            for (int np = 0; np < BK_ / 16; np++) {
+                u32 b[4];
+                ldsm_x4(b, kb + np * 16 * SS + kk * 16 + lo_bn<SS>(lane));
+                mma16816(s[2 * np], af, b[0], b[1]);
+                mma16816(s[2 * np + 1], af, b[2], b[3]);
+            }
+        }
+        #pragma unroll
+        for (int nt = 0; nt < BK_ / 8; nt++) {
+            #pragma unroll
+            for (int e = 0; e < 4; e++) s[nt][e] *= sl2;
+        }
+        if (!tile_all) {
+            // The rows' ranges are read here only (partial tiles are few), to spare registers.
+            const uint4 empty = make_uint4(0, 0, 0, 0);
+            const uint4 rga = oka ? mk.ranges[ra] : empty, rgb = okb ? mk.ranges[rb] : empty;
+            const int pa = oka ? mk.pos[ra] : 0, pb = okb ? mk.pos[rb] : 0;
+            #pragma unroll
+            for (int nt = 0; nt < BK_ / 8; nt++) {
+                #pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int kx = k0 + nt * 8 + 2 * tq + (e & 1);
+                    const bool vis = e < 2 ? vis2(mk, rga, pa, oka, kx, t) : vis2(mk, rgb, pb, okb, kx, t);
+                    if (!vis) s[nt][e] = -LF_INF;
+                }
+            }
+        }
+        float mx_a = -LF_INF, mx_b = -LF_INF;
+        #pragma unroll
+        for (int nt = 0; nt < BK_ / 8; nt++) {
+            mx_a = fmaxf(mx_a, fmaxf(s[nt][0], s[nt][1]));
+            mx_b = fmaxf(mx_b, fmaxf(s[nt][2], s[nt][3]));
+        }
+        mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 1));
+        mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 2));
+        mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 1));
+        mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 2));
+        const float mn_a = fmaxf(m_a, mx_a), mn_b = fmaxf(m_b, mx_b);
+        const float mu_a = mn_a == -LF_INF ? 0.f : mn_a, mu_b = mn_b == -LF_INF ? 0.f : mn_b;
+        const float al_a = exp2f(m_a - mu_a), al_b = exp2f(m_b - mu_b);
+        m_a = mn_a;
+        m_b = mn_b;
+        float ps_a = 0.f, ps_b = 0.f;
+        #pragma unroll
+        for (int nt = 0; nt < BK_ / 8; nt++) {
+            s[nt][0] = exp2f(s[nt][0] - mu_a);
+            s[nt][1] = exp2f(s[nt][1] - mu_a);
+            s[nt][2] = exp2f(s[nt][2] - mu_b);
+            s[nt][3] = exp2f(s[nt][3] - mu_b);
+            ps_a += s[nt][0] + s[nt][1];
+            ps_b += s[nt][2] + s[nt][3];
+        }
+        l_a = l_a * al_a + ps_a;
+        l_b = l_b * al_b + ps_b;
+        #pragma unroll
+        for (int i = 0; i < HD / 8; i++) {
+            acc[i][0] *= al_a;
+            acc[i][1] *= al_a;
+            acc[i][2] *= al_b;
+            acc[i][3] *= al_b;
+        }
+        #pragma unroll
+        for (int j = 0; j < BK_ / 16; j++) {
+            u32 pf[4];
+            pf[0] = pack_bf16(s[2 * j][0], s[2 * j][1]);
+            pf[1] = pack_bf16(s[2 * j][2], s[2 * j][3]);
+            pf[2] = pack_bf16(s[2 * j + 1][0], s[2 * j + 1][1]);
+            pf[3] = pack_bf16(s[2 * j + 1][2], s[2 * j + 1][3]);
+            #pragma unroll
+            for (int dp = 0; dp < HD / 16; dp++) {
+                u32 b[4];
+                ldsm_x4_t(b, vb + j * 16 * SS + dp * 16 + lo_bt<SS>(lane));
+                mma16816(acc[2 * dp], pf, b[0], b[1]);
+                mma16816(acc[2 * dp + 1], pf, b[2], b[3]);
+            }
+        }
+        __syncthreads();
+        cur = nxt;
+        buf ^= 1;
+    }
+
+    l_a += __shfl_xor_sync(0xffffffffu, l_a, 1);
+    l_a += __shfl_xor_sync(0xffffffffu, l_a, 2);
+    l_b += __shfl_xor_sync(0xffffffffu, l_b, 1);
+    l_b += __shfl_xor_sync(0xffffffffu, l_b, 2);
+    const float inv_a = l_a > 0.f ? 1.f / l_a : 0.f, inv_b = l_b > 0.f ? 1.f / l_b : 0.f;
+    #pragma unroll
+    for (int nd = 0; nd < HD / 8; nd++) {
+        const int d = nd * 8 + 2 * tq;
+        if (oka) *(u32*)(o + (i64)ra * qstride + (i64)h * HD + d) = pack_bf16(acc[nd][0] * inv_a, acc[nd][1] * inv_a);
+        if (okb) *(u32*)(o + (i64)rb * qstride + (i64)h * HD + d) = pack_bf16(acc[nd][2] * inv_b, acc[nd][3] * inv_b);
+    }
+    if (tq == 0) {
+        if (oka) lse[(i64)h * t + ra] = l_a > 0.f ? (m_a + log2f(l_a)) * LN2 : -LF_INF;
+        if (okb) lse[(i64)h * t + rb] = l_b > 0.f ? (m_b + log2f(l_b)) * LN2 : -LF_INF;
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// dQ v2. grid (ceil(T/64), n_heads), 128 threads; warp w owns query rows 16w.. of the tile.
+template <int HD>
+__device__ void attn2_dq(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v,
+                         const bf16* __restrict__ d_o, const float* __restrict__ lse, const float* __restrict__ dd,
+                         bf16* __restrict__ dq, Mask mk, int t, int nh, int nkv, float scale) {
+    constexpr int BQ_ = 64, BK_ = 64, NT = 128, NW = NT / 32, SS = HD + 8;
+    extern __shared__ __align__(16) unsigned char smem[];
+    bf16* qs = (bf16*)smem;
+    bf16* dos = qs + BQ_ * SS;
+    bf16* ks = dos + BQ_ * SS;
+    bf16* vs = ks + 2 * BK_ * SS;
+    unsigned char* fl = (unsigned char*)(vs + 2 * BK_ * SS);
+
+    const int h = blockIdx.y, kvh = h / (nh / nkv);
+    const int q0 = (gridDim.x - 1 - blockIdx.x) * BQ_;
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
+    const i64 qstride = (i64)nh * HD, kstride = (i64)nkv * HD;
+    const float sl2 = scale * LOG2E;
+    const int ntiles = (t + BK_ - 1) / BK_;
+    const bf16* kg = k + (i64)kvh * HD;
+    const bf16* vg = v + (i64)kvh * HD;
+
+    cp_tile<HD, BQ_, NT>(qs, q + (i64)h * HD, qstride, q0, t);
+    cp_tile<HD, BQ_, NT>(dos, d_o + (i64)h * HD, qstride, q0, t);
+    for (int kt = w; kt < ntiles; kt += NW) {
+        const unsigned char f = warp_tile_flag<BQ_>(mk, q0, kt, t, lane);
+        if (lane == 0) fl[kt] = f;
+    }
+    __syncthreads();
+    int cur = 0;
+    while (cur < ntiles && fl[cur] == 0) cur++;
+    if (cur < ntiles) {
+        cp_tile<HD, BK_, NT>(ks, kg, kstride, cur * BK_, t);
+        cp_tile<HD, BK_, NT>(vs, vg, kstride, cur * BK_, t);
+    }
+    cp_async_commit();
+
+    const int ra = q0 + 16 * w + g, rb = ra + 8;
+    const uint4 empty = make_uint4(0, 0, 0, 0);
+    const bool oka = ra < t, okb = rb < t;
+    const uint4 rga = oka ? mk.ranges[ra] : empty, rgb = okb ? mk.ranges[rb] : empty;
+    const int pa = oka ? mk.pos[ra] : 0, pb = okb ? mk.pos[rb] : 0;
+    const float la = oka ? lse[(i64)h * t + ra] * LOG2E : 0.f, lb = okb ? lse[(i64)h * t + rb] * LOG2E : 0.f;
+    const float da = oka ? dd[(i64)h * t + ra] : 0.f, db = okb ? dd[(i64)h * t + rb] : 0.f;
+
+    float acc[HD / 8][4];
+    #pragma unroll
+    for (int i = 0; i < HD / 8; i++) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+
+    int buf = 0;
+    while (cur < ntiles) {
+        int nxt = cur + 1;
+        while (nxt < ntiles && fl[nxt] == 0) nxt++;
+        if (nxt < ntiles) {
+            cp_tile<HD, BK_, NT>(ks + (buf ^ 1) * BK_ * SS, kg, kstride, nxt * BK_, t);
+            cp_tile<HD, BK_, NT>(vs + (buf ^ 1) * BK_ * SS, vg, kstride, nxt * BK_, t);
+        }
+        cp_async_commit();
+        cp_async_wait<1>();
+        __syncthreads();
+        const bf16* kb = ks + buf * BK_ * SS;
+        const bf16* vb = vs + buf * BK_ * SS;
+        const int k0 = cur * BK_;
+        const bool tile_all = fl[cur] == 2;
+
+        float s[BK_ / 8][4], dp[BK_ / 8][4];
+        #pragma unroll
+        for (int nt = 0; nt < BK_ / 8; nt++) {
+            s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+            dp[nt][0] = dp[nt][1] = dp[nt][2] = dp[nt][3] = 0.f;
+        }
+        #pragma unroll
+        for (int kk = 0; kk < HD / 16; kk++) {
+            u32 af[4], of[4];
+            ldsm_x4(af, qs + (16 * w) * SS + kk * 16 + lo_a<SS>(lane));
+            ldsm_x4(of, dos + (16 * w) * SS + kk * 16 + lo_a<SS>(lane));
+            #pragma unroll
+            for (int np = 0; np < BK_ / 16; np++) {
+                u32 b[4];
+                ldsm_x4(b, kb + np * 16 * SS + kk * 16 + lo_bn<SS>(lane));
+                mma16816(s[2 * np], af, b[0], b[1]);
+                mma16816(s[2 * np + 1], af, b[2], b[3]);
+                ldsm_x4(b, vb + np * 16 * SS + kk * 16 + lo_bn<SS>(lane));
+                mma16816(dp[2 * np], of, b[0], b[1]);
+                mma16816(dp[2 * np + 1], of, b[2], b[3]);
+            }
+        }
+        #pragma unroll
+        for (int nt = 0; nt < BK_ / 8; nt++) {
+            #pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const bool top = e < 2;
+                float p = exp2f(s[nt][e] * sl2 - (top ? la : lb));
+                if (!tile_all) {
+                    const int kx = k0 + nt * 8 + 2 * tq + (e & 1);
+                    const bool vis = top ? vis2(mk, rga, pa, oka, kx, t) : vis2(mk, rgb, pb, okb, kx, t);
+                    if (!vis) p = 0.f;
+                }
+                s[nt][e] = p * (dp[nt][e] - (top ? da : db));
+            }
+        }
+        #pragma unroll
+        for (int j = 0; j < BK_ / 16; j++) {
+            u32 pf[4];
+            pf[0] = pack_bf16(s[2 * j][0], s[2 * j][1]);
+            pf[1] = pack_bf16(s[2 * j][2], s[2 * j][3]);
+            pf[2] = pack_bf16(s[2 * j + 1][0], s[2 * j + 1][1]);
+            pf[3] = pack_bf16(s[2 * j + 1][2], s[2 * j + 1][3]);
+            #pragma unroll
+            for (int dpi = 0; dpi < HD / 16; dpi++) {
+                u32 b[4];
+                ldsm_x4_t(b, kb + j * 16 * SS + dpi * 16 + lo_bt<SS>(lane));
+                mma16816(acc[2 * dpi], pf, b[0], b[1]);
+                mma16816(acc[2 * dpi + 1], pf, b[2], b[3]);
+            }
+        }
+        __syncthreads();
+        cur = nxt;
+        buf ^= 1;
+    }
+    #pragma unroll
+    for (int nd = 0; nd < HD / 8; nd++) {
+        const int d = nd * 8 + 2 * tq;
+        if (oka) *(u32*)(dq + (i64)ra * qstride + (i64)h * HD + d) = pack_bf16(acc[nd][0] * scale, acc[nd][1] * scale);
+        if (okb) *(u32*)(dq + (i64)rb * qstride + (i64)h * HD + d) = pack_bf16(acc[nd][2] * scale, acc[nd][3] * scale);
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// dK, dV v2. grid (ceil(T/64), n_heads), 128 threads; warp w owns keys 16w.. of the 64-key tile and
+// loops over the visible BQ2-query tiles of query head blockIdx.y (keys are the M dimension).
+// Outputs as version 1: f32 partials per query head with GQA, bf16 dK/dV directly without.
+template <int HD, int BQ2_>
+__device__ void attn2_dkdv(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v,
+                           const bf16* __restrict__ d_o, const float* __restrict__ lse,
+                           const float* __restrict__ dd, bf16* __restrict__ dk, bf16* __restrict__ dv,
+                           float* __restrict__ dk_part, float* __restrict__ dv_part, Mask mk, int t, int nh,
+                           int nkv, float scale) {
+    constexpr int BK_ = 64, NT = 128, NW = NT / 32, SS = HD + 8;
+    extern __shared__ __align__(16) unsigned char smem[];
+    bf16* ks = (bf16*)smem;
+    bf16* vs = ks + BK_ * SS;
+    bf16* qs = vs + BK_ * SS;
+    bf16* dos = qs + 2 * BQ2_ * SS;
+    float* ls = (float*)(dos + 2 * BQ2_ * SS);
+    float* dsum = ls + 2 * BQ2_;
+    unsigned char* fl = (unsigned char*)(dsum + 2 * BQ2_);
+
+    const int h = blockIdx.y, group = nh / nkv, kvh = h / group;
+    const int kt = blockIdx.x, k0 = kt * BK_;
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
+    const i64 qstride = (i64)nh * HD, kstride = (i64)nkv * HD;
+    const float sl2 = scale * LOG2E;
+    const int nqt = (t + BQ2_ - 1) / BQ2_;
+    const bf16* qg = q + (i64)h * HD;
+    const bf16* og = d_o + (i64)h * HD;
+    const float* lg = lse + (i64)h * t;
+    const float* dg = dd + (i64)h * t;
+
+    cp_tile<HD, BK_, NT>(ks, k + (i64)kvh * HD, kstride, k0, t);
+    cp_tile<HD, BK_, NT>(vs, v + (i64)kvh * HD, kstride, k0, t);
+    cp_async_commit();
+    for (int it = w; it < nqt; it += NW) {
+        const unsigned char f = warp_tile_flag<BQ2_>(mk, it * BQ2_, kt, t, lane);
+        if (lane == 0) fl[it] = f;
+    }
+    __syncthreads();
+    auto load_q = [&](int it, int b) {
+        const int q0 = it * BQ2_;
+        cp_tile<HD, BQ2_, NT>(qs + b * BQ2_ * SS, qg, qstride, q0, t);
+        cp_tile<HD, BQ2_, NT>(dos + b * BQ2_ * SS, og, qstride, q0, t);
+        if (threadIdx.x < BQ2_) {
+            const int qi = q0 + threadIdx.x;
+            cp_async4(ls + b * BQ2_ + threadIdx.x, lg + (qi < t ? qi : 0), qi < t);
+        } else if (threadIdx.x < 2 * BQ2_) {
+            const int qi = q0 + threadIdx.x - BQ2_;
+            cp_async4(dsum + b * BQ2_ + threadIdx.x - BQ2_, dg + (qi < t ? qi : 0), qi < t);
+        }
+    };
+    int cur = 0;
+    while (cur < nqt && fl[cur] == 0) cur++;
+    if (cur < nqt) load_q(cur, 0);
+    cp_async_commit();
+
+    const int ka = k0 + 16 * w + g, kb = ka + 8;
+    const int kpa = ka < t ? mk.pos[ka] : 0, kpb = kb < t ? mk.pos[kb] : 0;
+    float adk[HD / 8][4], adv[HD / 8][4];
+    #pragma unroll
+    for (int i = 0; i < HD / 8; i++) {
+        adk[i][0] = adk[i][1] = adk[i][2] = adk[i][3] = 0.f;
+        adv[i][0] = adv[i][1] = adv[i][2] = adv[i][3] = 0.f;
+    }
+
+    int buf = 0;
+    while (cur < nqt) {
+        int nxt = cur + 1;
+        while (nxt < nqt && fl[nxt] == 0) nxt++;
+        if (nxt < nqt) load_q(nxt, buf ^ 1);
+        cp_async_commit();
+        cp_async_wait<1>();
+        __syncthreads();
+        const bf16* qb = qs + buf * BQ2_ * SS;
+        const bf16* ob = dos + buf * BQ2_ * SS;
+        const float* lb = ls + buf * BQ2_;
+        const float* db = dsum + buf * BQ2_;
+        const int q0 = cur * BQ2_;
+        const bool tile_all = fl[cur] == 2;
+
+        float s[BQ2_ / 8][4], dp[BQ2_ / 8][4];
+        #pragma unroll
+        for (int nt = 0; nt < BQ2_ / 8; nt++) {
+            s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+            dp[nt][0] = dp[nt][1] = dp[nt][2] = dp[nt][3] = 0.f;
+        }
+        #pragma unroll
+        for (int kk = 0; kk < HD / 16; kk++) {
+            u32 kf[4], vf[4];
+            ldsm_x4(kf, ks + (16 * w) * SS + kk * 16 + lo_a<SS>(lane));
+            ldsm_x4(vf, vs + (16 * w) * SS + kk * 16 + lo_a<SS>(lane));
+            #pragma unroll
+            for (int np = 0; np < BQ2_ / 16; np++) {
+                u32 b[4];
+                ldsm_x4(b, qb + np * 16 * SS + kk * 16 + lo_bn<SS>(lane));
+                mma16816(s[2 * np], kf, b[0], b[1]);
+                mma16816(s[2 * np + 1], kf, b[2], b[3]);
+                ldsm_x4(b, ob + np * 16 * SS + kk * 16 + lo_bn<SS>(lane));
+                mma16816(dp[2 * np], vf, b[0], b[1]);
+                mma16816(dp[2 * np + 1], vf, b[2], b[3]);
+            }
+        }
+        // s -> P^T, dp -> dS^T. Element e: key row (e < 2 ? ka : kb), query col nt*8 + 2tq + (e & 1).
+        #pragma unroll
+        for (int nt = 0; nt < BQ2_ / 8; nt++) {
+            #pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int ql = nt * 8 + 2 * tq + (e & 1);
+                float p = exp2f(s[nt][e] * sl2 - lb[ql] * LOG2E);
+                if (!tile_all) {
+                    const int qi = q0 + ql, kx = e < 2 ? ka : kb;
+                    bool vis = false;
+                    if (qi < t && kx < t) vis = visible(mk.ranges[qi], mk.pos[qi], kx, e < 2 ? kpa : kpb, mk.window);
+                    if (!vis) p = 0.f;
+                }
+                s[nt][e] = p;
+                dp[nt][e] = p * (dp[nt][e] - db[ql]);
+            }
+        }
+        #pragma unroll
+        for (int j = 0; j < BQ2_ / 16; j++) {
+            u32 pf[4], sf[4];
+            pf[0] = pack_bf16(s[2 * j][0], s[2 * j][1]);
+            pf[1] = pack_bf16(s[2 * j][2], s[2 * j][3]);
+            pf[2] = pack_bf16(s[2 * j + 1][0], s[2 * j + 1][1]);
+            pf[3] = pack_bf16(s[2 * j + 1][2], s[2 * j + 1][3]);
+            sf[0] = pack_bf16(dp[2 * j][0], dp[2 * j][1]);
+            sf[1] = pack_bf16(dp[2 * j][2], dp[2 * j][3]);
+            sf[2] = pack_bf16(dp[2 * j + 1][0], dp[2 * j + 1][1]);
+            sf[3] = pack_bf16(dp[2 * j + 1][2], dp[2 * j + 1][3]);
+            #pragma unroll
+            for (int dpi = 0; dpi < HD / 16; dpi++) {
+                u32 b[4];
+                ldsm_x4_t(b, ob + j * 16 * SS + dpi * 16 + lo_bt<SS>(lane));
+                mma16816(adv[2 * dpi], pf, b[0], b[1]);
+                mma16816(adv[2 * dpi + 1], pf, b[2], b[3]);
+                ldsm_x4_t(b, qb + j * 16 * SS + dpi * 16 + lo_bt<SS>(lane));
+                mma16816(adk[2 * dpi], sf, b[0], b[1]);
+                mma16816(adk[2 * dpi + 1], sf, b[2], b[3]);
+            }
+        }
+        __syncthreads();
+        cur = nxt;
+        buf ^= 1;
+    }
+    #pragma unroll
+    for (int nd = 0; nd < HD / 8; nd++) {
+        const int d = nd * 8 + 2 * tq;
+        if (group > 1) {
+            if (ka < t) {
+                *(float2*)(dk_part + ((i64)h * t + ka) * HD + d) = make_float2(adk[nd][0] * scale, adk[nd][1] * scale);
+                *(float2*)(dv_part + ((i64)h * t + ka) * HD + d) = make_float2(adv[nd][0], adv[nd][1]);
+            }
+            if (kb < t) {
+                *(float2*)(dk_part + ((i64)h * t + kb) * HD + d) = make_float2(adk[nd][2] * scale, adk[nd][3] * scale);
+                *(float2*)(dv_part + ((i64)h * t + kb) * HD + d) = make_float2(adv[nd][2], adv[nd][3]);
+            }
+        } else {
+            const i64 col = (i64)kvh * HD + d;
+            if (ka < t) {
+                *(u32*)(dk + (i64)ka * kstride + col) = pack_bf16(adk[nd][0] * scale, adk[nd][1] * scale);
+                *(u32*)(dv + (i64)ka * kstride + col) = pack_bf16(adv[nd][0], adv[nd][1]);
+            }
+            if (kb < t) {
+                *(u32*)(dk + (i64)kb * kstride + col) = pack_bf16(adk[nd][2] * scale, adk[nd][3] * scale);
+                *(u32*)(dv + (i64)kb * kstride + col) = pack_bf16(adv[nd][2], adv[nd][3]);
+            }
+        }
+    }
+}
+
+#define INSTANTIATE2(HD, BQ2V)                                                                                 \
+    extern "C" __global__ void __launch_bounds__(256, 1) lf_attn2_fwd_##HD(                                    \
+        const bf16* q, const bf16* k, const bf16* v, bf16* o, float* lse, Mask mk, int t, int nh, int nkv,     \
+        float scale) {                                                                                         \
+        attn2_fwd<HD>(q, k, v, o, lse, mk, t, nh, nkv, scale);                                                 \
+    }                                                                                                          \
+    extern "C" __global__ void __launch_bounds__(128) lf_attn2_dq_##HD(                                        \
+        const bf16* q, const bf16* k, const bf16* v, const bf16* d_o, const float* lse, const float* dd,       \
+        bf16* dq, Mask mk, int t, int nh, int nkv, float scale) {                                              \
+        attn2_dq<HD>(q, k, v, d_o, lse, dd, dq, mk, t, nh, nkv, scale);                                        \
+    }                                                                                                          \
+    extern "C" __global__ void __launch_bounds__(128) lf_attn2_dkdv_##HD(                                      \
+        const bf16* q, const bf16* k, const bf16* v, const bf16* d_o, const float* lse, const float* dd,       \
+        bf16* dk, bf16* dv, float* dk_part, float* dv_part, Mask mk, int t, int nh, int nkv, float scale) {    \
+        attn2_dkdv<HD, BQ2V>(q, k, v, d_o, lse, dd, dk, dv, dk_part, dv_part, mk, t, nh, nkv, scale);          \
+    }
+
+// 64-query tiles in dK/dV (255 registers at head_dim 128, 4 bytes spilled); 32-query tiles (242
+// registers, no spill) measured the same end to end and 4-8% slower in the selftest's backward timings.
+INSTANTIATE2(64, 64)
+INSTANTIATE2(128, 64)
