@@ -113,6 +113,7 @@ fn linear_fwd(
 ///   dB += s · dyᵀ xa        dxa = s · dy B
 ///   dA += dxaᵀ dropout(x)   dx  = dy W + dropout(dxa A)
 fn linear_bwd(
+    into: Option<Tensor>,
     dy: &Tensor,
     x: &Tensor,
     w: &Weight,
@@ -121,15 +122,22 @@ fn linear_bwd(
     dropout: Option<(f32, u64)>,
 ) -> Result<Tensor> {
     let dt = dy.dtype();
-    let mut dx = ops::matmul(dy, false, &*w.dense()?, false, 1.0, dt)?;
+    // dx accumulates in place when the projection shares its input with others (q, k, v).
+    let mut dx = match into {
+        Some(mut acc) => {
+            ops::matmul_acc(&mut acc, dy, false, &*w.dense()?, false, 1.0, 1.0)?;
+            acc
+        }
+        None => ops::matmul(dy, false, &*w.dense()?, false, 1.0, dt)?,
+    };
     let (Some(p), Some(saved)) = (lora, saved) else {
         return Ok(dx);
     };
     ops::matmul_acc(&mut p.grad_b, dy, true, &saved.xa, false, p.scale, 1.0)?;
     let dxa = ops::matmul(dy, false, p.b(), false, p.scale, dt)?;
-    let dx_lora = ops::matmul(&dxa, false, p.a(), false, 1.0, dt)?;
     match dropout {
         Some((prob, seed)) => {
+            let dx_lora = ops::matmul(&dxa, false, p.a(), false, 1.0, dt)?;
             ops::matmul_acc(
                 &mut p.grad_a,
                 &dxa,
@@ -143,7 +151,7 @@ fn linear_bwd(
         }
         None => {
             ops::matmul_acc(&mut p.grad_a, &dxa, true, x, false, 1.0, 1.0)?;
-            ops::add_assign(&mut dx, &dx_lora, 1.0)?;
+            ops::matmul_acc(&mut dx, &dxa, false, p.a(), false, 1.0, 1.0)?;
         }
     }
     Ok(dx)
@@ -327,22 +335,28 @@ impl Model {
         ctx: &PassCtx,
     ) -> Result<Tensor> {
         let w = &self.weights.layers[l];
-        let mut lin_bwd =
-            |dy: &Tensor, inp: &Tensor, wt: &Weight, tg: Target, i: usize| -> Result<Tensor> {
-                let pair = lora.as_deref_mut().and_then(|lo| lo.get_mut(l, tg));
-                linear_bwd(
-                    dy,
-                    inp,
-                    wt,
-                    pair,
-                    m.lora[i].as_ref(),
-                    ctx.dropout_for(l, tg),
-                )
-            };
-        let d_act = lin_bwd(d_out, &m.act, &w.down, Target::Down, 2)?;
+        let mut lin_bwd = |into: Option<Tensor>,
+                           dy: &Tensor,
+                           inp: &Tensor,
+                           wt: &Weight,
+                           tg: Target,
+                           i: usize|
+         -> Result<Tensor> {
+            let pair = lora.as_deref_mut().and_then(|lo| lo.get_mut(l, tg));
+            linear_bwd(
+                into,
+                dy,
+                inp,
+                wt,
+                pair,
+                m.lora[i].as_ref(),
+                ctx.dropout_for(l, tg),
+            )
+        };
+        let d_act = lin_bwd(None, d_out, &m.act, &w.down, Target::Down, 2)?;
         let (d_gate, d_up) = ops::silu_mul_bwd(&d_act, &m.gate, &m.up)?;
-        let mut d_xn2 = lin_bwd(&d_gate, xn2, &w.gate, Target::Gate, 0)?;
-        ops::add_assign(&mut d_xn2, &lin_bwd(&d_up, xn2, &w.up, Target::Up, 1)?, 1.0)?;
+        let d_xn2 = lin_bwd(None, &d_gate, xn2, &w.gate, Target::Gate, 0)?;
+        let d_xn2 = lin_bwd(Some(d_xn2), &d_up, xn2, &w.up, Target::Up, 1)?;
         Ok(d_xn2)
     }
 
@@ -387,9 +401,15 @@ impl Model {
         let mut d_x1 = ops::rms_norm_bwd(&d_xn2, &a.x1, &w.mlp_norm, &a.rstd2)?;
         ops::add_assign(&mut d_x1, d_out, 1.0)?;
 
-        let mut lin_bwd = |dy: &Tensor, inp: &Tensor, wt: &Weight, tg: Target| -> Result<Tensor> {
+        let mut lin_bwd = |into: Option<Tensor>,
+                           dy: &Tensor,
+                           inp: &Tensor,
+                           wt: &Weight,
+                           tg: Target|
+         -> Result<Tensor> {
             let pair = lora.as_deref_mut().and_then(|lo| lo.get_mut(l, tg));
             linear_bwd(
+                into,
                 dy,
                 inp,
                 wt,
@@ -401,7 +421,7 @@ impl Model {
 
         // Attention: x1 = x + o(attention(rope(q), rope(k), v))
         drop(d_out_c);
-        let d_attn = lin_bwd(&*self.compute(&d_x1)?, &a.attn, &w.o, Target::O)?;
+        let d_attn = lin_bwd(None, &*self.compute(&d_x1)?, &a.attn, &w.o, Target::O)?;
         let (dq, dk, dv) = ops::attention_bwd(
             &d_attn,
             &a.q,
@@ -432,9 +452,9 @@ impl Model {
             )?
             .reshape(&[t, s.kv_dim()])?;
         }
-        let mut d_xn = lin_bwd(&dq, &a.xn, &w.q, Target::Q)?;
-        ops::add_assign(&mut d_xn, &lin_bwd(&dk, &a.xn, &w.k, Target::K)?, 1.0)?;
-        ops::add_assign(&mut d_xn, &lin_bwd(&dv, &a.xn, &w.v, Target::V)?, 1.0)?;
+        let d_xn = lin_bwd(None, &dq, &a.xn, &w.q, Target::Q)?;
+        let d_xn = lin_bwd(Some(d_xn), &dk, &a.xn, &w.k, Target::K)?;
+        let d_xn = lin_bwd(Some(d_xn), &dv, &a.xn, &w.v, Target::V)?;
         let mut dx = ops::rms_norm_bwd(&d_xn, &a.x, &w.attn_norm, &a.rstd1)?;
         ops::add_assign(&mut dx, &d_x1, 1.0)?;
         Ok(dx)
