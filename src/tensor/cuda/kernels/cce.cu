@@ -9,8 +9,9 @@
 //                    (written by the one block whose range holds the target).
 //   lf_cce_combine:  merges the splits' partials: lse, logp = target logit - lse.
 //   lf_cce_bwd*:     recomputes each 64x128 logit tile (K-loop over H in chunks of 64), forms
-//                    coeff = dlogp (onehot - softmax) (x softcap derivative) in registers, skips
-//                    the tile when no |coeff| reaches eps, else packs coeff as bf16 A fragments
+//                    coeff = dlogp (onehot - softmax) (x softcap derivative) in registers, drops
+//                    elements whose |(onehot - softmax) x softcap'| < eps, skips the tile when
+//                    none is left, else packs coeff as bf16 A fragments
 //                    and accumulates coeff . W chunk by chunk of 64 hidden columns with f32
 //                    atomics into dh32 [N, H] (contention only between the vocabulary splits of
 //                    one row tile; the host casts dh32 to bf16).
@@ -237,9 +238,10 @@ __device__ void cce_bwd(const bf16* __restrict__ h, const bf16* __restrict__ w, 
                 const bool lo = e < 2;
                 const float p = exp2f(x * LOG2E - (lo ? la : lb));
                 const float oh = (u32)col == (lo ? ta : tb) ? 1.f : 0.f;
-                float c = (lo ? ga : gb) * (oh - p) * d;
-                if (col >= v) c = 0.f;
-                if (FILTER && fabsf(c) < eps) c = 0.f;
+                // The filter tests the softmax gradient before the row's dlogp scale.
+                float u = (oh - p) * d;
+                if (col >= v || (FILTER && fabsf(u) < eps)) u = 0.f;
+                const float c = (lo ? ga : gb) * u;
                 any |= c != 0.f;
                 s[nt][e] = c;
             }
