@@ -12,6 +12,7 @@ use anyhow::{ensure, Result};
 const BM: usize = 64;
 const BV: usize = 128;
 
+#[allow(clippy::too_many_arguments)]
 impl CudaBackend {
     /// `(row tiles, vocabulary splits, tiles per split)`: about four blocks per SM in all.
     fn cce_grid(&self, n: usize, v: usize) -> (u32, u32, i32) {
