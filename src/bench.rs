@@ -64,6 +64,7 @@ pub struct BenchArgs {
 pub enum HeadArg {
     Full,
     Chunked,
+    Fused,
 }
 
 /// The anchor shapes (shared/anchors/torch_orpo_bench.py), as Hugging Face configs.
@@ -213,6 +214,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
             head: match a.head {
                 HeadArg::Full => HeadTier::Full,
                 HeadArg::Chunked => HeadTier::Chunked,
+                HeadArg::Fused => HeadTier::Fused,
             },
             head_chunk,
             dropout: None,

@@ -7,6 +7,7 @@
 //! accumulation). Transposes are GEMM flags, not views; reshapes are free because tensors are
 //! always contiguous.
 
+pub mod cce;
 pub mod cpu;
 pub mod cuda;
 pub mod parity;

@@ -178,10 +178,24 @@ pub fn run_op_parity(device: &Device, seed: u64) -> Result<Vec<ParityRow>> {
         rows: Vec::new(),
     };
     let mut r = Rng(seed);
-    elementwise(&mut cx, &mut r)?;
-    gemm(&mut cx, &mut r)?;
-    dequant(&mut cx, &mut r)?;
-    attention_suite(&mut cx, &mut r)?;
+    // LORAFIT_PARITY_ONLY=cce,attention runs only the named groups (a short GPU session).
+    let only = std::env::var("LORAFIT_PARITY_ONLY").ok();
+    let want = |g: &str| only.as_deref().is_none_or(|o| o.split(',').any(|x| x == g));
+    if want("elementwise") {
+        elementwise(&mut cx, &mut r)?;
+    }
+    if want("gemm") {
+        gemm(&mut cx, &mut r)?;
+    }
+    if want("dequant") {
+        dequant(&mut cx, &mut r)?;
+    }
+    if want("attention") {
+        attention_suite(&mut cx, &mut r)?;
+    }
+    if want("cce") {
+        cce_suite(&mut cx)?;
+    }
     Ok(cx.rows)
 }
 
@@ -980,6 +994,174 @@ fn attn_timing(
         bwd,
         format!("{:.0} TFLOP/s (10*pairs*d)", 2.5 * fl / bwd / 1e9),
     ));
+    Ok(())
+}
+
+/// Largest `|got - want| / max(1, |want|)`: the bound of per-token statistics (logp, lse) whose
+/// magnitude varies from near 0 to tens.
+fn compare_abs_rel(op: &str, got: &[f32], want: &[f32], bound: f64) -> ParityRow {
+    let mut row = compare(op, got, want, bound);
+    let mut worst = 0f64;
+    for (i, (&a, &b)) in got.iter().zip(want).enumerate() {
+        let d = (a as f64 - b as f64).abs() / (b as f64).abs().max(1.0);
+        if d > worst || d.is_nan() {
+            worst = d;
+            row.worst = i;
+        }
+    }
+    row.rel = worst;
+    row.pass = got.len() == want.len() && worst <= bound;
+    row.note = "max abs-rel".into();
+    row
+}
+
+/// Fused linear cross-entropy against the CPU reference on the same bf16-rounded inputs. The
+/// large shapes compare a sample of rows (every op is row-independent), computed on the host.
+fn cce_suite(cx: &mut Ctx) -> Result<()> {
+    use super::cce::{cce_backward, cce_forward, IGNORE};
+    use rayon::prelude::*;
+    // (N, H, V, softcap, filter_eps)
+    let cases: &[(usize, usize, usize, Option<f32>, f32)] = &[
+        (5, 90, 333, None, 0.0),
+        (37, 200, 1000, Some(20.0), 1e-5),
+        (7, 576, 49152, None, 0.0),
+        (1000, 576, 49152, Some(30.0), 0.0),
+        (7, 1536, 151936, None, 1e-5),
+        (1000, 1536, 151936, None, 1e-5),
+        (4096, 1536, 151936, None, 0.0),
+    ];
+    let mut heads: Vec<((usize, usize), Vec<f32>, Tensor)> = Vec::new();
+    for (ci, &(n, hd, v, cap, eps)) in cases.iter().enumerate() {
+        if !cx.dev.is_cuda() && v > 2000 {
+            continue; // the host reference against itself: only the small shapes
+        }
+        let seed = 0xCCE0 + ci as u64;
+        if !heads.iter().any(|(k, _, _)| *k == (v, hd)) {
+            let mut w = crate::model::weights::random_normal(v * hd, seed ^ 0x77, 0.05);
+            w.par_iter_mut()
+                .for_each(|x| *x = half::bf16::from_f32(*x).to_f32());
+            let wg = cx.g(&w, &[v, hd], DType::BF16)?;
+            heads.push(((v, hd), w, wg));
+        }
+        let (_, w, wg) = heads.iter().find(|(k, _, _)| *k == (v, hd)).unwrap();
+        let mut r = Rng(seed);
+        let h = r.bnormals(n * hd, 1.0);
+        let targets: Vec<u32> = (0..n)
+            .map(|i| {
+                if i % 5 == 3 {
+                    IGNORE
+                } else {
+                    r.below(v) as u32
+                }
+            })
+            .collect();
+        let dl = r.normals(n, 1.0);
+        let hg = cx.g(&h, &[n, hd], DType::BF16)?;
+        let dlg = cx.g(&dl, &[n], DType::F32)?;
+        let (lpg, lseg) = cce_forward(&hg, wg, &targets, cap)?;
+        let dhg = cce_backward(&hg, wg, &targets, &dlg, &lseg, cap, eps)?;
+        // Host reference on a sample of rows.
+        let rows: Vec<usize> = if n <= 64 {
+            (0..n).collect()
+        } else {
+            let k = if v > 100_000 { 8 } else { 16 };
+            (0..k).map(|i| i * (n - 1) / (k - 1)).collect()
+        };
+        let hs: Vec<f32> = rows
+            .iter()
+            .flat_map(|&i| h[i * hd..(i + 1) * hd].iter().copied())
+            .collect();
+        let ts: Vec<u32> = rows.iter().map(|&i| targets[i]).collect();
+        let ds: Vec<f32> = rows.iter().map(|&i| dl[i]).collect();
+        let wc = Tensor::cpu(w.clone(), &[v, hd])?;
+        let hc = cx.c(&hs, &[rows.len(), hd])?;
+        let (lpc, lsec) = cce_forward(&hc, &wc, &ts, cap)?;
+        let dhc = cce_backward(&hc, &wc, &ts, &cx.c(&ds, &[rows.len()])?, &lsec, cap, eps)?;
+        let pick = |t: &Tensor, width: usize| -> Result<Vec<f32>> {
+            let all = t.to_vec()?;
+            Ok(rows
+                .iter()
+                .flat_map(|&i| all[i * width..(i + 1) * width].to_vec())
+                .collect())
+        };
+        let tag = format!(
+            "cce N={n} H={hd} V={v}{}{}",
+            cap.map(|c| format!(" cap{c}")).unwrap_or_default(),
+            if eps > 0.0 { " eps1e-5" } else { "" }
+        );
+        let sample = if rows.len() < n {
+            format!(" ({} rows)", rows.len())
+        } else {
+            String::new()
+        };
+        let row = compare_abs_rel(
+            &format!("{tag} logp{sample}"),
+            &pick(&lpg, 1)?,
+            &lpc.to_vec()?,
+            1e-3,
+        );
+        cx.push(row);
+        let row = compare_abs_rel(
+            &format!("{tag} lse{sample}"),
+            &pick(&lseg, 1)?,
+            &lsec.to_vec()?,
+            1e-3,
+        );
+        cx.push(row);
+        let row = compare(
+            &format!("{tag} dh{sample}"),
+            &pick(&dhg, hd)?,
+            &dhc.to_vec()?,
+            BF16_GRAD,
+        );
+        cx.push(row);
+        drop((lpg, lseg, dhg));
+        if n == 4096 && cx.dev.is_cuda() {
+            // Allocator peak of forward + backward, against the [N, V] f32 logits it avoids.
+            cx.dev.synchronize()?;
+            let base = cx.dev.memory().live_bytes;
+            cx.dev.reset_peak();
+            let (_, lse) = cce_forward(&hg, wg, &targets, cap)?;
+            let dh = cce_backward(&hg, wg, &targets, &dlg, &lse, cap, eps)?;
+            drop((lse, dh));
+            let extra = cx.dev.memory().peak_bytes.saturating_sub(base) as f64;
+            let nv4 = (n * v * 4) as f64;
+            cx.push(ParityRow {
+                op: format!("{tag} peak extra / (N*V*4)"),
+                max_abs: extra,
+                rel: extra / nv4,
+                worst: 0,
+                bound: 0.1,
+                pass: extra / nv4 < 0.1,
+                ms: None,
+                note: format!("{:.1} MB vs {:.0} MB", extra / 1e6, nv4 / 1e6),
+            });
+            let (_, lse) = cce_forward(&hg, wg, &targets, cap)?;
+            let fwd = cx.time(3, || cce_forward(&hg, wg, &targets, cap).map(|_| ()))?;
+            let bwd = cx.time(3, || {
+                cce_backward(&hg, wg, &targets, &dlg, &lse, cap, eps).map(|_| ())
+            })?;
+            let bwdf = cx.time(3, || {
+                cce_backward(&hg, wg, &targets, &dlg, &lse, cap, 1e-5).map(|_| ())
+            })?;
+            let fl = 2.0 * (n * v * hd) as f64;
+            cx.push(timing(
+                &format!("{tag} time fwd"),
+                fwd,
+                format!("{:.0} TFLOP/s (2NVH)", fl / fwd / 1e9),
+            ));
+            cx.push(timing(
+                &format!("{tag} time bwd"),
+                bwd,
+                format!("{:.0} TFLOP/s (4NVH)", 2.0 * fl / bwd / 1e9),
+            ));
+            cx.push(timing(
+                &format!("{tag} time bwd eps1e-5"),
+                bwdf,
+                "random inputs: few blocks skip".into(),
+            ));
+        }
+    }
     Ok(())
 }
 

@@ -2,10 +2,14 @@
 //! gradient back to the hidden states, without keeping `[tokens, vocab]` logits beyond one chunk.
 //!
 //! Tiers: `Full` materialises the logits of every selected row at once (the reference);
-//! `Chunked(c)` runs `c` rows at a time and recomputes each chunk's logits in the backward.
+//! `Chunked(c)` runs `c` rows at a time and recomputes each chunk's logits in the backward;
+//! `Fused` is the fused linear cross-entropy (`tensor::cce`): no logits are ever stored, the
+//! backward recomputes them block by block (and the forward's lse once more, since the objective
+//! sits between the two calls).
 //! Only rows that have a target are ever projected: callers gather those rows first.
 
 use crate::model::Model;
+use crate::tensor::cce::{self, DEFAULT_FILTER_EPS};
 use crate::tensor::{self as ops, DType, Tensor};
 use anyhow::Result;
 
@@ -14,6 +18,17 @@ use anyhow::Result;
 pub enum HeadTier {
     Full,
     Chunked,
+    Fused,
+}
+
+/// The fused tier's coefficient filter: `DEFAULT_FILTER_EPS` unless `LORAFIT_CCE_FILTER_EPS` is
+/// set (`0` turns the filter off; for measurements).
+pub fn filter_eps() -> f32 {
+    std::env::var("LORAFIT_CCE_FILTER_EPS")
+        .ok()
+        .and_then(|s| s.parse::<f32>().ok())
+        .filter(|e| *e >= 0.0)
+        .unwrap_or(DEFAULT_FILTER_EPS)
 }
 
 /// Rows per chunk for the chunked tier.
@@ -21,7 +36,7 @@ pub const DEFAULT_CHUNK: usize = 1024;
 
 fn chunks(rows: usize, tier: HeadTier, chunk: usize) -> Vec<(usize, usize)> {
     let c = match tier {
-        HeadTier::Full => rows.max(1),
+        HeadTier::Full | HeadTier::Fused => rows.max(1),
         HeadTier::Chunked => chunk.max(1),
     };
     (0..rows)
@@ -38,6 +53,12 @@ pub fn logp_forward(
     tier: HeadTier,
     chunk: usize,
 ) -> Result<Vec<f32>> {
+    if tier == HeadTier::Fused {
+        // A quantized head is dequantized once per call.
+        let w = model.weights.head().dense()?;
+        let (logp, _) = cce::cce_forward(h, &w, targets, None)?;
+        return logp.to_vec();
+    }
     let mut out = Vec::with_capacity(targets.len());
     for (s, e) in chunks(targets.len(), tier, chunk) {
         let hc = if s == 0 && e == targets.len() {
@@ -63,6 +84,12 @@ pub fn logp_backward(
 ) -> Result<Tensor> {
     let (n, hid) = h.rows_cols();
     let dev = h.device().clone();
+    if tier == HeadTier::Fused {
+        let w = model.weights.head().dense()?;
+        let (_, lse) = cce::cce_forward(h, &w, targets, None)?;
+        let g = Tensor::from_f32(dlogp, &[n], DType::F32, &dev)?;
+        return cce::cce_backward(h, &w, targets, &g, &lse, None, filter_eps());
+    }
     let mut dh = Tensor::zeros(&[n, hid], h.dtype(), &dev)?;
     for (s, e) in chunks(n, tier, chunk) {
         let hc = ops::slice_rows(h, s, e)?;

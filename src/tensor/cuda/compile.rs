@@ -16,6 +16,7 @@ pub const MODULES: &[(&str, &str)] = &[
     ("elementwise", include_str!("kernels/elementwise.cu")),
     ("attention", include_str!("kernels/attention.cu")),
     ("dequant", include_str!("kernels/dequant.cu")),
+    ("cce", include_str!("kernels/cce.cu")),
 ];
 
 /// Full source of a module: the shared prelude, then the module.

@@ -8,6 +8,7 @@
 //! launches and lifetimes are explicit. cudarc loads the driver with `dlopen` and panics when the
 //! library is missing; `CudaBackend::new` turns that into an error.
 
+mod cce;
 pub mod compile;
 
 use super::{AdamW, AttnMask, AttnShape, DType, Device, MemoryStats, RopeTable, Storage, Tensor};
@@ -279,6 +280,8 @@ fn cuda_ptr(t: &Tensor) -> Result<u64> {
 fn module_of(func: &str) -> &'static str {
     if func.starts_with("lf_attn") {
         "attention"
+    } else if func.starts_with("lf_cce") {
+        "cce"
     } else if func.starts_with("lf_deq") {
         "dequant"
     } else {
