@@ -1,5 +1,6 @@
 //! The memory machinery must not change the numbers: every combination of segment size
-//! {0, 1, 2, all layers} × head tier × prefix sharing on/off × MLP token chunking gives the loss
+//! {0, 1, 2, all layers} × head tier (full, chunked, fused) × prefix sharing on/off × MLP token
+//! chunking gives the loss
 //! and every LoRA gradient of the plain path (all activations kept, full logits, two forwards,
 //! whole-sequence MLP). Bit-identical where the arithmetic is the same (segment sizes: the same
 //! ops on the same rows); within stated f32 bounds where it is not.
@@ -93,7 +94,11 @@ fn every_mode_matches_the_plain_path() {
     );
     let mut checked = 0;
     for seg in [0, 1, 2, 3] {
-        for (head, chunk) in [(HeadTier::Full, 0), (HeadTier::Chunked, 4)] {
+        for (head, chunk) in [
+            (HeadTier::Full, 0),
+            (HeadTier::Chunked, 4),
+            (HeadTier::Fused, 0),
+        ] {
             for prefix in [false, true] {
                 for mlp_chunk in [0, 5] {
                     let r = run(seg, head, chunk, prefix, mlp_chunk);
@@ -116,7 +121,8 @@ fn every_mode_matches_the_plain_path() {
                         }
                     } else {
                         // Different summation orders (one sequence of P+Rc+Rr instead of two;
-                        // logits in row chunks; LoRA gradient reductions split over MLP token chunks): f32
+                        // logits in row chunks or vocabulary blocks; LoRA gradient reductions split over
+                        // MLP token chunks): f32
                         // rounding only, well below 1e-5 relative.
                         assert!(
                             ((r.loss - plain.loss) / plain.loss).abs() < 1e-5,
@@ -133,7 +139,7 @@ fn every_mode_matches_the_plain_path() {
             }
         }
     }
-    assert_eq!(checked, 32);
+    assert_eq!(checked, 48);
 }
 
 #[test]
