@@ -83,10 +83,16 @@ pub fn model_parity(device: &Device) -> Result<usize> {
         };
         let mut lc = Lora::new(&spec, cfg.clone(), &Device::Cpu)?;
         // Non-zero B so that dA is exercised too.
+        // A and B are rounded to bf16 like the weights: the GPU computes with bf16 copies of the
+        // f32 masters, and the rows should measure its arithmetic, not that rounding.
         let mut rng = crate::model::lora::Rng(3);
+        let round = |x: f32| half::bf16::from_f32(x).to_f32();
         for (_, _, p) in lc.pairs_mut() {
             for x in p.b.as_cpu_mut()? {
-                *x = (rng.normal() * 0.05) as f32;
+                *x = round((rng.normal() * 0.05) as f32);
+            }
+            for x in p.a.as_cpu_mut()? {
+                *x = round(*x);
             }
         }
         lc.refresh_compute_copies()?;
