@@ -161,14 +161,17 @@ impl ModelSpec {
     }
 
     pub fn validate(&self) -> Result<()> {
-        if self.n_heads == 0 || self.n_kv_heads == 0 || self.n_heads % self.n_kv_heads != 0 {
+        if self.n_heads == 0
+            || self.n_kv_heads == 0
+            || !self.n_heads.is_multiple_of(self.n_kv_heads)
+        {
             bail!(
                 "num_attention_heads {} is not a multiple of num_key_value_heads {}",
                 self.n_heads,
                 self.n_kv_heads
             );
         }
-        if self.head_dim % 2 != 0 {
+        if !self.head_dim.is_multiple_of(2) {
             bail!("head_dim {} must be even for RoPE", self.head_dim);
         }
         if self.hidden == 0 || self.vocab == 0 || self.n_layers == 0 {

@@ -535,7 +535,7 @@ pub fn attention(
         q.dim(0)
     );
     ensure!(
-        s.n_heads % s.n_kv_heads == 0,
+        s.n_heads.is_multiple_of(s.n_kv_heads),
         "attention: {} heads not a multiple of {} kv heads",
         s.n_heads,
         s.n_kv_heads

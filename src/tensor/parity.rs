@@ -1168,8 +1168,8 @@ fn cce_suite(cx: &mut Ctx) -> Result<()> {
 /// Prints the parity table and a summary line.
 pub fn print_parity(rows: &[ParityRow]) {
     println!(
-        "{:<58} {:>10} {:>10} {:>9} {:>8} {:>5}  {}",
-        "op", "max|diff|", "rel-norm", "worst@", "bound", "ok", "note"
+        "{:<58} {:>10} {:>10} {:>9} {:>8} {:>5}  note",
+        "op", "max|diff|", "rel-norm", "worst@", "bound", "ok"
     );
     for r in rows {
         if let Some(ms) = r.ms {

@@ -424,7 +424,7 @@ pub fn train(
 
         let last = state.step == total_steps;
         if !valid_items.is_empty()
-            && (last || (cfg.eval_every > 0 && state.step % cfg.eval_every == 0))
+            && (last || (cfg.eval_every > 0 && state.step.is_multiple_of(cfg.eval_every)))
         {
             let m = evaluate(model, &mut lora, valid_items, cfg)?;
             write_json_line(
@@ -446,7 +446,7 @@ pub fn train(
             }
             final_valid = Some(m);
         }
-        if cfg.save_every > 0 && state.step % cfg.save_every == 0 && !last {
+        if cfg.save_every > 0 && state.step.is_multiple_of(cfg.save_every) && !last {
             save_checkpoint(
                 &out_dir.join(format!("checkpoint-{:06}", state.step)),
                 &lora,

@@ -1661,7 +1661,7 @@ impl CudaBackend {
         let n = rows * cols;
         let (be, bb) = kind.block();
         ensure!(
-            n % be == 0,
+            n.is_multiple_of(be),
             "dequantize: {n} elements are not whole {kind:?} blocks of {be}"
         );
         ensure!(
