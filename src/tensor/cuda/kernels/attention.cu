@@ -20,23 +20,6 @@
 #define BQ 64
 #define BK 64
 #define NTHREADS 128
-#define LOG2E 1.4426950408889634f
-#define LN2 0.6931471805599453f
-
-__device__ __forceinline__ void mma16816(float* c, const u32* a, u32 b0, u32 b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
-    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    return *(u32*)&v;
-}
-
-__device__ __forceinline__ u32 lds32(const bf16* p) { return *(const u32*)p; }
 
 struct Mask {
     const uint4* ranges;  // [T] of (a0, a1, b0, b1)
