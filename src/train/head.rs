@@ -4,8 +4,7 @@
 //! Tiers: `Full` materialises the logits of every selected row at once (the reference);
 //! `Chunked(c)` runs `c` rows at a time and recomputes each chunk's logits in the backward;
 //! `Fused` is the fused linear cross-entropy (`tensor::cce`): no logits are ever stored, the
-//! backward recomputes them block by block (and the forward's lse once more, since the objective
-//! sits between the two calls).
+//! backward recomputes them block by block from the forward's lse (`HeadSaved`).
 //! Only rows that have a target are ever projected: callers gather those rows first.
 
 use crate::model::Model;
@@ -45,6 +44,13 @@ fn chunks(rows: usize, tier: HeadTier, chunk: usize) -> Vec<(usize, usize)> {
         .collect()
 }
 
+/// What the forward keeps for the backward: the fused tier's per-row lse (the other tiers
+/// recompute each chunk's logits, and their lse with them).
+#[derive(Default)]
+pub struct HeadSaved {
+    lse: Option<Tensor>,
+}
+
 /// log p(targets[i] | h[i]) for every row of `h` `(N, H)`.
 pub fn logp_forward(
     model: &Model,
@@ -53,11 +59,22 @@ pub fn logp_forward(
     tier: HeadTier,
     chunk: usize,
 ) -> Result<Vec<f32>> {
+    Ok(logp_forward_saved(model, h, targets, tier, chunk)?.0)
+}
+
+/// `logp_forward`, also returning what `logp_backward_saved` reuses.
+pub fn logp_forward_saved(
+    model: &Model,
+    h: &Tensor,
+    targets: &[u32],
+    tier: HeadTier,
+    chunk: usize,
+) -> Result<(Vec<f32>, HeadSaved)> {
     if tier == HeadTier::Fused {
         // A quantized head is dequantized once per call.
         let w = model.weights.head().dense()?;
-        let (logp, _) = cce::cce_forward(h, &w, targets, None)?;
-        return logp.to_vec();
+        let (logp, lse) = cce::cce_forward(h, &w, targets, None)?;
+        return Ok((logp.to_vec()?, HeadSaved { lse: Some(lse) }));
     }
     let mut out = Vec::with_capacity(targets.len());
     for (s, e) in chunks(targets.len(), tier, chunk) {
@@ -70,7 +87,7 @@ pub fn logp_forward(
         let (logp, _) = ops::logsoftmax_gather(&logits, &targets[s..e])?;
         out.extend(logp.to_vec()?);
     }
-    Ok(out)
+    Ok((out, HeadSaved::default()))
 }
 
 /// d loss / d h `(N, H)` from d loss / d logp, recomputing each chunk's logits.
@@ -82,13 +99,34 @@ pub fn logp_backward(
     tier: HeadTier,
     chunk: usize,
 ) -> Result<Tensor> {
+    logp_backward_saved(model, h, targets, dlogp, tier, chunk, &HeadSaved::default())
+}
+
+/// `logp_backward` reusing the forward's `saved` state (the fused tier's lse; recomputed when
+/// absent).
+pub fn logp_backward_saved(
+    model: &Model,
+    h: &Tensor,
+    targets: &[u32],
+    dlogp: &[f32],
+    tier: HeadTier,
+    chunk: usize,
+    saved: &HeadSaved,
+) -> Result<Tensor> {
     let (n, hid) = h.rows_cols();
     let dev = h.device().clone();
     if tier == HeadTier::Fused {
         let w = model.weights.head().dense()?;
-        let (_, lse) = cce::cce_forward(h, &w, targets, None)?;
+        let recomputed;
+        let lse = match &saved.lse {
+            Some(l) => l,
+            None => {
+                recomputed = cce::cce_forward(h, &w, targets, None)?.1;
+                &recomputed
+            }
+        };
         let g = Tensor::from_f32(dlogp, &[n], DType::F32, &dev)?;
-        return cce::cce_backward(h, &w, targets, &g, &lse, None, filter_eps());
+        return cce::cce_backward(h, &w, targets, &g, lse, None, filter_eps());
     }
     let mut dh = Tensor::zeros(&[n, hid], h.dtype(), &dev)?;
     for (s, e) in chunks(n, tier, chunk) {

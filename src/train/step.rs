@@ -2,7 +2,7 @@
 //! branch through the logp engine, apply the objective, and (when training) send d logp back
 //! through the head and the layers into the LoRA gradients.
 
-use super::head::{logp_backward, logp_forward, HeadTier};
+use super::head::{logp_backward_saved, logp_forward, logp_forward_saved, HeadTier};
 use super::objectives::{self, BranchLogps, ObjectiveOut, SftScope};
 use super::plan::{Plan, Rows};
 use crate::model::{Lora, Model, PassCtx};
@@ -164,11 +164,11 @@ pub fn run_example(
     let mut group_h = Vec::with_capacity(groups.len());
     for g in &groups {
         let h = ops::gather_rows(&fwd[g.seq].0, &g.rows)?;
-        let lp = logp_forward(model, &h, &g.targets, opts.head, opts.head_chunk)?;
+        let (lp, saved) = logp_forward_saved(model, &h, &g.targets, opts.head, opts.head_chunk)?;
         for &(part, start, len) in &g.spans {
             logps[part] = lp[start..start + len].to_vec();
         }
-        group_h.push(h);
+        group_h.push((h, saved));
     }
     let (lcp, lcr) = (&logps[0], &logps[1]);
     let rej: Option<((), &Vec<f32>)> = plan.rejected.as_ref().map(|_| ((), &logps[2]));
@@ -218,14 +218,15 @@ pub fn run_example(
         .flatten()
         .collect();
         let mut dh: Vec<Option<Tensor>> = (0..plan.seqs.len()).map(|_| None).collect();
-        for (g, h) in groups.iter().zip(&group_h) {
+        for (g, (h, saved)) in groups.iter().zip(&group_h) {
             let mut d = vec![0f32; g.rows.len()];
             for &(part, start, len) in &g.spans {
                 for (x, y) in d[start..start + len].iter_mut().zip(grads[part]) {
                     *x = y * grad_weight;
                 }
             }
-            let dhc = logp_backward(model, h, &g.targets, &d, opts.head, opts.head_chunk)?;
+            let dhc =
+                logp_backward_saved(model, h, &g.targets, &d, opts.head, opts.head_chunk, saved)?;
             let full = &fwd[g.seq].0;
             let mut slot = Tensor::zeros(full.shape(), full.dtype(), full.device())?;
             ops::scatter_add_rows(&mut slot, &g.rows, &dhc)?;
