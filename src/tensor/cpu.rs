@@ -3,7 +3,7 @@
 //! against, so they favour plain loops over cleverness; only the GEMMs are optimised.
 
 use super::{AdamW, AttnMask, AttnShape, RopeTable, Tensor};
-use anyhow::{ensure, Result};
+use anyhow::Result;
 use rayon::prelude::*;
 
 fn out(data: Vec<f32>, shape: &[usize]) -> Result<Tensor> {
@@ -37,21 +37,9 @@ pub fn matmul_acc(
     alpha: f32,
     beta: f32,
 ) -> Result<()> {
-    let (m, k, a_rs, a_cs) = op_dims(a, ta);
-    let (k2, n, b_rs, b_cs) = op_dims(b, tb);
-    ensure!(
-        k == k2,
-        "matmul: inner dims differ: {:?}{} x {:?}{}",
-        a.shape(),
-        if ta { "ᵀ" } else { "" },
-        b.shape(),
-        if tb { "ᵀ" } else { "" }
-    );
-    ensure!(
-        c.numel() == m * n,
-        "matmul: output {:?} is not [{m}, {n}]",
-        c.shape()
-    );
+    let (m, k, n) = super::matmul_dims(c, a, ta, b, tb)?;
+    let (_, _, a_rs, a_cs) = op_dims(a, ta);
+    let (_, _, b_rs, b_cs) = op_dims(b, tb);
     if m == 0 || n == 0 {
         return Ok(());
     }

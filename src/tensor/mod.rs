@@ -429,6 +429,35 @@ macro_rules! dispatch {
     };
 }
 
+/// `(m, k, n)` of `op(a) @ op(b)` into `c`, checked once here for both backends.
+pub(crate) fn matmul_dims(
+    c: &Tensor,
+    a: &Tensor,
+    ta: bool,
+    b: &Tensor,
+    tb: bool,
+) -> Result<(usize, usize, usize)> {
+    let (ar, ac) = a.rows_cols();
+    let (br, bc) = b.rows_cols();
+    let (m, k) = if ta { (ac, ar) } else { (ar, ac) };
+    let (k2, n) = if tb { (bc, br) } else { (br, bc) };
+    let t = |x: bool| if x { "ᵀ" } else { "" };
+    ensure!(
+        k == k2,
+        "matmul: inner dims differ: {:?}{} x {:?}{}",
+        a.shape(),
+        t(ta),
+        b.shape(),
+        t(tb)
+    );
+    ensure!(
+        c.numel() == m * n,
+        "matmul: output {:?} is not [{m}, {n}]",
+        c.shape()
+    );
+    Ok((m, k, n))
+}
+
 /// `alpha * op(a) @ op(b)` where `op` transposes when the flag is set; a is `[M,K]` (or `[K,M]`),
 /// b is `[K,N]` (or `[N,K]`). Leading dims of `a` fold into M. Output dtype is `out_dtype`.
 pub fn matmul(

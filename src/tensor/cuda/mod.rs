@@ -800,23 +800,9 @@ impl CudaBackend {
         alpha: f32,
         beta: f32,
     ) -> Result<()> {
-        let (ar, ac) = a.rows_cols();
-        let (br, bc) = b.rows_cols();
-        let (m, k) = if ta { (ac, ar) } else { (ar, ac) };
-        let (k2, n) = if tb { (bc, br) } else { (br, bc) };
-        ensure!(
-            k == k2,
-            "matmul: inner dims differ: {:?}{} x {:?}{}",
-            a.shape(),
-            if ta { "ᵀ" } else { "" },
-            b.shape(),
-            if tb { "ᵀ" } else { "" }
-        );
-        ensure!(
-            c.numel() == m * n,
-            "matmul: output {:?} is not [{m}, {n}]",
-            c.shape()
-        );
+        let (m, k, n) = super::matmul_dims(c, a, ta, b, tb)?;
+        // Leading dimensions (row lengths) of the stored matrices.
+        let (ac, bc) = (a.rows_cols().1, b.rows_cols().1);
         if m == 0 || n == 0 {
             return Ok(());
         }
