@@ -83,31 +83,6 @@ pub fn matmul_acc(
     Ok(())
 }
 
-pub fn embedding(table: &Tensor, ids: &[u32]) -> Result<Tensor> {
-    let h = table.dim(-1);
-    let t = table.as_cpu()?;
-    let mut y = vec![0f32; ids.len() * h];
-    for (row, &id) in y.chunks_mut(h).zip(ids) {
-        row.copy_from_slice(&t[id as usize * h..(id as usize + 1) * h]);
-    }
-    out(y, &[ids.len(), h])
-}
-
-pub fn embedding_bwd(dy: &Tensor, ids: &[u32], vocab: usize) -> Result<Tensor> {
-    let h = dy.dim(-1);
-    let d = dy.as_cpu()?;
-    let mut g = vec![0f32; vocab * h];
-    for (i, &id) in ids.iter().enumerate() {
-        for (gv, dv) in g[id as usize * h..(id as usize + 1) * h]
-            .iter_mut()
-            .zip(&d[i * h..(i + 1) * h])
-        {
-            *gv += dv;
-        }
-    }
-    out(g, &[vocab, h])
-}
-
 pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f32) -> Result<(Tensor, Tensor)> {
     let (rows, h) = x.rows_cols();
     let (xs, ws) = (x.as_cpu()?, w.as_cpu()?);

@@ -487,18 +487,22 @@ pub fn matmul_acc(
     dispatch!(&dev, cpu::matmul_acc(c, a, ta, b, tb, alpha, beta), cu => cu.matmul_acc(c, a, ta, b, tb, alpha, beta))
 }
 
-/// Rows of `table` `[V,H]` picked by `ids` -> `[T,H]`.
+/// Rows of `table` `[V,H]` picked by `ids` -> `[T,H]`: a row gather with the ids checked
+/// against the vocabulary.
 pub fn embedding(table: &Tensor, ids: &[u32]) -> Result<Tensor> {
     let v = table.dim(0);
     if let Some(bad) = ids.iter().find(|&&i| i as usize >= v) {
         bail!("token id {bad} is outside the vocabulary of {v}");
     }
-    dispatch!(table.device(), cpu::embedding(table, ids), c => c.embedding(table, ids))
+    gather_rows(table, ids)
 }
 
-/// Gradient of `embedding` with respect to the table: scatter-add of `dy` rows into `[V,H]`.
+/// Gradient of `embedding` with respect to the table: the rows of `dy` scatter-added into an f32
+/// `[V,H]`.
 pub fn embedding_bwd(dy: &Tensor, ids: &[u32], vocab: usize) -> Result<Tensor> {
-    dispatch!(dy.device(), cpu::embedding_bwd(dy, ids, vocab), c => c.embedding_bwd(dy, ids, vocab))
+    let mut g = Tensor::zeros(&[vocab, dy.dim(-1)], DType::F32, dy.device())?;
+    scatter_add_rows(&mut g, ids, dy)?;
+    Ok(g)
 }
 
 /// RMSNorm over the last dim: `y = x * rstd * w`, `rstd = 1/sqrt(mean(x²) + eps)`.

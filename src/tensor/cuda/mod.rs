@@ -888,45 +888,6 @@ impl CudaBackend {
     // --------------------------------------------------------------------------------------------
     // Ops
 
-    pub fn embedding(&self, table: &Tensor, ids: &[u32]) -> Result<Tensor> {
-        let h = table.dim(-1);
-        let y = self.empty(&[ids.len(), h], table.dtype())?;
-        let idb = self.upload_u32(ids)?;
-        self.launch_n(
-            "lf_embedding",
-            ids.len() * h,
-            &[
-                Arg::P(cuda_ptr(table)?),
-                dt(table.dtype()),
-                Arg::P(idb.ptr),
-                Arg::P(cuda_ptr(&y)?),
-                Arg::I64(ids.len() as i64),
-                Arg::I64(h as i64),
-            ],
-        )?;
-        Ok(y)
-    }
-
-    /// f32 `[vocab, H]`.
-    pub fn embedding_bwd(&self, dy: &Tensor, ids: &[u32], vocab: usize) -> Result<Tensor> {
-        let h = dy.dim(-1);
-        let g = self.zeros(&[vocab, h], DType::F32)?;
-        let idb = self.upload_u32(ids)?;
-        self.launch_n(
-            "lf_embedding_bwd",
-            ids.len() * h,
-            &[
-                Arg::P(cuda_ptr(dy)?),
-                dt(dy.dtype()),
-                Arg::P(idb.ptr),
-                Arg::P(cuda_ptr(&g)?),
-                Arg::I64(ids.len() as i64),
-                Arg::I64(h as i64),
-            ],
-        )?;
-        Ok(g)
-    }
-
     pub fn rms_norm(&self, x: &Tensor, w: &Tensor, eps: f32) -> Result<(Tensor, Tensor)> {
         self.rms_norm_to(x, w, eps, x.dtype())
     }

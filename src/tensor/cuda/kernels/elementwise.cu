@@ -11,22 +11,6 @@ extern "C" __global__ void lf_fill_zero_f32(float* y, i64 n) {
     GRID_STRIDE(i, n) y[i] = 0.f;
 }
 
-// y[t, :] = table[ids[t], :]
-extern "C" __global__ void lf_embedding(const void* table, int dt, const u32* ids, void* y, i64 t, i64 h) {
-    GRID_STRIDE(i, t * h) {
-        i64 r = i / h, c = i % h;
-        stf(y, dt, i, ldf(table, dt, (i64)ids[r] * h + c));
-    }
-}
-
-// g[ids[t], :] += dy[t, :]  (g f32)
-extern "C" __global__ void lf_embedding_bwd(const void* dy, int dt, const u32* ids, float* g, i64 t, i64 h) {
-    GRID_STRIDE(i, t * h) {
-        i64 r = i / h, c = i % h;
-        atomicAdd(&g[(i64)ids[r] * h + c], ldf(dy, dt, i));
-    }
-}
-
 // One block per row.
 // y may be stored in another dtype than x (ydt): an f32 residual stream feeding bf16 projections.
 extern "C" __global__ void lf_rms_norm(const void* x, int xdt, const void* w, int wdt, void* y,
