@@ -76,7 +76,7 @@ pub fn logp_forward_saved(
         let (logp, lse) = cce::cce_forward(h, &w, targets, None)?;
         return Ok((logp.to_vec()?, HeadSaved { lse: Some(lse) }));
     }
-    let mut out = Vec::with_capacity(targets.len());
+    let mut parts = Vec::new();
     for (s, e) in chunks(targets.len(), tier, chunk) {
         let hc = if s == 0 && e == targets.len() {
             h.try_clone()?
@@ -85,7 +85,12 @@ pub fn logp_forward_saved(
         };
         let logits = model.logits(&hc, DType::F32)?;
         let (logp, _) = ops::logsoftmax_gather(&logits, &targets[s..e])?;
-        out.extend(logp.to_vec()?);
+        parts.push(logp);
+    }
+    // Downloads after all chunks are queued: the device runs them without waiting on the host.
+    let mut out = Vec::with_capacity(targets.len());
+    for p in parts {
+        out.extend(p.to_vec()?);
     }
     Ok((out, HeadSaved::default()))
 }
