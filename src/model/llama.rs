@@ -97,15 +97,20 @@ fn linear_fwd(
     dropout: Option<(f32, u64)>,
 ) -> Result<(Tensor, Option<LoraSaved>)> {
     let dt = x.dtype();
-    let mut y = ops::matmul(x, false, &*w.dense()?, true, 1.0, dt)?;
-    let Some(p) = lora else { return Ok((y, None)) };
+    let Some(p) = lora else {
+        return Ok((ops::matmul(x, false, &*w.dense()?, true, 1.0, dt)?, None));
+    };
     let xa = match dropout {
         Some((prob, seed)) => {
             ops::matmul(&ops::dropout(x, prob, seed)?, false, p.a(), true, 1.0, dt)?
         }
         None => ops::matmul(x, false, p.a(), true, 1.0, dt)?,
     };
-    ops::matmul_acc(&mut y, &xa, false, p.b(), true, p.scale, 1.0)?;
+    // The rank-r product writes y first and the base GEMM accumulates onto it: the base GEMM
+    // reads y in its epilogue almost for free, where the skinny product would read and write the
+    // whole (T, out) output a second time.
+    let mut y = ops::matmul(&xa, false, p.b(), true, p.scale, dt)?;
+    ops::matmul_acc(&mut y, x, false, &*w.dense()?, true, 1.0, 1.0)?;
     Ok((y, Some(LoraSaved { xa })))
 }
 
@@ -123,15 +128,17 @@ fn linear_bwd(
 ) -> Result<Tensor> {
     let dt = dy.dtype();
     // dx accumulates in place when the projection shares its input with others (q, k, v).
-    let mut dx = match into {
-        Some(mut acc) => {
-            ops::matmul_acc(&mut acc, dy, false, &*w.dense()?, false, 1.0, 1.0)?;
-            acc
-        }
-        None => ops::matmul(dy, false, &*w.dense()?, false, 1.0, dt)?,
+    let base = |into: Option<Tensor>| -> Result<Tensor> {
+        Ok(match into {
+            Some(mut acc) => {
+                ops::matmul_acc(&mut acc, dy, false, &*w.dense()?, false, 1.0, 1.0)?;
+                acc
+            }
+            None => ops::matmul(dy, false, &*w.dense()?, false, 1.0, dt)?,
+        })
     };
     let (Some(p), Some(saved)) = (lora, saved) else {
-        return Ok(dx);
+        return base(into);
     };
     ops::matmul_acc(&mut p.grad_b, dy, true, &saved.xa, false, p.scale, 1.0)?;
     let dxa = ops::matmul(dy, false, p.b(), false, p.scale, dt)?;
@@ -147,14 +154,23 @@ fn linear_bwd(
                 1.0,
                 1.0,
             )?;
+            let mut dx = base(into)?;
             ops::add_assign(&mut dx, &ops::dropout(&dx_lora, prob, seed)?, 1.0)?;
+            Ok(dx)
         }
         None => {
             ops::matmul_acc(&mut p.grad_a, &dxa, true, x, false, 1.0, 1.0)?;
-            ops::matmul_acc(&mut dx, &dxa, false, p.a(), false, 1.0, 1.0)?;
+            // As in the forward: the rank-r product first, the base GEMM accumulates onto it.
+            let dx = match into {
+                Some(mut acc) => {
+                    ops::matmul_acc(&mut acc, &dxa, false, p.a(), false, 1.0, 1.0)?;
+                    acc
+                }
+                None => ops::matmul(&dxa, false, p.a(), false, 1.0, dt)?,
+            };
+            base(Some(dx))
         }
     }
-    Ok(dx)
 }
 
 impl Model {

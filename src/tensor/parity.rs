@@ -285,13 +285,12 @@ fn elementwise(cx: &mut Ctx, r: &mut Rng) -> Result<()> {
             cx.push(row);
         }
     }
-    // silu_mul
-    {
-        let n = 4099;
+    // silu_mul: n = 4099 takes the generic kernels, n = 4096 the 8-wide bf16 ones
+    for n in [4099, 4096] {
         let (g, u, d) = (r.bnormals(n, 2.0), r.bnormals(n, 1.0), r.bnormals(n, 1.0));
         let want = silu_mul(&cx.c(&g, &[n])?, &cx.c(&u, &[n])?)?;
         let got = silu_mul(&cx.g(&g, &[n], bf)?, &cx.g(&u, &[n], bf)?)?;
-        let row = cmp_t("silu_mul fwd", &got, &want, BF16_FWD)?;
+        let row = cmp_t(&format!("silu_mul fwd n={n}"), &got, &want, BF16_FWD)?;
         cx.push(row);
         let (dgc, duc) = silu_mul_bwd(&cx.c(&d, &[n])?, &cx.c(&g, &[n])?, &cx.c(&u, &[n])?)?;
         let (dgg, dug) = silu_mul_bwd(
@@ -299,9 +298,9 @@ fn elementwise(cx: &mut Ctx, r: &mut Rng) -> Result<()> {
             &cx.g(&g, &[n], bf)?,
             &cx.g(&u, &[n], bf)?,
         )?;
-        let row = cmp_t("silu_mul bwd dgate", &dgg, &dgc, BF16_GRAD)?;
+        let row = cmp_t(&format!("silu_mul bwd dgate n={n}"), &dgg, &dgc, BF16_GRAD)?;
         cx.push(row);
-        let row = cmp_t("silu_mul bwd dup", &dug, &duc, BF16_GRAD)?;
+        let row = cmp_t(&format!("silu_mul bwd dup n={n}"), &dug, &duc, BF16_GRAD)?;
         cx.push(row);
     }
     // add_assign / add_bias / scale

@@ -270,6 +270,12 @@ fn dt(d: DType) -> Arg {
     })
 }
 
+/// Whether the 8-wide bf16 kernels apply: every operand bf16 and `n` a multiple of 8 (tensors
+/// own their allocations, which are 16-byte aligned).
+fn bf16x8(ts: &[&Tensor], n: usize) -> bool {
+    n % 8 == 0 && ts.iter().all(|t| t.dtype() == DType::BF16)
+}
+
 fn cuda_ptr(t: &Tensor) -> Result<u64> {
     match t.storage() {
         Storage::Cuda(s) => Ok(s.ptr),
@@ -845,11 +851,12 @@ impl CudaBackend {
             DType::F32 => "f32",
             DType::BF16 => "bf16",
         };
+        let c_dtype = c.dtype();
         let pname = || {
             format!(
                 "gemm {}->{} {}{} {m}x{n}x{k}",
                 dname(a.dtype()),
-                dname(c.dtype()),
+                dname(c_dtype),
                 if ta { "T" } else { "N" },
                 if tb { "T" } else { "N" }
             )
@@ -1312,6 +1319,17 @@ impl CudaBackend {
     pub fn silu_mul(&self, gate: &Tensor, up: &Tensor) -> Result<Tensor> {
         let y = self.empty(gate.shape(), gate.dtype())?;
         let n = gate.numel();
+        if bf16x8(&[gate, up], n) {
+            let args = [gate, up, &y].map(|t| cuda_ptr(t).map(Arg::P));
+            let [a, b, c] = args;
+            return self
+                .launch_n(
+                    "lf_silu_mul_bf16x8",
+                    n / 8,
+                    &[a?, b?, c?, Arg::I64(n as i64 / 8)],
+                )
+                .map(|_| y);
+        }
         self.launch_n(
             "lf_silu_mul",
             n,
@@ -1336,6 +1354,15 @@ impl CudaBackend {
         let dg = self.empty(gate.shape(), gate.dtype())?;
         let du = self.empty(up.shape(), up.dtype())?;
         let n = gate.numel();
+        if bf16x8(&[dh, gate, up], n) {
+            let [a, b, c, d, e] = [dh, gate, up, &dg, &du].map(|t| cuda_ptr(t).map(Arg::P));
+            self.launch_n(
+                "lf_silu_mul_bwd_bf16x8",
+                n / 8,
+                &[a?, b?, c?, d?, e?, Arg::I64(n as i64 / 8)],
+            )?;
+            return Ok((dg, du));
+        }
         self.launch_n(
             "lf_silu_mul_bwd",
             n,

@@ -78,6 +78,48 @@ extern "C" __global__ void lf_silu_mul_bwd(const void* dh, int ddt, const void* 
     }
 }
 
+// bf16 fast paths of silu_mul and its backward: 8 elements per thread through 16-byte loads
+// (n % 8 == 0; allocations are 16-byte aligned). Same arithmetic as the generic kernels above.
+__device__ __forceinline__ float lf_silu(float g) { return g / (1.f + expf(-g)); }
+
+extern "C" __global__ void lf_silu_mul_bf16x8(const uint4* g, const uint4* u, uint4* y, i64 n8) {
+    GRID_STRIDE(i, n8) {
+        uint4 gv = g[i], uv = u[i], out;
+        const __nv_bfloat162* gp = (const __nv_bfloat162*)&gv;
+        const __nv_bfloat162* up = (const __nv_bfloat162*)&uv;
+        __nv_bfloat162* op = (__nv_bfloat162*)&out;
+        #pragma unroll
+        for (int j = 0; j < 4; j++) {
+            const float2 gf = __bfloat1622float2(gp[j]), uf = __bfloat1622float2(up[j]);
+            op[j] = __floats2bfloat162_rn(lf_silu(gf.x) * uf.x, lf_silu(gf.y) * uf.y);
+        }
+        y[i] = out;
+    }
+}
+
+extern "C" __global__ void lf_silu_mul_bwd_bf16x8(const uint4* dh, const uint4* g, const uint4* u, uint4* dg,
+                                                  uint4* du, i64 n8) {
+    GRID_STRIDE(i, n8) {
+        uint4 dv = dh[i], gv = g[i], uv = u[i], dgo, duo;
+        const __nv_bfloat162* dp = (const __nv_bfloat162*)&dv;
+        const __nv_bfloat162* gp = (const __nv_bfloat162*)&gv;
+        const __nv_bfloat162* up = (const __nv_bfloat162*)&uv;
+        __nv_bfloat162* dgp = (__nv_bfloat162*)&dgo;
+        __nv_bfloat162* dup = (__nv_bfloat162*)&duo;
+        #pragma unroll
+        for (int j = 0; j < 4; j++) {
+            const float2 d = __bfloat1622float2(dp[j]), gf = __bfloat1622float2(gp[j]),
+                         uf = __bfloat1622float2(up[j]);
+            const float sx = 1.f / (1.f + expf(-gf.x)), sy = 1.f / (1.f + expf(-gf.y));
+            dgp[j] = __floats2bfloat162_rn(d.x * uf.x * (sx * (1.f + gf.x * (1.f - sx))),
+                                           d.y * uf.y * (sy * (1.f + gf.y * (1.f - sy))));
+            dup[j] = __floats2bfloat162_rn(d.x * gf.x * sx, d.y * gf.y * sy);
+        }
+        dg[i] = dgo;
+        du[i] = duo;
+    }
+}
+
 extern "C" __global__ void lf_add_assign(void* a, int adt, const void* b, int bdt, float alpha, i64 n) {
     GRID_STRIDE(i, n) stf(a, adt, i, ldf(a, adt, i) + alpha * ldf(b, bdt, i));
 }
