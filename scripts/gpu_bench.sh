@@ -5,8 +5,10 @@
 #
 #   scripts/gpu_bench.sh LORAFIT_BIN "shape P R anchor-mode [segment-size|auto] [bench flags...]" ...
 #
-# e.g. scripts/gpu_bench.sh .gpu/lorafit "qwen1.5b 3584 512 expert-liger" "llama8b 3584 512 trl-liger"
-# An anchor mode of "-" skips the anchor for that row. Results go to $OUT (or /tmp) as JSON lines.
+# e.g. scripts/gpu_bench.sh .gpu/lorafit "qwen1.5b 3584 512 expert-liger" "llama8b 3584 512 trl-liger+expert-liger 0 --also 3584,512,4,0"
+# Anchor modes are joined by "+"; "-" skips the anchors for that row. ANCHOR_STEPS="steps warmup"
+# shortens the anchor runs. Every lorafit row is printed beside every anchor of its shape and P.
+# Results go to $OUT (or /tmp) as JSON lines.
 set -u
 bin=$1; shift
 out=${OUT:-/tmp}
@@ -16,7 +18,9 @@ for spec in "$@"; do
   shape=$1; P=$2; R=$3; mode=$4; seg=${5:-auto}; shift 4; [ $# -gt 0 ] && shift; extra="$*"
   segflag=""; [ "$seg" != "auto" ] && segflag="--segment-size $seg"
   if [ "$mode" != "-" ]; then
-    OUT=$out .gpu/anchors/run-anchor.sh .gpu/whl "$mode $shape $P $R" >/dev/null
+    for m in ${mode//+/ }; do
+      OUT=$out .gpu/anchors/run-anchor.sh .gpu/whl "$m $shape $P $R ${ANCHOR_STEPS:-}" >/dev/null
+    done
   fi
   "$bin" bench --shape "$shape" --prompt-len "$P" --resp-len "$R" $segflag $extra --device cuda \
     2>"$out/lorafit-$shape-$P-$seg.err" | grep '^RESULT' | sed 's/^RESULT //' >> "$out/lorafit.jsonl" \
@@ -39,14 +43,14 @@ ours = load(f"{out}/lorafit.jsonl"); anchors = load(f"{out}/anchors.jsonl")
 def key(r): return (r.get("shape") or r.get("arch"), int(r.get("P") or r.get("prompt_len")))
 print(f"{'shape':<9} {'P/R':>11} {'seg':>3} | {'lorafit s':>9} {'GiB':>6} {'MFU':>5} | {'anchor':<13} {'s':>7} {'GiB':>6} | {'speedup':>7} {'mem ratio':>9}")
 for r in ours:
-    a = [x for x in anchors if key(x) == key(r)]
-    a = a[-1] if a else None
+    matching = [x for x in anchors if key(x) == key(r)] or [None]
     s = r["s_per_step"]; g = r["peak_gib"]
-    line = f"{r['shape']:<9} {str(r['P'])+'/'+str(r['R']):>11} {r['segment_size']:>3} | {s:>9.3f} {g:>6.1f} {r['mfu']:>5.1%} | "
-    if a:
-        ast = a.get("s_per_step"); ag = a.get("peak_alloc_gib", a.get("peak_gib"))
-        line += f"{a.get('mode','?'):<13} {ast:>7.3f} {ag:>6.1f} | {ast/s:>6.2f}x {g/ag:>9.2f}"
-    else:
-        line += f"{'-':<13} {'':>7} {'':>6} |"
-    print(line)
+    for a in matching:
+        line = f"{r['shape']:<9} {str(r['P'])+'/'+str(r['R']):>11} {r['segment_size']:>3} | {s:>9.3f} {g:>6.1f} {r['mfu']:>5.1%} | "
+        if a:
+            ast = a.get("s_per_step"); ag = a.get("peak_alloc_gib", a.get("peak_gib"))
+            line += f"{a.get('mode','?'):<13} {ast:>7.3f} {ag:>6.1f} | {ast/s:>6.2f}x {g/ag:>9.2f}"
+        else:
+            line += f"{'-':<13} {'':>7} {'':>6} |"
+        print(line)
 PY
