@@ -271,16 +271,36 @@ impl Lora {
         Ok(())
     }
 
-    /// Re-derives the compute-dtype copies of A and B from the f32 masters (after an update).
+    /// Re-derives the compute-dtype copies of A and B from the f32 masters (after an update, or
+    /// after A or B were changed directly). A copy is allocated once, when missing or when its
+    /// master changed shape (`new` and `load_peft` create them); later calls overwrite every
+    /// copy in place, in one launch on CUDA. The CPU computes with the masters: nothing to do.
     pub fn refresh_compute_copies(&mut self) -> Result<()> {
         let dt = self.device.compute_dtype();
+        if dt == DType::F32 {
+            return Ok(());
+        }
+        let mut stale: Vec<(&Tensor, &mut Tensor)> = Vec::new();
         for (_, _, p) in self.pairs_mut() {
-            if dt != DType::F32 {
-                p.a_compute = Some(p.a.to_dtype(dt)?);
-                p.b_compute = Some(p.b.to_dtype(dt)?);
+            let LoraPair {
+                a,
+                b,
+                a_compute,
+                b_compute,
+                ..
+            } = p;
+            for (master, copy) in [(&*a, a_compute), (&*b, b_compute)] {
+                let fits = copy
+                    .as_ref()
+                    .is_some_and(|c| c.shape() == master.shape() && c.dtype() == dt);
+                if !fits {
+                    *copy = Some(master.to_dtype(dt)?);
+                } else if let Some(c) = copy {
+                    stale.push((master, c));
+                }
             }
         }
-        Ok(())
+        crate::tensor::cast_multi(&mut stale)
     }
 
     /// Writes a PEFT adapter folder.

@@ -2,7 +2,7 @@
 //! products through the `gemm` crate. These are the definitions the CUDA kernels are tested
 //! against, so they favour plain loops over cleverness; only the GEMMs are optimised.
 
-use super::{AdamW, AttnMask, AttnShape, RopeTable, Tensor};
+use super::{AdamW, AdamWItem, AttnMask, AttnShape, RopeTable, Tensor};
 use anyhow::Result;
 use rayon::prelude::*;
 
@@ -491,6 +491,36 @@ pub fn adamw_step(
         let vhat = vs[i] as f64 / bc2;
         p[i] *= 1.0 - h.lr * h.weight_decay;
         p[i] -= (h.lr as f64 * mhat / (vhat.sqrt() + h.eps as f64)) as f32;
+    }
+    Ok(())
+}
+
+/// The tensors' sums of squares (each `sum_sq`) added in order.
+pub fn sum_sq_multi(xs: &[&Tensor]) -> Result<f64> {
+    let mut total = 0.0;
+    for x in xs {
+        total += sum_sq(x.as_cpu()?);
+    }
+    Ok(total)
+}
+
+/// `adamw_step` on each item with its own lr, then its compute copy (f32 here) set to the new
+/// parameter and its gradient zeroed.
+pub fn adamw_multi(items: &mut [AdamWItem], h: AdamW) -> Result<()> {
+    for it in items.iter_mut() {
+        adamw_step(it.param, it.grad, it.m, it.v, AdamW { lr: it.lr, ..h })?;
+        if let Some(c) = it.compute.as_deref_mut() {
+            c.as_cpu_mut()?.copy_from_slice(it.param.as_cpu()?);
+        }
+        it.grad.as_cpu_mut()?.fill(0.0);
+    }
+    Ok(())
+}
+
+/// Copies every source into its destination (CPU tensors are all f32).
+pub fn cast_multi(pairs: &mut [(&Tensor, &mut Tensor)]) -> Result<()> {
+    for (src, dst) in pairs.iter_mut() {
+        dst.as_cpu_mut()?.copy_from_slice(src.as_cpu()?);
     }
     Ok(())
 }

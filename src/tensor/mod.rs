@@ -728,6 +728,105 @@ pub fn adamw_step(
     dispatch!(&dev, cpu::adamw_step(param, grad, m, v, h), c => c.adamw_step(param, grad, m, v, h))
 }
 
+/// `same_device` for the multi-tensor ops: item `i` against the first item.
+fn same_device_at(first: &Tensor, t: &Tensor, op: &str, i: usize) -> Result<()> {
+    ensure!(
+        std::mem::discriminant(&first.device) == std::mem::discriminant(&t.device),
+        "{op}: item {i} is on {} but the first is on {}",
+        t.device.name(),
+        first.device.name()
+    );
+    Ok(())
+}
+
+/// Sum of squares over every element of every tensor (f64 on the host): one launch and one sync
+/// on CUDA whatever the number of tensors.
+pub fn sum_sq_multi(xs: &[&Tensor]) -> Result<f64> {
+    let Some(first) = xs.first() else {
+        return Ok(0.0);
+    };
+    for (i, x) in xs.iter().enumerate() {
+        same_device_at(first, x, "sum_sq_multi", i)?;
+    }
+    dispatch!(first.device(), cpu::sum_sq_multi(xs), c => c.sum_sq_multi(xs))
+}
+
+/// One tensor of a multi-tensor AdamW update (`adamw_multi`).
+pub struct AdamWItem<'a> {
+    /// f32 master, updated in place.
+    pub param: &'a mut Tensor,
+    /// Its gradient (f32 or bf16), set to zero once read.
+    pub grad: &'a mut Tensor,
+    /// f32 moments.
+    pub m: &'a mut Tensor,
+    pub v: &'a mut Tensor,
+    /// Receives the updated parameter in its own dtype (the device's compute copy), if given.
+    pub compute: Option<&'a mut Tensor>,
+    /// Learning rate of this tensor; replaces the shared `AdamW::lr`.
+    pub lr: f32,
+}
+
+/// `adamw_step` on every item (each with its own lr, the other hyperparameters shared), then the
+/// item's compute copy refreshed from the new parameter and its gradient zeroed: one launch on
+/// CUDA whatever the number of tensors. Per element the arithmetic is `adamw_step`'s.
+pub fn adamw_multi(items: &mut [AdamWItem], h: AdamW) -> Result<()> {
+    let Some(dev) = items.first().map(|it| it.param.device().clone()) else {
+        return Ok(());
+    };
+    for (i, it) in items.iter().enumerate() {
+        let n = it.param.numel();
+        let f32s = [&*it.param, &*it.m, &*it.v].map(|t| t.dtype() == DType::F32);
+        ensure!(
+            f32s.iter().all(|&x| x),
+            "adamw_multi: tensor {i}: parameter and moments must be f32, got {:?}, {:?}, {:?}",
+            it.param.dtype(),
+            it.m.dtype(),
+            it.v.dtype()
+        );
+        ensure!(
+            it.grad.numel() == n && it.m.numel() == n && it.v.numel() == n,
+            "adamw_multi: tensor {i}: param {:?}, grad {:?}, m {:?}, v {:?} differ in size",
+            it.param.shape(),
+            it.grad.shape(),
+            it.m.shape(),
+            it.v.shape()
+        );
+        let first = &*items[0].param;
+        for t in [&*it.param, &*it.grad, &*it.m, &*it.v] {
+            same_device_at(first, t, "adamw_multi", i)?;
+        }
+        if let Some(c) = &it.compute {
+            ensure!(
+                c.numel() == n,
+                "adamw_multi: tensor {i}: compute copy {:?} vs param {:?}",
+                c.shape(),
+                it.param.shape()
+            );
+            same_device_at(first, c, "adamw_multi", i)?;
+        }
+    }
+    dispatch!(&dev, cpu::adamw_multi(items, h), c => c.adamw_multi(items, h))
+}
+
+/// `dst = src` converted to `dst`'s dtype, for every pair, in place (no allocation): one launch
+/// on CUDA whatever the number of pairs.
+pub fn cast_multi(pairs: &mut [(&Tensor, &mut Tensor)]) -> Result<()> {
+    let Some(dev) = pairs.first().map(|(s, _)| s.device().clone()) else {
+        return Ok(());
+    };
+    for (i, (src, dst)) in pairs.iter().enumerate() {
+        ensure!(
+            src.numel() == dst.numel(),
+            "cast_multi: pair {i}: source {:?} vs destination {:?}",
+            src.shape(),
+            dst.shape()
+        );
+        same_device_at(pairs[0].0, src, "cast_multi", i)?;
+        same_device_at(pairs[0].0, dst, "cast_multi", i)?;
+    }
+    dispatch!(&dev, cpu::cast_multi(pairs), c => c.cast_multi(pairs))
+}
+
 /// The dropout keep-decision shared bit-for-bit by the CPU and CUDA backends.
 #[inline]
 pub fn dropout_keep(seed: u64, index: u64, p: f32) -> bool {

@@ -446,6 +446,170 @@ fn elementwise(cx: &mut Ctx, r: &mut Rng) -> Result<()> {
         let row = cmp_t("adamw v (f32)", &vg, &vc, F32_TIGHT)?;
         cx.push(row);
     }
+    // Multi-tensor ops: sizes around the kernels' chunk (2048) and block (256) sizes, an empty
+    // tensor, one larger than many chunks.
+    let sizes = [1, 255, 257, 2047, 2048, 2049, 0, 6151, 100_003];
+    // sum_sq_multi (bf16 inputs)
+    {
+        let xs: Vec<Vec<f32>> = sizes.iter().map(|&n| r.bnormals(n, 1.0)).collect();
+        let cs = xs
+            .iter()
+            .map(|x| cx.c(x, &[x.len()]))
+            .collect::<Result<Vec<_>>>()?;
+        let gs = xs
+            .iter()
+            .map(|x| cx.g(x, &[x.len()], bf))
+            .collect::<Result<Vec<_>>>()?;
+        let want = sum_sq_multi(&cs.iter().collect::<Vec<_>>())?;
+        let got = sum_sq_multi(&gs.iter().collect::<Vec<_>>())?;
+        let mut row = compare(
+            "sum_sq_multi (9 tensors, bf16)",
+            &[got as f32],
+            &[want as f32],
+            F32_TIGHT,
+        );
+        row.note = format!("{} elements", sizes.iter().sum::<usize>());
+        cx.push(row);
+    }
+    // adamw_multi: bf16 gradients, a per-tensor lr, bf16 compute copies written and gradients
+    // zeroed by the same kernel; also against the single-tensor adamw_step on the same device.
+    {
+        let f = DType::F32;
+        let h = AdamW {
+            lr: 0.0, // per tensor below
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.01,
+            step: 7,
+            grad_scale: 0.5,
+        };
+        let lrs: Vec<f32> = (0..sizes.len()).map(|i| 1e-3 * (1 + i) as f32).collect();
+        struct Set {
+            p: Vec<Tensor>,
+            g: Vec<Tensor>,
+            m: Vec<Tensor>,
+            v: Vec<Tensor>,
+            c: Vec<Tensor>,
+        }
+        let mut host = Vec::new();
+        for &n in &sizes {
+            let (p, g, m) = (r.normals(n, 0.1), r.bnormals(n, 0.01), r.normals(n, 0.001));
+            let v: Vec<f32> = r.normals(n, 1e-4).iter().map(|x| x.abs()).collect();
+            host.push((p, g, m, v));
+        }
+        let make = |cpu: bool| -> Result<Set> {
+            let mut s = Set {
+                p: vec![],
+                g: vec![],
+                m: vec![],
+                v: vec![],
+                c: vec![],
+            };
+            for (p, g, m, v) in &host {
+                let sh = [p.len()];
+                let t = |x: &[f32], dt: DType| if cpu { cx.c(x, &sh) } else { cx.g(x, &sh, dt) };
+                s.p.push(t(p, f)?);
+                s.g.push(t(g, bf)?);
+                s.m.push(t(m, f)?);
+                s.v.push(t(v, f)?);
+                s.c.push(t(&vec![0.0; p.len()], bf)?);
+            }
+            Ok(s)
+        };
+        let run = |s: &mut Set| -> Result<()> {
+            let Set { p, g, m, v, c } = s;
+            let mut items: Vec<AdamWItem> = p
+                .iter_mut()
+                .zip(g.iter_mut())
+                .zip(m.iter_mut().zip(v.iter_mut()))
+                .zip(c.iter_mut())
+                .zip(&lrs)
+                .map(|((((param, grad), (m, v)), c), &lr)| AdamWItem {
+                    param,
+                    grad,
+                    m,
+                    v,
+                    compute: Some(c),
+                    lr,
+                })
+                .collect();
+            adamw_multi(&mut items, h)
+        };
+        let (mut want, mut got, mut single) = (make(true)?, make(false)?, make(false)?);
+        run(&mut want)?;
+        run(&mut got)?;
+        let cat = |ts: &[Tensor]| -> Result<Vec<f32>> {
+            let mut out = Vec::new();
+            for t in ts {
+                out.extend(t.to_vec()?);
+            }
+            Ok(out)
+        };
+        let gp = cat(&got.p)?;
+        cx.push(compare(
+            "adamw_multi param (f32)",
+            &gp,
+            &cat(&want.p)?,
+            F32_TIGHT,
+        ));
+        cx.push(compare(
+            "adamw_multi m (f32)",
+            &cat(&got.m)?,
+            &cat(&want.m)?,
+            F32_TIGHT,
+        ));
+        cx.push(compare(
+            "adamw_multi v (f32)",
+            &cat(&got.v)?,
+            &cat(&want.v)?,
+            F32_TIGHT,
+        ));
+        // The compute copy is the device's own updated parameter in the copy's dtype, exactly.
+        let own = if got.c[0].dtype() == bf {
+            rb(&gp)
+        } else {
+            gp.clone()
+        };
+        cx.push(compare(
+            "adamw_multi compute copy = param",
+            &cat(&got.c)?,
+            &own,
+            0.0,
+        ));
+        let zeros = vec![0f32; gp.len()];
+        cx.push(compare(
+            "adamw_multi zeroes the gradients",
+            &cat(&got.g)?,
+            &zeros,
+            0.0,
+        ));
+        // Single-tensor steps on the same device with the same inputs: the same arithmetic.
+        for (i, lr) in lrs.iter().enumerate() {
+            let (p, g) = (&mut single.p[i], &single.g[i]);
+            adamw_step(
+                p,
+                g,
+                &mut single.m[i],
+                &mut single.v[i],
+                AdamW { lr: *lr, ..h },
+            )?;
+        }
+        let sp = cat(&single.p)?;
+        let differ = gp
+            .iter()
+            .zip(&sp)
+            .filter(|(a, b)| a.to_bits() != b.to_bits())
+            .count();
+        let mut row = compare(
+            "adamw_multi vs adamw_step (same device)",
+            &gp,
+            &sp,
+            F32_TIGHT,
+        );
+        row.note = format!("{differ} of {} params differ bitwise", gp.len());
+        cx.push(row);
+    }
     Ok(())
 }
 

@@ -2,8 +2,8 @@
 //! (linear warmup, then cosine or constant), global-norm clipping and LoRA+.
 
 use crate::model::Lora;
-use crate::tensor::{self as ops, AdamW, DType, Tensor};
-use anyhow::Result;
+use crate::tensor::{self as ops, AdamW, AdamWItem, DType, Tensor};
+use anyhow::{Context, Result};
 
 /// First and second moments per LoRA matrix, in `Lora::pairs` order (A then B).
 pub struct AdamState {
@@ -59,6 +59,10 @@ pub struct OptimOptions {
 
 /// Applies one AdamW update to every LoRA matrix from the accumulated gradients; returns the
 /// gradient norm before clipping. `grad_scale` averages accumulated micro-steps.
+///
+/// Multi-tensor ops over all matrices at once: on CUDA one launch for the norm (the step's one
+/// host sync: the clip factor is needed on the host), one for AdamW (which also zeroes the
+/// gradients) and one that refreshes the bf16 compute copies in place.
 pub fn apply_update(
     lora: &mut Lora,
     state: &mut AdamState,
@@ -67,37 +71,52 @@ pub fn apply_update(
     grad_scale: f64,
     o: &OptimOptions,
 ) -> Result<f64> {
-    let mut sq = 0.0;
-    for (_, _, p) in lora.pairs() {
-        sq += ops::sum_sq(&p.grad_a)? + ops::sum_sq(&p.grad_b)?;
-    }
+    let sq = {
+        let grads: Vec<&Tensor> = lora
+            .pairs()
+            .flat_map(|(_, _, p)| [&p.grad_a, &p.grad_b])
+            .collect();
+        ops::sum_sq_multi(&grads)?
+    };
     let norm = sq.sqrt() * grad_scale;
     let clip = if o.grad_clip > 0.0 && norm > o.grad_clip {
         o.grad_clip / norm
     } else {
         1.0
     };
-    let mut i = 0;
+    let h = AdamW {
+        lr: lr as f32,
+        beta1: o.beta1 as f32,
+        beta2: o.beta2 as f32,
+        eps: o.eps as f32,
+        weight_decay: o.weight_decay as f32,
+        step,
+        grad_scale: (grad_scale * clip) as f32,
+    };
+    let mut items = Vec::with_capacity(state.m.len());
+    let mut moments = state.m.iter_mut().zip(state.v.iter_mut());
     for (_, _, p) in lora.pairs_mut() {
-        for (is_b, (param, grad)) in [
-            (false, (&mut p.a, &p.grad_a)),
-            (true, (&mut p.b, &p.grad_b)),
+        for (is_b, param, grad) in [
+            (false, &mut p.a, &mut p.grad_a),
+            (true, &mut p.b, &mut p.grad_b),
         ] {
+            let (m, v) = moments
+                .next()
+                .context("optimiser state holds fewer matrices than the adapter")?;
             let lr_here = if is_b { lr * o.lora_plus_ratio } else { lr };
-            let h = AdamW {
+            items.push(AdamWItem {
+                param,
+                grad,
+                m,
+                v,
+                // The compute copies are private to `Lora`: refreshed below, in one launch.
+                compute: None,
                 lr: lr_here as f32,
-                beta1: o.beta1 as f32,
-                beta2: o.beta2 as f32,
-                eps: o.eps as f32,
-                weight_decay: o.weight_decay as f32,
-                step,
-                grad_scale: (grad_scale * clip) as f32,
-            };
-            ops::adamw_step(param, grad, &mut state.m[i], &mut state.v[i], h)?;
-            i += 1;
+            });
         }
     }
+    ops::adamw_multi(&mut items, h)?;
+    drop(items);
     lora.refresh_compute_copies()?;
-    lora.zero_grads()?;
     Ok(norm)
 }

@@ -11,7 +11,9 @@
 mod cce;
 pub mod compile;
 
-use super::{AdamW, AttnMask, AttnShape, DType, Device, MemoryStats, RopeTable, Storage, Tensor};
+use super::{
+    AdamW, AdamWItem, AttnMask, AttnShape, DType, Device, MemoryStats, RopeTable, Storage, Tensor,
+};
 use anyhow::{anyhow, bail, ensure, Context, Result};
 use cudarc::cublas::{result as cublas, sys as cublas_sys};
 use cudarc::driver::{result as drv, sys, CudaContext, CudaStream};
@@ -274,6 +276,24 @@ fn dt(d: DType) -> Arg {
 /// own their allocations, which are 16-byte aligned).
 fn bf16x8(ts: &[&Tensor], n: usize) -> bool {
     n % 8 == 0 && ts.iter().all(|t| t.dtype() == DType::BF16)
+}
+
+/// Elements per chunk of the multi-tensor kernels (a block's unit of work: 8 per thread), and
+/// their block size.
+const MULTI_CHUNK: usize = 2048;
+const MULTI_THREADS: u32 = 256;
+
+/// The kernels' dtype flag (as `dt`), for table entries.
+fn dt_code(d: DType) -> u32 {
+    match d {
+        DType::F32 => 0,
+        DType::BF16 => 1,
+    }
+}
+
+/// Two 4-byte fields of a table entry in one 8-byte word (`lo` first, little-endian).
+fn pack(lo: u32, hi: u32) -> u64 {
+    lo as u64 | (hi as u64) << 32
 }
 
 fn cuda_ptr(t: &Tensor) -> Result<u64> {
@@ -1622,6 +1642,146 @@ impl CudaBackend {
                 Arg::F64(bc2),
             ],
         )
+    }
+
+    // --------------------------------------------------------------------------------------------
+    // Multi-tensor ops: one launch over a table of tensors (see the end of elementwise.cu). Each
+    // table entry is a fixed number of 8-byte words mirroring a struct there; empty tensors get
+    // no entry, so every entry owns at least one chunk.
+
+    /// Uploads `words` (`entries` table entries covering `n_chunks` chunks of `MULTI_CHUNK`
+    /// elements) and launches `name` with the table arguments followed by `extra`. The table is
+    /// freed in stream order after the kernel; the upload goes through pinned staging (no sync).
+    fn launch_multi(
+        &self,
+        name: &'static str,
+        words: &[u64],
+        entries: usize,
+        n_chunks: u64,
+        extra: Vec<Arg>,
+    ) -> Result<()> {
+        if entries == 0 {
+            return Ok(());
+        }
+        ensure!(
+            entries <= i32::MAX as usize,
+            "{name}: {entries} tensors in one call"
+        );
+        let table = self.alloc(words.len() * 8)?;
+        self.htod(&table, bytemuck::cast_slice(words))?;
+        let blocks = n_chunks.min(self.inner.sm_count as u64 * 16) as u32;
+        let mut args = vec![
+            Arg::P(table.ptr),
+            Arg::I32(entries as i32),
+            Arg::I64(n_chunks as i64),
+            Arg::I32(MULTI_CHUNK as i32),
+        ];
+        args.extend(extra);
+        self.launch(name, (blocks, 1, 1), MULTI_THREADS, 0, &args)
+    }
+
+    /// Sum of squares of every tensor: one launch, one download (a sync point).
+    pub fn sum_sq_multi(&self, xs: &[&Tensor]) -> Result<f64> {
+        // SqSeg: x, n, chunk0, (dt, pad).
+        let mut words = Vec::with_capacity(xs.len() * 4);
+        let (mut entries, mut chunks) = (0, 0u64);
+        for x in xs {
+            let n = x.numel();
+            if n == 0 {
+                continue;
+            }
+            words.extend([cuda_ptr(x)?, n as u64, chunks, pack(dt_code(x.dtype()), 0)]);
+            entries += 1;
+            chunks += n.div_ceil(MULTI_CHUNK) as u64;
+        }
+        if entries == 0 {
+            return Ok(0.0);
+        }
+        let out = self.alloc(8)?;
+        self.memset0(&out)?;
+        self.launch_multi(
+            "lf_sum_sq_multi",
+            &words,
+            entries,
+            chunks,
+            vec![Arg::P(out.ptr)],
+        )?;
+        let mut v = [0f64; 1];
+        self.inner.bind()?;
+        out.dtoh(&mut v)?;
+        Ok(v[0])
+    }
+
+    /// AdamW on every item, each compute copy refreshed and each gradient zeroed in the same
+    /// kernel (shapes and dtypes checked by `tensor::adamw_multi`). No sync.
+    pub fn adamw_multi(&self, items: &mut [AdamWItem], h: AdamW) -> Result<()> {
+        // AdamwSeg: p, g, m, v, pc, n, chunk0, (lr, gdt), (pcdt, pad).
+        let mut words = Vec::with_capacity(items.len() * 9);
+        let (mut entries, mut chunks) = (0, 0u64);
+        for it in items.iter() {
+            let n = it.param.numel();
+            if n == 0 {
+                continue;
+            }
+            let (pc, pcdt) = match it.compute.as_deref() {
+                Some(c) => (cuda_ptr(c)?, dt_code(c.dtype())),
+                None => (0, 0),
+            };
+            words.extend([
+                cuda_ptr(it.param)?,
+                cuda_ptr(it.grad)?,
+                cuda_ptr(it.m)?,
+                cuda_ptr(it.v)?,
+                pc,
+                n as u64,
+                chunks,
+                pack(it.lr.to_bits(), dt_code(it.grad.dtype())),
+                pack(pcdt, 0),
+            ]);
+            entries += 1;
+            chunks += n.div_ceil(MULTI_CHUNK) as u64;
+        }
+        // Bias corrections exactly as `adamw_step` computes them.
+        let bc1 = 1.0 - (h.beta1 as f64).powi(h.step as i32);
+        let bc2 = 1.0 - (h.beta2 as f64).powi(h.step as i32);
+        self.launch_multi(
+            "lf_adamw_multi",
+            &words,
+            entries,
+            chunks,
+            vec![
+                Arg::F32(h.beta1),
+                Arg::F32(h.beta2),
+                Arg::F32(h.eps),
+                Arg::F32(h.weight_decay),
+                Arg::F32(h.grad_scale),
+                Arg::F64(bc1),
+                Arg::F64(bc2),
+            ],
+        )
+    }
+
+    /// Every source converted into its (existing) destination: one launch, no allocation.
+    pub fn cast_multi(&self, pairs: &mut [(&Tensor, &mut Tensor)]) -> Result<()> {
+        // CastSeg: x, y, n, chunk0, (xdt, ydt).
+        let mut words = Vec::with_capacity(pairs.len() * 5);
+        let (mut entries, mut chunks) = (0, 0u64);
+        for (src, dst) in pairs.iter() {
+            let n = src.numel();
+            if n == 0 {
+                continue;
+            }
+            words.extend([
+                cuda_ptr(src)?,
+                cuda_ptr(dst)?,
+                n as u64,
+                chunks,
+                pack(dt_code(src.dtype()), dt_code(dst.dtype())),
+            ]);
+            entries += 1;
+            chunks += n.div_ceil(MULTI_CHUNK) as u64;
+        }
+        self.launch_multi("lf_cast_multi", &words, entries, chunks, vec![])
     }
 
     /// Dequantises `rows x cols` elements stored in `kind`'s layout to a bf16 `[rows, cols]`.

@@ -268,3 +268,114 @@ extern "C" __global__ void lf_logsoftmax_gather_bwd(const float* dlogp, const vo
         stf(dl, odt, base + j, d);
     }
 }
+
+// ------------------------------------------------------------------------------------------------
+// Multi-tensor ops: one launch over every element of a list of tensors (the optimiser step runs
+// over hundreds of small LoRA matrices). The host uploads a table with one entry per non-empty
+// tensor; each tensor is cut into chunks of `chunk` elements, entry k owning the chunks
+// [chunk0[k], chunk0[k+1]). Blocks stride over the chunks and find a chunk's tensor by binary
+// search over chunk0 (a few cached, warp-uniform loads per chunk of a few thousand elements), so
+// any mix of sizes keeps every block busy and no block straddles two tensors.
+
+// The layouts mirror the host's tables in src/tensor/cuda/mod.rs (8-byte words, little-endian).
+struct SqSeg {
+    const void* x;
+    i64 n, chunk0;
+    int dt, pad;
+};
+static_assert(sizeof(SqSeg) == 32, "SqSeg layout");
+
+struct AdamwSeg {
+    float* p;
+    void* g;       // zeroed after the update
+    float* m;
+    float* v;
+    void* pc;      // compute-dtype copy of p, written after the update; null for none
+    i64 n, chunk0;
+    float lr;
+    int gdt, pcdt, pad;
+};
+static_assert(sizeof(AdamwSeg) == 72, "AdamwSeg layout");
+
+struct CastSeg {
+    const void* x;
+    void* y;
+    i64 n, chunk0;
+    int xdt, ydt;
+};
+static_assert(sizeof(CastSeg) == 40, "CastSeg layout");
+
+// The entry owning chunk c: the last k with segs[k].chunk0 <= c (entries are non-empty, so
+// chunk0 is strictly increasing).
+template <typename S>
+__device__ __forceinline__ int seg_of(const S* segs, int ns, i64 c) {
+    int lo = 0, hi = ns - 1;
+    while (lo < hi) {
+        int mid = (lo + hi + 1) >> 1;
+        if (segs[mid].chunk0 <= c) lo = mid;
+        else hi = mid - 1;
+    }
+    return lo;
+}
+
+// Sum of squares of every tensor into *out (f64 partials, one atomic per block), as lf_sum_sq.
+extern "C" __global__ void lf_sum_sq_multi(const SqSeg* segs, int ns, i64 n_chunks, int chunk,
+                                           double* out) {
+    __shared__ double red[32];
+    double acc = 0.0;
+    for (i64 c = blockIdx.x; c < n_chunks; c += gridDim.x) {
+        const SqSeg s = segs[seg_of(segs, ns, c)];
+        const i64 begin = (c - s.chunk0) * chunk, end = min(begin + chunk, s.n);
+        for (i64 i = begin + threadIdx.x; i < end; i += blockDim.x) {
+            double v = (double)ldf(s.x, s.dt, i);
+            acc += v * v;
+        }
+    }
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    if (lane == 0) red[w] = acc;
+    __syncthreads();
+    if (w == 0) {
+        acc = lane < (int)(blockDim.x >> 5) ? red[lane] : 0.0;
+        #pragma unroll
+        for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+        if (lane == 0) atomicAdd(out, acc);
+    }
+}
+
+// AdamW over every tensor with its own lr and shared hyperparameters: per element exactly
+// lf_adamw's arithmetic; then, in the same pass, the updated parameter goes to its compute copy
+// (bf16 for the forward) and the gradient is zeroed for the next accumulation.
+extern "C" __global__ void lf_adamw_multi(const AdamwSeg* segs, int ns, i64 n_chunks, int chunk,
+                                          float b1, float b2, float eps, float wd, float grad_scale,
+                                          double bc1, double bc2) {
+    for (i64 c = blockIdx.x; c < n_chunks; c += gridDim.x) {
+        const AdamwSeg s = segs[seg_of(segs, ns, c)];
+        const i64 begin = (c - s.chunk0) * chunk, end = min(begin + chunk, s.n);
+        const float lr = s.lr;
+        for (i64 i = begin + threadIdx.x; i < end; i += blockDim.x) {
+            float gi = ldf(s.g, s.gdt, i) * grad_scale;
+            float mi = b1 * s.m[i] + (1.f - b1) * gi;
+            float vi = b2 * s.v[i] + (1.f - b2) * gi * gi;
+            s.m[i] = mi;
+            s.v[i] = vi;
+            double mhat = (double)mi / bc1, vhat = (double)vi / bc2;
+            float pi = s.p[i] * (1.f - lr * wd);
+            pi -= (float)((double)lr * mhat / (sqrt(vhat) + (double)eps));
+            s.p[i] = pi;
+            if (s.pc) stf(s.pc, s.pcdt, i, pi);
+            stf(s.g, s.gdt, i, 0.f);
+        }
+    }
+}
+
+// y_k = x_k converted to y_k's dtype, for every pair (refreshing compute copies in place).
+extern "C" __global__ void lf_cast_multi(const CastSeg* segs, int ns, i64 n_chunks, int chunk) {
+    for (i64 c = blockIdx.x; c < n_chunks; c += gridDim.x) {
+        const CastSeg s = segs[seg_of(segs, ns, c)];
+        const i64 begin = (c - s.chunk0) * chunk, end = min(begin + chunk, s.n);
+        for (i64 i = begin + threadIdx.x; i < end; i += blockDim.x)
+            stf(s.y, s.ydt, i, ldf(s.x, s.xdt, i));
+    }
+}
