@@ -171,6 +171,15 @@ impl LoraPair {
     pub fn b(&self) -> &Tensor {
         self.b_compute.as_ref().unwrap_or(&self.b)
     }
+
+    /// (master, gradient, compute copy) of A and of B, for an optimiser that updates all three
+    /// in one pass.
+    pub fn update_parts(&mut self) -> [(&mut Tensor, &mut Tensor, Option<&mut Tensor>); 2] {
+        [
+            (&mut self.a, &mut self.grad_a, self.a_compute.as_mut()),
+            (&mut self.b, &mut self.grad_b, self.b_compute.as_mut()),
+        ]
+    }
 }
 
 /// All adapters of a model: `layers[l][target.index()]`.

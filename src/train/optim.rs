@@ -61,8 +61,8 @@ pub struct OptimOptions {
 /// gradient norm before clipping. `grad_scale` averages accumulated micro-steps.
 ///
 /// Multi-tensor ops over all matrices at once: on CUDA one launch for the norm (the step's one
-/// host sync: the clip factor is needed on the host), one for AdamW (which also zeroes the
-/// gradients) and one that refreshes the bf16 compute copies in place.
+/// host sync: the clip factor is needed on the host), and one for AdamW, which also writes the
+/// bf16 compute copies and zeroes the gradients.
 pub fn apply_update(
     lora: &mut Lora,
     state: &mut AdamState,
@@ -96,10 +96,8 @@ pub fn apply_update(
     let mut items = Vec::with_capacity(state.m.len());
     let mut moments = state.m.iter_mut().zip(state.v.iter_mut());
     for (_, _, p) in lora.pairs_mut() {
-        for (is_b, param, grad) in [
-            (false, &mut p.a, &mut p.grad_a),
-            (true, &mut p.b, &mut p.grad_b),
-        ] {
+        for (k, (param, grad, compute)) in p.update_parts().into_iter().enumerate() {
+            let is_b = k == 1;
             let (m, v) = moments
                 .next()
                 .context("optimiser state holds fewer matrices than the adapter")?;
@@ -109,14 +107,11 @@ pub fn apply_update(
                 grad,
                 m,
                 v,
-                // The compute copies are private to `Lora`: refreshed below, in one launch.
-                compute: None,
+                compute,
                 lr: lr_here as f32,
             });
         }
     }
     ops::adamw_multi(&mut items, h)?;
-    drop(items);
-    lora.refresh_compute_copies()?;
     Ok(norm)
 }

@@ -2,7 +2,8 @@
 //! kernels compiled by NVRTC on first use (see `compile`), matrix products through cuBLAS
 //! (`cublasGemmEx`, fp32 compute). Memory is stream-ordered (`cuMemAllocAsync`) and counted
 //! (live and peak bytes); small host-to-device copies (token ids, masks) go through pinned staging
-//! buffers so no op waits for the GPU. Downloads (`to_vec`, `sum_sq`) are the only sync points.
+//! buffers so no op waits for the GPU. Downloads (`to_vec`, the sums of squares) are the only sync
+//! points.
 //!
 //! Everything here talks to the driver through cudarc's thin `result`/`sys` layers, so memory,
 //! launches and lifetimes are explicit. cudarc loads the driver with `dlopen` and panics when the
