@@ -14,7 +14,9 @@ use lorafit::model::weights::{load_weights, RandomSource};
 use lorafit::model::{Model, PassCtx};
 use lorafit::tensor::cce::{cce_backward, cce_forward, DEFAULT_FILTER_EPS, IGNORE};
 use lorafit::tensor::{self as ops, DType, Device, Tensor};
-use lorafit::train::head::{logp_backward, logp_forward, HeadTier};
+use lorafit::train::head::{
+    logp_backward, logp_backward_saved, logp_forward, logp_forward_saved, HeadTier,
+};
 
 fn tiny_model(tied: bool) -> Model {
     let mut spec = named_shape("tiny").unwrap();
@@ -118,6 +120,15 @@ fn tiers_agree_on_random_hidden_states() {
             dfused.to_vec().unwrap(),
         );
         assert!(rel_norm(&dchunk, &dfull) < 1e-5, "chunked dh");
+        // A training forward keeps d h / d logp; the backward then only scales rows. Same
+        // gradient up to f32 rounding (the product is associated differently).
+        for (tier, c) in [(HeadTier::Full, 0), (HeadTier::Chunked, 7)] {
+            let (lp, saved) = logp_forward_saved(&model, &h, &t, tier, c, true).unwrap();
+            logp_close("saved-forward logp", &lp, &full);
+            let d = logp_backward_saved(&model, &h, &t, &dl, tier, c, &saved).unwrap();
+            let r = rel_norm(&d.to_vec().unwrap(), &dfull);
+            assert!(r < 1e-5, "{tier:?} dh from the saved forward: rel-norm {r}");
+        }
         // The tier runs with the default filter: bounded difference.
         let rf = rel_norm(&dfused, &dfull);
         assert!(rf < 1e-2, "fused (filtered) dh rel-norm {rf}");

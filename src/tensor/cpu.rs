@@ -359,6 +359,16 @@ pub fn add_bias(x: &mut Tensor, bias: &Tensor) -> Result<()> {
     Ok(())
 }
 
+pub fn scale_rows(x: &mut Tensor, s: &Tensor) -> Result<()> {
+    let cols = x.rows_cols().1.max(1);
+    let s = s.as_cpu()?;
+    x.as_cpu_mut()?
+        .par_chunks_mut(cols)
+        .zip(s)
+        .for_each(|(r, f)| r.iter_mut().for_each(|v| *v *= f));
+    Ok(())
+}
+
 pub fn scale(x: &mut Tensor, s: f32) -> Result<()> {
     x.as_cpu_mut()?.par_iter_mut().for_each(|v| *v *= s);
     Ok(())

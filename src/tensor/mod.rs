@@ -631,6 +631,19 @@ pub fn add_bias(x: &mut Tensor, bias: &Tensor) -> Result<()> {
     dispatch!(&dev, cpu::add_bias(x, bias), c => c.add_bias(x, bias))
 }
 
+/// `x[t, :] *= s[t]` for every row, in place (`s` f32, one entry per row).
+pub fn scale_rows(x: &mut Tensor, s: &Tensor) -> Result<()> {
+    ensure!(
+        s.dtype() == DType::F32 && s.numel() == x.rows_cols().0,
+        "scale_rows: {:?} rows vs {:?} {:?} scales",
+        x.shape(),
+        s.shape(),
+        s.dtype()
+    );
+    let dev = x.device().clone();
+    dispatch!(&dev, cpu::scale_rows(x, s), c => c.scale_rows(x, s))
+}
+
 /// `x * scale` in place.
 pub fn scale(x: &mut Tensor, s: f32) -> Result<()> {
     let dev = x.device().clone();

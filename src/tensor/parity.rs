@@ -335,6 +335,13 @@ fn elementwise(cx: &mut Ctx, r: &mut Rng) -> Result<()> {
         scale(&mut got, -1.7)?;
         let row = cmp_t("scale", &got, &want, BF16_FWD)?;
         cx.push(row);
+        let f = r.normals(rows, 1.0);
+        let mut want = cx.c(&x, &[rows, c])?;
+        scale_rows(&mut want, &cx.c(&f, &[rows])?)?;
+        let mut got = cx.g(&x, &[rows, c], bf)?;
+        scale_rows(&mut got, &cx.g(&f, &[rows], DType::F32)?)?;
+        let row = cmp_t("scale_rows", &got, &want, BF16_FWD)?;
+        cx.push(row);
     }
     // rows
     {

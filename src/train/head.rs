@@ -2,7 +2,9 @@
 //! gradient back to the hidden states, without keeping `[tokens, vocab]` logits beyond one chunk.
 //!
 //! Tiers: `Full` materialises the logits of every selected row at once (the reference);
-//! `Chunked(c)` runs `c` rows at a time and recomputes each chunk's logits in the backward;
+//! `Chunked(c)` runs `c` rows at a time; for training, each chunk's forward also contracts its
+//! softmax coefficients into `d h / d logp` (see `HeadSaved`), so the backward never recomputes
+//! logits;
 //! `Fused` is the fused linear cross-entropy (`tensor::cce`): no logits are ever stored, the
 //! backward recomputes them block by block from the forward's lse (`HeadSaved`).
 //! Only rows that have a target are ever projected: callers gather those rows first.
@@ -44,11 +46,18 @@ fn chunks(rows: usize, tier: HeadTier, chunk: usize) -> Vec<(usize, usize)> {
         .collect()
 }
 
-/// What the forward keeps for the backward: the fused tier's per-row lse (the other tiers
-/// recompute each chunk's logits, and their lse with them).
+/// What the forward keeps for the backward: the fused tier's per-row lse, or, for the other
+/// tiers, `d h / d logp` of every row.
+///
+/// Every objective is a function of the per-token logps, so `d loss / d logits[t] =
+/// dlogp[t] · (onehot(target[t]) - softmax(logits[t]))` and `d h[t] = dlogp[t] · u[t]` with
+/// `u[t] = (onehot - softmax) W`: one `(rows, H)` matrix, formed while the forward's logits chunk
+/// is still live. The backward then scales rows instead of projecting every chunk onto the
+/// vocabulary a second time.
 #[derive(Default)]
 pub struct HeadSaved {
     lse: Option<Tensor>,
+    dh_per_logp: Option<Tensor>,
 }
 
 /// log p(targets[i] | h[i]) for every row of `h` `(N, H)`.
@@ -59,43 +68,80 @@ pub fn logp_forward(
     tier: HeadTier,
     chunk: usize,
 ) -> Result<Vec<f32>> {
-    Ok(logp_forward_saved(model, h, targets, tier, chunk)?.0)
+    Ok(logp_forward_saved(model, h, targets, tier, chunk, false)?.0)
 }
 
-/// `logp_forward`, also returning what `logp_backward_saved` reuses.
+/// `logp_forward`, also returning what `logp_backward_saved` reuses (with `for_backward`; a
+/// forward that is not followed by a backward passes false and keeps nothing).
 pub fn logp_forward_saved(
     model: &Model,
     h: &Tensor,
     targets: &[u32],
     tier: HeadTier,
     chunk: usize,
+    for_backward: bool,
 ) -> Result<(Vec<f32>, HeadSaved)> {
     if tier == HeadTier::Fused {
         // A quantized head is dequantized once per call.
         let w = model.weights.head().dense()?;
         let (logp, lse) = cce::cce_forward(h, &w, targets, None)?;
-        return Ok((logp.to_vec()?, HeadSaved { lse: Some(lse) }));
+        let saved = HeadSaved {
+            lse: Some(lse),
+            dh_per_logp: None,
+        };
+        return Ok((logp.to_vec()?, saved));
     }
+    let n = targets.len();
+    let spans = chunks(n, tier, chunk);
     let mut parts = Vec::new();
-    for (s, e) in chunks(targets.len(), tier, chunk) {
-        let hc = if s == 0 && e == targets.len() {
+    let mut dh_per_logp = None;
+    if for_backward && spans.len() > 1 {
+        let (_, hid) = h.rows_cols();
+        dh_per_logp = Some(Tensor::zeros(
+            &[n, hid],
+            model.device.compute_dtype(),
+            h.device(),
+        )?);
+    }
+    for &(s, e) in &spans {
+        let hc = if s == 0 && e == n {
             h.try_clone()?
         } else {
             ops::slice_rows(h, s, e)?
         };
         let logits = model.logits(&hc, DType::F32)?;
-        let (logp, _) = ops::logsoftmax_gather(&logits, &targets[s..e])?;
+        let (logp, lse) = ops::logsoftmax_gather(&logits, &targets[s..e])?;
         parts.push(logp);
+        if for_backward {
+            let ones = Tensor::from_f32(&vec![1.0; e - s], &[e - s], DType::F32, h.device())?;
+            let coeff = ops::logsoftmax_gather_bwd(&ones, &logits, &lse, &targets[s..e])?;
+            drop(logits);
+            let u = model.logits_bwd(&coeff)?;
+            match &mut dh_per_logp {
+                Some(all) => {
+                    let idx: Vec<u32> = (s as u32..e as u32).collect();
+                    ops::scatter_add_rows(all, &idx, &u)?;
+                }
+                None => dh_per_logp = Some(u),
+            }
+        }
     }
     // Downloads after all chunks are queued: the device runs them without waiting on the host.
-    let mut out = Vec::with_capacity(targets.len());
+    let mut out = Vec::with_capacity(n);
     for p in parts {
         out.extend(p.to_vec()?);
     }
-    Ok((out, HeadSaved::default()))
+    Ok((
+        out,
+        HeadSaved {
+            lse: None,
+            dh_per_logp,
+        },
+    ))
 }
 
-/// d loss / d h `(N, H)` from d loss / d logp, recomputing each chunk's logits.
+/// d loss / d h `(N, H)` from d loss / d logp, recomputing each chunk's logits (without a saved
+/// forward).
 pub fn logp_backward(
     model: &Model,
     h: &Tensor,
@@ -107,8 +153,8 @@ pub fn logp_backward(
     logp_backward_saved(model, h, targets, dlogp, tier, chunk, &HeadSaved::default())
 }
 
-/// `logp_backward` reusing the forward's `saved` state (the fused tier's lse; recomputed when
-/// absent).
+/// `logp_backward` reusing the forward's `saved` state (the fused tier's lse, the other tiers'
+/// `d h / d logp`; recomputed when absent).
 pub fn logp_backward_saved(
     model: &Model,
     h: &Tensor,
@@ -132,6 +178,11 @@ pub fn logp_backward_saved(
         };
         let g = Tensor::from_f32(dlogp, &[n], DType::F32, &dev)?;
         return cce::cce_backward(h, &w, targets, &g, lse, None, filter_eps());
+    }
+    if let Some(u) = &saved.dh_per_logp {
+        let mut dh = u.try_clone()?;
+        ops::scale_rows(&mut dh, &Tensor::from_f32(dlogp, &[n], DType::F32, &dev)?)?;
+        return Ok(dh);
     }
     let mut dh = Tensor::zeros(&[n, hid], h.dtype(), &dev)?;
     for (s, e) in chunks(n, tier, chunk) {

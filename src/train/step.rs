@@ -164,7 +164,8 @@ pub fn run_example(
     let mut group_h = Vec::with_capacity(groups.len());
     for g in &groups {
         let h = ops::gather_rows(&fwd[g.seq].0, &g.rows)?;
-        let (lp, saved) = logp_forward_saved(model, &h, &g.targets, opts.head, opts.head_chunk)?;
+        let (lp, saved) =
+            logp_forward_saved(model, &h, &g.targets, opts.head, opts.head_chunk, train)?;
         for &(part, start, len) in &g.spans {
             logps[part] = lp[start..start + len].to_vec();
         }

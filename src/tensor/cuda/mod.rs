@@ -1434,6 +1434,21 @@ impl CudaBackend {
         )
     }
 
+    pub fn scale_rows(&self, x: &mut Tensor, s: &Tensor) -> Result<()> {
+        let n = x.numel();
+        self.launch_n(
+            "lf_scale_rows",
+            n,
+            &[
+                Arg::P(cuda_ptr(x)?),
+                dt(x.dtype()),
+                Arg::P(cuda_ptr(s)?),
+                Arg::I64(n as i64),
+                Arg::I64(x.rows_cols().1.max(1) as i64),
+            ],
+        )
+    }
+
     pub fn scale(&self, x: &mut Tensor, s: f32) -> Result<()> {
         let n = x.numel();
         self.launch_n(

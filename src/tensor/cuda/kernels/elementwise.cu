@@ -128,6 +128,10 @@ extern "C" __global__ void lf_add_bias(void* x, int xdt, const void* b, int bdt,
     GRID_STRIDE(i, n) stf(x, xdt, i, ldf(x, xdt, i) + ldf(b, bdt, i % cols));
 }
 
+extern "C" __global__ void lf_scale_rows(void* x, int dt, const float* s, i64 n, i64 cols) {
+    GRID_STRIDE(i, n) stf(x, dt, i, ldf(x, dt, i) * s[i / cols]);
+}
+
 extern "C" __global__ void lf_scale(void* x, int dt, float s, i64 n) {
     GRID_STRIDE(i, n) stf(x, dt, i, ldf(x, dt, i) * s);
 }
