@@ -700,7 +700,30 @@ pub fn logsoftmax_gather_bwd(
     lse: &Tensor,
     targets: &[u32],
 ) -> Result<Tensor> {
-    dispatch!(logits.device(), cpu::logsoftmax_gather_bwd(dlogp, logits, lse, targets), c => c.logsoftmax_gather_bwd(dlogp, logits, lse, targets))
+    logsoftmax_gather_bwd_to(dlogp, logits, lse, targets, logits.dtype())
+}
+
+/// `logsoftmax_gather_bwd` with `dlogits` stored in `out_dtype` (the compute dtype of the head
+/// GEMM that consumes it, without an extra conversion pass over `[rows, vocab]`).
+pub fn logsoftmax_gather_bwd_to(
+    dlogp: &Tensor,
+    logits: &Tensor,
+    lse: &Tensor,
+    targets: &[u32],
+    out_dtype: DType,
+) -> Result<Tensor> {
+    dispatch!(
+        logits.device(),
+        {
+            let d = cpu::logsoftmax_gather_bwd(dlogp, logits, lse, targets)?;
+            if d.dtype() == out_dtype {
+                Ok(d)
+            } else {
+                d.to_dtype(out_dtype)
+            }
+        },
+        c => c.logsoftmax_gather_bwd(dlogp, logits, lse, targets, out_dtype)
+    )
 }
 
 /// LoRA-input dropout with a mask that is a pure function of `(seed, element index)`, so that a

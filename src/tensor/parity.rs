@@ -402,6 +402,20 @@ fn elementwise(cx: &mut Ctx, r: &mut Rng) -> Result<()> {
             BF16_GRAD,
         )?;
         cx.push(row);
+        let got = logsoftmax_gather_bwd_to(
+            &cx.g(&dl, &[rows], DType::F32)?,
+            &lg,
+            &cx.g(&lsc.to_vec()?, &[rows], DType::F32)?,
+            &targets,
+            bf,
+        )?;
+        let row = cmp_t(
+            &format!("logsoftmax_gather bwd V={v} -> BF16"),
+            &got,
+            &want,
+            BF16_GRAD,
+        )?;
+        cx.push(row);
     }
     // dropout: the same keep pattern bit for bit
     {

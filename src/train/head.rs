@@ -114,7 +114,13 @@ pub fn logp_forward_saved(
         parts.push(logp);
         if for_backward {
             let ones = Tensor::from_f32(&vec![1.0; e - s], &[e - s], DType::F32, h.device())?;
-            let coeff = ops::logsoftmax_gather_bwd(&ones, &logits, &lse, &targets[s..e])?;
+            let coeff = ops::logsoftmax_gather_bwd_to(
+                &ones,
+                &logits,
+                &lse,
+                &targets[s..e],
+                model.device.compute_dtype(),
+            )?;
             drop(logits);
             let u = model.logits_bwd(&coeff)?;
             match &mut dh_per_logp {

@@ -1551,13 +1551,14 @@ impl CudaBackend {
         logits: &Tensor,
         lse: &Tensor,
         targets: &[u32],
+        out_dtype: DType,
     ) -> Result<Tensor> {
         ensure!(
             dlogp.dtype() == DType::F32 && lse.dtype() == DType::F32,
             "logsoftmax_gather_bwd: dlogp and lse must be f32"
         );
         let (rows, v) = logits.rows_cols();
-        let d = self.empty(logits.shape(), logits.dtype())?;
+        let d = self.empty(logits.shape(), out_dtype)?;
         let tb = self.upload_u32(targets)?;
         let bx = v.div_ceil(256).min(64) as u32;
         self.launch(
@@ -1572,7 +1573,7 @@ impl CudaBackend {
                 Arg::P(cuda_ptr(lse)?),
                 Arg::P(tb.ptr),
                 Arg::P(cuda_ptr(&d)?),
-                dt(logits.dtype()),
+                dt(out_dtype),
                 Arg::I64(v as i64),
             ],
         )?;
