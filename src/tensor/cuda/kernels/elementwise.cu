@@ -170,14 +170,9 @@ extern "C" __global__ void lf_dropout(const void* x, int dt, void* y, i64 n, flo
     GRID_STRIDE(i, n) stf(y, dt, i, dropout_keep(seed, (u64)i, p) ? ldf(x, dt, i) * keep_scale : 0.f);
 }
 
-// Partial sums of squares in f64, one atomic per block.
-extern "C" __global__ void lf_sum_sq(const void* x, int dt, i64 n, double* out) {
+// Adds the block's per-thread f64 partials into *out: one atomic per block.
+__device__ void block_sum_atomic(double acc, double* out) {
     __shared__ double red[32];
-    double acc = 0.0;
-    GRID_STRIDE(i, n) {
-        double v = (double)ldf(x, dt, i);
-        acc += v * v;
-    }
     #pragma unroll
     for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
     int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
@@ -189,6 +184,16 @@ extern "C" __global__ void lf_sum_sq(const void* x, int dt, i64 n, double* out) 
         for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
         if (lane == 0) atomicAdd(out, acc);
     }
+}
+
+// Partial sums of squares in f64, one atomic per block.
+extern "C" __global__ void lf_sum_sq(const void* x, int dt, i64 n, double* out) {
+    double acc = 0.0;
+    GRID_STRIDE(i, n) {
+        double v = (double)ldf(x, dt, i);
+        acc += v * v;
+    }
+    block_sum_atomic(acc, out);
 }
 
 // AdamW on f32 masters, mirroring the CPU reference's f32/f64 mix exactly.
@@ -325,7 +330,6 @@ __device__ __forceinline__ int seg_of(const S* segs, int ns, i64 c) {
 // Sum of squares of every tensor into *out (f64 partials, one atomic per block), as lf_sum_sq.
 extern "C" __global__ void lf_sum_sq_multi(const SqSeg* segs, int ns, i64 n_chunks, int chunk,
                                            double* out) {
-    __shared__ double red[32];
     double acc = 0.0;
     for (i64 c = blockIdx.x; c < n_chunks; c += gridDim.x) {
         const SqSeg s = segs[seg_of(segs, ns, c)];
@@ -335,17 +339,7 @@ extern "C" __global__ void lf_sum_sq_multi(const SqSeg* segs, int ns, i64 n_chun
             acc += v * v;
         }
     }
-    #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-    int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
-    if (lane == 0) red[w] = acc;
-    __syncthreads();
-    if (w == 0) {
-        acc = lane < (int)(blockDim.x >> 5) ? red[lane] : 0.0;
-        #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-        if (lane == 0) atomicAdd(out, acc);
-    }
+    block_sum_atomic(acc, out);
 }
 
 // AdamW over every tensor with its own lr and shared hyperparameters: per element exactly
