@@ -263,11 +263,9 @@ impl Model {
         let k = ops::rope(&k, ctx.rope, s.n_kv_heads, false)?;
         let (attn, lse) = ops::attention(&q, &k, &v, ctx.mask, self.attn_shape())?;
         let o = lin(&attn, &w.o, Target::O)?;
-        let mut x1 = x.try_clone()?;
-        ops::add_assign(&mut x1, &o, 1.0)?;
+        let (x1, xn2, rstd2) = ops::add_rms_norm_to(&x, &o, &w.mlp_norm, s.rms_eps, cdt)?;
         drop(o);
 
-        let (xn2, rstd2) = ops::rms_norm_to(&x1, &w.mlp_norm, s.rms_eps, cdt)?;
         let (mlp_out, mlp) = if self.mlp_chunk > 0 && t > self.mlp_chunk {
             // Token chunks: the (T, I) intermediates never exist for all tokens at once.
             let mut out = Tensor::zeros(x1.shape(), cdt, x1.device())?;
@@ -414,8 +412,7 @@ impl Model {
                 d
             }
         };
-        let mut d_x1 = ops::rms_norm_bwd(&d_xn2, &a.x1, &w.mlp_norm, &a.rstd2)?;
-        ops::add_assign(&mut d_x1, d_out, 1.0)?;
+        let d_x1 = ops::rms_norm_bwd_add(&d_xn2, &a.x1, &w.mlp_norm, &a.rstd2, d_out)?;
 
         let mut lin_bwd = |into: Option<Tensor>,
                            dy: &Tensor,
@@ -471,9 +468,7 @@ impl Model {
         let d_xn = lin_bwd(None, &dq, &a.xn, &w.q, Target::Q)?;
         let d_xn = lin_bwd(Some(d_xn), &dk, &a.xn, &w.k, Target::K)?;
         let d_xn = lin_bwd(Some(d_xn), &dv, &a.xn, &w.v, Target::V)?;
-        let mut dx = ops::rms_norm_bwd(&d_xn, &a.x, &w.attn_norm, &a.rstd1)?;
-        ops::add_assign(&mut dx, &d_x1, 1.0)?;
-        Ok(dx)
+        ops::rms_norm_bwd_add(&d_xn, &a.x, &w.attn_norm, &a.rstd1, &d_x1)
     }
 
     /// Forward through all layers and the final norm. Keeps what the backward needs according to

@@ -531,7 +531,62 @@ pub fn rms_norm_to(x: &Tensor, w: &Tensor, eps: f32, out_dtype: DType) -> Result
 
 /// dx of RMSNorm (the weight is frozen).
 pub fn rms_norm_bwd(dy: &Tensor, x: &Tensor, w: &Tensor, rstd: &Tensor) -> Result<Tensor> {
-    dispatch!(x.device(), cpu::rms_norm_bwd(dy, x, w, rstd), c => c.rms_norm_bwd(dy, x, w, rstd))
+    dispatch!(x.device(), cpu::rms_norm_bwd(dy, x, w, rstd), c => c.rms_norm_bwd_add(dy, x, w, rstd, None))
+}
+
+/// The residual add and the RMSNorm that reads it, in one pass: returns `(x + r, RMSNorm(x + r)
+/// in out_dtype, rstd)`, the sum stored in `x`'s dtype. The same arithmetic as `add_assign`
+/// followed by `rms_norm_to`.
+pub fn add_rms_norm_to(
+    x: &Tensor,
+    r: &Tensor,
+    w: &Tensor,
+    eps: f32,
+    out_dtype: DType,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    ensure!(
+        x.shape() == r.shape() && x.dim(-1) == w.numel(),
+        "add_rms_norm: x {:?}, r {:?}, weight {:?}",
+        x.shape(),
+        r.shape(),
+        w.shape()
+    );
+    dispatch!(
+        x.device(),
+        {
+            let mut sum = x.try_clone()?;
+            cpu::add_assign(&mut sum, r, 1.0)?;
+            let (y, rstd) = cpu::rms_norm(&sum, w, eps)?;
+            Ok((sum, y, rstd))
+        },
+        c => c.add_rms_norm_to(x, r, w, eps, out_dtype)
+    )
+}
+
+/// `rms_norm_bwd(dy, x, w, rstd) + add` in one pass: where the residual branch's gradient joins
+/// the normalised branch's.
+pub fn rms_norm_bwd_add(
+    dy: &Tensor,
+    x: &Tensor,
+    w: &Tensor,
+    rstd: &Tensor,
+    add: &Tensor,
+) -> Result<Tensor> {
+    ensure!(
+        add.shape() == x.shape(),
+        "rms_norm_bwd_add: x {:?} vs add {:?}",
+        x.shape(),
+        add.shape()
+    );
+    dispatch!(
+        x.device(),
+        {
+            let mut dx = cpu::rms_norm_bwd(dy, x, w, rstd)?;
+            cpu::add_assign(&mut dx, add, 1.0)?;
+            Ok(dx)
+        },
+        c => c.rms_norm_bwd_add(dy, x, w, rstd, Some(add))
+    )
 }
 
 /// Rotary embedding (Hugging Face's rotate-half layout) of `x` `[T, n_heads*head_dim]`.

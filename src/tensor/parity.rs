@@ -257,6 +257,47 @@ fn elementwise(cx: &mut Ctx, r: &mut Rng) -> Result<()> {
         )?;
         let row = cmp_t("rms_norm bwd dx", &got, &want, BF16_GRAD)?;
         cx.push(row);
+        // The fused residual forms, as the layer uses them: an f32 stream plus a bf16 branch
+        // output, normalised into bf16; the backward adds an f32 residual gradient.
+        let f = DType::F32;
+        let (xs, o) = (r.normals(rows * h, 2.0), r.bnormals(rows * h, 1.0));
+        let (sum_c, yc, sc) = add_rms_norm_to(
+            &cx.c(&xs, &[rows, h])?,
+            &cx.c(&o, &[rows, h])?,
+            &cx.c(&w, &[h])?,
+            1e-6,
+            f,
+        )?;
+        let (sum_g, yg, sg) = add_rms_norm_to(
+            &cx.g(&xs, &[rows, h], f)?,
+            &cx.g(&o, &[rows, h], bf)?,
+            &wg,
+            1e-6,
+            bf,
+        )?;
+        let row = cmp_t("add_rms_norm sum (f32)", &sum_g, &sum_c, F32_TIGHT)?;
+        cx.push(row);
+        let row = cmp_t("add_rms_norm y (-> bf16)", &yg, &yc, BF16_FWD)?;
+        cx.push(row);
+        let row = cmp_t("add_rms_norm rstd (f32)", &sg, &sc, F32_STAT)?;
+        cx.push(row);
+        let add = r.normals(rows * h, 1.0);
+        let want = rms_norm_bwd_add(
+            &cx.c(&dy, &[rows, h])?,
+            &sum_c,
+            &cx.c(&w, &[h])?,
+            &sc,
+            &cx.c(&add, &[rows, h])?,
+        )?;
+        let got = rms_norm_bwd_add(
+            &cx.g(&dy, &[rows, h], bf)?,
+            &sum_g,
+            &wg,
+            &cx.g(&sc.to_vec()?, &[rows], f)?,
+            &cx.g(&add, &[rows, h], f)?,
+        )?;
+        let row = cmp_t("rms_norm_bwd_add dx (f32)", &got, &want, F32_STAT)?;
+        cx.push(row);
     }
     // rope
     {

@@ -928,9 +928,39 @@ impl CudaBackend {
         eps: f32,
         out_dtype: DType,
     ) -> Result<(Tensor, Tensor)> {
+        let (y, rstd, _) = self.rms_norm_launch(x, None, w, eps, out_dtype)?;
+        Ok((y, rstd))
+    }
+
+    pub fn add_rms_norm_to(
+        &self,
+        x: &Tensor,
+        r: &Tensor,
+        w: &Tensor,
+        eps: f32,
+        out_dtype: DType,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        let (y, rstd, sum) = self.rms_norm_launch(x, Some(r), w, eps, out_dtype)?;
+        Ok((sum.context("add_rms_norm: no sum")?, y, rstd))
+    }
+
+    /// RMSNorm of `x` (or of `x + r`, also returned, in `x`'s dtype) with the output in
+    /// `out_dtype`; one block per row.
+    fn rms_norm_launch(
+        &self,
+        x: &Tensor,
+        r: Option<&Tensor>,
+        w: &Tensor,
+        eps: f32,
+        out_dtype: DType,
+    ) -> Result<(Tensor, Tensor, Option<Tensor>)> {
         let (rows, h) = x.rows_cols();
         let y = self.empty(x.shape(), out_dtype)?;
         let rstd = self.empty(&[rows], DType::F32)?;
+        let sum = match r {
+            Some(_) => Some(self.empty(x.shape(), x.dtype())?),
+            None => None,
+        };
         self.launch(
             "lf_rms_norm",
             (rows as u32, 1, 1),
@@ -939,6 +969,9 @@ impl CudaBackend {
             &[
                 Arg::P(cuda_ptr(x)?),
                 dt(x.dtype()),
+                Arg::P(r.map(cuda_ptr).transpose()?.unwrap_or(0)),
+                dt(r.map_or(DType::F32, |t| t.dtype())),
+                Arg::P(sum.as_ref().map(cuda_ptr).transpose()?.unwrap_or(0)),
                 Arg::P(cuda_ptr(w)?),
                 dt(w.dtype()),
                 Arg::P(cuda_ptr(&y)?),
@@ -948,15 +981,17 @@ impl CudaBackend {
                 Arg::F32(eps),
             ],
         )?;
-        Ok((y, rstd))
+        Ok((y, rstd, sum))
     }
 
-    pub fn rms_norm_bwd(
+    /// dx of RMSNorm, plus `add` when given (the residual gradient), in one pass.
+    pub fn rms_norm_bwd_add(
         &self,
         dy: &Tensor,
         x: &Tensor,
         w: &Tensor,
         rstd: &Tensor,
+        add: Option<&Tensor>,
     ) -> Result<Tensor> {
         let (rows, h) = x.rows_cols();
         ensure!(rstd.dtype() == DType::F32, "rms_norm_bwd: rstd must be f32");
@@ -974,6 +1009,8 @@ impl CudaBackend {
                 Arg::P(cuda_ptr(w)?),
                 dt(w.dtype()),
                 Arg::P(cuda_ptr(rstd)?),
+                Arg::P(add.map(cuda_ptr).transpose()?.unwrap_or(0)),
+                dt(add.map_or(DType::F32, |t| t.dtype())),
                 Arg::P(cuda_ptr(&dx)?),
                 Arg::I32(h as i32),
             ],

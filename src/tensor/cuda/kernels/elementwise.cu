@@ -13,25 +13,35 @@ extern "C" __global__ void lf_fill_zero_f32(float* y, i64 n) {
 
 // One block per row.
 // y may be stored in another dtype than x (ydt): an f32 residual stream feeding bf16 projections.
-extern "C" __global__ void lf_rms_norm(const void* x, int xdt, const void* w, int wdt, void* y,
-                                       int ydt, float* rstd, int h, float eps) {
+// With r (may be null), the row is first summed: sum = x + r is stored in x's dtype (the residual
+// add) and normalised as stored. Each thread reads back only the elements it wrote.
+extern "C" __global__ void lf_rms_norm(const void* x, int xdt, const void* r, int rdt, void* sum,
+                                       const void* w, int wdt, void* y, int ydt, float* rstd, int h,
+                                       float eps) {
     i64 row = blockIdx.x;
     const i64 base = row * h;
+    const void* src = x;
+    if (r) {
+        for (int i = threadIdx.x; i < h; i += blockDim.x)
+            stf(sum, xdt, base + i, ldf(x, xdt, base + i) + ldf(r, rdt, base + i));
+        src = sum;
+    }
     float ss = 0.f;
     for (int i = threadIdx.x; i < h; i += blockDim.x) {
-        float v = ldf(x, xdt, base + i);
+        float v = ldf(src, xdt, base + i);
         ss += v * v;
     }
     ss = block_sum(ss);
     float s = 1.0f / sqrtf(ss / (float)h + eps);
     if (threadIdx.x == 0) rstd[row] = s;
     for (int i = threadIdx.x; i < h; i += blockDim.x)
-        stf(y, ydt, base + i, ldf(x, xdt, base + i) * s * ldf(w, wdt, i));
+        stf(y, ydt, base + i, ldf(src, xdt, base + i) * s * ldf(w, wdt, i));
 }
 
-// dx = s*(dy*w) - s^3/h * x * sum(dy*w*x)
+// dx = s*(dy*w) - s^3/h * x * sum(dy*w*x), plus add (may be null: the residual gradient).
 extern "C" __global__ void lf_rms_norm_bwd(const void* dy, int ddt, const void* x, int xdt,
-                                           const void* w, int wdt, const float* rstd, void* dx, int h) {
+                                           const void* w, int wdt, const float* rstd, const void* add,
+                                           int adt, void* dx, int h) {
     i64 row = blockIdx.x;
     const i64 base = row * h;
     float dot = 0.f;
@@ -40,8 +50,11 @@ extern "C" __global__ void lf_rms_norm_bwd(const void* dy, int ddt, const void* 
     dot = block_sum(dot);
     float s = rstd[row];
     float c = s * s * s * dot / (float)h;
-    for (int i = threadIdx.x; i < h; i += blockDim.x)
-        stf(dx, xdt, base + i, s * ldf(dy, ddt, base + i) * ldf(w, wdt, i) - c * ldf(x, xdt, base + i));
+    for (int i = threadIdx.x; i < h; i += blockDim.x) {
+        float v = s * ldf(dy, ddt, base + i) * ldf(w, wdt, i) - c * ldf(x, xdt, base + i);
+        if (add) v += ldf(add, adt, base + i);
+        stf(dx, xdt, base + i, v);
+    }
 }
 
 // Rotate-half RoPE; one thread per (token, head, pair). sign = -1 applies the inverse.
