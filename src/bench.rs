@@ -165,14 +165,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         &device,
     )?;
     let mut adam = AdamState::new(&lora)?;
-    let optim = OptimOptions {
-        beta1: 0.9,
-        beta2: 0.999,
-        eps: 1e-8,
-        weight_decay: 0.0,
-        grad_clip: 1.0,
-        lora_plus_ratio: 1.0,
-    };
+    let optim = OptimOptions::default();
     let peak_flops = measure_gemm_peak(&device)?;
 
     let mut workloads = vec![Workload {

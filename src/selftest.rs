@@ -343,14 +343,7 @@ pub fn train_parity(device: &Device) -> Result<bool> {
             dev,
         )?;
         let mut adam = AdamState::new(&lora)?;
-        let o = OptimOptions {
-            beta1: 0.9,
-            beta2: 0.999,
-            eps: 1e-8,
-            weight_decay: 0.0,
-            grad_clip: 1.0,
-            lora_plus_ratio: 1.0,
-        };
+        let o = OptimOptions::default();
         let opts = PassOptions {
             segment_size: 2,
             head: HeadTier::Chunked,

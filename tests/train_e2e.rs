@@ -479,14 +479,7 @@ fn grad_accum_equals_summed_batch() {
     }
     // apply_update zeroes the gradients.
     let mut adam = AdamState::new(&acc).unwrap();
-    let opt0 = OptimOptions {
-        beta1: 0.9,
-        beta2: 0.999,
-        eps: 1e-8,
-        weight_decay: 0.0,
-        grad_clip: 1.0,
-        lora_plus_ratio: 1.0,
-    };
+    let opt0 = OptimOptions::default();
     apply_update(&mut acc, &mut adam, lr, 1, 1.0 / 3.0, &opt0).unwrap();
     assert!(host_grads(&acc)
         .iter()

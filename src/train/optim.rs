@@ -1,6 +1,7 @@
 //! The optimiser side of a step: AdamW state for every LoRA matrix, the learning-rate schedule
 //! (linear warmup, then cosine or constant), global-norm clipping and LoRA+.
 
+use crate::config::TrainConfig;
 use crate::model::Lora;
 use crate::tensor::{self as ops, AdamW, AdamWItem, DType, Tensor};
 use anyhow::{Context, Result};
@@ -55,6 +56,27 @@ pub struct OptimOptions {
     pub weight_decay: f64,
     pub grad_clip: f64,
     pub lora_plus_ratio: f64,
+}
+
+impl OptimOptions {
+    pub fn from_config(cfg: &TrainConfig) -> OptimOptions {
+        OptimOptions {
+            beta1: cfg.adam_beta1,
+            beta2: cfg.adam_beta2,
+            eps: cfg.adam_eps,
+            weight_decay: cfg.weight_decay,
+            grad_clip: cfg.grad_clip,
+            lora_plus_ratio: cfg.lora_plus_ratio,
+        }
+    }
+}
+
+/// The training defaults of `TrainConfig`: plain AdamW (0.9, 0.999, 1e-8), no weight decay,
+/// clipping at norm 1, no LoRA+.
+impl Default for OptimOptions {
+    fn default() -> OptimOptions {
+        OptimOptions::from_config(&TrainConfig::default())
+    }
 }
 
 /// Applies one AdamW update to every LoRA matrix from the accumulated gradients; returns the

@@ -263,14 +263,7 @@ pub fn train(
         total_steps,
         cosine: cfg.schedule == "cosine",
     };
-    let optim = OptimOptions {
-        beta1: cfg.adam_beta1,
-        beta2: cfg.adam_beta2,
-        eps: cfg.adam_eps,
-        weight_decay: cfg.weight_decay,
-        grad_clip: cfg.grad_clip,
-        lora_plus_ratio: cfg.lora_plus_ratio,
-    };
+    let optim = OptimOptions::from_config(cfg);
 
     let mut lora = match &cfg.warm_start {
         Some(p) => {
