@@ -125,7 +125,7 @@ fn tiers_agree_on_random_hidden_states() {
         for (tier, c) in [(HeadTier::Full, 0), (HeadTier::Chunked, 7)] {
             let (lp, saved) = logp_forward_saved(&model, &h, &t, tier, c, true).unwrap();
             logp_close("saved-forward logp", &lp, &full);
-            let d = logp_backward_saved(&model, &h, &t, &dl, tier, c, &saved).unwrap();
+            let d = logp_backward_saved(&model, &h, &t, &dl, tier, c, saved).unwrap();
             let r = rel_norm(&d.to_vec().unwrap(), &dfull);
             assert!(r < 1e-5, "{tier:?} dh from the saved forward: rel-norm {r}");
         }

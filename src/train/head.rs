@@ -156,11 +156,11 @@ pub fn logp_backward(
     tier: HeadTier,
     chunk: usize,
 ) -> Result<Tensor> {
-    logp_backward_saved(model, h, targets, dlogp, tier, chunk, &HeadSaved::default())
+    logp_backward_saved(model, h, targets, dlogp, tier, chunk, HeadSaved::default())
 }
 
-/// `logp_backward` reusing the forward's `saved` state (the fused tier's lse, the other tiers'
-/// `d h / d logp`; recomputed when absent).
+/// `logp_backward` consuming the forward's `saved` state (the fused tier's lse, the other tiers'
+/// `d h / d logp`, whose rows are scaled in place; recomputed when absent).
 pub fn logp_backward_saved(
     model: &Model,
     h: &Tensor,
@@ -168,7 +168,7 @@ pub fn logp_backward_saved(
     dlogp: &[f32],
     tier: HeadTier,
     chunk: usize,
-    saved: &HeadSaved,
+    saved: HeadSaved,
 ) -> Result<Tensor> {
     let (n, hid) = h.rows_cols();
     let dev = h.device().clone();
@@ -185,8 +185,7 @@ pub fn logp_backward_saved(
         let g = Tensor::from_f32(dlogp, &[n], DType::F32, &dev)?;
         return cce::cce_backward(h, &w, targets, &g, lse, None, filter_eps());
     }
-    if let Some(u) = &saved.dh_per_logp {
-        let mut dh = u.try_clone()?;
+    if let Some(mut dh) = saved.dh_per_logp {
         ops::scale_rows(&mut dh, &Tensor::from_f32(dlogp, &[n], DType::F32, &dev)?)?;
         return Ok(dh);
     }

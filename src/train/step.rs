@@ -219,7 +219,7 @@ pub fn run_example(
         .flatten()
         .collect();
         let mut dh: Vec<Option<Tensor>> = (0..plan.seqs.len()).map(|_| None).collect();
-        for (g, (h, saved)) in groups.iter().zip(&group_h) {
+        for (g, (h, saved)) in groups.iter().zip(group_h) {
             let mut d = vec![0f32; g.rows.len()];
             for &(part, start, len) in &g.spans {
                 for (x, y) in d[start..start + len].iter_mut().zip(grads[part]) {
@@ -227,7 +227,7 @@ pub fn run_example(
                 }
             }
             let dhc =
-                logp_backward_saved(model, h, &g.targets, &d, opts.head, opts.head_chunk, saved)?;
+                logp_backward_saved(model, &h, &g.targets, &d, opts.head, opts.head_chunk, saved)?;
             let full = &fwd[g.seq].0;
             let mut slot = Tensor::zeros(full.shape(), full.dtype(), full.device())?;
             ops::scatter_add_rows(&mut slot, &g.rows, &dhc)?;
