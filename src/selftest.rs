@@ -51,21 +51,38 @@ fn next_token_ce_grad(logits: &[f32], ids: &[u32], vocab: usize) -> Vec<f32> {
     d
 }
 
-/// A tensor source whose values are rounded to bf16.
-struct Bf16Rounded<'a>(&'a RandomSource);
+/// A tensor source whose values are rounded to bf16. It remembers the names it served, so that
+/// a dump writes exactly the tensors `load_weights` read.
+struct Bf16Rounded<'a> {
+    src: &'a RandomSource,
+    served: std::cell::RefCell<Vec<String>>,
+}
+
+impl<'a> Bf16Rounded<'a> {
+    fn new(src: &'a RandomSource) -> Self {
+        Bf16Rounded {
+            src,
+            served: Default::default(),
+        }
+    }
+}
 
 impl crate::model::weights::TensorSource for Bf16Rounded<'_> {
     fn get(&self, name: &str) -> Result<(Vec<usize>, Vec<f32>)> {
-        let (shape, mut data) = self.0.get(name)?;
+        let (shape, mut data) = self.src.get(name)?;
         data.iter_mut()
             .for_each(|x| *x = half::bf16::from_f32(*x).to_f32());
+        let mut served = self.served.borrow_mut();
+        if !served.iter().any(|n| n == name) {
+            served.push(name.to_string());
+        }
         Ok((shape, data))
     }
     fn contains(&self, name: &str) -> bool {
-        self.0.contains(name)
+        self.src.contains(name)
     }
     fn describe(&self) -> String {
-        self.0.describe()
+        self.src.describe()
     }
 }
 
@@ -96,9 +113,10 @@ pub fn model_parity(device: &Device) -> Result<usize> {
         };
         // The CPU reference runs on the same bf16-rounded weights the GPU holds, so the rows
         // measure the device's arithmetic, not the rounding of its inputs.
+        let rounded = Bf16Rounded::new(&src);
         let cpu = Model::new(
             spec.clone(),
-            load_weights(&spec, &Bf16Rounded(&src), &Device::Cpu)?,
+            load_weights(&spec, &rounded, &Device::Cpu)?,
             Device::Cpu,
         );
         let mut gpu = Model::new(
@@ -186,7 +204,7 @@ pub fn model_parity(device: &Device) -> Result<usize> {
                 ("loss", &loss, &loss_cpu, &loss_gpu),
             ] {
                 let out = std::path::Path::new(&root).join(format!("{name}-{kind}"));
-                dump_case(&out, json, &spec, &src, &dir, &ids, dl, &keys, c, g)?;
+                dump_case(&out, json, &rounded, &dir, &ids, dl, &keys, c, g)?;
             }
         }
         let (rn, md, mi) = rel_norm(&lg_logits, &lc_logits);
@@ -214,8 +232,7 @@ pub fn model_parity(device: &Device) -> Result<usize> {
 fn dump_case(
     out: &std::path::Path,
     config_json: &str,
-    spec: &ModelSpec,
-    src: &RandomSource,
+    weights: &Bf16Rounded,
     adapter: &std::path::Path,
     ids: &[u32],
     dlogits: &[f32],
@@ -226,37 +243,10 @@ fn dump_case(
     use crate::model::weights::{write_f32_safetensors, TensorSource};
     std::fs::create_dir_all(out.join("adapter"))?;
     std::fs::write(out.join("config.json"), config_json)?;
-    let mut names = vec![
-        "model.embed_tokens.weight".to_string(),
-        "model.norm.weight".into(),
-    ];
-    if !spec.tie_embeddings {
-        names.push("lm_head.weight".into());
-    }
-    for l in 0..spec.n_layers {
-        for leaf in [
-            "input_layernorm.weight",
-            "post_attention_layernorm.weight",
-            "self_attn.q_proj.weight",
-            "self_attn.k_proj.weight",
-            "self_attn.v_proj.weight",
-            "self_attn.o_proj.weight",
-            "mlp.gate_proj.weight",
-            "mlp.up_proj.weight",
-            "mlp.down_proj.weight",
-            "self_attn.q_proj.bias",
-            "self_attn.k_proj.bias",
-            "self_attn.v_proj.bias",
-            "self_attn.q_norm.weight",
-            "self_attn.k_norm.weight",
-        ] {
-            names.push(format!("model.layers.{l}.{leaf}"));
-        }
-    }
-    let rounded = Bf16Rounded(src);
     let mut tensors = Vec::new();
-    for n in names.into_iter().filter(|n| rounded.contains(n)) {
-        let (shape, data) = rounded.get(&n)?;
+    let names = weights.served.borrow().clone();
+    for n in names {
+        let (shape, data) = weights.get(&n)?;
         tensors.push((n, shape, data));
     }
     write_f32_safetensors(&out.join("model.safetensors"), &tensors)?;
