@@ -266,11 +266,9 @@ struct MaskArg {
 
 const KEY_TILE: usize = 64;
 
+/// A dtype as the kernels' flag argument (`dt_code`).
 fn dt(d: DType) -> Arg {
-    Arg::I32(match d {
-        DType::F32 => 0,
-        DType::BF16 => 1,
-    })
+    Arg::I32(dt_code(d) as i32)
 }
 
 /// Whether the 8-wide bf16 kernels apply: every operand bf16 and `n` a multiple of 8 (tensors
@@ -284,7 +282,8 @@ fn bf16x8(ts: &[&Tensor], n: usize) -> bool {
 const MULTI_CHUNK: usize = 2048;
 const MULTI_THREADS: u32 = 256;
 
-/// The kernels' dtype flag (as `dt`), for table entries.
+/// The kernels' dtype flag (`ldf`/`stf` in common.cuh): 0 f32, 1 bf16; also written into the
+/// multi-tensor tables.
 fn dt_code(d: DType) -> u32 {
     match d {
         DType::F32 => 0,
