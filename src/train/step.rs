@@ -6,7 +6,7 @@ use super::head::{logp_backward_saved, logp_forward, logp_forward_saved, HeadTie
 use super::objectives::{self, BranchLogps, ObjectiveOut, SftScope};
 use super::plan::{Plan, Rows};
 use crate::model::{Lora, Model, PassCtx};
-use crate::tensor::{self as ops, Tensor};
+use crate::tensor::{self as ops, RopeTable, Tensor};
 use anyhow::{anyhow, Result};
 
 /// The training objective and its hyperparameters.
@@ -53,7 +53,7 @@ pub struct ExampleOut {
 pub fn reference_sums(model: &Model, plan: &Plan, opts: &PassOptions) -> Result<(f64, f64)> {
     let hidden = forward_all(model, plan, None, opts, false)?;
     let sum = |r: &Rows| -> Result<f64> {
-        let h = ops::gather_rows(&hidden[r.seq].0, &r.rows)?;
+        let h = ops::gather_rows(&hidden[r.seq].hidden, &r.rows)?;
         Ok(
             logp_forward(model, &h, &r.targets, opts.head, opts.head_chunk)?
                 .iter()
@@ -100,7 +100,13 @@ fn head_groups(n_seqs: usize, parts: &[&Rows]) -> Vec<HeadGroup> {
     groups
 }
 
-type Forwarded = (Tensor, Option<crate::model::llama::ForwardState>);
+/// One sequence after the forward: final hidden states, what the backward needs (when kept),
+/// and the RoPE table, built once and reused by the backward.
+struct Forwarded {
+    hidden: Tensor,
+    state: Option<crate::model::llama::ForwardState>,
+    rope: RopeTable,
+}
 
 fn forward_all(
     model: &Model,
@@ -124,8 +130,12 @@ fn forward_all(
             } else {
                 model.spec.n_layers
             };
-            let (h, st) = model.forward(&s.ids, lora, &ctx, seg)?;
-            Ok((h, keep.then_some(st)))
+            let (hidden, st) = model.forward(&s.ids, lora, &ctx, seg)?;
+            Ok(Forwarded {
+                hidden,
+                state: keep.then_some(st),
+                rope,
+            })
         })
         .collect()
 }
@@ -163,7 +173,7 @@ pub fn run_example(
     let mut logps: Vec<Vec<f32>> = vec![Vec::new(); parts.len()];
     let mut group_h = Vec::with_capacity(groups.len());
     for g in &groups {
-        let h = ops::gather_rows(&fwd[g.seq].0, &g.rows)?;
+        let h = ops::gather_rows(&fwd[g.seq].hidden, &g.rows)?;
         let (lp, saved) =
             logp_forward_saved(model, &h, &g.targets, opts.head, opts.head_chunk, train)?;
         for &(part, start, len) in &g.spans {
@@ -228,19 +238,18 @@ pub fn run_example(
             }
             let dhc =
                 logp_backward_saved(model, &h, &g.targets, &d, opts.head, opts.head_chunk, saved)?;
-            let full = &fwd[g.seq].0;
+            let full = &fwd[g.seq].hidden;
             let mut slot = Tensor::zeros(full.shape(), full.dtype(), full.device())?;
             ops::scatter_add_rows(&mut slot, &g.rows, &dhc)?;
             dh[g.seq] = Some(slot);
         }
         for (i, s) in plan.seqs.iter().enumerate().rev() {
-            let (Some(d), Some(state)) = (dh[i].take(), fwd[i].1.take()) else {
+            let (Some(d), Some(state)) = (dh[i].take(), fwd[i].state.take()) else {
                 continue;
             };
-            let rope = model.rope_table(&s.mask.positions)?;
             let ctx = PassCtx {
                 mask: &s.mask,
-                rope: &rope,
+                rope: &fwd[i].rope,
                 dropout: opts.dropout,
             };
             model.backward(&d, state, Some(lora), &ctx)?;
