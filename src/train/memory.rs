@@ -10,7 +10,8 @@ use crate::model::ModelSpec;
 /// (f32), the two normed inputs, q, k, v, the attention output (compute dtype), the MLP's gate,
 /// up and product (unless the MLP runs in token chunks), and small per-row statistics. The
 /// backward of one layer needs about as much again in transients. The head adds one chunk of f32
-/// logits and their gradient.
+/// logits with their softmax coefficients (compute dtype), and keeps `d h / d logp` of every row
+/// (compute dtype) from the forward to the backward.
 pub fn estimate_bytes(
     spec: &ModelSpec,
     tokens: usize,
@@ -33,7 +34,7 @@ pub fn estimate_bytes(
         boundaries + segment_size.min(l) * layer
     };
     let transients = layer + tokens * h * 4 * 2;
-    let head = head_chunk_rows * spec.vocab * (4 + 4 + c);
+    let head = head_chunk_rows * spec.vocab * (4 + c) + tokens * h * c;
     kept + transients + head
 }
 
