@@ -12,7 +12,7 @@ pub mod cpu;
 pub mod cuda;
 pub mod parity;
 
-use anyhow::{bail, ensure, Result};
+use anyhow::{bail, ensure, Context, Result};
 use std::sync::Arc;
 
 /// Element type of a tensor's storage. CPU tensors are always `F32`; CUDA tensors hold
@@ -819,17 +819,6 @@ pub fn adamw_step(
     dispatch!(&dev, cpu::adamw_step(param, grad, m, v, h), c => c.adamw_step(param, grad, m, v, h))
 }
 
-/// `same_device` for the multi-tensor ops: item `i` against the first item.
-fn same_device_at(first: &Tensor, t: &Tensor, op: &str, i: usize) -> Result<()> {
-    ensure!(
-        std::mem::discriminant(&first.device) == std::mem::discriminant(&t.device),
-        "{op}: item {i} is on {} but the first is on {}",
-        t.device.name(),
-        first.device.name()
-    );
-    Ok(())
-}
-
 /// Sum of squares over every element of every tensor (f64 on the host): one launch and one sync
 /// on CUDA whatever the number of tensors.
 pub fn sum_sq_multi(xs: &[&Tensor]) -> Result<f64> {
@@ -837,7 +826,7 @@ pub fn sum_sq_multi(xs: &[&Tensor]) -> Result<f64> {
         return Ok(0.0);
     };
     for (i, x) in xs.iter().enumerate() {
-        same_device_at(first, x, "sum_sq_multi", i)?;
+        same_device(first, x, "sum_sq_multi").with_context(|| format!("item {i}"))?;
     }
     dispatch!(first.device(), cpu::sum_sq_multi(xs), c => c.sum_sq_multi(xs))
 }
@@ -884,7 +873,7 @@ pub fn adamw_multi(items: &mut [AdamWItem], h: AdamW) -> Result<()> {
         );
         let first = &*items[0].param;
         for t in [&*it.param, &*it.grad, &*it.m, &*it.v] {
-            same_device_at(first, t, "adamw_multi", i)?;
+            same_device(first, t, "adamw_multi").with_context(|| format!("item {i}"))?;
         }
         if let Some(c) = &it.compute {
             ensure!(
@@ -893,7 +882,7 @@ pub fn adamw_multi(items: &mut [AdamWItem], h: AdamW) -> Result<()> {
                 c.shape(),
                 it.param.shape()
             );
-            same_device_at(first, c, "adamw_multi", i)?;
+            same_device(first, c, "adamw_multi").with_context(|| format!("item {i}"))?;
         }
     }
     dispatch!(&dev, cpu::adamw_multi(items, h), c => c.adamw_multi(items, h))
@@ -912,8 +901,8 @@ pub fn cast_multi(pairs: &mut [(&Tensor, &mut Tensor)]) -> Result<()> {
             src.shape(),
             dst.shape()
         );
-        same_device_at(pairs[0].0, src, "cast_multi", i)?;
-        same_device_at(pairs[0].0, dst, "cast_multi", i)?;
+        same_device(pairs[0].0, src, "cast_multi").with_context(|| format!("item {i}"))?;
+        same_device(pairs[0].0, dst, "cast_multi").with_context(|| format!("item {i}"))?;
     }
     dispatch!(&dev, cpu::cast_multi(pairs), c => c.cast_multi(pairs))
 }
