@@ -1377,15 +1377,10 @@ impl CudaBackend {
         let y = self.empty(gate.shape(), gate.dtype())?;
         let n = gate.numel();
         if bf16x8(&[gate, up], n) {
-            let args = [gate, up, &y].map(|t| cuda_ptr(t).map(Arg::P));
-            let [a, b, c] = args;
-            return self
-                .launch_n(
-                    "lf_silu_mul_bf16x8",
-                    n / 8,
-                    &[a?, b?, c?, Arg::I64(n as i64 / 8)],
-                )
-                .map(|_| y);
+            let [a, b, c] = [gate, up, &y].map(|t| cuda_ptr(t).map(Arg::P));
+            let args = [a?, b?, c?, Arg::I64(n as i64 / 8)];
+            self.launch_n("lf_silu_mul_bf16x8", n / 8, &args)?;
+            return Ok(y);
         }
         self.launch_n(
             "lf_silu_mul",
