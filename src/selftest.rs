@@ -8,26 +8,11 @@ use crate::model::{Lora, LoraConfig, Model, ModelSpec, PassCtx};
 use crate::tensor::{parity, DType, Device, Tensor};
 use anyhow::{bail, Result};
 
-fn rel_norm(a: &[f32], b: &[f32]) -> (f64, f64, usize) {
-    let mut num = 0.0;
-    let mut den = 0.0;
-    let (mut md, mut mi) = (0.0f64, 0usize);
-    for (i, (x, y)) in a.iter().zip(b).enumerate() {
-        let d = (*x as f64 - *y as f64).abs();
-        num += d * d;
-        den += (*y as f64).powi(2);
-        if d > md {
-            (md, mi) = (d, i);
-        }
-    }
-    ((num / den.max(1e-300)).sqrt(), md, mi)
-}
-
 /// The largest relative-norm error over matching gradient matrices, and its index.
 fn worst_rel_norm(got: &[Vec<f32>], want: &[Vec<f32>]) -> (f64, usize) {
     got.iter()
         .zip(want)
-        .map(|(g, w)| rel_norm(g, w).0)
+        .map(|(g, w)| parity::compare("", g, w, 0.0).rel)
         .enumerate()
         .fold(
             (0.0, 0),
@@ -188,7 +173,7 @@ pub fn model_parity(device: &Device) -> Result<usize> {
         let (lb_logits, lb_grads) = run(&gpu, &mut lb, &loss)?;
         println!(
             "model {name:<6} (bf16 residual, info) logits rel-norm {:.3e}, worst LoRA grad rel-norm {:.3e}",
-            rel_norm(&lb_logits, &lc_logits).0,
+            parity::compare("", &lb_logits, &lc_logits, 0.0).rel,
             worst_rel_norm(&lb_grads, &loss_cpu).0
         );
         gpu.residual_dtype = DType::F32;
@@ -207,10 +192,15 @@ pub fn model_parity(device: &Device) -> Result<usize> {
                 dump_case(&out, json, &rounded, &dir, &ids, dl, &keys, c, g)?;
             }
         }
-        let (rn, md, mi) = rel_norm(&lg_logits, &lc_logits);
-        let ok = rn <= 1e-2;
-        failed += !ok as usize;
-        println!("model {name:<6} logits            rel-norm {rn:.3e} max|diff| {md:.3e} @{mi}  bound 1e-2  {}", if ok { "ok" } else { "FAIL" });
+        let row = parity::compare("logits", &lg_logits, &lc_logits, 1e-2);
+        failed += !row.pass as usize;
+        println!(
+            "model {name:<6} logits            rel-norm {:.3e} max|diff| {:.3e} @{}  bound 1e-2  {}",
+            row.rel,
+            row.max_abs,
+            row.worst,
+            if row.pass { "ok" } else { "FAIL" }
+        );
         let (worst, at) = worst_rel_norm(&loss_gpu, &loss_cpu);
         let ok = worst <= 2e-2;
         failed += !ok as usize;

@@ -65,7 +65,9 @@ fn rb(v: &[f32]) -> Vec<f32> {
         .collect()
 }
 
-fn compare(op: &str, got: &[f32], want: &[f32], bound: f64) -> ParityRow {
+/// One row: max |got - want| (and where), relative-norm error `|got - want| / |want|`, and whether
+/// it is within `bound` (NaN or a length mismatch never is).
+pub fn compare(op: &str, got: &[f32], want: &[f32], bound: f64) -> ParityRow {
     let mut max_abs = 0f64;
     let mut worst = 0;
     let (mut dn, mut bn) = (0f64, 0f64);
