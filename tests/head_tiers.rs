@@ -11,7 +11,7 @@ mod common;
 use common::*;
 use lorafit::bench::named_shape;
 use lorafit::model::weights::{load_weights, RandomSource};
-use lorafit::model::{Model, PassCtx};
+use lorafit::model::Model;
 use lorafit::tensor::cce::{cce_backward, cce_forward, DEFAULT_FILTER_EPS, IGNORE};
 use lorafit::tensor::{self as ops, DType, Device, Tensor};
 use lorafit::train::head::{
@@ -241,14 +241,7 @@ fn fused_matches_full_on_smollm2_hidden_states() {
     let mut ids = tok.encode(text, false).unwrap().get_ids().to_vec();
     ids.truncate(65);
     assert!(ids.len() >= 48, "sentence gave {} tokens", ids.len());
-    let mask = model.causal_mask(ids.len());
-    let rope = model.rope_table(&mask.positions).unwrap();
-    let ctx = PassCtx {
-        mask: &mask,
-        rope: &rope,
-        dropout: None,
-    };
-    let (hidden, _) = model.forward(&ids, None, &ctx, 0).unwrap();
+    let hidden = model.hidden_states(&ids, None).unwrap();
     let n = ids.len() - 1;
     let h = ops::slice_rows(&hidden, 0, n).unwrap();
     let t: Vec<u32> = ids[1..].to_vec();

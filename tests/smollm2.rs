@@ -4,7 +4,7 @@
 
 mod common;
 use common::*;
-use lorafit::model::{smollm2, PassCtx};
+use lorafit::model::smollm2;
 use lorafit::tensor::{DType, Device};
 
 #[test]
@@ -21,14 +21,7 @@ fn smollm2_logits_match_transformers() {
     assert!(model.spec.tie_embeddings);
     let reference = read_safetensors(&fixture("smollm2/reference.safetensors"));
     let ids: Vec<u32> = reference["input_ids"].1.iter().map(|&x| x as u32).collect();
-    let mask = model.causal_mask(ids.len());
-    let rope = model.rope_table(&mask.positions).unwrap();
-    let ctx = PassCtx {
-        mask: &mask,
-        rope: &rope,
-        dropout: None,
-    };
-    let (hidden, _) = model.forward(&ids, None, &ctx, 0).unwrap();
+    let hidden = model.hidden_states(&ids, None).unwrap();
     let logits = model.logits(&hidden, DType::F32).unwrap().to_vec().unwrap();
     let v = model.spec.vocab;
     let tail = &logits[(ids.len() - 4) * v..];

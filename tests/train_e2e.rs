@@ -23,7 +23,7 @@ use lorafit::config::{Method, TrainConfig};
 use lorafit::data::{TextTokenizer, TokenizedPair, TokenizedSft};
 use lorafit::model::lora::Rng;
 use lorafit::model::weights::{load_weights, RandomSource};
-use lorafit::model::{Lora, Model, ModelSpec, PassCtx};
+use lorafit::model::{Lora, Model, ModelSpec};
 use lorafit::tensor::{DType, Device};
 use lorafit::train::head::{HeadTier, DEFAULT_CHUNK};
 use lorafit::train::optim::{apply_update, AdamState, OptimOptions};
@@ -747,14 +747,7 @@ fn peft_adapter_reproduces_lorafit_logits() {
     let ids: Vec<u32> =
         serde_json::from_str(&std::fs::read_to_string(dir.join("ids.json")).unwrap()).unwrap();
     assert_eq!(ids, roundtrip_ids());
-    let mask = model.causal_mask(ids.len());
-    let rope = model.rope_table(&mask.positions).unwrap();
-    let ctx = PassCtx {
-        mask: &mask,
-        rope: &rope,
-        dropout: None,
-    };
-    let (hidden, _) = model.forward(&ids, Some(&lora), &ctx, 0).unwrap();
+    let hidden = model.hidden_states(&ids, Some(&lora)).unwrap();
     let logits = model.logits(&hidden, DType::F32).unwrap();
     let got = logits.as_cpu().unwrap();
 
@@ -772,7 +765,7 @@ fn peft_adapter_reproduces_lorafit_logits() {
     );
 
     // The adapter's effect on the logits is far larger than the tolerance.
-    let (base_hidden, _) = model.forward(&ids, None, &ctx, 0).unwrap();
+    let base_hidden = model.hidden_states(&ids, None).unwrap();
     let base = model.logits(&base_hidden, DType::F32).unwrap();
     let (effect, _) = max_diff(base.as_cpu().unwrap(), want);
     eprintln!("adapter effect on the logits: max|diff| {effect:.3e}");

@@ -3,7 +3,7 @@
 //! (no KV cache yet), which is fine for the short completions the demo needs.
 
 use crate::data::{ChatTemplate, Message, TextTokenizer};
-use crate::model::{Lora, Model, PassCtx};
+use crate::model::{Lora, Model};
 use crate::tensor::{self as ops, DType};
 use anyhow::Result;
 
@@ -18,14 +18,7 @@ pub fn generate_ids(
     let mut ids = prompt_ids.to_vec();
     let mut out = Vec::new();
     for _ in 0..max_new {
-        let mask = model.causal_mask(ids.len());
-        let rope = model.rope_table(&mask.positions)?;
-        let ctx = PassCtx {
-            mask: &mask,
-            rope: &rope,
-            dropout: None,
-        };
-        let (h, _) = model.forward(&ids, lora, &ctx, model.spec.n_layers)?;
+        let h = model.hidden_states(&ids, lora)?;
         let last = ops::slice_rows(&h, ids.len() - 1, ids.len())?;
         let logits = model.logits(&last, DType::F32)?.to_vec()?;
         let next = logits

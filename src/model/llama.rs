@@ -201,6 +201,19 @@ impl Model {
         AttnMask::causal(t).with_window(self.spec.sliding_window.map(|w| w as u32))
     }
 
+    /// Final hidden states of one plain causal sequence, keeping nothing for a backward
+    /// (generation and evaluation).
+    pub fn hidden_states(&self, ids: &[u32], lora: Option<&Lora>) -> Result<Tensor> {
+        let mask = self.causal_mask(ids.len());
+        let rope = self.rope_table(&mask.positions)?;
+        let ctx = PassCtx {
+            mask: &mask,
+            rope: &rope,
+            dropout: None,
+        };
+        Ok(self.forward(ids, lora, &ctx, self.spec.n_layers)?.0)
+    }
+
     pub fn rope_table(&self, positions: &[i32]) -> Result<RopeTable> {
         RopeTable::new(positions, &self.inv_freq, &self.device)
     }
