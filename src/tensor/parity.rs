@@ -1075,6 +1075,18 @@ fn attention_suite(cx: &mut Ctx, r: &mut Rng) -> Result<()> {
         cx.push(row);
         let row = cmp_t(&format!("{tag} fwd lse"), &lg, &lc, F32_STAT)?;
         cx.push(row);
+        if let (Device::Cuda(c), 64 | 128) = (cx.dev, hd) {
+            // Both forward kernels of these head dims (the default picks one by grid size).
+            for version in [2u8, 3] {
+                c.set_attention_forward_version(version);
+                let (o, l) = attention(&qg, &kg, &vg, &mask, s)?;
+                c.set_attention_forward_version(0);
+                let row = cmp_t(&format!("{tag} fwd v{version} o"), &o, &oc, BF16_FWD)?;
+                cx.push(row);
+                let row = cmp_t(&format!("{tag} fwd v{version} lse"), &l, &lc, F32_STAT)?;
+                cx.push(row);
+            }
+        }
         // Shared backward inputs: the CPU forward's o (rounded) and lse.
         let o_in = rb(&oc.to_vec()?);
         let lse_in = lc.to_vec()?;
