@@ -100,18 +100,26 @@ fn linear_fwd(
     let Some(p) = lora else {
         return Ok((ops::matmul(x, false, &*w.dense()?, true, 1.0, dt)?, None));
     };
+    let saved = lora_input(x, p, dropout)?;
+    // The rank-r product writes y first and the base GEMM accumulates onto it: the base GEMM
+    // reads y in its epilogue almost for free, where the skinny product would read and write the
+    // whole (T, out) output a second time.
+    let mut y = ops::matmul(&saved.xa, false, p.b(), true, p.scale, dt)?;
+    ops::matmul_acc(&mut y, x, false, &*w.dense()?, true, 1.0, 1.0)?;
+    Ok((y, Some(saved)))
+}
+
+/// What `linear_fwd` keeps for the backward, without the projection itself (a recomputed layer
+/// whose output is not needed).
+fn lora_input(x: &Tensor, p: &LoraPair, dropout: Option<(f32, u64)>) -> Result<LoraSaved> {
+    let dt = x.dtype();
     let xa = match dropout {
         Some((prob, seed)) => {
             ops::matmul(&ops::dropout(x, prob, seed)?, false, p.a(), true, 1.0, dt)?
         }
         None => ops::matmul(x, false, p.a(), true, 1.0, dt)?,
     };
-    // The rank-r product writes y first and the base GEMM accumulates onto it: the base GEMM
-    // reads y in its epilogue almost for free, where the skinny product would read and write the
-    // whole (T, out) output a second time.
-    let mut y = ops::matmul(&xa, false, p.b(), true, p.scale, dt)?;
-    ops::matmul_acc(&mut y, x, false, &*w.dense()?, true, 1.0, 1.0)?;
-    Ok((y, Some(LoraSaved { xa })))
+    Ok(LoraSaved { xa })
 }
 
 /// Backward of `linear_fwd`: returns dx and accumulates dA, dB.
@@ -233,14 +241,17 @@ impl Model {
         ops::embedding(&*self.weights.embed.dense()?, ids)
     }
 
-    /// One decoder layer: returns the layer output and what its backward needs.
+    /// One decoder layer: returns the layer output (with `want_output`) and what its backward
+    /// needs. The backward's recomputation of a segment's last layer does not need its output,
+    /// which spares the MLP's down projection.
     pub fn layer_forward(
         &self,
         l: usize,
         x: Tensor,
         lora: Option<&Lora>,
         ctx: &PassCtx,
-    ) -> Result<(Tensor, LayerActs)> {
+        want_output: bool,
+    ) -> Result<(Option<Tensor>, LayerActs)> {
         let s = &self.spec;
         let w = &self.weights.layers[l];
         let t = x.dim(0);
@@ -283,17 +294,23 @@ impl Model {
             // Token chunks: the (T, I) intermediates never exist for all tokens at once.
             let mut out = Tensor::zeros(x1.shape(), cdt, x1.device())?;
             for (a, b) in token_chunks(t, self.mlp_chunk) {
-                let (o, _) = self.mlp_forward(l, &ops::slice_rows(&xn2, a, b)?, lora, ctx)?;
+                let (o, _) = self.mlp_forward(l, &ops::slice_rows(&xn2, a, b)?, lora, ctx, true)?;
+                let o = o.expect("the MLP output was asked for");
                 ops::scatter_add_rows(&mut out, &(a as u32..b as u32).collect::<Vec<_>>(), &o)?;
             }
-            (out, None)
+            (Some(out), None)
         } else {
-            let (out, m) = self.mlp_forward(l, &xn2, lora, ctx)?;
+            let (out, m) = self.mlp_forward(l, &xn2, lora, ctx, want_output)?;
             (out, Some(m))
         };
-        let mut out = x1.try_clone()?;
-        ops::add_assign(&mut out, &mlp_out, 1.0)?;
-        drop(mlp_out);
+        let out = match mlp_out.filter(|_| want_output) {
+            Some(mlp_out) => {
+                let mut out = x1.try_clone()?;
+                ops::add_assign(&mut out, &mlp_out, 1.0)?;
+                Some(out)
+            }
+            None => None,
+        };
         let acts = LayerActs {
             x,
             xn,
@@ -316,14 +333,15 @@ impl Model {
         Ok((out, acts))
     }
 
-    /// The gated MLP on normed inputs `xn2` (any token range).
+    /// The gated MLP on normed inputs `xn2` (any token range); the output only `want_output`.
     fn mlp_forward(
         &self,
         l: usize,
         xn2: &Tensor,
         lora: Option<&Lora>,
         ctx: &PassCtx,
-    ) -> Result<(Tensor, MlpActs)> {
+        want_output: bool,
+    ) -> Result<(Option<Tensor>, MlpActs)> {
         let w = &self.weights.layers[l];
         let pair = |tg: Target| lora.and_then(|lo| lo.get(l, tg));
         let (gate, sg) = linear_fwd(
@@ -334,12 +352,16 @@ impl Model {
         )?;
         let (up, su) = linear_fwd(xn2, &w.up, pair(Target::Up), ctx.dropout_for(l, Target::Up))?;
         let act = ops::silu_mul(&gate, &up)?;
-        let (out, sd) = linear_fwd(
-            &act,
-            &w.down,
-            pair(Target::Down),
-            ctx.dropout_for(l, Target::Down),
-        )?;
+        let down_dropout = ctx.dropout_for(l, Target::Down);
+        let (out, sd) = if want_output {
+            let (y, sd) = linear_fwd(&act, &w.down, pair(Target::Down), down_dropout)?;
+            (Some(y), sd)
+        } else {
+            let sd = pair(Target::Down)
+                .map(|p| lora_input(&act, p, down_dropout))
+                .transpose()?;
+            (None, sd)
+        };
         Ok((
             out,
             MlpActs {
@@ -407,7 +429,7 @@ impl Model {
                 let mut d = Tensor::zeros(a.xn2.shape(), a.xn2.dtype(), a.xn2.device())?;
                 for (c0, c1) in token_chunks(t, self.mlp_chunk) {
                     let xc = ops::slice_rows(&a.xn2, c0, c1)?;
-                    let (_, m) = self.mlp_forward(l, &xc, lora.as_deref(), ctx)?;
+                    let (_, m) = self.mlp_forward(l, &xc, lora.as_deref(), ctx, false)?;
                     let dc = self.mlp_backward(
                         l,
                         &ops::slice_rows(&d_out_c, c0, c1)?,
@@ -504,11 +526,11 @@ impl Model {
             if segment_size > 0 && l % segment_size == 0 {
                 boundaries.push((l, x.try_clone()?));
             }
-            let (y, a) = self.layer_forward(l, x, lora, ctx)?;
+            let (y, a) = self.layer_forward(l, x, lora, ctx, true)?;
             if segment_size == 0 {
                 acts.push(a);
             }
-            x = y;
+            x = y.expect("the layer output was asked for");
         }
         let (h, rstd) = ops::rms_norm_to(
             &x,
@@ -549,13 +571,13 @@ impl Model {
             let end = (start + state.segment_size).min(n);
             // Recompute this segment's activations from its boundary; only one segment is live.
             let mut seg = Vec::with_capacity(end - start);
-            let mut x = x;
+            let mut x = Some(x);
             for l in start..end {
-                let (y, a) = self.layer_forward(l, x, lora.as_deref(), ctx)?;
+                let input = x.take().expect("each recomputed layer's input");
+                let (y, a) = self.layer_forward(l, input, lora.as_deref(), ctx, l + 1 < end)?;
                 seg.push(a);
                 x = y;
             }
-            drop(x);
             for (i, a) in seg.iter().enumerate().rev() {
                 d = self.layer_backward(start + i, &d, a, lora.as_deref_mut(), ctx)?;
             }

@@ -1,6 +1,8 @@
 //! Choosing the segment size: estimate the bytes a training step keeps live for each choice and
 //! take no recomputation (segment size 0) whenever that fits the device, else the segment size
-//! with the smallest footprint (every s > 0 costs the same one extra forward).
+//! with the smallest footprint. Every s > 0 costs about one extra forward, less the MLP down
+//! projection of each segment's last layer (whose output the recomputation does not need), so
+//! ties go to the smaller size.
 
 use crate::model::ModelSpec;
 
