@@ -12,6 +12,7 @@ use crate::model::weights::{load_weights, RandomSource};
 use crate::model::{Lora, LoraConfig, Model, ModelSpec};
 use crate::tensor::{self as ops, DType, Device, Tensor};
 use crate::train::head::HeadTier;
+use crate::train::memory;
 use crate::train::objectives::SftScope;
 use crate::train::optim::{apply_update, AdamState, OptimOptions};
 use crate::train::plan::Plan;
@@ -37,6 +38,10 @@ pub struct BenchArgs {
     /// Segment size (0: keep all activations); unset: chosen from free memory.
     #[arg(long)]
     pub segment_size: Option<usize>,
+    /// With segments, keep attention outputs from the forward (true / false; unset: when they
+    /// fit the free memory). For the first workload; `--also` gives its own as field 5.
+    #[arg(long)]
+    pub keep_attention: Option<bool>,
     /// Keep the residual stream in bf16 instead of f32.
     #[arg(long)]
     pub residual_bf16: bool,
@@ -55,7 +60,8 @@ pub struct BenchArgs {
     pub device: String,
     #[arg(long, default_value_t = 16)]
     pub rank: usize,
-    /// Further workloads on the same loaded model, each `P,R[,SEG|auto[,MLP_CHUNK]]`.
+    /// Further workloads on the same loaded model, each
+    /// `P,R[,SEG|auto[,MLP_CHUNK[,KEEP_ATTENTION]]]`.
     #[arg(long)]
     pub also: Vec<String>,
 }
@@ -173,6 +179,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         resp_len: a.resp_len,
         segment_size: a.segment_size,
         mlp_chunk: a.mlp_chunk,
+        keep_attention: a.keep_attention,
     }];
     for spec_str in &a.also {
         workloads.push(Workload::parse(spec_str)?);
@@ -191,19 +198,31 @@ pub fn run(a: BenchArgs) -> Result<()> {
             2 * (w.prompt_len + w.resp_len)
         };
         let head_chunk = crate::config::resolve_head_chunk(a.head_chunk, spec.vocab);
-        let budget = crate::train::memory::budget(&device)?;
-        let segment_size = w.segment_size.unwrap_or_else(|| {
-            crate::train::memory::auto_segment_size(
-                &spec,
-                tokens,
-                w.mlp_chunk > 0,
-                device.compute_dtype().size(),
-                head_chunk,
-                budget,
-            )
-        });
+        let budget = memory::budget(&device)?;
+        let dt = device.compute_dtype().size();
+        let (segment_size, keep_attention) = match w.segment_size {
+            None => {
+                let p = memory::auto_plan(&spec, tokens, w.mlp_chunk > 0, dt, head_chunk, budget);
+                let keep = w.keep_attention.unwrap_or(p.keep_attention) && p.segment_size > 0;
+                (p.segment_size, keep)
+            }
+            Some(s) => (
+                s,
+                memory::keep_attention_for(
+                    &spec,
+                    tokens,
+                    s,
+                    w.keep_attention,
+                    w.mlp_chunk > 0,
+                    dt,
+                    head_chunk,
+                    budget,
+                ),
+            ),
+        };
         let opts = PassOptions {
             segment_size,
+            keep_attention,
             head: match a.head {
                 HeadArg::Full => HeadTier::Full,
                 HeadArg::Chunked => HeadTier::Chunked,
@@ -252,7 +271,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         let mem = device.memory();
         let line = serde_json::json!({
             "tool": "lorafit", "shape": a.shape, "P": w.prompt_len, "R": w.resp_len, "device": device.name(),
-            "segment_size": segment_size, "segment_auto": w.segment_size.is_none(), "mlp_chunk": w.mlp_chunk, "head": format!("{:?}", a.head).to_lowercase(), "prefix_shared": a.prefix_shared,
+            "segment_size": segment_size, "segment_auto": w.segment_size.is_none(), "keep_attention": keep_attention, "mlp_chunk": w.mlp_chunk, "head": format!("{:?}", a.head).to_lowercase(), "prefix_shared": a.prefix_shared,
             "s_per_step": med, "pairs_per_s": 1.0 / med, "tokens_per_s": tokens as f64 / med,
             "model_tflops_per_step": flops / 1e12, "gemm_peak_tflops": peak_flops / 1e12, "mfu": flops / med / peak_flops,
             "peak_gib": mem.peak_bytes as f64 / (1u64 << 30) as f64, "steps": a.steps,
@@ -274,10 +293,12 @@ struct Workload {
     resp_len: usize,
     segment_size: Option<usize>,
     mlp_chunk: usize,
+    /// Keep attention outputs (None: `--keep-attention`, else when they fit).
+    keep_attention: Option<bool>,
 }
 
 impl Workload {
-    /// `P,R[,SEG|auto[,MLP_CHUNK]]`.
+    /// `P,R[,SEG|auto[,MLP_CHUNK[,KEEP_ATTENTION]]]`.
     fn parse(s: &str) -> Result<Workload> {
         let f: Vec<&str> = s.split(',').map(str::trim).collect();
         let num = |i: usize| -> Result<usize> {
@@ -285,8 +306,8 @@ impl Workload {
                 .with_context(|| format!("--also {s:?}: field {} is not a number", i + 1))
         };
         anyhow::ensure!(
-            f.len() >= 2,
-            "--also {s:?}: expected P,R[,SEG|auto[,MLP_CHUNK]]"
+            (2..=5).contains(&f.len()),
+            "--also {s:?}: expected P,R[,SEG|auto[,MLP_CHUNK[,KEEP_ATTENTION]]]"
         );
         Ok(Workload {
             prompt_len: num(0)?,
@@ -296,6 +317,12 @@ impl Workload {
                 Some(_) => Some(num(2)?),
             },
             mlp_chunk: if f.len() > 3 { num(3)? } else { 0 },
+            keep_attention: match f.get(4) {
+                None => None,
+                Some(k) => Some(k.parse().with_context(|| {
+                    format!("--also {s:?}: field 5 (keep attention) is not true or false")
+                })?),
+            },
         })
     }
 }

@@ -75,6 +75,10 @@ pub struct TrainConfig {
     /// all activations; unset chooses per example: 0 when the step fits the device's free memory,
     /// else the size with the smallest footprint (`train::memory`).
     pub segment_size: Option<usize>,
+    /// With segments, keep each layer's attention output and lse from the forward so that the
+    /// recomputation runs no attention kernel (about `tokens · n_heads · head_dim` values per
+    /// layer); unset keeps them when they fit the device's free memory.
+    pub keep_attention: Option<bool>,
     /// Run the MLP in token chunks of this many tokens (0: all at once); bounds the (T, I)
     /// intermediates at the cost of recomputing gate/up in the backward.
     pub mlp_chunk: usize,
@@ -130,6 +134,7 @@ impl Default for TrainConfig {
             max_prompt_len: 1024,
             skip_bad_rows: false,
             segment_size: None,
+            keep_attention: None,
             mlp_chunk: 0,
             // Chunked stays the default on every device: the fused tier (`head = "fused"`) is
             // correct on CUDA (selftest cce rows) and cuts peak memory (qwen1.5b, 3584+512,

@@ -326,6 +326,7 @@ pub fn train_parity(device: &Device) -> Result<bool> {
         let o = OptimOptions::default();
         let opts = PassOptions {
             segment_size: 2,
+            keep_attention: false,
             head: HeadTier::Chunked,
             head_chunk: 16,
             dropout: None,

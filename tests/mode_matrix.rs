@@ -66,6 +66,7 @@ fn run(seg: usize, head: HeadTier, chunk: usize, prefix: bool, mlp_chunk: usize)
     let plan = Plan::pair(&pair, prefix, None).unwrap();
     let opts = PassOptions {
         segment_size: seg,
+        keep_attention: false,
         head,
         head_chunk: chunk,
         dropout: None,

@@ -688,9 +688,12 @@ fn model_grads(
     ctx: &PassCtx,
     c: &[f32],
     segment_size: usize,
+    keep_attention: bool,
 ) -> Tensor {
     lora.zero_grads().unwrap();
-    let (hidden, state) = m.forward(&IDS, Some(&*lora), ctx, segment_size).unwrap();
+    let (hidden, state) = m
+        .forward_keeping(&IDS, Some(&*lora), ctx, segment_size, keep_attention)
+        .unwrap();
     let logits = m.logits(&hidden, DType::F32).unwrap();
     let dl = t(c, logits.shape());
     let dh = m.logits_bwd(&dl).unwrap();
@@ -767,7 +770,7 @@ fn lora_samples(
         rope: &rope,
         dropout,
     };
-    model_grads(model, lora, &ctx(analytic_dropout), c, 0);
+    model_grads(model, lora, &ctx(analytic_dropout), c, 0, false);
     let fd_ctx = ctx(fd_dropout);
     let mut out = Vec::new();
     for l in 0..model.spec.n_layers {
@@ -937,7 +940,7 @@ fn check_embedding_grad(name: &str, tiny: &mut Tiny) {
         rope: &rope,
         dropout: None,
     };
-    let dx = model_grads(model, lora, &ctx, c, 0);
+    let dx = model_grads(model, lora, &ctx, c, 0, false);
     let (v, h) = (model.spec.vocab, model.spec.hidden);
     let dtable = ops::embedding_bwd(&dx, &IDS, v).unwrap();
     let table0 = model.weights.embed.dense().unwrap().to_vec().unwrap();
@@ -994,27 +997,29 @@ fn segmented_backward_is_bit_identical() {
                 .flat_map(|(_, _, p)| [p.grad_a.to_vec().unwrap(), p.grad_b.to_vec().unwrap()])
                 .collect()
         };
-        let d0 = model_grads(&m.model, &mut m.lora, &ctx, &m.c, 0);
+        let d0 = model_grads(&m.model, &mut m.lora, &ctx, &m.c, 0, false);
         let g0 = grads(&m.lora);
         assert_eq!(g0.len(), 28);
         assert!(
             g0.iter().all(|g| max_abs(g) > 0.0),
             "{name}: some LoRA gradient is all zero"
         );
-        for seg in [1usize, 2] {
-            let d1 = model_grads(&m.model, &mut m.lora, &ctx, &m.c, seg);
+        // Segments recompute the layers (with and without the kept attention outputs; the last
+        // layer of each segment skips its down projection).
+        for (seg, keep) in [(1usize, false), (2, false), (1, true), (2, true)] {
+            let d1 = model_grads(&m.model, &mut m.lora, &ctx, &m.c, seg, keep);
             let g1 = grads(&m.lora);
             for (i, (a, b)) in g0.iter().zip(&g1).enumerate() {
                 assert!(
                     a == b,
-                    "{name}: segment_size {seg} gradient #{i} differs from segment_size 0 \
-                     (max|diff| {:.3e})",
+                    "{name}: segment_size {seg} (keep attention {keep}) gradient #{i} differs \
+                     from segment_size 0 (max|diff| {:.3e})",
                     max_diff(a, b).0
                 );
             }
             assert!(
                 d0.as_cpu().unwrap() == d1.as_cpu().unwrap(),
-                "{name}: segment_size {seg} d(embeddings) differs"
+                "{name}: segment_size {seg} (keep attention {keep}) d(embeddings) differs"
             );
         }
     }

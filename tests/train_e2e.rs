@@ -360,6 +360,7 @@ fn grad_accum_equals_summed_batch() {
     let objective = c.objective();
     let opts = PassOptions {
         segment_size: 0,
+        keep_attention: false,
         head: HeadTier::Chunked,
         head_chunk: DEFAULT_CHUNK,
         dropout: None,

@@ -243,7 +243,8 @@ impl Model {
 
     /// One decoder layer: returns the layer output (with `want_output`) and what its backward
     /// needs. The backward's recomputation of a segment's last layer does not need its output,
-    /// which spares the MLP's down projection.
+    /// which spares the MLP's down projection; `attention`, the layer's attention output and lse
+    /// kept from the forward, spares the attention kernel.
     pub fn layer_forward(
         &self,
         l: usize,
@@ -251,6 +252,7 @@ impl Model {
         lora: Option<&Lora>,
         ctx: &PassCtx,
         want_output: bool,
+        attention: Option<(Tensor, Tensor)>,
     ) -> Result<(Option<Tensor>, LayerActs)> {
         let s = &self.spec;
         let w = &self.weights.layers[l];
@@ -285,7 +287,11 @@ impl Model {
         }
         let q = ops::rope(&q, ctx.rope, s.n_heads, false)?;
         let k = ops::rope(&k, ctx.rope, s.n_kv_heads, false)?;
-        let (attn, lse) = ops::attention(&q, &k, &v, ctx.mask, self.attn_shape())?;
+        // A recomputation may bring this layer's attention output and lse from the forward.
+        let (attn, lse) = match attention {
+            Some(kept) => kept,
+            None => ops::attention(&q, &k, &v, ctx.mask, self.attn_shape())?,
+        };
         let o = lin(&attn, &w.o, Target::O)?;
         let (x1, xn2, rstd2) = ops::add_rms_norm_to(&x, &o, &w.mlp_norm, s.rms_eps, cdt)?;
         drop(o);
@@ -516,19 +522,36 @@ impl Model {
         ctx: &PassCtx,
         segment_size: usize,
     ) -> Result<(Tensor, ForwardState)> {
+        self.forward_keeping(ids, lora, ctx, segment_size, false)
+    }
+
+    /// `forward`; with segments and `keep_attention`, also keeps every layer's attention output
+    /// and lse (`(T, nh·hd)` + `(nh, T)` per layer), so that the recomputation runs no attention
+    /// kernel. Same numbers either way: the kept tensors are the ones it would recompute.
+    pub fn forward_keeping(
+        &self,
+        ids: &[u32],
+        lora: Option<&Lora>,
+        ctx: &PassCtx,
+        segment_size: usize,
+        keep_attention: bool,
+    ) -> Result<(Tensor, ForwardState)> {
         let mut x = self.embed(ids)?;
         if x.dtype() != self.residual_dtype {
             x = x.to_dtype(self.residual_dtype)?;
         }
         let mut acts = Vec::new();
         let mut boundaries = Vec::new();
+        let mut kept_attention = Vec::new();
         for l in 0..self.spec.n_layers {
             if segment_size > 0 && l % segment_size == 0 {
                 boundaries.push((l, x.try_clone()?));
             }
-            let (y, a) = self.layer_forward(l, x, lora, ctx, true)?;
+            let (y, a) = self.layer_forward(l, x, lora, ctx, true, None)?;
             if segment_size == 0 {
                 acts.push(a);
+            } else if keep_attention {
+                kept_attention.push(Some((a.attn, a.lse)));
             }
             x = y.expect("the layer output was asked for");
         }
@@ -543,6 +566,7 @@ impl Model {
             ForwardState {
                 acts,
                 boundaries,
+                kept_attention,
                 last: x,
                 rstd,
                 segment_size,
@@ -567,6 +591,7 @@ impl Model {
             return Ok(d);
         }
         let n = self.spec.n_layers;
+        let mut kept_attention = state.kept_attention;
         for (start, x) in state.boundaries.into_iter().rev() {
             let end = (start + state.segment_size).min(n);
             // Recompute this segment's activations from its boundary; only one segment is live.
@@ -574,7 +599,9 @@ impl Model {
             let mut x = Some(x);
             for l in start..end {
                 let input = x.take().expect("each recomputed layer's input");
-                let (y, a) = self.layer_forward(l, input, lora.as_deref(), ctx, l + 1 < end)?;
+                let kept = kept_attention.get_mut(l).and_then(Option::take);
+                let (y, a) =
+                    self.layer_forward(l, input, lora.as_deref(), ctx, l + 1 < end, kept)?;
                 seg.push(a);
                 x = y;
             }
@@ -613,6 +640,9 @@ impl Model {
 pub struct ForwardState {
     acts: Vec<LayerActs>,
     boundaries: Vec<(usize, Tensor)>,
+    /// Per layer, with segments and `keep_attention`: the forward's attention output and lse,
+    /// taken by the layer's recomputation.
+    kept_attention: Vec<Option<(Tensor, Tensor)>>,
     last: Tensor,
     rstd: Tensor,
     segment_size: usize,

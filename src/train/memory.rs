@@ -2,7 +2,9 @@
 //! take no recomputation (segment size 0) whenever that fits the device, else the segment size
 //! with the smallest footprint. Every s > 0 costs about one extra forward, less the MLP down
 //! projection of each segment's last layer (whose output the recomputation does not need), so
-//! ties go to the smaller size.
+//! ties go to the smaller size. When segmenting, each layer's attention output may also be kept
+//! from the forward (about `T·(nh·hd)` values per layer), sparing the recomputation's attention
+//! kernels: the plan keeps them whenever that still fits.
 
 use crate::model::ModelSpec;
 
@@ -13,11 +15,13 @@ use crate::model::ModelSpec;
 /// up and product (unless the MLP runs in token chunks), and small per-row statistics. The
 /// backward of one layer needs about as much again in transients. The head adds one chunk of f32
 /// logits with their softmax coefficients (compute dtype), and keeps `d h / d logp` of every row
-/// (compute dtype) from the forward to the backward.
+/// (compute dtype) from the forward to the backward. `keep_attention` (with segments) adds every
+/// layer's attention output and lse.
 pub fn estimate_bytes(
     spec: &ModelSpec,
     tokens: usize,
     segment_size: usize,
+    keep_attention: bool,
     mlp_chunked: bool,
     dtype_bytes: usize,
     head_chunk_rows: usize,
@@ -33,28 +37,87 @@ pub fn estimate_bytes(
         l * layer
     } else {
         let boundaries = l.div_ceil(segment_size) * tokens * h * 4;
-        boundaries + segment_size.min(l) * layer
+        let attention = if keep_attention {
+            l * tokens * (c * q + 4 * spec.n_heads)
+        } else {
+            0
+        };
+        boundaries + attention + segment_size.min(l) * layer
     };
     let transients = layer + tokens * h * 4 * 2;
     let head = head_chunk_rows * spec.vocab * (4 + c) + tokens * h * c;
     kept + transients + head
 }
 
+/// What a step keeps for its backward: the segment size and, with segments, whether the
+/// attention outputs are kept too.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KeepPlan {
+    pub segment_size: usize,
+    pub keep_attention: bool,
+}
+
 /// Segment size 0 when its estimate fits in `budget` bytes; otherwise the segment size with the
-/// smallest estimate.
-pub fn auto_segment_size(
+/// smallest estimate, keeping attention outputs when that still fits.
+pub fn auto_plan(
     spec: &ModelSpec,
     tokens: usize,
     mlp_chunked: bool,
     dtype_bytes: usize,
     head_chunk_rows: usize,
     budget: usize,
-) -> usize {
-    let est = |s| estimate_bytes(spec, tokens, s, mlp_chunked, dtype_bytes, head_chunk_rows);
-    if est(0) <= budget {
-        return 0;
+) -> KeepPlan {
+    let est = |s, keep| {
+        estimate_bytes(
+            spec,
+            tokens,
+            s,
+            keep,
+            mlp_chunked,
+            dtype_bytes,
+            head_chunk_rows,
+        )
+    };
+    if est(0, false) <= budget {
+        return KeepPlan {
+            segment_size: 0,
+            keep_attention: false,
+        };
     }
-    (1..=spec.n_layers).min_by_key(|&s| est(s)).unwrap_or(1)
+    let segment_size = (1..=spec.n_layers)
+        .min_by_key(|&s| est(s, false))
+        .unwrap_or(1);
+    KeepPlan {
+        segment_size,
+        keep_attention: est(segment_size, true) <= budget,
+    }
+}
+
+/// Whether a step with this segment size (chosen by the user) keeps attention outputs:
+/// `requested` when given, else when it fits `budget`.
+#[allow(clippy::too_many_arguments)]
+pub fn keep_attention_for(
+    spec: &ModelSpec,
+    tokens: usize,
+    segment_size: usize,
+    requested: Option<bool>,
+    mlp_chunked: bool,
+    dtype_bytes: usize,
+    head_chunk_rows: usize,
+    budget: usize,
+) -> bool {
+    segment_size > 0
+        && requested.unwrap_or_else(|| {
+            estimate_bytes(
+                spec,
+                tokens,
+                segment_size,
+                true,
+                mlp_chunked,
+                dtype_bytes,
+                head_chunk_rows,
+            ) <= budget
+        })
 }
 
 /// Bytes a step may use for activations: 90% of the device's free memory now (weights and
@@ -77,13 +140,26 @@ mod tests {
         )
         .unwrap();
         let gib = 1usize << 30;
-        assert_eq!(auto_segment_size(&spec, 4608, false, 2, 512, 100 * gib), 0);
-        let s = auto_segment_size(&spec, 147_456, true, 2, 512, 100 * gib);
+        assert_eq!(
+            auto_plan(&spec, 4608, false, 2, 512, 100 * gib).segment_size,
+            0
+        );
+        let s = auto_plan(&spec, 147_456, true, 2, 512, 100 * gib).segment_size;
         assert!(s > 0);
         // The chosen size is the minimum of the estimate over all sizes.
-        let best = estimate_bytes(&spec, 147_456, s, true, 2, 512);
-        assert!((1..=32).all(|k| estimate_bytes(&spec, 147_456, k, true, 2, 512) >= best));
+        let best = estimate_bytes(&spec, 147_456, s, false, true, 2, 512);
+        assert!((1..=32).all(|k| estimate_bytes(&spec, 147_456, k, false, true, 2, 512) >= best));
         // Segmenting saves memory at long context.
-        assert!(best < estimate_bytes(&spec, 147_456, 0, true, 2, 512) / 4);
+        assert!(best < estimate_bytes(&spec, 147_456, 0, false, true, 2, 512) / 4);
+        // Kept attention outputs: 32 layers x 147456 tokens x 4096 bf16 (36 GiB) plus lse, kept
+        // when the budget holds them on top of the segments, not when it holds only the segments.
+        let with = estimate_bytes(&spec, 147_456, s, true, true, 2, 512);
+        assert!(with - best >= 36 * gib);
+        assert!(auto_plan(&spec, 147_456, true, 2, 512, with).keep_attention);
+        assert!(!auto_plan(&spec, 147_456, true, 2, 512, best + gib).keep_attention);
+        assert_eq!(
+            auto_plan(&spec, 147_456, true, 2, 512, with).segment_size,
+            s
+        );
     }
 }

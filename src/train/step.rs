@@ -37,6 +37,9 @@ impl Objective {
 #[derive(Clone, Copy, Debug)]
 pub struct PassOptions {
     pub segment_size: usize,
+    /// With segments: keep each layer's attention output from the forward instead of
+    /// recomputing it (`Model::forward_keeping`).
+    pub keep_attention: bool,
     pub head: HeadTier,
     pub head_chunk: usize,
     pub dropout: Option<(f32, u64)>,
@@ -130,7 +133,8 @@ fn forward_all(
             } else {
                 model.spec.n_layers
             };
-            let (hidden, st) = model.forward(&s.ids, lora, &ctx, seg)?;
+            let (hidden, st) =
+                model.forward_keeping(&s.ids, lora, &ctx, seg, keep && opts.keep_attention)?;
             Ok(Forwarded {
                 hidden,
                 state: keep.then_some(st),

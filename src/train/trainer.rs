@@ -180,18 +180,34 @@ pub fn pass_options(
     dropout: Option<(f32, u64)>,
 ) -> PassOptions {
     let head_chunk = crate::config::resolve_head_chunk(cfg.head_chunk, model.spec.vocab);
-    let segment_size = cfg.segment_size.unwrap_or_else(|| {
-        super::memory::auto_segment_size(
-            &model.spec,
-            tokens,
-            model.mlp_chunk > 0,
-            model.device.compute_dtype().size(),
-            head_chunk,
-            budget,
-        )
-    });
+    let (spec, chunked, dt) = (
+        &model.spec,
+        model.mlp_chunk > 0,
+        model.device.compute_dtype().size(),
+    );
+    let (segment_size, keep_attention) = match cfg.segment_size {
+        None => {
+            let p = super::memory::auto_plan(spec, tokens, chunked, dt, head_chunk, budget);
+            let keep = cfg.keep_attention.unwrap_or(p.keep_attention) && p.segment_size > 0;
+            (p.segment_size, keep)
+        }
+        Some(s) => (
+            s,
+            super::memory::keep_attention_for(
+                spec,
+                tokens,
+                s,
+                cfg.keep_attention,
+                chunked,
+                dt,
+                head_chunk,
+                budget,
+            ),
+        ),
+    };
     PassOptions {
         segment_size,
+        keep_attention,
         head: cfg.head,
         head_chunk,
         dropout,
@@ -297,7 +313,7 @@ pub fn train(
         .open(out_dir.join("metrics.jsonl"))?;
 
     eprintln!(
-        "plan: {:?} on {} | {} train / {} valid examples | {} steps × {} micro-steps | lr {:.2e} (warmup {}) | LoRA r{} α{} on {} params | segment {} | head {:?} | prefix-shared {}",
+        "plan: {:?} on {} | {} train / {} valid examples | {} steps × {} micro-steps | lr {:.2e} (warmup {}) | LoRA r{} α{} on {} params | segment {} (keep attention {}) | head {:?} | prefix-shared {}",
         cfg.method,
         device.name(),
         n,
@@ -310,6 +326,7 @@ pub fn train(
         lora.config.alpha,
         lora.num_params(),
         cfg.segment_size.map_or("auto".to_string(), |s| s.to_string()),
+        cfg.keep_attention.map_or("auto".to_string(), |k| k.to_string()),
         cfg.head,
         cfg.prefix_shared
     );
