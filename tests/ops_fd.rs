@@ -433,6 +433,11 @@ fn silu_mul_bwd_matches_fd() {
     check_all("silu_mul dup", &u, du.as_cpu().unwrap(), TOL_LINEAR, |x| {
         dotc(&c, &f(&g, x))
     });
+    // The in-place form (the layer backward's) writes the same gradients over gate and up.
+    let (mut gi, mut ui) = (t(&g, &[r, c_]), t(&u, &[r, c_]));
+    ops::silu_mul_bwd_in_place(&t(&c, &[r, c_]), &mut gi, &mut ui).unwrap();
+    assert_eq!(gi.as_cpu().unwrap(), dg.as_cpu().unwrap());
+    assert_eq!(ui.as_cpu().unwrap(), du.as_cpu().unwrap());
 }
 
 #[test]

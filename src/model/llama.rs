@@ -285,8 +285,17 @@ impl Model {
             k = ky.reshape(&[t, s.kv_dim()])?;
             (q_pre, q_rstd, k_pre, k_rstd) = (Some(qp), Some(qr), Some(kp), Some(kr));
         }
-        let q = ops::rope(&q, ctx.rope, s.n_heads, false)?;
-        let k = ops::rope(&k, ctx.rope, s.n_kv_heads, false)?;
+        // (Shadowing would keep the unrotated q and k alive to the end of the layer.)
+        let q = {
+            let rotated = ops::rope(&q, ctx.rope, s.n_heads, false)?;
+            drop(q);
+            rotated
+        };
+        let k = {
+            let rotated = ops::rope(&k, ctx.rope, s.n_kv_heads, false)?;
+            drop(k);
+            rotated
+        };
         // A recomputation may bring this layer's attention output and lse from the forward.
         let (attn, lse) = match attention {
             Some(kept) => kept,
@@ -379,16 +388,23 @@ impl Model {
         ))
     }
 
-    /// Backward of `mlp_forward`: d(xn2) from d(out).
+    /// Backward of `mlp_forward`: d(xn2) from d(out). Consumes the intermediates, each freed at
+    /// its last use (the gradients of gate and up overwrite them), which lowers the step's peak.
     fn mlp_backward(
         &self,
         l: usize,
         d_out: &Tensor,
         xn2: &Tensor,
-        m: &MlpActs,
+        m: MlpActs,
         mut lora: Option<&mut Lora>,
         ctx: &PassCtx,
     ) -> Result<Tensor> {
+        let MlpActs {
+            mut gate,
+            mut up,
+            act,
+            lora: saved,
+        } = m;
         let w = &self.weights.layers[l];
         let mut lin_bwd = |into: Option<Tensor>,
                            dy: &Tensor,
@@ -404,23 +420,28 @@ impl Model {
                 inp,
                 wt,
                 pair,
-                m.lora[i].as_ref(),
+                saved[i].as_ref(),
                 ctx.dropout_for(l, tg),
             )
         };
-        let d_act = lin_bwd(None, d_out, &m.act, &w.down, Target::Down, 2)?;
-        let (d_gate, d_up) = ops::silu_mul_bwd(&d_act, &m.gate, &m.up)?;
+        let d_act = lin_bwd(None, d_out, &act, &w.down, Target::Down, 2)?;
+        drop(act);
+        ops::silu_mul_bwd_in_place(&d_act, &mut gate, &mut up)?;
+        drop(d_act);
+        let (d_gate, d_up) = (gate, up);
         let d_xn2 = lin_bwd(None, &d_gate, xn2, &w.gate, Target::Gate, 0)?;
+        drop(d_gate);
         let d_xn2 = lin_bwd(Some(d_xn2), &d_up, xn2, &w.up, Target::Up, 1)?;
         Ok(d_xn2)
     }
 
     /// Backward of `layer_forward`: d(layer input) from d(layer output); LoRA grads accumulate.
+    /// Consumes the activations, freeing each after its last use.
     pub fn layer_backward(
         &self,
         l: usize,
         d_out: &Tensor,
-        a: &LayerActs,
+        a: LayerActs,
         mut lora: Option<&mut Lora>,
         ctx: &PassCtx,
     ) -> Result<Tensor> {
@@ -429,7 +450,7 @@ impl Model {
         let t = d_out.dim(0);
         // MLP: out = x1 + down(silu(gate(xn2)) * up(xn2))
         let d_out_c = self.compute(d_out)?;
-        let d_xn2 = match &a.mlp {
+        let d_xn2 = match a.mlp {
             Some(m) => self.mlp_backward(l, &d_out_c, &a.xn2, m, lora.as_deref_mut(), ctx)?,
             None => {
                 let mut d = Tensor::zeros(a.xn2.shape(), a.xn2.dtype(), a.xn2.device())?;
@@ -440,7 +461,7 @@ impl Model {
                         l,
                         &ops::slice_rows(&d_out_c, c0, c1)?,
                         &xc,
-                        &m,
+                        m,
                         lora.as_deref_mut(),
                         ctx,
                     )?;
@@ -454,6 +475,7 @@ impl Model {
             }
         };
         let d_x1 = ops::rms_norm_bwd_add(&d_xn2, &a.x1, &w.mlp_norm, &a.rstd2, d_out)?;
+        drop((d_xn2, d_out_c, a.x1, a.xn2));
 
         let mut lin_bwd = |into: Option<Tensor>,
                            dy: &Tensor,
@@ -474,9 +496,8 @@ impl Model {
         };
 
         // Attention: x1 = x + o(attention(rope(q), rope(k), v))
-        drop(d_out_c);
         let d_attn = lin_bwd(None, &*self.compute(&d_x1)?, &a.attn, &w.o, Target::O)?;
-        let (dq, dk, dv) = ops::attention_bwd(
+        let (dq_rot, dk_rot, dv) = ops::attention_bwd(
             &d_attn,
             &a.q,
             &a.k,
@@ -486,8 +507,11 @@ impl Model {
             ctx.mask,
             self.attn_shape(),
         )?;
-        let mut dq = ops::rope(&dq, ctx.rope, s.n_heads, true)?;
-        let mut dk = ops::rope(&dk, ctx.rope, s.n_kv_heads, true)?;
+        drop((d_attn, a.q, a.k, a.v, a.attn, a.lse));
+        let mut dq = ops::rope(&dq_rot, ctx.rope, s.n_heads, true)?;
+        drop(dq_rot);
+        let mut dk = ops::rope(&dk_rot, ctx.rope, s.n_kv_heads, true)?;
+        drop(dk_rot);
         if let (Some(qn), Some(kn)) = (&w.q_norm, &w.k_norm) {
             let dqp = dq.reshape(&[t * s.n_heads, s.head_dim])?;
             let dkp = dk.reshape(&[t * s.n_kv_heads, s.head_dim])?;
@@ -585,7 +609,7 @@ impl Model {
         let mut d = ops::rms_norm_bwd(d_hidden, &state.last, &self.weights.norm, &state.rstd)?;
         drop(state.last);
         if state.segment_size == 0 {
-            for (l, a) in state.acts.iter().enumerate().rev() {
+            for (l, a) in state.acts.into_iter().enumerate().rev() {
                 d = self.layer_backward(l, &d, a, lora.as_deref_mut(), ctx)?;
             }
             return Ok(d);
@@ -605,7 +629,7 @@ impl Model {
                 seg.push(a);
                 x = y;
             }
-            for (i, a) in seg.iter().enumerate().rev() {
+            for (i, a) in seg.into_iter().enumerate().rev() {
                 d = self.layer_backward(start + i, &d, a, lora.as_deref_mut(), ctx)?;
             }
         }

@@ -341,6 +341,20 @@ pub fn silu_mul_bwd(dh: &Tensor, gate: &Tensor, up: &Tensor) -> Result<(Tensor, 
     Ok((out(dg, gate.shape())?, out(du, up.shape())?))
 }
 
+pub fn silu_mul_bwd_in_place(dh: &Tensor, gate: &mut Tensor, up: &mut Tensor) -> Result<()> {
+    let d = dh.as_cpu()?;
+    let u = up.as_cpu_mut()?;
+    gate.as_cpu_mut()?
+        .par_iter_mut()
+        .zip(u.par_iter_mut().zip(d.par_iter()))
+        .for_each(|(g, (u, &d))| {
+            let sig = 1.0 / (1.0 + (-*g).exp());
+            let dsilu = sig * (1.0 + *g * (1.0 - sig));
+            (*g, *u) = (d * *u * dsilu, d * *g * sig);
+        });
+    Ok(())
+}
+
 pub fn add_assign(a: &mut Tensor, b: &Tensor, alpha: f32) -> Result<()> {
     let b = b.as_cpu()?;
     a.as_cpu_mut()?

@@ -662,6 +662,20 @@ pub fn silu_mul_bwd(dh: &Tensor, gate: &Tensor, up: &Tensor) -> Result<(Tensor, 
     dispatch!(gate.device(), cpu::silu_mul_bwd(dh, gate, up), c => c.silu_mul_bwd(dh, gate, up))
 }
 
+/// `silu_mul_bwd` writing `dgate` over `gate` and `dup` over `up` (the layer backward's last use
+/// of them: two `(T, I)` buffers fewer at its peak).
+pub fn silu_mul_bwd_in_place(dh: &Tensor, gate: &mut Tensor, up: &mut Tensor) -> Result<()> {
+    ensure!(
+        gate.shape() == up.shape() && dh.shape() == gate.shape(),
+        "silu_mul_bwd: shapes {:?}, {:?}, {:?} differ",
+        dh.shape(),
+        gate.shape(),
+        up.shape()
+    );
+    let dev = gate.device().clone();
+    dispatch!(&dev, cpu::silu_mul_bwd_in_place(dh, gate, up), c => c.silu_mul_bwd_in_place(dh, gate, up))
+}
+
 /// `a += alpha * b` (residual adds and gradient accumulation; b may be f32 or a's dtype).
 pub fn add_assign(a: &mut Tensor, b: &Tensor, alpha: f32) -> Result<()> {
     ensure!(

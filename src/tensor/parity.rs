@@ -345,6 +345,22 @@ fn elementwise(cx: &mut Ctx, r: &mut Rng) -> Result<()> {
         cx.push(row);
         let row = cmp_t(&format!("silu_mul bwd dup n={n}"), &dug, &duc, BF16_GRAD)?;
         cx.push(row);
+        let (mut gi, mut ui) = (cx.g(&g, &[n], bf)?, cx.g(&u, &[n], bf)?);
+        silu_mul_bwd_in_place(&cx.g(&d, &[n], bf)?, &mut gi, &mut ui)?;
+        let row = cmp_t(
+            &format!("silu_mul bwd in place dgate n={n}"),
+            &gi,
+            &dgc,
+            BF16_GRAD,
+        )?;
+        cx.push(row);
+        let row = cmp_t(
+            &format!("silu_mul bwd in place dup n={n}"),
+            &ui,
+            &duc,
+            BF16_GRAD,
+        )?;
+        cx.push(row);
     }
     // add_assign / add_bias / scale
     {

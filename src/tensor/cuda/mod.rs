@@ -1461,15 +1461,38 @@ impl CudaBackend {
     ) -> Result<(Tensor, Tensor)> {
         let dg = self.empty(gate.shape(), gate.dtype())?;
         let du = self.empty(up.shape(), up.dtype())?;
+        self.launch_silu_mul_bwd(dh, gate, up, cuda_ptr(&dg)?, cuda_ptr(&du)?)?;
+        Ok((dg, du))
+    }
+
+    pub fn silu_mul_bwd_in_place(
+        &self,
+        dh: &Tensor,
+        gate: &mut Tensor,
+        up: &mut Tensor,
+    ) -> Result<()> {
+        // Each thread reads its elements of gate and up before writing the same elements.
+        self.launch_silu_mul_bwd(dh, gate, up, cuda_ptr(gate)?, cuda_ptr(up)?)
+    }
+
+    /// The SiLU-gate backward into `dg` / `du` (of `gate`'s / `up`'s dtype and size; they may be
+    /// `gate` and `up` themselves).
+    fn launch_silu_mul_bwd(
+        &self,
+        dh: &Tensor,
+        gate: &Tensor,
+        up: &Tensor,
+        dg: u64,
+        du: u64,
+    ) -> Result<()> {
         let n = gate.numel();
         if bf16x8(&[dh, gate, up], n) {
-            let [a, b, c, d, e] = [dh, gate, up, &dg, &du].map(|t| cuda_ptr(t).map(Arg::P));
-            self.launch_n(
+            let [a, b, c] = [dh, gate, up].map(|t| cuda_ptr(t).map(Arg::P));
+            return self.launch_n(
                 "lf_silu_mul_bwd_bf16x8",
                 n / 8,
-                &[a?, b?, c?, d?, e?, Arg::I64(n as i64 / 8)],
-            )?;
-            return Ok((dg, du));
+                &[a?, b?, c?, Arg::P(dg), Arg::P(du), Arg::I64(n as i64 / 8)],
+            );
         }
         self.launch_n(
             "lf_silu_mul_bwd",
@@ -1481,12 +1504,11 @@ impl CudaBackend {
                 dt(gate.dtype()),
                 Arg::P(cuda_ptr(up)?),
                 dt(up.dtype()),
-                Arg::P(cuda_ptr(&dg)?),
-                Arg::P(cuda_ptr(&du)?),
+                Arg::P(dg),
+                Arg::P(du),
                 Arg::I64(n as i64),
             ],
-        )?;
-        Ok((dg, du))
+        )
     }
 
     pub fn add_assign(&self, a: &mut Tensor, b: &Tensor, alpha: f32) -> Result<()> {
