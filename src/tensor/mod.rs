@@ -214,7 +214,7 @@ impl Tensor {
     /// Rows and columns when viewed as a matrix whose columns are the last dimension.
     pub fn rows_cols(&self) -> (usize, usize) {
         let c = *self.shape.last().unwrap_or(&1);
-        (if c == 0 { 0 } else { self.numel() / c }, c)
+        (self.numel().checked_div(c).unwrap_or(0), c)
     }
 
     /// Same data, new shape (free: tensors are contiguous).

@@ -145,6 +145,7 @@ fn forward_all(
 }
 
 /// Runs one example; with `train`, accumulates its LoRA gradients (scaled by `grad_weight`).
+#[allow(clippy::too_many_arguments)]
 pub fn run_example(
     model: &Model,
     lora: &mut Lora,

@@ -277,7 +277,7 @@ fn dt(d: DType) -> Arg {
 /// Whether the 8-wide bf16 kernels apply: every operand bf16 and `n` a multiple of 8 (tensors
 /// own their allocations, which are 16-byte aligned).
 fn bf16x8(ts: &[&Tensor], n: usize) -> bool {
-    n % 8 == 0 && ts.iter().all(|t| t.dtype() == DType::BF16)
+    n.is_multiple_of(8) && ts.iter().all(|t| t.dtype() == DType::BF16)
 }
 
 /// Elements per chunk of the multi-tensor kernels (a block's unit of work: 8 per thread), and
@@ -878,11 +878,10 @@ impl CudaBackend {
             return self.scale(c, beta);
         }
         // Supported directly: bf16 x bf16 -> bf16 | f32, and f32 x f32 -> f32.
-        let direct = match (a.dtype(), b.dtype(), c.dtype()) {
-            (DType::BF16, DType::BF16, _) => true,
-            (DType::F32, DType::F32, DType::F32) => true,
-            _ => false,
-        };
+        let direct = matches!(
+            (a.dtype(), b.dtype(), c.dtype()),
+            (DType::BF16, DType::BF16, _) | (DType::F32, DType::F32, DType::F32)
+        );
         if !direct {
             // Mixed operands: widen to f32 (lossless), then accumulate into c.
             let a32 = a.to_dtype(DType::F32)?;
