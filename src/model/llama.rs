@@ -348,7 +348,7 @@ impl Model {
         Ok((out, acts))
     }
 
-    /// The gated MLP on normed inputs `xn2` (any token range); the output only `want_output`.
+    /// The gated MLP on normed inputs `xn2` (any token range); its output only with `want_output`.
     fn mlp_forward(
         &self,
         l: usize,
