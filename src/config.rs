@@ -73,7 +73,7 @@ pub struct TrainConfig {
     pub skip_bad_rows: bool,
     /// Keep every `segment_size`-th layer boundary and recompute segments in the backward; 0 keeps
     /// all activations; unset chooses per example: 0 when the step fits the device's free memory,
-    /// else the size with the smallest footprint (`train::memory`).
+    /// else the fastest segmented plan that fits (`train::memory::auto_plan`).
     pub segment_size: Option<usize>,
     /// With segments, keep each layer's attention output and lse from the forward so that the
     /// recomputation runs no attention kernel (about `tokens · n_heads · head_dim` values per

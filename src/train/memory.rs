@@ -1,10 +1,13 @@
-//! Choosing the segment size: estimate the bytes a training step keeps live for each choice and
-//! take no recomputation (segment size 0) whenever that fits the device, else the segment size
-//! with the smallest footprint. Every s > 0 costs about one extra forward, less the MLP down
-//! projection of each segment's last layer (whose output the recomputation does not need), so
-//! ties go to the smaller size. When segmenting, each layer's attention output may also be kept
-//! from the forward (about `T·(nh·hd)` values per layer), sparing the recomputation's attention
-//! kernels: the plan keeps them whenever that still fits.
+//! Choosing what a step keeps for its backward: estimate the bytes it keeps live for each choice
+//! and take the fastest plan that fits the device.
+//!
+//! - Segment size 0 (no recomputation) when it fits.
+//! - Otherwise a recomputation of about one forward. Two things make it cheaper, each at a
+//!   memory cost: segment size 1 (the recomputation skips the MLP down projection of each
+//!   segment's last layer, whose output nothing reads: every layer at size 1), and kept
+//!   attention outputs (about `T·(nh·hd)` values per layer, sparing the recomputation's attention
+//!   kernels, the larger saving). In order of preference: size 1 with kept attention, the
+//!   smallest-footprint size with kept attention, size 1, the smallest-footprint size.
 
 use crate::model::ModelSpec;
 
@@ -57,8 +60,8 @@ pub struct KeepPlan {
     pub keep_attention: bool,
 }
 
-/// Segment size 0 when its estimate fits in `budget` bytes; otherwise the segment size with the
-/// smallest estimate, keeping attention outputs when that still fits.
+/// Segment size 0 when its estimate fits in `budget` bytes; otherwise the first plan of the
+/// module's order of preference that fits, or the smallest footprint when none does.
 pub fn auto_plan(
     spec: &ModelSpec,
     tokens: usize,
@@ -78,19 +81,20 @@ pub fn auto_plan(
             head_chunk_rows,
         )
     };
+    let plan = |segment_size, keep_attention| KeepPlan {
+        segment_size,
+        keep_attention,
+    };
     if est(0, false) <= budget {
-        return KeepPlan {
-            segment_size: 0,
-            keep_attention: false,
-        };
+        return plan(0, false);
     }
-    let segment_size = (1..=spec.n_layers)
+    let smallest = (1..=spec.n_layers)
         .min_by_key(|&s| est(s, false))
         .unwrap_or(1);
-    KeepPlan {
-        segment_size,
-        keep_attention: est(segment_size, true) <= budget,
-    }
+    [(1, true), (smallest, true), (1, false)]
+        .into_iter()
+        .find(|&(s, keep)| est(s, keep) <= budget)
+        .map_or(plan(smallest, false), |(s, keep)| plan(s, keep))
 }
 
 /// Whether a step with this segment size (chosen by the user) keeps attention outputs:
@@ -144,22 +148,23 @@ mod tests {
             auto_plan(&spec, 4608, false, 2, 512, 100 * gib).segment_size,
             0
         );
-        let s = auto_plan(&spec, 147_456, true, 2, 512, 100 * gib).segment_size;
-        assert!(s > 0);
-        // The chosen size is the minimum of the estimate over all sizes.
-        let best = estimate_bytes(&spec, 147_456, s, false, true, 2, 512);
-        assert!((1..=32).all(|k| estimate_bytes(&spec, 147_456, k, false, true, 2, 512) >= best));
-        // Segmenting saves memory at long context.
-        assert!(best < estimate_bytes(&spec, 147_456, 0, false, true, 2, 512) / 4);
-        // Kept attention outputs: 32 layers x 147456 tokens x 4096 bf16 (36 GiB) plus lse, kept
-        // when the budget holds them on top of the segments, not when it holds only the segments.
-        let with = estimate_bytes(&spec, 147_456, s, true, true, 2, 512);
-        assert!(with - best >= 36 * gib);
-        assert!(auto_plan(&spec, 147_456, true, 2, 512, with).keep_attention);
-        assert!(!auto_plan(&spec, 147_456, true, 2, 512, best + gib).keep_attention);
-        assert_eq!(
-            auto_plan(&spec, 147_456, true, 2, 512, with).segment_size,
-            s
-        );
+        let est = |s, keep| estimate_bytes(&spec, 147_456, s, keep, true, 2, 512);
+        let smallest = (1..=32).min_by_key(|&s| est(s, false)).unwrap();
+        assert_eq!(smallest, 3);
+        // Segmenting saves memory at long context; kept attention outputs (32 layers x 147456
+        // tokens x 4096 bf16, plus lse) cost 36 GiB on top.
+        assert!(est(smallest, false) < est(0, false) / 4);
+        assert!(est(smallest, true) - est(smallest, false) >= 36 * gib);
+        // Estimates here: size 1 + keep 133.7 GiB, 3 + keep 105.6, 1 alone 97.2, 3 alone 69.1.
+        // Each budget gets the fastest plan that fits; the smallest footprint when none does.
+        let plan = |budget_gib: usize| {
+            let p = auto_plan(&spec, 147_456, true, 2, 512, budget_gib * gib);
+            (p.segment_size, p.keep_attention)
+        };
+        assert_eq!(plan(140), (1, true));
+        assert_eq!(plan(110), (3, true));
+        assert_eq!(plan(100), (1, false));
+        assert_eq!(plan(80), (3, false));
+        assert_eq!(plan(50), (3, false));
     }
 }
