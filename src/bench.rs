@@ -199,27 +199,19 @@ pub fn run(a: BenchArgs) -> Result<()> {
         };
         let head_chunk = crate::config::resolve_head_chunk(a.head_chunk, spec.vocab);
         let budget = memory::budget(&device)?;
-        let dt = device.compute_dtype().size();
-        let (segment_size, keep_attention) = match w.segment_size {
-            None => {
-                let p = memory::auto_plan(&spec, tokens, w.mlp_chunk > 0, dt, head_chunk, budget);
-                let keep = w.keep_attention.unwrap_or(p.keep_attention) && p.segment_size > 0;
-                (p.segment_size, keep)
-            }
-            Some(s) => (
-                s,
-                memory::keep_attention_for(
-                    &spec,
-                    tokens,
-                    s,
-                    w.keep_attention,
-                    w.mlp_chunk > 0,
-                    dt,
-                    head_chunk,
-                    budget,
-                ),
-            ),
-        };
+        let memory::KeepPlan {
+            segment_size,
+            keep_attention,
+        } = memory::resolve_plan(
+            &spec,
+            tokens,
+            w.segment_size,
+            w.keep_attention,
+            w.mlp_chunk > 0,
+            device.compute_dtype().size(),
+            head_chunk,
+            budget,
+        );
         let opts = PassOptions {
             segment_size,
             keep_attention,

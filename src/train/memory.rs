@@ -97,31 +97,49 @@ pub fn auto_plan(
         .map_or(plan(smallest, false), |(s, keep)| plan(s, keep))
 }
 
-/// Whether a step with this segment size (chosen by the user) keeps attention outputs:
-/// `requested` when given, else when it fits `budget`.
+/// The plan of one step: the user's segment size and kept-attention choice where given, the rest
+/// from the budget (`auto_plan` when the segment size is unset; with a given size, attention
+/// outputs are kept when they fit). Nothing is kept without segments.
 #[allow(clippy::too_many_arguments)]
-pub fn keep_attention_for(
+pub fn resolve_plan(
     spec: &ModelSpec,
     tokens: usize,
-    segment_size: usize,
-    requested: Option<bool>,
+    segment_size: Option<usize>,
+    keep_attention: Option<bool>,
     mlp_chunked: bool,
     dtype_bytes: usize,
     head_chunk_rows: usize,
     budget: usize,
-) -> bool {
-    segment_size > 0
-        && requested.unwrap_or_else(|| {
-            estimate_bytes(
+) -> KeepPlan {
+    let (segment_size, fits) = match segment_size {
+        None => {
+            let p = auto_plan(
                 spec,
                 tokens,
-                segment_size,
+                mlp_chunked,
+                dtype_bytes,
+                head_chunk_rows,
+                budget,
+            );
+            (p.segment_size, p.keep_attention)
+        }
+        Some(s) => {
+            let est = estimate_bytes(
+                spec,
+                tokens,
+                s,
                 true,
                 mlp_chunked,
                 dtype_bytes,
                 head_chunk_rows,
-            ) <= budget
-        })
+            );
+            (s, est <= budget)
+        }
+    };
+    KeepPlan {
+        segment_size,
+        keep_attention: segment_size > 0 && keep_attention.unwrap_or(fits),
+    }
 }
 
 /// Bytes a step may use for activations: 90% of the device's free memory now (weights and
@@ -166,5 +184,27 @@ mod tests {
         assert_eq!(plan(100), (1, false));
         assert_eq!(plan(80), (3, false));
         assert_eq!(plan(50), (3, false));
+    }
+
+    #[test]
+    fn user_choices_override_the_budget_and_nothing_is_kept_without_segments() {
+        let spec = ModelSpec::from_config_json(
+            r#"{"architectures":["LlamaForCausalLM"],"hidden_size":4096,"intermediate_size":14336,"num_hidden_layers":32,"num_attention_heads":32,"num_key_value_heads":8,"vocab_size":128256}"#,
+        )
+        .unwrap();
+        let gib = 1usize << 30;
+        let plan = |seg, keep, budget| {
+            let p = resolve_plan(&spec, 147_456, seg, keep, true, 2, 512, budget);
+            (p.segment_size, p.keep_attention)
+        };
+        // A given size keeps attention outputs when they fit (size 2 + keep: about 110 GiB).
+        assert_eq!(plan(Some(2), None, 200 * gib), (2, true));
+        assert_eq!(plan(Some(2), None, 80 * gib), (2, false));
+        assert_eq!(plan(Some(2), Some(true), 80 * gib), (2, true));
+        assert_eq!(plan(Some(2), Some(false), 200 * gib), (2, false));
+        assert_eq!(plan(Some(0), Some(true), 200 * gib), (0, false));
+        // Unset size: the automatic plan, with the user's keep choice on top.
+        assert_eq!(plan(None, None, 140 * gib), (1, true));
+        assert_eq!(plan(None, Some(false), 140 * gib), (1, false));
     }
 }

@@ -180,34 +180,19 @@ pub fn pass_options(
     dropout: Option<(f32, u64)>,
 ) -> PassOptions {
     let head_chunk = crate::config::resolve_head_chunk(cfg.head_chunk, model.spec.vocab);
-    let (spec, chunked, dt) = (
+    let plan = super::memory::resolve_plan(
         &model.spec,
+        tokens,
+        cfg.segment_size,
+        cfg.keep_attention,
         model.mlp_chunk > 0,
         model.device.compute_dtype().size(),
+        head_chunk,
+        budget,
     );
-    let (segment_size, keep_attention) = match cfg.segment_size {
-        None => {
-            let p = super::memory::auto_plan(spec, tokens, chunked, dt, head_chunk, budget);
-            let keep = cfg.keep_attention.unwrap_or(p.keep_attention) && p.segment_size > 0;
-            (p.segment_size, keep)
-        }
-        Some(s) => (
-            s,
-            super::memory::keep_attention_for(
-                spec,
-                tokens,
-                s,
-                cfg.keep_attention,
-                chunked,
-                dt,
-                head_chunk,
-                budget,
-            ),
-        ),
-    };
     PassOptions {
-        segment_size,
-        keep_attention,
+        segment_size: plan.segment_size,
+        keep_attention: plan.keep_attention,
         head: cfg.head,
         head_chunk,
         dropout,
