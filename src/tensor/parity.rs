@@ -1124,6 +1124,17 @@ fn attention_suite(cx: &mut Ctx, r: &mut Rng) -> Result<()> {
             let row = cmp_t(&format!("{tag} bwd {name}"), g, c, BF16_GRAD)?;
             cx.push(row);
         }
+        if let (Device::Cuda(c), 64 | 128) = (cx.dev, hd) {
+            // The default above is the one-pass backward; the two-kernel version too.
+            c.set_attention_backward_version(2);
+            let got = attention_bwd(&dog, &qg, &kg, &vg, &oig, &lig, &mask, s);
+            c.set_attention_backward_version(0);
+            let (dq2, dk2, dv2) = got?;
+            for (name, g, c) in [("dq", &dq2, &dqc), ("dk", &dk2, &dkc), ("dv", &dv2, &dvc)] {
+                let row = cmp_t(&format!("{tag} bwd v2 {name}"), g, c, BF16_GRAD)?;
+                cx.push(row);
+            }
+        }
         if t >= 1000 && cx.dev.is_cuda() {
             attn_timing(cx, &tag, &qg, &kg, &vg, &dog, &mask, s)?;
         }
@@ -1143,6 +1154,21 @@ fn attention_suite(cx: &mut Ctx, r: &mut Rng) -> Result<()> {
             4,
             2,
             AttnMask::prefix_shared(4096, 6144, 6144),
+            "prefix",
+        ),
+        // llama8b's heads on the bench's two pair shapes (prompt 3584 / 14336, responses 512 / 2048).
+        (
+            4608,
+            32,
+            8,
+            AttnMask::prefix_shared(3584, 512, 512),
+            "prefix",
+        ),
+        (
+            18432,
+            32,
+            8,
+            AttnMask::prefix_shared(14336, 2048, 2048),
             "prefix",
         ),
     ] {
@@ -1234,9 +1260,6 @@ fn attn_timing(
     let (o, lse) = attention(q, k, v, mask, s)?;
     let iters = if q.dim(0) >= 8192 { 3 } else { 10 };
     let fwd = cx.time(iters, || attention(q, k, v, mask, s).map(|_| ()))?;
-    let bwd = cx.time(iters, || {
-        attention_bwd(d_o, q, k, v, &o, &lse, mask, s).map(|_| ())
-    })?;
     let pairs = visible_pairs(mask) * s.n_heads as f64;
     let fl = 4.0 * pairs * s.head_dim as f64;
     cx.push(timing(
@@ -1244,11 +1267,24 @@ fn attn_timing(
         fwd,
         format!("{:.0} TFLOP/s (4*pairs*d)", fl / fwd / 1e9),
     ));
-    cx.push(timing(
-        &format!("{tag} time bwd"),
-        bwd,
-        format!("{:.0} TFLOP/s (10*pairs*d)", 2.5 * fl / bwd / 1e9),
-    ));
+    // The default backward (one pass where the head dim allows), then the two-kernel version.
+    let Device::Cuda(c) = cx.dev else {
+        return Ok(());
+    };
+    let c = c.clone();
+    for (version, label) in [(0u8, "bwd"), (2, "bwd v2")] {
+        c.set_attention_backward_version(version);
+        let bwd = cx.time(iters, || {
+            attention_bwd(d_o, q, k, v, &o, &lse, mask, s).map(|_| ())
+        });
+        c.set_attention_backward_version(0);
+        let bwd = bwd?;
+        cx.push(timing(
+            &format!("{tag} time {label}"),
+            bwd,
+            format!("{:.0} TFLOP/s (10*pairs*d)", 2.5 * fl / bwd / 1e9),
+        ));
+    }
     Ok(())
 }
 

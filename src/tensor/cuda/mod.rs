@@ -106,6 +106,10 @@ struct Inner {
     /// Which attention forward kernel serves head_dim 64 / 128: 0 chooses by grid size, 2 or 3
     /// forces that version (the parity suite checks both).
     attn_fwd_version: std::sync::atomic::AtomicU8,
+    /// Which attention backward serves head_dim 64 / 128: 0 or 4 the one-pass kernel (dQ by f32
+    /// atomics, so not bit-reproducible run to run), 2 the two deterministic kernels (dQ, dK/dV).
+    /// Starts at 2 when `LORAFIT_ATTN_DETERMINISTIC=1`.
+    attn_bwd_version: std::sync::atomic::AtomicU8,
     /// `LORAFIT_PROFILE=1`: per-kernel and per-GEMM times (synchronising; see `profiled`).
     prof: Option<Mutex<Profile>>,
 }
@@ -398,6 +402,13 @@ impl CudaBackend {
                 live: AtomicUsize::new(0),
                 peak: AtomicUsize::new(0),
                 attn_fwd_version: std::sync::atomic::AtomicU8::new(0),
+                attn_bwd_version: std::sync::atomic::AtomicU8::new(
+                    if std::env::var_os("LORAFIT_ATTN_DETERMINISTIC").is_some_and(|v| v != "0") {
+                        2
+                    } else {
+                        0
+                    },
+                ),
                 prof: if std::env::var_os("LORAFIT_PROFILE").is_some_and(|v| v != "0") {
                     let flags = sys::CUevent_flags::CU_EVENT_DEFAULT;
                     let e0 = drv::event::create(flags).map_err(|e| anyhow!("{e:?}"))?;
@@ -452,6 +463,11 @@ impl CudaBackend {
     /// size, the default). For the parity suite, which checks both.
     pub fn set_attention_forward_version(&self, v: u8) {
         self.inner.attn_fwd_version.store(v, Ordering::Relaxed);
+    }
+    /// Forces the attention backward for head_dim 64 / 128: 4 (or 0, the default) the one-pass
+    /// kernel, 2 the two-kernel version. For the parity suite, which checks both.
+    pub fn set_attention_backward_version(&self, v: u8) {
+        self.inner.attn_bwd_version.store(v, Ordering::Relaxed);
     }
     pub fn reset_peak(&self) {
         self.inner
@@ -1193,6 +1209,8 @@ impl CudaBackend {
             ("dq", 128) => "lf_attn2_dq_128",
             ("dkdv", 64) => "lf_attn2_dkdv_64",
             ("dkdv", 128) => "lf_attn2_dkdv_128",
+            ("bwd", 64) => "lf_attn4_bwd_64",
+            ("bwd", 128) => "lf_attn4_bwd_128",
             _ => return None,
         })
     }
@@ -1204,6 +1222,10 @@ impl CudaBackend {
         let b = match kind {
             "fwd" => (128 + 4 * 64) * row + t.div_ceil(64).next_multiple_of(16),
             "dq" => (2 * 64 + 4 * 64) * row + t.div_ceil(64).next_multiple_of(16),
+            // 128-key K and V tiles, two buffers of Q and dO, the dS^T tile, lse and D.
+            "bwd" => {
+                (2 * 128 + 4 * 64) * row + 128 * (64 + 8) * 2 + 4 * 64 * 4 + t.div_ceil(64).next_multiple_of(16)
+            }
             _ => (2 * 64 + 4 * 64) * row + 4 * 64 * 4 + t.div_ceil(64).next_multiple_of(16),
         };
         b as u32
@@ -1346,15 +1368,27 @@ impl CudaBackend {
             ]);
             Ok(a)
         };
-        let dq2 = self.attn2("dq", &s, t);
-        let dkdv2 = self.attn2("dkdv", &s, t);
+        let one_pass = match self.inner.attn_bwd_version.load(Ordering::Relaxed) {
+            2 => None,
+            _ => self.attn2("bwd", &s, t),
+        };
+        let (dq2, dkdv2) = match one_pass {
+            Some(_) => (None, None),
+            None => (self.attn2("dq", &s, t), self.attn2("dkdv", &s, t)),
+        };
         // Version 2 takes no head_dim argument (it is the template's).
         let common2 = |out: Vec<Arg>| -> Result<Vec<Arg>> {
             let mut a = common(out)?;
             a.remove(a.len() - 2);
             Ok(a)
         };
-        if let Some((name, smem)) = dq2 {
+        let dq_acc = match one_pass {
+            Some(_) => Some(self.zeros(q.shape(), DType::F32)?),
+            None => None,
+        };
+        if one_pass.is_some() {
+            // The one-pass kernel below writes dQ into dq_acc.
+        } else if let Some((name, smem)) = dq2 {
             self.launch(
                 name,
                 (t.div_ceil(64) as u32, s.n_heads as u32, 1),
@@ -1392,7 +1426,27 @@ impl CudaBackend {
             Arg::P(pk),
             Arg::P(pv),
         ];
-        if let Some((name, smem)) = dkdv2 {
+        if let (Some((name, smem)), Some(acc)) = (one_pass, &dq_acc) {
+            let mut args = common2(outs)?;
+            args.insert(6, Arg::P(cuda_ptr(acc)?));
+            self.launch(
+                name,
+                (t.div_ceil(128) as u32, s.n_heads as u32, 1),
+                256,
+                smem,
+                &args,
+            )?;
+            self.launch_n(
+                "lf_attn_dq_finish",
+                dq.numel(),
+                &[
+                    Arg::P(cuda_ptr(acc)?),
+                    Arg::P(cuda_ptr(&dq)?),
+                    Arg::I64(dq.numel() as i64),
+                    Arg::F32(s.scale),
+                ],
+            )?;
+        } else if let Some((name, smem)) = dkdv2 {
             self.launch(
                 name,
                 (t.div_ceil(64) as u32, s.n_heads as u32, 1),

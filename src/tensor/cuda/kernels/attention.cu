@@ -1,8 +1,9 @@
 // FlashAttention-2 style attention on tensor cores (mma.sync m16n8k16, bf16 in, f32 accumulate).
 // Never materialises [T, T]: query tiles x key tiles in shared memory with an online softmax; the
 // per-row log-sum-exp is saved ([n_heads, T] f32) and the backward recomputes probabilities tile
-// by tile. Three backward kernels: D = rowsum(dO * O), dQ per query tile (loop over key tiles),
-// dK/dV per key tile (loop over the group's query heads and query tiles); no atomics.
+// by tile. Backward: D = rowsum(dO * O), then either one pass per key tile (version 4: dK/dV in
+// registers, dQ added into an f32 accumulator with atomics) or, deterministic, dQ per query tile
+// and dK/dV per key tile (versions 1 and 2, no atomics).
 //
 // Visibility per (query, key): key in [a0, a1) or [b0, b1) of the query's ranges, and, with a
 // window, pos[q] - pos[k] < window. Whole tiles with no visible element are skipped; tiles that
@@ -635,6 +636,20 @@ template <int SS>
 __device__ __forceinline__ int lo_bn(int lane) { return ((lane >> 4) * 8 + (lane & 7)) * SS + ((lane >> 3) & 1) * 8; }
 template <int SS>
 __device__ __forceinline__ int lo_bt(int lane) { return (((lane >> 3) & 1) * 8 + (lane & 7)) * SS + (lane >> 4) * 8; }
+// A fragment of a 16x16 tile stored transposed ([k][m], .trans): rows (k) (lane%8) + (lane/16)*8,
+//    cols (m) ((lane/8)%2)*8 -> a0..a3 in register order
+template <int SS>
+__device__ __forceinline__ int lo_at(int lane) { return ((lane & 7) + (lane >> 4) * 8) * SS + ((lane >> 3) & 1) * 8; }
+
+// p[0] += a, p[1] += b (p 8-byte aligned, global memory): one vector reduction on sm_90.
+__device__ __forceinline__ void red_add2(float* p, float a, float b) {
+#if __CUDA_ARCH__ >= 900
+    atomicAdd((float2*)p, make_float2(a, b));
+#else
+    atomicAdd(p, a);
+    atomicAdd(p + 1, b);
+#endif
+}
 
 // Rows [row0, row0 + NR) x HD columns of a row-major matrix (row stride `stride`, `src` already at
 // the head's column) into a padded shared tile; rows >= t are zero-filled.
@@ -982,6 +997,154 @@ __device__ void attn2_dq(const bf16* __restrict__ q, const bf16* __restrict__ k,
 }
 
 // ------------------------------------------------------------------------------------------------
+// Per-warp pieces of the key-major backward (versions 2 and 4): a warp owns 16 keys of the key tile
+// (rows ka = k0 + 16w + g and kb = ka + 8 of its fragments) and meets one BQ-query tile at a time.
+
+// Query tile [q0, q0 + BQ_) of one head for the key-major backward: Q and dO rows (cp.async into
+// padded tiles) and the rows' lse and D.
+template <int HD, int BQ_, int NT>
+__device__ __forceinline__ void load_query_tile(bf16* qs, bf16* dos, float* ls, float* dsum, const bf16* qg,
+                                                const bf16* og, const float* lg, const float* dg, i64 qstride,
+                                                int q0, int t) {
+    static_assert(NT >= 2 * BQ_, "one thread per lse and D element");
+    cp_tile<HD, BQ_, NT>(qs, qg, qstride, q0, t);
+    cp_tile<HD, BQ_, NT>(dos, og, qstride, q0, t);
+    if (threadIdx.x < BQ_) {
+        const int qi = q0 + threadIdx.x;
+        cp_async4(ls + threadIdx.x, lg + (qi < t ? qi : 0), qi < t);
+    } else if (threadIdx.x < 2 * BQ_) {
+        const int qi = q0 + threadIdx.x - BQ_;
+        cp_async4(dsum + threadIdx.x - BQ_, dg + (qi < t ? qi : 0), qi < t);
+    }
+}
+
+// S^T = K_w Q^T and dP^T = V_w dO^T (kw, vw: the warp's 16 rows of the K and V tiles), then in
+// place P^T = exp(S^T * scale - lse) (masked) and dS^T = P^T * (dP^T - D). Element e of n-tile nt:
+// key row (e < 2 ? ka : kb), query column nt * 8 + 2tq + (e & 1) of the tile.
+template <int HD, int BQ_>
+__device__ __forceinline__ void key_tile_probs(float (&s)[BQ_ / 8][4], float (&dp)[BQ_ / 8][4], const bf16* kw,
+                                               const bf16* vw, const bf16* qb, const bf16* ob, const float* lb,
+                                               const float* db, const Mask& mk, int q0, int ka, int kb, int kpa,
+                                               int kpb, bool tile_all, int t, float sl2, int lane) {
+    constexpr int SS = HD + 8;
+    const int tq = lane & 3;
+    #pragma unroll
+    for (int nt = 0; nt < BQ_ / 8; nt++) {
+        s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+        dp[nt][0] = dp[nt][1] = dp[nt][2] = dp[nt][3] = 0.f;
+    }
+    #pragma unroll
+    for (int kk = 0; kk < HD / 16; kk++) {
+        u32 kf[4], vf[4];
+        ldsm_x4(kf, kw + kk * 16 + lo_a<SS>(lane));
+        ldsm_x4(vf, vw + kk * 16 + lo_a<SS>(lane));
+        #pragma unroll
+        for (int np = 0; np < BQ_ / 16; np++) {
+            u32 b[4];
+            ldsm_x4(b, qb + np * 16 * SS + kk * 16 + lo_bn<SS>(lane));
+            mma16816(s[2 * np], kf, b[0], b[1]);
+            mma16816(s[2 * np + 1], kf, b[2], b[3]);
+            ldsm_x4(b, ob + np * 16 * SS + kk * 16 + lo_bn<SS>(lane));
+            mma16816(dp[2 * np], vf, b[0], b[1]);
+            mma16816(dp[2 * np + 1], vf, b[2], b[3]);
+        }
+    }
+    #pragma unroll
+    for (int nt = 0; nt < BQ_ / 8; nt++) {
+        #pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const int ql = nt * 8 + 2 * tq + (e & 1);
+            float p = exp2f(s[nt][e] * sl2 - lb[ql] * LOG2E);
+            if (!tile_all) {
+                const int qi = q0 + ql, kx = e < 2 ? ka : kb;
+                bool vis = false;
+                if (qi < t && kx < t) vis = visible(mk.ranges[qi], mk.pos[qi], kx, e < 2 ? kpa : kpb, mk.window);
+                if (!vis) p = 0.f;
+            }
+            s[nt][e] = p;
+            dp[nt][e] = p * (dp[nt][e] - db[ql]);
+        }
+    }
+}
+
+// dV_w += P^T dO and dK_w += dS^T Q, with P^T (s) and dS^T (dp) as bf16 A operands straight from
+// registers. With `ds_out`, dS^T (as rounded for the product) is also stored to the warp's 16 rows
+// of a [key][query] shared tile of row stride `ds_stride`, for version 4's dQ product.
+template <int HD, int BQ_>
+__device__ __forceinline__ void key_tile_accumulate(float (&adv)[HD / 8][4], float (&adk)[HD / 8][4],
+                                                    const float (&s)[BQ_ / 8][4], const float (&dp)[BQ_ / 8][4],
+                                                    const bf16* qb, const bf16* ob, bf16* ds_out, int ds_stride,
+                                                    int lane) {
+    constexpr int SS = HD + 8;
+    const int g = lane >> 2, tq = lane & 3;
+    #pragma unroll
+    for (int j = 0; j < BQ_ / 16; j++) {
+        u32 pf[4], sf[4];
+        pf[0] = pack_bf16(s[2 * j][0], s[2 * j][1]);
+        pf[1] = pack_bf16(s[2 * j][2], s[2 * j][3]);
+        pf[2] = pack_bf16(s[2 * j + 1][0], s[2 * j + 1][1]);
+        pf[3] = pack_bf16(s[2 * j + 1][2], s[2 * j + 1][3]);
+        sf[0] = pack_bf16(dp[2 * j][0], dp[2 * j][1]);
+        sf[1] = pack_bf16(dp[2 * j][2], dp[2 * j][3]);
+        sf[2] = pack_bf16(dp[2 * j + 1][0], dp[2 * j + 1][1]);
+        sf[3] = pack_bf16(dp[2 * j + 1][2], dp[2 * j + 1][3]);
+        if (ds_out) {
+            // sf[0]: (row g, cols 16j + 2tq..), sf[1]: row g + 8, sf[2]/sf[3]: cols + 8.
+            bf16* r = ds_out + g * ds_stride + 16 * j + 2 * tq;
+            *(u32*)r = sf[0];
+            *(u32*)(r + 8 * ds_stride) = sf[1];
+            *(u32*)(r + 8) = sf[2];
+            *(u32*)(r + 8 * ds_stride + 8) = sf[3];
+        }
+        #pragma unroll
+        for (int dpi = 0; dpi < HD / 16; dpi++) {
+            u32 b[4];
+            ldsm_x4_t(b, ob + j * 16 * SS + dpi * 16 + lo_bt<SS>(lane));
+            mma16816(adv[2 * dpi], pf, b[0], b[1]);
+            mma16816(adv[2 * dpi + 1], pf, b[2], b[3]);
+            ldsm_x4_t(b, qb + j * 16 * SS + dpi * 16 + lo_bt<SS>(lane));
+            mma16816(adk[2 * dpi], sf, b[0], b[1]);
+            mma16816(adk[2 * dpi + 1], sf, b[2], b[3]);
+        }
+    }
+}
+
+// The warp's dK (times scale) and dV rows: f32 partials per query head with GQA (summed by
+// lf_attn_dkdv_reduce), bf16 directly without.
+template <int HD>
+__device__ __forceinline__ void key_tile_store(const float (&adk)[HD / 8][4], const float (&adv)[HD / 8][4],
+                                               bf16* __restrict__ dk, bf16* __restrict__ dv,
+                                               float* __restrict__ dk_part, float* __restrict__ dv_part, int h,
+                                               int kvh, int group, int ka, int kb, int t, int nkv, float scale,
+                                               int tq) {
+    const i64 kstride = (i64)nkv * HD;
+    #pragma unroll
+    for (int nd = 0; nd < HD / 8; nd++) {
+        const int d = nd * 8 + 2 * tq;
+        if (group > 1) {
+            if (ka < t) {
+                *(float2*)(dk_part + ((i64)h * t + ka) * HD + d) = make_float2(adk[nd][0] * scale, adk[nd][1] * scale);
+                *(float2*)(dv_part + ((i64)h * t + ka) * HD + d) = make_float2(adv[nd][0], adv[nd][1]);
+            }
+            if (kb < t) {
+                *(float2*)(dk_part + ((i64)h * t + kb) * HD + d) = make_float2(adk[nd][2] * scale, adk[nd][3] * scale);
+                *(float2*)(dv_part + ((i64)h * t + kb) * HD + d) = make_float2(adv[nd][2], adv[nd][3]);
+            }
+        } else {
+            const i64 col = (i64)kvh * HD + d;
+            if (ka < t) {
+                *(u32*)(dk + (i64)ka * kstride + col) = pack_bf16(adk[nd][0] * scale, adk[nd][1] * scale);
+                *(u32*)(dv + (i64)ka * kstride + col) = pack_bf16(adv[nd][0], adv[nd][1]);
+            }
+            if (kb < t) {
+                *(u32*)(dk + (i64)kb * kstride + col) = pack_bf16(adk[nd][2] * scale, adk[nd][3] * scale);
+                *(u32*)(dv + (i64)kb * kstride + col) = pack_bf16(adv[nd][2], adv[nd][3]);
+            }
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
 // dK, dV v2. grid (ceil(T/64), n_heads), 128 threads; warp w owns keys 16w.. of the 64-key tile and
 // loops over the visible BQ2-query tiles of query head blockIdx.y (keys are the M dimension).
 // Outputs as version 1: f32 partials per query head with GQA, bf16 dK/dV directly without.
@@ -1021,16 +1184,8 @@ __device__ void attn2_dkdv(const bf16* __restrict__ q, const bf16* __restrict__ 
     }
     __syncthreads();
     auto load_q = [&](int it, int b) {
-        const int q0 = it * BQ2_;
-        cp_tile<HD, BQ2_, NT>(qs + b * BQ2_ * SS, qg, qstride, q0, t);
-        cp_tile<HD, BQ2_, NT>(dos + b * BQ2_ * SS, og, qstride, q0, t);
-        if (threadIdx.x < BQ2_) {
-            const int qi = q0 + threadIdx.x;
-            cp_async4(ls + b * BQ2_ + threadIdx.x, lg + (qi < t ? qi : 0), qi < t);
-        } else if (threadIdx.x < 2 * BQ2_) {
-            const int qi = q0 + threadIdx.x - BQ2_;
-            cp_async4(dsum + b * BQ2_ + threadIdx.x - BQ2_, dg + (qi < t ? qi : 0), qi < t);
-        }
+        load_query_tile<HD, BQ2_, NT>(qs + b * BQ2_ * SS, dos + b * BQ2_ * SS, ls + b * BQ2_, dsum + b * BQ2_, qg, og,
+                                      lg, dg, qstride, it * BQ2_, t);
     };
     int cur = 0;
     while (cur < nqt && fl[cur] == 0) cur++;
@@ -1062,94 +1217,14 @@ __device__ void attn2_dkdv(const bf16* __restrict__ q, const bf16* __restrict__ 
         const bool tile_all = fl[cur] == 2;
 
         float s[BQ2_ / 8][4], dp[BQ2_ / 8][4];
-        #pragma unroll
-        for (int nt = 0; nt < BQ2_ / 8; nt++) {
-            s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
-            dp[nt][0] = dp[nt][1] = dp[nt][2] = dp[nt][3] = 0.f;
-        }
-        #pragma unroll
-        for (int kk = 0; kk < HD / 16; kk++) {
-            u32 kf[4], vf[4];
-            ldsm_x4(kf, ks + (16 * w) * SS + kk * 16 + lo_a<SS>(lane));
-            ldsm_x4(vf, vs + (16 * w) * SS + kk * 16 + lo_a<SS>(lane));
-            #pragma unroll
-            for (int np = 0; np < BQ2_ / 16; np++) {
-                u32 b[4];
-                ldsm_x4(b, qb + np * 16 * SS + kk * 16 + lo_bn<SS>(lane));
-                mma16816(s[2 * np], kf, b[0], b[1]);
-                mma16816(s[2 * np + 1], kf, b[2], b[3]);
-                ldsm_x4(b, ob + np * 16 * SS + kk * 16 + lo_bn<SS>(lane));
-                mma16816(dp[2 * np], vf, b[0], b[1]);
-                mma16816(dp[2 * np + 1], vf, b[2], b[3]);
-            }
-        }
-        // s -> P^T, dp -> dS^T. Element e: key row (e < 2 ? ka : kb), query col nt*8 + 2tq + (e & 1).
-        #pragma unroll
-        for (int nt = 0; nt < BQ2_ / 8; nt++) {
-            #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int ql = nt * 8 + 2 * tq + (e & 1);
-                float p = exp2f(s[nt][e] * sl2 - lb[ql] * LOG2E);
-                if (!tile_all) {
-                    const int qi = q0 + ql, kx = e < 2 ? ka : kb;
-                    bool vis = false;
-                    if (qi < t && kx < t) vis = visible(mk.ranges[qi], mk.pos[qi], kx, e < 2 ? kpa : kpb, mk.window);
-                    if (!vis) p = 0.f;
-                }
-                s[nt][e] = p;
-                dp[nt][e] = p * (dp[nt][e] - db[ql]);
-            }
-        }
-        #pragma unroll
-        for (int j = 0; j < BQ2_ / 16; j++) {
-            u32 pf[4], sf[4];
-            pf[0] = pack_bf16(s[2 * j][0], s[2 * j][1]);
-            pf[1] = pack_bf16(s[2 * j][2], s[2 * j][3]);
-            pf[2] = pack_bf16(s[2 * j + 1][0], s[2 * j + 1][1]);
-            pf[3] = pack_bf16(s[2 * j + 1][2], s[2 * j + 1][3]);
-            sf[0] = pack_bf16(dp[2 * j][0], dp[2 * j][1]);
-            sf[1] = pack_bf16(dp[2 * j][2], dp[2 * j][3]);
-            sf[2] = pack_bf16(dp[2 * j + 1][0], dp[2 * j + 1][1]);
-            sf[3] = pack_bf16(dp[2 * j + 1][2], dp[2 * j + 1][3]);
-            #pragma unroll
-            for (int dpi = 0; dpi < HD / 16; dpi++) {
-                u32 b[4];
-                ldsm_x4_t(b, ob + j * 16 * SS + dpi * 16 + lo_bt<SS>(lane));
-                mma16816(adv[2 * dpi], pf, b[0], b[1]);
-                mma16816(adv[2 * dpi + 1], pf, b[2], b[3]);
-                ldsm_x4_t(b, qb + j * 16 * SS + dpi * 16 + lo_bt<SS>(lane));
-                mma16816(adk[2 * dpi], sf, b[0], b[1]);
-                mma16816(adk[2 * dpi + 1], sf, b[2], b[3]);
-            }
-        }
+        key_tile_probs<HD, BQ2_>(s, dp, ks + (16 * w) * SS, vs + (16 * w) * SS, qb, ob, lb, db, mk, q0, ka, kb,
+                                 kpa, kpb, tile_all, t, sl2, lane);
+        key_tile_accumulate<HD, BQ2_>(adv, adk, s, dp, qb, ob, nullptr, 0, lane);
         __syncthreads();
         cur = nxt;
         buf ^= 1;
     }
-    #pragma unroll
-    for (int nd = 0; nd < HD / 8; nd++) {
-        const int d = nd * 8 + 2 * tq;
-        if (group > 1) {
-            if (ka < t) {
-                *(float2*)(dk_part + ((i64)h * t + ka) * HD + d) = make_float2(adk[nd][0] * scale, adk[nd][1] * scale);
-                *(float2*)(dv_part + ((i64)h * t + ka) * HD + d) = make_float2(adv[nd][0], adv[nd][1]);
-            }
-            if (kb < t) {
-                *(float2*)(dk_part + ((i64)h * t + kb) * HD + d) = make_float2(adk[nd][2] * scale, adk[nd][3] * scale);
-                *(float2*)(dv_part + ((i64)h * t + kb) * HD + d) = make_float2(adv[nd][2], adv[nd][3]);
-            }
-        } else {
-            const i64 col = (i64)kvh * HD + d;
-            if (ka < t) {
-                *(u32*)(dk + (i64)ka * kstride + col) = pack_bf16(adk[nd][0] * scale, adk[nd][1] * scale);
-                *(u32*)(dv + (i64)ka * kstride + col) = pack_bf16(adv[nd][0], adv[nd][1]);
-            }
-            if (kb < t) {
-                *(u32*)(dk + (i64)kb * kstride + col) = pack_bf16(adk[nd][2] * scale, adk[nd][3] * scale);
-                *(u32*)(dv + (i64)kb * kstride + col) = pack_bf16(adv[nd][2], adv[nd][3]);
-            }
-        }
-    }
+    key_tile_store<HD>(adk, adv, dk, dv, dk_part, dv_part, h, kvh, group, ka, kb, t, nkv, scale, tq);
 }
 
 #define INSTANTIATE2(HD, BQ2V)                                                                                 \
@@ -1383,3 +1458,134 @@ __device__ void attn3_fwd(const bf16* __restrict__ q, const bf16* __restrict__ k
     }
 INSTANTIATE3(64)
 INSTANTIATE3(128)
+
+// ------------------------------------------------------------------------------------------------
+// Backward v4, one pass. grid (ceil(T/128), n_heads), 256 threads; the block owns 128 keys (warp w:
+// keys 16w.., the M dimension of S^T and dP^T, exactly as dK/dV v2) and loops over the visible
+// 64-query tiles of query head blockIdx.y. dS^T also goes to shared memory, from which the tile's
+// dQ = dS K is computed (warp w: query rows 16(w % 4).., head dims (w / 4) * HD/2..) and added to
+// an f32 accumulator [T, n_heads * HD] with vector atomics; lf_attn_dq_finish scales and rounds it.
+// Versus version 2's two kernels this computes S and dP once per tile pair (5 products, not 7).
+template <int HD>
+__device__ void attn4_bwd(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v,
+                          const bf16* __restrict__ d_o, const float* __restrict__ lse, const float* __restrict__ dd,
+                          float* __restrict__ dq_acc, bf16* __restrict__ dk, bf16* __restrict__ dv,
+                          float* __restrict__ dk_part, float* __restrict__ dv_part, Mask mk, int t, int nh, int nkv,
+                          float scale) {
+    constexpr int BK_ = 128, BQ_ = 64, NT = 256, NW = NT / 32, SS = HD + 8, DS = BQ_ + 8;
+    extern __shared__ __align__(16) unsigned char smem[];
+    bf16* ks = (bf16*)smem;
+    bf16* vs = ks + BK_ * SS;
+    bf16* qs = vs + BK_ * SS;
+    bf16* dos = qs + 2 * BQ_ * SS;
+    bf16* dst = dos + 2 * BQ_ * SS;  // dS^T of the current tile pair, [key][query]
+    float* ls = (float*)(dst + BK_ * DS);
+    float* dsum = ls + 2 * BQ_;
+    unsigned char* fl = (unsigned char*)(dsum + 2 * BQ_);
+
+    const int h = blockIdx.y, group = nh / nkv, kvh = h / group;
+    const int k0 = blockIdx.x * BK_;
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
+    const i64 qstride = (i64)nh * HD, kstride = (i64)nkv * HD;
+    const float sl2 = scale * LOG2E;
+    const int nqt = (t + BQ_ - 1) / BQ_, nkt = (t + 63) / 64;
+    const bf16* qg = q + (i64)h * HD;
+    const bf16* og = d_o + (i64)h * HD;
+    const float* lg = lse + (i64)h * t;
+    const float* dg = dd + (i64)h * t;
+
+    cp_tile<HD, BK_, NT>(ks, k + (i64)kvh * HD, kstride, k0, t);
+    cp_tile<HD, BK_, NT>(vs, v + (i64)kvh * HD, kstride, k0, t);
+    cp_async_commit();
+    // The block's keys are two 64-key visibility tiles; a tail half past T counts as unseen, which
+    // makes the pair partial (so keys >= T always take the per-element test).
+    for (int it = w; it < nqt; it += NW) {
+        const int kt = 2 * blockIdx.x;
+        const unsigned char f0 = warp_tile_flag<BQ_>(mk, it * BQ_, kt, t, lane);
+        const unsigned char f1 = kt + 1 < nkt ? warp_tile_flag<BQ_>(mk, it * BQ_, kt + 1, t, lane) : 0;
+        if (lane == 0) fl[it] = (f0 | f1) == 0 ? 0 : (f0 == 2 && f1 == 2 ? 2 : 1);
+    }
+    __syncthreads();
+    auto load_q = [&](int it, int b) {
+        load_query_tile<HD, BQ_, NT>(qs + b * BQ_ * SS, dos + b * BQ_ * SS, ls + b * BQ_, dsum + b * BQ_, qg, og, lg,
+                                     dg, qstride, it * BQ_, t);
+    };
+    int cur = 0;
+    while (cur < nqt && fl[cur] == 0) cur++;
+    if (cur < nqt) load_q(cur, 0);
+    cp_async_commit();
+
+    const int ka = k0 + 16 * w + g, kb = ka + 8;
+    const int kpa = ka < t ? mk.pos[ka] : 0, kpb = kb < t ? mk.pos[kb] : 0;
+    const int qr = 16 * (w & 3), dh = (w >> 2) * (HD / 2);
+    float adk[HD / 8][4], adv[HD / 8][4];
+    #pragma unroll
+    for (int i = 0; i < HD / 8; i++) {
+        adk[i][0] = adk[i][1] = adk[i][2] = adk[i][3] = 0.f;
+        adv[i][0] = adv[i][1] = adv[i][2] = adv[i][3] = 0.f;
+    }
+
+    int buf = 0;
+    while (cur < nqt) {
+        int nxt = cur + 1;
+        while (nxt < nqt && fl[nxt] == 0) nxt++;
+        if (nxt < nqt) load_q(nxt, buf ^ 1);
+        cp_async_commit();
+        cp_async_wait<1>();
+        __syncthreads();
+        const bf16* qb = qs + buf * BQ_ * SS;
+        const bf16* ob = dos + buf * BQ_ * SS;
+        const int q0 = cur * BQ_;
+        {
+            float s[BQ_ / 8][4], dp[BQ_ / 8][4];
+            key_tile_probs<HD, BQ_>(s, dp, ks + (16 * w) * SS, vs + (16 * w) * SS, qb, ob, ls + buf * BQ_,
+                                    dsum + buf * BQ_, mk, q0, ka, kb, kpa, kpb, fl[cur] == 2, t, sl2, lane);
+            key_tile_accumulate<HD, BQ_>(adv, adk, s, dp, qb, ob, dst + (16 * w) * DS, DS, lane);
+        }
+        __syncthreads();
+        // dQ rows qr.. x head dims dh.. of this tile: A = dS (rows: queries) read transposed from
+        // dS^T; B = the K tile, k-major.
+        float aq[HD / 16][4];
+        #pragma unroll
+        for (int i = 0; i < HD / 16; i++) aq[i][0] = aq[i][1] = aq[i][2] = aq[i][3] = 0.f;
+        #pragma unroll
+        for (int kk = 0; kk < BK_ / 16; kk++) {
+            u32 af[4];
+            ldsm_x4_t(af, dst + (16 * kk) * DS + qr + lo_at<DS>(lane));
+            #pragma unroll
+            for (int np = 0; np < HD / 32; np++) {
+                u32 b[4];
+                ldsm_x4_t(b, ks + (16 * kk) * SS + dh + 16 * np + lo_bt<SS>(lane));
+                mma16816(aq[2 * np], af, b[0], b[1]);
+                mma16816(aq[2 * np + 1], af, b[2], b[3]);
+            }
+        }
+        const int ra = q0 + qr + g, rb = ra + 8;
+        #pragma unroll
+        for (int nd = 0; nd < HD / 16; nd++) {
+            const i64 col = (i64)h * HD + dh + nd * 8 + 2 * tq;
+            if (ra < t) red_add2(dq_acc + (i64)ra * qstride + col, aq[nd][0], aq[nd][1]);
+            if (rb < t) red_add2(dq_acc + (i64)rb * qstride + col, aq[nd][2], aq[nd][3]);
+        }
+        __syncthreads();
+        cur = nxt;
+        buf ^= 1;
+    }
+    key_tile_store<HD>(adk, adv, dk, dv, dk_part, dv_part, h, kvh, group, ka, kb, t, nkv, scale, tq);
+}
+
+// dq = scale * dq_acc, rounded to bf16.
+extern "C" __global__ void lf_attn_dq_finish(const float* acc, bf16* dq, i64 n, float scale) {
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
+        dq[i] = __float2bfloat16(acc[i] * scale);
+}
+
+#define INSTANTIATE4(HD)                                                                                       \
+    extern "C" __global__ void __launch_bounds__(256, 1) lf_attn4_bwd_##HD(                                    \
+        const bf16* q, const bf16* k, const bf16* v, const bf16* d_o, const float* lse, const float* dd,       \
+        float* dq_acc, bf16* dk, bf16* dv, float* dk_part, float* dv_part, Mask mk, int t, int nh, int nkv,    \
+        float scale) {                                                                                         \
+        attn4_bwd<HD>(q, k, v, d_o, lse, dd, dq_acc, dk, dv, dk_part, dv_part, mk, t, nh, nkv, scale);         \
+    }
+INSTANTIATE4(64)
+INSTANTIATE4(128)
