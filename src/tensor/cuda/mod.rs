@@ -303,6 +303,23 @@ fn pack(lo: u32, hi: u32) -> u64 {
     lo as u64 | (hi as u64) << 32
 }
 
+/// A version 2+ attention kernel chosen for a shape: its launch configuration.
+struct AttnKernel {
+    name: &'static str,
+    threads: u32,
+    grid: (u32, u32, u32),
+    smem: u32,
+}
+
+/// The device's default stream-ordered memory pool (what `cuMemAllocAsync` draws from).
+fn default_mem_pool(device: sys::CUdevice) -> Result<sys::CUmemoryPool> {
+    let mut pool = std::ptr::null_mut();
+    // SAFETY: `pool` receives the handle; `device` is a valid device ordinal handle.
+    unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, device).result() }
+        .map_err(|e| anyhow!("cuda: default memory pool: {e:?}"))?;
+    Ok(pool)
+}
+
 fn cuda_ptr(t: &Tensor) -> Result<u64> {
     match t.storage() {
         Storage::Cuda(s) => Ok(s.ptr),
@@ -371,20 +388,16 @@ impl CudaBackend {
                 // Keep freed memory in the stream-ordered pool across synchronisations (the
                 // default threshold of 0 hands it back to the driver at every sync, and the next
                 // step maps it again). `live`/`peak` below count what is allocated, not cached.
-                let mut pool = std::ptr::null_mut();
+                let pool = default_mem_pool(ctx.cu_device())?;
                 let keep = u64::MAX;
-                // SAFETY: the current context's device; `keep` outlives the call.
+                // SAFETY: a live pool; `keep` outlives the call.
                 unsafe {
-                    sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device())
-                        .result()
-                        .and_then(|_| {
-                            sys::cuMemPoolSetAttribute(
-                                pool,
-                                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
-                                &keep as *const u64 as *mut c_void,
-                            )
-                            .result()
-                        })
+                    sys::cuMemPoolSetAttribute(
+                        pool,
+                        sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                        &keep as *const u64 as *mut c_void,
+                    )
+                    .result()
                 }
                 .map_err(|e| anyhow!("cuda: memory pool threshold: {e:?}"))?;
             }
@@ -448,14 +461,10 @@ impl CudaBackend {
         self.inner.bind()?;
         self.synchronize()?;
         if self.inner.ctx.has_async_alloc() {
-            let mut pool = std::ptr::null_mut();
-            // SAFETY: the device's default pool; trimming only releases unused memory.
-            unsafe {
-                sys::cuDeviceGetDefaultMemPool(&mut pool, self.inner.ctx.cu_device())
-                    .result()
-                    .and_then(|_| sys::cuMemPoolTrimTo(pool, 0).result())
-            }
-            .map_err(|e| anyhow!("cuda: memory pool trim: {e:?}"))?;
+            let pool = default_mem_pool(self.inner.ctx.cu_device())?;
+            // SAFETY: a live pool; trimming only releases unused memory.
+            unsafe { sys::cuMemPoolTrimTo(pool, 0).result() }
+                .map_err(|e| anyhow!("cuda: memory pool trim: {e:?}"))?;
         }
         drv::mem_get_info().map_err(|e| anyhow!("cuda: cuMemGetInfo: {e:?}"))
     }
@@ -1176,11 +1185,11 @@ impl CudaBackend {
         b as u32
     }
 
-    /// The version 2 kernel for `kind` and its dynamic shared memory, where one serves this shape
-    /// and its shared memory fits the device (the attention kernels' limit set in `function`).
-    /// Version 2 (ldmatrix, cp.async double buffering) serves head_dim 64 and 128, version 1 the
-    /// rest; `LORAFIT_ATTN_V1=1` forces version 1 everywhere (for comparison).
-    fn attn2(&self, kind: &str, s: &AttnShape, t: usize) -> Option<(&'static str, u32)> {
+    /// The version 2+ kernel for `kind` ("fwd", "dq", "dkdv" or the one-pass "bwd") and its launch,
+    /// where one serves this shape and its shared memory fits the device (the attention kernels'
+    /// limit set in `function`). These (ldmatrix, cp.async double buffering) serve head_dim 64 and
+    /// 128, version 1 the rest; `LORAFIT_ATTN_V1=1` forces version 1 everywhere (for comparison).
+    fn attn2(&self, kind: &str, s: &AttnShape, t: usize) -> Option<AttnKernel> {
         // The forward's two-m-tile kernel (4 warps per 128 rows, two blocks per SM) is faster once
         // the grid fills the device several times over (32 heads at 4K: 16% faster, at 16K:
         // 19%); with few blocks the 8-warp kernel's finer waves win (12 heads at 4.6K: 23%).
@@ -1189,28 +1198,35 @@ impl CudaBackend {
             3 => true,
             _ => t.div_ceil(128) * s.n_heads >= 4 * self.inner.sm_count as usize,
         };
-        let name = Self::attn2_fn(kind, s, wide)?;
+        let (name, threads, rows) = Self::attn2_fn(kind, s, wide)?;
         let smem = Self::attn2_smem(kind, s.head_dim, t);
         let limit = (self.inner.smem_optin - 1024).min(160 * 1024);
-        (smem as i64 <= limit as i64).then_some((name, smem))
+        (smem as i64 <= limit as i64).then_some(AttnKernel {
+            name,
+            threads,
+            grid: (t.div_ceil(rows) as u32, s.n_heads as u32, 1),
+            smem,
+        })
     }
 
-    fn attn2_fn(kind: &str, s: &AttnShape, wide: bool) -> Option<&'static str> {
+    /// (kernel, threads per block, rows per block: queries for the forward and dQ, keys for
+    /// dK/dV and the one-pass backward).
+    fn attn2_fn(kind: &str, s: &AttnShape, wide: bool) -> Option<(&'static str, u32, usize)> {
         static V1: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
         if *V1.get_or_init(|| std::env::var_os("LORAFIT_ATTN_V1").is_some_and(|v| v != "0")) {
             return None;
         }
         Some(match (kind, s.head_dim) {
-            ("fwd", 64) if !wide => "lf_attn2_fwd_64",
-            ("fwd", 128) if !wide => "lf_attn2_fwd_128",
-            ("fwd", 64) => "lf_attn3_fwd_64",
-            ("fwd", 128) => "lf_attn3_fwd_128",
-            ("dq", 64) => "lf_attn2_dq_64",
-            ("dq", 128) => "lf_attn2_dq_128",
-            ("dkdv", 64) => "lf_attn2_dkdv_64",
-            ("dkdv", 128) => "lf_attn2_dkdv_128",
-            ("bwd", 64) => "lf_attn4_bwd_64",
-            ("bwd", 128) => "lf_attn4_bwd_128",
+            ("fwd", 64) if !wide => ("lf_attn2_fwd_64", 256, 128),
+            ("fwd", 128) if !wide => ("lf_attn2_fwd_128", 256, 128),
+            ("fwd", 64) => ("lf_attn3_fwd_64", 128, 128),
+            ("fwd", 128) => ("lf_attn3_fwd_128", 128, 128),
+            ("dq", 64) => ("lf_attn2_dq_64", 128, 64),
+            ("dq", 128) => ("lf_attn2_dq_128", 128, 64),
+            ("dkdv", 64) => ("lf_attn2_dkdv_64", 128, 64),
+            ("dkdv", 128) => ("lf_attn2_dkdv_128", 128, 64),
+            ("bwd", 64) => ("lf_attn4_bwd_64", 256, 128),
+            ("bwd", 128) => ("lf_attn4_bwd_128", 256, 128),
             _ => return None,
         })
     }
@@ -1263,17 +1279,13 @@ impl CudaBackend {
         let o = self.empty(q.shape(), q.dtype())?;
         let lse = self.empty(&[s.n_heads, t], DType::F32)?;
         let (_mbuf, marg) = self.upload_mask(mask)?;
-        if let Some((name, smem)) = self.attn2("fwd", &s, t) {
+        if let Some(kn) = self.attn2("fwd", &s, t) {
             return self
                 .launch(
-                    name,
-                    (t.div_ceil(128) as u32, s.n_heads as u32, 1),
-                    if name.starts_with("lf_attn3") {
-                        128
-                    } else {
-                        256
-                    },
-                    smem,
+                    kn.name,
+                    kn.grid,
+                    kn.threads,
+                    kn.smem,
                     &[
                         Arg::P(cuda_ptr(q)?),
                         Arg::P(cuda_ptr(k)?),
@@ -1372,7 +1384,7 @@ impl CudaBackend {
             2 => None,
             _ => self.attn2("bwd", &s, t),
         };
-        let (dq2, dkdv2) = match one_pass {
+        let (dq2, dkdv2) = match &one_pass {
             Some(_) => (None, None),
             None => (self.attn2("dq", &s, t), self.attn2("dkdv", &s, t)),
         };
@@ -1382,18 +1394,18 @@ impl CudaBackend {
             a.remove(a.len() - 2);
             Ok(a)
         };
-        let dq_acc = match one_pass {
+        let dq_acc = match &one_pass {
             Some(_) => Some(self.zeros(q.shape(), DType::F32)?),
             None => None,
         };
         if one_pass.is_some() {
             // The one-pass kernel below writes dQ into dq_acc.
-        } else if let Some((name, smem)) = dq2 {
+        } else if let Some(kn) = dq2 {
             self.launch(
-                name,
-                (t.div_ceil(64) as u32, s.n_heads as u32, 1),
-                128,
-                smem,
+                kn.name,
+                kn.grid,
+                kn.threads,
+                kn.smem,
                 &common2(vec![Arg::P(cuda_ptr(&dq)?)])?,
             )?;
         } else {
@@ -1426,16 +1438,10 @@ impl CudaBackend {
             Arg::P(pk),
             Arg::P(pv),
         ];
-        if let (Some((name, smem)), Some(acc)) = (one_pass, &dq_acc) {
+        if let (Some(kn), Some(acc)) = (&one_pass, &dq_acc) {
             let mut args = common2(outs)?;
             args.insert(6, Arg::P(cuda_ptr(acc)?));
-            self.launch(
-                name,
-                (t.div_ceil(128) as u32, s.n_heads as u32, 1),
-                256,
-                smem,
-                &args,
-            )?;
+            self.launch(kn.name, kn.grid, kn.threads, kn.smem, &args)?;
             self.launch_n(
                 "lf_attn_dq_finish",
                 dq.numel(),
@@ -1446,14 +1452,8 @@ impl CudaBackend {
                     Arg::F32(s.scale),
                 ],
             )?;
-        } else if let Some((name, smem)) = dkdv2 {
-            self.launch(
-                name,
-                (t.div_ceil(64) as u32, s.n_heads as u32, 1),
-                128,
-                smem,
-                &common2(outs)?,
-            )?;
+        } else if let Some(kn) = dkdv2 {
+            self.launch(kn.name, kn.grid, kn.threads, kn.smem, &common2(outs)?)?;
         } else {
             self.launch(
                 Self::attn_fn("dkdv", hdp),

@@ -1144,32 +1144,72 @@ __device__ __forceinline__ void key_tile_store(const float (&adk)[HD / 8][4], co
     }
 }
 
+// Version 4's dQ step for one warp: rows qr.. x head dims dh.. (HD/2 wide) of the tile's
+// dQ = dS K, A = dS (rows: queries) read transposed from dS^T, B = the K tile (k-major), added to
+// dq_acc rows q0 + qr.. with vector atomics.
+template <int HD, int BK_, int DS>
+__device__ __forceinline__ void tile_dq_add(float* __restrict__ dq_acc, const bf16* dst, const bf16* ks, int q0,
+                                            int qr, int dh, int h, i64 qstride, int t, int lane) {
+    constexpr int SS = HD + 8;
+    const int g = lane >> 2, tq = lane & 3;
+    float aq[HD / 16][4];
+    #pragma unroll
+    for (int i = 0; i < HD / 16; i++) aq[i][0] = aq[i][1] = aq[i][2] = aq[i][3] = 0.f;
+    #pragma unroll
+    for (int kk = 0; kk < BK_ / 16; kk++) {
+        u32 af[4];
+        ldsm_x4_t(af, dst + (16 * kk) * DS + qr + lo_at<DS>(lane));
+        #pragma unroll
+        for (int np = 0; np < HD / 32; np++) {
+            u32 b[4];
+            ldsm_x4_t(b, ks + (16 * kk) * SS + dh + 16 * np + lo_bt<SS>(lane));
+            mma16816(aq[2 * np], af, b[0], b[1]);
+            mma16816(aq[2 * np + 1], af, b[2], b[3]);
+        }
+    }
+    const int ra = q0 + qr + g, rb = ra + 8;
+    #pragma unroll
+    for (int nd = 0; nd < HD / 16; nd++) {
+        const i64 col = (i64)h * HD + dh + nd * 8 + 2 * tq;
+        if (ra < t) red_add2(dq_acc + (i64)ra * qstride + col, aq[nd][0], aq[nd][1]);
+        if (rb < t) red_add2(dq_acc + (i64)rb * qstride + col, aq[nd][2], aq[nd][3]);
+    }
+}
+
 // ------------------------------------------------------------------------------------------------
-// dK, dV v2. grid (ceil(T/64), n_heads), 128 threads; warp w owns keys 16w.. of the 64-key tile and
-// loops over the visible BQ2-query tiles of query head blockIdx.y (keys are the M dimension).
-// Outputs as version 1: f32 partials per query head with GQA, bf16 dK/dV directly without.
-template <int HD, int BQ2_>
-__device__ void attn2_dkdv(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v,
-                           const bf16* __restrict__ d_o, const float* __restrict__ lse,
-                           const float* __restrict__ dd, bf16* __restrict__ dk, bf16* __restrict__ dv,
-                           float* __restrict__ dk_part, float* __restrict__ dv_part, Mask mk, int t, int nh,
-                           int nkv, float scale) {
-    constexpr int BK_ = 64, NT = 128, NW = NT / 32, SS = HD + 8;
+// Key-major backward: the block owns BK_ keys (warp w: keys 16w.., the M dimension of S^T and
+// dP^T) and loops over the visible 64-query tiles of query head blockIdx.y; grid (ceil(T/BK_),
+// n_heads), 2 * BK_ threads. P^T and dS^T stay in registers as the A operands of dV += P^T dO and
+// dK += dS^T Q; dK/dV go out as key_tile_store writes them.
+//   dK/dV v2 (BK_ 64, no WITH_DQ): dQ comes from its own kernel (attn2_dq), no atomics.
+//   Backward v4 (BK_ 128, WITH_DQ), one pass: dS^T also goes to shared memory, from which the
+//   tile's dQ = dS K is computed (warp w: query rows 16(w % 4).., head dims (w / 4) * HD/2..) and
+//   added to an f32 accumulator [T, n_heads * HD] with vector atomics (lf_attn_dq_finish scales
+//   and rounds it). S and dP are computed once per tile pair: 5 products, not version 2's 7.
+template <int HD, int BK_, bool WITH_DQ>
+__device__ void attn_keys_bwd(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v,
+                              const bf16* __restrict__ d_o, const float* __restrict__ lse,
+                              const float* __restrict__ dd, float* __restrict__ dq_acc, bf16* __restrict__ dk,
+                              bf16* __restrict__ dv, float* __restrict__ dk_part, float* __restrict__ dv_part,
+                              Mask mk, int t, int nh, int nkv, float scale) {
+    constexpr int BQ_ = 64, NT = 2 * BK_, NW = NT / 32, SS = HD + 8, DS = BQ_ + 8;
+    static_assert(!WITH_DQ || NW == 8, "the dQ product splits the tile over 8 warps");
     extern __shared__ __align__(16) unsigned char smem[];
     bf16* ks = (bf16*)smem;
     bf16* vs = ks + BK_ * SS;
     bf16* qs = vs + BK_ * SS;
-    bf16* dos = qs + 2 * BQ2_ * SS;
-    float* ls = (float*)(dos + 2 * BQ2_ * SS);
-    float* dsum = ls + 2 * BQ2_;
-    unsigned char* fl = (unsigned char*)(dsum + 2 * BQ2_);
+    bf16* dos = qs + 2 * BQ_ * SS;
+    bf16* dst = dos + 2 * BQ_ * SS;  // with WITH_DQ: dS^T of the current tile pair, [key][query]
+    float* ls = (float*)(dst + (WITH_DQ ? BK_ * DS : 0));
+    float* dsum = ls + 2 * BQ_;
+    unsigned char* fl = (unsigned char*)(dsum + 2 * BQ_);
 
     const int h = blockIdx.y, group = nh / nkv, kvh = h / group;
-    const int kt = blockIdx.x, k0 = kt * BK_;
+    const int k0 = blockIdx.x * BK_;
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
     const i64 qstride = (i64)nh * HD, kstride = (i64)nkv * HD;
     const float sl2 = scale * LOG2E;
-    const int nqt = (t + BQ2_ - 1) / BQ2_;
+    const int nqt = (t + BQ_ - 1) / BQ_, nkt = (t + 63) / 64;
     const bf16* qg = q + (i64)h * HD;
     const bf16* og = d_o + (i64)h * HD;
     const float* lg = lse + (i64)h * t;
@@ -1178,14 +1218,23 @@ __device__ void attn2_dkdv(const bf16* __restrict__ q, const bf16* __restrict__ 
     cp_tile<HD, BK_, NT>(ks, k + (i64)kvh * HD, kstride, k0, t);
     cp_tile<HD, BK_, NT>(vs, v + (i64)kvh * HD, kstride, k0, t);
     cp_async_commit();
+    // Visibility per query tile from the block's 64-key tiles; a tail tile past T counts as
+    // unseen, which makes the block partial (so keys >= T always take the per-element test).
     for (int it = w; it < nqt; it += NW) {
-        const unsigned char f = warp_tile_flag<BQ2_>(mk, it * BQ2_, kt, t, lane);
-        if (lane == 0) fl[it] = f;
+        bool any = false, all = true;
+        #pragma unroll
+        for (int j = 0; j < BK_ / 64; j++) {
+            const int kt = blockIdx.x * (BK_ / 64) + j;
+            const unsigned char f = kt < nkt ? warp_tile_flag<BQ_>(mk, it * BQ_, kt, t, lane) : 0;
+            any |= f != 0;
+            all &= f == 2;
+        }
+        if (lane == 0) fl[it] = any ? (all ? 2 : 1) : 0;
     }
     __syncthreads();
     auto load_q = [&](int it, int b) {
-        load_query_tile<HD, BQ2_, NT>(qs + b * BQ2_ * SS, dos + b * BQ2_ * SS, ls + b * BQ2_, dsum + b * BQ2_, qg, og,
-                                      lg, dg, qstride, it * BQ2_, t);
+        load_query_tile<HD, BQ_, NT>(qs + b * BQ_ * SS, dos + b * BQ_ * SS, ls + b * BQ_, dsum + b * BQ_, qg, og, lg,
+                                     dg, qstride, it * BQ_, t);
     };
     int cur = 0;
     while (cur < nqt && fl[cur] == 0) cur++;
@@ -1209,17 +1258,20 @@ __device__ void attn2_dkdv(const bf16* __restrict__ q, const bf16* __restrict__ 
         cp_async_commit();
         cp_async_wait<1>();
         __syncthreads();
-        const bf16* qb = qs + buf * BQ2_ * SS;
-        const bf16* ob = dos + buf * BQ2_ * SS;
-        const float* lb = ls + buf * BQ2_;
-        const float* db = dsum + buf * BQ2_;
-        const int q0 = cur * BQ2_;
-        const bool tile_all = fl[cur] == 2;
-
-        float s[BQ2_ / 8][4], dp[BQ2_ / 8][4];
-        key_tile_probs<HD, BQ2_>(s, dp, ks + (16 * w) * SS, vs + (16 * w) * SS, qb, ob, lb, db, mk, q0, ka, kb,
-                                 kpa, kpb, tile_all, t, sl2, lane);
-        key_tile_accumulate<HD, BQ2_>(adv, adk, s, dp, qb, ob, nullptr, 0, lane);
+        const bf16* qb = qs + buf * BQ_ * SS;
+        const bf16* ob = dos + buf * BQ_ * SS;
+        const int q0 = cur * BQ_;
+        {
+            float s[BQ_ / 8][4], dp[BQ_ / 8][4];
+            key_tile_probs<HD, BQ_>(s, dp, ks + (16 * w) * SS, vs + (16 * w) * SS, qb, ob, ls + buf * BQ_,
+                                    dsum + buf * BQ_, mk, q0, ka, kb, kpa, kpb, fl[cur] == 2, t, sl2, lane);
+            key_tile_accumulate<HD, BQ_>(adv, adk, s, dp, qb, ob, WITH_DQ ? dst + (16 * w) * DS : nullptr, DS,
+                                         lane);
+        }
+        if constexpr (WITH_DQ) {
+            __syncthreads();
+            tile_dq_add<HD, BK_, DS>(dq_acc, dst, ks, q0, 16 * (w & 3), (w >> 2) * (HD / 2), h, qstride, t, lane);
+        }
         __syncthreads();
         cur = nxt;
         buf ^= 1;
@@ -1227,7 +1279,7 @@ __device__ void attn2_dkdv(const bf16* __restrict__ q, const bf16* __restrict__ 
     key_tile_store<HD>(adk, adv, dk, dv, dk_part, dv_part, h, kvh, group, ka, kb, t, nkv, scale, tq);
 }
 
-#define INSTANTIATE2(HD, BQ2V)                                                                                 \
+#define INSTANTIATE2(HD)                                                                                       \
     extern "C" __global__ void __launch_bounds__(256, 1) lf_attn2_fwd_##HD(                                    \
         const bf16* q, const bf16* k, const bf16* v, bf16* o, float* lse, Mask mk, int t, int nh, int nkv,     \
         float scale) {                                                                                         \
@@ -1241,13 +1293,14 @@ __device__ void attn2_dkdv(const bf16* __restrict__ q, const bf16* __restrict__ 
     extern "C" __global__ void __launch_bounds__(128) lf_attn2_dkdv_##HD(                                      \
         const bf16* q, const bf16* k, const bf16* v, const bf16* d_o, const float* lse, const float* dd,       \
         bf16* dk, bf16* dv, float* dk_part, float* dv_part, Mask mk, int t, int nh, int nkv, float scale) {    \
-        attn2_dkdv<HD, BQ2V>(q, k, v, d_o, lse, dd, dk, dv, dk_part, dv_part, mk, t, nh, nkv, scale);          \
+        attn_keys_bwd<HD, 64, false>(q, k, v, d_o, lse, dd, nullptr, dk, dv, dk_part, dv_part, mk, t, nh, nkv,   \
+                                     scale);                                                                   \
     }
 
 // 64-query tiles in dK/dV (255 registers at head_dim 128, 4 bytes spilled); 32-query tiles (242
 // registers, no spill) measured the same end to end and 4-8% slower in the selftest's backward timings.
-INSTANTIATE2(64, 64)
-INSTANTIATE2(128, 64)
+INSTANTIATE2(64)
+INSTANTIATE2(128)
 
 // ------------------------------------------------------------------------------------------------
 // Forward v3. grid (ceil(T/128), n_heads), 128 threads; warp w owns query rows 32w..32w+31 as two
@@ -1459,121 +1512,6 @@ __device__ void attn3_fwd(const bf16* __restrict__ q, const bf16* __restrict__ k
 INSTANTIATE3(64)
 INSTANTIATE3(128)
 
-// ------------------------------------------------------------------------------------------------
-// Backward v4, one pass. grid (ceil(T/128), n_heads), 256 threads; the block owns 128 keys (warp w:
-// keys 16w.., the M dimension of S^T and dP^T, exactly as dK/dV v2) and loops over the visible
-// 64-query tiles of query head blockIdx.y. dS^T also goes to shared memory, from which the tile's
-// dQ = dS K is computed (warp w: query rows 16(w % 4).., head dims (w / 4) * HD/2..) and added to
-// an f32 accumulator [T, n_heads * HD] with vector atomics; lf_attn_dq_finish scales and rounds it.
-// Versus version 2's two kernels this computes S and dP once per tile pair (5 products, not 7).
-template <int HD>
-__device__ void attn4_bwd(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v,
-                          const bf16* __restrict__ d_o, const float* __restrict__ lse, const float* __restrict__ dd,
-                          float* __restrict__ dq_acc, bf16* __restrict__ dk, bf16* __restrict__ dv,
-                          float* __restrict__ dk_part, float* __restrict__ dv_part, Mask mk, int t, int nh, int nkv,
-                          float scale) {
-    constexpr int BK_ = 128, BQ_ = 64, NT = 256, NW = NT / 32, SS = HD + 8, DS = BQ_ + 8;
-    extern __shared__ __align__(16) unsigned char smem[];
-    bf16* ks = (bf16*)smem;
-    bf16* vs = ks + BK_ * SS;
-    bf16* qs = vs + BK_ * SS;
-    bf16* dos = qs + 2 * BQ_ * SS;
-    bf16* dst = dos + 2 * BQ_ * SS;  // dS^T of the current tile pair, [key][query]
-    float* ls = (float*)(dst + BK_ * DS);
-    float* dsum = ls + 2 * BQ_;
-    unsigned char* fl = (unsigned char*)(dsum + 2 * BQ_);
-
-    const int h = blockIdx.y, group = nh / nkv, kvh = h / group;
-    const int k0 = blockIdx.x * BK_;
-    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
-    const i64 qstride = (i64)nh * HD, kstride = (i64)nkv * HD;
-    const float sl2 = scale * LOG2E;
-    const int nqt = (t + BQ_ - 1) / BQ_, nkt = (t + 63) / 64;
-    const bf16* qg = q + (i64)h * HD;
-    const bf16* og = d_o + (i64)h * HD;
-    const float* lg = lse + (i64)h * t;
-    const float* dg = dd + (i64)h * t;
-
-    cp_tile<HD, BK_, NT>(ks, k + (i64)kvh * HD, kstride, k0, t);
-    cp_tile<HD, BK_, NT>(vs, v + (i64)kvh * HD, kstride, k0, t);
-    cp_async_commit();
-    // The block's keys are two 64-key visibility tiles; a tail half past T counts as unseen, which
-    // makes the pair partial (so keys >= T always take the per-element test).
-    for (int it = w; it < nqt; it += NW) {
-        const int kt = 2 * blockIdx.x;
-        const unsigned char f0 = warp_tile_flag<BQ_>(mk, it * BQ_, kt, t, lane);
-        const unsigned char f1 = kt + 1 < nkt ? warp_tile_flag<BQ_>(mk, it * BQ_, kt + 1, t, lane) : 0;
-        if (lane == 0) fl[it] = (f0 | f1) == 0 ? 0 : (f0 == 2 && f1 == 2 ? 2 : 1);
-    }
-    __syncthreads();
-    auto load_q = [&](int it, int b) {
-        load_query_tile<HD, BQ_, NT>(qs + b * BQ_ * SS, dos + b * BQ_ * SS, ls + b * BQ_, dsum + b * BQ_, qg, og, lg,
-                                     dg, qstride, it * BQ_, t);
-    };
-    int cur = 0;
-    while (cur < nqt && fl[cur] == 0) cur++;
-    if (cur < nqt) load_q(cur, 0);
-    cp_async_commit();
-
-    const int ka = k0 + 16 * w + g, kb = ka + 8;
-    const int kpa = ka < t ? mk.pos[ka] : 0, kpb = kb < t ? mk.pos[kb] : 0;
-    const int qr = 16 * (w & 3), dh = (w >> 2) * (HD / 2);
-    float adk[HD / 8][4], adv[HD / 8][4];
-    #pragma unroll
-    for (int i = 0; i < HD / 8; i++) {
-        adk[i][0] = adk[i][1] = adk[i][2] = adk[i][3] = 0.f;
-        adv[i][0] = adv[i][1] = adv[i][2] = adv[i][3] = 0.f;
-    }
-
-    int buf = 0;
-    while (cur < nqt) {
-        int nxt = cur + 1;
-        while (nxt < nqt && fl[nxt] == 0) nxt++;
-        if (nxt < nqt) load_q(nxt, buf ^ 1);
-        cp_async_commit();
-        cp_async_wait<1>();
-        __syncthreads();
-        const bf16* qb = qs + buf * BQ_ * SS;
-        const bf16* ob = dos + buf * BQ_ * SS;
-        const int q0 = cur * BQ_;
-        {
-            float s[BQ_ / 8][4], dp[BQ_ / 8][4];
-            key_tile_probs<HD, BQ_>(s, dp, ks + (16 * w) * SS, vs + (16 * w) * SS, qb, ob, ls + buf * BQ_,
-                                    dsum + buf * BQ_, mk, q0, ka, kb, kpa, kpb, fl[cur] == 2, t, sl2, lane);
-            key_tile_accumulate<HD, BQ_>(adv, adk, s, dp, qb, ob, dst + (16 * w) * DS, DS, lane);
-        }
-        __syncthreads();
-        // dQ rows qr.. x head dims dh.. of this tile: A = dS (rows: queries) read transposed from
-        // dS^T; B = the K tile, k-major.
-        float aq[HD / 16][4];
-        #pragma unroll
-        for (int i = 0; i < HD / 16; i++) aq[i][0] = aq[i][1] = aq[i][2] = aq[i][3] = 0.f;
-        #pragma unroll
-        for (int kk = 0; kk < BK_ / 16; kk++) {
-            u32 af[4];
-            ldsm_x4_t(af, dst + (16 * kk) * DS + qr + lo_at<DS>(lane));
-            #pragma unroll
-            for (int np = 0; np < HD / 32; np++) {
-                u32 b[4];
-                ldsm_x4_t(b, ks + (16 * kk) * SS + dh + 16 * np + lo_bt<SS>(lane));
-                mma16816(aq[2 * np], af, b[0], b[1]);
-                mma16816(aq[2 * np + 1], af, b[2], b[3]);
-            }
-        }
-        const int ra = q0 + qr + g, rb = ra + 8;
-        #pragma unroll
-        for (int nd = 0; nd < HD / 16; nd++) {
-            const i64 col = (i64)h * HD + dh + nd * 8 + 2 * tq;
-            if (ra < t) red_add2(dq_acc + (i64)ra * qstride + col, aq[nd][0], aq[nd][1]);
-            if (rb < t) red_add2(dq_acc + (i64)rb * qstride + col, aq[nd][2], aq[nd][3]);
-        }
-        __syncthreads();
-        cur = nxt;
-        buf ^= 1;
-    }
-    key_tile_store<HD>(adk, adv, dk, dv, dk_part, dv_part, h, kvh, group, ka, kb, t, nkv, scale, tq);
-}
-
 // dq = scale * dq_acc, rounded to bf16.
 extern "C" __global__ void lf_attn_dq_finish(const float* acc, bf16* dq, i64 n, float scale) {
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
@@ -1585,7 +1523,8 @@ extern "C" __global__ void lf_attn_dq_finish(const float* acc, bf16* dq, i64 n, 
         const bf16* q, const bf16* k, const bf16* v, const bf16* d_o, const float* lse, const float* dd,       \
         float* dq_acc, bf16* dk, bf16* dv, float* dk_part, float* dv_part, Mask mk, int t, int nh, int nkv,    \
         float scale) {                                                                                         \
-        attn4_bwd<HD>(q, k, v, d_o, lse, dd, dq_acc, dk, dv, dk_part, dv_part, mk, t, nh, nkv, scale);         \
+        attn_keys_bwd<HD, 128, true>(q, k, v, d_o, lse, dd, dq_acc, dk, dv, dk_part, dv_part, mk, t, nh, nkv,    \
+                                     scale);                                                                   \
     }
 INSTANTIATE4(64)
 INSTANTIATE4(128)
