@@ -319,11 +319,7 @@ impl Model {
             (out, Some(m))
         };
         let out = match mlp_out.filter(|_| want_output) {
-            Some(mlp_out) => {
-                let mut out = x1.try_clone()?;
-                ops::add_assign(&mut out, &mlp_out, 1.0)?;
-                Some(out)
-            }
+            Some(mlp_out) => Some(ops::add(&x1, &mlp_out, 1.0)?),
             None => None,
         };
         let acts = LayerActs {
@@ -651,11 +647,7 @@ impl Model {
     /// d(hidden) from d(logits): `dH = dLogits · W_head`.
     pub fn logits_bwd(&self, d_logits: &Tensor) -> Result<Tensor> {
         let dt = self.device.compute_dtype();
-        let d = if d_logits.dtype() != dt {
-            d_logits.to_dtype(dt)?
-        } else {
-            d_logits.try_clone()?
-        };
+        let d = self.compute(d_logits)?;
         ops::matmul(&d, false, &*self.weights.head().dense()?, false, 1.0, dt)
     }
 }

@@ -677,6 +677,27 @@ pub fn silu_mul_bwd_in_place(dh: &Tensor, gate: &mut Tensor, up: &mut Tensor) ->
 }
 
 /// `a += alpha * b` (residual adds and gradient accumulation; b may be f32 or a's dtype).
+/// `a + alpha * b` as a new tensor of a's dtype (one pass, where a copy then `add_assign` is
+/// two).
+pub fn add(a: &Tensor, b: &Tensor, alpha: f32) -> Result<Tensor> {
+    ensure!(
+        a.numel() == b.numel(),
+        "add: {:?} vs {:?}",
+        a.shape(),
+        b.shape()
+    );
+    same_device(a, b, "add")?;
+    dispatch!(
+        a.device(),
+        {
+            let mut c = a.try_clone()?;
+            cpu::add_assign(&mut c, b, alpha)?;
+            Ok(c)
+        },
+        c => c.add(a, b, alpha)
+    )
+}
+
 pub fn add_assign(a: &mut Tensor, b: &Tensor, alpha: f32) -> Result<()> {
     ensure!(
         a.numel() == b.numel(),

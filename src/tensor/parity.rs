@@ -378,6 +378,13 @@ fn elementwise(cx: &mut Ctx, r: &mut Rng) -> Result<()> {
             add_assign(&mut got, &cx.g(&bv, &[n], bdt)?, 0.7)?;
             let row = cmp_t(name, &got, &want, bound)?;
             cx.push(row);
+            let got = add(
+                &cx.g(&a, &[n], adt)?,
+                &cx.g(&bv, &[n], bdt)?,
+                0.7,
+            )?;
+            let row = cmp_t(&name.replace("add_assign", "add"), &got, &want, bound)?;
+            cx.push(row);
         }
         let (rows, c) = (13, 96);
         let x = r.bnormals(rows * c, 1.0);

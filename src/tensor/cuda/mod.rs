@@ -1565,15 +1565,28 @@ impl CudaBackend {
     }
 
     pub fn add_assign(&self, a: &mut Tensor, b: &Tensor, alpha: f32) -> Result<()> {
+        self.add_into(cuda_ptr(a)?, a, b, alpha)
+    }
+
+    pub fn add(&self, a: &Tensor, b: &Tensor, alpha: f32) -> Result<Tensor> {
+        let c = self.empty(a.shape(), a.dtype())?;
+        self.add_into(cuda_ptr(&c)?, a, b, alpha)?;
+        Ok(c)
+    }
+
+    /// `c = a + alpha * b` into `c` (a's dtype and size; may be a itself).
+    fn add_into(&self, c: u64, a: &Tensor, b: &Tensor, alpha: f32) -> Result<()> {
         let n = a.numel();
         self.launch_n(
-            "lf_add_assign",
+            "lf_add",
             n,
             &[
                 Arg::P(cuda_ptr(a)?),
                 dt(a.dtype()),
                 Arg::P(cuda_ptr(b)?),
                 dt(b.dtype()),
+                Arg::P(c),
+                dt(a.dtype()),
                 Arg::F32(alpha),
                 Arg::I64(n as i64),
             ],

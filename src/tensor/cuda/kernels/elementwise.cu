@@ -133,8 +133,10 @@ extern "C" __global__ void lf_silu_mul_bwd_bf16x8(const uint4* dh, const uint4* 
     }
 }
 
-extern "C" __global__ void lf_add_assign(void* a, int adt, const void* b, int bdt, float alpha, i64 n) {
-    GRID_STRIDE(i, n) stf(a, adt, i, ldf(a, adt, i) + alpha * ldf(b, bdt, i));
+// c = a + alpha * b; c may be a (add_assign).
+extern "C" __global__ void lf_add(const void* a, int adt, const void* b, int bdt, void* c, int cdt, float alpha,
+                                  i64 n) {
+    GRID_STRIDE(i, n) stf(c, cdt, i, ldf(a, adt, i) + alpha * ldf(b, bdt, i));
 }
 
 extern "C" __global__ void lf_add_bias(void* x, int xdt, const void* b, int bdt, i64 n, i64 cols) {
