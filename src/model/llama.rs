@@ -7,7 +7,7 @@
 //! nh/nkv heads of hd dims.
 
 use super::config::ModelSpec;
-use super::lora::{Lora, LoraPair, Target};
+use super::lora::{Lora, LoraPair, Target, GROUP_GATE_UP, GROUP_QKV};
 use super::weights::{Dense, ModelWeights, Weight};
 use crate::tensor::{self as ops, AttnMask, AttnShape, DType, Device, RopeTable, Tensor};
 use anyhow::Result;
@@ -89,18 +89,23 @@ fn token_chunks(t: usize, c: usize) -> Vec<(usize, usize)> {
         .collect()
 }
 
-/// `y = x Wᵀ (+ scale · dropout(x) Aᵀ Bᵀ)`.
+/// `y = x Wᵀ (+ scale · dropout(x) Aᵀ Bᵀ)`; `xa`, when given, is `dropout(x) Aᵀ` already
+/// computed (by `stacked_lora_inputs`).
 fn linear_fwd(
     x: &Tensor,
     w: &Weight,
     lora: Option<&LoraPair>,
     dropout: Option<(f32, u64)>,
+    xa: Option<Tensor>,
 ) -> Result<(Tensor, Option<LoraSaved>)> {
     let dt = x.dtype();
     let Some(p) = lora else {
         return Ok((ops::matmul(x, false, &*w.dense()?, true, 1.0, dt)?, None));
     };
-    let saved = lora_input(x, p, dropout)?;
+    let saved = match xa {
+        Some(xa) => LoraSaved { xa },
+        None => lora_input(x, p, dropout)?,
+    };
     // The rank-r product writes y first and the base GEMM accumulates onto it: the base GEMM
     // reads y in its epilogue almost for free, where the skinny product would read and write the
     // whole (T, out) output a second time.
@@ -120,6 +125,106 @@ fn lora_input(x: &Tensor, p: &LoraPair, dropout: Option<(f32, u64)>) -> Result<L
         None => ops::matmul(x, false, p.a(), true, 1.0, dt)?,
     };
     Ok(LoraSaved { xa })
+}
+
+/// `x Aᵢᵀ` of every adapter of shared-input group `group` (`lora::SHARED_INPUT`) from one GEMM with the
+/// layer's stacked A, by target index; all None when the layer has no stacked A for the group or
+/// LoRA dropout is on (each projection then draws its own mask).
+fn stacked_lora_inputs(
+    x: &Tensor,
+    lora: Option<&Lora>,
+    l: usize,
+    group: usize,
+    ctx: &PassCtx,
+) -> Result<[Option<Tensor>; 7]> {
+    let mut out: [Option<Tensor>; 7] = Default::default();
+    let Some(st) = lora.and_then(|lo| lo.stacked(l, group)) else {
+        return Ok(out);
+    };
+    if ctx.dropout_for(l, st.members[0].0).is_some() {
+        return Ok(out);
+    }
+    let xa = ops::matmul(x, false, &st.a, true, 1.0, x.dtype())?;
+    let mut c0 = 0;
+    for &(t, r) in &st.members {
+        out[t.index()] = Some(ops::slice_cols(&xa, c0, c0 + r)?);
+        c0 += r;
+    }
+    Ok(out)
+}
+
+/// The LoRA part of a projection's backward without dropout: accumulates `dB += s · dyᵀ xa` and
+/// `dA += dxaᵀ x`, returns `dxa = s · dy B`.
+fn lora_bwd(dy: &Tensor, x: &Tensor, p: &mut LoraPair, saved: &LoraSaved) -> Result<Tensor> {
+    ops::matmul_acc(&mut p.grad_b, dy, true, &saved.xa, false, p.scale, 1.0)?;
+    let dxa = ops::matmul(dy, false, p.b(), false, p.scale, dy.dtype())?;
+    ops::matmul_acc(&mut p.grad_a, &dxa, true, x, false, 1.0, 1.0)?;
+    Ok(dxa)
+}
+
+/// One projection of a shared-input group in `shared_input_bwd`: its output gradient, weight,
+/// target and what its forward saved.
+struct MemberBwd<'a> {
+    dy: Tensor,
+    w: &'a Weight,
+    target: Target,
+    saved: Option<&'a LoraSaved>,
+}
+
+/// Backward of the projections of `lora::SHARED_INPUT[group]` that read the same `x`: d(x), with every
+/// LoRA gradient accumulated. With the layer's stacked A (no dropout) the adapters' `dxa A`
+/// terms run as one GEMM over the concatenated dxa; otherwise projection by projection.
+/// Each output gradient is freed after its last use.
+fn shared_input_bwd(
+    members: Vec<MemberBwd>,
+    x: &Tensor,
+    mut lora: Option<&mut Lora>,
+    l: usize,
+    group: usize,
+    ctx: &PassCtx,
+) -> Result<Tensor> {
+    let stacked: Option<Vec<(Target, usize)>> = lora
+        .as_deref()
+        .and_then(|lo| lo.stacked(l, group))
+        .filter(|st| ctx.dropout_for(l, st.members[0].0).is_none())
+        .map(|st| st.members.clone());
+    let Some(stacked) = stacked else {
+        let mut dx = None;
+        for m in members {
+            let pair = lora.as_deref_mut().and_then(|lo| lo.get_mut(l, m.target));
+            dx = Some(linear_bwd(
+                dx,
+                &m.dy,
+                x,
+                m.w,
+                pair,
+                m.saved,
+                ctx.dropout_for(l, m.target),
+            )?);
+        }
+        return dx.ok_or_else(|| anyhow::anyhow!("shared_input_bwd: no projection"));
+    };
+    let lo = lora.expect("a stacked A comes from an adapter");
+    let mut dxa = Vec::with_capacity(stacked.len());
+    for &(t, _) in &stacked {
+        let m = members.iter().find(|m| m.target == t);
+        let (Some(m), Some(p)) = (m, lo.get_mut(l, t)) else {
+            anyhow::bail!("layer {l}: stacked adapter {t:?} has no projection backward");
+        };
+        let saved = m
+            .saved
+            .ok_or_else(|| anyhow::anyhow!("layer {l} {t:?}: no saved LoRA input"))?;
+        dxa.push(lora_bwd(&m.dy, x, p, saved)?);
+    }
+    let dxa = ops::concat_cols(&dxa.iter().collect::<Vec<_>>())?;
+    let st = lo.stacked(l, group).expect("checked above");
+    // As in the forward: the rank-r product first, the base GEMMs accumulate onto it.
+    let mut dx = ops::matmul(&dxa, false, &st.a, false, 1.0, x.dtype())?;
+    drop(dxa);
+    for m in members {
+        ops::matmul_acc(&mut dx, &m.dy, false, &*m.w.dense()?, false, 1.0, 1.0)?;
+    }
+    Ok(dx)
 }
 
 /// Backward of `linear_fwd`: returns dx and accumulates dA, dB.
@@ -148,10 +253,10 @@ fn linear_bwd(
     let (Some(p), Some(saved)) = (lora, saved) else {
         return base(into);
     };
-    ops::matmul_acc(&mut p.grad_b, dy, true, &saved.xa, false, p.scale, 1.0)?;
-    let dxa = ops::matmul(dy, false, p.b(), false, p.scale, dt)?;
     match dropout {
         Some((prob, seed)) => {
+            ops::matmul_acc(&mut p.grad_b, dy, true, &saved.xa, false, p.scale, 1.0)?;
+            let dxa = ops::matmul(dy, false, p.b(), false, p.scale, dt)?;
             let dx_lora = ops::matmul(&dxa, false, p.a(), false, 1.0, dt)?;
             ops::matmul_acc(
                 &mut p.grad_a,
@@ -167,7 +272,7 @@ fn linear_bwd(
             Ok(dx)
         }
         None => {
-            ops::matmul_acc(&mut p.grad_a, &dxa, true, x, false, 1.0, 1.0)?;
+            let dxa = lora_bwd(dy, x, p, saved)?;
             // As in the forward: the rank-r product first, the base GEMM accumulates onto it.
             let dx = match into {
                 Some(mut acc) => {
@@ -259,14 +364,16 @@ impl Model {
         let t = x.dim(0);
         let pair = |tg: Target| lora.and_then(|lo| lo.get(l, tg));
         let mut saved: [Option<LoraSaved>; 7] = Default::default();
+        let cdt = self.device.compute_dtype();
+        let (xn, rstd1) = ops::rms_norm_to(&x, &w.attn_norm, s.rms_eps, cdt)?;
+        let mut xa = stacked_lora_inputs(&xn, lora, l, GROUP_QKV, ctx)?;
         let mut lin = |inp: &Tensor, wt: &Weight, tg: Target| -> Result<Tensor> {
-            let (y, sv) = linear_fwd(inp, wt, pair(tg), ctx.dropout_for(l, tg))?;
+            let pre = xa[tg.index()].take();
+            let (y, sv) = linear_fwd(inp, wt, pair(tg), ctx.dropout_for(l, tg), pre)?;
             saved[tg.index()] = sv;
             Ok(y)
         };
 
-        let cdt = self.device.compute_dtype();
-        let (xn, rstd1) = ops::rms_norm_to(&x, &w.attn_norm, s.rms_eps, cdt)?;
         let mut q = lin(&xn, &w.q, Target::Q)?;
         let mut k = lin(&xn, &w.k, Target::K)?;
         let mut v = lin(&xn, &w.v, Target::V)?;
@@ -355,17 +462,25 @@ impl Model {
     ) -> Result<(Option<Tensor>, MlpActs)> {
         let w = &self.weights.layers[l];
         let pair = |tg: Target| lora.and_then(|lo| lo.get(l, tg));
+        let mut xa = stacked_lora_inputs(xn2, lora, l, GROUP_GATE_UP, ctx)?;
         let (gate, sg) = linear_fwd(
             xn2,
             &w.gate,
             pair(Target::Gate),
             ctx.dropout_for(l, Target::Gate),
+            xa[Target::Gate.index()].take(),
         )?;
-        let (up, su) = linear_fwd(xn2, &w.up, pair(Target::Up), ctx.dropout_for(l, Target::Up))?;
+        let (up, su) = linear_fwd(
+            xn2,
+            &w.up,
+            pair(Target::Up),
+            ctx.dropout_for(l, Target::Up),
+            xa[Target::Up.index()].take(),
+        )?;
         let act = ops::silu_mul(&gate, &up)?;
         let down_dropout = ctx.dropout_for(l, Target::Down);
         let (out, sd) = if want_output {
-            let (y, sd) = linear_fwd(&act, &w.down, pair(Target::Down), down_dropout)?;
+            let (y, sd) = linear_fwd(&act, &w.down, pair(Target::Down), down_dropout, None)?;
             (Some(y), sd)
         } else {
             let sd = pair(Target::Down)
@@ -424,11 +539,21 @@ impl Model {
         drop(act);
         ops::silu_mul_bwd_in_place(&d_act, &mut gate, &mut up)?;
         drop(d_act);
-        let (d_gate, d_up) = (gate, up);
-        let d_xn2 = lin_bwd(None, &d_gate, xn2, &w.gate, Target::Gate, 0)?;
-        drop(d_gate);
-        let d_xn2 = lin_bwd(Some(d_xn2), &d_up, xn2, &w.up, Target::Up, 1)?;
-        Ok(d_xn2)
+        let members = vec![
+            MemberBwd {
+                dy: gate,
+                w: &w.gate,
+                target: Target::Gate,
+                saved: saved[0].as_ref(),
+            },
+            MemberBwd {
+                dy: up,
+                w: &w.up,
+                target: Target::Up,
+                saved: saved[1].as_ref(),
+            },
+        ];
+        shared_input_bwd(members, xn2, lora, l, GROUP_GATE_UP, ctx)
     }
 
     /// Backward of `layer_forward`: d(layer input) from d(layer output); LoRA grads accumulate.
@@ -526,9 +651,18 @@ impl Model {
             )?
             .reshape(&[t, s.kv_dim()])?;
         }
-        let d_xn = lin_bwd(None, &dq, &a.xn, &w.q, Target::Q)?;
-        let d_xn = lin_bwd(Some(d_xn), &dk, &a.xn, &w.k, Target::K)?;
-        let d_xn = lin_bwd(Some(d_xn), &dv, &a.xn, &w.v, Target::V)?;
+        let members = [
+            (dq, &w.q, Target::Q),
+            (dk, &w.k, Target::K),
+            (dv, &w.v, Target::V),
+        ]
+        .map(|(dy, w, target)| MemberBwd {
+            dy,
+            w,
+            target,
+            saved: a.lora[target.index()].as_ref(),
+        });
+        let d_xn = shared_input_bwd(members.into(), &a.xn, lora, l, GROUP_QKV, ctx)?;
         ops::rms_norm_bwd_add(&d_xn, &a.x, &w.attn_norm, &a.rstd1, &d_x1)
     }
 

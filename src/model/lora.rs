@@ -182,11 +182,31 @@ impl LoraPair {
     }
 }
 
+/// Projections of a layer that read the same input. Their A matrices are also kept stacked
+/// (`Lora::stacked`), so that the forward's `x Aᵀ` and the backward's `dxa A` of the whole group
+/// run as one GEMM each, reading the input once.
+pub const SHARED_INPUT: [&[Target]; 2] = [
+    &[Target::Q, Target::K, Target::V],
+    &[Target::Gate, Target::Up],
+];
+/// Indices into `SHARED_INPUT`.
+pub const GROUP_QKV: usize = 0;
+pub const GROUP_GATE_UP: usize = 1;
+
+/// The A matrices of one `SHARED_INPUT` group stacked in its order, `[Σ r, in]`, in the compute
+/// dtype, with the (target, rank) of each block of rows.
+pub struct StackedA {
+    pub a: Tensor,
+    pub members: Vec<(Target, usize)>,
+}
+
 /// All adapters of a model: `layers[l][target.index()]`.
 pub struct Lora {
     pub config: LoraConfig,
     pub layers: Vec<[Option<LoraPair>; 7]>,
     pub device: Device,
+    /// Per layer and `SHARED_INPUT` group with two or more adapters: their stacked A.
+    stacked: Vec<[Option<StackedA>; 2]>,
 }
 
 /// A small, seedable generator (SplitMix64) so that initialisation and dropout are reproducible
@@ -239,6 +259,7 @@ impl Lora {
             config,
             layers,
             device: device.clone(),
+            stacked: Vec::new(),
         };
         lora.refresh_compute_copies()?;
         Ok(lora)
@@ -264,6 +285,36 @@ impl Lora {
     pub fn get_mut(&mut self, layer: usize, t: Target) -> Option<&mut LoraPair> {
         self.layers[layer][t.index()].as_mut()
     }
+    /// The stacked A of `SHARED_INPUT[group]` in `layer`, when two or more of its projections
+    /// carry adapters.
+    pub fn stacked(&self, layer: usize, group: usize) -> Option<&StackedA> {
+        self.stacked.get(layer).and_then(|g| g[group].as_ref())
+    }
+
+    /// Re-stacks every group's A from the compute copies (after an update or any change of A).
+    pub fn refresh_stacked(&mut self) -> Result<()> {
+        let mut stacked = Vec::with_capacity(self.layers.len());
+        for row in &self.layers {
+            let mut groups: [Option<StackedA>; 2] = Default::default();
+            for (g, targets) in SHARED_INPUT.iter().enumerate() {
+                let pairs: Vec<(Target, &LoraPair)> = targets
+                    .iter()
+                    .filter_map(|&t| row[t.index()].as_ref().map(|p| (t, p)))
+                    .collect();
+                if pairs.len() < 2 {
+                    continue;
+                }
+                let blocks: Vec<&Tensor> = pairs.iter().map(|(_, p)| p.a()).collect();
+                groups[g] = Some(StackedA {
+                    a: crate::tensor::concat_rows(&blocks)?,
+                    members: pairs.iter().map(|(t, p)| (*t, p.rank)).collect(),
+                });
+            }
+            stacked.push(groups);
+        }
+        self.stacked = stacked;
+        Ok(())
+    }
 
     /// Number of trainable parameters.
     pub fn num_params(&self) -> usize {
@@ -287,7 +338,7 @@ impl Lora {
     pub fn refresh_compute_copies(&mut self) -> Result<()> {
         let dt = self.device.compute_dtype();
         if dt == DType::F32 {
-            return Ok(());
+            return self.refresh_stacked();
         }
         let mut stale: Vec<(&Tensor, &mut Tensor)> = Vec::new();
         for (_, _, p) in self.pairs_mut() {
@@ -309,7 +360,8 @@ impl Lora {
                 }
             }
         }
-        crate::tensor::cast_multi(&mut stale)
+        crate::tensor::cast_multi(&mut stale)?;
+        self.refresh_stacked()
     }
 
     /// Writes a PEFT adapter folder.
@@ -454,6 +506,7 @@ impl Lora {
             config,
             layers,
             device: device.clone(),
+            stacked: Vec::new(),
         };
         lora.refresh_compute_copies()?;
         Ok(lora)

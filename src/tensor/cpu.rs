@@ -388,6 +388,36 @@ pub fn scale(x: &mut Tensor, s: f32) -> Result<()> {
     Ok(())
 }
 
+pub fn slice_cols(x: &Tensor, start: usize, end: usize) -> Result<Tensor> {
+    let (r, c) = x.rows_cols();
+    let v = x.as_cpu()?;
+    let mut y = Vec::with_capacity(r * (end - start));
+    for row in v.chunks(c.max(1)).take(r) {
+        y.extend_from_slice(&row[start..end]);
+    }
+    out(y, &[r, end - start])
+}
+
+pub fn concat_cols(xs: &[&Tensor], cols: usize) -> Result<Tensor> {
+    let r = xs[0].rows_cols().0;
+    let mut y = Vec::with_capacity(r * cols);
+    for i in 0..r {
+        for x in xs {
+            let w = x.rows_cols().1;
+            y.extend_from_slice(&x.as_cpu()?[i * w..(i + 1) * w]);
+        }
+    }
+    out(y, &[r, cols])
+}
+
+pub fn concat_rows(xs: &[&Tensor], rows: usize, cols: usize) -> Result<Tensor> {
+    let mut y = Vec::with_capacity(rows * cols);
+    for x in xs {
+        y.extend_from_slice(x.as_cpu()?);
+    }
+    out(y, &[rows, cols])
+}
+
 pub fn slice_rows(x: &Tensor, start: usize, end: usize) -> Result<Tensor> {
     let (_, c) = x.rows_cols();
     let mut shape = x.shape().to_vec();

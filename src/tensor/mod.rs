@@ -740,6 +740,54 @@ pub fn scale(x: &mut Tensor, s: f32) -> Result<()> {
     dispatch!(&dev, cpu::scale(x, s), c => c.scale(x, s))
 }
 
+/// Columns `[start, end)` of a matrix `[rows, cols]` (a copy).
+pub fn slice_cols(x: &Tensor, start: usize, end: usize) -> Result<Tensor> {
+    let (r, c) = x.rows_cols();
+    ensure!(
+        start <= end && end <= c,
+        "slice_cols {start}..{end} of {c} columns"
+    );
+    dispatch!(x.device(), cpu::slice_cols(x, start, end), cu => cu.slice_cols(x, r, start, end))
+}
+
+/// Matrices with equal row counts and dtypes side by side: `[rows, Σ cols]`.
+pub fn concat_cols(xs: &[&Tensor]) -> Result<Tensor> {
+    let first = *xs.first().context("concat_cols of nothing")?;
+    let rows = first.rows_cols().0;
+    for (i, x) in xs.iter().enumerate() {
+        ensure!(
+            x.rows_cols().0 == rows && x.dtype() == first.dtype(),
+            "concat_cols: item {i} is {:?} {:?}, item 0 {:?} {:?}",
+            x.shape(),
+            x.dtype(),
+            first.shape(),
+            first.dtype()
+        );
+        same_device(first, x, "concat_cols").with_context(|| format!("item {i}"))?;
+    }
+    let cols: usize = xs.iter().map(|x| x.rows_cols().1).sum();
+    dispatch!(first.device(), cpu::concat_cols(xs, cols), cu => cu.concat_cols(xs, rows, cols))
+}
+
+/// Matrices with equal column counts and dtypes stacked: `[Σ rows, cols]`.
+pub fn concat_rows(xs: &[&Tensor]) -> Result<Tensor> {
+    let first = *xs.first().context("concat_rows of nothing")?;
+    let cols = first.rows_cols().1;
+    for (i, x) in xs.iter().enumerate() {
+        ensure!(
+            x.rows_cols().1 == cols && x.dtype() == first.dtype(),
+            "concat_rows: item {i} is {:?} {:?}, item 0 {:?} {:?}",
+            x.shape(),
+            x.dtype(),
+            first.shape(),
+            first.dtype()
+        );
+        same_device(first, x, "concat_rows").with_context(|| format!("item {i}"))?;
+    }
+    let rows: usize = xs.iter().map(|x| x.rows_cols().0).sum();
+    dispatch!(first.device(), cpu::concat_rows(xs, rows, cols), cu => cu.concat_rows(xs, rows, cols))
+}
+
 /// Rows `[start, end)` of a tensor viewed as a matrix (a copy).
 pub fn slice_rows(x: &Tensor, start: usize, end: usize) -> Result<Tensor> {
     let (r, _) = x.rows_cols();

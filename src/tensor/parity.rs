@@ -378,11 +378,7 @@ fn elementwise(cx: &mut Ctx, r: &mut Rng) -> Result<()> {
             add_assign(&mut got, &cx.g(&bv, &[n], bdt)?, 0.7)?;
             let row = cmp_t(name, &got, &want, bound)?;
             cx.push(row);
-            let got = add(
-                &cx.g(&a, &[n], adt)?,
-                &cx.g(&bv, &[n], bdt)?,
-                0.7,
-            )?;
+            let got = add(&cx.g(&a, &[n], adt)?, &cx.g(&bv, &[n], bdt)?, 0.7)?;
             let row = cmp_t(&name.replace("add_assign", "add"), &got, &want, bound)?;
             cx.push(row);
         }
@@ -416,6 +412,21 @@ fn elementwise(cx: &mut Ctx, r: &mut Rng) -> Result<()> {
         let want = slice_rows(&cx.c(&x, &[rows, c])?, 5, 30)?;
         let got = slice_rows(&cx.g(&x, &[rows, c], bf)?, 5, 30)?;
         let row = cmp_t("slice_rows", &got, &want, 0.0)?;
+        cx.push(row);
+        let want = slice_cols(&cx.c(&x, &[rows, c])?, 7, 23)?;
+        let got = slice_cols(&cx.g(&x, &[rows, c], bf)?, 7, 23)?;
+        let row = cmp_t("slice_cols", &got, &want, 0.0)?;
+        cx.push(row);
+        let (xc, xg) = (cx.c(&x, &[rows, c])?, cx.g(&x, &[rows, c], bf)?);
+        let (wc, wg) = (slice_cols(&xc, 0, 5)?, slice_cols(&xg, 0, 5)?);
+        let want = concat_cols(&[&wc, &xc, &wc])?;
+        let got = concat_cols(&[&wg, &xg, &wg])?;
+        let row = cmp_t("concat_cols", &got, &want, 0.0)?;
+        cx.push(row);
+        let (wc, wg) = (slice_rows(&xc, 3, 9)?, slice_rows(&xg, 3, 9)?);
+        let want = concat_rows(&[&xc, &wc])?;
+        let got = concat_rows(&[&xg, &wg])?;
+        let row = cmp_t("concat_rows", &got, &want, 0.0)?;
         cx.push(row);
         let idx: Vec<u32> = (0..23).map(|_| r.below(rows) as u32).collect();
         let want = gather_rows(&cx.c(&x, &[rows, c])?, &idx)?;

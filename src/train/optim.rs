@@ -84,7 +84,8 @@ impl Default for OptimOptions {
 ///
 /// Multi-tensor ops over all matrices at once: on CUDA one launch for the norm (the step's one
 /// host sync: the clip factor is needed on the host), and one for AdamW, which also writes the
-/// bf16 compute copies and zeroes the gradients.
+/// bf16 compute copies and zeroes the gradients; then the stacked A of each shared-input group
+/// is rebuilt from those copies.
 pub fn apply_update(
     lora: &mut Lora,
     state: &mut AdamState,
@@ -135,5 +136,6 @@ pub fn apply_update(
         }
     }
     ops::adamw_multi(&mut items, h)?;
+    lora.refresh_stacked()?;
     Ok(norm)
 }

@@ -1240,7 +1240,10 @@ impl CudaBackend {
             "dq" => (2 * 64 + 4 * 64) * row + t.div_ceil(64).next_multiple_of(16),
             // 128-key K and V tiles, two buffers of Q and dO, the dS^T tile, lse and D.
             "bwd" => {
-                (2 * 128 + 4 * 64) * row + 128 * (64 + 8) * 2 + 4 * 64 * 4 + t.div_ceil(64).next_multiple_of(16)
+                (2 * 128 + 4 * 64) * row
+                    + 128 * (64 + 8) * 2
+                    + 4 * 64 * 4
+                    + t.div_ceil(64).next_multiple_of(16)
             }
             _ => (2 * 64 + 4 * 64) * row + 4 * 64 * 4 + t.div_ceil(64).next_multiple_of(16),
         };
@@ -1636,6 +1639,76 @@ impl CudaBackend {
                 Arg::I64(n as i64),
             ],
         )
+    }
+
+    pub fn slice_cols(&self, x: &Tensor, rows: usize, start: usize, end: usize) -> Result<Tensor> {
+        let y = self.empty(&[rows, end - start], x.dtype())?;
+        self.copy_cols(x, start, &y, 0, end - start)?;
+        Ok(y)
+    }
+
+    /// Side-by-side copies of `xs` (equal rows and dtype, checked by the caller).
+    pub fn concat_cols(&self, xs: &[&Tensor], rows: usize, cols: usize) -> Result<Tensor> {
+        let y = self.empty(&[rows, cols], xs[0].dtype())?;
+        let mut c0 = 0;
+        for x in xs {
+            let w = x.rows_cols().1;
+            self.copy_cols(x, 0, &y, c0, w)?;
+            c0 += w;
+        }
+        Ok(y)
+    }
+
+    /// `dst[:, dst_col0 + j] = src[:, src_col0 + j]` for `j < width` (same dtype and rows).
+    fn copy_cols(
+        &self,
+        src: &Tensor,
+        src_col0: usize,
+        dst: &Tensor,
+        dst_col0: usize,
+        width: usize,
+    ) -> Result<()> {
+        let ((rows, sc), (dr, dc)) = (src.rows_cols(), dst.rows_cols());
+        ensure!(
+            rows == dr && src.dtype() == dst.dtype(),
+            "copy_cols: {:?} {:?} into {:?} {:?}",
+            src.shape(),
+            src.dtype(),
+            dst.shape(),
+            dst.dtype()
+        );
+        ensure!(
+            src_col0 + width <= sc && dst_col0 + width <= dc,
+            "copy_cols: columns {src_col0}+{width} of {sc} into {dst_col0}+{width} of {dc}"
+        );
+        self.launch_n(
+            "lf_copy_cols",
+            rows * width,
+            &[
+                Arg::P(cuda_ptr(src)?),
+                Arg::I64(sc as i64),
+                Arg::I64(src_col0 as i64),
+                Arg::P(cuda_ptr(dst)?),
+                Arg::I64(dc as i64),
+                Arg::I64(dst_col0 as i64),
+                Arg::I64(width as i64),
+                Arg::I64((rows * width) as i64),
+                dt(src.dtype()),
+            ],
+        )
+    }
+
+    /// Row-stacked copies of `xs` (equal columns and dtype, checked by the caller).
+    pub fn concat_rows(&self, xs: &[&Tensor], rows: usize, cols: usize) -> Result<Tensor> {
+        let dtype = xs[0].dtype();
+        let y = self.empty(&[rows, cols], dtype)?;
+        let mut off = 0;
+        for x in xs {
+            let bytes = x.numel() * dtype.size();
+            self.dtod(cuda_ptr(&y)? + off as u64, cuda_ptr(x)?, bytes)?;
+            off += bytes;
+        }
+        Ok(y)
     }
 
     pub fn slice_rows(&self, x: &Tensor, start: usize, end: usize) -> Result<Tensor> {

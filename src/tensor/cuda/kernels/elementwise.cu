@@ -133,6 +133,15 @@ extern "C" __global__ void lf_silu_mul_bwd_bf16x8(const uint4* dh, const uint4* 
     }
 }
 
+// dst[r, dc0 + j] = src[r, sc0 + j] over rows x width elements (n); one dtype.
+extern "C" __global__ void lf_copy_cols(const void* src, i64 src_cols, i64 sc0, void* dst, i64 dst_cols, i64 dc0,
+                                        i64 width, i64 n, int dt) {
+    GRID_STRIDE(i, n) {
+        const i64 r = i / width, j = i % width;
+        stf(dst, dt, r * dst_cols + dc0 + j, ldf(src, dt, r * src_cols + sc0 + j));
+    }
+}
+
 // c = a + alpha * b; c may be a (add_assign).
 extern "C" __global__ void lf_add(const void* a, int adt, const void* b, int bdt, void* c, int cdt, float alpha,
                                   i64 n) {
