@@ -300,10 +300,33 @@ fn elementwise(cx: &mut Ctx, r: &mut Rng) -> Result<()> {
         )?;
         let row = cmp_t("rms_norm_bwd_add dx (f32)", &got, &want, F32_STAT)?;
         cx.push(row);
+        // Rows the 4-wide kernels do not take (h % 4 != 0): the scalar kernels.
+        let (rows, h) = (5, 90);
+        let x = r.bnormals(rows * h, 2.0);
+        let w = rb(&(0..h).map(|_| 1.0 + 0.3 * r.normal()).collect::<Vec<_>>());
+        let (yc, sc) = rms_norm(&cx.c(&x, &[rows, h])?, &cx.c(&w, &[h])?, 1e-6)?;
+        let (xg, wg) = (cx.g(&x, &[rows, h], bf)?, cx.g(&w, &[h], bf)?);
+        let (yg, _) = rms_norm(&xg, &wg, 1e-6)?;
+        let row = cmp_t("rms_norm fwd y (h 90, scalar)", &yg, &yc, BF16_FWD)?;
+        cx.push(row);
+        let dy = r.bnormals(rows * h, 1.0);
+        let want = rms_norm_bwd(
+            &cx.c(&dy, &[rows, h])?,
+            &cx.c(&x, &[rows, h])?,
+            &cx.c(&w, &[h])?,
+            &sc,
+        )?;
+        let got = rms_norm_bwd(
+            &cx.g(&dy, &[rows, h], bf)?,
+            &xg,
+            &wg,
+            &cx.g(&sc.to_vec()?, &[rows], DType::F32)?,
+        )?;
+        let row = cmp_t("rms_norm bwd dx (h 90, scalar)", &got, &want, BF16_GRAD)?;
+        cx.push(row);
     }
-    // rope
-    {
-        let (t, nh, hd) = (29, 3, 64);
+    // rope: bf16 pairs of pairs (head_dim 64), and the scalar kernel (head_dim 6: odd half)
+    for (t, nh, hd) in [(29, 3, 64), (11, 2, 6)] {
         let pos: Vec<i32> = (0..t as i32).map(|p| p * 7 + 3).collect();
         let inv: Vec<f32> = (0..hd / 2)
             .map(|i| 10000f32.powf(-((2 * i) as f32) / hd as f32))
@@ -314,13 +337,12 @@ fn elementwise(cx: &mut Ctx, r: &mut Rng) -> Result<()> {
         for inverse in [false, true] {
             let want = rope(&cx.c(&x, &[t, nh * hd])?, &tc, nh, inverse)?;
             let got = rope(&cx.g(&x, &[t, nh * hd], bf)?, &tg, nh, inverse)?;
-            let name = if inverse {
-                "rope inverse (bwd)"
-            } else {
-                "rope fwd"
-            };
+            let name = format!(
+                "rope {} (head_dim {hd})",
+                if inverse { "inverse (bwd)" } else { "fwd" }
+            );
             let row = cmp_t(
-                name,
+                &name,
                 &got,
                 &want,
                 if inverse { BF16_GRAD } else { BF16_FWD },

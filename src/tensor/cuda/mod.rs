@@ -303,6 +303,12 @@ fn pack(lo: u32, hi: u32) -> u64 {
     lo as u64 | (hi as u64) << 32
 }
 
+/// Whether RMSNorm rows of `h` take the 4-wide kernels (`lf_rms_norm_x4`: 256 threads, at most
+/// 8 groups of 4 per thread).
+fn rms_rows_x4(h: usize) -> bool {
+    h.is_multiple_of(4) && h <= 4 * 8 * 256
+}
+
 /// A version 2+ attention kernel chosen for a shape: its launch configuration.
 struct AttnKernel {
     name: &'static str,
@@ -1027,7 +1033,11 @@ impl CudaBackend {
             None => None,
         };
         self.launch(
-            "lf_rms_norm",
+            if rms_rows_x4(h) {
+                "lf_rms_norm_x4"
+            } else {
+                "lf_rms_norm"
+            },
             (rows as u32, 1, 1),
             256,
             0,
@@ -1062,7 +1072,11 @@ impl CudaBackend {
         ensure!(rstd.dtype() == DType::F32, "rms_norm_bwd: rstd must be f32");
         let dx = self.empty(x.shape(), x.dtype())?;
         self.launch(
-            "lf_rms_norm_bwd",
+            if rms_rows_x4(h) {
+                "lf_rms_norm_bwd_x4"
+            } else {
+                "lf_rms_norm_bwd"
+            },
             (rows as u32, 1, 1),
             256,
             0,
@@ -1096,9 +1110,28 @@ impl CudaBackend {
         );
         let (t, _) = x.rows_cols();
         let y = self.empty(x.shape(), x.dtype())?;
+        let half = table.head_dim / 2;
+        if x.dtype() == DType::BF16 && half.is_multiple_of(2) {
+            return self
+                .launch_n(
+                    "lf_rope_bf16x2",
+                    t * n_heads * half / 2,
+                    &[
+                        Arg::P(cuda_ptr(x)?),
+                        Arg::P(cuda_ptr(&table.cos)?),
+                        Arg::P(cuda_ptr(&table.sin)?),
+                        Arg::P(cuda_ptr(&y)?),
+                        Arg::I64(t as i64),
+                        Arg::I32(n_heads as i32),
+                        Arg::I32(table.head_dim as i32),
+                        Arg::F32(if inverse { -1.0 } else { 1.0 }),
+                    ],
+                )
+                .map(|_| y);
+        }
         self.launch_n(
             "lf_rope",
-            t * n_heads * (table.head_dim / 2),
+            t * n_heads * half,
             &[
                 Arg::P(cuda_ptr(x)?),
                 dt(x.dtype()),

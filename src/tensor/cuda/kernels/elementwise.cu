@@ -38,6 +38,100 @@ extern "C" __global__ void lf_rms_norm(const void* x, int xdt, const void* r, in
         stf(y, ydt, base + i, ldf(src, xdt, base + i) * s * ldf(w, wdt, i));
 }
 
+// Four consecutive elements of a dtype-flagged buffer (index in units of 4; 8- or 16-byte aligned).
+__device__ __forceinline__ float4 ld4(const void* p, int dt, i64 i4) {
+    if (dt) {
+        const uint2 u = ((const uint2*)p)[i4];
+        const float2 a = __bfloat1622float2(*(const __nv_bfloat162*)&u.x);
+        const float2 b = __bfloat1622float2(*(const __nv_bfloat162*)&u.y);
+        return make_float4(a.x, a.y, b.x, b.y);
+    }
+    return ((const float4*)p)[i4];
+}
+__device__ __forceinline__ void st4(void* p, int dt, i64 i4, float4 v) {
+    if (dt) {
+        __nv_bfloat162 a = __floats2bfloat162_rn(v.x, v.y), b = __floats2bfloat162_rn(v.z, v.w);
+        ((uint2*)p)[i4] = make_uint2(*(u32*)&a, *(u32*)&b);
+    } else {
+        ((float4*)p)[i4] = v;
+    }
+}
+
+// lf_rms_norm for rows of h % 4 == 0 and h <= 4 * RMS_V * blockDim: 4-wide loads, and the row
+// (after the residual add) kept in registers between the sum of squares and the output, where the
+// scalar kernel reads it twice. The same arithmetic per element, including the sum rounded to x's
+// dtype before it is normalised.
+#define RMS_V 8
+extern "C" __global__ void lf_rms_norm_x4(const void* x, int xdt, const void* r, int rdt, void* sum,
+                                          const void* w, int wdt, void* y, int ydt, float* rstd, int h,
+                                          float eps) {
+    const i64 row = blockIdx.x, n4 = h / 4, base = row * n4;
+    float4 v[RMS_V];
+    float ss = 0.f;
+    #pragma unroll
+    for (int k = 0; k < RMS_V; k++) {
+        const int i = threadIdx.x + k * blockDim.x;
+        if (i < n4) {
+            float4 a = ld4(x, xdt, base + i);
+            if (r) {
+                const float4 b = ld4(r, rdt, base + i);
+                a = make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w);
+                st4(sum, xdt, base + i, a);
+                if (xdt) a = ld4(sum, xdt, base + i);
+            }
+            v[k] = a;
+            ss += a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w;
+        }
+    }
+    ss = block_sum(ss);
+    const float s = 1.0f / sqrtf(ss / (float)h + eps);
+    if (threadIdx.x == 0) rstd[row] = s;
+    #pragma unroll
+    for (int k = 0; k < RMS_V; k++) {
+        const int i = threadIdx.x + k * blockDim.x;
+        if (i < n4) {
+            const float4 a = v[k], g = ld4(w, wdt, i);
+            st4(y, ydt, base + i, make_float4(a.x * s * g.x, a.y * s * g.y, a.z * s * g.z, a.w * s * g.w));
+        }
+    }
+}
+
+// lf_rms_norm_bwd for the rows lf_rms_norm_x4 serves: dy and x kept in registers.
+extern "C" __global__ void lf_rms_norm_bwd_x4(const void* dy, int ddt, const void* x, int xdt,
+                                              const void* w, int wdt, const float* rstd, const void* add,
+                                              int adt, void* dx, int h) {
+    const i64 row = blockIdx.x, n4 = h / 4, base = row * n4;
+    float4 d[RMS_V], xv[RMS_V];
+    float dot = 0.f;
+    #pragma unroll
+    for (int k = 0; k < RMS_V; k++) {
+        const int i = threadIdx.x + k * blockDim.x;
+        if (i < n4) {
+            d[k] = ld4(dy, ddt, base + i);
+            xv[k] = ld4(x, xdt, base + i);
+            const float4 g = ld4(w, wdt, i);
+            dot += d[k].x * g.x * xv[k].x + d[k].y * g.y * xv[k].y + d[k].z * g.z * xv[k].z + d[k].w * g.w * xv[k].w;
+        }
+    }
+    dot = block_sum(dot);
+    const float s = rstd[row];
+    const float c = s * s * s * dot / (float)h;
+    #pragma unroll
+    for (int k = 0; k < RMS_V; k++) {
+        const int i = threadIdx.x + k * blockDim.x;
+        if (i < n4) {
+            const float4 g = ld4(w, wdt, i), a = d[k], b = xv[k];
+            float4 o = make_float4(s * a.x * g.x - c * b.x, s * a.y * g.y - c * b.y, s * a.z * g.z - c * b.z,
+                                   s * a.w * g.w - c * b.w);
+            if (add) {
+                const float4 e = ld4(add, adt, base + i);
+                o = make_float4(o.x + e.x, o.y + e.y, o.z + e.z, o.w + e.w);
+            }
+            st4(dx, xdt, base + i, o);
+        }
+    }
+}
+
 // dx = s*(dy*w) - s^3/h * x * sum(dy*w*x), plus add (may be null: the residual gradient).
 extern "C" __global__ void lf_rms_norm_bwd(const void* dy, int ddt, const void* x, int xdt,
                                            const void* w, int wdt, const float* rstd, const void* add,
@@ -70,6 +164,24 @@ extern "C" __global__ void lf_rope(const void* x, int dt, const float* cosv, con
         float a = ldf(x, dt, base + i), b = ldf(x, dt, base + i + half);
         stf(y, dt, base + i, a * c - b * s);
         stf(y, dt, base + i + half, b * c + a * s);
+    }
+}
+
+// lf_rope on bf16 with an even half: two neighbouring pairs per thread through 4-byte loads.
+extern "C" __global__ void lf_rope_bf16x2(const bf16* x, const float* cosv, const float* sinv, bf16* y, i64 t,
+                                          int nh, int hd, float sign) {
+    const int half = hd / 2, hp = half / 2;
+    GRID_STRIDE(j, t * nh * hp) {
+        const i64 r = j / (nh * hp);
+        const int rem = (int)(j % (nh * hp));
+        const int h = rem / hp, i = 2 * (rem % hp);
+        const float2 c = *(const float2*)(cosv + r * half + i), sn = *(const float2*)(sinv + r * half + i);
+        const float s0 = sign * sn.x, s1 = sign * sn.y;
+        const i64 base = r * (i64)nh * hd + (i64)h * hd;
+        const float2 a = __bfloat1622float2(*(const __nv_bfloat162*)(x + base + i));
+        const float2 b = __bfloat1622float2(*(const __nv_bfloat162*)(x + base + i + half));
+        *(__nv_bfloat162*)(y + base + i) = __floats2bfloat162_rn(a.x * c.x - b.x * s0, a.y * c.y - b.y * s1);
+        *(__nv_bfloat162*)(y + base + i + half) = __floats2bfloat162_rn(b.x * c.x + a.x * s0, b.y * c.y + a.y * s1);
     }
 }
 
