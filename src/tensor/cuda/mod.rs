@@ -268,6 +268,7 @@ struct MaskArg {
     pos: u64,
     kt_min: u64,
     kt_max: u64,
+    tile_flags: u64,
     window: i32,
 }
 
@@ -827,9 +828,14 @@ impl CudaBackend {
                 Arg::F64(v) => Box::new([v.to_bits()]),
                 Arg::I32(v) => Box::new([*v as u32 as u64]),
                 Arg::F32(v) => Box::new([v.to_bits() as u64]),
-                Arg::Mask(m) => {
-                    Box::new([m.ranges, m.pos, m.kt_min, m.kt_max, m.window as u32 as u64])
-                }
+                Arg::Mask(m) => Box::new([
+                    m.ranges,
+                    m.pos,
+                    m.kt_min,
+                    m.kt_max,
+                    m.tile_flags,
+                    m.window as u32 as u64,
+                ]),
             };
             boxes.push(b);
         }
@@ -1155,6 +1161,7 @@ impl CudaBackend {
         let off_pos = t * 16;
         let off_min = (off_pos + t * 4).next_multiple_of(16);
         let off_max = (off_min + tiles * 4).next_multiple_of(16);
+        let off_flags = (off_max + tiles * 4).next_multiple_of(16);
         let total = off_max + tiles * 4;
         let mut buf = vec![0u8; total];
         for (i, r) in mask.ranges.iter().enumerate() {
@@ -1168,7 +1175,8 @@ impl CudaBackend {
             buf[off_min + tile * 4..off_min + tile * 4 + 4].copy_from_slice(&mn.to_ne_bytes());
             buf[off_max + tile * 4..off_max + tile * 4 + 4].copy_from_slice(&mx.to_ne_bytes());
         }
-        let s = self.alloc(total)?;
+        // The per-tile visibility table follows, filled on the device (lf_attn_tile_flags).
+        let s = self.alloc(off_flags + tiles * tiles)?;
         self.htod(&s, &buf)?;
         let window = match mask.window {
             None => -1,
@@ -1179,8 +1187,18 @@ impl CudaBackend {
             pos: s.ptr + off_pos as u64,
             kt_min: s.ptr + off_min as u64,
             kt_max: s.ptr + off_max as u64,
+            tile_flags: s.ptr + off_flags as u64,
             window,
         };
+        if t > 0 {
+            self.launch(
+                "lf_attn_tile_flags",
+                (tiles as u32, tiles.div_ceil(4) as u32, 1),
+                128,
+                0,
+                &[Arg::Mask(arg), Arg::I32(t as i32), Arg::P(arg.tile_flags)],
+            )?;
+        }
         Ok((s, arg))
     }
 

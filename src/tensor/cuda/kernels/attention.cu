@@ -23,11 +23,12 @@
 #define NTHREADS 128
 
 struct Mask {
-    const uint4* ranges;  // [T] of (a0, a1, b0, b1)
-    const int* pos;       // [T]
-    const int* kt_min;    // [ceil(T/64)] min position of each 64-key tile
-    const int* kt_max;    // [ceil(T/64)] max position
-    int window;           // < 0: none
+    const uint4* ranges;                // [T] of (a0, a1, b0, b1)
+    const int* pos;                     // [T]
+    const int* kt_min;                  // [ceil(T/64)] min position of each 64-key tile
+    const int* kt_max;                  // [ceil(T/64)] max position
+    const unsigned char* tile_flags;    // [n][n], n = ceil(T/64): lf_attn_tile_flags (versions 2+)
+    int window;                         // < 0: none
 };
 
 __device__ __forceinline__ bool visible(uint4 r, int qpos, int k, int kpos, int window) {
@@ -687,6 +688,32 @@ __device__ __forceinline__ unsigned char warp_tile_flag(const Mask& mk, int q0, 
     return (all && k0 + 64 <= t && q0 + NR <= t) ? 2 : 1;
 }
 
+// The visibility table of every (64-query tile, 64-key tile): one warp per entry, computed once
+// per mask (each attention call) instead of by every block of every head. grid (n, ceil(n / 4)),
+// 128 threads.
+extern "C" __global__ void lf_attn_tile_flags(Mask mk, int t, unsigned char* flags) {
+    const int n = (t + 63) / 64, qt = blockIdx.x, kt = blockIdx.y * 4 + (threadIdx.x >> 5);
+    if (kt >= n) return;
+    const unsigned char f = warp_tile_flag<64>(mk, qt * 64, kt, t, threadIdx.x & 31);
+    if ((threadIdx.x & 31) == 0) flags[(i64)qt * n + kt] = f;
+}
+
+// Visibility (0 none, 1 partial, 2 full) of the tile made of query tiles [qt0, qt0 + nq) and key
+// tiles [kt0, kt0 + nk) (64 each) from the table: full only if every part is; parts past T count
+// as unseen, which makes a tile reaching past T partial.
+__device__ __forceinline__ unsigned char tile_flag(const Mask& mk, int t, int qt0, int nq, int kt0, int nk) {
+    const int n = (t + 63) / 64;
+    bool any = false, all = true;
+    for (int i = qt0; i < qt0 + nq; i++) {
+        for (int j = kt0; j < kt0 + nk; j++) {
+            const unsigned char f = i < n && j < n ? mk.tile_flags[(i64)i * n + j] : 0;
+            any |= f != 0;
+            all &= f == 2;
+        }
+    }
+    return any ? (all ? 2 : 1) : 0;
+}
+
 __device__ __forceinline__ bool vis2(const Mask& mk, uint4 r, int qpos, bool qok, int k, int t) {
     if (!qok || k >= t) return false;
     return visible(r, qpos, k, mk.pos[k], mk.window);
@@ -701,7 +728,7 @@ template <int HD>
 __device__ void attn2_fwd(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v,
                           bf16* __restrict__ o, float* __restrict__ lse, Mask mk, int t, int nh, int nkv,
                           float scale) {
-    constexpr int BQ_ = 128, BK_ = 64, NT = 256, NW = NT / 32, SS = HD + 8;
+    constexpr int BQ_ = 128, BK_ = 64, NT = 256, SS = HD + 8;
     extern __shared__ __align__(16) unsigned char smem[];
     bf16* qs = (bf16*)smem;
     bf16* ks = qs + BQ_ * SS;
@@ -719,10 +746,7 @@ __device__ void attn2_fwd(const bf16* __restrict__ q, const bf16* __restrict__ k
 
     cp_tile<HD, BQ_, NT>(qs, q + (i64)h * HD, qstride, q0, t);
     cp_async_commit();
-    for (int kt = w; kt < ntiles; kt += NW) {
-        const unsigned char f = warp_tile_flag<BQ_>(mk, q0, kt, t, lane);
-        if (lane == 0) fl[kt] = f;
-    }
+    for (int kt = threadIdx.x; kt < ntiles; kt += NT) fl[kt] = tile_flag(mk, t, q0 / 64, BQ_ / 64, kt, 1);
     __syncthreads();
     int cur = 0;
     while (cur < ntiles && fl[cur] == 0) cur++;
@@ -873,7 +897,7 @@ template <int HD>
 __device__ void attn2_dq(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v,
                          const bf16* __restrict__ d_o, const float* __restrict__ lse, const float* __restrict__ dd,
                          bf16* __restrict__ dq, Mask mk, int t, int nh, int nkv, float scale) {
-    constexpr int BQ_ = 64, BK_ = 64, NT = 128, NW = NT / 32, SS = HD + 8;
+    constexpr int BQ_ = 64, BK_ = 64, NT = 128, SS = HD + 8;
     extern __shared__ __align__(16) unsigned char smem[];
     bf16* qs = (bf16*)smem;
     bf16* dos = qs + BQ_ * SS;
@@ -892,10 +916,7 @@ __device__ void attn2_dq(const bf16* __restrict__ q, const bf16* __restrict__ k,
 
     cp_tile<HD, BQ_, NT>(qs, q + (i64)h * HD, qstride, q0, t);
     cp_tile<HD, BQ_, NT>(dos, d_o + (i64)h * HD, qstride, q0, t);
-    for (int kt = w; kt < ntiles; kt += NW) {
-        const unsigned char f = warp_tile_flag<BQ_>(mk, q0, kt, t, lane);
-        if (lane == 0) fl[kt] = f;
-    }
+    for (int kt = threadIdx.x; kt < ntiles; kt += NT) fl[kt] = tile_flag(mk, t, q0 / 64, BQ_ / 64, kt, 1);
     __syncthreads();
     int cur = 0;
     while (cur < ntiles && fl[cur] == 0) cur++;
@@ -1209,7 +1230,7 @@ __device__ void attn_keys_bwd(const bf16* __restrict__ q, const bf16* __restrict
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
     const i64 qstride = (i64)nh * HD, kstride = (i64)nkv * HD;
     const float sl2 = scale * LOG2E;
-    const int nqt = (t + BQ_ - 1) / BQ_, nkt = (t + 63) / 64;
+    const int nqt = (t + BQ_ - 1) / BQ_;
     const bf16* qg = q + (i64)h * HD;
     const bf16* og = d_o + (i64)h * HD;
     const float* lg = lse + (i64)h * t;
@@ -1218,19 +1239,9 @@ __device__ void attn_keys_bwd(const bf16* __restrict__ q, const bf16* __restrict
     cp_tile<HD, BK_, NT>(ks, k + (i64)kvh * HD, kstride, k0, t);
     cp_tile<HD, BK_, NT>(vs, v + (i64)kvh * HD, kstride, k0, t);
     cp_async_commit();
-    // Visibility per query tile from the block's 64-key tiles; a tail tile past T counts as
-    // unseen, which makes the block partial (so keys >= T always take the per-element test).
-    for (int it = w; it < nqt; it += NW) {
-        bool any = false, all = true;
-        #pragma unroll
-        for (int j = 0; j < BK_ / 64; j++) {
-            const int kt = blockIdx.x * (BK_ / 64) + j;
-            const unsigned char f = kt < nkt ? warp_tile_flag<BQ_>(mk, it * BQ_, kt, t, lane) : 0;
-            any |= f != 0;
-            all &= f == 2;
-        }
-        if (lane == 0) fl[it] = any ? (all ? 2 : 1) : 0;
-    }
+    // Visibility per query tile from the block's 64-key tiles; a tail tile past T makes the block
+    // partial (so keys >= T always take the per-element test).
+    for (int it = threadIdx.x; it < nqt; it += NT) fl[it] = tile_flag(mk, t, it, 1, blockIdx.x * (BK_ / 64), BK_ / 64);
     __syncthreads();
     auto load_q = [&](int it, int b) {
         load_query_tile<HD, BQ_, NT>(qs + b * BQ_ * SS, dos + b * BQ_ * SS, ls + b * BQ_, dsum + b * BQ_, qg, og, lg,
@@ -1311,7 +1322,7 @@ template <int HD>
 __device__ void attn3_fwd(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v,
                           bf16* __restrict__ o, float* __restrict__ lse, Mask mk, int t, int nh, int nkv,
                           float scale) {
-    constexpr int BQ_ = 128, BK_ = 64, NT = 128, NW = NT / 32, SS = HD + 8;
+    constexpr int BQ_ = 128, BK_ = 64, NT = 128, SS = HD + 8;
     extern __shared__ __align__(16) unsigned char smem[];
     bf16* qs = (bf16*)smem;
     bf16* ks = qs + BQ_ * SS;
@@ -1329,10 +1340,7 @@ __device__ void attn3_fwd(const bf16* __restrict__ q, const bf16* __restrict__ k
 
     cp_tile<HD, BQ_, NT>(qs, q + (i64)h * HD, qstride, q0, t);
     cp_async_commit();
-    for (int kt = w; kt < ntiles; kt += NW) {
-        const unsigned char f = warp_tile_flag<BQ_>(mk, q0, kt, t, lane);
-        if (lane == 0) fl[kt] = f;
-    }
+    for (int kt = threadIdx.x; kt < ntiles; kt += NT) fl[kt] = tile_flag(mk, t, q0 / 64, BQ_ / 64, kt, 1);
     __syncthreads();
     int cur = 0;
     while (cur < ntiles && fl[cur] == 0) cur++;
