@@ -750,40 +750,36 @@ pub fn slice_cols(x: &Tensor, start: usize, end: usize) -> Result<Tensor> {
     dispatch!(x.device(), cpu::slice_cols(x, start, end), cu => cu.slice_cols(x, r, start, end))
 }
 
-/// Matrices with equal row counts and dtypes side by side: `[rows, Σ cols]`.
-pub fn concat_cols(xs: &[&Tensor]) -> Result<Tensor> {
-    let first = *xs.first().context("concat_cols of nothing")?;
-    let rows = first.rows_cols().0;
+/// The first of `xs` after checking that all share its device, dtype and `kept` extent (the
+/// dimension a concatenation does not grow).
+fn check_concat<'a>(xs: &[&'a Tensor], op: &str, kept: fn(&Tensor) -> usize) -> Result<&'a Tensor> {
+    let first = *xs.first().with_context(|| format!("{op} of nothing"))?;
     for (i, x) in xs.iter().enumerate() {
         ensure!(
-            x.rows_cols().0 == rows && x.dtype() == first.dtype(),
-            "concat_cols: item {i} is {:?} {:?}, item 0 {:?} {:?}",
+            kept(x) == kept(first) && x.dtype() == first.dtype(),
+            "{op}: item {i} is {:?} {:?}, item 0 {:?} {:?}",
             x.shape(),
             x.dtype(),
             first.shape(),
             first.dtype()
         );
-        same_device(first, x, "concat_cols").with_context(|| format!("item {i}"))?;
+        same_device(first, x, op).with_context(|| format!("item {i}"))?;
     }
+    Ok(first)
+}
+
+/// Matrices with equal row counts and dtypes side by side: `[rows, Σ cols]`.
+pub fn concat_cols(xs: &[&Tensor]) -> Result<Tensor> {
+    let first = check_concat(xs, "concat_cols", |x| x.rows_cols().0)?;
+    let rows = first.rows_cols().0;
     let cols: usize = xs.iter().map(|x| x.rows_cols().1).sum();
     dispatch!(first.device(), cpu::concat_cols(xs, cols), cu => cu.concat_cols(xs, rows, cols))
 }
 
 /// Matrices with equal column counts and dtypes stacked: `[Σ rows, cols]`.
 pub fn concat_rows(xs: &[&Tensor]) -> Result<Tensor> {
-    let first = *xs.first().context("concat_rows of nothing")?;
+    let first = check_concat(xs, "concat_rows", |x| x.rows_cols().1)?;
     let cols = first.rows_cols().1;
-    for (i, x) in xs.iter().enumerate() {
-        ensure!(
-            x.rows_cols().1 == cols && x.dtype() == first.dtype(),
-            "concat_rows: item {i} is {:?} {:?}, item 0 {:?} {:?}",
-            x.shape(),
-            x.dtype(),
-            first.shape(),
-            first.dtype()
-        );
-        same_device(first, x, "concat_rows").with_context(|| format!("item {i}"))?;
-    }
     let rows: usize = xs.iter().map(|x| x.rows_cols().0).sum();
     dispatch!(first.device(), cpu::concat_rows(xs, rows, cols), cu => cu.concat_rows(xs, rows, cols))
 }

@@ -231,34 +231,12 @@ fn elementwise(cx: &mut Ctx, r: &mut Rng) -> Result<()> {
         let row = cmp_t("embedding bwd (f32)", &got, &want, F32_TIGHT)?;
         cx.push(row);
     }
-    // rms_norm
+    // rms_norm: rows the 4-wide kernels take (h 1536), and rows they do not (h % 4 != 0)
+    rms_norm_rows(cx, r, 5, 90, " (h 90, scalar)")?;
     {
         let (rows, h) = (37, 1536);
-        let x = r.bnormals(rows * h, 2.0);
-        let w = rb(&(0..h).map(|_| 1.0 + 0.3 * r.normal()).collect::<Vec<_>>());
-        let (yc, sc) = rms_norm(&cx.c(&x, &[rows, h])?, &cx.c(&w, &[h])?, 1e-6)?;
-        let xg = cx.g(&x, &[rows, h], bf)?;
+        let (w, dy) = rms_norm_rows(cx, r, rows, h, "")?;
         let wg = cx.g(&w, &[h], bf)?;
-        let (yg, sg) = rms_norm(&xg, &wg, 1e-6)?;
-        let row = cmp_t("rms_norm fwd y", &yg, &yc, BF16_FWD)?;
-        cx.push(row);
-        let row = cmp_t("rms_norm fwd rstd (f32)", &sg, &sc, F32_STAT)?;
-        cx.push(row);
-        let dy = r.bnormals(rows * h, 1.0);
-        let want = rms_norm_bwd(
-            &cx.c(&dy, &[rows, h])?,
-            &cx.c(&x, &[rows, h])?,
-            &cx.c(&w, &[h])?,
-            &sc,
-        )?;
-        let got = rms_norm_bwd(
-            &cx.g(&dy, &[rows, h], bf)?,
-            &xg,
-            &wg,
-            &cx.g(&sc.to_vec()?, &[rows], DType::F32)?,
-        )?;
-        let row = cmp_t("rms_norm bwd dx", &got, &want, BF16_GRAD)?;
-        cx.push(row);
         // The fused residual forms, as the layer uses them: an f32 stream plus a bf16 branch
         // output, normalised into bf16; the backward adds an f32 residual gradient.
         let f = DType::F32;
@@ -299,30 +277,6 @@ fn elementwise(cx: &mut Ctx, r: &mut Rng) -> Result<()> {
             &cx.g(&add, &[rows, h], f)?,
         )?;
         let row = cmp_t("rms_norm_bwd_add dx (f32)", &got, &want, F32_STAT)?;
-        cx.push(row);
-        // Rows the 4-wide kernels do not take (h % 4 != 0): the scalar kernels.
-        let (rows, h) = (5, 90);
-        let x = r.bnormals(rows * h, 2.0);
-        let w = rb(&(0..h).map(|_| 1.0 + 0.3 * r.normal()).collect::<Vec<_>>());
-        let (yc, sc) = rms_norm(&cx.c(&x, &[rows, h])?, &cx.c(&w, &[h])?, 1e-6)?;
-        let (xg, wg) = (cx.g(&x, &[rows, h], bf)?, cx.g(&w, &[h], bf)?);
-        let (yg, _) = rms_norm(&xg, &wg, 1e-6)?;
-        let row = cmp_t("rms_norm fwd y (h 90, scalar)", &yg, &yc, BF16_FWD)?;
-        cx.push(row);
-        let dy = r.bnormals(rows * h, 1.0);
-        let want = rms_norm_bwd(
-            &cx.c(&dy, &[rows, h])?,
-            &cx.c(&x, &[rows, h])?,
-            &cx.c(&w, &[h])?,
-            &sc,
-        )?;
-        let got = rms_norm_bwd(
-            &cx.g(&dy, &[rows, h], bf)?,
-            &xg,
-            &wg,
-            &cx.g(&sc.to_vec()?, &[rows], DType::F32)?,
-        )?;
-        let row = cmp_t("rms_norm bwd dx (h 90, scalar)", &got, &want, BF16_GRAD)?;
         cx.push(row);
     }
     // rope: bf16 pairs of pairs (head_dim 64), and the scalar kernel (head_dim 6: odd half)
@@ -1042,6 +996,48 @@ fn ref_rows(
         lse as f32,
         dq.iter().map(|&x| x as f32).collect(),
     )
+}
+
+/// RMSNorm forward (y, rstd) and backward rows on bf16 `[rows, h]`; returns the weight and the
+/// upstream gradient it drew, for the fused forms.
+fn rms_norm_rows(
+    cx: &mut Ctx,
+    r: &mut Rng,
+    rows: usize,
+    h: usize,
+    label: &str,
+) -> Result<(Vec<f32>, Vec<f32>)> {
+    let bf = DType::BF16;
+    let x = r.bnormals(rows * h, 2.0);
+    let w = rb(&(0..h).map(|_| 1.0 + 0.3 * r.normal()).collect::<Vec<_>>());
+    let (yc, sc) = rms_norm(&cx.c(&x, &[rows, h])?, &cx.c(&w, &[h])?, 1e-6)?;
+    let (xg, wg) = (cx.g(&x, &[rows, h], bf)?, cx.g(&w, &[h], bf)?);
+    let (yg, sg) = rms_norm(&xg, &wg, 1e-6)?;
+    let row = cmp_t(&format!("rms_norm fwd y{label}"), &yg, &yc, BF16_FWD)?;
+    cx.push(row);
+    let row = cmp_t(
+        &format!("rms_norm fwd rstd (f32){label}"),
+        &sg,
+        &sc,
+        F32_STAT,
+    )?;
+    cx.push(row);
+    let dy = r.bnormals(rows * h, 1.0);
+    let want = rms_norm_bwd(
+        &cx.c(&dy, &[rows, h])?,
+        &cx.c(&x, &[rows, h])?,
+        &cx.c(&w, &[h])?,
+        &sc,
+    )?;
+    let got = rms_norm_bwd(
+        &cx.g(&dy, &[rows, h], bf)?,
+        &xg,
+        &wg,
+        &cx.g(&sc.to_vec()?, &[rows], DType::F32)?,
+    )?;
+    let row = cmp_t(&format!("rms_norm bwd dx{label}"), &got, &want, BF16_GRAD)?;
+    cx.push(row);
+    Ok((w, dy))
 }
 
 fn visible_pairs(mask: &AttnMask) -> f64 {

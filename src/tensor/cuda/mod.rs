@@ -1117,39 +1117,24 @@ impl CudaBackend {
         let (t, _) = x.rows_cols();
         let y = self.empty(x.shape(), x.dtype())?;
         let half = table.head_dim / 2;
+        let mut args = vec![
+            Arg::P(cuda_ptr(x)?),
+            dt(x.dtype()),
+            Arg::P(cuda_ptr(&table.cos)?),
+            Arg::P(cuda_ptr(&table.sin)?),
+            Arg::P(cuda_ptr(&y)?),
+            Arg::I64(t as i64),
+            Arg::I32(n_heads as i32),
+            Arg::I32(table.head_dim as i32),
+            Arg::F32(if inverse { -1.0 } else { 1.0 }),
+        ];
+        // bf16 with an even half: two pairs per thread (that kernel takes no dtype flag).
         if x.dtype() == DType::BF16 && half.is_multiple_of(2) {
-            return self
-                .launch_n(
-                    "lf_rope_bf16x2",
-                    t * n_heads * half / 2,
-                    &[
-                        Arg::P(cuda_ptr(x)?),
-                        Arg::P(cuda_ptr(&table.cos)?),
-                        Arg::P(cuda_ptr(&table.sin)?),
-                        Arg::P(cuda_ptr(&y)?),
-                        Arg::I64(t as i64),
-                        Arg::I32(n_heads as i32),
-                        Arg::I32(table.head_dim as i32),
-                        Arg::F32(if inverse { -1.0 } else { 1.0 }),
-                    ],
-                )
-                .map(|_| y);
+            args.remove(1);
+            self.launch_n("lf_rope_bf16x2", t * n_heads * half / 2, &args)?;
+        } else {
+            self.launch_n("lf_rope", t * n_heads * half, &args)?;
         }
-        self.launch_n(
-            "lf_rope",
-            t * n_heads * half,
-            &[
-                Arg::P(cuda_ptr(x)?),
-                dt(x.dtype()),
-                Arg::P(cuda_ptr(&table.cos)?),
-                Arg::P(cuda_ptr(&table.sin)?),
-                Arg::P(cuda_ptr(&y)?),
-                Arg::I64(t as i64),
-                Arg::I32(n_heads as i32),
-                Arg::I32(table.head_dim as i32),
-                Arg::F32(if inverse { -1.0 } else { 1.0 }),
-            ],
-        )?;
         Ok(y)
     }
 

@@ -719,6 +719,36 @@ __device__ __forceinline__ bool vis2(const Mask& mk, uint4 r, int qpos, bool qok
     return visible(r, qpos, k, mk.pos[k], mk.window);
 }
 
+// s = A1 B1^T and dp = A2 B2^T over HD for a warp's 16 rows (a1, a2: those rows of the A tiles)
+// against an N-row pair of B tiles (b1, b2), all padded row-major (stride HD + 8): the first two
+// products of both backward kernel families (queries x keys in dQ, keys x queries in dK/dV).
+template <int HD, int N>
+__device__ __forceinline__ void dual_scores(float (&s)[N / 8][4], float (&dp)[N / 8][4], const bf16* a1,
+                                            const bf16* a2, const bf16* b1, const bf16* b2, int lane) {
+    constexpr int SS = HD + 8;
+    #pragma unroll
+    for (int nt = 0; nt < N / 8; nt++) {
+        s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+        dp[nt][0] = dp[nt][1] = dp[nt][2] = dp[nt][3] = 0.f;
+    }
+    #pragma unroll
+    for (int kk = 0; kk < HD / 16; kk++) {
+        u32 f1[4], f2[4];
+        ldsm_x4(f1, a1 + kk * 16 + lo_a<SS>(lane));
+        ldsm_x4(f2, a2 + kk * 16 + lo_a<SS>(lane));
+        #pragma unroll
+        for (int np = 0; np < N / 16; np++) {
+            u32 b[4];
+            ldsm_x4(b, b1 + np * 16 * SS + kk * 16 + lo_bn<SS>(lane));
+            mma16816(s[2 * np], f1, b[0], b[1]);
+            mma16816(s[2 * np + 1], f1, b[2], b[3]);
+            ldsm_x4(b, b2 + np * 16 * SS + kk * 16 + lo_bn<SS>(lane));
+            mma16816(dp[2 * np], f2, b[0], b[1]);
+            mma16816(dp[2 * np + 1], f2, b[2], b[3]);
+        }
+    }
+}
+
 // ------------------------------------------------------------------------------------------------
 // Forward v2. grid (ceil(T/128), n_heads), 256 threads; warp w owns query rows 16w.. of the tile.
 // The warp's Q fragments stay in registers (about 206 registers at head_dim 128: one block of 8
@@ -955,27 +985,7 @@ __device__ void attn2_dq(const bf16* __restrict__ q, const bf16* __restrict__ k,
         const bool tile_all = fl[cur] == 2;
 
         float s[BK_ / 8][4], dp[BK_ / 8][4];
-        #pragma unroll
-        for (int nt = 0; nt < BK_ / 8; nt++) {
-            s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
-            dp[nt][0] = dp[nt][1] = dp[nt][2] = dp[nt][3] = 0.f;
-        }
-        #pragma unroll
-        for (int kk = 0; kk < HD / 16; kk++) {
-            u32 af[4], of[4];
-            ldsm_x4(af, qs + (16 * w) * SS + kk * 16 + lo_a<SS>(lane));
-            ldsm_x4(of, dos + (16 * w) * SS + kk * 16 + lo_a<SS>(lane));
-            #pragma unroll
-            for (int np = 0; np < BK_ / 16; np++) {
-                u32 b[4];
-                ldsm_x4(b, kb + np * 16 * SS + kk * 16 + lo_bn<SS>(lane));
-                mma16816(s[2 * np], af, b[0], b[1]);
-                mma16816(s[2 * np + 1], af, b[2], b[3]);
-                ldsm_x4(b, vb + np * 16 * SS + kk * 16 + lo_bn<SS>(lane));
-                mma16816(dp[2 * np], of, b[0], b[1]);
-                mma16816(dp[2 * np + 1], of, b[2], b[3]);
-            }
-        }
+        dual_scores<HD, BK_>(s, dp, qs + (16 * w) * SS, dos + (16 * w) * SS, kb, vb, lane);
         #pragma unroll
         for (int nt = 0; nt < BK_ / 8; nt++) {
             #pragma unroll
@@ -1047,29 +1057,8 @@ __device__ __forceinline__ void key_tile_probs(float (&s)[BQ_ / 8][4], float (&d
                                                const bf16* vw, const bf16* qb, const bf16* ob, const float* lb,
                                                const float* db, const Mask& mk, int q0, int ka, int kb, int kpa,
                                                int kpb, bool tile_all, int t, float sl2, int lane) {
-    constexpr int SS = HD + 8;
     const int tq = lane & 3;
-    #pragma unroll
-    for (int nt = 0; nt < BQ_ / 8; nt++) {
-        s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
-        dp[nt][0] = dp[nt][1] = dp[nt][2] = dp[nt][3] = 0.f;
-    }
-    #pragma unroll
-    for (int kk = 0; kk < HD / 16; kk++) {
-        u32 kf[4], vf[4];
-        ldsm_x4(kf, kw + kk * 16 + lo_a<SS>(lane));
-        ldsm_x4(vf, vw + kk * 16 + lo_a<SS>(lane));
-        #pragma unroll
-        for (int np = 0; np < BQ_ / 16; np++) {
-            u32 b[4];
-            ldsm_x4(b, qb + np * 16 * SS + kk * 16 + lo_bn<SS>(lane));
-            mma16816(s[2 * np], kf, b[0], b[1]);
-            mma16816(s[2 * np + 1], kf, b[2], b[3]);
-            ldsm_x4(b, ob + np * 16 * SS + kk * 16 + lo_bn<SS>(lane));
-            mma16816(dp[2 * np], vf, b[0], b[1]);
-            mma16816(dp[2 * np + 1], vf, b[2], b[3]);
-        }
-    }
+    dual_scores<HD, BQ_>(s, dp, kw, vw, qb, ob, lane);
     #pragma unroll
     for (int nt = 0; nt < BQ_ / 8; nt++) {
         #pragma unroll
