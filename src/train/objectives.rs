@@ -950,7 +950,7 @@ mod tests {
             assert_eq!(analytic.len(), src, "{name}: grad shape");
             let base = if which < 2 { c } else { r };
             let h = 1e-4 * mean(&base.response).abs().min(1.0);
-            for i in 0..src {
+            for (i, &an) in analytic.iter().enumerate() {
                 let eval = |delta: f64| {
                     let (mut c2, mut r2) = (c.clone(), r.clone());
                     let v = match which {
@@ -963,7 +963,6 @@ mod tests {
                     f(&c2, &r2).unwrap().loss
                 };
                 let fd = (eval(h) - eval(-h)) / (2.0 * h);
-                let an = analytic[i];
                 assert!(
                     close(fd, an, 1e-6, 1e-9),
                     "{name}: part {which} token {i}: fd {fd:.12e} vs analytic {an:.12e}"
