@@ -719,6 +719,32 @@ __device__ __forceinline__ bool vis2(const Mask& mk, uint4 r, int qpos, bool qok
     return visible(r, qpos, k, mk.pos[k], mk.window);
 }
 
+// The first visible tile at or after `i` of `n` (visibility bytes `fl`); n when none.
+__device__ __forceinline__ int next_visible(const unsigned char* fl, int i, int n) {
+    while (i < n && fl[i] == 0) i++;
+    return i;
+}
+
+// Prologue of the forward kernels (128 query rows from q0, 64-key tiles, NT threads): the Q tile
+// and the key tiles' visibility into shared memory, then the loads of the first visible key
+// tile's K and V started (double buffer 0). Returns that tile (ntiles when none).
+template <int HD, int NT>
+__device__ __forceinline__ int fwd_prologue(bf16* qs, bf16* ks, bf16* vs, unsigned char* fl, const bf16* qg,
+                                            const bf16* kg, const bf16* vg, i64 qstride, i64 kstride,
+                                            const Mask& mk, int q0, int t, int ntiles) {
+    cp_tile<HD, 128, NT>(qs, qg, qstride, q0, t);
+    cp_async_commit();
+    for (int kt = threadIdx.x; kt < ntiles; kt += NT) fl[kt] = tile_flag(mk, t, q0 / 64, 2, kt, 1);
+    __syncthreads();
+    const int cur = next_visible(fl, 0, ntiles);
+    if (cur < ntiles) {
+        cp_tile<HD, 64, NT>(ks, kg, kstride, cur * 64, t);
+        cp_tile<HD, 64, NT>(vs, vg, kstride, cur * 64, t);
+    }
+    cp_async_commit();
+    return cur;
+}
+
 // s = A1 B1^T and dp = A2 B2^T over HD for a warp's 16 rows (a1, a2: those rows of the A tiles)
 // against an N-row pair of B tiles (b1, b2), all padded row-major (stride HD + 8): the first two
 // products of both backward kernel families (queries x keys in dQ, keys x queries in dK/dV).
@@ -774,17 +800,7 @@ __device__ void attn2_fwd(const bf16* __restrict__ q, const bf16* __restrict__ k
     const bf16* kg = k + (i64)kvh * HD;
     const bf16* vg = v + (i64)kvh * HD;
 
-    cp_tile<HD, BQ_, NT>(qs, q + (i64)h * HD, qstride, q0, t);
-    cp_async_commit();
-    for (int kt = threadIdx.x; kt < ntiles; kt += NT) fl[kt] = tile_flag(mk, t, q0 / 64, BQ_ / 64, kt, 1);
-    __syncthreads();
-    int cur = 0;
-    while (cur < ntiles && fl[cur] == 0) cur++;
-    if (cur < ntiles) {
-        cp_tile<HD, BK_, NT>(ks, kg, kstride, cur * BK_, t);
-        cp_tile<HD, BK_, NT>(vs, vg, kstride, cur * BK_, t);
-    }
-    cp_async_commit();
+    int cur = fwd_prologue<HD, NT>(qs, ks, vs, fl, q + (i64)h * HD, kg, vg, qstride, kstride, mk, q0, t, ntiles);
 
     const int ra = q0 + 16 * w + g, rb = ra + 8;
     const bool oka = ra < t, okb = rb < t;
@@ -802,8 +818,7 @@ __device__ void attn2_fwd(const bf16* __restrict__ q, const bf16* __restrict__ k
 
     int buf = 0;
     while (cur < ntiles) {
-        int nxt = cur + 1;
-        while (nxt < ntiles && fl[nxt] == 0) nxt++;
+        const int nxt = next_visible(fl, cur + 1, ntiles);
         if (nxt < ntiles) {
             cp_tile<HD, BK_, NT>(ks + (buf ^ 1) * BK_ * SS, kg, kstride, nxt * BK_, t);
             cp_tile<HD, BK_, NT>(vs + (buf ^ 1) * BK_ * SS, vg, kstride, nxt * BK_, t);
@@ -948,8 +963,7 @@ __device__ void attn2_dq(const bf16* __restrict__ q, const bf16* __restrict__ k,
     cp_tile<HD, BQ_, NT>(dos, d_o + (i64)h * HD, qstride, q0, t);
     for (int kt = threadIdx.x; kt < ntiles; kt += NT) fl[kt] = tile_flag(mk, t, q0 / 64, BQ_ / 64, kt, 1);
     __syncthreads();
-    int cur = 0;
-    while (cur < ntiles && fl[cur] == 0) cur++;
+    int cur = next_visible(fl, 0, ntiles);
     if (cur < ntiles) {
         cp_tile<HD, BK_, NT>(ks, kg, kstride, cur * BK_, t);
         cp_tile<HD, BK_, NT>(vs, vg, kstride, cur * BK_, t);
@@ -970,8 +984,7 @@ __device__ void attn2_dq(const bf16* __restrict__ q, const bf16* __restrict__ k,
 
     int buf = 0;
     while (cur < ntiles) {
-        int nxt = cur + 1;
-        while (nxt < ntiles && fl[nxt] == 0) nxt++;
+        const int nxt = next_visible(fl, cur + 1, ntiles);
         if (nxt < ntiles) {
             cp_tile<HD, BK_, NT>(ks + (buf ^ 1) * BK_ * SS, kg, kstride, nxt * BK_, t);
             cp_tile<HD, BK_, NT>(vs + (buf ^ 1) * BK_ * SS, vg, kstride, nxt * BK_, t);
@@ -1236,8 +1249,7 @@ __device__ void attn_keys_bwd(const bf16* __restrict__ q, const bf16* __restrict
         load_query_tile<HD, BQ_, NT>(qs + b * BQ_ * SS, dos + b * BQ_ * SS, ls + b * BQ_, dsum + b * BQ_, qg, og, lg,
                                      dg, qstride, it * BQ_, t);
     };
-    int cur = 0;
-    while (cur < nqt && fl[cur] == 0) cur++;
+    int cur = next_visible(fl, 0, nqt);
     if (cur < nqt) load_q(cur, 0);
     cp_async_commit();
 
@@ -1252,8 +1264,7 @@ __device__ void attn_keys_bwd(const bf16* __restrict__ q, const bf16* __restrict
 
     int buf = 0;
     while (cur < nqt) {
-        int nxt = cur + 1;
-        while (nxt < nqt && fl[nxt] == 0) nxt++;
+        const int nxt = next_visible(fl, cur + 1, nqt);
         if (nxt < nqt) load_q(nxt, buf ^ 1);
         cp_async_commit();
         cp_async_wait<1>();
@@ -1327,17 +1338,7 @@ __device__ void attn3_fwd(const bf16* __restrict__ q, const bf16* __restrict__ k
     const bf16* kg = k + (i64)kvh * HD;
     const bf16* vg = v + (i64)kvh * HD;
 
-    cp_tile<HD, BQ_, NT>(qs, q + (i64)h * HD, qstride, q0, t);
-    cp_async_commit();
-    for (int kt = threadIdx.x; kt < ntiles; kt += NT) fl[kt] = tile_flag(mk, t, q0 / 64, BQ_ / 64, kt, 1);
-    __syncthreads();
-    int cur = 0;
-    while (cur < ntiles && fl[cur] == 0) cur++;
-    if (cur < ntiles) {
-        cp_tile<HD, BK_, NT>(ks, kg, kstride, cur * BK_, t);
-        cp_tile<HD, BK_, NT>(vs, vg, kstride, cur * BK_, t);
-    }
-    cp_async_commit();
+    int cur = fwd_prologue<HD, NT>(qs, ks, vs, fl, q + (i64)h * HD, kg, vg, qstride, kstride, mk, q0, t, ntiles);
 
     // Rows of m-tile i: r[i][0] = q0 + 32w + 16i + g, r[i][1] = r[i][0] + 8.
     int r[2][2];
@@ -1362,8 +1363,7 @@ __device__ void attn3_fwd(const bf16* __restrict__ q, const bf16* __restrict__ k
 
     int buf = 0;
     while (cur < ntiles) {
-        int nxt = cur + 1;
-        while (nxt < ntiles && fl[nxt] == 0) nxt++;
+        const int nxt = next_visible(fl, cur + 1, ntiles);
         if (nxt < ntiles) {
             cp_tile<HD, BK_, NT>(ks + (buf ^ 1) * BK_ * SS, kg, kstride, nxt * BK_, t);
             cp_tile<HD, BK_, NT>(vs + (buf ^ 1) * BK_ * SS, vg, kstride, nxt * BK_, t);
