@@ -127,9 +127,9 @@ fn lora_input(x: &Tensor, p: &LoraPair, dropout: Option<(f32, u64)>) -> Result<L
     Ok(LoraSaved { xa })
 }
 
-/// `x Aᵢᵀ` of every adapter of shared-input group `group` (`lora::SHARED_INPUT`) from one GEMM with the
-/// layer's stacked A, by target index; all None when the layer has no stacked A for the group or
-/// LoRA dropout is on (each projection then draws its own mask).
+/// `x Aᵢᵀ` of every adapter of shared-input group `group` (`lora::SHARED_INPUT`) from one GEMM
+/// with the layer's stacked A, by target index; all None when the layer has no stacked A for the
+/// group or LoRA dropout is on (each projection then draws its own mask).
 fn stacked_lora_inputs(
     x: &Tensor,
     lora: Option<&Lora>,
@@ -171,10 +171,10 @@ struct MemberBwd<'a> {
     saved: Option<&'a LoraSaved>,
 }
 
-/// Backward of the projections of `lora::SHARED_INPUT[group]` that read the same `x`: d(x), with every
-/// LoRA gradient accumulated. With the layer's stacked A (no dropout) the adapters' `dxa A`
-/// terms run as one GEMM over the concatenated dxa; otherwise projection by projection.
-/// Each output gradient is freed after its last use.
+/// Backward of the projections of `lora::SHARED_INPUT[group]` that read the same `x`: d(x), with
+/// every LoRA gradient accumulated. With the layer's stacked A (no dropout) the adapters' `dxa A`
+/// terms run as one GEMM over the concatenated dxa; otherwise projection by projection. Each
+/// output gradient is freed after its last use.
 fn shared_input_bwd(
     members: Vec<MemberBwd>,
     x: &Tensor,
