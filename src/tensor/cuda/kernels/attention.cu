@@ -719,6 +719,14 @@ __device__ __forceinline__ bool vis2(const Mask& mk, uint4 r, int qpos, bool qok
     return visible(r, qpos, k, mk.pos[k], mk.window);
 }
 
+// K and V rows of 64-key tile `tile` into padded shared tiles (cp.async, not yet committed).
+template <int HD, int NT>
+__device__ __forceinline__ void cp_kv_tile(bf16* ks, bf16* vs, const bf16* kg, const bf16* vg, i64 kstride,
+                                           int tile, int t) {
+    cp_tile<HD, 64, NT>(ks, kg, kstride, tile * 64, t);
+    cp_tile<HD, 64, NT>(vs, vg, kstride, tile * 64, t);
+}
+
 // The first visible tile at or after `i` of `n` (visibility bytes `fl`); n when none.
 __device__ __forceinline__ int next_visible(const unsigned char* fl, int i, int n) {
     while (i < n && fl[i] == 0) i++;
@@ -737,12 +745,71 @@ __device__ __forceinline__ int fwd_prologue(bf16* qs, bf16* ks, bf16* vs, unsign
     for (int kt = threadIdx.x; kt < ntiles; kt += NT) fl[kt] = tile_flag(mk, t, q0 / 64, 2, kt, 1);
     __syncthreads();
     const int cur = next_visible(fl, 0, ntiles);
-    if (cur < ntiles) {
-        cp_tile<HD, 64, NT>(ks, kg, kstride, cur * 64, t);
-        cp_tile<HD, 64, NT>(vs, vg, kstride, cur * 64, t);
-    }
+    if (cur < ntiles) cp_kv_tile<HD, NT>(ks, vs, kg, vg, kstride, cur, t);
     cp_async_commit();
     return cur;
+}
+
+// Masks a warp's 16-row x 64-key score tile (rows ra and ra + 8 = rb, C-fragment layout, keys
+// from k0) to -inf where a key is not visible. The rows' ranges are read here only (partial
+// tiles are few), to spare registers.
+__device__ __forceinline__ void mask_scores(float (&s)[8][4], const Mask& mk, int ra, int rb, int k0, int t,
+                                            int tq) {
+    const bool oka = ra < t, okb = rb < t;
+    const uint4 empty = make_uint4(0, 0, 0, 0);
+    const uint4 rga = oka ? mk.ranges[ra] : empty, rgb = okb ? mk.ranges[rb] : empty;
+    const int pa = oka ? mk.pos[ra] : 0, pb = okb ? mk.pos[rb] : 0;
+    #pragma unroll
+    for (int nt = 0; nt < 8; nt++) {
+        #pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const int kx = k0 + nt * 8 + 2 * tq + (e & 1);
+            const bool vis = e < 2 ? vis2(mk, rga, pa, oka, kx, t) : vis2(mk, rgb, pb, okb, kx, t);
+            if (!vis) s[nt][e] = -LF_INF;
+        }
+    }
+}
+
+// One 64-key tile of the online softmax for a warp's 16 rows (a: row g, b: row g + 8): raw scores
+// s become the tile's unnormalised probabilities, the running maxima m (scaled log2 units; raw
+// scores are scaled inside the FMA) and sums l are updated, and the output accumulators rescaled.
+template <int HD>
+__device__ __forceinline__ void online_softmax(float (&s)[8][4], float& m_a, float& m_b, float& l_a, float& l_b,
+                                               float (&acc)[HD / 8][4], float sl2) {
+    float mx_a = -LF_INF, mx_b = -LF_INF;
+    #pragma unroll
+    for (int nt = 0; nt < 8; nt++) {
+        mx_a = fmaxf(mx_a, fmaxf(s[nt][0], s[nt][1]));
+        mx_b = fmaxf(mx_b, fmaxf(s[nt][2], s[nt][3]));
+    }
+    mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 1));
+    mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 2));
+    mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 1));
+    mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 2));
+    const float mn_a = fmaxf(m_a, mx_a * sl2), mn_b = fmaxf(m_b, mx_b * sl2);
+    const float mu_a = mn_a == -LF_INF ? 0.f : mn_a, mu_b = mn_b == -LF_INF ? 0.f : mn_b;
+    const float al_a = exp2f(m_a - mu_a), al_b = exp2f(m_b - mu_b);
+    m_a = mn_a;
+    m_b = mn_b;
+    float ps_a = 0.f, ps_b = 0.f;
+    #pragma unroll
+    for (int nt = 0; nt < 8; nt++) {
+        s[nt][0] = exp2f(fmaf(s[nt][0], sl2, -mu_a));
+        s[nt][1] = exp2f(fmaf(s[nt][1], sl2, -mu_a));
+        s[nt][2] = exp2f(fmaf(s[nt][2], sl2, -mu_b));
+        s[nt][3] = exp2f(fmaf(s[nt][3], sl2, -mu_b));
+        ps_a += s[nt][0] + s[nt][1];
+        ps_b += s[nt][2] + s[nt][3];
+    }
+    l_a = l_a * al_a + ps_a;
+    l_b = l_b * al_b + ps_b;
+    #pragma unroll
+    for (int i = 0; i < HD / 8; i++) {
+        acc[i][0] *= al_a;
+        acc[i][1] *= al_a;
+        acc[i][2] *= al_b;
+        acc[i][3] *= al_b;
+    }
 }
 
 // s = A1 B1^T and dp = A2 B2^T over HD for a warp's 16 rows (a1, a2: those rows of the A tiles)
@@ -819,10 +886,7 @@ __device__ void attn2_fwd(const bf16* __restrict__ q, const bf16* __restrict__ k
     int buf = 0;
     while (cur < ntiles) {
         const int nxt = next_visible(fl, cur + 1, ntiles);
-        if (nxt < ntiles) {
-            cp_tile<HD, BK_, NT>(ks + (buf ^ 1) * BK_ * SS, kg, kstride, nxt * BK_, t);
-            cp_tile<HD, BK_, NT>(vs + (buf ^ 1) * BK_ * SS, vg, kstride, nxt * BK_, t);
-        }
+        if (nxt < ntiles) cp_kv_tile<HD, NT>(ks + (buf ^ 1) * BK_ * SS, vs + (buf ^ 1) * BK_ * SS, kg, vg, kstride, nxt, t);
         cp_async_commit();
         cp_async_wait<1>();
         __syncthreads();
@@ -845,60 +909,8 @@ __device__ void attn2_fwd(const bf16* __restrict__ q, const bf16* __restrict__ k
                 mma16816(s[2 * np + 1], af, b[2], b[3]);
             }
         }
-        #pragma unroll
-        for (int nt = 0; nt < BK_ / 8; nt++) {
-            #pragma unroll
-            for (int e = 0; e < 4; e++) s[nt][e] *= sl2;
-        }
-        if (!tile_all) {
-            // The rows' ranges are read here only (partial tiles are few), to spare registers.
-            const uint4 empty = make_uint4(0, 0, 0, 0);
-            const uint4 rga = oka ? mk.ranges[ra] : empty, rgb = okb ? mk.ranges[rb] : empty;
-            const int pa = oka ? mk.pos[ra] : 0, pb = okb ? mk.pos[rb] : 0;
-            #pragma unroll
-            for (int nt = 0; nt < BK_ / 8; nt++) {
-                #pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    const int kx = k0 + nt * 8 + 2 * tq + (e & 1);
-                    const bool vis = e < 2 ? vis2(mk, rga, pa, oka, kx, t) : vis2(mk, rgb, pb, okb, kx, t);
-                    if (!vis) s[nt][e] = -LF_INF;
-                }
-            }
-        }
-        float mx_a = -LF_INF, mx_b = -LF_INF;
-        #pragma unroll
-        for (int nt = 0; nt < BK_ / 8; nt++) {
-            mx_a = fmaxf(mx_a, fmaxf(s[nt][0], s[nt][1]));
-            mx_b = fmaxf(mx_b, fmaxf(s[nt][2], s[nt][3]));
-        }
-        mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 1));
-        mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 2));
-        mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 1));
-        mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 2));
-        const float mn_a = fmaxf(m_a, mx_a), mn_b = fmaxf(m_b, mx_b);
-        const float mu_a = mn_a == -LF_INF ? 0.f : mn_a, mu_b = mn_b == -LF_INF ? 0.f : mn_b;
-        const float al_a = exp2f(m_a - mu_a), al_b = exp2f(m_b - mu_b);
-        m_a = mn_a;
-        m_b = mn_b;
-        float ps_a = 0.f, ps_b = 0.f;
-        #pragma unroll
-        for (int nt = 0; nt < BK_ / 8; nt++) {
-            s[nt][0] = exp2f(s[nt][0] - mu_a);
-            s[nt][1] = exp2f(s[nt][1] - mu_a);
-            s[nt][2] = exp2f(s[nt][2] - mu_b);
-            s[nt][3] = exp2f(s[nt][3] - mu_b);
-            ps_a += s[nt][0] + s[nt][1];
-            ps_b += s[nt][2] + s[nt][3];
-        }
-        l_a = l_a * al_a + ps_a;
-        l_b = l_b * al_b + ps_b;
-        #pragma unroll
-        for (int i = 0; i < HD / 8; i++) {
-            acc[i][0] *= al_a;
-            acc[i][1] *= al_a;
-            acc[i][2] *= al_b;
-            acc[i][3] *= al_b;
-        }
+        if (!tile_all) mask_scores(s, mk, ra, rb, k0, t, tq);
+        online_softmax<HD>(s, m_a, m_b, l_a, l_b, acc, sl2);
         #pragma unroll
         for (int j = 0; j < BK_ / 16; j++) {
             u32 pf[4];
@@ -964,10 +976,7 @@ __device__ void attn2_dq(const bf16* __restrict__ q, const bf16* __restrict__ k,
     for (int kt = threadIdx.x; kt < ntiles; kt += NT) fl[kt] = tile_flag(mk, t, q0 / 64, BQ_ / 64, kt, 1);
     __syncthreads();
     int cur = next_visible(fl, 0, ntiles);
-    if (cur < ntiles) {
-        cp_tile<HD, BK_, NT>(ks, kg, kstride, cur * BK_, t);
-        cp_tile<HD, BK_, NT>(vs, vg, kstride, cur * BK_, t);
-    }
+    if (cur < ntiles) cp_kv_tile<HD, NT>(ks, vs, kg, vg, kstride, cur, t);
     cp_async_commit();
 
     const int ra = q0 + 16 * w + g, rb = ra + 8;
@@ -985,10 +994,7 @@ __device__ void attn2_dq(const bf16* __restrict__ q, const bf16* __restrict__ k,
     int buf = 0;
     while (cur < ntiles) {
         const int nxt = next_visible(fl, cur + 1, ntiles);
-        if (nxt < ntiles) {
-            cp_tile<HD, BK_, NT>(ks + (buf ^ 1) * BK_ * SS, kg, kstride, nxt * BK_, t);
-            cp_tile<HD, BK_, NT>(vs + (buf ^ 1) * BK_ * SS, vg, kstride, nxt * BK_, t);
-        }
+        if (nxt < ntiles) cp_kv_tile<HD, NT>(ks + (buf ^ 1) * BK_ * SS, vs + (buf ^ 1) * BK_ * SS, kg, vg, kstride, nxt, t);
         cp_async_commit();
         cp_async_wait<1>();
         __syncthreads();
@@ -1364,10 +1370,7 @@ __device__ void attn3_fwd(const bf16* __restrict__ q, const bf16* __restrict__ k
     int buf = 0;
     while (cur < ntiles) {
         const int nxt = next_visible(fl, cur + 1, ntiles);
-        if (nxt < ntiles) {
-            cp_tile<HD, BK_, NT>(ks + (buf ^ 1) * BK_ * SS, kg, kstride, nxt * BK_, t);
-            cp_tile<HD, BK_, NT>(vs + (buf ^ 1) * BK_ * SS, vg, kstride, nxt * BK_, t);
-        }
+        if (nxt < ntiles) cp_kv_tile<HD, NT>(ks + (buf ^ 1) * BK_ * SS, vs + (buf ^ 1) * BK_ * SS, kg, vg, kstride, nxt, t);
         cp_async_commit();
         cp_async_wait<1>();
         __syncthreads();
@@ -1398,60 +1401,10 @@ __device__ void attn3_fwd(const bf16* __restrict__ q, const bf16* __restrict__ k
         }
         if (!tile_all) {
             #pragma unroll
-            for (int i = 0; i < 2; i++) {
-                const uint4 empty = make_uint4(0, 0, 0, 0);
-                const uint4 rga = ok[i][0] ? mk.ranges[r[i][0]] : empty, rgb = ok[i][1] ? mk.ranges[r[i][1]] : empty;
-                const int pa = ok[i][0] ? mk.pos[r[i][0]] : 0, pb = ok[i][1] ? mk.pos[r[i][1]] : 0;
-                #pragma unroll
-                for (int nt = 0; nt < BK_ / 8; nt++) {
-                    #pragma unroll
-                    for (int e = 0; e < 4; e++) {
-                        const int kx = k0 + nt * 8 + 2 * tq + (e & 1);
-                        const bool vis =
-                            e < 2 ? vis2(mk, rga, pa, ok[i][0], kx, t) : vis2(mk, rgb, pb, ok[i][1], kx, t);
-                        if (!vis) s[i][nt][e] = -LF_INF;
-                    }
-                }
-            }
+            for (int i = 0; i < 2; i++) mask_scores(s[i], mk, r[i][0], r[i][1], k0, t, tq);
         }
         #pragma unroll
-        for (int i = 0; i < 2; i++) {
-            float mx_a = -LF_INF, mx_b = -LF_INF;
-            #pragma unroll
-            for (int nt = 0; nt < BK_ / 8; nt++) {
-                mx_a = fmaxf(mx_a, fmaxf(s[i][nt][0], s[i][nt][1]));
-                mx_b = fmaxf(mx_b, fmaxf(s[i][nt][2], s[i][nt][3]));
-            }
-            mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 1));
-            mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 2));
-            mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 1));
-            mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 2));
-            // Running maxima are kept in scaled log2 units; raw scores are scaled inside the FMA.
-            const float mn_a = fmaxf(m[i][0], mx_a * sl2), mn_b = fmaxf(m[i][1], mx_b * sl2);
-            const float mu_a = mn_a == -LF_INF ? 0.f : mn_a, mu_b = mn_b == -LF_INF ? 0.f : mn_b;
-            const float al_a = exp2f(m[i][0] - mu_a), al_b = exp2f(m[i][1] - mu_b);
-            m[i][0] = mn_a;
-            m[i][1] = mn_b;
-            float ps_a = 0.f, ps_b = 0.f;
-            #pragma unroll
-            for (int nt = 0; nt < BK_ / 8; nt++) {
-                s[i][nt][0] = exp2f(fmaf(s[i][nt][0], sl2, -mu_a));
-                s[i][nt][1] = exp2f(fmaf(s[i][nt][1], sl2, -mu_a));
-                s[i][nt][2] = exp2f(fmaf(s[i][nt][2], sl2, -mu_b));
-                s[i][nt][3] = exp2f(fmaf(s[i][nt][3], sl2, -mu_b));
-                ps_a += s[i][nt][0] + s[i][nt][1];
-                ps_b += s[i][nt][2] + s[i][nt][3];
-            }
-            l[i][0] = l[i][0] * al_a + ps_a;
-            l[i][1] = l[i][1] * al_b + ps_b;
-            #pragma unroll
-            for (int n = 0; n < HD / 8; n++) {
-                acc[i][n][0] *= al_a;
-                acc[i][n][1] *= al_a;
-                acc[i][n][2] *= al_b;
-                acc[i][n][3] *= al_b;
-            }
-        }
+        for (int i = 0; i < 2; i++) online_softmax<HD>(s[i], m[i][0], m[i][1], l[i][0], l[i][1], acc[i], sl2);
         #pragma unroll
         for (int j = 0; j < BK_ / 16; j++) {
             u32 p0[4], p1[4];
