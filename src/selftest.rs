@@ -268,7 +268,8 @@ fn dump_case(
 }
 
 pub fn run(device: &Device, seed: u64) -> Result<()> {
-    let rows = parity::run_op_parity(device, seed)?;
+    let mut rows = parity::run_op_parity(device, seed)?;
+    rows.extend(crate::train::device_loss::parity_rows(device)?);
     parity::print_parity(&rows);
     let op_failed = rows.iter().filter(|r| !r.pass).count();
     let model_failed = model_parity(device)? + (!train_parity(device)?) as usize;

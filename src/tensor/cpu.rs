@@ -2,7 +2,9 @@
 //! products through the `gemm` crate. These are the definitions the CUDA kernels are tested
 //! against, so they favour plain loops over cleverness; only the GEMMs are optimised.
 
-use super::{AdamW, AdamWItem, AttnMask, AttnShape, RopeTable, Tensor};
+use super::{
+    clip_scale, AdamW, AdamWItem, AttnMask, AttnShape, DeviceValues, NormClip, RopeTable, Tensor,
+};
 use anyhow::Result;
 use rayon::prelude::*;
 
@@ -550,19 +552,28 @@ pub fn adamw_step(
 }
 
 /// The tensors' sums of squares (each `sum_sq`) added in order.
-pub fn sum_sq_multi(xs: &[&Tensor]) -> Result<f64> {
+pub fn sum_sq_multi(xs: &[&Tensor]) -> Result<DeviceValues> {
     let mut total = 0.0;
     for x in xs {
         total += sum_sq(x.as_cpu()?);
     }
-    Ok(total)
+    Ok(DeviceValues::cpu(vec![total]))
 }
 
 /// `adamw_step` on each item with its own lr, then its compute copy (f32 here) set to the new
 /// parameter and its gradient zeroed.
-pub fn adamw_multi(items: &mut [AdamWItem], h: AdamW) -> Result<()> {
+pub fn adamw_multi(items: &mut [AdamWItem], h: AdamW, clip: Option<NormClip>) -> Result<()> {
+    let grad_scale = match clip {
+        Some(c) => clip_scale(c.sum_sq.as_cpu()?[0], c.average, c.max_norm) as f32,
+        None => h.grad_scale,
+    };
     for it in items.iter_mut() {
-        adamw_step(it.param, it.grad, it.m, it.v, AdamW { lr: it.lr, ..h })?;
+        let h = AdamW {
+            lr: it.lr,
+            grad_scale,
+            ..h
+        };
+        adamw_step(it.param, it.grad, it.m, it.v, h)?;
         if let Some(c) = it.compute.as_deref_mut() {
             c.as_cpu_mut()?.copy_from_slice(it.param.as_cpu()?);
         }

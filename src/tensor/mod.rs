@@ -101,6 +101,65 @@ impl Device {
     }
 }
 
+/// A few f64 values that live on a device (an objective's sums, a gradient's squared norm):
+/// written and read by kernels without a host round trip, downloaded only when the host needs them.
+pub struct DeviceValues {
+    len: usize,
+    storage: ValuesStorage,
+}
+
+enum ValuesStorage {
+    Cpu(Vec<f64>),
+    Cuda(cuda::CudaStorage),
+}
+
+impl DeviceValues {
+    pub fn cpu(values: Vec<f64>) -> DeviceValues {
+        DeviceValues {
+            len: values.len(),
+            storage: ValuesStorage::Cpu(values),
+        }
+    }
+
+    pub(crate) fn cuda(storage: cuda::CudaStorage, len: usize) -> DeviceValues {
+        DeviceValues {
+            len,
+            storage: ValuesStorage::Cuda(storage),
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The values on the host (a sync point on CUDA).
+    pub fn to_host(&self) -> Result<Vec<f64>> {
+        match &self.storage {
+            ValuesStorage::Cpu(v) => Ok(v.clone()),
+            ValuesStorage::Cuda(s) => s.download_f64(self.len),
+        }
+    }
+
+    /// The host values of a CPU instance (errors on a device instance).
+    pub fn as_cpu(&self) -> Result<&[f64]> {
+        match &self.storage {
+            ValuesStorage::Cpu(v) => Ok(v),
+            ValuesStorage::Cuda(_) => bail!("device values are on CUDA, not the CPU"),
+        }
+    }
+
+    pub(crate) fn cuda_ptr(&self) -> Result<u64> {
+        match &self.storage {
+            ValuesStorage::Cuda(s) => Ok(s.device_ptr()),
+            ValuesStorage::Cpu(_) => bail!("device values are on the CPU, not CUDA"),
+        }
+    }
+}
+
 #[derive(Clone, Copy, Debug, Default)]
 pub struct MemoryStats {
     pub live_bytes: usize,
@@ -898,16 +957,42 @@ pub fn adamw_step(
     dispatch!(&dev, cpu::adamw_step(param, grad, m, v, h), c => c.adamw_step(param, grad, m, v, h))
 }
 
-/// Sum of squares over every element of every tensor (f64 on the host): one launch and one sync
-/// on CUDA whatever the number of tensors.
-pub fn sum_sq_multi(xs: &[&Tensor]) -> Result<f64> {
+/// Sum of squares over every element of every tensor, left on the device (one value): one
+/// launch on CUDA whatever the number of tensors, and no sync.
+pub fn sum_sq_multi(xs: &[&Tensor]) -> Result<DeviceValues> {
     let Some(first) = xs.first() else {
-        return Ok(0.0);
+        return Ok(DeviceValues::cpu(vec![0.0]));
     };
     for (i, x) in xs.iter().enumerate() {
         same_device(first, x, "sum_sq_multi").with_context(|| format!("item {i}"))?;
     }
     dispatch!(first.device(), cpu::sum_sq_multi(xs), c => c.sum_sq_multi(xs))
+}
+
+/// Global-norm clipping decided where the gradients live: with `norm = sqrt(sum_sq) · average`,
+/// the gradients are multiplied by `average · max_norm / norm` when `0 < max_norm < norm`, else by
+/// `average`. Given to `adamw_multi`, it replaces `AdamW::grad_scale`, so the update needs no
+/// read-back of the norm.
+#[derive(Clone, Copy)]
+pub struct NormClip<'a> {
+    /// `sum_sq_multi` of the gradients, on their device.
+    pub sum_sq: &'a DeviceValues,
+    /// Averaging factor of accumulated micro-steps.
+    pub average: f64,
+    /// No clipping when `<= 0`.
+    pub max_norm: f64,
+}
+
+/// `NormClip`'s gradient multiplier for a known sum of squares (the CUDA kernel does the same
+/// arithmetic in f64).
+pub fn clip_scale(sum_sq: f64, average: f64, max_norm: f64) -> f64 {
+    let norm = sum_sq.sqrt() * average;
+    let clip = if max_norm > 0.0 && norm > max_norm {
+        max_norm / norm
+    } else {
+        1.0
+    };
+    average * clip
 }
 
 /// One tensor of a multi-tensor AdamW update (`adamw_multi`).
@@ -927,8 +1012,9 @@ pub struct AdamWItem<'a> {
 
 /// `adamw_step` on every item (each with its own lr, the other hyperparameters shared), then the
 /// item's compute copy refreshed from the new parameter and its gradient zeroed: one launch on
-/// CUDA whatever the number of tensors. Per element the arithmetic is `adamw_step`'s.
-pub fn adamw_multi(items: &mut [AdamWItem], h: AdamW) -> Result<()> {
+/// CUDA whatever the number of tensors. Per element the arithmetic is `adamw_step`'s. With `clip`,
+/// the gradient multiplier comes from it instead of `h.grad_scale`.
+pub fn adamw_multi(items: &mut [AdamWItem], h: AdamW, clip: Option<NormClip>) -> Result<()> {
     let Some(dev) = items.first().map(|it| it.param.device().clone()) else {
         return Ok(());
     };
@@ -964,7 +1050,7 @@ pub fn adamw_multi(items: &mut [AdamWItem], h: AdamW) -> Result<()> {
             same_device(first, c, "adamw_multi").with_context(|| format!("item {i}"))?;
         }
     }
-    dispatch!(&dev, cpu::adamw_multi(items, h), c => c.adamw_multi(items, h))
+    dispatch!(&dev, cpu::adamw_multi(items, h, clip), c => c.adamw_multi(items, h, clip))
 }
 
 /// `dst = src` converted to `dst`'s dtype, for every pair, in place (no allocation): one launch

@@ -534,8 +534,8 @@ fn elementwise(cx: &mut Ctx, r: &mut Rng) -> Result<()> {
             .iter()
             .map(|x| cx.g(x, &[x.len()], bf))
             .collect::<Result<Vec<_>>>()?;
-        let want = sum_sq_multi(&cs.iter().collect::<Vec<_>>())?;
-        let got = sum_sq_multi(&gs.iter().collect::<Vec<_>>())?;
+        let want = sum_sq_multi(&cs.iter().collect::<Vec<_>>())?.to_host()?[0];
+        let got = sum_sq_multi(&gs.iter().collect::<Vec<_>>())?.to_host()?[0];
         let mut row = compare(
             "sum_sq_multi (9 tensors, bf16)",
             &[got as f32],
@@ -591,7 +591,10 @@ fn elementwise(cx: &mut Ctx, r: &mut Rng) -> Result<()> {
             }
             Ok(s)
         };
-        let run = |s: &mut Set| -> Result<()> {
+        // With `clip`, the multiplier comes from the gradients' squared norm on the device, with a
+        // bound the norm exceeds (so the clip applies).
+        let run = |s: &mut Set, clip: bool| -> Result<()> {
+            let sum_sq = sum_sq_multi(&s.g.iter().collect::<Vec<_>>())?;
             let Set { p, g, m, v, c } = s;
             let mut items: Vec<AdamWItem> = p
                 .iter_mut()
@@ -608,11 +611,19 @@ fn elementwise(cx: &mut Ctx, r: &mut Rng) -> Result<()> {
                     lr,
                 })
                 .collect();
-            adamw_multi(&mut items, h)
+            let clip = clip.then_some(NormClip {
+                sum_sq: &sum_sq,
+                average: 0.5,
+                max_norm: 0.05,
+            });
+            adamw_multi(&mut items, h, clip)
         };
         let (mut want, mut got, mut single) = (make(true)?, make(false)?, make(false)?);
-        run(&mut want)?;
-        run(&mut got)?;
+        run(&mut want, false)?;
+        run(&mut got, false)?;
+        let (mut want_clip, mut got_clip) = (make(true)?, make(false)?);
+        run(&mut want_clip, true)?;
+        run(&mut got_clip, true)?;
         let cat = |ts: &[Tensor]| -> Result<Vec<f32>> {
             let mut out = Vec::new();
             for t in ts {
@@ -627,6 +638,19 @@ fn elementwise(cx: &mut Ctx, r: &mut Rng) -> Result<()> {
             &cat(&want.p)?,
             F32_TIGHT,
         ));
+        let mut row = compare(
+            "adamw_multi param, norm clip on the device (f32)",
+            &cat(&got_clip.p)?,
+            &cat(&want_clip.p)?,
+            F32_TIGHT,
+        );
+        let sq: f64 = host
+            .iter()
+            .flat_map(|(_, g, _, _)| g)
+            .map(|&x| x as f64 * x as f64)
+            .sum();
+        row.note = format!("clip factor {:.4}", clip_scale(sq, 0.5, 0.05) / 0.5);
+        cx.push(row);
         cx.push(compare(
             "adamw_multi m (f32)",
             &cat(&got.m)?,

@@ -60,7 +60,7 @@ pub struct HeadSaved {
     dh_per_logp: Option<Tensor>,
 }
 
-/// log p(targets[i] | h[i]) for every row of `h` `(N, H)`.
+/// log p(targets[i] | h[i]) for every row of `h` `(N, H)`, on the host.
 pub fn logp_forward(
     model: &Model,
     h: &Tensor,
@@ -68,11 +68,40 @@ pub fn logp_forward(
     tier: HeadTier,
     chunk: usize,
 ) -> Result<Vec<f32>> {
-    Ok(logp_forward_saved(model, h, targets, tier, chunk, false)?.0)
+    logp_forward_saved(model, h, targets, tier, chunk, false)?
+        .0
+        .to_vec()
 }
 
-/// `logp_forward`, also returning what `logp_backward_saved` reuses (with `for_backward`; a
-/// forward that is not followed by a backward passes false and keeps nothing).
+/// Vectors `[n_i]` end to end, `[sum n_i]`, on their device.
+pub fn concat_vectors(xs: Vec<Tensor>) -> Result<Tensor> {
+    if xs.len() == 1 {
+        return Ok(xs.into_iter().next().unwrap());
+    }
+    let cols: Vec<Tensor> = xs
+        .into_iter()
+        .map(|x| {
+            let n = x.numel();
+            x.reshape(&[n, 1])
+        })
+        .collect::<Result<_>>()?;
+    let all = ops::concat_rows(&cols.iter().collect::<Vec<_>>())?;
+    let n = all.numel();
+    all.reshape(&[n])
+}
+
+/// Elements `start..end` of the vector `x`, copied.
+pub fn slice_vector(x: &Tensor, start: usize, end: usize) -> Result<Tensor> {
+    if start == 0 && end == x.numel() {
+        return x.try_clone();
+    }
+    let col = x.try_clone()?.reshape(&[x.numel(), 1])?;
+    ops::slice_rows(&col, start, end)?.reshape(&[end - start])
+}
+
+/// `logp_forward` on the device (`[N]` f32, nothing downloaded), also returning what
+/// `logp_backward_saved` reuses (with `for_backward`; a forward that is not followed by a
+/// backward passes false and keeps nothing).
 pub fn logp_forward_saved(
     model: &Model,
     h: &Tensor,
@@ -80,7 +109,7 @@ pub fn logp_forward_saved(
     tier: HeadTier,
     chunk: usize,
     for_backward: bool,
-) -> Result<(Vec<f32>, HeadSaved)> {
+) -> Result<(Tensor, HeadSaved)> {
     if tier == HeadTier::Fused {
         // A quantized head is dequantized once per call.
         let w = model.weights.head().dense()?;
@@ -89,7 +118,7 @@ pub fn logp_forward_saved(
             lse: Some(lse),
             dh_per_logp: None,
         };
-        return Ok((logp.to_vec()?, saved));
+        return Ok((logp, saved));
     }
     let n = targets.len();
     let spans = chunks(n, tier, chunk);
@@ -132,13 +161,8 @@ pub fn logp_forward_saved(
             }
         }
     }
-    // Downloads after all chunks are queued: the device runs them without waiting on the host.
-    let mut out = Vec::with_capacity(n);
-    for p in parts {
-        out.extend(p.to_vec()?);
-    }
     Ok((
-        out,
+        concat_vectors(parts)?,
         HeadSaved {
             lse: None,
             dh_per_logp,
@@ -146,8 +170,8 @@ pub fn logp_forward_saved(
     ))
 }
 
-/// d loss / d h `(N, H)` from d loss / d logp, recomputing each chunk's logits (without a saved
-/// forward).
+/// d loss / d h `(N, H)` from d loss / d logp (on the host), recomputing each chunk's logits
+/// (without a saved forward).
 pub fn logp_backward(
     model: &Model,
     h: &Tensor,
@@ -156,21 +180,29 @@ pub fn logp_backward(
     tier: HeadTier,
     chunk: usize,
 ) -> Result<Tensor> {
-    logp_backward_saved(model, h, targets, dlogp, tier, chunk, HeadSaved::default())
+    let g = Tensor::from_f32(dlogp, &[dlogp.len()], DType::F32, h.device())?;
+    logp_backward_saved(model, h, targets, &g, tier, chunk, HeadSaved::default())
 }
 
-/// `logp_backward` consuming the forward's `saved` state (the fused tier's lse, the other tiers'
-/// `d h / d logp`, whose rows are scaled in place; recomputed when absent).
+/// `logp_backward` with d loss / d logp on the device (`[N]` f32), consuming the forward's
+/// `saved` state (the fused tier's lse, the other tiers' `d h / d logp`, whose rows are scaled in
+/// place; recomputed when absent).
 pub fn logp_backward_saved(
     model: &Model,
     h: &Tensor,
     targets: &[u32],
-    dlogp: &[f32],
+    dlogp: &Tensor,
     tier: HeadTier,
     chunk: usize,
     saved: HeadSaved,
 ) -> Result<Tensor> {
     let (n, hid) = h.rows_cols();
+    anyhow::ensure!(
+        dlogp.numel() == n && targets.len() == n,
+        "logp backward: {n} rows, {} targets, {} gradients",
+        targets.len(),
+        dlogp.numel()
+    );
     let dev = h.device().clone();
     if tier == HeadTier::Fused {
         let w = model.weights.head().dense()?;
@@ -182,11 +214,10 @@ pub fn logp_backward_saved(
                 &recomputed
             }
         };
-        let g = Tensor::from_f32(dlogp, &[n], DType::F32, &dev)?;
-        return cce::cce_backward(h, &w, targets, &g, lse, None, filter_eps());
+        return cce::cce_backward(h, &w, targets, dlogp, lse, None, filter_eps());
     }
     if let Some(mut dh) = saved.dh_per_logp {
-        ops::scale_rows(&mut dh, &Tensor::from_f32(dlogp, &[n], DType::F32, &dev)?)?;
+        ops::scale_rows(&mut dh, dlogp)?;
         return Ok(dh);
     }
     let mut dh = Tensor::zeros(&[n, hid], h.dtype(), &dev)?;
@@ -194,7 +225,7 @@ pub fn logp_backward_saved(
         let hc = ops::slice_rows(h, s, e)?;
         let logits = model.logits(&hc, DType::F32)?;
         let (_, lse) = ops::logsoftmax_gather(&logits, &targets[s..e])?;
-        let g = Tensor::from_f32(&dlogp[s..e], &[e - s], DType::F32, &dev)?;
+        let g = slice_vector(dlogp, s, e)?;
         let dlogits = ops::logsoftmax_gather_bwd(&g, &logits, &lse, &targets[s..e])?;
         drop(logits);
         let dhc = model.logits_bwd(&dlogits)?;

@@ -1,5 +1,6 @@
 //! Training: objectives, the logp head, the optimiser and the loop.
 
+pub mod device_loss;
 pub mod head;
 pub mod memory;
 pub mod objectives;

@@ -346,10 +346,6 @@ fn d_log1mexp(x: f64) -> f64 {
     -1.0 / (-x).exp_m1()
 }
 
-fn mean(v: &[f64]) -> f64 {
-    v.iter().sum::<f64>() / v.len() as f64
-}
-
 // ---------------------------------------------------------------------------
 // f64 core (also what the finite-difference tests exercise)
 // ---------------------------------------------------------------------------
@@ -451,15 +447,86 @@ fn check_param(obj: &str, name: &str, v: f64, ok: bool, want: &str) -> Result<()
     }
 }
 
-fn orpo64(c: &Branch64, r: &Branch64, lambda: f64, scope: SftScope) -> Result<Out64, String> {
-    check_branch("orpo", "chosen", c)?;
-    check_branch("orpo", "rejected", r)?;
+/// What every objective reads of one branch: the sums and counts of its prompt and response
+/// logps. Each objective is a function of these, so its gradient is one constant per part.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct BranchSums {
+    pub prompt: f64,
+    pub n_prompt: usize,
+    pub response: f64,
+    pub n_response: usize,
+}
+
+impl BranchSums {
+    fn of(b: &Branch64) -> BranchSums {
+        BranchSums {
+            prompt: b.prompt.iter().sum(),
+            n_prompt: b.prompt.len(),
+            response: b.response.iter().sum(),
+            n_response: b.response.len(),
+        }
+    }
+    fn mean_response(&self) -> f64 {
+        self.response / self.n_response as f64
+    }
+}
+
+/// An objective evaluated on branch sums: the loss, the metrics, and `d loss / d logp` of one
+/// token of each part (`[chosen prompt, chosen response, rejected response]`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct SumsOut {
+    pub loss: f64,
+    pub metrics: Metrics,
+    pub coef: [f64; 3],
+}
+
+impl SumsOut {
+    /// Broadcasts the per-part constants over the branches' tokens.
+    fn into_tokens(self, c: &Branch64, r: Option<&Branch64>) -> Out64 {
+        let mut dc = Grads64::zeros_like(c);
+        dc.prompt.iter_mut().for_each(|g| *g = self.coef[0]);
+        dc.response.iter_mut().for_each(|g| *g = self.coef[1]);
+        let dr = match r {
+            Some(r) => {
+                let mut d = Grads64::zeros_like(r);
+                d.response.iter_mut().for_each(|g| *g = self.coef[2]);
+                d
+            }
+            None => Grads64::empty(),
+        };
+        Out64 {
+            loss: self.loss,
+            metrics: self.metrics,
+            d_chosen: dc,
+            d_rejected: dr,
+        }
+    }
+}
+
+fn check_response(obj: &str, branch: &str, s: &BranchSums) -> Result<(), String> {
+    if s.n_response == 0 {
+        return Err(format!(
+            "{obj}: {branch} response is empty (need at least one response token)"
+        ));
+    }
+    Ok(())
+}
+
+/// ORPO on branch sums (see [`orpo`]). The prompt sum of `r` is not read.
+pub fn orpo_sums(
+    c: &BranchSums,
+    r: &BranchSums,
+    lambda: f64,
+    scope: SftScope,
+) -> Result<SumsOut, String> {
+    check_response("orpo", "chosen", c)?;
+    check_response("orpo", "rejected", r)?;
     check_param("orpo", "lambda", lambda, lambda >= 0.0, "finite, >= 0")?;
 
-    let nc = c.response.len() as f64;
-    let nr = r.response.len() as f64;
-    let lw = mean(&c.response);
-    let lr = mean(&r.response);
+    let nc = c.n_response as f64;
+    let nr = r.n_response as f64;
+    let lw = c.mean_response();
+    let lr = r.mean_response();
     // Odds need means strictly below zero (see ODDS_MEAN_CEILING).
     let lw_o = lw.min(ODDS_MEAN_CEILING);
     let lr_o = lr.min(ODDS_MEAN_CEILING);
@@ -469,9 +536,8 @@ fn orpo64(c: &Branch64, r: &Branch64, lambda: f64, scope: SftScope) -> Result<Ou
 
     let (nll, nll_tok_grad_prompt, nll_tok_grad_resp) = match scope {
         SftScope::Full => {
-            let n = (c.prompt.len() + c.response.len()) as f64;
-            let s: f64 = c.prompt.iter().sum::<f64>() + c.response.iter().sum::<f64>();
-            (-s / n, -1.0 / n, -1.0 / n)
+            let n = (c.n_prompt + c.n_response) as f64;
+            (-(c.prompt + c.response) / n, -1.0 / n, -1.0 / n)
         }
         SftScope::Response => (-lw, 0.0, -1.0 / nc),
     };
@@ -483,15 +549,7 @@ fn orpo64(c: &Branch64, r: &Branch64, lambda: f64, scope: SftScope) -> Result<Ou
     let d_lw = lambda * d_or * (1.0 - d_log1mexp(lw_o));
     let d_lr = lambda * d_or * (-1.0 + d_log1mexp(lr_o));
 
-    let mut dc = Grads64::zeros_like(c);
-    dc.prompt.iter_mut().for_each(|g| *g = nll_tok_grad_prompt);
-    let gc = d_lw / nc + nll_tok_grad_resp;
-    dc.response.iter_mut().for_each(|g| *g = gc);
-    let mut dr = Grads64::zeros_like(r);
-    let gr = d_lr / nr;
-    dr.response.iter_mut().for_each(|g| *g = gr);
-
-    Ok(Out64 {
+    Ok(SumsOut {
         loss,
         metrics: Metrics::Orpo(OrpoMetrics {
             loss,
@@ -502,37 +560,124 @@ fn orpo64(c: &Branch64, r: &Branch64, lambda: f64, scope: SftScope) -> Result<Ou
             lw,
             lr,
         }),
-        d_chosen: dc,
-        d_rejected: dr,
+        coef: [
+            nll_tok_grad_prompt,
+            d_lw / nc + nll_tok_grad_resp,
+            d_lr / nr,
+        ],
     })
 }
 
-fn sft64(b: &Branch64, all_tokens: bool) -> Result<Out64, String> {
-    check_branch("sft", "sequence", b)?;
-    let mut d = Grads64::zeros_like(b);
-    let (nll, tokens) = if all_tokens {
-        let n = b.prompt.len() + b.response.len();
-        let s = b.prompt.iter().sum::<f64>() + b.response.iter().sum::<f64>();
+/// SFT on the sums of one branch (see [`sft`]).
+pub fn sft_sums(b: &BranchSums, all_tokens: bool) -> Result<SumsOut, String> {
+    check_response("sft", "sequence", b)?;
+    let (nll, tokens, coef) = if all_tokens {
+        let n = b.n_prompt + b.n_response;
         let g = -1.0 / n as f64;
-        d.prompt.iter_mut().for_each(|x| *x = g);
-        d.response.iter_mut().for_each(|x| *x = g);
-        (-s / n as f64, n)
+        (-(b.prompt + b.response) / n as f64, n, [g, g, 0.0])
     } else {
-        let n = b.response.len();
-        let g = -1.0 / n as f64;
-        d.response.iter_mut().for_each(|x| *x = g);
-        (-mean(&b.response), n)
+        let n = b.n_response;
+        (-b.mean_response(), n, [0.0, -1.0 / n as f64, 0.0])
     };
-    Ok(Out64 {
+    Ok(SumsOut {
         loss: nll,
         metrics: Metrics::Sft(SftMetrics {
             loss: nll,
             nll,
             tokens,
         }),
-        d_chosen: d,
-        d_rejected: Grads64::empty(),
+        coef,
     })
+}
+
+/// DPO on branch sums (see [`dpo`]).
+pub fn dpo_sums(
+    c: &BranchSums,
+    r: &BranchSums,
+    rc: f64,
+    rr: f64,
+    beta: f64,
+    ls: f64,
+) -> Result<SumsOut, String> {
+    check_response("dpo", "chosen", c)?;
+    check_response("dpo", "rejected", r)?;
+    check_param("dpo", "ref_chosen_sum", rc, true, "finite")?;
+    check_param("dpo", "ref_rejected_sum", rr, true, "finite")?;
+    check_param("dpo", "beta", beta, beta > 0.0, "finite, > 0")?;
+    check_param(
+        "dpo",
+        "label_smoothing",
+        ls,
+        (0.0..=1.0).contains(&ls),
+        "in [0, 1]",
+    )?;
+
+    let (pc, pr) = (c.response, r.response);
+    let z = beta * ((pc - rc) - (pr - rr));
+    let loss = -(1.0 - ls) * log_sigmoid(z) - ls * log_sigmoid(-z);
+    // d/dz log_sigmoid(z) = sigmoid(-z); d/dz log_sigmoid(-z) = -sigmoid(z).
+    let dz = -(1.0 - ls) * sigmoid(-z) + ls * sigmoid(z);
+
+    Ok(SumsOut {
+        loss,
+        metrics: Metrics::Dpo(DpoMetrics {
+            loss,
+            beta,
+            pc,
+            pr,
+            rc,
+            rr,
+            lw: c.mean_response(),
+            lr: r.mean_response(),
+        }),
+        coef: [0.0, beta * dz, -beta * dz],
+    })
+}
+
+/// SimPO on branch sums (see [`simpo`]).
+pub fn simpo_sums(
+    c: &BranchSums,
+    r: &BranchSums,
+    beta: f64,
+    gamma: f64,
+) -> Result<SumsOut, String> {
+    check_response("simpo", "chosen", c)?;
+    check_response("simpo", "rejected", r)?;
+    check_param("simpo", "beta", beta, beta > 0.0, "finite, > 0")?;
+    check_param("simpo", "gamma", gamma, true, "finite")?;
+
+    let lw = c.mean_response();
+    let lr = r.mean_response();
+    let z = beta * (lw - lr) - gamma;
+    let loss = -log_sigmoid(z);
+    let dz = -sigmoid(-z);
+
+    Ok(SumsOut {
+        loss,
+        metrics: Metrics::Simpo(SimpoMetrics {
+            loss,
+            beta,
+            gamma,
+            lw,
+            lr,
+        }),
+        coef: [
+            0.0,
+            beta * dz / c.n_response as f64,
+            -beta * dz / r.n_response as f64,
+        ],
+    })
+}
+
+fn orpo64(c: &Branch64, r: &Branch64, lambda: f64, scope: SftScope) -> Result<Out64, String> {
+    check_branch("orpo", "chosen", c)?;
+    check_branch("orpo", "rejected", r)?;
+    Ok(orpo_sums(&BranchSums::of(c), &BranchSums::of(r), lambda, scope)?.into_tokens(c, Some(r)))
+}
+
+fn sft64(b: &Branch64, all_tokens: bool) -> Result<Out64, String> {
+    check_branch("sft", "sequence", b)?;
+    Ok(sft_sums(&BranchSums::of(b), all_tokens)?.into_tokens(b, None))
 }
 
 fn dpo64(
@@ -545,77 +690,15 @@ fn dpo64(
 ) -> Result<Out64, String> {
     check_branch("dpo", "chosen", c)?;
     check_branch("dpo", "rejected", r)?;
-    check_param("dpo", "ref_chosen_sum", rc, true, "finite")?;
-    check_param("dpo", "ref_rejected_sum", rr, true, "finite")?;
-    check_param("dpo", "beta", beta, beta > 0.0, "finite, > 0")?;
-    check_param(
-        "dpo",
-        "label_smoothing",
-        ls,
-        (0.0..=1.0).contains(&ls),
-        "in [0, 1]",
-    )?;
-
-    let pc: f64 = c.response.iter().sum();
-    let pr: f64 = r.response.iter().sum();
-    let z = beta * ((pc - rc) - (pr - rr));
-    let loss = -(1.0 - ls) * log_sigmoid(z) - ls * log_sigmoid(-z);
-    // d/dz log_sigmoid(z) = sigmoid(-z); d/dz log_sigmoid(-z) = -sigmoid(z).
-    let dz = -(1.0 - ls) * sigmoid(-z) + ls * sigmoid(z);
-
-    let mut dc = Grads64::zeros_like(c);
-    dc.response.iter_mut().for_each(|g| *g = beta * dz);
-    let mut dr = Grads64::zeros_like(r);
-    dr.response.iter_mut().for_each(|g| *g = -beta * dz);
-
-    Ok(Out64 {
-        loss,
-        metrics: Metrics::Dpo(DpoMetrics {
-            loss,
-            beta,
-            pc,
-            pr,
-            rc,
-            rr,
-            lw: mean(&c.response),
-            lr: mean(&r.response),
-        }),
-        d_chosen: dc,
-        d_rejected: dr,
-    })
+    let out = dpo_sums(&BranchSums::of(c), &BranchSums::of(r), rc, rr, beta, ls)?;
+    Ok(out.into_tokens(c, Some(r)))
 }
 
 fn simpo64(c: &Branch64, r: &Branch64, beta: f64, gamma: f64) -> Result<Out64, String> {
     check_branch("simpo", "chosen", c)?;
     check_branch("simpo", "rejected", r)?;
-    check_param("simpo", "beta", beta, beta > 0.0, "finite, > 0")?;
-    check_param("simpo", "gamma", gamma, true, "finite")?;
-
-    let lw = mean(&c.response);
-    let lr = mean(&r.response);
-    let z = beta * (lw - lr) - gamma;
-    let loss = -log_sigmoid(z);
-    let dz = -sigmoid(-z);
-
-    let mut dc = Grads64::zeros_like(c);
-    let gc = beta * dz / c.response.len() as f64;
-    dc.response.iter_mut().for_each(|g| *g = gc);
-    let mut dr = Grads64::zeros_like(r);
-    let gr = -beta * dz / r.response.len() as f64;
-    dr.response.iter_mut().for_each(|g| *g = gr);
-
-    Ok(Out64 {
-        loss,
-        metrics: Metrics::Simpo(SimpoMetrics {
-            loss,
-            beta,
-            gamma,
-            lw,
-            lr,
-        }),
-        d_chosen: dc,
-        d_rejected: dr,
-    })
+    let out = simpo_sums(&BranchSums::of(c), &BranchSums::of(r), beta, gamma)?;
+    Ok(out.into_tokens(c, Some(r)))
 }
 
 // ---------------------------------------------------------------------------
@@ -949,7 +1032,7 @@ mod tests {
             }
             assert_eq!(analytic.len(), src, "{name}: grad shape");
             let base = if which < 2 { c } else { r };
-            let h = 1e-4 * mean(&base.response).abs().min(1.0);
+            let h = 1e-4 * naive_mean(&base.response).abs().min(1.0);
             for (i, &an) in analytic.iter().enumerate() {
                 let eval = |delta: f64| {
                     let (mut c2, mut r2) = (c.clone(), r.clone());

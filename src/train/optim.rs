@@ -3,7 +3,7 @@
 
 use crate::config::TrainConfig;
 use crate::model::Lora;
-use crate::tensor::{self as ops, AdamW, AdamWItem, DType, Tensor};
+use crate::tensor::{self as ops, AdamW, AdamWItem, DType, DeviceValues, NormClip, Tensor};
 use anyhow::{Context, Result};
 
 /// First and second moments per LoRA matrix, in `Lora::pairs` order (A then B).
@@ -79,13 +79,26 @@ impl Default for OptimOptions {
     }
 }
 
-/// Applies one AdamW update to every LoRA matrix from the accumulated gradients; returns the
-/// gradient norm before clipping. `grad_scale` averages accumulated micro-steps.
+/// The gradient norm of an update, left on the device; `get` reads it back.
+pub struct GradNorm {
+    sum_sq: DeviceValues,
+    average: f64,
+}
+
+impl GradNorm {
+    /// The global gradient norm before clipping (a sync point on CUDA).
+    pub fn get(&self) -> Result<f64> {
+        Ok(self.sum_sq.to_host()?[0].sqrt() * self.average)
+    }
+}
+
+/// Queues one AdamW update of every LoRA matrix from the accumulated gradients; returns the
+/// gradient norm before clipping, on the device. `grad_scale` averages accumulated micro-steps.
 ///
-/// Multi-tensor ops over all matrices at once: on CUDA one launch for the norm (the step's one
-/// host sync: the clip factor is needed on the host), and one for AdamW, which also writes the
-/// bf16 compute copies and zeroes the gradients; then the stacked A of each shared-input group
-/// is rebuilt from those copies.
+/// Multi-tensor ops over all matrices at once: on CUDA one launch for the squared norm, and one
+/// for AdamW, which derives the clip factor from that norm on the device, also writes the bf16
+/// compute copies and zeroes the gradients; then the stacked A of each shared-input group is
+/// rebuilt from those copies. Nothing waits for the host.
 pub fn apply_update(
     lora: &mut Lora,
     state: &mut AdamState,
@@ -93,19 +106,13 @@ pub fn apply_update(
     step: u64,
     grad_scale: f64,
     o: &OptimOptions,
-) -> Result<f64> {
-    let sq = {
+) -> Result<GradNorm> {
+    let sum_sq = {
         let grads: Vec<&Tensor> = lora
             .pairs()
             .flat_map(|(_, _, p)| [&p.grad_a, &p.grad_b])
             .collect();
         ops::sum_sq_multi(&grads)?
-    };
-    let norm = sq.sqrt() * grad_scale;
-    let clip = if o.grad_clip > 0.0 && norm > o.grad_clip {
-        o.grad_clip / norm
-    } else {
-        1.0
     };
     let h = AdamW {
         lr: lr as f32,
@@ -114,7 +121,7 @@ pub fn apply_update(
         eps: o.eps as f32,
         weight_decay: o.weight_decay as f32,
         step,
-        grad_scale: (grad_scale * clip) as f32,
+        grad_scale: grad_scale as f32,
     };
     let mut items = Vec::with_capacity(state.m.len());
     let mut moments = state.m.iter_mut().zip(state.v.iter_mut());
@@ -135,7 +142,15 @@ pub fn apply_update(
             });
         }
     }
-    ops::adamw_multi(&mut items, h)?;
+    let clip = NormClip {
+        sum_sq: &sum_sq,
+        average: grad_scale,
+        max_norm: o.grad_clip,
+    };
+    ops::adamw_multi(&mut items, h, Some(clip))?;
     lora.refresh_stacked()?;
-    Ok(norm)
+    Ok(GradNorm {
+        sum_sq,
+        average: grad_scale,
+    })
 }

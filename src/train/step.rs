@@ -2,12 +2,15 @@
 //! branch through the logp engine, apply the objective, and (when training) send d logp back
 //! through the head and the layers into the LoRA gradients.
 
-use super::head::{logp_backward_saved, logp_forward, logp_forward_saved, HeadTier};
-use super::objectives::{self, BranchLogps, ObjectiveOut, SftScope};
+use super::device_loss::{self, Parts, PendingLoss, Reference};
+use super::head::{
+    concat_vectors, logp_backward_saved, logp_forward_saved, slice_vector, HeadSaved, HeadTier,
+};
+use super::objectives::SftScope;
 use super::plan::{Plan, Rows};
 use crate::model::{Lora, Model, PassCtx};
 use crate::tensor::{self as ops, RopeTable, Tensor};
-use anyhow::{anyhow, Result};
+use anyhow::{anyhow, ensure, Result};
 
 /// The training objective and its hyperparameters.
 #[derive(Clone, Copy, Debug)]
@@ -51,24 +54,40 @@ pub struct ExampleOut {
     pub tokens: usize,
 }
 
-/// Sums of response logps under the base model (adapter off): DPO's reference, computed once per
-/// example without gradients.
-pub fn reference_sums(model: &Model, plan: &Plan, opts: &PassOptions) -> Result<(f64, f64)> {
-    let hidden = forward_all(model, plan, None, opts, false)?;
-    let sum = |r: &Rows| -> Result<f64> {
-        let h = ops::gather_rows(&hidden[r.seq].hidden, &r.rows)?;
-        Ok(
-            logp_forward(model, &h, &r.targets, opts.head, opts.head_chunk)?
-                .iter()
-                .map(|&x| x as f64)
-                .sum(),
-        )
-    };
+/// An example whose objective (and, when training, backward) is queued on the device;
+/// `finish` reads the loss and metrics back.
+pub struct QueuedExample {
+    loss: PendingLoss,
+    tokens: usize,
+}
+
+impl QueuedExample {
+    /// Waits for the objective's sums (a sync point on CUDA) and evaluates loss and metrics.
+    pub fn finish(self) -> Result<ExampleOut> {
+        let (loss, metrics) = self.loss.finish()?;
+        Ok(ExampleOut {
+            loss,
+            metrics: metrics.pairs(),
+            tokens: self.tokens,
+        })
+    }
+}
+
+/// The response logps under the base model (adapter off), reduced on the device: DPO's
+/// reference, computed once per example without gradients.
+pub fn reference_logps(model: &Model, plan: &Plan, opts: &PassOptions) -> Result<Reference> {
     let rej = plan
         .rejected
         .as_ref()
         .ok_or_else(|| anyhow!("DPO needs a preference example"))?;
-    Ok((sum(&plan.chosen.response)?, sum(&rej.response)?))
+    let fwd = forward_all(model, plan, None, opts, false)?;
+    let empty = Rows::default();
+    let groups = head_groups(
+        plan.seqs.len(),
+        &[&empty, &plan.chosen.response, &rej.response],
+    );
+    let head = head_pass(model, &fwd, &groups, opts, false)?;
+    device_loss::reference(&head.logp, &head.parts(true))
 }
 
 /// Rows of one sequence read by the head, with where each branch's part lies in them.
@@ -144,18 +163,95 @@ fn forward_all(
         .collect()
 }
 
-/// Runs one example; with `train`, accumulates its LoRA gradients (scaled by `grad_weight`).
+/// The head over every group: the logps of all groups end to end, where each part lies in them,
+/// and each group's gathered rows and saved state for the backward.
+struct HeadPass {
+    logp: Tensor,
+    spans: [(usize, usize); 3],
+    groups: Vec<(Tensor, HeadSaved)>,
+}
+
+impl HeadPass {
+    fn parts(&self, preference: bool) -> Parts {
+        Parts {
+            chosen_prompt: self.spans[0],
+            chosen_response: self.spans[1],
+            rejected_response: preference.then_some(self.spans[2]),
+        }
+    }
+}
+
+fn head_pass(
+    model: &Model,
+    fwd: &[Forwarded],
+    groups: &[HeadGroup],
+    opts: &PassOptions,
+    train: bool,
+) -> Result<HeadPass> {
+    ensure!(
+        !groups.is_empty(),
+        "the example has no token the head reads"
+    );
+    let mut spans = [(0, 0); 3];
+    let mut logps = Vec::with_capacity(groups.len());
+    let mut saved = Vec::with_capacity(groups.len());
+    let mut offset = 0;
+    for g in groups {
+        let h = ops::gather_rows(&fwd[g.seq].hidden, &g.rows)?;
+        let (lp, s) = logp_forward_saved(model, &h, &g.targets, opts.head, opts.head_chunk, train)?;
+        for &(part, start, len) in &g.spans {
+            spans[part] = (offset + start, len);
+        }
+        offset += g.rows.len();
+        logps.push(lp);
+        saved.push((h, s));
+    }
+    Ok(HeadPass {
+        logp: concat_vectors(logps)?,
+        spans,
+        groups: saved,
+    })
+}
+
+/// Runs one example and reads its loss back; with `train`, accumulates its LoRA gradients
+/// (scaled by `grad_weight`).
 #[allow(clippy::too_many_arguments)]
 pub fn run_example(
     model: &Model,
     lora: &mut Lora,
     plan: &Plan,
     objective: &Objective,
-    reference: Option<(f64, f64)>,
+    reference: Option<&Reference>,
     opts: &PassOptions,
     train: bool,
     grad_weight: f32,
 ) -> Result<ExampleOut> {
+    queue_example(
+        model,
+        lora,
+        plan,
+        objective,
+        reference,
+        opts,
+        train,
+        grad_weight,
+    )?
+    .finish()
+}
+
+/// `run_example` without the read-back: forward, head, objective and (with `train`) backward are
+/// queued on the device, and nothing waits for it.
+#[allow(clippy::too_many_arguments)]
+pub fn queue_example(
+    model: &Model,
+    lora: &mut Lora,
+    plan: &Plan,
+    objective: &Objective,
+    reference: Option<&Reference>,
+    opts: &PassOptions,
+    train: bool,
+    grad_weight: f32,
+) -> Result<QueuedExample> {
     let mut fwd = forward_all(model, plan, Some(lora), opts, train)?;
     let empty = Rows::default();
     let chosen_prompt = if objective.needs_prompt() {
@@ -163,84 +259,25 @@ pub fn run_example(
     } else {
         &empty
     };
-    // The branches' rows: chosen prompt (full-scope NLL), chosen response, rejected response.
-    let parts: Vec<&Rows> = [
-        Some(chosen_prompt),
-        Some(&plan.chosen.response),
-        plan.rejected.as_ref().map(|b| &b.response),
-    ]
-    .into_iter()
-    .flatten()
-    .collect();
-    // The head runs once per sequence over every row any branch reads from it: one gather, one
-    // pass through the logp engine and one download per sequence.
-    let groups = head_groups(plan.seqs.len(), &parts);
-    let mut logps: Vec<Vec<f32>> = vec![Vec::new(); parts.len()];
-    let mut group_h = Vec::with_capacity(groups.len());
-    for g in &groups {
-        let h = ops::gather_rows(&fwd[g.seq].hidden, &g.rows)?;
-        let (lp, saved) =
-            logp_forward_saved(model, &h, &g.targets, opts.head, opts.head_chunk, train)?;
-        for &(part, start, len) in &g.spans {
-            logps[part] = lp[start..start + len].to_vec();
-        }
-        group_h.push((h, saved));
-    }
-    let (lcp, lcr) = (&logps[0], &logps[1]);
-    let rej: Option<((), &Vec<f32>)> = plan.rejected.as_ref().map(|_| ((), &logps[2]));
-
-    let chosen = BranchLogps::new(lcp, lcr);
-    let out: ObjectiveOut = match (*objective, &rej) {
-        (Objective::Orpo { lambda, scope }, Some((_, lr))) => {
-            objectives::orpo(chosen, BranchLogps::response_only(lr), lambda, scope)
-        }
-        (Objective::Sft { all_tokens }, _) => objectives::sft(chosen, all_tokens),
-        (
-            Objective::Dpo {
-                beta,
-                label_smoothing,
-            },
-            Some((_, lr)),
-        ) => {
-            let (rc, rr) = reference.ok_or_else(|| anyhow!("DPO needs reference logps"))?;
-            objectives::dpo(
-                chosen,
-                BranchLogps::response_only(lr),
-                rc,
-                rr,
-                beta,
-                label_smoothing,
-            )
-        }
-        (Objective::Simpo { beta, gamma }, Some((_, lr))) => {
-            objectives::simpo(chosen, BranchLogps::response_only(lr), beta, gamma)
-        }
-        _ => {
-            return Err(anyhow!(
-                "objective {objective:?} needs a preference example"
-            ))
-        }
-    }
-    .map_err(|e| anyhow!("objective: {e}"))?;
+    let rejected = plan.rejected.as_ref().map_or(&empty, |b| &b.response);
+    // The head runs once per sequence over every row any part reads from it: one gather and one
+    // pass through the logp engine per sequence.
+    let groups = head_groups(
+        plan.seqs.len(),
+        &[chosen_prompt, &plan.chosen.response, rejected],
+    );
+    let head = head_pass(model, &fwd, &groups, opts, train)?;
+    let parts = head.parts(plan.rejected.is_some());
+    let (loss, dlogp) =
+        device_loss::evaluate(&head.logp, &parts, objective, reference, grad_weight)?;
 
     if train {
         // Gradients into each sequence's hidden states, then back through the layers.
-        let grads: Vec<&[f32]> = [
-            Some(&out.d_chosen.prompt[..]),
-            Some(&out.d_chosen.response[..]),
-            plan.rejected.as_ref().map(|_| &out.d_rejected.response[..]),
-        ]
-        .into_iter()
-        .flatten()
-        .collect();
         let mut dh: Vec<Option<Tensor>> = (0..plan.seqs.len()).map(|_| None).collect();
-        for (g, (h, saved)) in groups.iter().zip(group_h) {
-            let mut d = vec![0f32; g.rows.len()];
-            for &(part, start, len) in &g.spans {
-                for (x, y) in d[start..start + len].iter_mut().zip(grads[part]) {
-                    *x = y * grad_weight;
-                }
-            }
+        let mut offset = 0;
+        for (g, (h, saved)) in groups.iter().zip(head.groups) {
+            let d = slice_vector(&dlogp, offset, offset + g.rows.len())?;
+            offset += g.rows.len();
             let dhc =
                 logp_backward_saved(model, &h, &g.targets, &d, opts.head, opts.head_chunk, saved)?;
             let full = &fwd[g.seq].hidden;
@@ -260,9 +297,8 @@ pub fn run_example(
             model.backward(&d, state, Some(lora), &ctx)?;
         }
     }
-    Ok(ExampleOut {
-        loss: out.loss,
-        metrics: out.metrics.pairs(),
+    Ok(QueuedExample {
+        loss,
         tokens: plan.tokens(),
     })
 }

@@ -2,9 +2,10 @@
 //! AdamW on schedule, with a progress bar, metrics.jsonl, validation, atomic checkpoints (the best
 //! by validation margin kept) and exact resume.
 
+use super::device_loss::Reference;
 use super::optim::{apply_update, AdamState, OptimOptions, Schedule};
 use super::plan::Plan;
-use super::step::{reference_sums, run_example, Objective, PassOptions};
+use super::step::{queue_example, reference_logps, run_example, Objective, PassOptions};
 use crate::config::{Method, TrainConfig};
 use crate::data::{self, ChatTemplate, DatasetKind, TextTokenizer, TokenizeOptions};
 use crate::model::lora::Rng;
@@ -218,10 +219,19 @@ pub fn evaluate(
     for item in &items[..n] {
         let plan = item.plan(cfg.prefix_shared, window)?;
         let reference = match objective {
-            Objective::Dpo { .. } => Some(reference_sums(model, &plan, &opts)?),
+            Objective::Dpo { .. } => Some(reference_logps(model, &plan, &opts)?),
             _ => None,
         };
-        let out = run_example(model, lora, &plan, &objective, reference, &opts, false, 1.0)?;
+        let out = run_example(
+            model,
+            lora,
+            &plan,
+            &objective,
+            reference.as_ref(),
+            &opts,
+            false,
+            1.0,
+        )?;
         for (k, v) in out.metrics {
             *sums.entry(k.to_string()).or_default() += v;
         }
@@ -291,7 +301,7 @@ pub fn train(
     let objective = cfg.objective();
     let window = model.spec.sliding_window.map(|w| w as u32);
     let memory_budget = super::memory::budget(&device)?;
-    let mut ref_cache: Vec<Option<(f64, f64)>> = vec![None; n];
+    let mut ref_cache: Vec<Option<Reference>> = vec![None; n];
     let mut metrics_file = std::fs::OpenOptions::new()
         .create(true)
         .append(true)
@@ -344,6 +354,7 @@ pub fn train(
         let mut sums: BTreeMap<&'static str, f64> = BTreeMap::new();
         let mut tokens = 0;
         let mut loss = 0.0;
+        let mut queued_examples = Vec::with_capacity(cfg.grad_accum);
         for micro in 0..cfg.grad_accum {
             let idx = example_index(state.position, n, cfg.seed);
             state.position += 1;
@@ -361,21 +372,17 @@ pub fn train(
             let reference = match objective {
                 Objective::Dpo { .. } => {
                     if ref_cache[idx].is_none() {
-                        ref_cache[idx] = Some(reference_sums(model, &plan, &opts)?);
+                        ref_cache[idx] = Some(reference_logps(model, &plan, &opts)?);
                     }
-                    ref_cache[idx]
+                    ref_cache[idx].as_ref()
                 }
                 _ => None,
             };
-            let out = run_example(
+            let queued = queue_example(
                 model, &mut lora, &plan, &objective, reference, &opts, true, 1.0,
             )
             .with_context(|| format!("training example {idx}"))?;
-            loss += out.loss / cfg.grad_accum as f64;
-            tokens += out.tokens;
-            for (k, v) in out.metrics {
-                *sums.entry(k).or_default() += v / cfg.grad_accum as f64;
-            }
+            queued_examples.push((idx, queued));
         }
         let lr = schedule.lr(state.step);
         let grad_norm = apply_update(
@@ -386,6 +393,18 @@ pub fn train(
             1.0 / cfg.grad_accum as f64,
             &optim,
         )?;
+        // The step is queued whole; its losses and norm are read back once it has run.
+        for (idx, queued) in queued_examples.drain(..) {
+            let out = queued
+                .finish()
+                .with_context(|| format!("training example {idx}"))?;
+            loss += out.loss / cfg.grad_accum as f64;
+            tokens += out.tokens;
+            for (k, v) in out.metrics {
+                *sums.entry(k).or_default() += v / cfg.grad_accum as f64;
+            }
+        }
+        let grad_norm = grad_norm.get()?;
         device.synchronize()?;
         state.step += 1;
         losses.push(loss);

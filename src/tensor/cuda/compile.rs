@@ -17,6 +17,7 @@ pub const MODULES: &[(&str, &str)] = &[
     ("attention", include_str!("kernels/attention.cu")),
     ("dequant", include_str!("kernels/dequant.cu")),
     ("cce", include_str!("kernels/cce.cu")),
+    ("objective", include_str!("kernels/objective.cu")),
 ];
 
 /// Full source of a module: the shared prelude, then the module.

@@ -13,7 +13,8 @@ mod cce;
 pub mod compile;
 
 use super::{
-    AdamW, AdamWItem, AttnMask, AttnShape, DType, Device, MemoryStats, RopeTable, Storage, Tensor,
+    AdamW, AdamWItem, AttnMask, AttnShape, DType, Device, DeviceValues, MemoryStats, NormClip,
+    RopeTable, Storage, Tensor,
 };
 use anyhow::{anyhow, bail, ensure, Context, Result};
 use cudarc::cublas::{result as cublas, sys as cublas_sys};
@@ -217,6 +218,15 @@ impl CudaStorage {
         })
     }
 
+    /// Copies `n` f64 values to the host (a sync point).
+    pub fn download_f64(&self, n: usize) -> Result<Vec<f64>> {
+        ensure!(n * 8 <= self.bytes, "download past the buffer");
+        self.inner.bind()?;
+        let mut v = vec![0f64; n];
+        self.dtoh(&mut v)?;
+        Ok(v)
+    }
+
     fn dtoh<T>(&self, out: &mut [T]) -> Result<()> {
         if out.is_empty() {
             return Ok(());
@@ -288,6 +298,8 @@ fn bf16x8(ts: &[&Tensor], n: usize) -> bool {
 /// Elements per chunk of the multi-tensor kernels (a block's unit of work: 8 per thread), and
 /// their block size.
 const MULTI_CHUNK: usize = 2048;
+/// Values in `pair_objective`'s stats.
+pub const OBJ_STATS: usize = 8;
 const MULTI_THREADS: u32 = 256;
 
 /// The kernels' dtype flag (`ldf`/`stf` in common.cuh): 0 f32, 1 bf16; also written into the
@@ -341,6 +353,8 @@ fn module_of(func: &str) -> &'static str {
         "cce"
     } else if func.starts_with("lf_deq") {
         "dequant"
+    } else if func.starts_with("lf_obj") {
+        "objective"
     } else {
         "elementwise"
     }
@@ -1981,8 +1995,8 @@ impl CudaBackend {
         self.launch(name, (blocks, 1, 1), MULTI_THREADS, 0, &args)
     }
 
-    /// Sum of squares of every tensor: one launch, one download (a sync point).
-    pub fn sum_sq_multi(&self, xs: &[&Tensor]) -> Result<f64> {
+    /// Sum of squares of every tensor: one launch, the result left on the device.
+    pub fn sum_sq_multi(&self, xs: &[&Tensor]) -> Result<DeviceValues> {
         // SqSeg: x, n, chunk0, (dt, pad).
         let mut words = Vec::with_capacity(xs.len() * 4);
         let (mut entries, mut chunks) = (0, 0u64);
@@ -1995,27 +2009,77 @@ impl CudaBackend {
             entries += 1;
             chunks += n.div_ceil(MULTI_CHUNK) as u64;
         }
-        if entries == 0 {
-            return Ok(0.0);
-        }
         let out = self.alloc(8)?;
         self.memset0(&out)?;
-        self.launch_multi(
-            "lf_sum_sq_multi",
-            &words,
-            entries,
-            chunks,
-            vec![Arg::P(out.ptr)],
-        )?;
-        let mut v = [0f64; 1];
-        self.inner.bind()?;
-        out.dtoh(&mut v)?;
-        Ok(v[0])
+        if entries > 0 {
+            self.launch_multi(
+                "lf_sum_sq_multi",
+                &words,
+                entries,
+                chunks,
+                vec![Arg::P(out.ptr)],
+            )?;
+        }
+        Ok(DeviceValues::cuda(out, 1))
+    }
+
+    /// One preference objective on the device (`lf_obj_pair`, the CUDA form of the `*_sums`
+    /// functions of `train::objectives`): reduces the three parts of `logp` (`(start, len)` of the
+    /// chosen prompt, chosen response and rejected response), evaluates objective `kind` with
+    /// `params`, and writes `d loss / d logp · weight` for every token of a part (0 elsewhere).
+    /// `stats` layout: part sums [0..3], first bad token index or -1 [3], its value [4], the
+    /// per-part coefficients [5..8]. `reference`: DPO's reference stats (its sums at [1], [2]).
+    /// No sync.
+    pub fn pair_objective(
+        &self,
+        logp: &Tensor,
+        parts: [(usize, usize); 3],
+        kind: i32,
+        params: [f64; 2],
+        reference: Option<&DeviceValues>,
+        weight: f32,
+    ) -> Result<(DeviceValues, Tensor)> {
+        ensure!(
+            logp.dtype() == DType::F32,
+            "pair_objective: logps must be f32"
+        );
+        let n = logp.numel();
+        for (s, l) in parts {
+            ensure!(s + l <= n, "pair_objective: part {s}+{l} past {n} logps");
+        }
+        ensure!(n < i32::MAX as usize, "pair_objective: {n} logps");
+        let stats = self.alloc(8 * OBJ_STATS)?;
+        let dlogp = self.zeros(&[n], DType::F32)?;
+        let ref_ptr = match reference {
+            Some(r) => r.cuda_ptr()?,
+            None => 0,
+        };
+        let mut args = Vec::with_capacity(14);
+        args.push(Arg::P(cuda_ptr(logp)?));
+        for (s, l) in parts {
+            args.extend([Arg::I32(s as i32), Arg::I32(l as i32)]);
+        }
+        args.extend([
+            Arg::I32(kind),
+            Arg::F64(params[0]),
+            Arg::F64(params[1]),
+            Arg::P(ref_ptr),
+            Arg::F32(weight),
+            Arg::P(stats.ptr),
+            Arg::P(cuda_ptr(&dlogp)?),
+        ]);
+        self.launch("lf_obj_pair", (1, 1, 1), 1024, 0, &args)?;
+        Ok((DeviceValues::cuda(stats, OBJ_STATS), dlogp))
     }
 
     /// AdamW on every item, each compute copy refreshed and each gradient zeroed in the same
     /// kernel (shapes and dtypes checked by `tensor::adamw_multi`). No sync.
-    pub fn adamw_multi(&self, items: &mut [AdamWItem], h: AdamW) -> Result<()> {
+    pub fn adamw_multi(
+        &self,
+        items: &mut [AdamWItem],
+        h: AdamW,
+        clip: Option<NormClip>,
+    ) -> Result<()> {
         // AdamwSeg: p, g, m, v, pc, n, chunk0, (lr, gdt), (pcdt, pad).
         let mut words = Vec::with_capacity(items.len() * 9);
         let (mut entries, mut chunks) = (0, 0u64);
@@ -2058,6 +2122,12 @@ impl CudaBackend {
                 Arg::F32(h.grad_scale),
                 Arg::F64(bc1),
                 Arg::F64(bc2),
+                Arg::P(match clip {
+                    Some(c) => c.sum_sq.cuda_ptr()?,
+                    None => 0,
+                }),
+                Arg::F64(clip.map_or(1.0, |c| c.average)),
+                Arg::F64(clip.map_or(0.0, |c| c.max_norm)),
             ],
         )
     }

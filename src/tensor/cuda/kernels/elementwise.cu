@@ -481,9 +481,17 @@ extern "C" __global__ void lf_sum_sq_multi(const SqSeg* segs, int ns, i64 n_chun
 // AdamW over every tensor with its own lr and shared hyperparameters: per element exactly
 // lf_adamw's arithmetic; then, in the same pass, the updated parameter goes to its compute copy
 // (bf16 for the forward) and the gradient is zeroed for the next accumulation.
+// With `sum_sq` (the gradients' squared norm on the device), the multiplier is clip_scale's:
+// average · min(1, max_norm / norm), norm = sqrt(sum_sq) · average, in f64 as on the host.
 extern "C" __global__ void lf_adamw_multi(const AdamwSeg* segs, int ns, i64 n_chunks, int chunk,
                                           float b1, float b2, float eps, float wd, float grad_scale,
-                                          double bc1, double bc2) {
+                                          double bc1, double bc2, const double* sum_sq, double average,
+                                          double max_norm) {
+    if (sum_sq) {
+        const double norm = sqrt(*sum_sq) * average;
+        const double clip = (max_norm > 0.0 && norm > max_norm) ? max_norm / norm : 1.0;
+        grad_scale = (float)(average * clip);
+    }
     for (i64 c = blockIdx.x; c < n_chunks; c += gridDim.x) {
         const AdamwSeg s = segs[seg_of(segs, ns, c)];
         const i64 begin = (c - s.chunk0) * chunk, end = min(begin + chunk, s.n);
