@@ -229,6 +229,8 @@ pub fn run(a: BenchArgs) -> Result<()> {
         };
         let mut times = Vec::new();
         let mut host_times = Vec::new();
+        let mut busy = Vec::new();
+        let mut launches = 0;
         let mut flops = 0.0;
         let mut tokens = 0;
         for step in 0..a.warmup + a.steps {
@@ -246,15 +248,38 @@ pub fn run(a: BenchArgs) -> Result<()> {
                 device.reset_peak();
             }
             device.synchronize()?;
+            let launches0 = launch_count(&device);
             let t = Instant::now();
             let queued =
                 queue_example(&model, &mut lora, &plan, &objective, None, &opts, true, 1.0)?;
             let norm = apply_update(&mut lora, &mut adam, 1e-5, step as u64 + 1, 1.0, &optim)?;
-            // The whole step is queued without waiting on the device; the host's share of it
-            // bounds what launch overheads (and CUDA graphs) could cost or save.
+            // The whole step is queued without waiting on the device. The host stops early
+            // only when it is not the bottleneck (a full launch queue also holds it back).
             let queued_s = t.elapsed().as_secs_f64();
             device.synchronize()?;
             let dt = t.elapsed().as_secs_f64();
+            launches = launch_count(&device) - launches0;
+            // LORAFIT_PROFILE=timeline: how much of the step's device span kernels were running.
+            if let crate::tensor::Device::Cuda(c) = &device {
+                if let Some(tl) = c.take_timeline()? {
+                    let host: Vec<String> = tl
+                        .host_ms
+                        .iter()
+                        .map(|(n, ms)| format!("{n} {ms:.1}"))
+                        .collect();
+                    eprintln!(
+                        "step {step}: device busy {:.1} of {:.1} ms ({:.2}%) over {} launches; host ms in calls: {}",
+                        tl.busy_ms,
+                        tl.span_ms,
+                        100.0 * tl.busy_ms / tl.span_ms.max(1e-9),
+                        tl.launches,
+                        host.join(", ")
+                    );
+                    if step >= a.warmup {
+                        busy.push(tl.busy_ms / tl.span_ms.max(1e-9));
+                    }
+                }
+            }
             let out = queued.finish()?;
             ensure!(
                 out.loss.is_finite() && norm.get()?.is_finite(),
@@ -278,7 +303,8 @@ pub fn run(a: BenchArgs) -> Result<()> {
         let line = serde_json::json!({
             "tool": "lorafit", "shape": a.shape, "P": w.prompt_len, "R": w.resp_len, "device": device.name(),
             "segment_size": segment_size, "segment_auto": w.segment_size.is_none(), "keep_attention": keep_attention, "mlp_chunk": w.mlp_chunk, "head": format!("{:?}", a.head).to_lowercase(), "prefix_shared": a.prefix_shared,
-            "s_per_step": med, "host_queue_s": host_med, "pairs_per_s": 1.0 / med, "tokens_per_s": tokens as f64 / med,
+            "s_per_step": med, "host_queue_s": host_med, "launches_per_step": launches,
+            "device_busy": (!busy.is_empty()).then(|| busy.iter().sum::<f64>() / busy.len() as f64), "pairs_per_s": 1.0 / med, "tokens_per_s": tokens as f64 / med,
             "model_tflops_per_step": flops / 1e12, "gemm_peak_tflops": peak_flops / 1e12, "mfu": flops / med / peak_flops,
             "peak_gib": mem.peak_bytes as f64 / (1u64 << 30) as f64, "steps": a.steps,
         });
@@ -290,6 +316,14 @@ pub fn run(a: BenchArgs) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// Kernel launches and library calls so far (0 on the CPU).
+fn launch_count(device: &crate::tensor::Device) -> u64 {
+    match device {
+        crate::tensor::Device::Cuda(c) => c.launches(),
+        crate::tensor::Device::Cpu => 0,
+    }
 }
 
 /// One benchmark workload: prompt and response lengths, segment size (None: automatic) and MLP

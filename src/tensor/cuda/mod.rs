@@ -21,7 +21,7 @@ use cudarc::cublas::{result as cublas, sys as cublas_sys};
 use cudarc::driver::{result as drv, sys, CudaContext, CudaStream};
 use std::collections::HashMap;
 use std::ffi::{c_void, CString};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 
 /// Storage formats the frozen base weights may arrive in (ggml block layouts for the quantized
@@ -111,16 +111,52 @@ struct Inner {
     /// atomics, so not bit-reproducible run to run), 2 the two deterministic kernels (dQ, dK/dV).
     /// Starts at 2 when `LORAFIT_ATTN_DETERMINISTIC=1`.
     attn_bwd_version: std::sync::atomic::AtomicU8,
-    /// `LORAFIT_PROFILE=1`: per-kernel and per-GEMM times (synchronising; see `profiled`).
+    /// `LORAFIT_PROFILE`: per-kernel and per-GEMM times (see `profiled`).
     prof: Option<Mutex<Profile>>,
+    /// Kernel launches and library calls so far (every `profiled` call).
+    launches: AtomicU64,
+    /// With `LORAFIT_PROFILE=timeline`: host nanoseconds spent in each `HostCall` class.
+    host_ns: Option<[AtomicU64; HOST_CALLS]>,
 }
 
+/// Classes of host work timed with `LORAFIT_PROFILE=timeline` (`Inner::host_timed`).
+#[derive(Clone, Copy)]
+enum HostCall {
+    Launch = 0,
+    Gemm = 1,
+    Alloc = 2,
+    Free = 3,
+    Upload = 4,
+}
+const HOST_CALLS: usize = 5;
+const HOST_CALL_NAMES: [&str; HOST_CALLS] = ["launch", "gemm", "alloc", "free", "upload"];
+
 /// Accumulated device time per kernel or GEMM class, timed with a pair of events around each
-/// launch (the stream is synchronised after every launch, so only for profiling runs).
+/// launch. `LORAFIT_PROFILE=1` synchronises after every launch (`e0`, `e1`);
+/// `LORAFIT_PROFILE=timeline` records a fresh pair per launch (from `pool`) without waiting, so
+/// the device runs as it would unprofiled, and `take_timeline` reads them once the work is done:
+/// the device's busy time against the span of the whole sequence.
 struct Profile {
     e0: sys::CUevent,
     e1: sys::CUevent,
     rows: HashMap<String, (u64, f64)>,
+    timeline: bool,
+    pool: Vec<(sys::CUevent, sys::CUevent)>,
+    /// Names of the launches recorded since the last `take_timeline`, in order (pair i of `pool`).
+    marks: Vec<String>,
+}
+
+/// Device time of the launches recorded since the last `take_timeline`, and the host's time in
+/// driver and library calls over the same stretch.
+#[derive(Clone, Debug)]
+pub struct Timeline {
+    pub launches: usize,
+    /// `(class, ms)`: kernel launches, GEMM calls, allocations, frees, uploads.
+    pub host_ms: Vec<(&'static str, f64)>,
+    /// Sum of the launches' own times.
+    pub busy_ms: f64,
+    /// From the first launch's start to the last one's end.
+    pub span_ms: f64,
 }
 // SAFETY: the events belong to the backend's context and are used under the Mutex.
 unsafe impl Send for Profile {}
@@ -131,6 +167,17 @@ unsafe impl Send for Inner {}
 unsafe impl Sync for Inner {}
 
 impl Inner {
+    /// Runs `f`, adding its host time to `class` when host timing is on.
+    fn host_timed<T>(&self, class: HostCall, f: impl FnOnce() -> T) -> T {
+        let Some(ns) = &self.host_ns else {
+            return f();
+        };
+        let t = std::time::Instant::now();
+        let r = f();
+        ns[class as usize].fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        r
+    }
+
     fn bind(&self) -> Result<()> {
         self.ctx
             .bind_to_thread()
@@ -147,6 +194,7 @@ impl Drop for Inner {
         let _ = self.stream.synchronize();
         // SAFETY: the handle was created in `new` and is not used after this.
         let _ = unsafe { cublas::destroy_handle(self.cublas) };
+
         for s in self.staging.lock().unwrap().drain(..) {
             // SAFETY: pinned buffer and event created by this backend; the stream is idle.
             unsafe {
@@ -160,6 +208,10 @@ impl Drop for Inner {
             unsafe {
                 let _ = drv::event::destroy(p.e0);
                 let _ = drv::event::destroy(p.e1);
+                for &(e0, e1) in &p.pool {
+                    let _ = drv::event::destroy(e0);
+                    let _ = drv::event::destroy(e1);
+                }
             }
         }
         for (_, m) in self.modules.lock().unwrap().drain() {
@@ -187,7 +239,9 @@ impl Drop for CudaStorage {
         self.inner.live.fetch_sub(self.bytes, Ordering::Relaxed);
         if self.inner.bind().is_ok() {
             // SAFETY: `ptr` was allocated on this stream and is freed once, in stream order.
-            let _ = unsafe { drv::free_async(self.ptr, self.inner.cu_stream()) };
+            let _ = self.inner.host_timed(HostCall::Free, || unsafe {
+                drv::free_async(self.ptr, self.inner.cu_stream())
+            });
         }
     }
 }
@@ -451,10 +505,17 @@ impl CudaBackend {
                         e0,
                         e1,
                         rows: HashMap::new(),
+                        timeline: std::env::var("LORAFIT_PROFILE").is_ok_and(|v| v == "timeline"),
+                        pool: Vec::new(),
+                        marks: Vec::new(),
                     }))
                 } else {
                     None
                 },
+                launches: AtomicU64::new(0),
+                host_ns: std::env::var("LORAFIT_PROFILE")
+                    .is_ok_and(|v| v == "timeline")
+                    .then(|| std::array::from_fn(|_| AtomicU64::new(0))),
             })
         })?;
         Ok(Arc::new_cyclic(|me| CudaBackend {
@@ -511,11 +572,29 @@ impl CudaBackend {
         name: impl FnOnce() -> String,
         f: impl FnOnce() -> Result<T>,
     ) -> Result<T> {
+        self.inner.launches.fetch_add(1, Ordering::Relaxed);
         let Some(prof) = &self.inner.prof else {
             return f();
         };
         let mut p = prof.lock().unwrap();
         let stream = self.inner.cu_stream();
+        if p.timeline {
+            let i = p.marks.len();
+            if i == p.pool.len() {
+                let flags = sys::CUevent_flags::CU_EVENT_DEFAULT;
+                let e0 = drv::event::create(flags).map_err(|e| anyhow!("{e:?}"))?;
+                let e1 = drv::event::create(flags).map_err(|e| anyhow!("{e:?}"))?;
+                p.pool.push((e0, e1));
+            }
+            let (e0, e1) = p.pool[i];
+            // SAFETY: live events of this context recorded on our stream; read in take_timeline.
+            unsafe { drv::event::record(e0, stream) }.map_err(|e| anyhow!("{e:?}"))?;
+            let r = f()?;
+            // SAFETY: as above.
+            unsafe { drv::event::record(e1, stream) }.map_err(|e| anyhow!("{e:?}"))?;
+            p.marks.push(name());
+            return Ok(r);
+        }
         // SAFETY: live events of this context recorded on our stream.
         unsafe { drv::event::record(p.e0, stream) }.map_err(|e| anyhow!("{e:?}"))?;
         let r = f()?;
@@ -529,6 +608,58 @@ impl CudaBackend {
         row.0 += 1;
         row.1 += ms as f64;
         Ok(r)
+    }
+
+    /// Kernel launches and library calls made so far.
+    pub fn launches(&self) -> u64 {
+        self.inner.launches.load(Ordering::Relaxed)
+    }
+
+    /// With `LORAFIT_PROFILE=timeline`: waits for the device, then reads the launches recorded
+    /// since the last call (their times also go to `profile_report`'s table); `None` in the other
+    /// modes.
+    pub fn take_timeline(&self) -> Result<Option<Timeline>> {
+        let Some(prof) = &self.inner.prof else {
+            return Ok(None);
+        };
+        let mut p = prof.lock().unwrap();
+        if !p.timeline {
+            return Ok(None);
+        }
+        self.synchronize()?;
+        let marks = std::mem::take(&mut p.marks);
+        let mut busy = 0.0;
+        for (i, name) in marks.iter().enumerate() {
+            let (e0, e1) = p.pool[i];
+            // SAFETY: both events were recorded and the stream is idle.
+            let ms = unsafe { drv::event::elapsed(e0, e1) }.map_err(|e| anyhow!("{e:?}"))? as f64;
+            busy += ms;
+            let row = p.rows.entry(name.clone()).or_insert((0, 0.0));
+            row.0 += 1;
+            row.1 += ms;
+        }
+        let span = match marks.len() {
+            0 => 0.0,
+            n => {
+                // SAFETY: as above.
+                unsafe { drv::event::elapsed(p.pool[0].0, p.pool[n - 1].1) }
+                    .map_err(|e| anyhow!("{e:?}"))? as f64
+            }
+        };
+        let host_ms = match &self.inner.host_ns {
+            Some(ns) => HOST_CALL_NAMES
+                .iter()
+                .zip(ns)
+                .map(|(n, v)| (*n, v.swap(0, Ordering::Relaxed) as f64 / 1e6))
+                .collect(),
+            None => Vec::new(),
+        };
+        Ok(Some(Timeline {
+            launches: marks.len(),
+            host_ms,
+            busy_ms: busy,
+            span_ms: span,
+        }))
     }
 
     /// With `LORAFIT_PROFILE` set: the table of device time per kernel / GEMM class (name, calls,
@@ -576,14 +707,16 @@ impl CudaBackend {
         self.inner.bind()?;
         let n = bytes.max(1).next_multiple_of(16);
         // SAFETY: a live stream; the memory is only used on it and freed in Drop.
-        let ptr = unsafe {
-            if self.inner.ctx.has_async_alloc() {
-                drv::malloc_async(self.inner.cu_stream(), n)
-            } else {
-                drv::malloc_sync(n)
-            }
-        }
-        .map_err(|e| anyhow!("cuda: allocating {bytes} bytes: {e:?}"))?;
+        let ptr = self
+            .inner
+            .host_timed(HostCall::Alloc, || unsafe {
+                if self.inner.ctx.has_async_alloc() {
+                    drv::malloc_async(self.inner.cu_stream(), n)
+                } else {
+                    drv::malloc_sync(n)
+                }
+            })
+            .map_err(|e| anyhow!("cuda: allocating {bytes} bytes: {e:?}"))?;
         let live = self.inner.live.fetch_add(bytes, Ordering::Relaxed) + bytes;
         self.inner.peak.fetch_max(live, Ordering::Relaxed);
         Ok(CudaStorage {
@@ -615,6 +748,11 @@ impl CudaBackend {
 
     /// Host-to-device copy without a host sync for small buffers (pinned staging ring).
     fn htod(&self, dst: &CudaStorage, bytes: &[u8]) -> Result<()> {
+        self.inner
+            .host_timed(HostCall::Upload, || self.htod_untimed(dst, bytes))
+    }
+
+    fn htod_untimed(&self, dst: &CudaStorage, bytes: &[u8]) -> Result<()> {
         ensure!(bytes.len() <= dst.bytes, "upload past the buffer");
         if bytes.is_empty() {
             return Ok(());
@@ -864,17 +1002,18 @@ impl CudaBackend {
                 // SAFETY: `f` is a kernel of this context whose parameter list matches `args`
                 // (each call site mirrors the kernel's signature; 4-byte scalars sit in the low
                 // bytes of their box, little-endian); the pointers are live device buffers.
-                unsafe {
-                    drv::launch_kernel(
-                        f,
-                        grid,
-                        (block, 1, 1),
-                        smem,
-                        self.inner.cu_stream(),
-                        &mut ptrs,
-                    )
-                }
-                .map_err(|e| anyhow!("cuda: launching {name}: {e:?}"))
+                self.inner
+                    .host_timed(HostCall::Launch, || unsafe {
+                        drv::launch_kernel(
+                            f,
+                            grid,
+                            (block, 1, 1),
+                            smem,
+                            self.inner.cu_stream(),
+                            &mut ptrs,
+                        )
+                    })
+                    .map_err(|e| anyhow!("cuda: launching {name}: {e:?}"))
             },
         )
     }
@@ -976,31 +1115,33 @@ impl CudaBackend {
         // Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T.
         // SAFETY: the pointers are live buffers of the sizes checked above; alpha/beta are host
         // scalars (pointer mode host); the handle is bound to our stream.
+        let (pa, pb, pc) = (cuda_ptr(a)?, cuda_ptr(b)?, cuda_ptr(c)?);
         self.profiled(pname, || {
-            unsafe {
-                cublas::gemm_ex(
-                    self.inner.cublas,
-                    op(tb),
-                    op(ta),
-                    n as i32,
-                    m as i32,
-                    k as i32,
-                    &alpha as *const f32 as *const c_void,
-                    cuda_ptr(b)? as *const c_void,
-                    ty(b.dtype()),
-                    bc as i32,
-                    cuda_ptr(a)? as *const c_void,
-                    ty(a.dtype()),
-                    ac as i32,
-                    &beta as *const f32 as *const c_void,
-                    cuda_ptr(c)? as *mut c_void,
-                    ty(c.dtype()),
-                    n as i32,
-                    cublas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                    cublas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DFALT,
-                )
-            }
-            .map_err(|e| anyhow!("cublasGemmEx [{m}x{k}]x[{k}x{n}]: {e:?}"))
+            self.inner
+                .host_timed(HostCall::Gemm, || unsafe {
+                    cublas::gemm_ex(
+                        self.inner.cublas,
+                        op(tb),
+                        op(ta),
+                        n as i32,
+                        m as i32,
+                        k as i32,
+                        &alpha as *const f32 as *const c_void,
+                        pb as *const c_void,
+                        ty(b.dtype()),
+                        bc as i32,
+                        pa as *const c_void,
+                        ty(a.dtype()),
+                        ac as i32,
+                        &beta as *const f32 as *const c_void,
+                        pc as *mut c_void,
+                        ty(c.dtype()),
+                        n as i32,
+                        cublas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                        cublas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DFALT,
+                    )
+                })
+                .map_err(|e| anyhow!("cublasGemmEx [{m}x{k}]x[{k}x{n}]: {e:?}"))
         })
     }
 
