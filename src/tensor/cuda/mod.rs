@@ -671,7 +671,12 @@ impl CudaBackend {
         rows.sort_by(|a, b| b.1 .1.partial_cmp(&a.1 .1).unwrap());
         let total: f64 = rows.iter().map(|r| r.1 .1).sum();
         let mut out = format!(
-            "profile (LORAFIT_PROFILE, synchronised per launch): {:.1} ms in {} launches\n{:<56} {:>8} {:>11} {:>7}\n",
+            "profile (LORAFIT_PROFILE, {}): {:.1} ms in {} launches\n{:<56} {:>8} {:>11} {:>7}\n",
+            if p.timeline {
+                "timeline: not synchronised"
+            } else {
+                "synchronised per launch"
+            },
             total,
             rows.iter().map(|r| r.1 .0).sum::<u64>(),
             "kernel",
