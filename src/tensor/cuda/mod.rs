@@ -88,6 +88,26 @@ struct Staging {
 // SAFETY: the pointer is pinned host memory owned by this struct; access is under a Mutex.
 unsafe impl Send for Staging {}
 
+/// Freed buffers of up to `BLOCK_CACHE_MAX` bytes, by rounded size, reused by the next allocation
+/// of the same size without a driver call. A step makes about a thousand small allocations (LoRA
+/// intermediates, row indices, statistics), and a driver allocation and free cost the host about
+/// 2 µs each. Reuse is safe because every buffer lives on the one stream: work queued after the
+/// reuse runs after all work queued before the free. At most `BLOCK_CACHE_TOTAL` bytes wait here;
+/// they are not counted as live.
+#[derive(Default)]
+struct BlockCache {
+    free: HashMap<usize, Vec<sys::CUdeviceptr>>,
+    bytes: usize,
+}
+
+const BLOCK_CACHE_MAX: usize = 4 << 20;
+const BLOCK_CACHE_TOTAL: usize = 256 << 20;
+
+/// The size the driver is asked for (and the cache's key) for a buffer of `bytes`.
+fn block_size(bytes: usize) -> usize {
+    bytes.max(1).next_multiple_of(16)
+}
+
 /// Uploads up to this size go through pinned staging (no host sync); larger ones are plain copies.
 const STAGING_MAX: usize = 4 << 20;
 
@@ -102,6 +122,8 @@ struct Inner {
     modules: Mutex<HashMap<&'static str, Module>>,
     funcs: Mutex<HashMap<&'static str, Func>>,
     staging: Mutex<Vec<Staging>>,
+    /// Freed small buffers kept for reuse (see `BlockCache`).
+    blocks: Mutex<BlockCache>,
     live: AtomicUsize,
     peak: AtomicUsize,
     /// Which attention forward kernel serves head_dim 64 / 128: 0 chooses by grid size, 2 or 3
@@ -194,6 +216,13 @@ impl Drop for Inner {
         let _ = self.stream.synchronize();
         // SAFETY: the handle was created in `new` and is not used after this.
         let _ = unsafe { cublas::destroy_handle(self.cublas) };
+        for (_, ptrs) in self.blocks.lock().unwrap().free.drain() {
+            for p in ptrs {
+                // SAFETY: buffers of this stream that nothing references; the stream is idle.
+                let _ = unsafe { drv::free_async(p, self.cu_stream()) };
+            }
+        }
+        let _ = self.stream.synchronize();
 
         for s in self.staging.lock().unwrap().drain(..) {
             // SAFETY: pinned buffer and event created by this backend; the stream is idle.
@@ -237,6 +266,15 @@ pub struct CudaStorage {
 impl Drop for CudaStorage {
     fn drop(&mut self) {
         self.inner.live.fetch_sub(self.bytes, Ordering::Relaxed);
+        let n = block_size(self.bytes);
+        if n <= BLOCK_CACHE_MAX {
+            let mut cache = self.inner.blocks.lock().unwrap();
+            if cache.bytes + n <= BLOCK_CACHE_TOTAL {
+                cache.bytes += n;
+                cache.free.entry(n).or_default().push(self.ptr);
+                return;
+            }
+        }
         if self.inner.bind().is_ok() {
             // SAFETY: `ptr` was allocated on this stream and is freed once, in stream order.
             let _ = self.inner.host_timed(HostCall::Free, || unsafe {
@@ -487,6 +525,7 @@ impl CudaBackend {
                 modules: Mutex::new(HashMap::new()),
                 funcs: Mutex::new(HashMap::new()),
                 staging: Mutex::new(Vec::new()),
+                blocks: Mutex::new(BlockCache::default()),
                 live: AtomicUsize::new(0),
                 peak: AtomicUsize::new(0),
                 attn_fwd_version: std::sync::atomic::AtomicU8::new(0),
@@ -710,18 +749,27 @@ impl CudaBackend {
 
     fn alloc(&self, bytes: usize) -> Result<CudaStorage> {
         self.inner.bind()?;
-        let n = bytes.max(1).next_multiple_of(16);
-        // SAFETY: a live stream; the memory is only used on it and freed in Drop.
-        let ptr = self
-            .inner
-            .host_timed(HostCall::Alloc, || unsafe {
-                if self.inner.ctx.has_async_alloc() {
-                    drv::malloc_async(self.inner.cu_stream(), n)
-                } else {
-                    drv::malloc_sync(n)
-                }
-            })
-            .map_err(|e| anyhow!("cuda: allocating {bytes} bytes: {e:?}"))?;
+        let n = block_size(bytes);
+        let cached = if n <= BLOCK_CACHE_MAX {
+            let mut cache = self.inner.blocks.lock().unwrap();
+            let ptr = cache.free.get_mut(&n).and_then(|v| v.pop());
+            if ptr.is_some() {
+                cache.bytes -= n;
+            }
+            ptr
+        } else {
+            None
+        };
+        let ptr = match cached {
+            Some(p) => p,
+            None => match self.driver_alloc(n) {
+                Ok(p) => Ok(p),
+                // Out of memory with buffers parked in the cache: hand them back and retry.
+                Err(_) if self.release_cached_blocks() > 0 => self.driver_alloc(n),
+                Err(e) => Err(e),
+            }
+            .map_err(|e| anyhow!("cuda: allocating {bytes} bytes: {e:?}"))?,
+        };
         let live = self.inner.live.fetch_add(bytes, Ordering::Relaxed) + bytes;
         self.inner.peak.fetch_max(live, Ordering::Relaxed);
         Ok(CudaStorage {
@@ -729,6 +777,31 @@ impl CudaBackend {
             bytes,
             inner: self.inner.clone(),
         })
+    }
+
+    fn driver_alloc(&self, n: usize) -> Result<sys::CUdeviceptr, drv::DriverError> {
+        // SAFETY: a live stream; the memory is only used on it and freed in Drop (or parked in
+        // the block cache and freed by `release_cached_blocks`).
+        self.inner.host_timed(HostCall::Alloc, || unsafe {
+            if self.inner.ctx.has_async_alloc() {
+                drv::malloc_async(self.inner.cu_stream(), n)
+            } else {
+                drv::malloc_sync(n)
+            }
+        })
+    }
+
+    /// Frees every buffer waiting in the block cache; returns how many bytes that was.
+    fn release_cached_blocks(&self) -> usize {
+        let mut cache = self.inner.blocks.lock().unwrap();
+        let stream = self.inner.cu_stream();
+        for (_, ptrs) in cache.free.drain() {
+            for p in ptrs {
+                // SAFETY: a buffer of this stream that nothing references any more.
+                let _ = unsafe { drv::free_async(p, stream) };
+            }
+        }
+        std::mem::take(&mut cache.bytes)
     }
 
     fn empty(&self, shape: &[usize], dtype: DType) -> Result<Tensor> {
