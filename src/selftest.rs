@@ -291,7 +291,7 @@ pub fn train_parity(device: &Device) -> Result<bool> {
     use crate::train::objectives::SftScope;
     use crate::train::optim::{apply_update, AdamState, OptimOptions};
     use crate::train::plan::Plan;
-    use crate::train::step::{run_example, Objective, PassOptions};
+    use crate::train::step::{queue_example, Objective, PassOptions};
     let spec = ModelSpec::from_config_json(
         r#"{"architectures":["Qwen2ForCausalLM"],"hidden_size":256,"intermediate_size":512,"num_hidden_layers":4,"num_attention_heads":4,"num_key_value_heads":2,"vocab_size":2048,"tie_word_embeddings":true}"#,
     )?;
@@ -339,7 +339,8 @@ pub fn train_parity(device: &Device) -> Result<bool> {
         let mut losses = Vec::new();
         for (i, p) in pairs.iter().enumerate() {
             let plan = Plan::pair(p, true, None)?;
-            losses.push(run_example(&model, &mut lora, &plan, &obj, None, &opts, true, 1.0)?.loss);
+            let queued = queue_example(&model, &mut lora, &plan, &obj, None, &opts, true, 1.0)?;
+            losses.push(queued.finish()?.loss);
             apply_update(&mut lora, &mut adam, 5e-3, i as u64 + 1, 1.0, &o)?;
         }
         Ok(losses)

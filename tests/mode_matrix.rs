@@ -13,7 +13,7 @@ use lorafit::tensor::Device;
 use lorafit::train::head::HeadTier;
 use lorafit::train::objectives::SftScope;
 use lorafit::train::plan::Plan;
-use lorafit::train::step::{run_example, Objective, PassOptions};
+use lorafit::train::step::{queue_example, Objective, PassOptions};
 
 const CONFIG: &str = r#"{"architectures":["Qwen2ForCausalLM"],"hidden_size":64,"intermediate_size":96,"num_hidden_layers":3,"num_attention_heads":4,"num_key_value_heads":2,"vocab_size":200,"tie_word_embeddings":true}"#;
 
@@ -75,7 +75,9 @@ fn run(seg: usize, head: HeadTier, chunk: usize, prefix: bool, mlp_chunk: usize)
         lambda: 0.1,
         scope: SftScope::Full,
     };
-    let out = run_example(&model, &mut lora, &plan, &obj, None, &opts, true, 1.0).unwrap();
+    let out = queue_example(&model, &mut lora, &plan, &obj, None, &opts, true, 1.0)
+        .and_then(|q| q.finish())
+        .unwrap();
     let grads = lora
         .pairs()
         .flat_map(|(_, _, p)| [p.grad_a.to_vec().unwrap(), p.grad_b.to_vec().unwrap()])

@@ -27,7 +27,7 @@ use lorafit::model::{Lora, Model, ModelSpec};
 use lorafit::tensor::{DType, Device};
 use lorafit::train::head::{HeadTier, DEFAULT_CHUNK};
 use lorafit::train::optim::{apply_update, AdamState, OptimOptions};
-use lorafit::train::step::{run_example, PassOptions};
+use lorafit::train::step::{queue_example, PassOptions};
 use lorafit::train::trainer::{train, Item, Loaded, TrainOutcome};
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
@@ -374,7 +374,9 @@ fn grad_accum_equals_summed_batch() {
     // (a) Accumulated in one adapter over three micro-steps.
     let mut acc = lora_with_b(spec, &c);
     for p in &plans {
-        run_example(&model, &mut acc, p, &objective, None, &opts, true, 1.0).unwrap();
+        queue_example(&model, &mut acc, p, &objective, None, &opts, true, 1.0)
+            .and_then(|q| q.finish())
+            .unwrap();
     }
     let acc_grads = host_grads(&acc);
     assert!(acc_grads.iter().any(|(a, _)| max_abs(a) > 0.0));
@@ -383,7 +385,9 @@ fn grad_accum_equals_summed_batch() {
     let mut sum: Option<Vec<(Vec<f32>, Vec<f32>)>> = None;
     for p in &plans {
         let mut one = lora_with_b(spec, &c);
-        run_example(&model, &mut one, p, &objective, None, &opts, true, 1.0).unwrap();
+        queue_example(&model, &mut one, p, &objective, None, &opts, true, 1.0)
+            .and_then(|q| q.finish())
+            .unwrap();
         let g = host_grads(&one);
         sum = Some(match sum {
             None => g,

@@ -213,34 +213,9 @@ fn head_pass(
     })
 }
 
-/// Runs one example and reads its loss back; with `train`, accumulates its LoRA gradients
-/// (scaled by `grad_weight`).
-#[allow(clippy::too_many_arguments)]
-pub fn run_example(
-    model: &Model,
-    lora: &mut Lora,
-    plan: &Plan,
-    objective: &Objective,
-    reference: Option<&Reference>,
-    opts: &PassOptions,
-    train: bool,
-    grad_weight: f32,
-) -> Result<ExampleOut> {
-    queue_example(
-        model,
-        lora,
-        plan,
-        objective,
-        reference,
-        opts,
-        train,
-        grad_weight,
-    )?
-    .finish()
-}
-
-/// `run_example` without the read-back: forward, head, objective and (with `train`) backward are
-/// queued on the device, and nothing waits for it.
+/// Runs one example; with `train`, accumulates its LoRA gradients (scaled by `grad_weight`).
+/// Forward, head, objective and backward are queued on the device and nothing waits for it:
+/// `QueuedExample::finish` reads the loss and metrics back.
 #[allow(clippy::too_many_arguments)]
 pub fn queue_example(
     model: &Model,

@@ -5,7 +5,7 @@
 use super::device_loss::Reference;
 use super::optim::{apply_update, AdamState, OptimOptions, Schedule};
 use super::plan::Plan;
-use super::step::{queue_example, reference_logps, run_example, Objective, PassOptions};
+use super::step::{queue_example, reference_logps, Objective, PassOptions};
 use crate::config::{Method, TrainConfig};
 use crate::data::{self, ChatTemplate, DatasetKind, TextTokenizer, TokenizeOptions};
 use crate::model::lora::Rng;
@@ -222,7 +222,7 @@ pub fn evaluate(
             Objective::Dpo { .. } => Some(reference_logps(model, &plan, &opts)?),
             _ => None,
         };
-        let out = run_example(
+        let out = queue_example(
             model,
             lora,
             &plan,
@@ -231,7 +231,8 @@ pub fn evaluate(
             &opts,
             false,
             1.0,
-        )?;
+        )?
+        .finish()?;
         for (k, v) in out.metrics {
             *sums.entry(k.to_string()).or_default() += v;
         }
