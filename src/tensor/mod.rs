@@ -1084,3 +1084,65 @@ pub fn dropout_keep(seed: u64, index: u64, p: f32) -> bool {
     // Top 24 bits as a uniform in [0, 1).
     ((h >> 40) as f32) * (1.0 / 16_777_216.0) >= p
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn clip_scale_clips_only_above_the_bound() {
+        // norm = sqrt(16) * 0.5 = 2.
+        assert_eq!(clip_scale(16.0, 0.5, 4.0), 0.5);
+        assert_eq!(clip_scale(16.0, 0.5, 0.0), 0.5);
+        assert!((clip_scale(16.0, 0.5, 1.0) - 0.25).abs() < 1e-15);
+    }
+
+    /// `adamw_multi` with a `NormClip` is `adamw_multi` with the clip's multiplier as
+    /// `grad_scale`, bit for bit.
+    #[test]
+    fn norm_clip_is_the_grad_scale_it_computes() {
+        let g: Vec<f32> = (0..37).map(|i| (i as f32 - 18.0) * 0.01).collect();
+        let run = |clip: bool| -> Vec<f32> {
+            let mut p = Tensor::cpu(vec![0.5; 37], &[37]).unwrap();
+            let mut grad = Tensor::cpu(g.clone(), &[37]).unwrap();
+            let mut m = Tensor::cpu(vec![0.0; 37], &[37]).unwrap();
+            let mut v = Tensor::cpu(vec![0.0; 37], &[37]).unwrap();
+            let sum_sq = sum_sq_multi(&[&grad]).unwrap();
+            let h = AdamW {
+                lr: 1e-2,
+                beta1: 0.9,
+                beta2: 0.999,
+                eps: 1e-8,
+                weight_decay: 0.0,
+                step: 1,
+                grad_scale: clip_scale(sum_sq.as_cpu().unwrap()[0], 0.5, 0.05) as f32,
+            };
+            let mut items = vec![AdamWItem {
+                param: &mut p,
+                grad: &mut grad,
+                m: &mut m,
+                v: &mut v,
+                compute: None,
+                lr: 1e-2,
+            }];
+            let norm_clip = clip.then_some(NormClip {
+                sum_sq: &sum_sq,
+                average: 0.5,
+                max_norm: 0.05,
+            });
+            adamw_multi(&mut items, h, norm_clip).unwrap();
+            // The first moment holds (1 - beta1) * g * multiplier: the clip applied.
+            m.to_vec().unwrap()
+        };
+        let (with_clip, explicit) = (run(true), run(false));
+        assert_eq!(with_clip, explicit);
+        let norm = g.iter().map(|&x| (x as f64).powi(2)).sum::<f64>().sqrt() * 0.5;
+        assert!(norm > 0.05, "the case must clip (norm {norm})");
+        let want = 0.1 * g[0] as f64 * 0.5 * 0.05 / norm;
+        assert!(
+            (with_clip[0] as f64 - want).abs() < 1e-7,
+            "{} vs {want}",
+            with_clip[0]
+        );
+    }
+}
