@@ -182,6 +182,36 @@ pub struct Timeline {
 }
 // SAFETY: the events belong to the backend's context and are used under the Mutex.
 unsafe impl Send for Profile {}
+
+/// Timeline launches recorded before they are folded into the table even without a
+/// `take_timeline` (a run that never asks, such as training, keeps a bounded event pool).
+const TIMELINE_MAX: usize = 1 << 16;
+
+impl Profile {
+    /// Adds the recorded timeline launches to `rows` and forgets them; returns their count, busy
+    /// time and span (ms). The stream must be idle.
+    fn fold_marks(&mut self) -> Result<(usize, f64, f64)> {
+        let marks = std::mem::take(&mut self.marks);
+        let n = marks.len();
+        let mut busy = 0.0;
+        for (i, name) in marks.into_iter().enumerate() {
+            let (e0, e1) = self.pool[i];
+            // SAFETY: both events were recorded and the stream is idle.
+            let ms = unsafe { drv::event::elapsed(e0, e1) }.map_err(|e| anyhow!("{e:?}"))? as f64;
+            busy += ms;
+            let row = self.rows.entry(name).or_insert((0, 0.0));
+            row.0 += 1;
+            row.1 += ms;
+        }
+        let span = match n {
+            0 => 0.0,
+            // SAFETY: as above.
+            n => unsafe { drv::event::elapsed(self.pool[0].0, self.pool[n - 1].1) }
+                .map_err(|e| anyhow!("{e:?}"))? as f64,
+        };
+        Ok((n, busy, span))
+    }
+}
 // SAFETY: the raw cuBLAS handle is only used on the backend's stream, and every driver call binds
 // the context first; the mutable state is behind Mutexes and atomics.
 unsafe impl Send for Inner {}
@@ -618,6 +648,13 @@ impl CudaBackend {
         let mut p = prof.lock().unwrap();
         let stream = self.inner.cu_stream();
         if p.timeline {
+            if p.marks.len() == TIMELINE_MAX {
+                self.inner
+                    .stream
+                    .synchronize()
+                    .map_err(|e| anyhow!("cuda: stream sync: {e:?}"))?;
+                p.fold_marks()?;
+            }
             let i = p.marks.len();
             if i == p.pool.len() {
                 let flags = sys::CUevent_flags::CU_EVENT_DEFAULT;
@@ -655,8 +692,8 @@ impl CudaBackend {
     }
 
     /// With `LORAFIT_PROFILE=timeline`: waits for the device, then reads the launches recorded
-    /// since the last call (their times also go to `profile_report`'s table); `None` in the other
-    /// modes.
+    /// since the last call (at most `TIMELINE_MAX`; their times also go to `profile_report`'s
+    /// table); `None` in the other modes.
     pub fn take_timeline(&self) -> Result<Option<Timeline>> {
         let Some(prof) = &self.inner.prof else {
             return Ok(None);
@@ -666,25 +703,7 @@ impl CudaBackend {
             return Ok(None);
         }
         self.synchronize()?;
-        let marks = std::mem::take(&mut p.marks);
-        let mut busy = 0.0;
-        for (i, name) in marks.iter().enumerate() {
-            let (e0, e1) = p.pool[i];
-            // SAFETY: both events were recorded and the stream is idle.
-            let ms = unsafe { drv::event::elapsed(e0, e1) }.map_err(|e| anyhow!("{e:?}"))? as f64;
-            busy += ms;
-            let row = p.rows.entry(name.clone()).or_insert((0, 0.0));
-            row.0 += 1;
-            row.1 += ms;
-        }
-        let span = match marks.len() {
-            0 => 0.0,
-            n => {
-                // SAFETY: as above.
-                unsafe { drv::event::elapsed(p.pool[0].0, p.pool[n - 1].1) }
-                    .map_err(|e| anyhow!("{e:?}"))? as f64
-            }
-        };
+        let (launches, busy, span) = p.fold_marks()?;
         let host_ms = match &self.inner.host_ns {
             Some(ns) => HOST_CALL_NAMES
                 .iter()
@@ -694,7 +713,7 @@ impl CudaBackend {
             None => Vec::new(),
         };
         Ok(Some(Timeline {
-            launches: marks.len(),
+            launches,
             host_ms,
             busy_ms: busy,
             span_ms: span,
