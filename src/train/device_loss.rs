@@ -46,6 +46,17 @@ const COEF: usize = 5;
 #[derive(Clone)]
 pub struct Reference(Arc<(DeviceValues, [(usize, usize); 3])>);
 
+impl Reference {
+    /// The chosen and rejected response sums (a sync point on CUDA); a bad reference logp is
+    /// reported here.
+    fn sums(&self) -> Result<(f64, f64)> {
+        let (values, spans) = &*self.0;
+        let v = values.to_host()?;
+        check_stats(&v, spans, "DPO reference")?;
+        Ok((v[1], v[2]))
+    }
+}
+
 /// An objective queued on the device; [`PendingLoss::finish`] reads it back.
 pub struct PendingLoss {
     stats: DeviceValues,
@@ -185,10 +196,7 @@ pub fn evaluate(
     let (stats, dlogp) = match logp.device() {
         Device::Cpu => {
             let reference = match reference {
-                Some(r) => {
-                    let v = r.0 .0.as_cpu()?;
-                    (v[1], v[2])
-                }
+                Some(r) => r.sums()?,
                 None => (0.0, 0.0),
             };
             let lp = logp.as_cpu()?;
@@ -258,12 +266,7 @@ impl PendingLoss {
         let stats = self.stats.to_host()?;
         check_stats(&stats, &self.spans, "objective")?;
         let reference = match &self.reference {
-            Some(r) => {
-                let (values, spans) = &*r.0;
-                let v = values.to_host()?;
-                check_stats(&v, spans, "DPO reference")?;
-                (v[1], v[2])
-            }
+            Some(r) => r.sums()?,
             None => (0.0, 0.0),
         };
         let out = on_sums(

@@ -95,8 +95,8 @@ pub fn slice_vector(x: &Tensor, start: usize, end: usize) -> Result<Tensor> {
     if start == 0 && end == x.numel() {
         return x.try_clone();
     }
-    let col = x.try_clone()?.reshape(&[x.numel(), 1])?;
-    ops::slice_rows(&col, start, end)?.reshape(&[end - start])
+    // A vector is one row: its elements are columns.
+    ops::slice_cols(x, start, end)?.reshape(&[end - start])
 }
 
 /// `logp_forward` on the device (`[N]` f32, nothing downloaded), also returning what
