@@ -1185,14 +1185,17 @@ fn attention_suite(cx: &mut Ctx, r: &mut Rng) -> Result<()> {
             cx.push(row);
         }
         if let (Device::Cuda(c), 64 | 128) = (cx.dev, hd) {
-            // The default above is the one-pass backward; the two-kernel version too.
-            c.set_attention_backward_version(2);
-            let got = attention_bwd(&dog, &qg, &kg, &vg, &oig, &lig, &mask, s);
-            c.set_attention_backward_version(0);
-            let (dq2, dk2, dv2) = got?;
-            for (name, g, c) in [("dq", &dq2, &dqc), ("dk", &dk2, &dkc), ("dv", &dv2, &dvc)] {
-                let row = cmp_t(&format!("{tag} bwd v2 {name}"), g, c, BF16_GRAD)?;
-                cx.push(row);
+            // The default above is the one-pass backward (its wgmma form on sm_90 at head_dim
+            // 128); the mma.sync one-pass and the two-kernel versions too.
+            for version in [4u8, 2] {
+                c.set_attention_backward_version(version);
+                let got = attention_bwd(&dog, &qg, &kg, &vg, &oig, &lig, &mask, s);
+                c.set_attention_backward_version(0);
+                let (dq2, dk2, dv2) = got?;
+                for (name, g, c) in [("dq", &dq2, &dqc), ("dk", &dk2, &dkc), ("dv", &dv2, &dvc)] {
+                    let row = cmp_t(&format!("{tag} bwd v{version} {name}"), g, c, BF16_GRAD)?;
+                    cx.push(row);
+                }
             }
         }
         if t >= 1000 && cx.dev.is_cuda() {
@@ -1327,12 +1330,13 @@ fn attn_timing(
         fwd,
         format!("{:.0} TFLOP/s (4*pairs*d)", fl / fwd / 1e9),
     ));
-    // The default backward (one pass where the head dim allows), then the two-kernel version.
+    // The default backward (one pass where the head dim allows), then the mma.sync one-pass and
+    // the two-kernel versions.
     let Device::Cuda(c) = cx.dev else {
         return Ok(());
     };
     let c = c.clone();
-    for (version, label) in [(0u8, "bwd"), (2, "bwd v2")] {
+    for (version, label) in [(0u8, "bwd"), (4, "bwd v4"), (2, "bwd v2")] {
         c.set_attention_backward_version(version);
         let bwd = cx.time(iters, || {
             attention_bwd(d_o, q, k, v, &o, &lse, mask, s).map(|_| ())

@@ -624,8 +624,9 @@ impl CudaBackend {
     pub fn set_attention_forward_version(&self, v: u8) {
         self.inner.attn_fwd_version.store(v, Ordering::Relaxed);
     }
-    /// Forces the attention backward for head_dim 64 / 128: 4 (or 0, the default) the one-pass
-    /// kernel, 2 the two-kernel version. For the parity suite, which checks both.
+    /// Forces the attention backward for head_dim 64 / 128: 0 (the default) the one-pass kernel
+    /// (on sm_90 at head_dim 128 its wgmma form, version 5), 4 the one-pass mma.sync kernel, 2
+    /// the two-kernel version. For the parity suite, which checks each.
     pub fn set_attention_backward_version(&self, v: u8) {
         self.inner.attn_bwd_version.store(v, Ordering::Relaxed);
     }
@@ -1020,7 +1021,8 @@ impl CudaBackend {
                 Some(m) => m.0,
                 None => {
                     let src = compile::module_source(mname)?;
-                    let bin = compile::compile(mname, &src, &self.inner.arch, true)
+                    let arch = compile::module_arch(mname, &self.inner.arch);
+                    let bin = compile::compile(mname, &src, &arch, true)
                         .with_context(|| format!("compiling kernel module {mname}"))?;
                     // SAFETY: `bin` is a complete CUBIN image for this device's architecture.
                     let m = unsafe { drv::module::load_data(bin.as_ptr() as *const c_void) }
@@ -1487,8 +1489,16 @@ impl CudaBackend {
             _ => t.div_ceil(128) * s.n_heads >= 4 * self.inner.sm_count as usize,
         };
         let (name, threads, rows) = Self::attn2_fn(kind, s, wide)?;
-        let smem = Self::attn2_smem(kind, s.head_dim, t);
         let limit = (self.inner.smem_optin - 1024).min(160 * 1024);
+        if name == "lf_attn4_bwd_128" && self.wgmma_backward() && Self::attn5_smem(t) as i64 <= limit as i64 {
+            return Some(AttnKernel {
+                name: "lf_attn5_bwd_128",
+                threads: 256,
+                grid: (t.div_ceil(128) as u32, s.n_heads as u32, 1),
+                smem: Self::attn5_smem(t),
+            });
+        }
+        let smem = Self::attn2_smem(kind, s.head_dim, t);
         (smem as i64 <= limit as i64).then_some(AttnKernel {
             name,
             threads,
@@ -1517,6 +1527,20 @@ impl CudaBackend {
             ("bwd", 128) => ("lf_attn4_bwd_128", 256, 128),
             _ => return None,
         })
+    }
+
+    /// Whether the one-pass backward at head_dim 128 runs on warpgroup MMAs (version 5): on
+    /// sm_90, unless version 4 is forced (`set_attention_backward_version(4)`).
+    fn wgmma_backward(&self) -> bool {
+        self.inner.arch == "sm_90" && self.inner.attn_bwd_version.load(Ordering::Relaxed) != 4
+    }
+
+    /// Dynamic shared memory of version 5's backward: swizzled K and V tiles (128 keys), two
+    /// buffers of Q and dO (64 queries), the dS^T tile, lse and D, the visibility bytes, and 1 KB
+    /// to align the tiles to 1024 bytes.
+    fn attn5_smem(t: usize) -> u32 {
+        let tile = 128 * 2;
+        ((2 * 128 + 4 * 64) * tile + 128 * 64 * 2 + 4 * 64 * 4 + t.div_ceil(64).next_multiple_of(16) + 1024) as u32
     }
 
     /// Dynamic shared memory of a version 2 kernel: padded tiles (row stride hd + 8) plus one

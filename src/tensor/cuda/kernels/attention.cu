@@ -1478,3 +1478,257 @@ extern "C" __global__ void lf_attn_dq_finish(const float* acc, bf16* dq, i64 n, 
     }
 INSTANTIATE4(64)
 INSTANTIATE4(128)
+
+// ================================================================================================
+// Backward v5 (head_dim 128, sm_90a only): version 4's one-pass algorithm on warpgroup MMAs
+// (wgmma.mma_async), which issue from shared memory at about twice the rate of mma.sync.
+// Block: 128 keys, two warpgroups (warpgroup wg owns keys 64wg.., warp w keys 16w..), one
+// 64-query tile at a time, double-buffered by cp.async. Per tile pair:
+//   S^T = K Q^T, dP^T = V dO^T           (A and B K-major in shared memory)
+//   P^T, dS^T in registers                (version 4's elementwise step)
+//   dV += P^T dO, dK += dS^T Q            (A from registers, B = dO / Q read N-major)
+//   dS^T to shared memory; dQ = dS K      (A = dS^T read M-major, B = K read N-major; warpgroup wg
+//                                          computes head dims 64wg..) added with vector atomics.
+// Same arguments, outputs and contract as lf_attn4_bwd_128.
+//
+// Shared tiles use the 128-byte swizzle that wgmma descriptors describe: a tile of R rows x 128
+// bf16 is two column halves of R rows x 128 bytes, and 16-byte chunk c of row r sits at chunk
+// c ^ (r % 8) of its row. Every half starts on a 1024-byte boundary (descriptor base offset 0).
+// K-major descriptors step 32 bytes per k16 inside a half (leading offset unused) with 1024 bytes
+// between 8-row groups; MN-major ones step 16 rows (2048 bytes) per k16, with the leading offset
+// the distance between the two column halves.
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+
+__device__ __forceinline__ u64 wg_desc(const void* p, u32 lead, u32 stride) {
+    const u32 a = smem_u32(p);
+    return (u64)((a & 0x3FFFF) >> 4) | ((u64)((lead & 0x3FFFF) >> 4) << 16) |
+           ((u64)((stride & 0x3FFFF) >> 4) << 32) | (1ull << 62);
+}
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wg_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
+// Generic-proxy writes to shared memory (cp.async, st.shared) made visible to wgmma's reads.
+__device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+// Pins accumulator registers at this point of the program (no reads or writes moved across).
+template <int N>
+__device__ __forceinline__ void wg_pin(float* d) {
+    #pragma unroll
+    for (int i = 0; i < N; i++) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// wgmma wrappers (generated operand lists). D += A B over k16; A and B from shared memory (ss) or A
+// from registers (rs). TA / TB: 1 when the shared operand is MN-major (transposed) rather than
+// K-major. Accumulate is always on (callers zero their accumulators).
+template <int TA, int TB>
+__device__ __forceinline__ void wg_ss_n64(float* d, u64 da, u64 db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p, 1, 1, %34, %35;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "l"(da), "l"(db), "n"(TA), "n"(TB));
+}
+__device__ __forceinline__ void wg_rs_n128_tb(float* d, const u32* a, u64 db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, {%64,%65,%66,%67}, %68, p, 1, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+}
+
+// Rows [row0, row0 + NR) of a row-major [*, 128] bf16 matrix (row stride `stride`, `src` at the
+// head's column) into the swizzled layout above (cp.async, not committed); rows >= t are zeros.
+template <int NR, int NT>
+__device__ __forceinline__ void cp_tile_sw(bf16* dst, const bf16* src, i64 stride, int row0, int t) {
+    #pragma unroll
+    for (int idx = threadIdx.x; idx < NR * 16; idx += NT) {
+        const int r = idx >> 4, c = idx & 15, gr = row0 + r;
+        const bool ok = gr < t;
+        unsigned char* d = (unsigned char*)dst + (c >> 3) * (NR * 128) + r * 128 + (((c & 7) ^ (r & 7)) << 4);
+        cp_async16(d, src + (i64)(ok ? gr : 0) * stride + c * 8, ok);
+    }
+}
+
+__device__ void attn5_bwd(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v,
+                          const bf16* __restrict__ d_o, const float* __restrict__ lse,
+                          const float* __restrict__ dd, float* __restrict__ dq_acc, bf16* __restrict__ dk,
+                          bf16* __restrict__ dv, float* __restrict__ dk_part, float* __restrict__ dv_part, Mask mk,
+                          int t, int nh, int nkv, float scale) {
+    constexpr int HD = 128, BK_ = 128, BQ_ = 64, NT = 256;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    unsigned char* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
+    bf16* ks = (bf16*)smem;              // [2 halves][128 keys][64]
+    bf16* vs = ks + BK_ * HD;            // same
+    bf16* qs = vs + BK_ * HD;            // 2 buffers of [2 halves][64 queries][64]
+    bf16* dos = qs + 2 * BQ_ * HD;       // same
+    bf16* dst = dos + 2 * BQ_ * HD;      // dS^T [128 keys][64 queries]
+    float* ls = (float*)(dst + BK_ * BQ_);
+    float* dsum = ls + 2 * BQ_;
+    unsigned char* fl = (unsigned char*)(dsum + 2 * BQ_);
+
+    const int h = blockIdx.y, group = nh / nkv, kvh = h / group;
+    const int k0 = blockIdx.x * BK_;
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, wg = w >> 2, g = lane >> 2, tq = lane & 3;
+    const i64 qstride = (i64)nh * HD, kstride = (i64)nkv * HD;
+    const float sl2 = scale * LOG2E;
+    const int nqt = (t + BQ_ - 1) / BQ_;
+    const bf16* qg = q + (i64)h * HD;
+    const bf16* og = d_o + (i64)h * HD;
+    const float* lg = lse + (i64)h * t;
+    const float* dg = dd + (i64)h * t;
+
+    cp_tile_sw<BK_, NT>(ks, k + (i64)kvh * HD, kstride, k0, t);
+    cp_tile_sw<BK_, NT>(vs, v + (i64)kvh * HD, kstride, k0, t);
+    cp_async_commit();
+    for (int it = threadIdx.x; it < nqt; it += NT) fl[it] = tile_flag(mk, t, it, 1, blockIdx.x * 2, 2);
+    __syncthreads();
+    auto load_q = [&](int it, int b) {
+        const int q0 = it * BQ_;
+        cp_tile_sw<BQ_, NT>(qs + b * BQ_ * HD, qg, qstride, q0, t);
+        cp_tile_sw<BQ_, NT>(dos + b * BQ_ * HD, og, qstride, q0, t);
+        if (threadIdx.x < BQ_) {
+            const int qi = q0 + threadIdx.x;
+            cp_async4(ls + b * BQ_ + threadIdx.x, lg + (qi < t ? qi : 0), qi < t);
+        } else if (threadIdx.x < 2 * BQ_) {
+            const int qi = q0 + threadIdx.x - BQ_;
+            cp_async4(dsum + b * BQ_ + threadIdx.x - BQ_, dg + (qi < t ? qi : 0), qi < t);
+        }
+    };
+    int cur = next_visible(fl, 0, nqt);
+    if (cur < nqt) load_q(cur, 0);
+    cp_async_commit();
+
+    const int ka = k0 + 16 * w + g, kb = ka + 8;
+    const int kpa = ka < t ? mk.pos[ka] : 0, kpb = kb < t ? mk.pos[kb] : 0;
+    float adk[HD / 8][4], adv[HD / 8][4];
+    #pragma unroll
+    for (int i = 0; i < HD / 8; i++) {
+        adk[i][0] = adk[i][1] = adk[i][2] = adk[i][3] = 0.f;
+        adv[i][0] = adv[i][1] = adv[i][2] = adv[i][3] = 0.f;
+    }
+    // This warpgroup's 64 rows of the K and V tiles (K-major A operands).
+    const bf16* kw = ks + (64 * wg) * 64;
+    const bf16* vw = vs + (64 * wg) * 64;
+
+    int buf = 0;
+    while (cur < nqt) {
+        const int nxt = next_visible(fl, cur + 1, nqt);
+        if (nxt < nqt) load_q(nxt, buf ^ 1);
+        cp_async_commit();
+        cp_async_wait<1>();
+        fence_async_smem();
+        __syncthreads();
+        const bf16* qb = qs + buf * BQ_ * HD;
+        const bf16* ob = dos + buf * BQ_ * HD;
+        const float* lb = ls + buf * BQ_;
+        const float* db = dsum + buf * BQ_;
+        const int q0 = cur * BQ_;
+
+        float s[32], dp[32];
+        #pragma unroll
+        for (int i = 0; i < 32; i++) s[i] = dp[i] = 0.f;
+        wg_fence();
+        #pragma unroll
+        for (int kk = 0; kk < HD / 16; kk++) {
+            const int off_k = (kk >> 2) * (BK_ * 64) + (kk & 3) * 16, off_q = (kk >> 2) * (BQ_ * 64) + (kk & 3) * 16;
+            wg_ss_n64<0, 0>(s, wg_desc(kw + off_k, 16, 1024), wg_desc(qb + off_q, 16, 1024));
+        }
+        #pragma unroll
+        for (int kk = 0; kk < HD / 16; kk++) {
+            const int off_k = (kk >> 2) * (BK_ * 64) + (kk & 3) * 16, off_q = (kk >> 2) * (BQ_ * 64) + (kk & 3) * 16;
+            wg_ss_n64<0, 0>(dp, wg_desc(vw + off_k, 16, 1024), wg_desc(ob + off_q, 16, 1024));
+        }
+        wg_commit();
+        wg_wait<0>();
+        wg_pin<32>(s);
+        wg_pin<32>(dp);
+
+        // P^T and dS^T: element e of column block j is key (e < 2 ? ka : kb), query 8j + 2tq + (e & 1).
+        const bool tile_all = fl[cur] == 2;
+        #pragma unroll
+        for (int j = 0; j < 8; j++) {
+            #pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int ql = j * 8 + 2 * tq + (e & 1);
+                float p = exp2f(s[4 * j + e] * sl2 - lb[ql] * LOG2E);
+                if (!tile_all) {
+                    const int qi = q0 + ql, kx = e < 2 ? ka : kb;
+                    bool vis = false;
+                    if (qi < t && kx < t) vis = visible(mk.ranges[qi], mk.pos[qi], kx, e < 2 ? kpa : kpb, mk.window);
+                    if (!vis) p = 0.f;
+                }
+                s[4 * j + e] = p;
+                dp[4 * j + e] = p * (dp[4 * j + e] - db[ql]);
+            }
+        }
+        u32 pf[4][4], sf[4][4];
+        #pragma unroll
+        for (int kk = 0; kk < 4; kk++) {
+            pf[kk][0] = pack_bf16(s[8 * kk + 0], s[8 * kk + 1]);
+            pf[kk][1] = pack_bf16(s[8 * kk + 2], s[8 * kk + 3]);
+            pf[kk][2] = pack_bf16(s[8 * kk + 4], s[8 * kk + 5]);
+            pf[kk][3] = pack_bf16(s[8 * kk + 6], s[8 * kk + 7]);
+            sf[kk][0] = pack_bf16(dp[8 * kk + 0], dp[8 * kk + 1]);
+            sf[kk][1] = pack_bf16(dp[8 * kk + 2], dp[8 * kk + 3]);
+            sf[kk][2] = pack_bf16(dp[8 * kk + 4], dp[8 * kk + 5]);
+            sf[kk][3] = pack_bf16(dp[8 * kk + 6], dp[8 * kk + 7]);
+        }
+        wg_fence();
+        #pragma unroll
+        for (int kk = 0; kk < 4; kk++) wg_rs_n128_tb(&adv[0][0], pf[kk], wg_desc(ob + kk * 16 * 64, BQ_ * 128, 1024));
+        #pragma unroll
+        for (int kk = 0; kk < 4; kk++) wg_rs_n128_tb(&adk[0][0], sf[kk], wg_desc(qb + kk * 16 * 64, BQ_ * 128, 1024));
+        wg_commit();
+        // dS^T rows 16w + g and 16w + g + 8 to shared memory (query pairs: one 4-byte store each).
+        {
+            const int ra = 16 * w + g, rb = ra + 8;
+            unsigned char* base = (unsigned char*)dst;
+            #pragma unroll
+            for (int kk = 0; kk < 4; kk++) {
+                #pragma unroll
+                for (int hj = 0; hj < 2; hj++) {
+                    const int j = 2 * kk + hj;
+                    *(u32*)(base + ra * 128 + ((j ^ (ra & 7)) << 4) + 4 * tq) = sf[kk][2 * hj];
+                    *(u32*)(base + rb * 128 + ((j ^ (rb & 7)) << 4) + 4 * tq) = sf[kk][2 * hj + 1];
+                }
+            }
+        }
+        fence_async_smem();
+        __syncthreads();
+        float aq[32];
+        #pragma unroll
+        for (int i = 0; i < 32; i++) aq[i] = 0.f;
+        wg_fence();
+        #pragma unroll
+        for (int kk = 0; kk < BK_ / 16; kk++)
+            wg_ss_n64<1, 1>(aq, wg_desc(dst + kk * 16 * 64, 8192, 1024),
+                            wg_desc(ks + wg * (BK_ * 64) + kk * 16 * 64, 8192, 1024));
+        wg_commit();
+        wg_wait<0>();
+        wg_pin<32>(aq);
+        wg_pin<64>(&adv[0][0]);
+        wg_pin<64>(&adk[0][0]);
+        {
+            const int ra = q0 + 16 * (w & 3) + g, rb = ra + 8;
+            #pragma unroll
+            for (int j = 0; j < 8; j++) {
+                const i64 col = (i64)h * HD + 64 * wg + 8 * j + 2 * tq;
+                if (ra < t) red_add2(dq_acc + (i64)ra * qstride + col, aq[4 * j], aq[4 * j + 1]);
+                if (rb < t) red_add2(dq_acc + (i64)rb * qstride + col, aq[4 * j + 2], aq[4 * j + 3]);
+            }
+        }
+        __syncthreads();
+        cur = nxt;
+        buf ^= 1;
+    }
+    key_tile_store<HD>(adk, adv, dk, dv, dk_part, dv_part, h, kvh, group, ka, kb, t, nkv, scale, tq);
+}
+#endif
+
+extern "C" __global__ void __launch_bounds__(256, 1) lf_attn5_bwd_128(
+    const bf16* q, const bf16* k, const bf16* v, const bf16* d_o, const float* lse, const float* dd, float* dq_acc,
+    bf16* dk, bf16* dv, float* dk_part, float* dv_part, Mask mk, int t, int nh, int nkv, float scale) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    attn5_bwd(q, k, v, d_o, lse, dd, dq_acc, dk, dv, dk_part, dv_part, mk, t, nh, nkv, scale);
+#endif
+}
