@@ -619,8 +619,9 @@ impl CudaBackend {
         }
         drv::mem_get_info().map_err(|e| anyhow!("cuda: cuMemGetInfo: {e:?}"))
     }
-    /// Forces the attention forward kernel version for head_dim 64 / 128 (2 or 3; 0: by grid
-    /// size, the default). For the parity suite, which checks both.
+    /// Forces the attention forward kernel version for head_dim 64 / 128 (2 or 3; 0, the
+    /// default: version 5 (wgmma) at head_dim 128 on sm_90, else by grid size). For the parity
+    /// suite, which checks each.
     pub fn set_attention_forward_version(&self, v: u8) {
         self.inner.attn_fwd_version.store(v, Ordering::Relaxed);
     }
@@ -1038,7 +1039,7 @@ impl CudaBackend {
             .map_err(|e| anyhow!("cuda: kernel {name} not found: {e:?}"))?;
         if mname == "attention" {
             // The largest attention kernel needs about 88 KB (head_dim 128).
-            let want = (self.inner.smem_optin - 1024).min(160 * 1024);
+            let want = (self.inner.smem_optin - 1024).min(200 * 1024);
             ensure!(
                 want >= Self::attn_smem("dq", 128) as i32,
                 "cuda: the device allows only {} bytes of shared memory per block",
@@ -1489,8 +1490,26 @@ impl CudaBackend {
             _ => t.div_ceil(128) * s.n_heads >= 4 * self.inner.sm_count as usize,
         };
         let (name, threads, rows) = Self::attn2_fn(kind, s, wide)?;
-        let limit = (self.inner.smem_optin - 1024).min(160 * 1024);
-        if name == "lf_attn4_bwd_128" && self.wgmma_backward() && Self::attn5_smem(t) as i64 <= limit as i64 {
+        let limit = (self.inner.smem_optin - 1024).min(200 * 1024);
+        let fwd5_smem = (128 * 128 * 2 * 5 + t.div_ceil(128).next_multiple_of(16) + 1024) as u32;
+        if kind == "fwd"
+            && s.head_dim == 128
+            && self.inner.arch == "sm_90"
+            && !matches!(self.inner.attn_fwd_version.load(Ordering::Relaxed), 2 | 3)
+            && fwd5_smem as i64 <= limit as i64
+        {
+            // Version 5: wgmma, 128 query rows per block, two 128-key K and V buffers each.
+            return Some(AttnKernel {
+                name: "lf_attn5_fwd_128",
+                threads: 256,
+                grid: (t.div_ceil(128) as u32, s.n_heads as u32, 1),
+                smem: fwd5_smem,
+            });
+        }
+        if name == "lf_attn4_bwd_128"
+            && self.wgmma_backward()
+            && Self::attn5_smem(t) as i64 <= limit as i64
+        {
             return Some(AttnKernel {
                 name: "lf_attn5_bwd_128",
                 threads: 256,
@@ -1536,11 +1555,16 @@ impl CudaBackend {
     }
 
     /// Dynamic shared memory of version 5's backward: swizzled K and V tiles (128 keys), two
-    /// buffers of Q and dO (64 queries), the dS^T tile, lse and D, the visibility bytes, and 1 KB
-    /// to align the tiles to 1024 bytes.
+    /// buffers of Q and dO (64 queries), the dS^T tile, lse and D, the staged f32 dQ tile (rows
+    /// of 136), the visibility bytes, and 1 KB to align the tiles to 1024 bytes.
     fn attn5_smem(t: usize) -> u32 {
         let tile = 128 * 2;
-        ((2 * 128 + 4 * 64) * tile + 128 * 64 * 2 + 4 * 64 * 4 + t.div_ceil(64).next_multiple_of(16) + 1024) as u32
+        ((2 * 128 + 4 * 64) * tile
+            + 128 * 64 * 2
+            + 4 * 64 * 4
+            + 64 * 136 * 4
+            + t.div_ceil(64).next_multiple_of(16)
+            + 1024) as u32
     }
 
     /// Dynamic shared memory of a version 2 kernel: padded tiles (row stride hd + 8) plus one

@@ -1517,16 +1517,38 @@ __device__ __forceinline__ void wg_pin(float* d) {
     for (int i = 0; i < N; i++) asm volatile("" : "+f"(d[i])::"memory");
 }
 
-// wgmma wrappers (generated operand lists). D += A B over k16; A and B from shared memory (ss) or A
-// from registers (rs). TA / TB: 1 when the shared operand is MN-major (transposed) rather than
-// K-major. Accumulate is always on (callers zero their accumulators).
-template <int TA, int TB>
+// wgmma wrappers (generated operand lists). D = A B (ACC 0) or D += A B (ACC 1) over k16; A and B
+// from shared memory (ss) or A from registers (rs). TA / TB: 1 when the shared operand is MN-major
+// (transposed) rather than K-major.
+template <int ACC, int TA, int TB>
 __device__ __forceinline__ void wg_ss_n64(float* d, u64 da, u64 db) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p, 1, 1, %34, %35;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-        : "l"(da), "l"(db), "n"(TA), "n"(TB));
+    if (ACC) {
+        asm volatile(
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, 1, 1, 1, %34, %35;\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+            : "l"(da), "l"(db), "n"(TA), "n"(TB));
+    } else {
+        // Write-only accumulators: the first k16 step of a product reads nothing from them.
+        asm volatile(
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, 0, 1, 1, %34, %35;\n"
+            : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3]), "=f"(d[4]), "=f"(d[5]), "=f"(d[6]), "=f"(d[7]), "=f"(d[8]), "=f"(d[9]), "=f"(d[10]), "=f"(d[11]), "=f"(d[12]), "=f"(d[13]), "=f"(d[14]), "=f"(d[15]), "=f"(d[16]), "=f"(d[17]), "=f"(d[18]), "=f"(d[19]), "=f"(d[20]), "=f"(d[21]), "=f"(d[22]), "=f"(d[23]), "=f"(d[24]), "=f"(d[25]), "=f"(d[26]), "=f"(d[27]), "=f"(d[28]), "=f"(d[29]), "=f"(d[30]), "=f"(d[31])
+            : "l"(da), "l"(db), "n"(TA), "n"(TB));
+    }
+}
+template <int ACC, int TA, int TB>
+__device__ __forceinline__ void wg_ss_n128(float* d, u64 da, u64 db) {
+    if (ACC) {
+        asm volatile(
+            "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, %64, %65, 1, 1, 1, %66, %67;\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+            : "l"(da), "l"(db), "n"(TA), "n"(TB));
+    } else {
+        // Write-only accumulators: the first k16 step of a product reads nothing from them.
+        asm volatile(
+            "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, %64, %65, 0, 1, 1, %66, %67;\n"
+            : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3]), "=f"(d[4]), "=f"(d[5]), "=f"(d[6]), "=f"(d[7]), "=f"(d[8]), "=f"(d[9]), "=f"(d[10]), "=f"(d[11]), "=f"(d[12]), "=f"(d[13]), "=f"(d[14]), "=f"(d[15]), "=f"(d[16]), "=f"(d[17]), "=f"(d[18]), "=f"(d[19]), "=f"(d[20]), "=f"(d[21]), "=f"(d[22]), "=f"(d[23]), "=f"(d[24]), "=f"(d[25]), "=f"(d[26]), "=f"(d[27]), "=f"(d[28]), "=f"(d[29]), "=f"(d[30]), "=f"(d[31]), "=f"(d[32]), "=f"(d[33]), "=f"(d[34]), "=f"(d[35]), "=f"(d[36]), "=f"(d[37]), "=f"(d[38]), "=f"(d[39]), "=f"(d[40]), "=f"(d[41]), "=f"(d[42]), "=f"(d[43]), "=f"(d[44]), "=f"(d[45]), "=f"(d[46]), "=f"(d[47]), "=f"(d[48]), "=f"(d[49]), "=f"(d[50]), "=f"(d[51]), "=f"(d[52]), "=f"(d[53]), "=f"(d[54]), "=f"(d[55]), "=f"(d[56]), "=f"(d[57]), "=f"(d[58]), "=f"(d[59]), "=f"(d[60]), "=f"(d[61]), "=f"(d[62]), "=f"(d[63])
+            : "l"(da), "l"(db), "n"(TA), "n"(TB));
+    }
 }
 __device__ __forceinline__ void wg_rs_n128_tb(float* d, const u32* a, u64 db) {
     asm volatile(
@@ -1549,6 +1571,227 @@ __device__ __forceinline__ void cp_tile_sw(bf16* dst, const bf16* src, i64 strid
     }
 }
 
+// Forward v5 (head_dim 128, sm_90a): 128 query rows per block (warpgroup wg: rows 64wg.., warp w:
+// rows 16w..), 128-key tiles. S = Q K^T (both K-major) and O += P V (P from registers, V read
+// N-major) on wgmma, software-pipelined within each warpgroup: the scores of the next key tile
+// are computed while this tile's P V runs, and O is rescaled once that product has landed.
+// K and V have two buffers each, loaded one tile apart (K_{i+2} and V_{i+1} during tile i), so one
+// barrier per tile suffices. Same masking, LSE and outputs as versions 2 and 3.
+__device__ __forceinline__ void fwd5_softmax(float* s, u32 (&pn)[8][4], float& m_a, float& m_b, float& l_a,
+                                             float& l_b, float& al_a, float& al_b, const Mask& mk, bool tile_all,
+                                             int ra, int rb, int k0, int t, float sl2, int tq) {
+    if (!tile_all) {
+        const bool oka = ra < t, okb = rb < t;
+        const uint4 empty = make_uint4(0, 0, 0, 0);
+        const uint4 rga = oka ? mk.ranges[ra] : empty, rgb = okb ? mk.ranges[rb] : empty;
+        const int pa = oka ? mk.pos[ra] : 0, pb = okb ? mk.pos[rb] : 0;
+        #pragma unroll
+        for (int j = 0; j < 16; j++) {
+            #pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int kx = k0 + j * 8 + 2 * tq + (e & 1);
+                const bool vis = e < 2 ? vis2(mk, rga, pa, oka, kx, t) : vis2(mk, rgb, pb, okb, kx, t);
+                if (!vis) s[4 * j + e] = -LF_INF;
+            }
+        }
+    }
+    float mx_a = -LF_INF, mx_b = -LF_INF;
+    #pragma unroll
+    for (int j = 0; j < 16; j++) {
+        mx_a = fmaxf(mx_a, fmaxf(s[4 * j], s[4 * j + 1]));
+        mx_b = fmaxf(mx_b, fmaxf(s[4 * j + 2], s[4 * j + 3]));
+    }
+    mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 1));
+    mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 2));
+    mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 1));
+    mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 2));
+    const float mn_a = fmaxf(m_a, mx_a * sl2), mn_b = fmaxf(m_b, mx_b * sl2);
+    const float mu_a = mn_a == -LF_INF ? 0.f : mn_a, mu_b = mn_b == -LF_INF ? 0.f : mn_b;
+    al_a = exp2f(m_a - mu_a);
+    al_b = exp2f(m_b - mu_b);
+    m_a = mn_a;
+    m_b = mn_b;
+    float ps_a = 0.f, ps_b = 0.f;
+    #pragma unroll
+    for (int j = 0; j < 16; j++) {
+        s[4 * j] = exp2f(fmaf(s[4 * j], sl2, -mu_a));
+        s[4 * j + 1] = exp2f(fmaf(s[4 * j + 1], sl2, -mu_a));
+        s[4 * j + 2] = exp2f(fmaf(s[4 * j + 2], sl2, -mu_b));
+        s[4 * j + 3] = exp2f(fmaf(s[4 * j + 3], sl2, -mu_b));
+        ps_a += s[4 * j] + s[4 * j + 1];
+        ps_b += s[4 * j + 2] + s[4 * j + 3];
+    }
+    l_a = l_a * al_a + ps_a;
+    l_b = l_b * al_b + ps_b;
+    #pragma unroll
+    for (int kk = 0; kk < 8; kk++) {
+        pn[kk][0] = pack_bf16(s[8 * kk + 0], s[8 * kk + 1]);
+        pn[kk][1] = pack_bf16(s[8 * kk + 2], s[8 * kk + 3]);
+        pn[kk][2] = pack_bf16(s[8 * kk + 4], s[8 * kk + 5]);
+        pn[kk][3] = pack_bf16(s[8 * kk + 6], s[8 * kk + 7]);
+    }
+}
+
+// S = Q_wg K^T for one 128-key tile (qw: the warpgroup's 64 rows of the Q tile; kb: the K buffer).
+__device__ __forceinline__ void fwd5_scores(float* s, const bf16* qw, const bf16* kb) {
+    wg_ss_n128<0, 0, 0>(s, wg_desc(qw, 16, 1024), wg_desc(kb, 16, 1024));
+    #pragma unroll
+    for (int kk = 1; kk < 8; kk++) {
+        const int hf = kk >> 2, o = (kk & 3) * 16;
+        wg_ss_n128<1, 0, 0>(s, wg_desc(qw + hf * (128 * 64) + o, 16, 1024), wg_desc(kb + hf * (128 * 64) + o, 16, 1024));
+    }
+}
+
+// A use of A-operand registers after the wait for their product: keeps the compiler from
+// reusing them for values computed while that product is in flight.
+__device__ __forceinline__ void wg_keep(const u32 (&a)[8][4]) {
+    #pragma unroll
+    for (int i = 0; i < 8; i++)
+        #pragma unroll
+        for (int e = 0; e < 4; e++) asm volatile("" ::"r"(a[i][e]));
+}
+
+// O += P V for one 128-key tile (P: the warpgroup's bf16 probabilities, A fragments per k16 step).
+__device__ __forceinline__ void fwd5_pv(float* acc, const u32 (&pf)[8][4], const bf16* vb) {
+    #pragma unroll
+    for (int kk = 0; kk < 8; kk++) wg_rs_n128_tb(acc, pf[kk], wg_desc(vb + kk * 16 * 64, 128 * 128, 1024));
+}
+
+__device__ void attn5_fwd(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v,
+                          bf16* __restrict__ o, float* __restrict__ lse, Mask mk, int t, int nh, int nkv,
+                          float scale) {
+    constexpr int HD = 128, BQ_ = 128, BK_ = 128, NT = 256;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    unsigned char* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
+    bf16* qs = (bf16*)smem;         // [2 halves][128 rows][64]
+    bf16* ks = qs + BQ_ * HD;       // 2 buffers, same layout
+    bf16* vs = ks + 2 * BK_ * HD;   // 2 buffers
+    unsigned char* fl = (unsigned char*)(vs + 2 * BK_ * HD);
+
+    const int h = blockIdx.y, kvh = h / (nh / nkv);
+    const int q0 = (gridDim.x - 1 - blockIdx.x) * BQ_;
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, wg = w >> 2, g = lane >> 2, tq = lane & 3;
+    const i64 qstride = (i64)nh * HD, kstride = (i64)nkv * HD;
+    const float sl2 = scale * LOG2E;
+    const int n = (t + BK_ - 1) / BK_;
+    const bf16* kg = k + (i64)kvh * HD;
+    const bf16* vg = v + (i64)kvh * HD;
+    const int ra = q0 + 16 * w + g, rb = ra + 8;
+
+    cp_tile_sw<BQ_, NT>(qs, q + (i64)h * HD, qstride, q0, t);
+    for (int kt = threadIdx.x; kt < n; kt += NT) fl[kt] = tile_flag(mk, t, q0 / 64, 2, kt * 2, 2);
+    __syncthreads();
+    int cur = next_visible(fl, 0, n);
+    int nxt = cur < n ? next_visible(fl, cur + 1, n) : n;
+    if (cur < n) {
+        cp_tile_sw<BK_, NT>(ks, kg, kstride, cur * BK_, t);
+        cp_tile_sw<BK_, NT>(vs, vg, kstride, cur * BK_, t);
+    }
+    cp_async_commit();
+    if (nxt < n) cp_tile_sw<BK_, NT>(ks + BK_ * HD, kg, kstride, nxt * BK_, t);
+    cp_async_commit();
+
+    float acc[64];
+    #pragma unroll
+    for (int i = 0; i < 64; i++) acc[i] = 0.f;
+    float m_a = -LF_INF, m_b = -LF_INF, l_a = 0.f, l_b = 0.f, al_a, al_b;
+    const bf16* qw = qs + (64 * wg) * 64;
+    float s[64];
+    u32 pf[8][4];
+    if (cur < n) {
+        cp_async_wait<1>();
+        fence_async_smem();
+        __syncthreads();
+        wg_fence();
+        fwd5_scores(s, qw, ks);
+        wg_commit();
+        wg_wait<0>();
+        wg_pin<64>(s);
+        fwd5_softmax(s, pf, m_a, m_b, l_a, l_b, al_a, al_b, mk, fl[cur] == 2, ra, rb, cur * BK_, t, sl2, tq);
+    }
+    int b = 0;  // buffer of K_cur and V_cur; K_nxt and V_nxt use b ^ 1
+    // Each pass: P_cur V_cur and the scores of the next tile; the last tile's P V comes after.
+    while (nxt < n) {
+        const int nxt2 = next_visible(fl, nxt + 1, n);
+        cp_async_wait<0>();
+        fence_async_smem();
+        __syncthreads();
+        if (nxt2 < n) cp_tile_sw<BK_, NT>(ks + b * BK_ * HD, kg, kstride, nxt2 * BK_, t);
+        cp_tile_sw<BK_, NT>(vs + (b ^ 1) * BK_ * HD, vg, kstride, nxt * BK_, t);
+        cp_async_commit();
+        wg_fence();
+        fwd5_scores(s, qw, ks + (b ^ 1) * BK_ * HD);
+        wg_commit();
+        fwd5_pv(acc, pf, vs + b * BK_ * HD);
+        wg_commit();
+        u32 pn[8][4];
+        wg_wait<1>();
+        wg_pin<64>(s);
+        fwd5_softmax(s, pn, m_a, m_b, l_a, l_b, al_a, al_b, mk, fl[nxt] == 2, ra, rb, nxt * BK_, t, sl2, tq);
+        wg_wait<0>();
+        wg_pin<64>(acc);
+        wg_keep(pf);  // P_cur stays in its registers until its product has landed
+        #pragma unroll
+        for (int j = 0; j < 16; j++) {
+            acc[4 * j] *= al_a;
+            acc[4 * j + 1] *= al_a;
+            acc[4 * j + 2] *= al_b;
+            acc[4 * j + 3] *= al_b;
+        }
+        #pragma unroll
+        for (int kk = 0; kk < 8; kk++)
+            #pragma unroll
+            for (int e = 0; e < 4; e++) {
+                pf[kk][e] = pn[kk][e];
+                asm volatile("" : "+r"(pf[kk][e]));  // the copy happens here, before the next fence
+            }
+        cur = nxt;
+        nxt = nxt2;
+        b ^= 1;
+    }
+    if (cur < n) {
+        cp_async_wait<0>();
+        fence_async_smem();
+        __syncthreads();
+        wg_fence();
+        fwd5_pv(acc, pf, vs + b * BK_ * HD);
+        wg_commit();
+        wg_wait<0>();
+        wg_pin<64>(acc);
+    }
+
+    #pragma unroll
+    for (int hb = 0; hb < 2; hb++) {
+        float li = hb ? l_b : l_a;
+        li += __shfl_xor_sync(0xffffffffu, li, 1);
+        li += __shfl_xor_sync(0xffffffffu, li, 2);
+        const float inv = li > 0.f ? 1.f / li : 0.f;
+        const int row = hb ? rb : ra;
+        if (row < t) {
+            #pragma unroll
+            for (int j = 0; j < 16; j++) {
+                const int d = j * 8 + 2 * tq;
+                *(u32*)(o + (i64)row * qstride + (i64)h * HD + d) =
+                    pack_bf16(acc[4 * j + 2 * hb] * inv, acc[4 * j + 2 * hb + 1] * inv);
+            }
+            if (tq == 0) lse[(i64)h * t + row] = li > 0.f ? ((hb ? m_b : m_a) + log2f(li)) * LN2 : -LF_INF;
+        }
+    }
+}
+
+// dQ leaves the block through shared memory: each tile pair's dQ is staged there (rows padded to
+// 136 floats) and added to the f32 accumulator by the bulk-copy unit, one cp.reduce.async.bulk
+// per query row, issued one tile pair later. Measured against per-element vector atomics from
+// registers: 23.0 against 24.5 ms at T=18432, 32/8 heads.
+__device__ __forceinline__ void bulk_add_f32(float* dst, const float* src, u32 bytes) {
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst),
+                 "r"(smem_u32(src)), "r"(bytes)
+                 : "memory");
+    asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+}
+__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
+__device__ __forceinline__ void bulk_wait() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
+
 __device__ void attn5_bwd(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v,
                           const bf16* __restrict__ d_o, const float* __restrict__ lse,
                           const float* __restrict__ dd, float* __restrict__ dq_acc, bf16* __restrict__ dk,
@@ -1564,7 +1807,9 @@ __device__ void attn5_bwd(const bf16* __restrict__ q, const bf16* __restrict__ k
     bf16* dst = dos + 2 * BQ_ * HD;      // dS^T [128 keys][64 queries]
     float* ls = (float*)(dst + BK_ * BQ_);
     float* dsum = ls + 2 * BQ_;
-    unsigned char* fl = (unsigned char*)(dsum + 2 * BQ_);
+    constexpr int DQS = HD + 8;          // f32 row stride of the staged dQ tile
+    float* dqs = dsum + 2 * BQ_;
+    unsigned char* fl = (unsigned char*)(dqs + BQ_ * DQS);
 
     const int h = blockIdx.y, group = nh / nkv, kvh = h / group;
     const int k0 = blockIdx.x * BK_;
@@ -1610,40 +1855,50 @@ __device__ void attn5_bwd(const bf16* __restrict__ q, const bf16* __restrict__ k
     const bf16* kw = ks + (64 * wg) * 64;
     const bf16* vw = vs + (64 * wg) * 64;
 
-    int buf = 0;
+    // One barrier per tile pair: past it, every warp has finished the previous pair (its MMAs
+    // waited for), so the next tile's loads may overwrite that pair's buffer and dS^T.
+    // Thread r < 64 sends row r of the staged dQ tile of query tile `pend`.
+    auto send_dq = [&](int pend) {
+        const int row = pend * BQ_ + threadIdx.x;
+        if (threadIdx.x < BQ_ && row < t)
+            bulk_add_f32(dq_acc + (i64)row * qstride + (i64)h * HD, dqs + threadIdx.x * DQS, HD * 4);
+    };
+    int buf = 0, pend = -1;
     while (cur < nqt) {
         const int nxt = next_visible(fl, cur + 1, nqt);
-        if (nxt < nqt) load_q(nxt, buf ^ 1);
-        cp_async_commit();
-        cp_async_wait<1>();
+        cp_async_wait<0>();
         fence_async_smem();
         __syncthreads();
+        if (pend >= 0) send_dq(pend);
+        if (nxt < nqt) load_q(nxt, buf ^ 1);
+        cp_async_commit();
         const bf16* qb = qs + buf * BQ_ * HD;
         const bf16* ob = dos + buf * BQ_ * HD;
         const float* lb = ls + buf * BQ_;
         const float* db = dsum + buf * BQ_;
         const int q0 = cur * BQ_;
 
+        // The first k16 step of each product overwrites the accumulators (no zeroing pass).
         float s[32], dp[32];
-        #pragma unroll
-        for (int i = 0; i < 32; i++) s[i] = dp[i] = 0.f;
         wg_fence();
+        wg_ss_n64<0, 0, 0>(s, wg_desc(kw, 16, 1024), wg_desc(qb, 16, 1024));
         #pragma unroll
-        for (int kk = 0; kk < HD / 16; kk++) {
+        for (int kk = 1; kk < HD / 16; kk++) {
             const int off_k = (kk >> 2) * (BK_ * 64) + (kk & 3) * 16, off_q = (kk >> 2) * (BQ_ * 64) + (kk & 3) * 16;
-            wg_ss_n64<0, 0>(s, wg_desc(kw + off_k, 16, 1024), wg_desc(qb + off_q, 16, 1024));
-        }
-        #pragma unroll
-        for (int kk = 0; kk < HD / 16; kk++) {
-            const int off_k = (kk >> 2) * (BK_ * 64) + (kk & 3) * 16, off_q = (kk >> 2) * (BQ_ * 64) + (kk & 3) * 16;
-            wg_ss_n64<0, 0>(dp, wg_desc(vw + off_k, 16, 1024), wg_desc(ob + off_q, 16, 1024));
+            wg_ss_n64<1, 0, 0>(s, wg_desc(kw + off_k, 16, 1024), wg_desc(qb + off_q, 16, 1024));
         }
         wg_commit();
-        wg_wait<0>();
+        wg_ss_n64<0, 0, 0>(dp, wg_desc(vw, 16, 1024), wg_desc(ob, 16, 1024));
+        #pragma unroll
+        for (int kk = 1; kk < HD / 16; kk++) {
+            const int off_k = (kk >> 2) * (BK_ * 64) + (kk & 3) * 16, off_q = (kk >> 2) * (BQ_ * 64) + (kk & 3) * 16;
+            wg_ss_n64<1, 0, 0>(dp, wg_desc(vw + off_k, 16, 1024), wg_desc(ob + off_q, 16, 1024));
+        }
+        wg_commit();
+        // S^T and dP^T are two commit groups: P^T is computed while dP^T's MMAs run, and dS^T while
+        // dV's run. Element e of column block j is key (e < 2 ? ka : kb), query 8j + 2tq + (e & 1).
+        wg_wait<1>();
         wg_pin<32>(s);
-        wg_pin<32>(dp);
-
-        // P^T and dS^T: element e of column block j is key (e < 2 ? ka : kb), query 8j + 2tq + (e & 1).
         const bool tile_all = fl[cur] == 2;
         #pragma unroll
         for (int j = 0; j < 8; j++) {
@@ -1658,7 +1913,6 @@ __device__ void attn5_bwd(const bf16* __restrict__ q, const bf16* __restrict__ k
                     if (!vis) p = 0.f;
                 }
                 s[4 * j + e] = p;
-                dp[4 * j + e] = p * (dp[4 * j + e] - db[ql]);
             }
         }
         u32 pf[4][4], sf[4][4];
@@ -1668,14 +1922,26 @@ __device__ void attn5_bwd(const bf16* __restrict__ q, const bf16* __restrict__ k
             pf[kk][1] = pack_bf16(s[8 * kk + 2], s[8 * kk + 3]);
             pf[kk][2] = pack_bf16(s[8 * kk + 4], s[8 * kk + 5]);
             pf[kk][3] = pack_bf16(s[8 * kk + 6], s[8 * kk + 7]);
+        }
+        wg_fence();
+        #pragma unroll
+        for (int kk = 0; kk < 4; kk++) wg_rs_n128_tb(&adv[0][0], pf[kk], wg_desc(ob + kk * 16 * 64, BQ_ * 128, 1024));
+        wg_commit();
+        wg_wait<1>();
+        wg_pin<32>(dp);
+        #pragma unroll
+        for (int j = 0; j < 8; j++) {
+            #pragma unroll
+            for (int e = 0; e < 4; e++) dp[4 * j + e] = s[4 * j + e] * (dp[4 * j + e] - db[j * 8 + 2 * tq + (e & 1)]);
+        }
+        #pragma unroll
+        for (int kk = 0; kk < 4; kk++) {
             sf[kk][0] = pack_bf16(dp[8 * kk + 0], dp[8 * kk + 1]);
             sf[kk][1] = pack_bf16(dp[8 * kk + 2], dp[8 * kk + 3]);
             sf[kk][2] = pack_bf16(dp[8 * kk + 4], dp[8 * kk + 5]);
             sf[kk][3] = pack_bf16(dp[8 * kk + 6], dp[8 * kk + 7]);
         }
         wg_fence();
-        #pragma unroll
-        for (int kk = 0; kk < 4; kk++) wg_rs_n128_tb(&adv[0][0], pf[kk], wg_desc(ob + kk * 16 * 64, BQ_ * 128, 1024));
         #pragma unroll
         for (int kk = 0; kk < 4; kk++) wg_rs_n128_tb(&adk[0][0], sf[kk], wg_desc(qb + kk * 16 * 64, BQ_ * 128, 1024));
         wg_commit();
@@ -1693,37 +1959,49 @@ __device__ void attn5_bwd(const bf16* __restrict__ q, const bf16* __restrict__ k
                 }
             }
         }
+        bulk_wait_read();  // the previous tile's dQ rows have left dqs
         fence_async_smem();
         __syncthreads();
         float aq[32];
-        #pragma unroll
-        for (int i = 0; i < 32; i++) aq[i] = 0.f;
+        const bf16* kh = ks + wg * (BK_ * 64);
         wg_fence();
+        wg_ss_n64<0, 1, 1>(aq, wg_desc(dst, 8192, 1024), wg_desc(kh, 8192, 1024));
         #pragma unroll
-        for (int kk = 0; kk < BK_ / 16; kk++)
-            wg_ss_n64<1, 1>(aq, wg_desc(dst + kk * 16 * 64, 8192, 1024),
-                            wg_desc(ks + wg * (BK_ * 64) + kk * 16 * 64, 8192, 1024));
+        for (int kk = 1; kk < BK_ / 16; kk++)
+            wg_ss_n64<1, 1, 1>(aq, wg_desc(dst + kk * 16 * 64, 8192, 1024), wg_desc(kh + kk * 16 * 64, 8192, 1024));
         wg_commit();
         wg_wait<0>();
         wg_pin<32>(aq);
         wg_pin<64>(&adv[0][0]);
         wg_pin<64>(&adk[0][0]);
         {
-            const int ra = q0 + 16 * (w & 3) + g, rb = ra + 8;
+            const int ra = 16 * (w & 3) + g, rb = ra + 8;
             #pragma unroll
             for (int j = 0; j < 8; j++) {
-                const i64 col = (i64)h * HD + 64 * wg + 8 * j + 2 * tq;
-                if (ra < t) red_add2(dq_acc + (i64)ra * qstride + col, aq[4 * j], aq[4 * j + 1]);
-                if (rb < t) red_add2(dq_acc + (i64)rb * qstride + col, aq[4 * j + 2], aq[4 * j + 3]);
+                const int col = 64 * wg + 8 * j + 2 * tq;
+                *(float2*)(dqs + ra * DQS + col) = make_float2(aq[4 * j], aq[4 * j + 1]);
+                *(float2*)(dqs + rb * DQS + col) = make_float2(aq[4 * j + 2], aq[4 * j + 3]);
             }
+            fence_async_smem();
+            pend = cur;
         }
-        __syncthreads();
         cur = nxt;
         buf ^= 1;
     }
+    __syncthreads();
+    if (pend >= 0) send_dq(pend);
+    bulk_wait();
     key_tile_store<HD>(adk, adv, dk, dv, dk_part, dv_part, h, kvh, group, ka, kb, t, nkv, scale, tq);
 }
 #endif
+
+extern "C" __global__ void __launch_bounds__(256, 1) lf_attn5_fwd_128(const bf16* q, const bf16* k, const bf16* v,
+                                                                     bf16* o, float* lse, Mask mk, int t, int nh,
+                                                                     int nkv, float scale) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    attn5_fwd(q, k, v, o, lse, mk, t, nh, nkv, scale);
+#endif
+}
 
 extern "C" __global__ void __launch_bounds__(256, 1) lf_attn5_bwd_128(
     const bf16* q, const bf16* k, const bf16* v, const bf16* d_o, const float* lse, const float* dd, float* dq_acc,
