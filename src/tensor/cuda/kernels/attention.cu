@@ -10,8 +10,10 @@
 // are fully visible skip the per-element test. Head dims are padded to HDP (a multiple of 16) with
 // zeros in shared memory, so any head_dim up to 128 works.
 //
-// Two versions: version 1 (below, any head_dim up to 128) and version 2 (after it: head_dim 64 and
-// 128 only, about 3x faster; the host picks it where it applies). Both keep these semantics.
+// Versions: 1 (below, any head_dim up to 128); 2, 3 and 4 (after it: head_dim 64 and 128 only,
+// mma.sync with ldmatrix and cp.async, about 3x faster); 5 (at the end: head_dim 128 on sm_90a,
+// warpgroup MMAs, compiled only where the module targets sm_90a). The host picks the newest that
+// applies. All keep these semantics.
 //
 // mma.m16n8k16 fragment layouts (g = lane / 4, t = lane % 4):
 //   A (16x16, row-major): a0 = (g, 2t..2t+1), a1 = (g+8, 2t..), a2 = (g, 2t+8..), a3 = (g+8, 2t+8..)
