@@ -1052,15 +1052,11 @@ __device__ void attn2_dq(const bf16* __restrict__ q, const bf16* __restrict__ k,
 // Per-warp pieces of the key-major backward (versions 2 and 4): a warp owns 16 keys of the key tile
 // (rows ka = k0 + 16w + g and kb = ka + 8 of its fragments) and meets one BQ-query tile at a time.
 
-// Query tile [q0, q0 + BQ_) of one head for the key-major backward: Q and dO rows (cp.async into
-// padded tiles) and the rows' lse and D.
-template <int HD, int BQ_, int NT>
-__device__ __forceinline__ void load_query_tile(bf16* qs, bf16* dos, float* ls, float* dsum, const bf16* qg,
-                                                const bf16* og, const float* lg, const float* dg, i64 qstride,
-                                                int q0, int t) {
+// The lse and D of query rows [q0, q0 + BQ_) (cp.async, not committed; rows >= t read as 0).
+template <int BQ_, int NT>
+__device__ __forceinline__ void cp_query_stats(float* ls, float* dsum, const float* lg, const float* dg, int q0,
+                                               int t) {
     static_assert(NT >= 2 * BQ_, "one thread per lse and D element");
-    cp_tile<HD, BQ_, NT>(qs, qg, qstride, q0, t);
-    cp_tile<HD, BQ_, NT>(dos, og, qstride, q0, t);
     if (threadIdx.x < BQ_) {
         const int qi = q0 + threadIdx.x;
         cp_async4(ls + threadIdx.x, lg + (qi < t ? qi : 0), qi < t);
@@ -1068,6 +1064,17 @@ __device__ __forceinline__ void load_query_tile(bf16* qs, bf16* dos, float* ls, 
         const int qi = q0 + threadIdx.x - BQ_;
         cp_async4(dsum + threadIdx.x - BQ_, dg + (qi < t ? qi : 0), qi < t);
     }
+}
+
+// Query tile [q0, q0 + BQ_) of one head for the key-major backward: Q and dO rows (cp.async into
+// padded tiles) and the rows' lse and D.
+template <int HD, int BQ_, int NT>
+__device__ __forceinline__ void load_query_tile(bf16* qs, bf16* dos, float* ls, float* dsum, const bf16* qg,
+                                                const bf16* og, const float* lg, const float* dg, i64 qstride,
+                                                int q0, int t) {
+    cp_tile<HD, BQ_, NT>(qs, qg, qstride, q0, t);
+    cp_tile<HD, BQ_, NT>(dos, og, qstride, q0, t);
+    cp_query_stats<BQ_, NT>(ls, dsum, lg, dg, q0, t);
 }
 
 // S^T = K_w Q^T and dP^T = V_w dO^T (kw, vw: the warp's 16 rows of the K and V tiles), then in
@@ -1833,13 +1840,7 @@ __device__ void attn5_bwd(const bf16* __restrict__ q, const bf16* __restrict__ k
         const int q0 = it * BQ_;
         cp_tile_sw<BQ_, NT>(qs + b * BQ_ * HD, qg, qstride, q0, t);
         cp_tile_sw<BQ_, NT>(dos + b * BQ_ * HD, og, qstride, q0, t);
-        if (threadIdx.x < BQ_) {
-            const int qi = q0 + threadIdx.x;
-            cp_async4(ls + b * BQ_ + threadIdx.x, lg + (qi < t ? qi : 0), qi < t);
-        } else if (threadIdx.x < 2 * BQ_) {
-            const int qi = q0 + threadIdx.x - BQ_;
-            cp_async4(dsum + b * BQ_ + threadIdx.x - BQ_, dg + (qi < t ? qi : 0), qi < t);
-        }
+        cp_query_stats<BQ_, NT>(ls + b * BQ_, dsum + b * BQ_, lg, dg, q0, t);
     };
     int cur = next_visible(fl, 0, nqt);
     if (cur < nqt) load_q(cur, 0);
