@@ -755,14 +755,15 @@ __device__ __forceinline__ int fwd_prologue(bf16* qs, bf16* ks, bf16* vs, unsign
 // Masks a warp's 16-row x 64-key score tile (rows ra and ra + 8 = rb, C-fragment layout, keys
 // from k0) to -inf where a key is not visible. The rows' ranges are read here only (partial
 // tiles are few), to spare registers.
-__device__ __forceinline__ void mask_scores(float (&s)[8][4], const Mask& mk, int ra, int rb, int k0, int t,
+template <int NB>
+__device__ __forceinline__ void mask_scores(float (&s)[NB][4], const Mask& mk, int ra, int rb, int k0, int t,
                                             int tq) {
     const bool oka = ra < t, okb = rb < t;
     const uint4 empty = make_uint4(0, 0, 0, 0);
     const uint4 rga = oka ? mk.ranges[ra] : empty, rgb = okb ? mk.ranges[rb] : empty;
     const int pa = oka ? mk.pos[ra] : 0, pb = okb ? mk.pos[rb] : 0;
     #pragma unroll
-    for (int nt = 0; nt < 8; nt++) {
+    for (int nt = 0; nt < NB; nt++) {
         #pragma unroll
         for (int e = 0; e < 4; e++) {
             const int kx = k0 + nt * 8 + 2 * tq + (e & 1);
@@ -772,15 +773,16 @@ __device__ __forceinline__ void mask_scores(float (&s)[8][4], const Mask& mk, in
     }
 }
 
-// One 64-key tile of the online softmax for a warp's 16 rows (a: row g, b: row g + 8): raw scores
-// s become the tile's unnormalised probabilities, the running maxima m (scaled log2 units; raw
-// scores are scaled inside the FMA) and sums l are updated, and the output accumulators rescaled.
-template <int HD>
-__device__ __forceinline__ void online_softmax(float (&s)[8][4], float& m_a, float& m_b, float& l_a, float& l_b,
-                                               float (&acc)[HD / 8][4], float sl2) {
+// One key tile (NB blocks of 8 keys) of the online softmax for a warp's 16 rows (a: row g, b: row
+// g + 8): raw scores s become the tile's unnormalised probabilities, the running maxima m (scaled
+// log2 units; raw scores are scaled inside the FMA) and sums l are updated, and al_a / al_b are
+// set to the factors the output accumulators must be rescaled by.
+template <int NB>
+__device__ __forceinline__ void softmax_tile(float (&s)[NB][4], float& m_a, float& m_b, float& l_a, float& l_b,
+                                             float& al_a, float& al_b, float sl2) {
     float mx_a = -LF_INF, mx_b = -LF_INF;
     #pragma unroll
-    for (int nt = 0; nt < 8; nt++) {
+    for (int nt = 0; nt < NB; nt++) {
         mx_a = fmaxf(mx_a, fmaxf(s[nt][0], s[nt][1]));
         mx_b = fmaxf(mx_b, fmaxf(s[nt][2], s[nt][3]));
     }
@@ -790,12 +792,13 @@ __device__ __forceinline__ void online_softmax(float (&s)[8][4], float& m_a, flo
     mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 2));
     const float mn_a = fmaxf(m_a, mx_a * sl2), mn_b = fmaxf(m_b, mx_b * sl2);
     const float mu_a = mn_a == -LF_INF ? 0.f : mn_a, mu_b = mn_b == -LF_INF ? 0.f : mn_b;
-    const float al_a = exp2f(m_a - mu_a), al_b = exp2f(m_b - mu_b);
+    al_a = exp2f(m_a - mu_a);
+    al_b = exp2f(m_b - mu_b);
     m_a = mn_a;
     m_b = mn_b;
     float ps_a = 0.f, ps_b = 0.f;
     #pragma unroll
-    for (int nt = 0; nt < 8; nt++) {
+    for (int nt = 0; nt < NB; nt++) {
         s[nt][0] = exp2f(fmaf(s[nt][0], sl2, -mu_a));
         s[nt][1] = exp2f(fmaf(s[nt][1], sl2, -mu_a));
         s[nt][2] = exp2f(fmaf(s[nt][2], sl2, -mu_b));
@@ -805,13 +808,27 @@ __device__ __forceinline__ void online_softmax(float (&s)[8][4], float& m_a, flo
     }
     l_a = l_a * al_a + ps_a;
     l_b = l_b * al_b + ps_b;
+}
+
+// Output accumulators of rows a and b times al_a and al_b.
+template <int ND>
+__device__ __forceinline__ void rescale_rows(float (&acc)[ND][4], float al_a, float al_b) {
     #pragma unroll
-    for (int i = 0; i < HD / 8; i++) {
+    for (int i = 0; i < ND; i++) {
         acc[i][0] *= al_a;
         acc[i][1] *= al_a;
         acc[i][2] *= al_b;
         acc[i][3] *= al_b;
     }
+}
+
+// One 64-key tile of the online softmax (see softmax_tile), the accumulators rescaled at once.
+template <int HD>
+__device__ __forceinline__ void online_softmax(float (&s)[8][4], float& m_a, float& m_b, float& l_a, float& l_b,
+                                               float (&acc)[HD / 8][4], float sl2) {
+    float al_a, al_b;
+    softmax_tile<8>(s, m_a, m_b, l_a, l_b, al_a, al_b, sl2);
+    rescale_rows<HD / 8>(acc, al_a, al_b);
 }
 
 // s = A1 B1^T and dp = A2 B2^T over HD for a warp's 16 rows (a1, a2: those rows of the A tiles)
@@ -1586,58 +1603,17 @@ __device__ __forceinline__ void cp_tile_sw(bf16* dst, const bf16* src, i64 strid
 // are computed while this tile's P V runs, and O is rescaled once that product has landed.
 // K and V have two buffers each, loaded one tile apart (K_{i+2} and V_{i+1} during tile i), so one
 // barrier per tile suffices. Same masking, LSE and outputs as versions 2 and 3.
-__device__ __forceinline__ void fwd5_softmax(float* s, u32 (&pn)[8][4], float& m_a, float& m_b, float& l_a,
-                                             float& l_b, float& al_a, float& al_b, const Mask& mk, bool tile_all,
-                                             int ra, int rb, int k0, int t, float sl2, int tq) {
-    if (!tile_all) {
-        const bool oka = ra < t, okb = rb < t;
-        const uint4 empty = make_uint4(0, 0, 0, 0);
-        const uint4 rga = oka ? mk.ranges[ra] : empty, rgb = okb ? mk.ranges[rb] : empty;
-        const int pa = oka ? mk.pos[ra] : 0, pb = okb ? mk.pos[rb] : 0;
-        #pragma unroll
-        for (int j = 0; j < 16; j++) {
-            #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int kx = k0 + j * 8 + 2 * tq + (e & 1);
-                const bool vis = e < 2 ? vis2(mk, rga, pa, oka, kx, t) : vis2(mk, rgb, pb, okb, kx, t);
-                if (!vis) s[4 * j + e] = -LF_INF;
-            }
-        }
-    }
-    float mx_a = -LF_INF, mx_b = -LF_INF;
-    #pragma unroll
-    for (int j = 0; j < 16; j++) {
-        mx_a = fmaxf(mx_a, fmaxf(s[4 * j], s[4 * j + 1]));
-        mx_b = fmaxf(mx_b, fmaxf(s[4 * j + 2], s[4 * j + 3]));
-    }
-    mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 1));
-    mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 2));
-    mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 1));
-    mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 2));
-    const float mn_a = fmaxf(m_a, mx_a * sl2), mn_b = fmaxf(m_b, mx_b * sl2);
-    const float mu_a = mn_a == -LF_INF ? 0.f : mn_a, mu_b = mn_b == -LF_INF ? 0.f : mn_b;
-    al_a = exp2f(m_a - mu_a);
-    al_b = exp2f(m_b - mu_b);
-    m_a = mn_a;
-    m_b = mn_b;
-    float ps_a = 0.f, ps_b = 0.f;
-    #pragma unroll
-    for (int j = 0; j < 16; j++) {
-        s[4 * j] = exp2f(fmaf(s[4 * j], sl2, -mu_a));
-        s[4 * j + 1] = exp2f(fmaf(s[4 * j + 1], sl2, -mu_a));
-        s[4 * j + 2] = exp2f(fmaf(s[4 * j + 2], sl2, -mu_b));
-        s[4 * j + 3] = exp2f(fmaf(s[4 * j + 3], sl2, -mu_b));
-        ps_a += s[4 * j] + s[4 * j + 1];
-        ps_b += s[4 * j + 2] + s[4 * j + 3];
-    }
-    l_a = l_a * al_a + ps_a;
-    l_b = l_b * al_b + ps_b;
+__device__ __forceinline__ void fwd5_softmax(float (&s)[16][4], u32 (&pn)[8][4], float& m_a, float& m_b,
+                                             float& l_a, float& l_b, float& al_a, float& al_b, const Mask& mk,
+                                             bool tile_all, int ra, int rb, int k0, int t, float sl2, int tq) {
+    if (!tile_all) mask_scores<16>(s, mk, ra, rb, k0, t, tq);
+    softmax_tile<16>(s, m_a, m_b, l_a, l_b, al_a, al_b, sl2);
     #pragma unroll
     for (int kk = 0; kk < 8; kk++) {
-        pn[kk][0] = pack_bf16(s[8 * kk + 0], s[8 * kk + 1]);
-        pn[kk][1] = pack_bf16(s[8 * kk + 2], s[8 * kk + 3]);
-        pn[kk][2] = pack_bf16(s[8 * kk + 4], s[8 * kk + 5]);
-        pn[kk][3] = pack_bf16(s[8 * kk + 6], s[8 * kk + 7]);
+        pn[kk][0] = pack_bf16(s[2 * kk][0], s[2 * kk][1]);
+        pn[kk][1] = pack_bf16(s[2 * kk][2], s[2 * kk][3]);
+        pn[kk][2] = pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+        pn[kk][3] = pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3]);
     }
 }
 
@@ -1700,22 +1676,22 @@ __device__ void attn5_fwd(const bf16* __restrict__ q, const bf16* __restrict__ k
     if (nxt < n) cp_tile_sw<BK_, NT>(ks + BK_ * HD, kg, kstride, nxt * BK_, t);
     cp_async_commit();
 
-    float acc[64];
+    float acc[16][4];
     #pragma unroll
-    for (int i = 0; i < 64; i++) acc[i] = 0.f;
+    for (int i = 0; i < 16; i++) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
     float m_a = -LF_INF, m_b = -LF_INF, l_a = 0.f, l_b = 0.f, al_a, al_b;
     const bf16* qw = qs + (64 * wg) * 64;
-    float s[64];
+    float s[16][4];
     u32 pf[8][4];
     if (cur < n) {
         cp_async_wait<1>();
         fence_async_smem();
         __syncthreads();
         wg_fence();
-        fwd5_scores(s, qw, ks);
+        fwd5_scores(&s[0][0], qw, ks);
         wg_commit();
         wg_wait<0>();
-        wg_pin<64>(s);
+        wg_pin<64>(&s[0][0]);
         fwd5_softmax(s, pf, m_a, m_b, l_a, l_b, al_a, al_b, mk, fl[cur] == 2, ra, rb, cur * BK_, t, sl2, tq);
     }
     int b = 0;  // buffer of K_cur and V_cur; K_nxt and V_nxt use b ^ 1
@@ -1729,24 +1705,18 @@ __device__ void attn5_fwd(const bf16* __restrict__ q, const bf16* __restrict__ k
         cp_tile_sw<BK_, NT>(vs + (b ^ 1) * BK_ * HD, vg, kstride, nxt * BK_, t);
         cp_async_commit();
         wg_fence();
-        fwd5_scores(s, qw, ks + (b ^ 1) * BK_ * HD);
+        fwd5_scores(&s[0][0], qw, ks + (b ^ 1) * BK_ * HD);
         wg_commit();
-        fwd5_pv(acc, pf, vs + b * BK_ * HD);
+        fwd5_pv(&acc[0][0], pf, vs + b * BK_ * HD);
         wg_commit();
         u32 pn[8][4];
         wg_wait<1>();
-        wg_pin<64>(s);
+        wg_pin<64>(&s[0][0]);
         fwd5_softmax(s, pn, m_a, m_b, l_a, l_b, al_a, al_b, mk, fl[nxt] == 2, ra, rb, nxt * BK_, t, sl2, tq);
         wg_wait<0>();
-        wg_pin<64>(acc);
+        wg_pin<64>(&acc[0][0]);
         wg_keep(pf);  // P_cur stays in its registers until its product has landed
-        #pragma unroll
-        for (int j = 0; j < 16; j++) {
-            acc[4 * j] *= al_a;
-            acc[4 * j + 1] *= al_a;
-            acc[4 * j + 2] *= al_b;
-            acc[4 * j + 3] *= al_b;
-        }
+        rescale_rows<16>(acc, al_a, al_b);
         #pragma unroll
         for (int kk = 0; kk < 8; kk++)
             #pragma unroll
@@ -1763,10 +1733,10 @@ __device__ void attn5_fwd(const bf16* __restrict__ q, const bf16* __restrict__ k
         fence_async_smem();
         __syncthreads();
         wg_fence();
-        fwd5_pv(acc, pf, vs + b * BK_ * HD);
+        fwd5_pv(&acc[0][0], pf, vs + b * BK_ * HD);
         wg_commit();
         wg_wait<0>();
-        wg_pin<64>(acc);
+        wg_pin<64>(&acc[0][0]);
     }
 
     #pragma unroll
@@ -1781,7 +1751,7 @@ __device__ void attn5_fwd(const bf16* __restrict__ q, const bf16* __restrict__ k
             for (int j = 0; j < 16; j++) {
                 const int d = j * 8 + 2 * tq;
                 *(u32*)(o + (i64)row * qstride + (i64)h * HD + d) =
-                    pack_bf16(acc[4 * j + 2 * hb] * inv, acc[4 * j + 2 * hb + 1] * inv);
+                    pack_bf16(acc[j][2 * hb] * inv, acc[j][2 * hb + 1] * inv);
             }
             if (tq == 0) lse[(i64)h * t + row] = li > 0.f ? ((hb ? m_b : m_a) + log2f(li)) * LN2 : -LF_INF;
         }
