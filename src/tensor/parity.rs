@@ -194,6 +194,8 @@ pub fn run_op_parity(device: &Device, seed: u64) -> Result<Vec<ParityRow>> {
     }
     if want("attention") {
         attention_suite(&mut cx, &mut r)?;
+    } else if want("attention_long") {
+        attention_long(&mut cx, &mut r)?;
     }
     if want("cce") {
         cce_suite(&mut cx)?;
@@ -1202,7 +1204,16 @@ fn attention_suite(cx: &mut Ctx, r: &mut Rng) -> Result<()> {
             attn_timing(cx, &tag, &qg, &kg, &vg, &dog, &mask, s)?;
         }
     }
-    // Long sequences: sampled query rows against direct host references.
+    attention_long(cx, r)
+}
+
+/// Long sequences: sampled query rows against direct host references, and the timings. Its own
+/// group (`attention_long`) for kernel work; `LORAFIT_PARITY_T=18432` keeps one length (e.g. for
+/// a profiler that takes the first launch of a kernel).
+fn attention_long(cx: &mut Ctx, r: &mut Rng) -> Result<()> {
+    let only_t: Option<usize> = std::env::var("LORAFIT_PARITY_T")
+        .ok()
+        .and_then(|v| v.parse().ok());
     for (t, nh, nkv, mask, label) in [
         (
             4096usize,
@@ -1235,6 +1246,9 @@ fn attention_suite(cx: &mut Ctx, r: &mut Rng) -> Result<()> {
             "prefix",
         ),
     ] {
+        if only_t.is_some_and(|o| o != t) {
+            continue;
+        }
         let hd = 128;
         let s = AttnShape {
             n_heads: nh,

@@ -307,8 +307,23 @@ mod tests {
         // A private cache folder so the test really compiles.
         let dir = std::env::temp_dir().join(format!("lorafit-kcache-{}", std::process::id()));
         std::env::set_var("LORAFIT_CACHE", &dir);
+        // For kernel work, with LORAFIT_PTXAS_VERBOSE=1: LORAFIT_ONLY_MODULE=attention compiles
+        // one module, LORAFIT_KERNEL_SRC=file.cu takes that module's body from a file, and
+        // LORAFIT_KERNEL_PTX=file.ptx writes its PTX there.
+        let only = std::env::var("LORAFIT_ONLY_MODULE").ok();
+        let body = std::env::var("LORAFIT_KERNEL_SRC").ok();
         for (name, _) in MODULES {
-            let src = module_source(name).unwrap();
+            if only.as_deref().is_some_and(|o| o != *name) {
+                continue;
+            }
+            let src = match (&only, &body) {
+                (Some(_), Some(f)) => format!("{COMMON}\n{}", std::fs::read_to_string(f).unwrap()),
+                _ => module_source(name).unwrap(),
+            };
+            if let Ok(ptx_path) = std::env::var("LORAFIT_KERNEL_PTX") {
+                let ptx = compile(name, &src, &module_arch(name, "sm_90"), false).unwrap();
+                std::fs::write(ptx_path, ptx).unwrap();
+            }
             let bin = compile(name, &src, &module_arch(name, "sm_90"), true)
                 .unwrap_or_else(|e| panic!("module {name}: {e:#}"));
             assert!(bin.len() > 100, "module {name}: empty cubin");

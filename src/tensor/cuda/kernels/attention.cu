@@ -24,6 +24,15 @@
 #define BK 64
 #define NTHREADS 128
 
+// 2^x on the special-function unit (ex2.approx.ftz: about 2 ulp; results below 2^-126 flush to
+// zero, which no softmax weight notices). exp2f adds a denormal-range fix-up of three
+// instructions per call, a sixth of a forward tile's instructions. Versions 2-5 use this.
+__device__ __forceinline__ float fast_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
 struct Mask {
     const uint4* ranges;                // [T] of (a0, a1, b0, b1)
     const int* pos;                     // [T]
@@ -792,17 +801,17 @@ __device__ __forceinline__ void softmax_tile(float (&s)[NB][4], float& m_a, floa
     mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 2));
     const float mn_a = fmaxf(m_a, mx_a * sl2), mn_b = fmaxf(m_b, mx_b * sl2);
     const float mu_a = mn_a == -LF_INF ? 0.f : mn_a, mu_b = mn_b == -LF_INF ? 0.f : mn_b;
-    al_a = exp2f(m_a - mu_a);
-    al_b = exp2f(m_b - mu_b);
+    al_a = fast_exp2(m_a - mu_a);
+    al_b = fast_exp2(m_b - mu_b);
     m_a = mn_a;
     m_b = mn_b;
     float ps_a = 0.f, ps_b = 0.f;
     #pragma unroll
     for (int nt = 0; nt < NB; nt++) {
-        s[nt][0] = exp2f(fmaf(s[nt][0], sl2, -mu_a));
-        s[nt][1] = exp2f(fmaf(s[nt][1], sl2, -mu_a));
-        s[nt][2] = exp2f(fmaf(s[nt][2], sl2, -mu_b));
-        s[nt][3] = exp2f(fmaf(s[nt][3], sl2, -mu_b));
+        s[nt][0] = fast_exp2(fmaf(s[nt][0], sl2, -mu_a));
+        s[nt][1] = fast_exp2(fmaf(s[nt][1], sl2, -mu_a));
+        s[nt][2] = fast_exp2(fmaf(s[nt][2], sl2, -mu_b));
+        s[nt][3] = fast_exp2(fmaf(s[nt][3], sl2, -mu_b));
         ps_a += s[nt][0] + s[nt][1];
         ps_b += s[nt][2] + s[nt][3];
     }
@@ -1029,7 +1038,7 @@ __device__ void attn2_dq(const bf16* __restrict__ q, const bf16* __restrict__ k,
             #pragma unroll
             for (int e = 0; e < 4; e++) {
                 const bool top = e < 2;
-                float p = exp2f(s[nt][e] * sl2 - (top ? la : lb));
+                float p = fast_exp2(s[nt][e] * sl2 - (top ? la : lb));
                 if (!tile_all) {
                     const int kx = k0 + nt * 8 + 2 * tq + (e & 1);
                     const bool vis = top ? vis2(mk, rga, pa, oka, kx, t) : vis2(mk, rgb, pb, okb, kx, t);
@@ -1109,7 +1118,7 @@ __device__ __forceinline__ void key_tile_probs(float (&s)[BQ_ / 8][4], float (&d
         #pragma unroll
         for (int e = 0; e < 4; e++) {
             const int ql = nt * 8 + 2 * tq + (e & 1);
-            float p = exp2f(s[nt][e] * sl2 - lb[ql] * LOG2E);
+            float p = fast_exp2(s[nt][e] * sl2 - lb[ql] * LOG2E);
             if (!tile_all) {
                 const int qi = q0 + ql, kx = e < 2 ? ka : kb;
                 bool vis = false;
@@ -1530,6 +1539,12 @@ __device__ __forceinline__ u64 wg_desc(const void* p, u32 lead, u32 stride) {
     return (u64)((a & 0x3FFFF) >> 4) | ((u64)((lead & 0x3FFFF) >> 4) << 16) |
            ((u64)((stride & 0x3FFFF) >> 4) << 32) | (1ull << 62);
 }
+// The descriptor of the operand `elems` bf16 further on: the start address is the low field, in
+// 16-byte units, and shared addresses never carry out of it, so one add (against building each
+// k-step's descriptor afresh: about a dozen instructions per wgmma).
+__device__ __forceinline__ u64 wg_at(u64 desc, int elems) {
+    return (desc & 0xFFFFFFFF00000000ull) | (u32)((u32)desc + (u32)(elems >> 3));
+}
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int N>
@@ -1586,14 +1601,20 @@ __device__ __forceinline__ void wg_rs_n128_tb(float* d, const u32* a, u64 db) {
 
 // Rows [row0, row0 + NR) of a row-major [*, 128] bf16 matrix (row stride `stride`, `src` at the
 // head's column) into the swizzled layout above (cp.async, not committed); rows >= t are zeros.
+// Each thread copies the same 16-byte column chunk c of rows r0, r0 + NT/16, ...: with NT/16 a
+// multiple of 8 the swizzle is the same for all of them, so a copy is an address add and a
+// cp.async (a loop over idx < NR*16 from threadIdx.x compiled to ~20 instructions per copy).
 template <int NR, int NT>
 __device__ __forceinline__ void cp_tile_sw(bf16* dst, const bf16* src, i64 stride, int row0, int t) {
+    static_assert((NR * 16) % NT == 0 && (NT / 16) % 8 == 0, "cp_tile_sw: NT threads must cover whole row groups");
+    const int c = threadIdx.x & 15, r0 = threadIdx.x >> 4;
+    unsigned char* d = (unsigned char*)dst + (c >> 3) * (NR * 128) + r0 * 128 + (((c & 7) ^ (r0 & 7)) << 4);
+    const bf16* sg = src + c * 8;
     #pragma unroll
-    for (int idx = threadIdx.x; idx < NR * 16; idx += NT) {
-        const int r = idx >> 4, c = idx & 15, gr = row0 + r;
+    for (int i = 0; i < NR * 16 / NT; i++) {
+        const int gr = row0 + r0 + i * (NT / 16);
         const bool ok = gr < t;
-        unsigned char* d = (unsigned char*)dst + (c >> 3) * (NR * 128) + r * 128 + (((c & 7) ^ (r & 7)) << 4);
-        cp_async16(d, src + (i64)(ok ? gr : 0) * stride + c * 8, ok);
+        cp_async16(d + i * (NT / 16) * 128, sg + (i64)(ok ? gr : 0) * stride, ok);
     }
 }
 
@@ -1619,11 +1640,12 @@ __device__ __forceinline__ void fwd5_softmax(float (&s)[16][4], u32 (&pn)[8][4],
 
 // S = Q_wg K^T for one 128-key tile (qw: the warpgroup's 64 rows of the Q tile; kb: the K buffer).
 __device__ __forceinline__ void fwd5_scores(float* s, const bf16* qw, const bf16* kb) {
-    wg_ss_n128<0, 0, 0>(s, wg_desc(qw, 16, 1024), wg_desc(kb, 16, 1024));
+    const u64 dq = wg_desc(qw, 16, 1024), dk = wg_desc(kb, 16, 1024);
+    wg_ss_n128<0, 0, 0>(s, dq, dk);
     #pragma unroll
     for (int kk = 1; kk < 8; kk++) {
         const int hf = kk >> 2, o = (kk & 3) * 16;
-        wg_ss_n128<1, 0, 0>(s, wg_desc(qw + hf * (128 * 64) + o, 16, 1024), wg_desc(kb + hf * (128 * 64) + o, 16, 1024));
+        wg_ss_n128<1, 0, 0>(s, wg_at(dq, hf * (128 * 64) + o), wg_at(dk, hf * (128 * 64) + o));
     }
 }
 
@@ -1638,8 +1660,9 @@ __device__ __forceinline__ void wg_keep(const u32 (&a)[8][4]) {
 
 // O += P V for one 128-key tile (P: the warpgroup's bf16 probabilities, A fragments per k16 step).
 __device__ __forceinline__ void fwd5_pv(float* acc, const u32 (&pf)[8][4], const bf16* vb) {
+    const u64 dv = wg_desc(vb, 128 * 128, 1024);
     #pragma unroll
-    for (int kk = 0; kk < 8; kk++) wg_rs_n128_tb(acc, pf[kk], wg_desc(vb + kk * 16 * 64, 128 * 128, 1024));
+    for (int kk = 0; kk < 8; kk++) wg_rs_n128_tb(acc, pf[kk], wg_at(dv, kk * 16 * 64));
 }
 
 __device__ void attn5_fwd(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v,
@@ -1655,7 +1678,10 @@ __device__ void attn5_fwd(const bf16* __restrict__ q, const bf16* __restrict__ k
 
     const int h = blockIdx.y, kvh = h / (nh / nkv);
     const int q0 = (gridDim.x - 1 - blockIdx.x) * BQ_;
-    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, wg = w >> 2, g = lane >> 2, tq = lane & 3;
+    // wg through a shuffle from lane 0: the compiler then knows it is warp-uniform and keeps the
+    // operand descriptors that depend on it in uniform registers.
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
+    const int wg = __shfl_sync(0xffffffffu, w >> 2, 0);
     const i64 qstride = (i64)nh * HD, kstride = (i64)nkv * HD;
     const float sl2 = scale * LOG2E;
     const int n = (t + BK_ - 1) / BK_;
@@ -1682,7 +1708,11 @@ __device__ void attn5_fwd(const bf16* __restrict__ q, const bf16* __restrict__ k
     float m_a = -LF_INF, m_b = -LF_INF, l_a = 0.f, l_b = 0.f, al_a, al_b;
     const bf16* qw = qs + (64 * wg) * 64;
     float s[16][4];
-    u32 pf[8][4];
+    // P of the current tile and of the next one, in two register sets used alternately (the loop
+    // body runs twice per pass with the sets swapped): a copy between them would put register
+    // moves that define the P V product's operands next to it, and ptxas then serialises every
+    // wgmma of the kernel (C7513).
+    u32 pa[8][4], pb[8][4];
     if (cur < n) {
         cp_async_wait<1>();
         fence_async_smem();
@@ -1692,11 +1722,11 @@ __device__ void attn5_fwd(const bf16* __restrict__ q, const bf16* __restrict__ k
         wg_commit();
         wg_wait<0>();
         wg_pin<64>(&s[0][0]);
-        fwd5_softmax(s, pf, m_a, m_b, l_a, l_b, al_a, al_b, mk, fl[cur] == 2, ra, rb, cur * BK_, t, sl2, tq);
+        fwd5_softmax(s, pa, m_a, m_b, l_a, l_b, al_a, al_b, mk, fl[cur] == 2, ra, rb, cur * BK_, t, sl2, tq);
     }
     int b = 0;  // buffer of K_cur and V_cur; K_nxt and V_nxt use b ^ 1
-    // Each pass: P_cur V_cur and the scores of the next tile; the last tile's P V comes after.
-    while (nxt < n) {
+    // One step: P_cur V_cur and the scores (then probabilities, into pn) of the next tile.
+    auto step = [&](const u32(&pc)[8][4], u32(&pn)[8][4]) {
         const int nxt2 = next_visible(fl, nxt + 1, n);
         cp_async_wait<0>();
         fence_async_smem();
@@ -1707,36 +1737,43 @@ __device__ void attn5_fwd(const bf16* __restrict__ q, const bf16* __restrict__ k
         wg_fence();
         fwd5_scores(&s[0][0], qw, ks + (b ^ 1) * BK_ * HD);
         wg_commit();
-        fwd5_pv(&acc[0][0], pf, vs + b * BK_ * HD);
+        fwd5_pv(&acc[0][0], pc, vs + b * BK_ * HD);
         wg_commit();
-        u32 pn[8][4];
         wg_wait<1>();
         wg_pin<64>(&s[0][0]);
         fwd5_softmax(s, pn, m_a, m_b, l_a, l_b, al_a, al_b, mk, fl[nxt] == 2, ra, rb, nxt * BK_, t, sl2, tq);
         wg_wait<0>();
         wg_pin<64>(&acc[0][0]);
-        wg_keep(pf);  // P_cur stays in its registers until its product has landed
+        wg_keep(pc);  // P_cur stays in its registers until its product has landed
         rescale_rows<16>(acc, al_a, al_b);
-        #pragma unroll
-        for (int kk = 0; kk < 8; kk++)
-            #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                pf[kk][e] = pn[kk][e];
-                asm volatile("" : "+r"(pf[kk][e]));  // the copy happens here, before the next fence
-            }
         cur = nxt;
         nxt = nxt2;
         b ^= 1;
-    }
-    if (cur < n) {
+    };
+    // The last tile's P V, from whichever set holds it.
+    auto last = [&](const u32(&pc)[8][4]) {
         cp_async_wait<0>();
         fence_async_smem();
         __syncthreads();
         wg_fence();
-        fwd5_pv(&acc[0][0], pf, vs + b * BK_ * HD);
+        fwd5_pv(&acc[0][0], pc, vs + b * BK_ * HD);
         wg_commit();
         wg_wait<0>();
         wg_pin<64>(&acc[0][0]);
+    };
+    if (cur < n) {
+        for (;;) {
+            if (nxt >= n) {
+                last(pa);
+                break;
+            }
+            step(pa, pb);
+            if (nxt >= n) {
+                last(pb);
+                break;
+            }
+            step(pb, pa);
+        }
     }
 
     #pragma unroll
@@ -1792,7 +1829,10 @@ __device__ void attn5_bwd(const bf16* __restrict__ q, const bf16* __restrict__ k
 
     const int h = blockIdx.y, group = nh / nkv, kvh = h / group;
     const int k0 = blockIdx.x * BK_;
-    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, wg = w >> 2, g = lane >> 2, tq = lane & 3;
+    // wg through a shuffle from lane 0: the compiler then knows it is warp-uniform and keeps the
+    // operand descriptors that depend on it in uniform registers.
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
+    const int wg = __shfl_sync(0xffffffffu, w >> 2, 0);
     const i64 qstride = (i64)nh * HD, kstride = (i64)nkv * HD;
     const float sl2 = scale * LOG2E;
     const int nqt = (t + BQ_ - 1) / BQ_;
@@ -1854,38 +1894,45 @@ __device__ void attn5_bwd(const bf16* __restrict__ q, const bf16* __restrict__ k
         // The first k16 step of each product overwrites the accumulators (no zeroing pass).
         float s[32], dp[32];
         wg_fence();
-        wg_ss_n64<0, 0, 0>(s, wg_desc(kw, 16, 1024), wg_desc(qb, 16, 1024));
+        const u64 d_kw = wg_desc(kw, 16, 1024), d_qb = wg_desc(qb, 16, 1024), d_vw = wg_desc(vw, 16, 1024),
+                  d_ob = wg_desc(ob, 16, 1024), d_obn = wg_desc(ob, BQ_ * 128, 1024),
+                  d_qbn = wg_desc(qb, BQ_ * 128, 1024);
+        wg_ss_n64<0, 0, 0>(s, d_kw, d_qb);
         #pragma unroll
         for (int kk = 1; kk < HD / 16; kk++) {
             const int off_k = (kk >> 2) * (BK_ * 64) + (kk & 3) * 16, off_q = (kk >> 2) * (BQ_ * 64) + (kk & 3) * 16;
-            wg_ss_n64<1, 0, 0>(s, wg_desc(kw + off_k, 16, 1024), wg_desc(qb + off_q, 16, 1024));
+            wg_ss_n64<1, 0, 0>(s, wg_at(d_kw, off_k), wg_at(d_qb, off_q));
         }
         wg_commit();
-        wg_ss_n64<0, 0, 0>(dp, wg_desc(vw, 16, 1024), wg_desc(ob, 16, 1024));
+        wg_ss_n64<0, 0, 0>(dp, d_vw, d_ob);
         #pragma unroll
         for (int kk = 1; kk < HD / 16; kk++) {
             const int off_k = (kk >> 2) * (BK_ * 64) + (kk & 3) * 16, off_q = (kk >> 2) * (BQ_ * 64) + (kk & 3) * 16;
-            wg_ss_n64<1, 0, 0>(dp, wg_desc(vw + off_k, 16, 1024), wg_desc(ob + off_q, 16, 1024));
+            wg_ss_n64<1, 0, 0>(dp, wg_at(d_vw, off_k), wg_at(d_ob, off_q));
         }
         wg_commit();
         // S^T and dP^T are two commit groups: P^T is computed while dP^T's MMAs run, and dS^T while
         // dV's run. Element e of column block j is key (e < 2 ? ka : kb), query 8j + 2tq + (e & 1).
         wg_wait<1>();
         wg_pin<32>(s);
-        const bool tile_all = fl[cur] == 2;
-        #pragma unroll
-        for (int j = 0; j < 8; j++) {
+        // Fully visible tiles (most) take a branch-free loop; the compiler would otherwise test
+        // the flag per element and serialise the exponentials.
+        if (fl[cur] == 2) {
             #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int ql = j * 8 + 2 * tq + (e & 1);
-                float p = exp2f(s[4 * j + e] * sl2 - lb[ql] * LOG2E);
-                if (!tile_all) {
-                    const int qi = q0 + ql, kx = e < 2 ? ka : kb;
-                    bool vis = false;
-                    if (qi < t && kx < t) vis = visible(mk.ranges[qi], mk.pos[qi], kx, e < 2 ? kpa : kpb, mk.window);
-                    if (!vis) p = 0.f;
+            for (int j = 0; j < 8; j++)
+                #pragma unroll
+                for (int e = 0; e < 4; e++)
+                    s[4 * j + e] = fast_exp2(fmaf(s[4 * j + e], sl2, -lb[j * 8 + 2 * tq + (e & 1)] * LOG2E));
+        } else {
+            #pragma unroll
+            for (int j = 0; j < 8; j++) {
+                #pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int ql = j * 8 + 2 * tq + (e & 1), qi = q0 + ql, kx = e < 2 ? ka : kb;
+                    const bool vis = qi < t && kx < t &&
+                                     visible(mk.ranges[qi], mk.pos[qi], kx, e < 2 ? kpa : kpb, mk.window);
+                    s[4 * j + e] = vis ? fast_exp2(fmaf(s[4 * j + e], sl2, -lb[ql] * LOG2E)) : 0.f;
                 }
-                s[4 * j + e] = p;
             }
         }
         u32 pf[4][4], sf[4][4];
@@ -1898,7 +1945,7 @@ __device__ void attn5_bwd(const bf16* __restrict__ q, const bf16* __restrict__ k
         }
         wg_fence();
         #pragma unroll
-        for (int kk = 0; kk < 4; kk++) wg_rs_n128_tb(&adv[0][0], pf[kk], wg_desc(ob + kk * 16 * 64, BQ_ * 128, 1024));
+        for (int kk = 0; kk < 4; kk++) wg_rs_n128_tb(&adv[0][0], pf[kk], wg_at(d_obn, kk * 16 * 64));
         wg_commit();
         wg_wait<1>();
         wg_pin<32>(dp);
@@ -1916,7 +1963,7 @@ __device__ void attn5_bwd(const bf16* __restrict__ q, const bf16* __restrict__ k
         }
         wg_fence();
         #pragma unroll
-        for (int kk = 0; kk < 4; kk++) wg_rs_n128_tb(&adk[0][0], sf[kk], wg_desc(qb + kk * 16 * 64, BQ_ * 128, 1024));
+        for (int kk = 0; kk < 4; kk++) wg_rs_n128_tb(&adk[0][0], sf[kk], wg_at(d_qbn, kk * 16 * 64));
         wg_commit();
         // dS^T rows 16w + g and 16w + g + 8 to shared memory (query pairs: one 4-byte store each).
         {
@@ -1938,10 +1985,11 @@ __device__ void attn5_bwd(const bf16* __restrict__ q, const bf16* __restrict__ k
         float aq[32];
         const bf16* kh = ks + wg * (BK_ * 64);
         wg_fence();
-        wg_ss_n64<0, 1, 1>(aq, wg_desc(dst, 8192, 1024), wg_desc(kh, 8192, 1024));
+        const u64 d_ds = wg_desc(dst, 8192, 1024), d_kh = wg_desc(kh, 8192, 1024);
+        wg_ss_n64<0, 1, 1>(aq, d_ds, d_kh);
         #pragma unroll
         for (int kk = 1; kk < BK_ / 16; kk++)
-            wg_ss_n64<1, 1, 1>(aq, wg_desc(dst + kk * 16 * 64, 8192, 1024), wg_desc(kh + kk * 16 * 64, 8192, 1024));
+            wg_ss_n64<1, 1, 1>(aq, wg_at(d_ds, kk * 16 * 64), wg_at(d_kh, kk * 16 * 64));
         wg_commit();
         wg_wait<0>();
         wg_pin<32>(aq);
