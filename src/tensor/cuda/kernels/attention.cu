@@ -1602,19 +1602,20 @@ __device__ __forceinline__ void wg_rs_n128_tb(float* d, const u32* a, u64 db) {
 // Rows [row0, row0 + NR) of a row-major [*, 128] bf16 matrix (row stride `stride`, `src` at the
 // head's column) into the swizzled layout above (cp.async, not committed); rows >= t are zeros.
 // Each thread copies the same 16-byte column chunk c of rows r0, r0 + NT/16, ...: with NT/16 a
-// multiple of 8 the swizzle is the same for all of them, so a copy is an address add and a
+// multiple of 8 the swizzle is the same for all of them, so a copy is a pointer step and a
 // cp.async (a loop over idx < NR*16 from threadIdx.x compiled to ~20 instructions per copy).
 template <int NR, int NT>
 __device__ __forceinline__ void cp_tile_sw(bf16* dst, const bf16* src, i64 stride, int row0, int t) {
     static_assert((NR * 16) % NT == 0 && (NT / 16) % 8 == 0, "cp_tile_sw: NT threads must cover whole row groups");
     const int c = threadIdx.x & 15, r0 = threadIdx.x >> 4;
     unsigned char* d = (unsigned char*)dst + (c >> 3) * (NR * 128) + r0 * 128 + (((c & 7) ^ (r0 & 7)) << 4);
-    const bf16* sg = src + c * 8;
+    const bf16* sg = src + (i64)(row0 + r0) * stride + c * 8;
+    const i64 step = (i64)(NT / 16) * stride;
     #pragma unroll
     for (int i = 0; i < NR * 16 / NT; i++) {
-        const int gr = row0 + r0 + i * (NT / 16);
-        const bool ok = gr < t;
-        cp_async16(d + i * (NT / 16) * 128, sg + (i64)(ok ? gr : 0) * stride, ok);
+        const bool ok = row0 + r0 + i * (NT / 16) < t;
+        cp_async16(d + i * (NT / 16) * 128, ok ? sg : src, ok);  // rows past t: zeros, nothing read
+        sg += step;
     }
 }
 
