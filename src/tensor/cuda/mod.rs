@@ -1491,7 +1491,8 @@ impl CudaBackend {
         };
         let (name, threads, rows) = Self::attn2_fn(kind, s, wide)?;
         let limit = (self.inner.smem_optin - 1024).min(200 * 1024);
-        let fwd5_smem = (128 * 128 * 2 * 5 + t.div_ceil(128).next_multiple_of(16) + 1024) as u32;
+        let fwd5_smem =
+            (128 * 128 * 2 * 5 + 64 + t.div_ceil(128).next_multiple_of(16) + 1024) as u32;
         if kind == "fwd"
             && s.head_dim == 128
             && self.inner.arch == "sm_90"

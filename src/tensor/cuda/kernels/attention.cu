@@ -1551,6 +1551,27 @@ template <int N>
 __device__ __forceinline__ void wg_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
 // Generic-proxy writes to shared memory (cp.async, st.shared) made visible to wgmma's reads.
 __device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+// Shared-memory barriers (mbarrier) for a pipeline without block-wide barriers: a buffer's "full"
+// barrier completes when every thread's cp.async copies into it have landed (each thread arrives
+// through cp.async.mbarrier.arrive.noinc, so the count is the block's threads), its "empty"
+// barrier when every thread has finished the products that read it. Waits name the phase parity.
+__device__ __forceinline__ void mbar_init(u64* b, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(b)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(u64* b) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(b)) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive_copies(u64* b) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_u32(b)) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(u64* b, u32 parity) {
+    asm volatile(
+        "{\n.reg .pred done;\nWAIT:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra WAIT;\n}\n" ::"r"(smem_u32(b)),
+        "r"(parity)
+        : "memory");
+}
 // Pins accumulator registers at this point of the program (no reads or writes moved across).
 template <int N>
 __device__ __forceinline__ void wg_pin(float* d) {
@@ -1623,8 +1644,9 @@ __device__ __forceinline__ void cp_tile_sw(bf16* dst, const bf16* src, i64 strid
 // rows 16w..), 128-key tiles. S = Q K^T (both K-major) and O += P V (P from registers, V read
 // N-major) on wgmma, software-pipelined within each warpgroup: the scores of the next key tile
 // are computed while this tile's P V runs, and O is rescaled once that product has landed.
-// K and V have two buffers each, loaded one tile apart (K_{i+2} and V_{i+1} during tile i), so one
-// barrier per tile suffices. Same masking, LSE and outputs as versions 2 and 3.
+// K and V have two buffers each, loaded one tile apart (K_{i+2} and V_{i+1} during tile i) by all
+// threads; mbarriers say when a buffer is full and when it may be refilled, so there is no
+// block-wide barrier in the loop. Same masking, LSE and outputs as versions 2 and 3.
 __device__ __forceinline__ void fwd5_softmax(float (&s)[16][4], u32 (&pn)[8][4], float& m_a, float& m_b,
                                              float& l_a, float& l_b, float& al_a, float& al_b, const Mask& mk,
                                              bool tile_all, int ra, int rb, int k0, int t, float sl2, int tq) {
@@ -1675,7 +1697,9 @@ __device__ void attn5_fwd(const bf16* __restrict__ q, const bf16* __restrict__ k
     bf16* qs = (bf16*)smem;         // [2 halves][128 rows][64]
     bf16* ks = qs + BQ_ * HD;       // 2 buffers, same layout
     bf16* vs = ks + 2 * BK_ * HD;   // 2 buffers
-    unsigned char* fl = (unsigned char*)(vs + 2 * BK_ * HD);
+    u64* bars = (u64*)(vs + 2 * BK_ * HD);
+    u64 *full_k = bars, *full_v = bars + 2, *empty_k = bars + 4, *empty_v = bars + 6;
+    unsigned char* fl = (unsigned char*)(bars + 8);
 
     const int h = blockIdx.y, kvh = h / (nh / nkv);
     const int q0 = (gridDim.x - 1 - blockIdx.x) * BQ_;
@@ -1690,18 +1714,41 @@ __device__ void attn5_fwd(const bf16* __restrict__ q, const bf16* __restrict__ k
     const bf16* vg = v + (i64)kvh * HD;
     const int ra = q0 + 16 * w + g, rb = ra + 8;
 
+    if (threadIdx.x == 0) {
+        #pragma unroll
+        for (int i = 0; i < 8; i++) mbar_init(bars + i, NT);
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
     cp_tile_sw<BQ_, NT>(qs, q + (i64)h * HD, qstride, q0, t);
+    cp_async_commit();
     for (int kt = threadIdx.x; kt < n; kt += NT) fl[kt] = tile_flag(mk, t, q0 / 64, 2, kt * 2, 2);
     __syncthreads();
+    // Visible tile j (the j-th, counting only visible ones) has its K and V in buffer j & 1, the
+    // (j >> 1)-th fill of that buffer: consumers wait for full phase (j >> 1) & 1, and the fill
+    // f of a buffer first waits for empty phase (f & 1) ^ 1 (the release of fill f - 1; for f = 0
+    // that parity passes at once).
+    auto load_k = [&](int tile, int j) {
+        const int b = j & 1;
+        mbar_wait(empty_k + b, ((j >> 1) & 1) ^ 1);
+        cp_tile_sw<BK_, NT>(ks + b * BK_ * HD, kg, kstride, tile * BK_, t);
+        mbar_arrive_copies(full_k + b);
+    };
+    auto load_v = [&](int tile, int j) {
+        const int b = j & 1;
+        mbar_wait(empty_v + b, ((j >> 1) & 1) ^ 1);
+        cp_tile_sw<BK_, NT>(vs + b * BK_ * HD, vg, kstride, tile * BK_, t);
+        mbar_arrive_copies(full_v + b);
+    };
     int cur = next_visible(fl, 0, n);
     int nxt = cur < n ? next_visible(fl, cur + 1, n) : n;
     if (cur < n) {
-        cp_tile_sw<BK_, NT>(ks, kg, kstride, cur * BK_, t);
-        cp_tile_sw<BK_, NT>(vs, vg, kstride, cur * BK_, t);
+        load_k(cur, 0);
+        load_v(cur, 0);
     }
-    cp_async_commit();
-    if (nxt < n) cp_tile_sw<BK_, NT>(ks + BK_ * HD, kg, kstride, nxt * BK_, t);
-    cp_async_commit();
+    if (nxt < n) load_k(nxt, 1);
+    cp_async_wait<0>();  // Q (the first tiles too: their latency is exposed once)
+    fence_async_smem();
+    __syncthreads();
 
     float acc[16][4];
     #pragma unroll
@@ -1715,26 +1762,28 @@ __device__ void attn5_fwd(const bf16* __restrict__ q, const bf16* __restrict__ k
     // wgmma of the kernel (C7513).
     u32 pa[8][4], pb[8][4];
     if (cur < n) {
-        cp_async_wait<1>();
+        mbar_wait(full_k, 0);
         fence_async_smem();
-        __syncthreads();
         wg_fence();
         fwd5_scores(&s[0][0], qw, ks);
         wg_commit();
         wg_wait<0>();
         wg_pin<64>(&s[0][0]);
+        mbar_arrive(empty_k);
         fwd5_softmax(s, pa, m_a, m_b, l_a, l_b, al_a, al_b, mk, fl[cur] == 2, ra, rb, cur * BK_, t, sl2, tq);
     }
-    int b = 0;  // buffer of K_cur and V_cur; K_nxt and V_nxt use b ^ 1
-    // One step: P_cur V_cur and the scores (then probabilities, into pn) of the next tile.
+    int j = 0;  // cur is visible tile j
+    // One step: P_cur V_cur and the scores (then probabilities, into pn) of the next tile. No
+    // block-wide barrier: the two warpgroups meet only at the buffers' barriers, so one may run
+    // its softmax while the other's products hold the tensor cores.
     auto step = [&](const u32(&pc)[8][4], u32(&pn)[8][4]) {
         const int nxt2 = next_visible(fl, nxt + 1, n);
-        cp_async_wait<0>();
+        const int b = j & 1;
+        if (nxt2 < n) load_k(nxt2, j + 2);
+        load_v(nxt, j + 1);
+        mbar_wait(full_k + (b ^ 1), ((j + 1) >> 1) & 1);
+        mbar_wait(full_v + b, (j >> 1) & 1);
         fence_async_smem();
-        __syncthreads();
-        if (nxt2 < n) cp_tile_sw<BK_, NT>(ks + b * BK_ * HD, kg, kstride, nxt2 * BK_, t);
-        cp_tile_sw<BK_, NT>(vs + (b ^ 1) * BK_ * HD, vg, kstride, nxt * BK_, t);
-        cp_async_commit();
         wg_fence();
         fwd5_scores(&s[0][0], qw, ks + (b ^ 1) * BK_ * HD);
         wg_commit();
@@ -1742,20 +1791,22 @@ __device__ void attn5_fwd(const bf16* __restrict__ q, const bf16* __restrict__ k
         wg_commit();
         wg_wait<1>();
         wg_pin<64>(&s[0][0]);
+        mbar_arrive(empty_k + (b ^ 1));
         fwd5_softmax(s, pn, m_a, m_b, l_a, l_b, al_a, al_b, mk, fl[nxt] == 2, ra, rb, nxt * BK_, t, sl2, tq);
         wg_wait<0>();
         wg_pin<64>(&acc[0][0]);
         wg_keep(pc);  // P_cur stays in its registers until its product has landed
+        mbar_arrive(empty_v + b);
         rescale_rows<16>(acc, al_a, al_b);
         cur = nxt;
         nxt = nxt2;
-        b ^= 1;
+        j++;
     };
     // The last tile's P V, from whichever set holds it.
     auto last = [&](const u32(&pc)[8][4]) {
-        cp_async_wait<0>();
+        const int b = j & 1;
+        mbar_wait(full_v + b, (j >> 1) & 1);
         fence_async_smem();
-        __syncthreads();
         wg_fence();
         fwd5_pv(&acc[0][0], pc, vs + b * BK_ * HD);
         wg_commit();
