@@ -1491,6 +1491,8 @@ impl CudaBackend {
         };
         let (name, threads, rows) = Self::attn2_fn(kind, s, wide)?;
         let limit = (self.inner.smem_optin - 1024).min(200 * 1024);
+        // Version 5 forward: Q and two K and two V tiles (128 x 128 bf16 each), eight mbarriers
+        // (64 bytes), the tile flags, and room to align to 1024 bytes.
         let fwd5_smem =
             (128 * 128 * 2 * 5 + 64 + t.div_ceil(128).next_multiple_of(16) + 1024) as u32;
         if kind == "fwd"
