@@ -233,11 +233,11 @@ fn elementwise(cx: &mut Ctx, r: &mut Rng) -> Result<()> {
         let row = cmp_t("embedding bwd (f32)", &got, &want, F32_TIGHT)?;
         cx.push(row);
     }
-    // rms_norm: rows the 4-wide kernels take (h 1536), and rows they do not (h % 4 != 0)
+    // rms_norm: rows the 4-wide kernels take (h 1536: 4 groups per thread or fewer; h 6144: up to
+    // 8), and rows they do not (h % 4 != 0)
     rms_norm_rows(cx, r, 5, 90, " (h 90, scalar)")?;
-    {
-        let (rows, h) = (37, 1536);
-        let (w, dy) = rms_norm_rows(cx, r, rows, h, "")?;
+    for (rows, h, label) in [(37, 1536, ""), (9, 6144, " (h 6144)")] {
+        let (w, dy) = rms_norm_rows(cx, r, rows, h, label)?;
         let wg = cx.g(&w, &[h], bf)?;
         // The fused residual forms, as the layer uses them: an f32 stream plus a bf16 branch
         // output, normalised into bf16; the backward adds an f32 residual gradient.
@@ -257,11 +257,26 @@ fn elementwise(cx: &mut Ctx, r: &mut Rng) -> Result<()> {
             1e-6,
             bf,
         )?;
-        let row = cmp_t("add_rms_norm sum (f32)", &sum_g, &sum_c, F32_TIGHT)?;
+        let row = cmp_t(
+            &format!("add_rms_norm sum (f32){label}"),
+            &sum_g,
+            &sum_c,
+            F32_TIGHT,
+        )?;
         cx.push(row);
-        let row = cmp_t("add_rms_norm y (-> bf16)", &yg, &yc, BF16_FWD)?;
+        let row = cmp_t(
+            &format!("add_rms_norm y (-> bf16){label}"),
+            &yg,
+            &yc,
+            BF16_FWD,
+        )?;
         cx.push(row);
-        let row = cmp_t("add_rms_norm rstd (f32)", &sg, &sc, F32_STAT)?;
+        let row = cmp_t(
+            &format!("add_rms_norm rstd (f32){label}"),
+            &sg,
+            &sc,
+            F32_STAT,
+        )?;
         cx.push(row);
         let add = r.normals(rows * h, 1.0);
         let want = rms_norm_bwd_add(
@@ -278,7 +293,12 @@ fn elementwise(cx: &mut Ctx, r: &mut Rng) -> Result<()> {
             &cx.g(&sc.to_vec()?, &[rows], f)?,
             &cx.g(&add, &[rows, h], f)?,
         )?;
-        let row = cmp_t("rms_norm_bwd_add dx (f32)", &got, &want, F32_STAT)?;
+        let row = cmp_t(
+            &format!("rms_norm_bwd_add dx (f32){label}"),
+            &got,
+            &want,
+            F32_STAT,
+        )?;
         cx.push(row);
     }
     // rope: bf16 pairs of pairs (head_dim 64), and the scalar kernel (head_dim 6: odd half)
@@ -1188,8 +1208,9 @@ fn attention_suite(cx: &mut Ctx, r: &mut Rng) -> Result<()> {
         }
         if let (Device::Cuda(c), 64 | 128) = (cx.dev, hd) {
             // The default above is the one-pass backward (its wgmma form on sm_90 at head_dim
-            // 128); the mma.sync one-pass and the two-kernel versions too.
-            for version in [4u8, 2] {
+            // 128); the mma.sync one-pass and the two-kernel versions too, and version 5's two
+            // GQA forms (per-head blocks, kv-head loop) where they apply.
+            for version in [4u8, 2, 5, 6] {
                 c.set_attention_backward_version(version);
                 let got = attention_bwd(&dog, &qg, &kg, &vg, &oig, &lig, &mask, s);
                 c.set_attention_backward_version(0);
@@ -1274,6 +1295,30 @@ fn attention_long(cx: &mut Ctx, r: &mut Rng) -> Result<()> {
         let dog = cx.g(&d_o, &[t, qw], bf)?;
         let (dqg, _, _) = attention_bwd(&dog, &qg, &kg, &vg, &og, &lg, &mask, s)?;
         let dq_all = dqg.to_vec()?;
+        if let Device::Cuda(c) = cx.dev {
+            // dK and dV at this length: version 5's kv-head loop against its per-head blocks and
+            // partials (the short cases check both against the CPU).
+            let mut outs = Vec::new();
+            for version in [5u8, 6] {
+                c.set_attention_backward_version(version);
+                let got = attention_bwd(&dog, &qg, &kg, &vg, &og, &lg, &mask, s);
+                c.set_attention_backward_version(0);
+                outs.push(got?);
+            }
+            let (per_head, looped) = (&outs[0], &outs[1]);
+            for (name, got, want) in [
+                ("dk", &looped.1, &per_head.1),
+                ("dv", &looped.2, &per_head.2),
+            ] {
+                let row = cmp_t(
+                    &format!("{tag} bwd {name} head-loop vs per-head"),
+                    got,
+                    want,
+                    BF16_GRAD,
+                )?;
+                cx.push(row);
+            }
+        }
         let samples: Vec<(usize, usize)> = (0..48)
             .map(|i| {
                 (
@@ -1350,7 +1395,13 @@ fn attn_timing(
         return Ok(());
     };
     let c = c.clone();
-    for (version, label) in [(0u8, "bwd"), (4, "bwd v4"), (2, "bwd v2")] {
+    for (version, label) in [
+        (0u8, "bwd"),
+        (5, "bwd v5 per-head"),
+        (6, "bwd v5 head-loop"),
+        (4, "bwd v4"),
+        (2, "bwd v2"),
+    ] {
         c.set_attention_backward_version(version);
         let bwd = cx.time(iters, || {
             attention_bwd(d_o, q, k, v, &o, &lse, mask, s).map(|_| ())

@@ -438,10 +438,18 @@ fn pack(lo: u32, hi: u32) -> u64 {
     lo as u64 | (hi as u64) << 32
 }
 
-/// Whether RMSNorm rows of `h` take the 4-wide kernels (`lf_rms_norm_x4`: 256 threads, at most
-/// 8 groups of 4 per thread).
-fn rms_rows_x4(h: usize) -> bool {
-    h.is_multiple_of(4) && h <= 4 * 8 * 256
+/// The RMSNorm kernel for rows of `h` (forward or backward, by `stem`): the 4-wide kernels at 256
+/// threads, with at most 4 groups of 4 per thread (`…_x4v4`, h ≤ 4096) or 8 (`…_x4`), and the
+/// scalar kernel otherwise.
+fn rms_kernel(stem: &'static str, h: usize) -> &'static str {
+    let x4 = h.is_multiple_of(4);
+    match (stem, x4 && h <= 4 * 4 * 256, x4 && h <= 4 * 8 * 256) {
+        ("lf_rms_norm", true, _) => "lf_rms_norm_x4v4",
+        ("lf_rms_norm", false, true) => "lf_rms_norm_x4",
+        ("lf_rms_norm_bwd", true, _) => "lf_rms_norm_bwd_x4v4",
+        ("lf_rms_norm_bwd", false, true) => "lf_rms_norm_bwd_x4",
+        _ => stem,
+    }
 }
 
 /// A version 2+ attention kernel chosen for a shape: its launch configuration.
@@ -627,7 +635,8 @@ impl CudaBackend {
     }
     /// Forces the attention backward for head_dim 64 / 128: 0 (the default) the one-pass kernel
     /// (on sm_90 at head_dim 128 its wgmma form, version 5), 4 the one-pass mma.sync kernel, 2
-    /// the two-kernel version. For the parity suite, which checks each.
+    /// the two-kernel version; 5 and 6 version 5 with per-head blocks or with the kv-head loop
+    /// (see `attn5_head_loop`). For the parity suite, which checks each.
     pub fn set_attention_backward_version(&self, v: u8) {
         self.inner.attn_bwd_version.store(v, Ordering::Relaxed);
     }
@@ -1294,11 +1303,7 @@ impl CudaBackend {
             None => None,
         };
         self.launch(
-            if rms_rows_x4(h) {
-                "lf_rms_norm_x4"
-            } else {
-                "lf_rms_norm"
-            },
+            rms_kernel("lf_rms_norm", h),
             (rows as u32, 1, 1),
             256,
             0,
@@ -1333,11 +1338,7 @@ impl CudaBackend {
         ensure!(rstd.dtype() == DType::F32, "rms_norm_bwd: rstd must be f32");
         let dx = self.empty(x.shape(), x.dtype())?;
         self.launch(
-            if rms_rows_x4(h) {
-                "lf_rms_norm_bwd_x4"
-            } else {
-                "lf_rms_norm_bwd"
-            },
+            rms_kernel("lf_rms_norm_bwd", h),
             (rows as u32, 1, 1),
             256,
             0,
@@ -1551,6 +1552,23 @@ impl CudaBackend {
         })
     }
 
+    /// Whether version 5's backward (`one_pass`) runs each kv head's query heads in one block:
+    /// with GQA, when the (key tile, kv head) grid is at least two waves of the device. Measured
+    /// on an H200 (132 SMs), head loop against per-head blocks with partials: 32/8 heads at
+    /// T=18432 (1152 blocks) 15.3 against 15.7 ms, at T=4608 (288 blocks) 1.11 against 1.28 ms;
+    /// 4/2 heads at T=16384 (256 blocks) even; 8/2 at T=4096 (64 blocks) 0.80 against 0.33 ms.
+    /// `set_attention_backward_version` 5 forces per-head blocks, 6 the head loop.
+    fn attn5_head_loop(&self, one_pass: Option<&AttnKernel>, s: &AttnShape, t: usize) -> bool {
+        if !one_pass.is_some_and(|k| k.name == "lf_attn5_bwd_128") || s.n_heads == s.n_kv_heads {
+            return false;
+        }
+        match self.inner.attn_bwd_version.load(Ordering::Relaxed) {
+            5 => false,
+            6 => true,
+            _ => t.div_ceil(128) * s.n_kv_heads >= 2 * self.inner.sm_count as usize,
+        }
+    }
+
     /// Whether the one-pass backward at head_dim 128 runs on warpgroup MMAs (version 5): on
     /// sm_90, unless version 4 is forced (`set_attention_backward_version(4)`).
     fn wgmma_backward(&self) -> bool {
@@ -1760,9 +1778,12 @@ impl CudaBackend {
             )?;
         }
         // One block per (key tile, query head); with GQA the heads' f32 partials are then summed
-        // per kv head (keeps every SM busy when there are few kv heads).
+        // per kv head (keeps every SM busy when there are few kv heads). Version 5 instead runs a
+        // kv head's query heads in one block (no partials, no sum) once its grid of (key tile, kv
+        // head) blocks fills the device several times over.
         let group = s.n_heads / s.n_kv_heads;
-        let parts = if group > 1 {
+        let head_loop = self.attn5_head_loop(one_pass.as_ref(), &s, t);
+        let parts = if group > 1 && !head_loop {
             Some((
                 self.empty(&[s.n_heads, t, s.head_dim], DType::F32)?,
                 self.empty(&[s.n_heads, t, s.head_dim], DType::F32)?,
@@ -1783,7 +1804,14 @@ impl CudaBackend {
         if let (Some(kn), Some(acc)) = (&one_pass, &dq_acc) {
             let mut args = common2(outs)?;
             args.insert(6, Arg::P(cuda_ptr(acc)?));
-            self.launch(kn.name, kn.grid, kn.threads, kn.smem, &args)?;
+            let mut grid = kn.grid;
+            if kn.name == "lf_attn5_bwd_128" {
+                args.push(Arg::I32(head_loop as i32));
+                if head_loop {
+                    grid = (s.n_kv_heads as u32, t.div_ceil(128) as u32, 1);
+                }
+            }
+            self.launch(kn.name, grid, kn.threads, kn.smem, &args)?;
             self.launch_n(
                 "lf_attn_dq_finish",
                 dq.numel(),

@@ -1864,7 +1864,7 @@ __device__ void attn5_bwd(const bf16* __restrict__ q, const bf16* __restrict__ k
                           const bf16* __restrict__ d_o, const float* __restrict__ lse,
                           const float* __restrict__ dd, float* __restrict__ dq_acc, bf16* __restrict__ dk,
                           bf16* __restrict__ dv, float* __restrict__ dk_part, float* __restrict__ dv_part, Mask mk,
-                          int t, int nh, int nkv, float scale) {
+                          int t, int nh, int nkv, float scale, int head_loop) {
     constexpr int HD = 128, BK_ = 128, BQ_ = 64, NT = 256;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     unsigned char* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
@@ -1879,8 +1879,14 @@ __device__ void attn5_bwd(const bf16* __restrict__ q, const bf16* __restrict__ k
     float* dqs = dsum + 2 * BQ_;
     unsigned char* fl = (unsigned char*)(dqs + BQ_ * DQS);
 
-    const int h = blockIdx.y, group = nh / nkv, kvh = h / group;
-    const int k0 = blockIdx.x * BK_;
+    // Without head_loop: one block per (key tile x, query head y); with GQA its dK and dV are f32
+    // partials that a second kernel sums per kv head. With head_loop: one block per (kv head x, key
+    // tile y), which runs the kv head's query heads one after another into the same dK and dV
+    // accumulators and stores them once (no partials). The key tile's flags are the same for every
+    // head, so its visible query tiles repeat per head.
+    const int group = nh / nkv, heads = head_loop ? group : 1;
+    const int h0 = head_loop ? blockIdx.x * group : blockIdx.y, kvh = h0 / group;
+    const int ktile = head_loop ? blockIdx.y : blockIdx.x, k0 = ktile * BK_;
     // wg through a shuffle from lane 0: the compiler then knows it is warp-uniform and keeps the
     // operand descriptors that depend on it in uniform registers.
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
@@ -1888,24 +1894,23 @@ __device__ void attn5_bwd(const bf16* __restrict__ q, const bf16* __restrict__ k
     const i64 qstride = (i64)nh * HD, kstride = (i64)nkv * HD;
     const float sl2 = scale * LOG2E;
     const int nqt = (t + BQ_ - 1) / BQ_;
-    const bf16* qg = q + (i64)h * HD;
-    const bf16* og = d_o + (i64)h * HD;
-    const float* lg = lse + (i64)h * t;
-    const float* dg = dd + (i64)h * t;
 
     cp_tile_sw<BK_, NT>(ks, k + (i64)kvh * HD, kstride, k0, t);
     cp_tile_sw<BK_, NT>(vs, v + (i64)kvh * HD, kstride, k0, t);
     cp_async_commit();
-    for (int it = threadIdx.x; it < nqt; it += NT) fl[it] = tile_flag(mk, t, it, 1, blockIdx.x * 2, 2);
+    for (int it = threadIdx.x; it < nqt; it += NT) fl[it] = tile_flag(mk, t, it, 1, ktile * 2, 2);
     __syncthreads();
-    auto load_q = [&](int it, int b) {
+    // Query tile `it` of head h into buffer b.
+    auto load_q = [&](int it, int h, int b) {
         const int q0 = it * BQ_;
-        cp_tile_sw<BQ_, NT>(qs + b * BQ_ * HD, qg, qstride, q0, t);
-        cp_tile_sw<BQ_, NT>(dos + b * BQ_ * HD, og, qstride, q0, t);
-        cp_query_stats<BQ_, NT>(ls + b * BQ_, dsum + b * BQ_, lg, dg, q0, t);
+        cp_tile_sw<BQ_, NT>(qs + b * BQ_ * HD, q + (i64)h * HD, qstride, q0, t);
+        cp_tile_sw<BQ_, NT>(dos + b * BQ_ * HD, d_o + (i64)h * HD, qstride, q0, t);
+        cp_query_stats<BQ_, NT>(ls + b * BQ_, dsum + b * BQ_, lse + (i64)h * t, dd + (i64)h * t, q0, t);
     };
-    int cur = next_visible(fl, 0, nqt);
-    if (cur < nqt) load_q(cur, 0);
+    // The work is the visible query tiles of heads h0 .. h0 + heads - 1, head by head.
+    const int first = next_visible(fl, 0, nqt);
+    int cur = first, cur_h = h0;
+    if (cur < nqt) load_q(cur, cur_h, 0);
     cp_async_commit();
 
     const int ka = k0 + 16 * w + g, kb = ka + 8;
@@ -1923,19 +1928,20 @@ __device__ void attn5_bwd(const bf16* __restrict__ q, const bf16* __restrict__ k
     // One barrier per tile pair: past it, every warp has finished the previous pair (its MMAs
     // waited for), so the next tile's loads may overwrite that pair's buffer and dS^T.
     // Thread r < 64 sends row r of the staged dQ tile of query tile `pend`.
-    auto send_dq = [&](int pend) {
+    auto send_dq = [&](int pend, int h) {
         const int row = pend * BQ_ + threadIdx.x;
         if (threadIdx.x < BQ_ && row < t)
             bulk_add_f32(dq_acc + (i64)row * qstride + (i64)h * HD, dqs + threadIdx.x * DQS, HD * 4);
     };
-    int buf = 0, pend = -1;
+    int buf = 0, pend = -1, pend_h = h0;
     while (cur < nqt) {
-        const int nxt = next_visible(fl, cur + 1, nqt);
+        int nxt = next_visible(fl, cur + 1, nqt), nxt_h = cur_h;
+        if (nxt >= nqt && cur_h + 1 < h0 + heads) nxt = first, nxt_h = cur_h + 1;
         cp_async_wait<0>();
         fence_async_smem();
         __syncthreads();
-        if (pend >= 0) send_dq(pend);
-        if (nxt < nqt) load_q(nxt, buf ^ 1);
+        if (pend >= 0) send_dq(pend, pend_h);
+        if (nxt < nqt) load_q(nxt, nxt_h, buf ^ 1);
         cp_async_commit();
         const bf16* qb = qs + buf * BQ_ * HD;
         const bf16* ob = dos + buf * BQ_ * HD;
@@ -2056,15 +2062,15 @@ __device__ void attn5_bwd(const bf16* __restrict__ q, const bf16* __restrict__ k
                 *(float2*)(dqs + rb * DQS + col) = make_float2(aq[4 * j + 2], aq[4 * j + 3]);
             }
             fence_async_smem();
-            pend = cur;
+            pend = cur, pend_h = cur_h;
         }
-        cur = nxt;
+        cur = nxt, cur_h = nxt_h;
         buf ^= 1;
     }
     __syncthreads();
-    if (pend >= 0) send_dq(pend);
+    if (pend >= 0) send_dq(pend, pend_h);
     bulk_wait();
-    key_tile_store<HD>(adk, adv, dk, dv, dk_part, dv_part, h, kvh, group, ka, kb, t, nkv, scale, tq);
+    key_tile_store<HD>(adk, adv, dk, dv, dk_part, dv_part, h0, kvh, group / heads, ka, kb, t, nkv, scale, tq);
 }
 #endif
 
@@ -2078,8 +2084,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) lf_attn5_fwd_128(const bf16
 
 extern "C" __global__ void __launch_bounds__(256, 1) lf_attn5_bwd_128(
     const bf16* q, const bf16* k, const bf16* v, const bf16* d_o, const float* lse, const float* dd, float* dq_acc,
-    bf16* dk, bf16* dv, float* dk_part, float* dv_part, Mask mk, int t, int nh, int nkv, float scale) {
+    bf16* dk, bf16* dv, float* dk_part, float* dv_part, Mask mk, int t, int nh, int nkv, float scale, int head_loop) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    attn5_bwd(q, k, v, d_o, lse, dd, dq_acc, dk, dv, dk_part, dv_part, mk, t, nh, nkv, scale);
+    attn5_bwd(q, k, v, d_o, lse, dd, dq_acc, dk, dv, dk_part, dv_part, mk, t, nh, nkv, scale, head_loop);
 #endif
 }

@@ -57,19 +57,20 @@ __device__ __forceinline__ void st4(void* p, int dt, i64 i4, float4 v) {
     }
 }
 
-// lf_rms_norm for rows of h % 4 == 0 and h <= 4 * RMS_V * blockDim: 4-wide loads, and the row
+// lf_rms_norm for rows of h % 4 == 0 and h <= 4 * V * blockDim: 4-wide loads, and the row
 // (after the residual add) kept in registers between the sum of squares and the output, where the
 // scalar kernel reads it twice. The same arithmetic per element, including the sum rounded to x's
-// dtype before it is normalised.
-#define RMS_V 8
-extern "C" __global__ void lf_rms_norm_x4(const void* x, int xdt, const void* r, int rdt, void* sum,
-                                          const void* w, int wdt, void* y, int ydt, float* rstd, int h,
-                                          float eps) {
+// dtype before it is normalised. V (groups of 4 per thread) is a template constant so that rows
+// of h <= 4096 (V = 4) hold only the registers they use.
+template <int V>
+__device__ __forceinline__ void rms_norm_x4(const void* x, int xdt, const void* r, int rdt, void* sum,
+                                            const void* w, int wdt, void* y, int ydt, float* rstd, int h,
+                                            float eps) {
     const i64 row = blockIdx.x, n4 = h / 4, base = row * n4;
-    float4 v[RMS_V];
+    float4 v[V];
     float ss = 0.f;
     #pragma unroll
-    for (int k = 0; k < RMS_V; k++) {
+    for (int k = 0; k < V; k++) {
         const int i = threadIdx.x + k * blockDim.x;
         if (i < n4) {
             float4 a = ld4(x, xdt, base + i);
@@ -87,7 +88,7 @@ extern "C" __global__ void lf_rms_norm_x4(const void* x, int xdt, const void* r,
     const float s = 1.0f / sqrtf(ss / (float)h + eps);
     if (threadIdx.x == 0) rstd[row] = s;
     #pragma unroll
-    for (int k = 0; k < RMS_V; k++) {
+    for (int k = 0; k < V; k++) {
         const int i = threadIdx.x + k * blockDim.x;
         if (i < n4) {
             const float4 a = v[k], g = ld4(w, wdt, i);
@@ -95,20 +96,31 @@ extern "C" __global__ void lf_rms_norm_x4(const void* x, int xdt, const void* r,
         }
     }
 }
+#define RMS_NORM_X4(NAME, V)                                                                          \
+    extern "C" __global__ void NAME(const void* x, int xdt, const void* r, int rdt, void* sum,        \
+                                    const void* w, int wdt, void* y, int ydt, float* rstd, int h,     \
+                                    float eps) {                                                      \
+        rms_norm_x4<V>(x, xdt, r, rdt, sum, w, wdt, y, ydt, rstd, h, eps);                            \
+    }
+RMS_NORM_X4(lf_rms_norm_x4, 8)
+RMS_NORM_X4(lf_rms_norm_x4v4, 4)
 
-// lf_rms_norm_bwd for the rows lf_rms_norm_x4 serves: dy and x kept in registers.
-extern "C" __global__ void lf_rms_norm_bwd_x4(const void* dy, int ddt, const void* x, int xdt,
-                                              const void* w, int wdt, const float* rstd, const void* add,
-                                              int adt, void* dx, int h) {
+// lf_rms_norm_bwd for the rows rms_norm_x4 serves: dy, x and the added gradient are all loaded
+// before the row's reduction, so that the reduction's latency hides the loads of all three.
+template <int V>
+__device__ __forceinline__ void rms_norm_bwd_x4(const void* dy, int ddt, const void* x, int xdt,
+                                                const void* w, int wdt, const float* rstd, const void* add,
+                                                int adt, void* dx, int h) {
     const i64 row = blockIdx.x, n4 = h / 4, base = row * n4;
-    float4 d[RMS_V], xv[RMS_V];
+    float4 d[V], xv[V], e[V];
     float dot = 0.f;
     #pragma unroll
-    for (int k = 0; k < RMS_V; k++) {
+    for (int k = 0; k < V; k++) {
         const int i = threadIdx.x + k * blockDim.x;
         if (i < n4) {
             d[k] = ld4(dy, ddt, base + i);
             xv[k] = ld4(x, xdt, base + i);
+            e[k] = add ? ld4(add, adt, base + i) : make_float4(0.f, 0.f, 0.f, 0.f);
             const float4 g = ld4(w, wdt, i);
             dot += d[k].x * g.x * xv[k].x + d[k].y * g.y * xv[k].y + d[k].z * g.z * xv[k].z + d[k].w * g.w * xv[k].w;
         }
@@ -117,20 +129,25 @@ extern "C" __global__ void lf_rms_norm_bwd_x4(const void* dy, int ddt, const voi
     const float s = rstd[row];
     const float c = s * s * s * dot / (float)h;
     #pragma unroll
-    for (int k = 0; k < RMS_V; k++) {
+    for (int k = 0; k < V; k++) {
         const int i = threadIdx.x + k * blockDim.x;
         if (i < n4) {
-            const float4 g = ld4(w, wdt, i), a = d[k], b = xv[k];
-            float4 o = make_float4(s * a.x * g.x - c * b.x, s * a.y * g.y - c * b.y, s * a.z * g.z - c * b.z,
-                                   s * a.w * g.w - c * b.w);
-            if (add) {
-                const float4 e = ld4(add, adt, base + i);
-                o = make_float4(o.x + e.x, o.y + e.y, o.z + e.z, o.w + e.w);
-            }
+            const float4 g = ld4(w, wdt, i), a = d[k], b = xv[k], p = e[k];
+            // Adding zero when there is no `add` leaves the value unchanged (x + 0 == x).
+            const float4 o = make_float4(s * a.x * g.x - c * b.x + p.x, s * a.y * g.y - c * b.y + p.y,
+                                         s * a.z * g.z - c * b.z + p.z, s * a.w * g.w - c * b.w + p.w);
             st4(dx, xdt, base + i, o);
         }
     }
 }
+#define RMS_NORM_BWD_X4(NAME, V)                                                                      \
+    extern "C" __global__ void NAME(const void* dy, int ddt, const void* x, int xdt, const void* w,   \
+                                    int wdt, const float* rstd, const void* add, int adt, void* dx,   \
+                                    int h) {                                                          \
+        rms_norm_bwd_x4<V>(dy, ddt, x, xdt, w, wdt, rstd, add, adt, dx, h);                           \
+    }
+RMS_NORM_BWD_X4(lf_rms_norm_bwd_x4, 8)
+RMS_NORM_BWD_X4(lf_rms_norm_bwd_x4v4, 4)
 
 // dx = s*(dy*w) - s^3/h * x * sum(dy*w*x), plus add (may be null: the residual gradient).
 extern "C" __global__ void lf_rms_norm_bwd(const void* dy, int ddt, const void* x, int xdt,
