@@ -1559,7 +1559,7 @@ impl CudaBackend {
     /// 4/2 heads at T=16384 (256 blocks) even; 8/2 at T=4096 (64 blocks) 0.80 against 0.33 ms.
     /// `set_attention_backward_version` 5 forces per-head blocks, 6 the head loop.
     fn attn5_head_loop(&self, one_pass: Option<&AttnKernel>, s: &AttnShape, t: usize) -> bool {
-        if !one_pass.is_some_and(|k| k.name == "lf_attn5_bwd_128") || s.n_heads == s.n_kv_heads {
+        if one_pass.is_none_or(|k| k.name != "lf_attn5_bwd_128") || s.n_heads == s.n_kv_heads {
             return false;
         }
         match self.inner.attn_bwd_version.load(Ordering::Relaxed) {
