@@ -1780,7 +1780,7 @@ impl CudaBackend {
         // One block per (key tile, query head); with GQA the heads' f32 partials are then summed
         // per kv head (keeps every SM busy when there are few kv heads). Version 5 instead runs a
         // kv head's query heads in one block (no partials, no sum) once its grid of (key tile, kv
-        // head) blocks fills the device several times over.
+        // head) blocks fills the device twice (`attn5_head_loop`).
         let group = s.n_heads / s.n_kv_heads;
         let head_loop = self.attn5_head_loop(one_pass.as_ref(), &s, t);
         let parts = if group > 1 && !head_loop {
