@@ -1860,6 +1860,18 @@ __device__ __forceinline__ void bulk_add_f32(float* dst, const float* src, u32 b
 __device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
 __device__ __forceinline__ void bulk_wait() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
 
+// A 64-column block of wgmma accumulators (32 floats: column pairs 8kk + 2tq..) as the bf16
+// register A operand of four k16 steps.
+__device__ __forceinline__ void pack_k16_frags(u32 (&f)[4][4], const float (&v)[32]) {
+    #pragma unroll
+    for (int kk = 0; kk < 4; kk++) {
+        f[kk][0] = pack_bf16(v[8 * kk + 0], v[8 * kk + 1]);
+        f[kk][1] = pack_bf16(v[8 * kk + 2], v[8 * kk + 3]);
+        f[kk][2] = pack_bf16(v[8 * kk + 4], v[8 * kk + 5]);
+        f[kk][3] = pack_bf16(v[8 * kk + 6], v[8 * kk + 7]);
+    }
+}
+
 __device__ void attn5_bwd(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v,
                           const bf16* __restrict__ d_o, const float* __restrict__ lse,
                           const float* __restrict__ dd, float* __restrict__ dq_acc, bf16* __restrict__ dk,
@@ -1994,13 +2006,7 @@ __device__ void attn5_bwd(const bf16* __restrict__ q, const bf16* __restrict__ k
             }
         }
         u32 pf[4][4], sf[4][4];
-        #pragma unroll
-        for (int kk = 0; kk < 4; kk++) {
-            pf[kk][0] = pack_bf16(s[8 * kk + 0], s[8 * kk + 1]);
-            pf[kk][1] = pack_bf16(s[8 * kk + 2], s[8 * kk + 3]);
-            pf[kk][2] = pack_bf16(s[8 * kk + 4], s[8 * kk + 5]);
-            pf[kk][3] = pack_bf16(s[8 * kk + 6], s[8 * kk + 7]);
-        }
+        pack_k16_frags(pf, s);
         wg_fence();
         #pragma unroll
         for (int kk = 0; kk < 4; kk++) wg_rs_n128_tb(&adv[0][0], pf[kk], wg_at(d_obn, kk * 16 * 64));
@@ -2012,13 +2018,7 @@ __device__ void attn5_bwd(const bf16* __restrict__ q, const bf16* __restrict__ k
             #pragma unroll
             for (int e = 0; e < 4; e++) dp[4 * j + e] = s[4 * j + e] * (dp[4 * j + e] - db[j * 8 + 2 * tq + (e & 1)]);
         }
-        #pragma unroll
-        for (int kk = 0; kk < 4; kk++) {
-            sf[kk][0] = pack_bf16(dp[8 * kk + 0], dp[8 * kk + 1]);
-            sf[kk][1] = pack_bf16(dp[8 * kk + 2], dp[8 * kk + 3]);
-            sf[kk][2] = pack_bf16(dp[8 * kk + 4], dp[8 * kk + 5]);
-            sf[kk][3] = pack_bf16(dp[8 * kk + 6], dp[8 * kk + 7]);
-        }
+        pack_k16_frags(sf, dp);
         wg_fence();
         #pragma unroll
         for (int kk = 0; kk < 4; kk++) wg_rs_n128_tb(&adk[0][0], sf[kk], wg_at(d_qbn, kk * 16 * 64));
