@@ -24,6 +24,16 @@
 #define BK 64
 #define NTHREADS 128
 
+// Zeroes a warp's dK and dV accumulators (the one-pass and dK/dV kernels' key rows).
+template <int N>
+__device__ __forceinline__ void zero_key_acc(float (&adk)[N][4], float (&adv)[N][4]) {
+    #pragma unroll
+    for (int i = 0; i < N; i++) {
+        adk[i][0] = adk[i][1] = adk[i][2] = adk[i][3] = 0.f;
+        adv[i][0] = adv[i][1] = adv[i][2] = adv[i][3] = 0.f;
+    }
+}
+
 // 2^x on the special-function unit (ex2.approx.ftz: about 2 ulp; results below 2^-126 flush to
 // zero, which no softmax weight notices). exp2f adds a denormal-range fix-up of three
 // instructions per call, a sixth of a forward tile's instructions. Versions 2-5 use this.
@@ -429,11 +439,7 @@ __device__ void attn_bwd_dkdv(const bf16* __restrict__ q, const bf16* __restrict
     const int kpa = ka < t ? mk.pos[ka] : 0, kpb = kb < t ? mk.pos[kb] : 0;
 
     float adk[HDP / 8][4], adv[HDP / 8][4];
-    #pragma unroll
-    for (int i = 0; i < HDP / 8; i++) {
-        adk[i][0] = adk[i][1] = adk[i][2] = adk[i][3] = 0.f;
-        adv[i][0] = adv[i][1] = adv[i][2] = adv[i][3] = 0.f;
-    }
+    zero_key_acc(adk, adv);
     const uint4 empty = make_uint4(0, 0, 0, 0);
     const int nqt = (t + BQ2 - 1) / BQ2;
     {
@@ -1297,11 +1303,7 @@ __device__ void attn_keys_bwd(const bf16* __restrict__ q, const bf16* __restrict
     const int ka = k0 + 16 * w + g, kb = ka + 8;
     const int kpa = ka < t ? mk.pos[ka] : 0, kpb = kb < t ? mk.pos[kb] : 0;
     float adk[HD / 8][4], adv[HD / 8][4];
-    #pragma unroll
-    for (int i = 0; i < HD / 8; i++) {
-        adk[i][0] = adk[i][1] = adk[i][2] = adk[i][3] = 0.f;
-        adv[i][0] = adv[i][1] = adv[i][2] = adv[i][3] = 0.f;
-    }
+    zero_key_acc(adk, adv);
 
     int buf = 0;
     while (cur < nqt) {
@@ -1928,11 +1930,7 @@ __device__ void attn5_bwd(const bf16* __restrict__ q, const bf16* __restrict__ k
     const int ka = k0 + 16 * w + g, kb = ka + 8;
     const int kpa = ka < t ? mk.pos[ka] : 0, kpb = kb < t ? mk.pos[kb] : 0;
     float adk[HD / 8][4], adv[HD / 8][4];
-    #pragma unroll
-    for (int i = 0; i < HD / 8; i++) {
-        adk[i][0] = adk[i][1] = adk[i][2] = adk[i][3] = 0.f;
-        adv[i][0] = adv[i][1] = adv[i][2] = adv[i][3] = 0.f;
-    }
+    zero_key_acc(adk, adv);
     // This warpgroup's 64 rows of the K and V tiles (K-major A operands).
     const bf16* kw = ks + (64 * wg) * 64;
     const bf16* vw = vs + (64 * wg) * 64;
