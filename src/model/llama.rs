@@ -557,20 +557,26 @@ impl Model {
     }
 
     /// Backward of `layer_forward`: d(layer input) from d(layer output); LoRA grads accumulate.
-    /// Consumes the activations, freeing each after its last use.
+    /// Consumes the activations, freeing each after its last use. `d_out_c` is d(layer output)
+    /// in the compute dtype when the residual stream is wider (None: cast here); the result
+    /// carries the same copy of d(layer input) for the layer below.
     pub fn layer_backward(
         &self,
         l: usize,
         d_out: &Tensor,
+        d_out_c: Option<Tensor>,
         a: LayerActs,
         mut lora: Option<&mut Lora>,
         ctx: &PassCtx,
-    ) -> Result<Tensor> {
+    ) -> Result<(Tensor, Option<Tensor>)> {
         let s = &self.spec;
         let w = &self.weights.layers[l];
         let t = d_out.dim(0);
         // MLP: out = x1 + down(silu(gate(xn2)) * up(xn2))
-        let d_out_c = self.compute(d_out)?;
+        let d_out_c = match d_out_c {
+            Some(c) => Dense::Owned(c),
+            None => self.compute(d_out)?,
+        };
         let d_xn2 = match a.mlp {
             Some(m) => self.mlp_backward(l, &d_out_c, &a.xn2, m, lora.as_deref_mut(), ctx)?,
             None => {
@@ -595,7 +601,9 @@ impl Model {
                 d
             }
         };
-        let d_x1 = ops::rms_norm_bwd_add(&d_xn2, &a.x1, &w.mlp_norm, &a.rstd2, d_out)?;
+        let cdt = self.device.compute_dtype();
+        let (d_x1, d_x1_c) =
+            ops::rms_norm_bwd_add_copy(&d_xn2, &a.x1, &w.mlp_norm, &a.rstd2, d_out, cdt)?;
         drop((d_xn2, d_out_c, a.x1, a.xn2));
 
         let mut lin_bwd = |into: Option<Tensor>,
@@ -617,7 +625,14 @@ impl Model {
         };
 
         // Attention: x1 = x + o(attention(rope(q), rope(k), v))
-        let d_attn = lin_bwd(None, &*self.compute(&d_x1)?, &a.attn, &w.o, Target::O)?;
+        let d_attn = lin_bwd(
+            None,
+            d_x1_c.as_ref().unwrap_or(&d_x1),
+            &a.attn,
+            &w.o,
+            Target::O,
+        )?;
+        drop(d_x1_c);
         let (dq_rot, dk_rot, dv) = ops::attention_bwd(
             &d_attn,
             &a.q,
@@ -663,7 +678,7 @@ impl Model {
             saved: a.lora[target.index()].as_ref(),
         });
         let d_xn = shared_input_bwd(members.into(), &a.xn, lora, l, GROUP_QKV, ctx)?;
-        ops::rms_norm_bwd_add(&d_xn, &a.x, &w.attn_norm, &a.rstd1, &d_x1)
+        ops::rms_norm_bwd_add_copy(&d_xn, &a.x, &w.attn_norm, &a.rstd1, &d_x1, cdt)
     }
 
     /// Forward through all layers and the final norm. Keeps what the backward needs according to
@@ -737,10 +752,13 @@ impl Model {
         ctx: &PassCtx,
     ) -> Result<Tensor> {
         let mut d = ops::rms_norm_bwd(d_hidden, &state.last, &self.weights.norm, &state.rstd)?;
+        // The compute-dtype copy of d, where the residual stream is wider: written with it by
+        // each layer's last kernel, for the next layer's first projection.
+        let mut dc = None;
         drop(state.last);
         if state.segment_size == 0 {
             for (l, a) in state.acts.into_iter().enumerate().rev() {
-                d = self.layer_backward(l, &d, a, lora.as_deref_mut(), ctx)?;
+                (d, dc) = self.layer_backward(l, &d, dc, a, lora.as_deref_mut(), ctx)?;
             }
             return Ok(d);
         }
@@ -760,7 +778,7 @@ impl Model {
                 x = y;
             }
             for (i, a) in seg.into_iter().enumerate().rev() {
-                d = self.layer_backward(start + i, &d, a, lora.as_deref_mut(), ctx)?;
+                (d, dc) = self.layer_backward(start + i, &d, dc, a, lora.as_deref_mut(), ctx)?;
             }
         }
         Ok(d)

@@ -648,6 +648,36 @@ pub fn rms_norm_bwd_add(
     )
 }
 
+/// `rms_norm_bwd_add`, plus dx in `copy` when that differs from x's dtype (None otherwise):
+/// the f32 residual gradient and its compute-dtype copy from one pass.
+pub fn rms_norm_bwd_add_copy(
+    dy: &Tensor,
+    x: &Tensor,
+    w: &Tensor,
+    rstd: &Tensor,
+    add: &Tensor,
+    copy: DType,
+) -> Result<(Tensor, Option<Tensor>)> {
+    if copy == x.dtype() {
+        return Ok((rms_norm_bwd_add(dy, x, w, rstd, add)?, None));
+    }
+    ensure!(
+        add.shape() == x.shape(),
+        "rms_norm_bwd_add: x {:?} vs add {:?}",
+        x.shape(),
+        add.shape()
+    );
+    dispatch!(
+        x.device(),
+        {
+            let dx = rms_norm_bwd_add(dy, x, w, rstd, add)?;
+            let c = dx.to_dtype(copy)?;
+            Ok((dx, Some(c)))
+        },
+        c => c.rms_norm_bwd_add_copy(dy, x, w, rstd, Some(add), Some(copy))
+    )
+}
+
 /// Rotary embedding (Hugging Face's rotate-half layout) of `x` `[T, n_heads*head_dim]`.
 /// `inverse` applies the transposed rotation, which is the backward.
 pub fn rope(x: &Tensor, table: &RopeTable, n_heads: usize, inverse: bool) -> Result<Tensor> {

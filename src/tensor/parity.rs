@@ -300,6 +300,30 @@ fn elementwise(cx: &mut Ctx, r: &mut Rng) -> Result<()> {
             F32_STAT,
         )?;
         cx.push(row);
+        // The same with the bf16 copy written beside it (the layer backward's form).
+        let (got, copy) = rms_norm_bwd_add_copy(
+            &cx.g(&dy, &[rows, h], bf)?,
+            &sum_g,
+            &wg,
+            &cx.g(&sc.to_vec()?, &[rows], f)?,
+            &cx.g(&add, &[rows, h], f)?,
+            bf,
+        )?;
+        let copy = copy.ok_or_else(|| anyhow::anyhow!("rms_norm_bwd_add_copy: no bf16 copy"))?;
+        let row = cmp_t(
+            &format!("rms_norm_bwd_add_copy dx (f32){label}"),
+            &got,
+            &want,
+            F32_STAT,
+        )?;
+        cx.push(row);
+        let row = cmp_t(
+            &format!("rms_norm_bwd_add_copy dx (bf16 copy){label}"),
+            &copy,
+            &want,
+            BF16_GRAD,
+        )?;
+        cx.push(row);
     }
     // rope: bf16 pairs of pairs (head_dim 64), and the scalar kernel (head_dim 6: odd half)
     for (t, nh, hd) in [(29, 3, 64), (11, 2, 6)] {

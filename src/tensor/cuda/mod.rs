@@ -1334,9 +1334,24 @@ impl CudaBackend {
         rstd: &Tensor,
         add: Option<&Tensor>,
     ) -> Result<Tensor> {
+        Ok(self.rms_norm_bwd_add_copy(dy, x, w, rstd, add, None)?.0)
+    }
+
+    /// `rms_norm_bwd_add`, and with `copy` a second output: dx in that dtype, written by the same
+    /// kernel (the compute-dtype operand of the projection that reads the gradient next).
+    pub fn rms_norm_bwd_add_copy(
+        &self,
+        dy: &Tensor,
+        x: &Tensor,
+        w: &Tensor,
+        rstd: &Tensor,
+        add: Option<&Tensor>,
+        copy: Option<DType>,
+    ) -> Result<(Tensor, Option<Tensor>)> {
         let (rows, h) = x.rows_cols();
         ensure!(rstd.dtype() == DType::F32, "rms_norm_bwd: rstd must be f32");
         let dx = self.empty(x.shape(), x.dtype())?;
+        let dxc = copy.map(|c| self.empty(x.shape(), c)).transpose()?;
         self.launch(
             rms_kernel("lf_rms_norm_bwd", h),
             (rows as u32, 1, 1),
@@ -1353,10 +1368,12 @@ impl CudaBackend {
                 Arg::P(add.map(cuda_ptr).transpose()?.unwrap_or(0)),
                 dt(add.map_or(DType::F32, |t| t.dtype())),
                 Arg::P(cuda_ptr(&dx)?),
+                Arg::P(dxc.as_ref().map(cuda_ptr).transpose()?.unwrap_or(0)),
+                dt(copy.unwrap_or(DType::F32)),
                 Arg::I32(h as i32),
             ],
         )?;
-        Ok(dx)
+        Ok((dx, dxc))
     }
 
     pub fn rope(

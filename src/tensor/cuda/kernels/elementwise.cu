@@ -110,7 +110,7 @@ RMS_NORM_X4(lf_rms_norm_x4v4, 4)
 template <int V>
 __device__ __forceinline__ void rms_norm_bwd_x4(const void* dy, int ddt, const void* x, int xdt,
                                                 const void* w, int wdt, const float* rstd, const void* add,
-                                                int adt, void* dx, int h) {
+                                                int adt, void* dx, void* dxc, int cdt, int h) {
     const i64 row = blockIdx.x, n4 = h / 4, base = row * n4;
     float4 d[V], xv[V], e[V];
     float dot = 0.f;
@@ -137,22 +137,24 @@ __device__ __forceinline__ void rms_norm_bwd_x4(const void* dy, int ddt, const v
             const float4 o = make_float4(s * a.x * g.x - c * b.x + p.x, s * a.y * g.y - c * b.y + p.y,
                                          s * a.z * g.z - c * b.z + p.z, s * a.w * g.w - c * b.w + p.w);
             st4(dx, xdt, base + i, o);
+            if (dxc) st4(dxc, cdt, base + i, o);
         }
     }
 }
 #define RMS_NORM_BWD_X4(NAME, V)                                                                      \
     extern "C" __global__ void NAME(const void* dy, int ddt, const void* x, int xdt, const void* w,   \
                                     int wdt, const float* rstd, const void* add, int adt, void* dx,   \
-                                    int h) {                                                          \
-        rms_norm_bwd_x4<V>(dy, ddt, x, xdt, w, wdt, rstd, add, adt, dx, h);                           \
+                                    void* dxc, int cdt, int h) {                                      \
+        rms_norm_bwd_x4<V>(dy, ddt, x, xdt, w, wdt, rstd, add, adt, dx, dxc, cdt, h);                 \
     }
 RMS_NORM_BWD_X4(lf_rms_norm_bwd_x4, 8)
 RMS_NORM_BWD_X4(lf_rms_norm_bwd_x4v4, 4)
 
-// dx = s*(dy*w) - s^3/h * x * sum(dy*w*x), plus add (may be null: the residual gradient).
+// dx = s*(dy*w) - s^3/h * x * sum(dy*w*x), plus add (may be null: the residual gradient). dxc
+// (may be null): a copy of dx in dtype cdt, the compute-dtype operand of the next projection.
 extern "C" __global__ void lf_rms_norm_bwd(const void* dy, int ddt, const void* x, int xdt,
                                            const void* w, int wdt, const float* rstd, const void* add,
-                                           int adt, void* dx, int h) {
+                                           int adt, void* dx, void* dxc, int cdt, int h) {
     i64 row = blockIdx.x;
     const i64 base = row * h;
     float dot = 0.f;
@@ -165,6 +167,7 @@ extern "C" __global__ void lf_rms_norm_bwd(const void* dy, int ddt, const void* 
         float v = s * ldf(dy, ddt, base + i) * ldf(w, wdt, i) - c * ldf(x, xdt, base + i);
         if (add) v += ldf(add, adt, base + i);
         stf(dx, xdt, base + i, v);
+        if (dxc) stf(dxc, cdt, base + i, v);
     }
 }
 
