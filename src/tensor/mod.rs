@@ -590,7 +590,7 @@ pub fn rms_norm_to(x: &Tensor, w: &Tensor, eps: f32, out_dtype: DType) -> Result
 
 /// dx of RMSNorm (the weight is frozen).
 pub fn rms_norm_bwd(dy: &Tensor, x: &Tensor, w: &Tensor, rstd: &Tensor) -> Result<Tensor> {
-    dispatch!(x.device(), cpu::rms_norm_bwd(dy, x, w, rstd), c => c.rms_norm_bwd_add(dy, x, w, rstd, None))
+    dispatch!(x.device(), cpu::rms_norm_bwd(dy, x, w, rstd), c => Ok(c.rms_norm_bwd_add(dy, x, w, rstd, None, None)?.0))
 }
 
 /// The residual add and the RMSNorm that reads it, in one pass: returns `(x + r, RMSNorm(x + r)
@@ -631,21 +631,7 @@ pub fn rms_norm_bwd_add(
     rstd: &Tensor,
     add: &Tensor,
 ) -> Result<Tensor> {
-    ensure!(
-        add.shape() == x.shape(),
-        "rms_norm_bwd_add: x {:?} vs add {:?}",
-        x.shape(),
-        add.shape()
-    );
-    dispatch!(
-        x.device(),
-        {
-            let mut dx = cpu::rms_norm_bwd(dy, x, w, rstd)?;
-            cpu::add_assign(&mut dx, add, 1.0)?;
-            Ok(dx)
-        },
-        c => c.rms_norm_bwd_add(dy, x, w, rstd, Some(add))
-    )
+    Ok(rms_norm_bwd_add_copy(dy, x, w, rstd, add, x.dtype())?.0)
 }
 
 /// `rms_norm_bwd_add`, plus dx in `copy` when that differs from x's dtype (None otherwise):
@@ -658,23 +644,22 @@ pub fn rms_norm_bwd_add_copy(
     add: &Tensor,
     copy: DType,
 ) -> Result<(Tensor, Option<Tensor>)> {
-    if copy == x.dtype() {
-        return Ok((rms_norm_bwd_add(dy, x, w, rstd, add)?, None));
-    }
     ensure!(
         add.shape() == x.shape(),
         "rms_norm_bwd_add: x {:?} vs add {:?}",
         x.shape(),
         add.shape()
     );
+    let copy = (copy != x.dtype()).then_some(copy);
     dispatch!(
         x.device(),
         {
-            let dx = rms_norm_bwd_add(dy, x, w, rstd, add)?;
-            let c = dx.to_dtype(copy)?;
-            Ok((dx, Some(c)))
+            let mut dx = cpu::rms_norm_bwd(dy, x, w, rstd)?;
+            cpu::add_assign(&mut dx, add, 1.0)?;
+            let c = copy.map(|c| dx.to_dtype(c)).transpose()?;
+            Ok((dx, c))
         },
-        c => c.rms_norm_bwd_add_copy(dy, x, w, rstd, Some(add), Some(copy))
+        c => c.rms_norm_bwd_add(dy, x, w, rstd, Some(add), copy)
     )
 }
 

@@ -1325,21 +1325,10 @@ impl CudaBackend {
         Ok((y, rstd, sum))
     }
 
-    /// dx of RMSNorm, plus `add` when given (the residual gradient), in one pass.
+    /// dx of RMSNorm, plus `add` when given (the residual gradient), in one pass; with `copy` a
+    /// second output: dx in that dtype, written by the same kernel (the compute-dtype operand of
+    /// the projection that reads the gradient next).
     pub fn rms_norm_bwd_add(
-        &self,
-        dy: &Tensor,
-        x: &Tensor,
-        w: &Tensor,
-        rstd: &Tensor,
-        add: Option<&Tensor>,
-    ) -> Result<Tensor> {
-        Ok(self.rms_norm_bwd_add_copy(dy, x, w, rstd, add, None)?.0)
-    }
-
-    /// `rms_norm_bwd_add`, and with `copy` a second output: dx in that dtype, written by the same
-    /// kernel (the compute-dtype operand of the projection that reads the gradient next).
-    pub fn rms_norm_bwd_add_copy(
         &self,
         dy: &Tensor,
         x: &Tensor,
