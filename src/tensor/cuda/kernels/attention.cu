@@ -1874,6 +1874,19 @@ __device__ __forceinline__ void pack_k16_frags(u32 (&f)[4][4], const float (&v)[
     }
 }
 
+// The version 5 backward's (64 key rows x 64 queries) product over head_dim 128 of a K or V tile
+// (descriptor dk, 128 keys) and a Q or dO tile (descriptor dq, 64 queries): S^T or dP^T. Both
+// tiles are two swizzled 64-column halves; the first k16 step overwrites the accumulators.
+__device__ __forceinline__ void bwd5_key_rows_product(float* acc, u64 dk, u64 dq) {
+    constexpr int HD = 128, BK_ = 128, BQ_ = 64;
+    wg_ss_n64<0, 0, 0>(acc, dk, dq);
+    #pragma unroll
+    for (int kk = 1; kk < HD / 16; kk++) {
+        const int off_k = (kk >> 2) * (BK_ * 64) + (kk & 3) * 16, off_q = (kk >> 2) * (BQ_ * 64) + (kk & 3) * 16;
+        wg_ss_n64<1, 0, 0>(acc, wg_at(dk, off_k), wg_at(dq, off_q));
+    }
+}
+
 __device__ void attn5_bwd(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v,
                           const bf16* __restrict__ d_o, const float* __restrict__ lse,
                           const float* __restrict__ dd, float* __restrict__ dq_acc, bf16* __restrict__ dk,
@@ -1965,19 +1978,9 @@ __device__ void attn5_bwd(const bf16* __restrict__ q, const bf16* __restrict__ k
         const u64 d_kw = wg_desc(kw, 16, 1024), d_qb = wg_desc(qb, 16, 1024), d_vw = wg_desc(vw, 16, 1024),
                   d_ob = wg_desc(ob, 16, 1024), d_obn = wg_desc(ob, BQ_ * 128, 1024),
                   d_qbn = wg_desc(qb, BQ_ * 128, 1024);
-        wg_ss_n64<0, 0, 0>(s, d_kw, d_qb);
-        #pragma unroll
-        for (int kk = 1; kk < HD / 16; kk++) {
-            const int off_k = (kk >> 2) * (BK_ * 64) + (kk & 3) * 16, off_q = (kk >> 2) * (BQ_ * 64) + (kk & 3) * 16;
-            wg_ss_n64<1, 0, 0>(s, wg_at(d_kw, off_k), wg_at(d_qb, off_q));
-        }
+        bwd5_key_rows_product(s, d_kw, d_qb);
         wg_commit();
-        wg_ss_n64<0, 0, 0>(dp, d_vw, d_ob);
-        #pragma unroll
-        for (int kk = 1; kk < HD / 16; kk++) {
-            const int off_k = (kk >> 2) * (BK_ * 64) + (kk & 3) * 16, off_q = (kk >> 2) * (BQ_ * 64) + (kk & 3) * 16;
-            wg_ss_n64<1, 0, 0>(dp, wg_at(d_vw, off_k), wg_at(d_ob, off_q));
-        }
+        bwd5_key_rows_product(dp, d_vw, d_ob);
         wg_commit();
         // S^T and dP^T are two commit groups: P^T is computed while dP^T's MMAs run, and dS^T while
         // dV's run. Element e of column block j is key (e < 2 ? ka : kb), query 8j + 2tq + (e & 1).
