@@ -1,6 +1,6 @@
 //! The CUDA backend: one context and one stream on one GPU, bf16 storage with fp32 accumulation,
-//! kernels compiled by NVRTC on first use (see `compile`), matrix products through cuBLAS
-//! (`cublasGemmEx`, fp32 compute). Memory is stream-ordered (`cuMemAllocAsync`) and counted
+//! kernels compiled by NVRTC on first use (see `compile`), matrix products through cuBLASLt
+//! (fp32 compute, each shape's algorithm chosen by timing: see `gemm`). Memory is stream-ordered (`cuMemAllocAsync`) and counted
 //! (live and peak bytes); small host-to-device copies (token ids, masks) go through pinned staging
 //! buffers so no op waits for the GPU. Downloads (`to_vec`, the sums of squares) are the only sync
 //! points.
@@ -11,13 +11,13 @@
 
 mod cce;
 pub mod compile;
+mod gemm;
 
 use super::{
     AdamW, AdamWItem, AttnMask, AttnShape, DType, Device, DeviceValues, MemoryStats, NormClip,
     RopeTable, Storage, Tensor,
 };
 use anyhow::{anyhow, bail, ensure, Context, Result};
-use cudarc::cublas::{result as cublas, sys as cublas_sys};
 use cudarc::driver::{result as drv, sys, CudaContext, CudaStream};
 use std::collections::HashMap;
 use std::ffi::{c_void, CString};
@@ -114,7 +114,6 @@ const STAGING_MAX: usize = 4 << 20;
 struct Inner {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
-    cublas: cublas_sys::cublasHandle_t,
     arch: String,
     name: String,
     sm_count: u32,
@@ -212,8 +211,8 @@ impl Profile {
         Ok((n, busy, span))
     }
 }
-// SAFETY: the raw cuBLAS handle is only used on the backend's stream, and every driver call binds
-// the context first; the mutable state is behind Mutexes and atomics.
+// SAFETY: every driver call binds the context first and uses the backend's stream; the mutable
+// state is behind Mutexes and atomics.
 unsafe impl Send for Inner {}
 // SAFETY: as above.
 unsafe impl Sync for Inner {}
@@ -244,8 +243,6 @@ impl Drop for Inner {
     fn drop(&mut self) {
         let _ = self.bind();
         let _ = self.stream.synchronize();
-        // SAFETY: the handle was created in `new` and is not used after this.
-        let _ = unsafe { cublas::destroy_handle(self.cublas) };
         for (_, ptrs) in self.blocks.lock().unwrap().free.drain() {
             for p in ptrs {
                 // SAFETY: buffers of this stream that nothing references; the stream is idle.
@@ -280,10 +277,12 @@ impl Drop for Inner {
     }
 }
 
-/// The CUDA device: context, stream, cuBLAS handle, kernel cache, allocator counters.
+/// The CUDA device: context, stream, cuBLASLt plans, kernel cache, allocator counters.
 pub struct CudaBackend {
     me: Weak<CudaBackend>,
     inner: Arc<Inner>,
+    /// cuBLASLt and the per-shape GEMM plans, created by the first product (see `gemm`).
+    gemms: Mutex<Option<gemm::Gemms>>,
 }
 
 /// A device buffer (stream-ordered allocation, freed on drop, counted in `MemoryStats`).
@@ -529,12 +528,6 @@ impl CudaBackend {
             let smem_optin = attr(
                 sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
             );
-            let handle = catch("cuBLAS could not be loaded (libcublas.so.13)", || {
-                cublas::create_handle().map_err(|e| anyhow!("cublasCreate: {e:?}"))
-            })?;
-            // SAFETY: a fresh handle and a live stream.
-            unsafe { cublas::set_stream(handle, stream.cu_stream() as _) }
-                .map_err(|e| anyhow!("cublasSetStream: {e:?}"))?;
             if ctx.has_async_alloc() {
                 // Keep freed memory in the stream-ordered pool across synchronisations (the
                 // default threshold of 0 hands it back to the driver at every sync, and the next
@@ -555,7 +548,6 @@ impl CudaBackend {
             Ok(Inner {
                 ctx,
                 stream,
-                cublas: handle,
                 arch: format!("sm_{maj}{min}"),
                 name: format!("cuda:{ordinal} ({name})"),
                 sm_count: sm_count.max(1),
@@ -598,6 +590,7 @@ impl CudaBackend {
         Ok(Arc::new_cyclic(|me| CudaBackend {
             me: me.clone(),
             inner: Arc::new(inner),
+            gemms: Mutex::new(None),
         }))
     }
 
@@ -1168,8 +1161,6 @@ impl CudaBackend {
         beta: f32,
     ) -> Result<()> {
         let (m, k, n) = super::matmul_dims(c, a, ta, b, tb)?;
-        // Leading dimensions (row lengths) of the stored matrices.
-        let (ac, bc) = (a.rows_cols().1, b.rows_cols().1);
         if m == 0 || n == 0 {
             return Ok(());
         }
@@ -1195,17 +1186,6 @@ impl CudaBackend {
             }
             return self.add_assign(c, &tmp, 1.0);
         }
-        let ty = |d: DType| match d {
-            DType::F32 => cublas_sys::cudaDataType::CUDA_R_32F,
-            DType::BF16 => cublas_sys::cudaDataType::CUDA_R_16BF,
-        };
-        let op = |t: bool| {
-            if t {
-                cublas_sys::cublasOperation_t::CUBLAS_OP_T
-            } else {
-                cublas_sys::cublasOperation_t::CUBLAS_OP_N
-            }
-        };
         self.inner.bind()?;
         let dname = |d: DType| match d {
             DType::F32 => "f32",
@@ -1221,37 +1201,7 @@ impl CudaBackend {
                 if tb { "T" } else { "N" }
             )
         };
-        // Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T.
-        // SAFETY: the pointers are live buffers of the sizes checked above; alpha/beta are host
-        // scalars (pointer mode host); the handle is bound to our stream.
-        let (pa, pb, pc) = (cuda_ptr(a)?, cuda_ptr(b)?, cuda_ptr(c)?);
-        self.profiled(pname, || {
-            self.inner
-                .host_timed(HostCall::Gemm, || unsafe {
-                    cublas::gemm_ex(
-                        self.inner.cublas,
-                        op(tb),
-                        op(ta),
-                        n as i32,
-                        m as i32,
-                        k as i32,
-                        &alpha as *const f32 as *const c_void,
-                        pb as *const c_void,
-                        ty(b.dtype()),
-                        bc as i32,
-                        pa as *const c_void,
-                        ty(a.dtype()),
-                        ac as i32,
-                        &beta as *const f32 as *const c_void,
-                        pc as *mut c_void,
-                        ty(c.dtype()),
-                        n as i32,
-                        cublas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                        cublas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DFALT,
-                    )
-                })
-                .map_err(|e| anyhow!("cublasGemmEx [{m}x{k}]x[{k}x{n}]: {e:?}"))
-        })
+        self.profiled(pname, || self.gemm(c, a, ta, b, tb, (m, k, n), alpha, beta))
     }
 
     // --------------------------------------------------------------------------------------------

@@ -1,0 +1,450 @@
+//! Matrix products through cuBLASLt, with each shape's algorithm chosen by timing.
+//!
+//! cuBLAS's own choice for a shape (`cublasGemmEx`, or cuBLASLt's first heuristic answer) is
+//! often not its fastest: at the long-context shapes of a Llama step (18432 tokens) another of
+//! the heuristic's candidates runs the 4096×4096 projections 10-11% faster, the 4096×1024 ones
+//! 7-19%, and the rank-16 LoRA products 4-12%. So the first product of each shape (dimensions,
+//! transposes, leading dimensions, dtypes, whether C is read, pointer alignment) times up to
+//! `CANDIDATES` of the heuristic's algorithms on the call's own operands and keeps the fastest;
+//! later products of that shape reuse it without any host synchronisation. Tuning happens during
+//! the first step, which is a warm-up step in `lorafit bench`.
+//!
+//! When C is read (beta ≠ 0) the candidates write into a scratch output, so the call's C is
+//! untouched until the chosen algorithm runs. Products too small to be worth timing take the
+//! heuristic's first answer, as does every product with `LORAFIT_GEMM_TUNE=0` (the choice then
+//! does not depend on timing noise, so runs are reproducible across processes);
+//! `LORAFIT_GEMM_TUNE=log` prints each shape's timings.
+
+use super::{catch, cuda_ptr, CudaBackend, HostCall};
+use crate::tensor::{DType, Tensor};
+use anyhow::{anyhow, Result};
+use cudarc::cublaslt::sys as lt;
+use cudarc::driver::{result as drv, sys};
+use std::collections::HashMap;
+use std::ffi::c_void;
+
+/// Heuristic candidates timed per shape.
+const CANDIDATES: usize = 8;
+/// Workspace offered to the algorithms (split-K reductions); NVIDIA recommends 32 MiB on Hopper.
+const WORKSPACE_BYTES: usize = 32 << 20;
+/// Products below this many flops take the heuristic's first algorithm without timing.
+const TUNE_MIN_FLOPS: f64 = 2e8;
+
+/// What makes two products the same problem for cuBLASLt, in its column-major terms.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+struct Key {
+    m: u64,
+    n: u64,
+    k: u64,
+    trans_a: bool,
+    trans_b: bool,
+    lda: i64,
+    ldb: i64,
+    ldc: i64,
+    a_f32: bool,
+    c_f32: bool,
+    reads_c: bool,
+    /// log2 of the smallest alignment (bytes, at most 256) of the A, B and C pointers.
+    align_log2: u32,
+}
+
+/// The descriptors and the chosen algorithm of one `Key`.
+struct Plan {
+    desc: lt::cublasLtMatmulDesc_t,
+    a: lt::cublasLtMatrixLayout_t,
+    b: lt::cublasLtMatrixLayout_t,
+    c: lt::cublasLtMatrixLayout_t,
+    algo: lt::cublasLtMatmulAlgo_t,
+}
+
+impl Drop for Plan {
+    fn drop(&mut self) {
+        // SAFETY: created by `Gemms::plan` and not used after this.
+        unsafe {
+            let _ = lt::cublasLtMatrixLayoutDestroy(self.a);
+            let _ = lt::cublasLtMatrixLayoutDestroy(self.b);
+            let _ = lt::cublasLtMatrixLayoutDestroy(self.c);
+            let _ = lt::cublasLtMatmulDescDestroy(self.desc);
+        }
+    }
+}
+
+/// The cuBLASLt handle, its workspace and the plans met so far (owned by `CudaBackend`).
+pub(super) struct Gemms {
+    handle: lt::cublasLtHandle_t,
+    workspace: Tensor,
+    plans: HashMap<Key, Plan>,
+    tune: bool,
+    log: bool,
+}
+
+// SAFETY: the handle and descriptors are used only under the backend's Mutex, on its stream.
+unsafe impl Send for Gemms {}
+
+impl Drop for Gemms {
+    fn drop(&mut self) {
+        self.plans.clear();
+        // SAFETY: created in `Gemms::new`; no product is queued that uses it after this (the
+        // stream is synchronised when the backend drops).
+        let _ = unsafe { lt::cublasLtDestroy(self.handle) };
+    }
+}
+
+fn check(s: lt::cublasStatus_t, what: &str) -> Result<()> {
+    match s {
+        lt::cublasStatus_t::CUBLAS_STATUS_SUCCESS => Ok(()),
+        e => Err(anyhow!("{what}: {e:?}")),
+    }
+}
+
+fn data_type(f32: bool) -> lt::cudaDataType {
+    if f32 {
+        lt::cudaDataType::CUDA_R_32F
+    } else {
+        lt::cudaDataType::CUDA_R_16BF
+    }
+}
+
+/// `cublasOperation_t` as the descriptor stores it (an `int32_t`): `CUBLAS_OP_N` 0, `CUBLAS_OP_T` 1.
+fn op(t: bool) -> i32 {
+    i32::from(t)
+}
+
+/// Creates a layout: `rows × cols` column-major with leading dimension `ld`.
+fn layout(f32: bool, rows: u64, cols: u64, ld: i64) -> Result<lt::cublasLtMatrixLayout_t> {
+    let mut l = std::ptr::null_mut();
+    // SAFETY: an out pointer for a fresh descriptor.
+    check(
+        unsafe { lt::cublasLtMatrixLayoutCreate(&mut l, data_type(f32), rows, cols, ld) },
+        "cublasLtMatrixLayoutCreate",
+    )?;
+    Ok(l)
+}
+
+impl Key {
+    /// Descriptors for this key, without an algorithm yet.
+    fn descriptors(&self) -> Result<Plan> {
+        let mut desc = std::ptr::null_mut();
+        // SAFETY: out pointer for a fresh descriptor; attributes are read from live locals.
+        unsafe {
+            check(
+                lt::cublasLtMatmulDescCreate(
+                    &mut desc,
+                    lt::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                    lt::cudaDataType::CUDA_R_32F,
+                ),
+                "cublasLtMatmulDescCreate",
+            )?;
+            for (attr, t) in [
+                (
+                    lt::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA,
+                    self.trans_a,
+                ),
+                (
+                    lt::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSB,
+                    self.trans_b,
+                ),
+            ] {
+                let o = op(t);
+                check(
+                    lt::cublasLtMatmulDescSetAttribute(
+                        desc,
+                        attr,
+                        &o as *const _ as *const c_void,
+                        std::mem::size_of_val(&o),
+                    ),
+                    "cublasLtMatmulDescSetAttribute",
+                )?;
+            }
+        }
+        // Stored shapes: op(A) is m×k, op(B) is k×n.
+        let (ar, ac) = if self.trans_a {
+            (self.k, self.m)
+        } else {
+            (self.m, self.k)
+        };
+        let (br, bc) = if self.trans_b {
+            (self.n, self.k)
+        } else {
+            (self.k, self.n)
+        };
+        Ok(Plan {
+            desc,
+            a: layout(self.a_f32, ar, ac, self.lda)?,
+            b: layout(self.a_f32, br, bc, self.ldb)?,
+            c: layout(self.c_f32, self.m, self.n, self.ldc)?,
+            // SAFETY: plain data; replaced before any use.
+            algo: unsafe { std::mem::zeroed() },
+        })
+    }
+}
+
+/// One column-major product `D = alpha op(A) op(B) + beta C` on device pointers.
+struct Operands {
+    a: u64,
+    b: u64,
+    c: u64,
+    d: u64,
+    alpha: f32,
+    beta: f32,
+}
+
+impl Gemms {
+    fn new(backend: &CudaBackend) -> Result<Gemms> {
+        let handle = catch("cuBLASLt could not be loaded (libcublasLt.so.13)", || {
+            let mut h = std::ptr::null_mut();
+            // SAFETY: out pointer for a fresh handle.
+            check(unsafe { lt::cublasLtCreate(&mut h) }, "cublasLtCreate")?;
+            Ok(h)
+        })?;
+        Ok(Gemms {
+            handle,
+            workspace: backend.empty(&[WORKSPACE_BYTES], DType::BF16)?,
+            plans: HashMap::new(),
+            tune: !std::env::var("LORAFIT_GEMM_TUNE").is_ok_and(|v| v == "0"),
+            log: std::env::var("LORAFIT_GEMM_TUNE").is_ok_and(|v| v == "log"),
+        })
+    }
+
+    /// Queues the product with `plan`'s descriptors and `algo`.
+    fn run(
+        &self,
+        plan: &Plan,
+        algo: &lt::cublasLtMatmulAlgo_t,
+        o: &Operands,
+        stream: sys::CUstream,
+    ) -> Result<()> {
+        // SAFETY: live descriptors and buffers of the sizes the layouts state; host scalars.
+        check(
+            unsafe {
+                lt::cublasLtMatmul(
+                    self.handle,
+                    plan.desc,
+                    &o.alpha as *const f32 as *const c_void,
+                    o.a as *const c_void,
+                    plan.a,
+                    o.b as *const c_void,
+                    plan.b,
+                    &o.beta as *const f32 as *const c_void,
+                    o.c as *const c_void,
+                    plan.c,
+                    o.d as *mut c_void,
+                    plan.c,
+                    algo,
+                    cuda_ptr(&self.workspace)? as *mut c_void,
+                    WORKSPACE_BYTES,
+                    stream as _,
+                )
+            },
+            "cublasLtMatmul",
+        )
+    }
+
+    /// Up to `CANDIDATES` algorithms for `plan`, best first by cuBLASLt's estimate.
+    fn candidates(&self, key: &Key, plan: &Plan) -> Result<Vec<lt::cublasLtMatmulAlgo_t>> {
+        let mut pref = std::ptr::null_mut();
+        let align = 1u32 << key.align_log2;
+        let mut results: Vec<lt::cublasLtMatmulHeuristicResult_t> =
+            // SAFETY: plain data, filled by the heuristic call below.
+            vec![unsafe { std::mem::zeroed() }; CANDIDATES];
+        let mut count = 0;
+        // SAFETY: fresh preference descriptor; attributes read from live locals; the results
+        // array holds CANDIDATES entries.
+        unsafe {
+            check(
+                lt::cublasLtMatmulPreferenceCreate(&mut pref),
+                "cublasLtMatmulPreferenceCreate",
+            )?;
+            let ws = WORKSPACE_BYTES as u64;
+            let mut r = lt::cublasLtMatmulPreferenceSetAttribute(
+                pref,
+                lt::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                &ws as *const u64 as *const c_void,
+                8,
+            );
+            use lt::cublasLtMatmulPreferenceAttributes_t as P;
+            for attr in [
+                P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
+                P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+                P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
+                P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
+            ] {
+                if r == lt::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+                    r = lt::cublasLtMatmulPreferenceSetAttribute(
+                        pref,
+                        attr,
+                        &align as *const u32 as *const c_void,
+                        4,
+                    );
+                }
+            }
+            if r == lt::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+                r = lt::cublasLtMatmulAlgoGetHeuristic(
+                    self.handle,
+                    plan.desc,
+                    plan.a,
+                    plan.b,
+                    plan.c,
+                    plan.c,
+                    pref,
+                    CANDIDATES as i32,
+                    results.as_mut_ptr(),
+                    &mut count,
+                );
+            }
+            let _ = lt::cublasLtMatmulPreferenceDestroy(pref);
+            check(r, "cublasLtMatmulAlgoGetHeuristic")?;
+        }
+        let algos: Vec<_> = results[..count.max(0) as usize]
+            .iter()
+            .filter(|r| r.state == lt::cublasStatus_t::CUBLAS_STATUS_SUCCESS)
+            .map(|r| r.algo)
+            .collect();
+        if algos.is_empty() {
+            return Err(anyhow!("cuBLASLt has no algorithm for {key:?}"));
+        }
+        Ok(algos)
+    }
+}
+
+/// Milliseconds between two recorded events, after waiting for the second.
+fn elapsed_ms(e0: sys::CUevent, e1: sys::CUevent) -> Result<f32> {
+    // SAFETY: both events were recorded on the backend's stream.
+    unsafe {
+        drv::event::synchronize(e1).map_err(|e| anyhow!("{e:?}"))?;
+        drv::event::elapsed(e0, e1).map_err(|e| anyhow!("{e:?}"))
+    }
+}
+
+impl CudaBackend {
+    /// Row-major `c = alpha op(a) op(b) + beta c` for bf16 × bf16 → bf16 | f32 and
+    /// f32 × f32 → f32 (the caller checked shapes and dtypes).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn gemm(
+        &self,
+        c: &mut Tensor,
+        a: &Tensor,
+        ta: bool,
+        b: &Tensor,
+        tb: bool,
+        (m, k, n): (usize, usize, usize),
+        alpha: f32,
+        beta: f32,
+    ) -> Result<()> {
+        let (pa, pb, pc) = (cuda_ptr(a)?, cuda_ptr(b)?, cuda_ptr(c)?);
+        // Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T: cuBLASLt's A is our
+        // b, its B our a, and its (m, n) our (n, m).
+        let align = [pa, pb, pc]
+            .iter()
+            .map(|p| p.trailing_zeros().min(8))
+            .min()
+            .unwrap_or(0);
+        let key = Key {
+            m: n as u64,
+            n: m as u64,
+            k: k as u64,
+            trans_a: tb,
+            trans_b: ta,
+            lda: b.rows_cols().1 as i64,
+            ldb: a.rows_cols().1 as i64,
+            ldc: n as i64,
+            a_f32: a.dtype() == DType::F32,
+            c_f32: c.dtype() == DType::F32,
+            reads_c: beta != 0.0,
+            align_log2: align,
+        };
+        let ops = Operands {
+            a: pb,
+            b: pa,
+            c: pc,
+            d: pc,
+            alpha,
+            beta,
+        };
+        let mut guard = self.gemms.lock().unwrap();
+        if guard.is_none() {
+            *guard = Some(Gemms::new(self)?);
+        }
+        let g = guard.as_mut().expect("created above");
+        if !g.plans.contains_key(&key) {
+            let plan = self.tune_plan(g, &key, &ops, c.dtype())?;
+            g.plans.insert(key, plan);
+        }
+        let plan = &g.plans[&key];
+        let stream = self.inner.cu_stream();
+        self.inner
+            .host_timed(HostCall::Gemm, || g.run(plan, &plan.algo, &ops, stream))
+            .map_err(|e| anyhow!("{e} ([{m}x{k}]x[{k}x{n}])"))
+    }
+
+    /// A plan for `key` with the fastest of the heuristic's candidates on these operands (the
+    /// first candidate when tuning is off, the product is small, or scratch memory is short).
+    fn tune_plan(&self, g: &Gemms, key: &Key, ops: &Operands, c_dtype: DType) -> Result<Plan> {
+        let mut plan = key.descriptors()?;
+        let algos = g.candidates(key, &plan)?;
+        plan.algo = algos[0];
+        let flops = 2.0 * key.m as f64 * key.n as f64 * key.k as f64;
+        if !g.tune || algos.len() == 1 || flops < TUNE_MIN_FLOPS {
+            return Ok(plan);
+        }
+        // Candidates write into scratch when C is read, leaving the call's C as it was.
+        let scratch = if key.reads_c {
+            match self.empty(&[key.m as usize * key.n as usize], c_dtype) {
+                Ok(t) => Some(t),
+                Err(_) => return Ok(plan),
+            }
+        } else {
+            None
+        };
+        let trial = Operands {
+            d: match &scratch {
+                Some(s) => cuda_ptr(s)?,
+                None => ops.d,
+            },
+            ..*ops
+        };
+        let stream = self.inner.cu_stream();
+        let flags = sys::CUevent_flags::CU_EVENT_DEFAULT;
+        let e0 = drv::event::create(flags).map_err(|e| anyhow!("{e:?}"))?;
+        let e1 = drv::event::create(flags).map_err(|e| anyhow!("{e:?}"))?;
+        let mut times = Vec::with_capacity(algos.len());
+        for algo in &algos {
+            // A candidate that fails to launch is skipped (its time stays infinite).
+            let mut ms = f32::INFINITY;
+            if g.run(&plan, algo, &trial, stream).is_ok() {
+                // SAFETY: live events recorded on our stream.
+                unsafe { drv::event::record(e0, stream) }.map_err(|e| anyhow!("{e:?}"))?;
+                for _ in 0..3 {
+                    g.run(&plan, algo, &trial, stream)?;
+                }
+                // SAFETY: as above.
+                unsafe { drv::event::record(e1, stream) }.map_err(|e| anyhow!("{e:?}"))?;
+                ms = elapsed_ms(e0, e1)? / 3.0;
+            }
+            times.push(ms);
+        }
+        // SAFETY: the events are idle (waited on above).
+        unsafe {
+            let _ = drv::event::destroy(e0);
+            let _ = drv::event::destroy(e1);
+        }
+        let best = (0..times.len())
+            .min_by(|&i, &j| times[i].total_cmp(&times[j]))
+            .unwrap_or(0);
+        if g.log {
+            eprintln!(
+                "gemm tune {}x{}x{} {}{}: heuristic first {:.4} ms, chosen #{best} {:.4} ms ({} candidates)",
+                key.n,
+                key.m,
+                key.k,
+                if key.trans_b { "T" } else { "N" },
+                if key.trans_a { "T" } else { "N" },
+                times[0],
+                times[best],
+                times.len()
+            );
+        }
+        plan.algo = algos[best];
+        Ok(plan)
+    }
+}
