@@ -6,7 +6,7 @@
 mod common;
 use common::*;
 use lorafit::model::weights::{load_weights, SafetensorsFolder};
-use lorafit::model::{lora::peft_key, Lora, Model, ModelSpec, PassCtx};
+use lorafit::model::{lora::peft_key, ForwardPlan, Lora, Model, ModelSpec, PassCtx};
 use lorafit::tensor::{Device, Tensor};
 
 fn run_family(name: &str) {
@@ -53,15 +53,73 @@ fn run_family(name: &str) {
         );
         let dlogits = Tensor::cpu(reference["dlogits"].1.clone(), &[t, spec.vocab]).unwrap();
         let dh = model.logits_bwd(&dlogits).unwrap();
-        model.backward(&dh, state, Some(&mut lora), &ctx).unwrap();
+        model.backward(dh, state, Some(&mut lora), &ctx).unwrap();
         check_grads(name, "grad_logits", &lora, &reference);
 
         // From d(hidden).
         lora.zero_grads().unwrap();
         let (_, state) = model.forward(&ids, Some(&lora), &ctx, seg).unwrap();
         let dh = Tensor::cpu(reference["dhidden"].1.clone(), &[t, spec.hidden]).unwrap();
-        model.backward(&dh, state, Some(&mut lora), &ctx).unwrap();
+        model.backward(dh, state, Some(&mut lora), &ctx).unwrap();
         check_grads(name, "grad_hidden", &lora, &reference);
+    }
+
+    // Computing only rows [r, T) of the final hidden states (`Model::forward_keeping`'s
+    // `read_from`, as the trainer does when the head reads a suffix) gives those rows and every
+    // gradient of the full pass whose d(hidden) is zero before row r.
+    let r = t / 2 + 1;
+    let dh_full = reference["dhidden"].1.clone();
+    let mut dh_zeroed = dh_full.clone();
+    dh_zeroed[..r * spec.hidden].fill(0.0);
+    for seg in [0usize, 1] {
+        lora.zero_grads().unwrap();
+        let (hidden, state) = model.forward(&ids, Some(&lora), &ctx, seg).unwrap();
+        let hidden_full = hidden.as_cpu().unwrap()[r * spec.hidden..].to_vec();
+        let dh = Tensor::cpu(dh_zeroed.clone(), &[t, spec.hidden]).unwrap();
+        let d_embed_full = model.backward(dh, state, Some(&mut lora), &ctx).unwrap();
+        let grads_full: Vec<Vec<f32>> = lora
+            .pairs()
+            .flat_map(|(_, _, p)| [p.grad_a.to_vec().unwrap(), p.grad_b.to_vec().unwrap()])
+            .collect();
+
+        lora.zero_grads().unwrap();
+        let plan = ForwardPlan {
+            segment_size: seg,
+            keep_attention: seg > 0,
+            keep_top_mlp: false,
+            read_from: r,
+        };
+        let (hidden, state) = model
+            .forward_keeping(&ids, Some(&lora), &ctx, plan)
+            .unwrap();
+        assert_eq!(hidden.shape(), &[t - r, spec.hidden]);
+        let what = format!("{name} seg {seg} rows from {r}");
+        assert_close(
+            &format!("{what} hidden"),
+            hidden.as_cpu().unwrap(),
+            &hidden_full,
+            1e-6,
+        );
+        let dh = Tensor::cpu(dh_full[r * spec.hidden..].to_vec(), &[t - r, spec.hidden]).unwrap();
+        let d_embed = model.backward(dh, state, Some(&mut lora), &ctx).unwrap();
+        assert_close(
+            &format!("{what} d(embeddings)"),
+            d_embed.as_cpu().unwrap(),
+            d_embed_full.as_cpu().unwrap(),
+            1e-6,
+        );
+        let grads: Vec<Vec<f32>> = lora
+            .pairs()
+            .flat_map(|(_, _, p)| [p.grad_a.to_vec().unwrap(), p.grad_b.to_vec().unwrap()])
+            .collect();
+        assert_eq!(grads.len(), 28);
+        for (i, (g, want)) in grads.iter().zip(&grads_full).enumerate() {
+            assert!(
+                want.iter().any(|&v| v != 0.0),
+                "{what}: gradient {i} is all zero"
+            );
+            assert_close(&format!("{what} gradient {i}"), g, want, 1e-6);
+        }
     }
 
     // The base model alone (adapter off).

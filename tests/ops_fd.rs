@@ -31,7 +31,7 @@ mod common;
 use common::*;
 use lorafit::model::lora::Rng;
 use lorafit::model::weights::{load_weights, RandomSource, Weight};
-use lorafit::model::{Lora, LoraConfig, Model, ModelSpec, PassCtx, Target};
+use lorafit::model::{ForwardPlan, Lora, LoraConfig, Model, ModelSpec, PassCtx, Target};
 use lorafit::tensor::{self as ops, AttnMask, AttnShape, DType, Device, RopeTable, Tensor};
 
 // ------------------------------------------------------------------------------------------------
@@ -690,22 +690,13 @@ fn model_loss(m: &Model, lora: &Lora, ctx: &PassCtx, c: &[f32]) -> f64 {
 }
 
 /// Analytic LoRA gradients (and d(embeddings)) of `L = Σ c ∘ logits`.
-fn model_grads(
-    m: &Model,
-    lora: &mut Lora,
-    ctx: &PassCtx,
-    c: &[f32],
-    segment_size: usize,
-    keep_attention: bool,
-) -> Tensor {
+fn model_grads(m: &Model, lora: &mut Lora, ctx: &PassCtx, c: &[f32], plan: ForwardPlan) -> Tensor {
     lora.zero_grads().unwrap();
-    let (hidden, state) = m
-        .forward_keeping(&IDS, Some(&*lora), ctx, segment_size, keep_attention)
-        .unwrap();
+    let (hidden, state) = m.forward_keeping(&IDS, Some(&*lora), ctx, plan).unwrap();
     let logits = m.logits(&hidden, DType::F32).unwrap();
     let dl = t(c, logits.shape());
     let dh = m.logits_bwd(&dl).unwrap();
-    m.backward(&dh, state, Some(lora), ctx).unwrap()
+    m.backward(dh, state, Some(lora), ctx).unwrap()
 }
 
 /// Model-level FD step, with Richardson extrapolation (steps 1e-2 and 5e-3). The LoRA parameters
@@ -778,7 +769,13 @@ fn lora_samples(
         rope: &rope,
         dropout,
     };
-    model_grads(model, lora, &ctx(analytic_dropout), c, 0, false);
+    model_grads(
+        model,
+        lora,
+        &ctx(analytic_dropout),
+        c,
+        ForwardPlan::default(),
+    );
     let fd_ctx = ctx(fd_dropout);
     let mut out = Vec::new();
     for l in 0..model.spec.n_layers {
@@ -975,7 +972,7 @@ fn check_embedding_grad(name: &str, tiny: &mut Tiny) {
         rope: &rope,
         dropout: None,
     };
-    let dx = model_grads(model, lora, &ctx, c, 0, false);
+    let dx = model_grads(model, lora, &ctx, c, ForwardPlan::default());
     let (v, h) = (model.spec.vocab, model.spec.hidden);
     let dtable = ops::embedding_bwd(&dx, &IDS, v).unwrap();
     let table0 = model.weights.embed.dense().unwrap().to_vec().unwrap();
@@ -1032,7 +1029,7 @@ fn segmented_backward_is_bit_identical() {
                 .flat_map(|(_, _, p)| [p.grad_a.to_vec().unwrap(), p.grad_b.to_vec().unwrap()])
                 .collect()
         };
-        let d0 = model_grads(&m.model, &mut m.lora, &ctx, &m.c, 0, false);
+        let d0 = model_grads(&m.model, &mut m.lora, &ctx, &m.c, ForwardPlan::default());
         let g0 = grads(&m.lora);
         assert_eq!(g0.len(), 28);
         assert!(
@@ -1040,15 +1037,27 @@ fn segmented_backward_is_bit_identical() {
             "{name}: some LoRA gradient is all zero"
         );
         // Segments recompute the layers (with and without the kept attention outputs; the last
-        // layer of each segment skips its down projection).
-        for (seg, keep) in [(1usize, false), (2, false), (1, true), (2, true)] {
-            let d1 = model_grads(&m.model, &mut m.lora, &ctx, &m.c, seg, keep);
+        // layer of each segment skips its down projection; the top layer's MLP kept or
+        // recomputed).
+        for (seg, keep, top_mlp) in [
+            (1usize, false, true),
+            (2, false, false),
+            (1, true, false),
+            (2, true, true),
+        ] {
+            let plan = ForwardPlan {
+                segment_size: seg,
+                keep_attention: keep,
+                keep_top_mlp: top_mlp,
+                read_from: 0,
+            };
+            let d1 = model_grads(&m.model, &mut m.lora, &ctx, &m.c, plan);
             let g1 = grads(&m.lora);
             for (i, (a, b)) in g0.iter().zip(&g1).enumerate() {
                 assert!(
                     a == b,
-                    "{name}: segment_size {seg} (keep attention {keep}) gradient #{i} differs \
-                     from segment_size 0 (max|diff| {:.3e})",
+                    "{name}: segment_size {seg} (keep attention {keep}, top MLP {top_mlp}) \
+                     gradient #{i} differs from segment_size 0 (max|diff| {:.3e})",
                     max_diff(a, b).0
                 );
             }

@@ -30,6 +30,30 @@ impl PassCtx<'_> {
     }
 }
 
+/// The rows `[from, T)` of a pass's final hidden states, the only ones anything reads (the head's
+/// rows of a preference pair start at the prompt's last token). The top layer runs its o
+/// projection and MLP for these rows only, and its other rows attend to themselves alone
+/// (`mask`): nothing reads their outputs, while their k and v still feed the rows that are read.
+/// Their gradients are exactly zero either way, so the result is the same as the full layer's.
+pub struct ReadRows {
+    from: usize,
+    mask: AttnMask,
+}
+
+impl ReadRows {
+    /// `None` when every row is read (`from == 0`).
+    pub fn new(mask: &AttnMask, from: usize) -> Option<ReadRows> {
+        if from == 0 {
+            return None;
+        }
+        let mut mask = mask.clone();
+        for (q, r) in mask.ranges.iter_mut().enumerate().take(from) {
+            *r = [q as u32, q as u32 + 1, 0, 0];
+        }
+        Some(ReadRows { from, mask })
+    }
+}
+
 /// What a LoRA-carrying projection keeps for its backward: `xa = dropout(x) Aᵀ`, `(T, r)`.
 pub struct LoraSaved {
     xa: Tensor,
@@ -49,9 +73,12 @@ pub struct LayerActs {
     v: Tensor,              // (T, nkv*hd)
     attn: Tensor,           // (T, nh*hd) attention output
     lse: Tensor,            // (nh, T) f32
-    x1: Tensor,             // (T, H) after the attention residual
-    xn2: Tensor,            // (T, H) after the MLP norm
-    rstd2: Tensor,          // (T)
+    /// First row of the o projection and the MLP (`ReadRows`; 0: every row). The tensors below
+    /// hold rows `[from, T)`.
+    from: usize,
+    x1: Tensor,    // (T - from, H) after the attention residual
+    xn2: Tensor,   // (T - from, H) after the MLP norm
+    rstd2: Tensor, // (T - from)
     /// The MLP's intermediates; `None` when the MLP runs in token chunks and is recomputed chunk
     /// by chunk in the backward.
     mlp: Option<MlpActs>,
@@ -67,6 +94,36 @@ pub struct MlpActs {
     lora: [Option<LoraSaved>; 3],
 }
 
+/// How one layer's forward runs (`Model::layer_forward`).
+pub struct LayerRun<'a> {
+    /// Compute the layer output (a recomputation of a segment's last layer does not need it,
+    /// which spares the MLP's down projection).
+    pub want_output: bool,
+    /// The layer's attention output and lse kept from the forward (spares the attention kernel).
+    pub attention: Option<(Tensor, Tensor)>,
+    /// The top layer's rows (`ReadRows`): the output holds rows `[read.from, T)` only.
+    pub read: Option<&'a ReadRows>,
+    /// Keep the MLP intermediates (otherwise the backward recomputes them).
+    pub keep_mlp: bool,
+}
+
+/// What a forward keeps for its backward, and which rows of its final hidden states it computes
+/// (`Model::forward_keeping`).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ForwardPlan {
+    /// 0 keeps every layer's activations; s > 0 keeps the input of every s-th layer below the
+    /// top one and the top layer's activations, and recomputes a segment at a time.
+    pub segment_size: usize,
+    /// With segments: also keep every layer's attention output and lse (`(T, nh·hd)` + `(nh, T)`
+    /// per layer), so that the recomputation runs no attention kernel.
+    pub keep_attention: bool,
+    /// With segments: the top layer keeps its MLP intermediates too (otherwise its backward
+    /// recomputes them; see `train::memory::keep_top_mlp`).
+    pub keep_top_mlp: bool,
+    /// Compute the final hidden states of rows `[read_from, T)` only (`ReadRows`).
+    pub read_from: usize,
+}
+
 /// A loaded model: spec, frozen weights, and its device.
 pub struct Model {
     pub spec: ModelSpec,
@@ -80,6 +137,25 @@ pub struct Model {
     /// that the sums of many bf16 sublayer outputs do not round at each layer (projections and
     /// attention still read the compute dtype).
     pub residual_dtype: DType,
+}
+
+/// Rows `[from, T)` of `x` (borrowed when that is all of it).
+fn rows_from(x: &Tensor, from: usize) -> Result<Dense<'_>> {
+    Ok(if from == 0 {
+        Dense::Borrowed(x)
+    } else {
+        Dense::Owned(ops::slice_rows(x, from, x.dim(0))?)
+    })
+}
+
+/// `x` with `(T - from)` rows as rows `[from, T)` of a zero `(T, ·)` tensor.
+fn rows_into_full(x: Tensor, from: usize, t: usize) -> Result<Tensor> {
+    if from == 0 {
+        return Ok(x);
+    }
+    let mut full = Tensor::zeros(&[t, x.dim(1)], x.dtype(), x.device())?;
+    ops::scatter_add_rows(&mut full, &(from as u32..t as u32).collect::<Vec<_>>(), &x)?;
+    Ok(full)
 }
 
 fn token_chunks(t: usize, c: usize) -> Vec<(usize, usize)> {
@@ -346,19 +422,22 @@ impl Model {
         ops::embedding(&*self.weights.embed.dense()?, ids)
     }
 
-    /// One decoder layer: returns the layer output (with `want_output`) and what its backward
-    /// needs. The backward's recomputation of a segment's last layer does not need its output,
-    /// which spares the MLP's down projection; `attention`, the layer's attention output and lse
-    /// kept from the forward, spares the attention kernel.
+    /// One decoder layer: returns the layer output (with `run.want_output`) and what its
+    /// backward needs.
     pub fn layer_forward(
         &self,
         l: usize,
         x: Tensor,
         lora: Option<&Lora>,
         ctx: &PassCtx,
-        want_output: bool,
-        attention: Option<(Tensor, Tensor)>,
+        run: LayerRun,
     ) -> Result<(Option<Tensor>, LayerActs)> {
+        let LayerRun {
+            want_output,
+            attention,
+            read,
+            keep_mlp,
+        } = run;
         let s = &self.spec;
         let w = &self.weights.layers[l];
         let t = x.dim(0);
@@ -406,16 +485,29 @@ impl Model {
         // A recomputation may bring this layer's attention output and lse from the forward.
         let (attn, lse) = match attention {
             Some(kept) => kept,
-            None => ops::attention(&q, &k, &v, ctx.mask, self.attn_shape())?,
+            None => ops::attention(
+                &q,
+                &k,
+                &v,
+                read.map_or(ctx.mask, |r| &r.mask),
+                self.attn_shape(),
+            )?,
         };
-        let o = lin(&attn, &w.o, Target::O)?;
-        let (x1, xn2, rstd2) = ops::add_rms_norm_to(&x, &o, &w.mlp_norm, s.rms_eps, cdt)?;
+        let from = read.map_or(0, |r| r.from);
+        let o = lin(&*rows_from(&attn, from)?, &w.o, Target::O)?;
+        let (x1, xn2, rstd2) =
+            ops::add_rms_norm_to(&*rows_from(&x, from)?, &o, &w.mlp_norm, s.rms_eps, cdt)?;
         drop(o);
 
-        let (mlp_out, mlp) = if self.mlp_chunk > 0 && t > self.mlp_chunk {
+        let rows = t - from;
+        let chunked = self.mlp_chunk > 0 && rows > self.mlp_chunk;
+        let (mlp_out, mlp) = if (chunked || !keep_mlp) && !want_output {
+            // The backward recomputes the MLP; nothing reads its output now.
+            (None, None)
+        } else if chunked {
             // Token chunks: the (T, I) intermediates never exist for all tokens at once.
             let mut out = Tensor::zeros(x1.shape(), cdt, x1.device())?;
-            for (a, b) in token_chunks(t, self.mlp_chunk) {
+            for (a, b) in token_chunks(rows, self.mlp_chunk) {
                 let (o, _) = self.mlp_forward(l, &ops::slice_rows(&xn2, a, b)?, lora, ctx, true)?;
                 let o = o.expect("the MLP output was asked for");
                 ops::scatter_add_rows(&mut out, &(a as u32..b as u32).collect::<Vec<_>>(), &o)?;
@@ -423,7 +515,7 @@ impl Model {
             (Some(out), None)
         } else {
             let (out, m) = self.mlp_forward(l, &xn2, lora, ctx, want_output)?;
-            (out, Some(m))
+            (out, keep_mlp.then_some(m))
         };
         let out = match mlp_out.filter(|_| want_output) {
             Some(mlp_out) => Some(ops::add(&x1, &mlp_out, 1.0)?),
@@ -442,6 +534,7 @@ impl Model {
             v,
             attn,
             lse,
+            from,
             x1,
             xn2,
             rstd2,
@@ -517,26 +610,27 @@ impl Model {
             lora: saved,
         } = m;
         let w = &self.weights.layers[l];
-        let mut lin_bwd = |into: Option<Tensor>,
-                           dy: &Tensor,
-                           inp: &Tensor,
-                           wt: &Weight,
-                           tg: Target,
-                           i: usize|
-         -> Result<Tensor> {
-            let pair = lora.as_deref_mut().and_then(|lo| lo.get_mut(l, tg));
-            linear_bwd(
-                into,
-                dy,
-                inp,
-                wt,
-                pair,
-                saved[i].as_ref(),
-                ctx.dropout_for(l, tg),
-            )
+        let down_dropout = ctx.dropout_for(l, Target::Down);
+        let d_act = match (
+            lora.as_deref_mut()
+                .and_then(|lo| lo.get_mut(l, Target::Down)),
+            saved[2].as_ref(),
+        ) {
+            (Some(p), Some(sv)) if down_dropout.is_none() => {
+                // The LoRA terms are the only reader of `act`: it is freed before the (T, I)
+                // gradient is allocated, which lowers the step's peak by one (T, I) tensor.
+                let dxa = lora_bwd(d_out, &act, p, sv)?;
+                drop(act);
+                let mut d_act = ops::matmul(&dxa, false, p.a(), false, 1.0, d_out.dtype())?;
+                ops::matmul_acc(&mut d_act, d_out, false, &*w.down.dense()?, false, 1.0, 1.0)?;
+                d_act
+            }
+            (pair, sv) => {
+                let d_act = linear_bwd(None, d_out, &act, &w.down, pair, sv, down_dropout)?;
+                drop(act);
+                d_act
+            }
         };
-        let d_act = lin_bwd(None, d_out, &act, &w.down, Target::Down, 2)?;
-        drop(act);
         ops::silu_mul_bwd_in_place(&d_act, &mut gate, &mut up)?;
         drop(d_act);
         let members = vec![
@@ -560,6 +654,8 @@ impl Model {
     /// Consumes the activations, freeing each after its last use. `d_out_c` is d(layer output)
     /// in the compute dtype when the residual stream is wider (None: cast here); the result
     /// carries the same copy of d(layer input) for the layer below.
+    /// `read` is the one `layer_forward` ran with: `d_out` then holds rows `[read.from, T)`.
+    #[allow(clippy::too_many_arguments)]
     pub fn layer_backward(
         &self,
         l: usize,
@@ -568,10 +664,13 @@ impl Model {
         a: LayerActs,
         mut lora: Option<&mut Lora>,
         ctx: &PassCtx,
+        read: Option<&ReadRows>,
     ) -> Result<(Tensor, Option<Tensor>)> {
         let s = &self.spec;
         let w = &self.weights.layers[l];
+        // Rows of d_out (all T unless `read` trims the top layer).
         let t = d_out.dim(0);
+        let t_full = a.x.dim(0);
         // MLP: out = x1 + down(silu(gate(xn2)) * up(xn2))
         let d_out_c = match d_out_c {
             Some(c) => Dense::Owned(c),
@@ -579,6 +678,12 @@ impl Model {
         };
         let d_xn2 = match a.mlp {
             Some(m) => self.mlp_backward(l, &d_out_c, &a.xn2, m, lora.as_deref_mut(), ctx)?,
+            // Recomputed all at once (the forward did not keep it).
+            None if self.mlp_chunk == 0 || t <= self.mlp_chunk => {
+                let (_, m) = self.mlp_forward(l, &a.xn2, lora.as_deref(), ctx, false)?;
+                self.mlp_backward(l, &d_out_c, &a.xn2, m, lora.as_deref_mut(), ctx)?
+            }
+            // Recomputed chunk by chunk.
             None => {
                 let mut d = Tensor::zeros(a.xn2.shape(), a.xn2.dtype(), a.xn2.device())?;
                 for (c0, c1) in token_chunks(t, self.mlp_chunk) {
@@ -628,11 +733,14 @@ impl Model {
         let d_attn = lin_bwd(
             None,
             d_x1_c.as_ref().unwrap_or(&d_x1),
-            &a.attn,
+            &*rows_from(&a.attn, a.from)?,
             &w.o,
             Target::O,
         )?;
         drop(d_x1_c);
+        // The rows before `a.from` get no gradient from above; they still have one through k, v.
+        let d_attn = rows_into_full(d_attn, a.from, t_full)?;
+        let d_x1 = rows_into_full(d_x1, a.from, t_full)?;
         let (dq_rot, dk_rot, dv) = ops::attention_bwd(
             &d_attn,
             &a.q,
@@ -640,7 +748,7 @@ impl Model {
             &a.v,
             &a.attn,
             &a.lse,
-            ctx.mask,
+            read.map_or(ctx.mask, |r| &r.mask),
             self.attn_shape(),
         )?;
         drop((d_attn, a.q, a.k, a.v, a.attn, a.lse));
@@ -649,22 +757,22 @@ impl Model {
         let mut dk = ops::rope(&dk_rot, ctx.rope, s.n_kv_heads, true)?;
         drop(dk_rot);
         if let (Some(qn), Some(kn)) = (&w.q_norm, &w.k_norm) {
-            let dqp = dq.reshape(&[t * s.n_heads, s.head_dim])?;
-            let dkp = dk.reshape(&[t * s.n_kv_heads, s.head_dim])?;
+            let dqp = dq.reshape(&[t_full * s.n_heads, s.head_dim])?;
+            let dkp = dk.reshape(&[t_full * s.n_kv_heads, s.head_dim])?;
             dq = ops::rms_norm_bwd(
                 &dqp,
                 a.q_pre.as_ref().unwrap(),
                 qn,
                 a.q_rstd.as_ref().unwrap(),
             )?
-            .reshape(&[t, s.q_dim()])?;
+            .reshape(&[t_full, s.q_dim()])?;
             dk = ops::rms_norm_bwd(
                 &dkp,
                 a.k_pre.as_ref().unwrap(),
                 kn,
                 a.k_rstd.as_ref().unwrap(),
             )?
-            .reshape(&[t, s.kv_dim()])?;
+            .reshape(&[t_full, s.kv_dim()])?;
         }
         let members = [
             (dq, &w.q, Target::Q),
@@ -681,9 +789,8 @@ impl Model {
         ops::rms_norm_bwd_add_copy(&d_xn, &a.x, &w.attn_norm, &a.rstd1, &d_x1, cdt)
     }
 
-    /// Forward through all layers and the final norm. Keeps what the backward needs according to
-    /// `segment_size`: 0 keeps every layer's activations; s > 0 keeps only the input of every s-th
-    /// layer and recomputes a segment at a time in the backward.
+    /// Forward through all layers and the final norm, keeping what the backward needs according
+    /// to `segment_size` (see `ForwardPlan`).
     pub fn forward(
         &self,
         ids: &[u32],
@@ -691,20 +798,33 @@ impl Model {
         ctx: &PassCtx,
         segment_size: usize,
     ) -> Result<(Tensor, ForwardState)> {
-        self.forward_keeping(ids, lora, ctx, segment_size, false)
+        let plan = ForwardPlan {
+            segment_size,
+            keep_top_mlp: true,
+            ..Default::default()
+        };
+        self.forward_keeping(ids, lora, ctx, plan)
     }
 
-    /// `forward`; with segments and `keep_attention`, also keeps every layer's attention output
-    /// and lse (`(T, nh·hd)` + `(nh, T)` per layer), so that the recomputation runs no attention
-    /// kernel. Same numbers either way: the kept tensors are the ones it would recompute.
+    /// `forward` keeping what `plan` says. Same numbers whatever it keeps: the kept tensors are
+    /// the ones a recomputation would make. Returns the final hidden states of rows
+    /// `[plan.read_from, T)`.
     pub fn forward_keeping(
         &self,
         ids: &[u32],
         lora: Option<&Lora>,
         ctx: &PassCtx,
-        segment_size: usize,
-        keep_attention: bool,
+        plan: ForwardPlan,
     ) -> Result<(Tensor, ForwardState)> {
+        let ForwardPlan {
+            segment_size,
+            keep_attention,
+            keep_top_mlp,
+            read_from,
+        } = plan;
+        let read = ReadRows::new(ctx.mask, read_from);
+        let n = self.spec.n_layers;
+        let read_at = |l: usize| read.as_ref().filter(|_| l + 1 == n);
         let mut x = self.embed(ids)?;
         if x.dtype() != self.residual_dtype {
             x = x.to_dtype(self.residual_dtype)?;
@@ -712,12 +832,22 @@ impl Model {
         let mut acts = Vec::new();
         let mut boundaries = Vec::new();
         let mut kept_attention = Vec::new();
-        for l in 0..self.spec.n_layers {
-            if segment_size > 0 && l % segment_size == 0 {
+        for l in 0..n {
+            // With segments, the top layer keeps its activations from the forward: the backward
+            // starts there, so a recomputation would rebuild them at once, and they are live at
+            // the step's peak either way.
+            let top = l + 1 == n;
+            if segment_size > 0 && l % segment_size == 0 && !top {
                 boundaries.push((l, x.try_clone()?));
             }
-            let (y, a) = self.layer_forward(l, x, lora, ctx, true, None)?;
-            if segment_size == 0 {
+            let run = LayerRun {
+                want_output: true,
+                attention: None,
+                read: read_at(l),
+                keep_mlp: segment_size == 0 || keep_top_mlp,
+            };
+            let (y, a) = self.layer_forward(l, x, lora, ctx, run)?;
+            if segment_size == 0 || top {
                 acts.push(a);
             } else if keep_attention {
                 kept_attention.push(Some((a.attn, a.lse)));
@@ -739,46 +869,64 @@ impl Model {
                 last: x,
                 rstd,
                 segment_size,
+                read,
             },
         ))
     }
 
     /// Backward from d(final hidden) to every LoRA gradient. Returns d(embeddings) for tests.
+    /// Takes d(final hidden) to free it after its first use.
     pub fn backward(
         &self,
-        d_hidden: &Tensor,
+        d_hidden: Tensor,
         state: ForwardState,
         mut lora: Option<&mut Lora>,
         ctx: &PassCtx,
     ) -> Result<Tensor> {
-        let mut d = ops::rms_norm_bwd(d_hidden, &state.last, &self.weights.norm, &state.rstd)?;
+        let mut d = ops::rms_norm_bwd(&d_hidden, &state.last, &self.weights.norm, &state.rstd)?;
+        drop(d_hidden);
         // The compute-dtype copy of d, where the residual stream is wider: written with it by
         // each layer's last kernel, for the next layer's first projection.
         let mut dc = None;
         drop(state.last);
+        let n = self.spec.n_layers;
+        let read = state.read.as_ref();
+        let read_at = |l: usize| read.filter(|_| l + 1 == n);
         if state.segment_size == 0 {
             for (l, a) in state.acts.into_iter().enumerate().rev() {
-                (d, dc) = self.layer_backward(l, &d, dc, a, lora.as_deref_mut(), ctx)?;
+                (d, dc) =
+                    self.layer_backward(l, &d, dc, a, lora.as_deref_mut(), ctx, read_at(l))?;
             }
             return Ok(d);
         }
-        let n = self.spec.n_layers;
+        // With segments `acts` holds the top layer's, kept from the forward.
+        for a in state.acts {
+            (d, dc) =
+                self.layer_backward(n - 1, &d, dc, a, lora.as_deref_mut(), ctx, read_at(n - 1))?;
+        }
         let mut kept_attention = state.kept_attention;
         for (start, x) in state.boundaries.into_iter().rev() {
-            let end = (start + state.segment_size).min(n);
+            let end = (start + state.segment_size).min(n - 1);
             // Recompute this segment's activations from its boundary; only one segment is live.
             let mut seg = Vec::with_capacity(end - start);
             let mut x = Some(x);
             for l in start..end {
                 let input = x.take().expect("each recomputed layer's input");
                 let kept = kept_attention.get_mut(l).and_then(Option::take);
-                let (y, a) =
-                    self.layer_forward(l, input, lora.as_deref(), ctx, l + 1 < end, kept)?;
+                let run = LayerRun {
+                    want_output: l + 1 < end,
+                    attention: kept,
+                    read: read_at(l),
+                    keep_mlp: true,
+                };
+                let (y, a) = self.layer_forward(l, input, lora.as_deref(), ctx, run)?;
                 seg.push(a);
                 x = y;
             }
             for (i, a) in seg.into_iter().enumerate().rev() {
-                (d, dc) = self.layer_backward(start + i, &d, dc, a, lora.as_deref_mut(), ctx)?;
+                let l = start + i;
+                (d, dc) =
+                    self.layer_backward(l, &d, dc, a, lora.as_deref_mut(), ctx, read_at(l))?;
             }
         }
         Ok(d)
@@ -806,7 +954,9 @@ impl Model {
 
 /// What `Model::forward` keeps for `Model::backward`.
 pub struct ForwardState {
+    /// Every layer's activations without segments; the top layer's alone with them.
     acts: Vec<LayerActs>,
+    /// With segments: `(first layer, its input)` of each segment below the top layer.
     boundaries: Vec<(usize, Tensor)>,
     /// Per layer, with segments and `keep_attention`: the forward's attention output and lse,
     /// taken by the layer's recomputation.
@@ -814,4 +964,6 @@ pub struct ForwardState {
     last: Tensor,
     rstd: Tensor,
     segment_size: usize,
+    /// The rows the forward's top layer computed (`None`: all).
+    read: Option<ReadRows>,
 }

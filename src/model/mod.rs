@@ -6,7 +6,7 @@ pub mod lora;
 pub mod weights;
 
 pub use config::{Family, ModelSpec};
-pub use llama::{Model, PassCtx};
+pub use llama::{ForwardPlan, Model, PassCtx};
 pub use lora::{Lora, LoraConfig, Target};
 pub mod gguf;
 pub mod gguf_model;

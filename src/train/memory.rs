@@ -52,6 +52,19 @@ pub fn estimate_bytes(
     kept + transients + head
 }
 
+/// With segments, whether the top layer keeps its MLP intermediates (`3·T·I` values) from the
+/// forward instead of recomputing them. They are then live during the head; that adds nothing to
+/// the step's peak when the head's transient bytes are at most the `(T, I)` gradient the top
+/// layer's backward holds at that peak, and saves one gate/up recomputation.
+pub fn keep_top_mlp(
+    spec: &ModelSpec,
+    tokens: usize,
+    head_transient_bytes: usize,
+    dtype_bytes: usize,
+) -> bool {
+    head_transient_bytes <= tokens * spec.intermediate * dtype_bytes
+}
+
 /// What a step keeps for its backward: the segment size and, with segments, whether the
 /// attention outputs are kept too.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

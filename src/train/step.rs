@@ -8,7 +8,7 @@ use super::head::{
 };
 use super::objectives::SftScope;
 use super::plan::{Plan, Rows};
-use crate::model::{Lora, Model, PassCtx};
+use crate::model::{ForwardPlan, Lora, Model, PassCtx};
 use crate::tensor::{self as ops, RopeTable, Tensor};
 use anyhow::{anyhow, ensure, Result};
 
@@ -80,12 +80,12 @@ pub fn reference_logps(model: &Model, plan: &Plan, opts: &PassOptions) -> Result
         .rejected
         .as_ref()
         .ok_or_else(|| anyhow!("DPO needs a preference example"))?;
-    let fwd = forward_all(model, plan, None, opts, false)?;
     let empty = Rows::default();
     let groups = head_groups(
         plan.seqs.len(),
         &[&empty, &plan.chosen.response, &rej.response],
     );
+    let fwd = forward_all(model, plan, None, opts, false, &groups)?;
     let head = head_pass(model, &fwd, &groups, opts, false)?;
     device_loss::reference(&head.logp, &head.parts(true))
 }
@@ -97,6 +97,13 @@ struct HeadGroup {
     targets: Vec<u32>,
     /// `(part index, start, len)`.
     spans: Vec<(usize, usize, usize)>,
+}
+
+impl HeadGroup {
+    /// The group's rows counted from row `from` of its sequence.
+    fn local_rows(&self, from: usize) -> Vec<u32> {
+        self.rows.iter().map(|&r| r - from as u32).collect()
+    }
 }
 
 fn head_groups(n_seqs: usize, parts: &[&Rows]) -> Vec<HeadGroup> {
@@ -122,10 +129,39 @@ fn head_groups(n_seqs: usize, parts: &[&Rows]) -> Vec<HeadGroup> {
     groups
 }
 
-/// One sequence after the forward: final hidden states, what the backward needs (when kept),
-/// and the RoPE table, built once and reused by the backward.
+/// The first row of sequence `seq` that any head group reads (0 when none does): the forward
+/// computes the final hidden states from there on (`Model::forward_keeping`).
+fn first_read_row(groups: &[HeadGroup], seq: usize) -> usize {
+    groups
+        .iter()
+        .filter(|g| g.seq == seq)
+        .flat_map(|g| g.rows.iter().copied())
+        .min()
+        .unwrap_or(0) as usize
+}
+
+/// `memory::keep_top_mlp` for a head over `rows` rows with these options.
+fn keep_top_mlp(model: &Model, rows: usize, opts: &PassOptions) -> bool {
+    let c = model.device.compute_dtype().size();
+    let vocab = model.spec.vocab;
+    // Logits in f32 with their softmax coefficients for the rows the head holds at once; the
+    // fused tier holds an f32 d(hidden) accumulator instead.
+    let head_bytes = match opts.head {
+        HeadTier::Full => rows * vocab * (4 + c),
+        HeadTier::Chunked => opts.head_chunk.min(rows) * vocab * (4 + c),
+        HeadTier::Fused => rows * model.spec.hidden * 4,
+    };
+    super::memory::keep_top_mlp(&model.spec, rows, head_bytes, c)
+}
+
+/// One sequence after the forward: final hidden states of rows `[read_from, T)`, what the
+/// backward needs (when kept), and the RoPE table, built once and reused by the backward.
 struct Forwarded {
-    hidden: Tensor,
+    /// Taken once the head has read it (the backward does not need it).
+    hidden: Option<Tensor>,
+    /// Rows of `hidden`.
+    rows: usize,
+    read_from: usize,
     state: Option<crate::model::llama::ForwardState>,
     rope: RopeTable,
 }
@@ -136,10 +172,12 @@ fn forward_all(
     lora: Option<&Lora>,
     opts: &PassOptions,
     keep: bool,
+    groups: &[HeadGroup],
 ) -> Result<Vec<Forwarded>> {
     plan.seqs
         .iter()
-        .map(|s| {
+        .enumerate()
+        .map(|(i, s)| {
             let rope = model.rope_table(&s.mask.positions)?;
             let ctx = PassCtx {
                 mask: &s.mask,
@@ -152,10 +190,18 @@ fn forward_all(
             } else {
                 model.spec.n_layers
             };
-            let (hidden, st) =
-                model.forward_keeping(&s.ids, lora, &ctx, seg, keep && opts.keep_attention)?;
+            let read_from = first_read_row(groups, i);
+            let plan = ForwardPlan {
+                segment_size: seg,
+                keep_attention: keep && opts.keep_attention,
+                keep_top_mlp: keep_top_mlp(model, s.ids.len() - read_from, opts),
+                read_from,
+            };
+            let (hidden, st) = model.forward_keeping(&s.ids, lora, &ctx, plan)?;
             Ok(Forwarded {
-                hidden,
+                rows: hidden.dim(0),
+                hidden: Some(hidden),
+                read_from,
                 state: keep.then_some(st),
                 rope,
             })
@@ -197,7 +243,12 @@ fn head_pass(
     let mut saved = Vec::with_capacity(groups.len());
     let mut offset = 0;
     for g in groups {
-        let h = ops::gather_rows(&fwd[g.seq].hidden, &g.rows)?;
+        let f = &fwd[g.seq];
+        let hidden = f
+            .hidden
+            .as_ref()
+            .ok_or_else(|| anyhow!("the head reads hidden states already released"))?;
+        let h = ops::gather_rows(hidden, &g.local_rows(f.read_from))?;
         let (lp, s) = logp_forward_saved(model, &h, &g.targets, opts.head, opts.head_chunk, train)?;
         for &(part, start, len) in &g.spans {
             spans[part] = (offset + start, len);
@@ -227,7 +278,6 @@ pub fn queue_example(
     train: bool,
     grad_weight: f32,
 ) -> Result<QueuedExample> {
-    let mut fwd = forward_all(model, plan, Some(lora), opts, train)?;
     let empty = Rows::default();
     let chosen_prompt = if objective.needs_prompt() {
         &plan.chosen.prompt
@@ -241,12 +291,17 @@ pub fn queue_example(
         plan.seqs.len(),
         &[chosen_prompt, &plan.chosen.response, rejected],
     );
+    let mut fwd = forward_all(model, plan, Some(lora), opts, train, &groups)?;
     let head = head_pass(model, &fwd, &groups, opts, train)?;
     let parts = head.parts(plan.rejected.is_some());
     let (loss, dlogp) =
         device_loss::evaluate(&head.logp, &parts, objective, reference, grad_weight)?;
 
     if train {
+        // The hidden states are released before the backward, which does not read them.
+        for f in &mut fwd {
+            f.hidden = None;
+        }
         // Gradients into each sequence's hidden states, then back through the layers.
         let mut dh: Vec<Option<Tensor>> = (0..plan.seqs.len()).map(|_| None).collect();
         let mut offset = 0;
@@ -255,9 +310,9 @@ pub fn queue_example(
             offset += g.rows.len();
             let dhc =
                 logp_backward_saved(model, &h, &g.targets, &d, opts.head, opts.head_chunk, saved)?;
-            let full = &fwd[g.seq].hidden;
-            let mut slot = Tensor::zeros(full.shape(), full.dtype(), full.device())?;
-            ops::scatter_add_rows(&mut slot, &g.rows, &dhc)?;
+            let shape = [fwd[g.seq].rows, dhc.dim(1)];
+            let mut slot = Tensor::zeros(&shape, dhc.dtype(), dhc.device())?;
+            ops::scatter_add_rows(&mut slot, &g.local_rows(fwd[g.seq].read_from), &dhc)?;
             dh[g.seq] = Some(slot);
         }
         for (i, s) in plan.seqs.iter().enumerate().rev() {
@@ -269,7 +324,7 @@ pub fn queue_example(
                 rope: &fwd[i].rope,
                 dropout: opts.dropout,
             };
-            model.backward(&d, state, Some(lora), &ctx)?;
+            model.backward(d, state, Some(lora), &ctx)?;
         }
     }
     Ok(QueuedExample {
