@@ -42,6 +42,10 @@ pub struct BenchArgs {
     /// fit the free memory). For the first workload; `--also` gives its own as field 5.
     #[arg(long)]
     pub keep_attention: Option<bool>,
+    /// With segments, keep k and v of the lowest N layers from the forward (unset: as many as
+    /// fit the free memory). For the first workload.
+    #[arg(long)]
+    pub keep_kv_layers: Option<usize>,
     /// Keep the residual stream in bf16 instead of f32.
     #[arg(long)]
     pub residual_bf16: bool,
@@ -180,6 +184,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         segment_size: a.segment_size,
         mlp_chunk: a.mlp_chunk,
         keep_attention: a.keep_attention,
+        keep_kv_layers: a.keep_kv_layers,
     }];
     for spec_str in &a.also {
         workloads.push(Workload::parse(spec_str)?);
@@ -202,11 +207,13 @@ pub fn run(a: BenchArgs) -> Result<()> {
         let memory::KeepPlan {
             segment_size,
             keep_attention,
+            keep_kv_layers,
         } = memory::resolve_plan(
             &spec,
             tokens,
             w.segment_size,
             w.keep_attention,
+            w.keep_kv_layers,
             w.mlp_chunk > 0,
             device.compute_dtype().size(),
             head_chunk,
@@ -215,6 +222,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         let opts = PassOptions {
             segment_size,
             keep_attention,
+            keep_kv_layers,
             head: match a.head {
                 HeadArg::Full => HeadTier::Full,
                 HeadArg::Chunked => HeadTier::Chunked,
@@ -302,7 +310,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         let mem = device.memory();
         let line = serde_json::json!({
             "tool": "lorafit", "shape": a.shape, "P": w.prompt_len, "R": w.resp_len, "device": device.name(),
-            "segment_size": segment_size, "segment_auto": w.segment_size.is_none(), "keep_attention": keep_attention, "mlp_chunk": w.mlp_chunk, "head": format!("{:?}", a.head).to_lowercase(), "prefix_shared": a.prefix_shared,
+            "segment_size": segment_size, "segment_auto": w.segment_size.is_none(), "keep_attention": keep_attention, "keep_kv_layers": keep_kv_layers, "mlp_chunk": w.mlp_chunk, "head": format!("{:?}", a.head).to_lowercase(), "prefix_shared": a.prefix_shared,
             "s_per_step": med, "host_queue_s": host_med, "launches_per_step": launches,
             "device_busy": (!busy.is_empty()).then(|| busy.iter().sum::<f64>() / busy.len() as f64), "pairs_per_s": 1.0 / med, "tokens_per_s": tokens as f64 / med,
             "model_tflops_per_step": flops / 1e12, "gemm_peak_tflops": peak_flops / 1e12, "mfu": flops / med / peak_flops,
@@ -335,6 +343,8 @@ struct Workload {
     mlp_chunk: usize,
     /// Keep attention outputs (None: `--keep-attention`, else when they fit).
     keep_attention: Option<bool>,
+    /// Layers whose k and v are kept (None: as many as fit).
+    keep_kv_layers: Option<usize>,
 }
 
 impl Workload {
@@ -363,6 +373,7 @@ impl Workload {
                     format!("--also {s:?}: field 5 (keep attention) is not true or false")
                 })?),
             },
+            keep_kv_layers: None,
         })
     }
 }

@@ -79,6 +79,10 @@ pub struct TrainConfig {
     /// recomputation runs no attention kernel (about `tokens · n_heads · head_dim` values per
     /// layer); unset keeps them when they fit the device's free memory.
     pub keep_attention: Option<bool>,
+    /// With segments, keep k and v of the lowest this many layers from the forward, sparing their
+    /// projections in the recomputation (`tokens · 2 · kv_dim` values per layer; not for models
+    /// with q/k norms); unset keeps as many as fit the device's free memory.
+    pub keep_kv_layers: Option<usize>,
     /// Run the MLP in token chunks of this many tokens (0: all at once); bounds the (T, I)
     /// intermediates at the cost of recomputing gate/up in the backward.
     pub mlp_chunk: usize,
@@ -135,6 +139,7 @@ impl Default for TrainConfig {
             skip_bad_rows: false,
             segment_size: None,
             keep_attention: None,
+            keep_kv_layers: None,
             mlp_chunk: 0,
             // Chunked stays the default on every device: the fused tier (`head = "fused"`) is
             // correct on CUDA (selftest cce rows) and cuts peak memory (qwen1.5b, 3584+512,
@@ -151,9 +156,16 @@ impl Default for TrainConfig {
     }
 }
 
-/// Rows per head chunk so that one chunk's f32 logits stay near 256 MiB (at least 64 rows).
+/// Rows per head chunk so that one chunk's f32 logits stay within 256 MiB: a multiple of 128
+/// rows where that leaves at least 128 (the GEMMs' row tiles: at 523 rows, five 128-row tiles
+/// would compute 640), else at least 64 rows.
 pub fn auto_head_chunk(vocab: usize) -> usize {
-    ((256usize << 20) / (4 * vocab.max(1))).max(64)
+    let rows = (256usize << 20) / (4 * vocab.max(1));
+    if rows >= 128 {
+        rows / 128 * 128
+    } else {
+        rows.max(64)
+    }
 }
 
 /// `chunk`, or the automatic size when it is 0.

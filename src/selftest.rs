@@ -357,6 +357,7 @@ pub fn train_parity(device: &Device) -> Result<bool> {
         let opts = PassOptions {
             segment_size: 2,
             keep_attention: false,
+            keep_kv_layers: 1,
             head: HeadTier::Chunked,
             head_chunk: 16,
             dropout: None,

@@ -67,6 +67,8 @@ fn run(seg: usize, head: HeadTier, chunk: usize, prefix: bool, mlp_chunk: usize)
     let opts = PassOptions {
         segment_size: seg,
         keep_attention: false,
+        // k and v of the lowest `seg` layers kept (with segments).
+        keep_kv_layers: seg,
         head,
         head_chunk: chunk,
         dropout: None,

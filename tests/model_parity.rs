@@ -88,6 +88,7 @@ fn run_family(name: &str) {
             keep_attention: seg > 0,
             keep_top_mlp: false,
             read_from: r,
+            keep_kv_layers: seg,
         };
         let (hidden, state) = model
             .forward_keeping(&ids, Some(&lora), &ctx, plan)

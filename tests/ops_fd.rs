@@ -1038,18 +1038,19 @@ fn segmented_backward_is_bit_identical() {
         );
         // Segments recompute the layers (with and without the kept attention outputs; the last
         // layer of each segment skips its down projection; the top layer's MLP kept or
-        // recomputed).
-        for (seg, keep, top_mlp) in [
-            (1usize, false, true),
-            (2, false, false),
-            (1, true, false),
-            (2, true, true),
+        // recomputed; k and v of the lowest layers kept or recomputed).
+        for (seg, keep, top_mlp, kv) in [
+            (1usize, false, true, 0),
+            (2, false, false, 1),
+            (1, true, false, 2),
+            (2, true, true, 0),
         ] {
             let plan = ForwardPlan {
                 segment_size: seg,
                 keep_attention: keep,
                 keep_top_mlp: top_mlp,
                 read_from: 0,
+                keep_kv_layers: kv,
             };
             let d1 = model_grads(&m.model, &mut m.lora, &ctx, &m.c, plan);
             let g1 = grads(&m.lora);

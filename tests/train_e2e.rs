@@ -361,6 +361,7 @@ fn grad_accum_equals_summed_batch() {
     let opts = PassOptions {
         segment_size: 0,
         keep_attention: false,
+        keep_kv_layers: 0,
         head: HeadTier::Chunked,
         head_chunk: DEFAULT_CHUNK,
         dropout: None,

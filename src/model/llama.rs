@@ -101,6 +101,8 @@ pub struct LayerRun<'a> {
     pub want_output: bool,
     /// The layer's attention output and lse kept from the forward (spares the attention kernel).
     pub attention: Option<(Tensor, Tensor)>,
+    /// The layer's k (rotated) and v kept from the forward (spares their projections).
+    pub kept_kv: Option<(Tensor, Tensor)>,
     /// The top layer's rows (`ReadRows`): the output holds rows `[read.from, T)` only.
     pub read: Option<&'a ReadRows>,
     /// Keep the MLP intermediates (otherwise the backward recomputes them).
@@ -122,6 +124,10 @@ pub struct ForwardPlan {
     pub keep_top_mlp: bool,
     /// Compute the final hidden states of rows `[read_from, T)` only (`ReadRows`).
     pub read_from: usize,
+    /// With segments: also keep k (rotated) and v of the lowest this many layers below the top
+    /// one (`T·2·kv_dim` values each), sparing their projections in the recomputation. Not for
+    /// models with q/k norms (their backward needs the unnormed k as well).
+    pub keep_kv_layers: usize,
 }
 
 /// A loaded model: spec, frozen weights, and its device.
@@ -435,6 +441,7 @@ impl Model {
         let LayerRun {
             want_output,
             attention,
+            kept_kv,
             read,
             keep_mlp,
         } = run;
@@ -446,20 +453,47 @@ impl Model {
         let cdt = self.device.compute_dtype();
         let (xn, rstd1) = ops::rms_norm_to(&x, &w.attn_norm, s.rms_eps, cdt)?;
         let mut xa = stacked_lora_inputs(&xn, lora, l, GROUP_QKV, ctx)?;
-        let mut lin = |inp: &Tensor, wt: &Weight, tg: Target| -> Result<Tensor> {
+        // The projection of `inp` with its LoRA terms; with `project` false only what its
+        // backward keeps (its output was kept from the forward).
+        let mut lin = |inp: &Tensor, wt: &Weight, tg: Target, project: bool| -> Result<Tensor> {
             let pre = xa[tg.index()].take();
+            if !project {
+                saved[tg.index()] = match (pre, pair(tg)) {
+                    (Some(xa), _) => Some(LoraSaved { xa }),
+                    (None, Some(p)) => Some(lora_input(inp, p, ctx.dropout_for(l, tg))?),
+                    (None, None) => None,
+                };
+                return Ok(Tensor::zeros(&[0], inp.dtype(), inp.device())?);
+            }
             let (y, sv) = linear_fwd(inp, wt, pair(tg), ctx.dropout_for(l, tg), pre)?;
             saved[tg.index()] = sv;
             Ok(y)
         };
 
-        let mut q = lin(&xn, &w.q, Target::Q)?;
-        let mut k = lin(&xn, &w.k, Target::K)?;
-        let mut v = lin(&xn, &w.v, Target::V)?;
+        let mut q = lin(&xn, &w.q, Target::Q, true)?;
+        anyhow::ensure!(
+            kept_kv.is_none() || w.k_norm.is_none(),
+            "layer {l}: k and v are kept only without a k norm"
+        );
+        // k (rotated) and v kept from the forward: only their LoRA inputs are rebuilt.
+        let kv_kept = kept_kv.is_some();
+        let (mut k, mut v) = match kept_kv {
+            Some(kv) => {
+                lin(&xn, &w.k, Target::K, false)?;
+                lin(&xn, &w.v, Target::V, false)?;
+                kv
+            }
+            None => (
+                lin(&xn, &w.k, Target::K, true)?,
+                lin(&xn, &w.v, Target::V, true)?,
+            ),
+        };
         if let (Some(qb), Some(kb), Some(vb)) = (&w.q_bias, &w.k_bias, &w.v_bias) {
             ops::add_bias(&mut q, qb)?;
-            ops::add_bias(&mut k, kb)?;
-            ops::add_bias(&mut v, vb)?;
+            if !kv_kept {
+                ops::add_bias(&mut k, kb)?;
+                ops::add_bias(&mut v, vb)?;
+            }
         }
         let (mut q_pre, mut q_rstd, mut k_pre, mut k_rstd) = (None, None, None, None);
         if let (Some(qn), Some(kn)) = (&w.q_norm, &w.k_norm) {
@@ -477,7 +511,9 @@ impl Model {
             drop(q);
             rotated
         };
-        let k = {
+        let k = if kv_kept {
+            k
+        } else {
             let rotated = ops::rope(&k, ctx.rope, s.n_kv_heads, false)?;
             drop(k);
             rotated
@@ -494,7 +530,7 @@ impl Model {
             )?,
         };
         let from = read.map_or(0, |r| r.from);
-        let o = lin(&*rows_from(&attn, from)?, &w.o, Target::O)?;
+        let o = lin(&*rows_from(&attn, from)?, &w.o, Target::O, true)?;
         let (x1, xn2, rstd2) =
             ops::add_rms_norm_to(&*rows_from(&x, from)?, &o, &w.mlp_norm, s.rms_eps, cdt)?;
         drop(o);
@@ -821,7 +857,15 @@ impl Model {
             keep_attention,
             keep_top_mlp,
             read_from,
+            keep_kv_layers,
         } = plan;
+        let keep_kv = |l: usize| {
+            segment_size > 0
+                && l < keep_kv_layers
+                && l + 1 < self.spec.n_layers
+                && self.weights.layers[l].k_norm.is_none()
+        };
+        let mut kept_kv = Vec::new();
         let read = ReadRows::new(ctx.mask, read_from);
         let n = self.spec.n_layers;
         let read_at = |l: usize| read.as_ref().filter(|_| l + 1 == n);
@@ -843,15 +887,20 @@ impl Model {
             let run = LayerRun {
                 want_output: true,
                 attention: None,
+                kept_kv: None,
                 read: read_at(l),
                 keep_mlp: segment_size == 0 || keep_top_mlp,
             };
             let (y, a) = self.layer_forward(l, x, lora, ctx, run)?;
             if segment_size == 0 || top {
                 acts.push(a);
-            } else if keep_attention {
-                kept_attention.push(Some((a.attn, a.lse)));
+            } else {
+                kept_kv.push(keep_kv(l).then(|| (a.k, a.v)));
+                if keep_attention {
+                    kept_attention.push(Some((a.attn, a.lse)));
+                }
             }
+            self.device.memtrace(|| format!("forward layer {l}"));
             x = y.expect("the layer output was asked for");
         }
         let (h, rstd) = ops::rms_norm_to(
@@ -866,6 +915,7 @@ impl Model {
                 acts,
                 boundaries,
                 kept_attention,
+                kept_kv,
                 last: x,
                 rstd,
                 segment_size,
@@ -903,8 +953,10 @@ impl Model {
         for a in state.acts {
             (d, dc) =
                 self.layer_backward(n - 1, &d, dc, a, lora.as_deref_mut(), ctx, read_at(n - 1))?;
+            self.device.memtrace(|| format!("backward layer {}", n - 1));
         }
         let mut kept_attention = state.kept_attention;
+        let mut kept_kv = state.kept_kv;
         for (start, x) in state.boundaries.into_iter().rev() {
             let end = (start + state.segment_size).min(n - 1);
             // Recompute this segment's activations from its boundary; only one segment is live.
@@ -916,6 +968,7 @@ impl Model {
                 let run = LayerRun {
                     want_output: l + 1 < end,
                     attention: kept,
+                    kept_kv: kept_kv.get_mut(l).and_then(Option::take),
                     read: read_at(l),
                     keep_mlp: true,
                 };
@@ -925,8 +978,10 @@ impl Model {
             }
             for (i, a) in seg.into_iter().enumerate().rev() {
                 let l = start + i;
+                self.device.memtrace(|| format!("recomputed layer {l}"));
                 (d, dc) =
                     self.layer_backward(l, &d, dc, a, lora.as_deref_mut(), ctx, read_at(l))?;
+                self.device.memtrace(|| format!("backward layer {l}"));
             }
         }
         Ok(d)
@@ -961,6 +1016,8 @@ pub struct ForwardState {
     /// Per layer, with segments and `keep_attention`: the forward's attention output and lse,
     /// taken by the layer's recomputation.
     kept_attention: Vec<Option<(Tensor, Tensor)>>,
+    /// Per layer, with segments: k and v kept from the forward (`ForwardPlan::keep_kv_layers`).
+    kept_kv: Vec<Option<(Tensor, Tensor)>>,
     last: Tensor,
     rstd: Tensor,
     segment_size: usize,

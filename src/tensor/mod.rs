@@ -86,6 +86,23 @@ impl Device {
         }
     }
 
+    /// With `LORAFIT_MEMTRACE=1`, prints the live and peak bytes at `label` to stderr (host
+    /// counters: no sync), to find where a step's peak falls.
+    pub fn memtrace(&self, label: impl FnOnce() -> String) {
+        static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        if !*ON.get_or_init(|| std::env::var_os("LORAFIT_MEMTRACE").is_some_and(|v| v != "0")) {
+            return;
+        }
+        let m = self.memory();
+        let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
+        eprintln!(
+            "memtrace {:<28} live {:7.3} GiB  peak {:7.3} GiB",
+            label(),
+            gib(m.live_bytes),
+            gib(m.peak_bytes)
+        );
+    }
+
     pub fn reset_peak(&self) {
         if let Device::Cuda(c) = self {
             c.reset_peak()

@@ -71,6 +71,13 @@ pub fn keep_top_mlp(
 pub struct KeepPlan {
     pub segment_size: usize,
     pub keep_attention: bool,
+    /// With segments: layers whose k and v stay from the forward (`ForwardPlan::keep_kv_layers`).
+    pub keep_kv_layers: usize,
+}
+
+/// Bytes of one layer's kept k and v.
+fn kv_bytes(spec: &ModelSpec, tokens: usize, dtype_bytes: usize) -> usize {
+    tokens * 2 * spec.kv_dim() * dtype_bytes
 }
 
 /// Segment size 0 when its estimate fits in `budget` bytes; otherwise the first plan of the
@@ -97,6 +104,7 @@ pub fn auto_plan(
     let plan = |segment_size, keep_attention| KeepPlan {
         segment_size,
         keep_attention,
+        keep_kv_layers: 0,
     };
     if est(0, false) <= budget {
         return plan(0, false);
@@ -110,15 +118,17 @@ pub fn auto_plan(
         .map_or(plan(smallest, false), |(s, keep)| plan(s, keep))
 }
 
-/// The plan of one step: the user's segment size and kept-attention choice where given, the rest
-/// from the budget (`auto_plan` when the segment size is unset; with a given size, attention
-/// outputs are kept when they fit). Nothing is kept without segments.
+/// The plan of one step: the user's segment size, kept-attention and kept-k/v choices where
+/// given, the rest from the budget (`auto_plan` when the segment size is unset; with a given
+/// size, attention outputs are kept when they fit; then k and v of as many layers as still fit).
+/// Nothing is kept without segments.
 #[allow(clippy::too_many_arguments)]
 pub fn resolve_plan(
     spec: &ModelSpec,
     tokens: usize,
     segment_size: Option<usize>,
     keep_attention: Option<bool>,
+    keep_kv_layers: Option<usize>,
     mlp_chunked: bool,
     dtype_bytes: usize,
     head_chunk_rows: usize,
@@ -149,9 +159,28 @@ pub fn resolve_plan(
             (s, est <= budget)
         }
     };
+    let keep_attention = segment_size > 0 && keep_attention.unwrap_or(fits);
+    let keep_kv_layers = if segment_size == 0 {
+        0
+    } else {
+        keep_kv_layers.unwrap_or_else(|| {
+            let est = estimate_bytes(
+                spec,
+                tokens,
+                segment_size,
+                keep_attention,
+                mlp_chunked,
+                dtype_bytes,
+                head_chunk_rows,
+            );
+            (budget.saturating_sub(est) / kv_bytes(spec, tokens, dtype_bytes).max(1))
+                .min(spec.n_layers.saturating_sub(1))
+        })
+    };
     KeepPlan {
         segment_size,
-        keep_attention: segment_size > 0 && keep_attention.unwrap_or(fits),
+        keep_attention,
+        keep_kv_layers,
     }
 }
 
@@ -207,7 +236,7 @@ mod tests {
         .unwrap();
         let gib = 1usize << 30;
         let plan = |seg, keep, budget| {
-            let p = resolve_plan(&spec, 147_456, seg, keep, true, 2, 512, budget);
+            let p = resolve_plan(&spec, 147_456, seg, keep, Some(0), true, 2, 512, budget);
             (p.segment_size, p.keep_attention)
         };
         // A given size keeps attention outputs when they fit (size 2 + keep: about 110 GiB).
@@ -219,5 +248,28 @@ mod tests {
         // Unset size: the automatic plan, with the user's keep choice on top.
         assert_eq!(plan(None, None, 140 * gib), (1, true));
         assert_eq!(plan(None, Some(false), 140 * gib), (1, false));
+        // k and v (147456 tokens x 2 x 1024 bf16: 0.5625 GiB a layer) of as many layers as fit
+        // above the plan's estimate, at most all but the top one; as given when given.
+        let kv = |seg, budget| {
+            resolve_plan(&spec, 147_456, seg, Some(true), None, true, 2, 512, budget).keep_kv_layers
+        };
+        let est1 = estimate_bytes(&spec, 147_456, 1, true, true, 2, 512);
+        let per_layer = 147_456 * 2 * 1024 * 2;
+        assert_eq!(kv(Some(1), est1 + 5 * per_layer + 1), 5);
+        assert_eq!(kv(Some(1), est1 - 1), 0);
+        assert_eq!(kv(Some(1), 1000 * gib), 31);
+        assert_eq!(kv(Some(0), 1000 * gib), 0);
+        let given = resolve_plan(
+            &spec,
+            147_456,
+            Some(1),
+            Some(true),
+            Some(7),
+            true,
+            2,
+            512,
+            0,
+        );
+        assert_eq!(given.keep_kv_layers, 7);
     }
 }

@@ -43,6 +43,8 @@ pub struct PassOptions {
     /// With segments: keep each layer's attention output from the forward instead of
     /// recomputing it (`Model::forward_keeping`).
     pub keep_attention: bool,
+    /// With segments: layers whose k and v stay from the forward (`ForwardPlan`).
+    pub keep_kv_layers: usize,
     pub head: HeadTier,
     pub head_chunk: usize,
     pub dropout: Option<(f32, u64)>,
@@ -85,8 +87,8 @@ pub fn reference_logps(model: &Model, plan: &Plan, opts: &PassOptions) -> Result
         plan.seqs.len(),
         &[&empty, &plan.chosen.response, &rej.response],
     );
-    let fwd = forward_all(model, plan, None, opts, false, &groups)?;
-    let head = head_pass(model, &fwd, &groups, opts, false)?;
+    let mut fwd = forward_all(model, plan, None, opts, false, &groups)?;
+    let head = head_pass(model, &mut fwd, &groups, opts, false)?;
     device_loss::reference(&head.logp, &head.parts(true))
 }
 
@@ -157,7 +159,7 @@ fn keep_top_mlp(model: &Model, rows: usize, opts: &PassOptions) -> bool {
 /// One sequence after the forward: final hidden states of rows `[read_from, T)`, what the
 /// backward needs (when kept), and the RoPE table, built once and reused by the backward.
 struct Forwarded {
-    /// Taken once the head has read it (the backward does not need it).
+    /// Released once the head has gathered its rows (`head_pass`).
     hidden: Option<Tensor>,
     /// Rows of `hidden`.
     rows: usize,
@@ -196,6 +198,7 @@ fn forward_all(
                 keep_attention: keep && opts.keep_attention,
                 keep_top_mlp: keep_top_mlp(model, s.ids.len() - read_from, opts),
                 read_from,
+                keep_kv_layers: if keep { opts.keep_kv_layers } else { 0 },
             };
             let (hidden, st) = model.forward_keeping(&s.ids, lora, &ctx, plan)?;
             Ok(Forwarded {
@@ -227,9 +230,11 @@ impl HeadPass {
     }
 }
 
+/// Gathers every group's rows, then releases the hidden states (nothing else reads them) before
+/// the head's chunks allocate their logits.
 fn head_pass(
     model: &Model,
-    fwd: &[Forwarded],
+    fwd: &mut [Forwarded],
     groups: &[HeadGroup],
     opts: &PassOptions,
     train: bool,
@@ -238,17 +243,25 @@ fn head_pass(
         !groups.is_empty(),
         "the example has no token the head reads"
     );
+    let gathered = groups
+        .iter()
+        .map(|g| {
+            let f = &fwd[g.seq];
+            let hidden = f
+                .hidden
+                .as_ref()
+                .ok_or_else(|| anyhow!("the head reads hidden states already released"))?;
+            ops::gather_rows(hidden, &g.local_rows(f.read_from))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    for f in fwd.iter_mut() {
+        f.hidden = None;
+    }
     let mut spans = [(0, 0); 3];
     let mut logps = Vec::with_capacity(groups.len());
     let mut saved = Vec::with_capacity(groups.len());
     let mut offset = 0;
-    for g in groups {
-        let f = &fwd[g.seq];
-        let hidden = f
-            .hidden
-            .as_ref()
-            .ok_or_else(|| anyhow!("the head reads hidden states already released"))?;
-        let h = ops::gather_rows(hidden, &g.local_rows(f.read_from))?;
+    for (g, h) in groups.iter().zip(gathered) {
         let (lp, s) = logp_forward_saved(model, &h, &g.targets, opts.head, opts.head_chunk, train)?;
         for &(part, start, len) in &g.spans {
             spans[part] = (offset + start, len);
@@ -292,16 +305,14 @@ pub fn queue_example(
         &[chosen_prompt, &plan.chosen.response, rejected],
     );
     let mut fwd = forward_all(model, plan, Some(lora), opts, train, &groups)?;
-    let head = head_pass(model, &fwd, &groups, opts, train)?;
+    model.device.memtrace(|| "forward done".into());
+    let head = head_pass(model, &mut fwd, &groups, opts, train)?;
+    model.device.memtrace(|| "head forward".into());
     let parts = head.parts(plan.rejected.is_some());
     let (loss, dlogp) =
         device_loss::evaluate(&head.logp, &parts, objective, reference, grad_weight)?;
 
     if train {
-        // The hidden states are released before the backward, which does not read them.
-        for f in &mut fwd {
-            f.hidden = None;
-        }
         // Gradients into each sequence's hidden states, then back through the layers.
         let mut dh: Vec<Option<Tensor>> = (0..plan.seqs.len()).map(|_| None).collect();
         let mut offset = 0;
@@ -315,6 +326,7 @@ pub fn queue_example(
             ops::scatter_add_rows(&mut slot, &g.local_rows(fwd[g.seq].read_from), &dhc)?;
             dh[g.seq] = Some(slot);
         }
+        model.device.memtrace(|| "head backward".into());
         for (i, s) in plan.seqs.iter().enumerate().rev() {
             let (Some(d), Some(state)) = (dh[i].take(), fwd[i].state.take()) else {
                 continue;

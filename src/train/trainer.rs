@@ -186,6 +186,7 @@ pub fn pass_options(
         tokens,
         cfg.segment_size,
         cfg.keep_attention,
+        cfg.keep_kv_layers,
         model.mlp_chunk > 0,
         model.device.compute_dtype().size(),
         head_chunk,
@@ -194,6 +195,7 @@ pub fn pass_options(
     PassOptions {
         segment_size: plan.segment_size,
         keep_attention: plan.keep_attention,
+        keep_kv_layers: plan.keep_kv_layers,
         head: cfg.head,
         head_chunk,
         dropout,
