@@ -455,22 +455,24 @@ impl Model {
         let mut xa = stacked_lora_inputs(&xn, lora, l, GROUP_QKV, ctx)?;
         // The projection of `inp` with its LoRA terms; with `project` false only what its
         // backward keeps (its output was kept from the forward).
-        let mut lin = |inp: &Tensor, wt: &Weight, tg: Target, project: bool| -> Result<Tensor> {
-            let pre = xa[tg.index()].take();
-            if !project {
-                saved[tg.index()] = match (pre, pair(tg)) {
-                    (Some(xa), _) => Some(LoraSaved { xa }),
-                    (None, Some(p)) => Some(lora_input(inp, p, ctx.dropout_for(l, tg))?),
-                    (None, None) => None,
-                };
-                return Ok(Tensor::zeros(&[0], inp.dtype(), inp.device())?);
-            }
-            let (y, sv) = linear_fwd(inp, wt, pair(tg), ctx.dropout_for(l, tg), pre)?;
-            saved[tg.index()] = sv;
-            Ok(y)
-        };
+        let mut lin =
+            |inp: &Tensor, wt: &Weight, tg: Target, project: bool| -> Result<Option<Tensor>> {
+                let pre = xa[tg.index()].take();
+                if !project {
+                    saved[tg.index()] = match (pre, pair(tg)) {
+                        (Some(xa), _) => Some(LoraSaved { xa }),
+                        (None, Some(p)) => Some(lora_input(inp, p, ctx.dropout_for(l, tg))?),
+                        (None, None) => None,
+                    };
+                    return Ok(None);
+                }
+                let (y, sv) = linear_fwd(inp, wt, pair(tg), ctx.dropout_for(l, tg), pre)?;
+                saved[tg.index()] = sv;
+                Ok(Some(y))
+            };
+        let projected = "a projection asked for";
 
-        let mut q = lin(&xn, &w.q, Target::Q, true)?;
+        let mut q = lin(&xn, &w.q, Target::Q, true)?.expect(projected);
         anyhow::ensure!(
             kept_kv.is_none() || w.k_norm.is_none(),
             "layer {l}: k and v are kept only without a k norm"
@@ -484,8 +486,8 @@ impl Model {
                 kv
             }
             None => (
-                lin(&xn, &w.k, Target::K, true)?,
-                lin(&xn, &w.v, Target::V, true)?,
+                lin(&xn, &w.k, Target::K, true)?.expect(projected),
+                lin(&xn, &w.v, Target::V, true)?.expect(projected),
             ),
         };
         if let (Some(qb), Some(kb), Some(vb)) = (&w.q_bias, &w.k_bias, &w.v_bias) {
@@ -530,7 +532,7 @@ impl Model {
             )?,
         };
         let from = read.map_or(0, |r| r.from);
-        let o = lin(&*rows_from(&attn, from)?, &w.o, Target::O, true)?;
+        let o = lin(&*rows_from(&attn, from)?, &w.o, Target::O, true)?.expect(projected);
         let (x1, xn2, rstd2) =
             ops::add_rms_norm_to(&*rows_from(&x, from)?, &o, &w.mlp_norm, s.rms_eps, cdt)?;
         drop(o);
@@ -895,7 +897,7 @@ impl Model {
             if segment_size == 0 || top {
                 acts.push(a);
             } else {
-                kept_kv.push(keep_kv(l).then(|| (a.k, a.v)));
+                kept_kv.push(keep_kv(l).then_some((a.k, a.v)));
                 if keep_attention {
                     kept_attention.push(Some((a.attn, a.lse)));
                 }
