@@ -318,18 +318,15 @@ fn elapsed_ms(e0: sys::CUevent, e1: sys::CUevent) -> Result<f32> {
 
 impl CudaBackend {
     /// Row-major `c = alpha op(a) op(b) + beta c` for bf16 × bf16 → bf16 | f32 and
-    /// f32 × f32 → f32 (the caller checked shapes and dtypes).
-    #[allow(clippy::too_many_arguments)]
+    /// f32 × f32 → f32, the operands given as `(matrix, transposed)` (the caller checked shapes
+    /// `(m, k, n)` and dtypes).
     pub(super) fn gemm(
         &self,
         c: &mut Tensor,
-        a: &Tensor,
-        ta: bool,
-        b: &Tensor,
-        tb: bool,
+        (a, ta): (&Tensor, bool),
+        (b, tb): (&Tensor, bool),
         (m, k, n): (usize, usize, usize),
-        alpha: f32,
-        beta: f32,
+        (alpha, beta): (f32, f32),
     ) -> Result<()> {
         let (pa, pb, pc) = (cuda_ptr(a)?, cuda_ptr(b)?, cuda_ptr(c)?);
         // Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T: cuBLASLt's A is our

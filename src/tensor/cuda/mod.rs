@@ -1201,7 +1201,9 @@ impl CudaBackend {
                 if tb { "T" } else { "N" }
             )
         };
-        self.profiled(pname, || self.gemm(c, a, ta, b, tb, (m, k, n), alpha, beta))
+        self.profiled(pname, || {
+            self.gemm(c, (a, ta), (b, tb), (m, k, n), (alpha, beta))
+        })
     }
 
     // --------------------------------------------------------------------------------------------
