@@ -311,7 +311,7 @@ pub fn train(
         .open(out_dir.join("metrics.jsonl"))?;
 
     eprintln!(
-        "plan: {:?} on {} | {} train / {} valid examples | {} steps × {} micro-steps | lr {:.2e} (warmup {}) | LoRA r{} α{} on {} params | segment {} (keep attention {}) | head {:?} | prefix-shared {}",
+        "plan: {:?} on {} | {} train / {} valid examples | {} steps × {} micro-steps | lr {:.2e} (warmup {}) | LoRA r{} α{} on {} params | segment {} (keep attention {}, k/v of {} layers) | head {:?} | prefix-shared {}",
         cfg.method,
         device.name(),
         n,
@@ -325,6 +325,7 @@ pub fn train(
         lora.num_params(),
         cfg.segment_size.map_or("auto".to_string(), |s| s.to_string()),
         cfg.keep_attention.map_or("auto".to_string(), |k| k.to_string()),
+        cfg.keep_kv_layers.map_or("auto".to_string(), |k| k.to_string()),
         cfg.head,
         cfg.prefix_shared
     );
