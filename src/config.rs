@@ -267,3 +267,20 @@ impl TrainConfig {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::auto_head_chunk;
+
+    #[test]
+    fn head_chunks_fit_256_mib_in_whole_row_tiles() {
+        // 256 MiB of f32 logits is 523 rows at Llama 3's vocabulary, 441 at Qwen2's.
+        assert_eq!(auto_head_chunk(128_256), 512);
+        assert_eq!(auto_head_chunk(151_936), 384);
+        assert_eq!(auto_head_chunk(49_152), 1280);
+        // Under 128 rows: as many as fit, at least 64.
+        assert_eq!(auto_head_chunk(600_000), 111);
+        assert_eq!(auto_head_chunk(1 << 20), 64);
+        assert_eq!(auto_head_chunk(4 << 20), 64);
+    }
+}

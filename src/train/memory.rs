@@ -229,6 +229,19 @@ mod tests {
     }
 
     #[test]
+    fn the_top_layer_keeps_its_mlp_when_the_head_holds_less() {
+        let spec = ModelSpec::from_config_json(
+            r#"{"architectures":["LlamaForCausalLM"],"hidden_size":4096,"intermediate_size":14336,"num_hidden_layers":32,"num_attention_heads":32,"num_key_value_heads":8,"vocab_size":128256}"#,
+        )
+        .unwrap();
+        // A 512-row chunk of f32 logits with bf16 coefficients: 394 MB.
+        let head = 512 * 128_256 * 6;
+        // Its (T, I) gradient is 528 MB at 18432 tokens, 132 MB at 4608.
+        assert!(keep_top_mlp(&spec, 18_432, head, 2));
+        assert!(!keep_top_mlp(&spec, 4_608, head, 2));
+    }
+
+    #[test]
     fn user_choices_override_the_budget_and_nothing_is_kept_without_segments() {
         let spec = ModelSpec::from_config_json(
             r#"{"architectures":["LlamaForCausalLM"],"hidden_size":4096,"intermediate_size":14336,"num_hidden_layers":32,"num_attention_heads":32,"num_key_value_heads":8,"vocab_size":128256}"#,
