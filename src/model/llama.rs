@@ -453,42 +453,32 @@ impl Model {
         let cdt = self.device.compute_dtype();
         let (xn, rstd1) = ops::rms_norm_to(&x, &w.attn_norm, s.rms_eps, cdt)?;
         let mut xa = stacked_lora_inputs(&xn, lora, l, GROUP_QKV, ctx)?;
-        // The projection of `inp` with its LoRA terms; with `project` false only what its
-        // backward keeps (its output was kept from the forward).
-        let mut lin =
-            |inp: &Tensor, wt: &Weight, tg: Target, project: bool| -> Result<Option<Tensor>> {
-                let pre = xa[tg.index()].take();
-                if !project {
-                    saved[tg.index()] = match (pre, pair(tg)) {
-                        (Some(xa), _) => Some(LoraSaved { xa }),
-                        (None, Some(p)) => Some(lora_input(inp, p, ctx.dropout_for(l, tg))?),
-                        (None, None) => None,
-                    };
-                    return Ok(None);
-                }
-                let (y, sv) = linear_fwd(inp, wt, pair(tg), ctx.dropout_for(l, tg), pre)?;
-                saved[tg.index()] = sv;
-                Ok(Some(y))
-            };
-        let projected = "a projection asked for";
-
-        let mut q = lin(&xn, &w.q, Target::Q, true)?.expect(projected);
         anyhow::ensure!(
             kept_kv.is_none() || w.k_norm.is_none(),
             "layer {l}: k and v are kept only without a k norm"
         );
         // k (rotated) and v kept from the forward: only their LoRA inputs are rebuilt.
         let kv_kept = kept_kv.is_some();
-        let (mut k, mut v) = match kept_kv {
-            Some(kv) => {
-                lin(&xn, &w.k, Target::K, false)?;
-                lin(&xn, &w.v, Target::V, false)?;
-                kv
+        if kv_kept {
+            for tg in [Target::K, Target::V] {
+                saved[tg.index()] = match (xa[tg.index()].take(), pair(tg)) {
+                    (Some(xa), _) => Some(LoraSaved { xa }),
+                    (None, Some(p)) => Some(lora_input(&xn, p, ctx.dropout_for(l, tg))?),
+                    (None, None) => None,
+                };
             }
-            None => (
-                lin(&xn, &w.k, Target::K, true)?.expect(projected),
-                lin(&xn, &w.v, Target::V, true)?.expect(projected),
-            ),
+        }
+        let mut lin = |inp: &Tensor, wt: &Weight, tg: Target| -> Result<Tensor> {
+            let pre = xa[tg.index()].take();
+            let (y, sv) = linear_fwd(inp, wt, pair(tg), ctx.dropout_for(l, tg), pre)?;
+            saved[tg.index()] = sv;
+            Ok(y)
+        };
+
+        let mut q = lin(&xn, &w.q, Target::Q)?;
+        let (mut k, mut v) = match kept_kv {
+            Some(kv) => kv,
+            None => (lin(&xn, &w.k, Target::K)?, lin(&xn, &w.v, Target::V)?),
         };
         if let (Some(qb), Some(kb), Some(vb)) = (&w.q_bias, &w.k_bias, &w.v_bias) {
             ops::add_bias(&mut q, qb)?;
@@ -532,7 +522,7 @@ impl Model {
             )?,
         };
         let from = read.map_or(0, |r| r.from);
-        let o = lin(&*rows_from(&attn, from)?, &w.o, Target::O, true)?.expect(projected);
+        let o = lin(&*rows_from(&attn, from)?, &w.o, Target::O)?;
         let (x1, xn2, rstd2) =
             ops::add_rms_norm_to(&*rows_from(&x, from)?, &o, &w.mlp_norm, s.rms_eps, cdt)?;
         drop(o);

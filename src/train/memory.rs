@@ -134,6 +134,17 @@ pub fn resolve_plan(
     head_chunk_rows: usize,
     budget: usize,
 ) -> KeepPlan {
+    let est = |s, keep| {
+        estimate_bytes(
+            spec,
+            tokens,
+            s,
+            keep,
+            mlp_chunked,
+            dtype_bytes,
+            head_chunk_rows,
+        )
+    };
     let (segment_size, fits) = match segment_size {
         None => {
             let p = auto_plan(
@@ -146,34 +157,15 @@ pub fn resolve_plan(
             );
             (p.segment_size, p.keep_attention)
         }
-        Some(s) => {
-            let est = estimate_bytes(
-                spec,
-                tokens,
-                s,
-                true,
-                mlp_chunked,
-                dtype_bytes,
-                head_chunk_rows,
-            );
-            (s, est <= budget)
-        }
+        Some(s) => (s, est(s, true) <= budget),
     };
     let keep_attention = segment_size > 0 && keep_attention.unwrap_or(fits);
     let keep_kv_layers = if segment_size == 0 {
         0
     } else {
         keep_kv_layers.unwrap_or_else(|| {
-            let est = estimate_bytes(
-                spec,
-                tokens,
-                segment_size,
-                keep_attention,
-                mlp_chunked,
-                dtype_bytes,
-                head_chunk_rows,
-            );
-            (budget.saturating_sub(est) / kv_bytes(spec, tokens, dtype_bytes).max(1))
+            let spare = budget.saturating_sub(est(segment_size, keep_attention));
+            (spare / kv_bytes(spec, tokens, dtype_bytes).max(1))
                 .min(spec.n_layers.saturating_sub(1))
         })
     };

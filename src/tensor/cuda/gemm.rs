@@ -199,7 +199,7 @@ impl Gemms {
         })?;
         Ok(Gemms {
             handle,
-            workspace: backend.empty(&[WORKSPACE_BYTES], DType::BF16)?,
+            workspace: backend.empty(&[WORKSPACE_BYTES / DType::BF16.size()], DType::BF16)?,
             plans: HashMap::new(),
             tune: !std::env::var("LORAFIT_GEMM_TUNE").is_ok_and(|v| v == "0"),
             log: std::env::var("LORAFIT_GEMM_TUNE").is_ok_and(|v| v == "log"),
