@@ -209,14 +209,16 @@ pub fn run(a: BenchArgs) -> Result<()> {
             keep_attention,
             keep_kv_layers,
         } = memory::resolve_plan(
-            &spec,
-            tokens,
+            memory::StepShape {
+                spec: &spec,
+                tokens,
+                mlp_chunked: w.mlp_chunk > 0,
+                dtype_bytes: device.compute_dtype().size(),
+                head_chunk_rows: head_chunk,
+            },
             w.segment_size,
             w.keep_attention,
             w.keep_kv_layers,
-            w.mlp_chunk > 0,
-            device.compute_dtype().size(),
-            head_chunk,
             budget,
         );
         let opts = PassOptions {

@@ -80,27 +80,35 @@ fn kv_bytes(spec: &ModelSpec, tokens: usize, dtype_bytes: usize) -> usize {
     tokens * 2 * spec.kv_dim() * dtype_bytes
 }
 
+/// One step's workload as the estimates see it.
+#[derive(Clone, Copy)]
+pub struct StepShape<'a> {
+    pub spec: &'a ModelSpec,
+    pub tokens: usize,
+    pub mlp_chunked: bool,
+    pub dtype_bytes: usize,
+    pub head_chunk_rows: usize,
+}
+
+impl StepShape<'_> {
+    /// `estimate_bytes` at this segment size and kept-attention choice.
+    fn bytes(&self, segment_size: usize, keep_attention: bool) -> usize {
+        estimate_bytes(
+            self.spec,
+            self.tokens,
+            segment_size,
+            keep_attention,
+            self.mlp_chunked,
+            self.dtype_bytes,
+            self.head_chunk_rows,
+        )
+    }
+}
+
 /// Segment size 0 when its estimate fits in `budget` bytes; otherwise the first plan of the
 /// module's order of preference that fits, or the smallest footprint when none does.
-pub fn auto_plan(
-    spec: &ModelSpec,
-    tokens: usize,
-    mlp_chunked: bool,
-    dtype_bytes: usize,
-    head_chunk_rows: usize,
-    budget: usize,
-) -> KeepPlan {
-    let est = |s, keep| {
-        estimate_bytes(
-            spec,
-            tokens,
-            s,
-            keep,
-            mlp_chunked,
-            dtype_bytes,
-            head_chunk_rows,
-        )
-    };
+pub fn auto_plan(shape: StepShape, budget: usize) -> KeepPlan {
+    let est = |s, keep| shape.bytes(s, keep);
     let plan = |segment_size, keep_attention| KeepPlan {
         segment_size,
         keep_attention,
@@ -109,7 +117,7 @@ pub fn auto_plan(
     if est(0, false) <= budget {
         return plan(0, false);
     }
-    let smallest = (1..=spec.n_layers)
+    let smallest = (1..=shape.spec.n_layers)
         .min_by_key(|&s| est(s, false))
         .unwrap_or(1);
     [(1, true), (smallest, true), (1, false)]
@@ -122,51 +130,28 @@ pub fn auto_plan(
 /// given, the rest from the budget (`auto_plan` when the segment size is unset; with a given
 /// size, attention outputs are kept when they fit; then k and v of as many layers as still fit).
 /// Nothing is kept without segments.
-#[allow(clippy::too_many_arguments)]
 pub fn resolve_plan(
-    spec: &ModelSpec,
-    tokens: usize,
+    shape: StepShape,
     segment_size: Option<usize>,
     keep_attention: Option<bool>,
     keep_kv_layers: Option<usize>,
-    mlp_chunked: bool,
-    dtype_bytes: usize,
-    head_chunk_rows: usize,
     budget: usize,
 ) -> KeepPlan {
-    let est = |s, keep| {
-        estimate_bytes(
-            spec,
-            tokens,
-            s,
-            keep,
-            mlp_chunked,
-            dtype_bytes,
-            head_chunk_rows,
-        )
-    };
     let (segment_size, fits) = match segment_size {
         None => {
-            let p = auto_plan(
-                spec,
-                tokens,
-                mlp_chunked,
-                dtype_bytes,
-                head_chunk_rows,
-                budget,
-            );
+            let p = auto_plan(shape, budget);
             (p.segment_size, p.keep_attention)
         }
-        Some(s) => (s, est(s, true) <= budget),
+        Some(s) => (s, shape.bytes(s, true) <= budget),
     };
     let keep_attention = segment_size > 0 && keep_attention.unwrap_or(fits);
     let keep_kv_layers = if segment_size == 0 {
         0
     } else {
         keep_kv_layers.unwrap_or_else(|| {
-            let spare = budget.saturating_sub(est(segment_size, keep_attention));
-            (spare / kv_bytes(spec, tokens, dtype_bytes).max(1))
-                .min(spec.n_layers.saturating_sub(1))
+            let spare = budget.saturating_sub(shape.bytes(segment_size, keep_attention));
+            (spare / kv_bytes(shape.spec, shape.tokens, shape.dtype_bytes).max(1))
+                .min(shape.spec.n_layers.saturating_sub(1))
         })
     };
     KeepPlan {
@@ -189,6 +174,17 @@ pub fn budget(device: &crate::tensor::Device) -> anyhow::Result<usize> {
 mod tests {
     use super::*;
 
+    /// A bf16 workload with 512-row head chunks.
+    fn shape(spec: &ModelSpec, tokens: usize, mlp_chunked: bool) -> StepShape<'_> {
+        StepShape {
+            spec,
+            tokens,
+            mlp_chunked,
+            dtype_bytes: 2,
+            head_chunk_rows: 512,
+        }
+    }
+
     #[test]
     fn small_plans_keep_everything_and_large_ones_segment() {
         let spec = ModelSpec::from_config_json(
@@ -197,7 +193,7 @@ mod tests {
         .unwrap();
         let gib = 1usize << 30;
         assert_eq!(
-            auto_plan(&spec, 4608, false, 2, 512, 100 * gib).segment_size,
+            auto_plan(shape(&spec, 4608, false), 100 * gib).segment_size,
             0
         );
         let est = |s, keep| estimate_bytes(&spec, 147_456, s, keep, true, 2, 512);
@@ -210,7 +206,7 @@ mod tests {
         // Estimates here: size 1 + keep 133.7 GiB, 3 + keep 105.6, 1 alone 97.2, 3 alone 69.1.
         // Each budget gets the fastest plan that fits; the smallest footprint when none does.
         let plan = |budget_gib: usize| {
-            let p = auto_plan(&spec, 147_456, true, 2, 512, budget_gib * gib);
+            let p = auto_plan(shape(&spec, 147_456, true), budget_gib * gib);
             (p.segment_size, p.keep_attention)
         };
         assert_eq!(plan(140), (1, true));
@@ -241,7 +237,7 @@ mod tests {
         .unwrap();
         let gib = 1usize << 30;
         let plan = |seg, keep, budget| {
-            let p = resolve_plan(&spec, 147_456, seg, keep, Some(0), true, 2, 512, budget);
+            let p = resolve_plan(shape(&spec, 147_456, true), seg, keep, Some(0), budget);
             (p.segment_size, p.keep_attention)
         };
         // A given size keeps attention outputs when they fit (size 2 + keep: about 110 GiB).
@@ -256,7 +252,7 @@ mod tests {
         // k and v (147456 tokens x 2 x 1024 bf16: 0.5625 GiB a layer) of as many layers as fit
         // above the plan's estimate, at most all but the top one; as given when given.
         let kv = |seg, budget| {
-            resolve_plan(&spec, 147_456, seg, Some(true), None, true, 2, 512, budget).keep_kv_layers
+            resolve_plan(shape(&spec, 147_456, true), seg, Some(true), None, budget).keep_kv_layers
         };
         let est1 = estimate_bytes(&spec, 147_456, 1, true, true, 2, 512);
         let per_layer = 147_456 * 2 * 1024 * 2;
@@ -264,17 +260,7 @@ mod tests {
         assert_eq!(kv(Some(1), est1 - 1), 0);
         assert_eq!(kv(Some(1), 1000 * gib), 31);
         assert_eq!(kv(Some(0), 1000 * gib), 0);
-        let given = resolve_plan(
-            &spec,
-            147_456,
-            Some(1),
-            Some(true),
-            Some(7),
-            true,
-            2,
-            512,
-            0,
-        );
+        let given = resolve_plan(shape(&spec, 147_456, true), Some(1), Some(true), Some(7), 0);
         assert_eq!(given.keep_kv_layers, 7);
     }
 }

@@ -181,15 +181,18 @@ pub fn pass_options(
     dropout: Option<(f32, u64)>,
 ) -> PassOptions {
     let head_chunk = crate::config::resolve_head_chunk(cfg.head_chunk, model.spec.vocab);
-    let plan = super::memory::resolve_plan(
-        &model.spec,
+    let shape = super::memory::StepShape {
+        spec: &model.spec,
         tokens,
+        mlp_chunked: model.mlp_chunk > 0,
+        dtype_bytes: model.device.compute_dtype().size(),
+        head_chunk_rows: head_chunk,
+    };
+    let plan = super::memory::resolve_plan(
+        shape,
         cfg.segment_size,
         cfg.keep_attention,
         cfg.keep_kv_layers,
-        model.mlp_chunk > 0,
-        model.device.compute_dtype().size(),
-        head_chunk,
         budget,
     );
     PassOptions {
