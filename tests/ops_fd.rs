@@ -301,6 +301,7 @@ fn attention_case(what: &str, mask: &AttnMask, nh: usize, nkv: usize) {
         n_kv_heads: nkv,
         head_dim: hd,
         scale: 1.0 / (hd as f32).sqrt(),
+        softcap: None,
     };
     let (qw, kw) = (nh * hd, nkv * hd);
     // Scores of order ±3: a far-from-uniform softmax.
@@ -386,6 +387,7 @@ fn attention_bwd_matches_fd_prefix_shared() {
         n_kv_heads: nkv,
         head_dim: hd,
         scale: 1.0 / (hd as f32).sqrt(),
+        softcap: None,
     };
     let q = t(&rv(tt * nh * hd, 40, 1.5), &[tt, nh * hd]);
     let k = t(&rv(tt * nkv * hd, 41, 1.5), &[tt, nkv * hd]);

@@ -55,6 +55,8 @@ pub struct ModelSpec {
     pub max_position_embeddings: usize,
     pub bos_token_id: Option<u32>,
     pub eos_token_id: Option<u32>,
+    /// Final logit softcap `c`: logits `z` become `c·tanh(z/c)` (Gemma 2). `None`: no cap.
+    pub final_logit_softcap: Option<f32>,
 }
 
 #[derive(Deserialize)]
@@ -155,6 +157,7 @@ impl ModelSpec {
             max_position_embeddings: c.max_position_embeddings.unwrap_or(4096),
             bos_token_id: first_id(&c.bos_token_id),
             eos_token_id: first_id(&c.eos_token_id),
+            final_logit_softcap: None,
         };
         spec.validate()?;
         Ok(spec)

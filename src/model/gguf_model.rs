@@ -200,6 +200,7 @@ pub fn spec_from_gguf(f: &GgufFile) -> Result<ModelSpec> {
         max_position_embeddings: f.get_usize(&k("context_length")).unwrap_or(4096),
         bos_token_id: f.get_u32("tokenizer.ggml.bos_token_id").ok(),
         eos_token_id: f.get_u32("tokenizer.ggml.eos_token_id").ok(),
+        final_logit_softcap: None,
     };
     spec.validate()
         .with_context(|| format!("{}", f.path().display()))?;

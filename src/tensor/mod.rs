@@ -461,6 +461,9 @@ pub struct AttnShape {
     pub n_kv_heads: usize,
     pub head_dim: usize,
     pub scale: f32,
+    /// Attention logit softcap `c`: scores `s = scale·q·k` become `c·tanh(s/c)` before the mask
+    /// and softmax (Gemma 2). `None`: no cap.
+    pub softcap: Option<f32>,
 }
 
 /// RoPE cos/sin tables for one sequence of positions: `[T, head_dim/2]` each, f32, built once per

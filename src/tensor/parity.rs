@@ -1172,6 +1172,7 @@ fn attention_suite(cx: &mut Ctx, r: &mut Rng) -> Result<()> {
             n_kv_heads: nkv,
             head_dim: hd,
             scale: 1.0 / (hd as f32).sqrt(),
+            softcap: None,
         };
         let tag = format!("attn T={t} h={nh}/{nkv} d={hd} {label}");
         let (qw, kw) = (nh * hd, nkv * hd);
@@ -1300,6 +1301,7 @@ fn attention_long(cx: &mut Ctx, r: &mut Rng) -> Result<()> {
             n_kv_heads: nkv,
             head_dim: hd,
             scale: 1.0 / (hd as f32).sqrt(),
+            softcap: None,
         };
         let tag = format!("attn T={t} h={nh}/{nkv} d={hd} {label}");
         let (qw, kw) = (nh * hd, nkv * hd);
