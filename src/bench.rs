@@ -249,11 +249,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
                 chosen: tok(w.resp_len),
                 rejected: tok(w.resp_len),
             };
-            let plan = Plan::pair(
-                &pair,
-                a.prefix_shared,
-                spec.sliding_window.map(|w| w as u32),
-            )?;
+            let plan = Plan::pair(&pair, a.prefix_shared)?;
             if step == a.warmup {
                 device.reset_peak();
             }

@@ -368,7 +368,7 @@ pub fn train_parity(device: &Device) -> Result<bool> {
         };
         let mut losses = Vec::new();
         for (i, p) in pairs.iter().enumerate() {
-            let plan = Plan::pair(p, true, None)?;
+            let plan = Plan::pair(p, true)?;
             let queued = queue_example(&model, &mut lora, &plan, &obj, None, &opts, true, 1.0)?;
             losses.push(queued.finish()?.loss);
             apply_update(&mut lora, &mut adam, 5e-3, i as u64 + 1, 1.0, &o)?;

@@ -63,7 +63,7 @@ fn run(seg: usize, head: HeadTier, chunk: usize, prefix: bool, mlp_chunk: usize)
         chosen: ids(5, 50),
         rejected: ids(7, 90),
     };
-    let plan = Plan::pair(&pair, prefix, None).unwrap();
+    let plan = Plan::pair(&pair, prefix).unwrap();
     let opts = PassOptions {
         segment_size: seg,
         keep_attention: false,
@@ -171,7 +171,7 @@ fn prefix_shared_logps_equal_two_forward_logps() {
         rejected: vec![8, 9, 10],
     };
     let logps = |prefix: bool| -> Vec<f32> {
-        let plan = Plan::pair(&pair, prefix, None).unwrap();
+        let plan = Plan::pair(&pair, prefix).unwrap();
         let mut out = Vec::new();
         let hidden: Vec<_> = plan
             .seqs

@@ -367,10 +367,7 @@ fn grad_accum_equals_summed_batch() {
         dropout: None,
     };
     let items = pair_items(3, 5, spec.vocab);
-    let plans: Vec<_> = items
-        .iter()
-        .map(|it| it.plan(true, None).unwrap())
-        .collect();
+    let plans: Vec<_> = items.iter().map(|it| it.plan(true).unwrap()).collect();
 
     // (a) Accumulated in one adapter over three micro-steps.
     let mut acc = lora_with_b(spec, &c);

@@ -1,20 +1,30 @@
 //! Model geometry: Hugging Face `config.json` (or GGUF metadata) resolved into one `ModelSpec`
-//! that the rest of the code reads. Unknown architectures and inconsistent fields are errors here,
-//! before any weight is read.
+//! that the rest of the code reads, with one `LayerSpec` per decoder layer. The family files
+//! (`llama.rs`, `gemma.rs`, `minicpm.rs`) turn their configs into these descriptions; the runner
+//! (`runner.rs`, `layer.rs`) executes any list of them. Unknown architectures and inconsistent
+//! fields are errors here, before any weight is read.
 
 use anyhow::{bail, Context, Result};
 use serde::Deserialize;
 use std::path::Path;
 
-/// The model families lorafit runs. They share one layer implementation (`model::llama`); the
-/// differences are flags on `ModelSpec`.
+/// The model families lorafit runs. Each is one file that builds a `ModelSpec`; the layers
+/// they describe run through one implementation (`model::layer`, `model::runner`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Family {
     Llama,
     Mistral,
     Qwen2,
     Qwen3,
+    Gemma2,
+    Gemma3,
+    MiniCpm,
 }
+
+/// The architectures `from_config_json` accepts, for error messages.
+pub const SUPPORTED_ARCHITECTURES: &str = "LlamaForCausalLM (also MiniCPM5), MistralForCausalLM, \
+Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM (and the text model of \
+Gemma3ForConditionalGeneration), MiniCPMForCausalLM";
 
 #[derive(Clone, Debug, PartialEq)]
 pub enum RopeScaling {
@@ -30,174 +40,35 @@ pub enum RopeScaling {
         high_freq_factor: f64,
         original_max_position_embeddings: f64,
     },
+    /// LongRoPE (MiniCPM, Phi-3): per-frequency divisors, `long` once a sequence reaches past
+    /// `original_max_position_embeddings`, else `short`; cos and sin scaled by
+    /// `attention_factor`.
+    LongRope {
+        short: Vec<f64>,
+        long: Vec<f64>,
+        original_max_position_embeddings: usize,
+        attention_factor: f64,
+    },
 }
 
-#[derive(Clone, Debug)]
-pub struct ModelSpec {
-    pub family: Family,
-    pub hidden: usize,
-    pub intermediate: usize,
-    pub n_layers: usize,
-    pub n_heads: usize,
-    pub n_kv_heads: usize,
-    pub head_dim: usize,
-    pub vocab: usize,
-    pub rms_eps: f32,
-    pub rope_theta: f64,
-    pub rope_scaling: RopeScaling,
-    pub tie_embeddings: bool,
-    /// Bias on the q, k and v projections (Qwen2).
-    pub qkv_bias: bool,
-    /// Per-head RMSNorm of q and k before RoPE (Qwen3).
-    pub qk_norm: bool,
-    /// Sliding-window attention span in tokens, where the family applies one.
-    pub sliding_window: Option<usize>,
-    pub max_position_embeddings: usize,
-    pub bos_token_id: Option<u32>,
-    pub eos_token_id: Option<u32>,
-    /// Final logit softcap `c`: logits `z` become `c·tanh(z/c)` (Gemma 2). `None`: no cap.
-    pub final_logit_softcap: Option<f32>,
+/// One rotary table: a layer names it by index into `ModelSpec::ropes`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RopeSpec {
+    pub theta: f64,
+    pub scaling: RopeScaling,
+    /// Rotated dimensions per head (the head dim for every family so far).
+    pub dims: usize,
 }
 
-#[derive(Deserialize)]
-struct HfConfig {
-    architectures: Option<Vec<String>>,
-    model_type: Option<String>,
-    hidden_size: usize,
-    intermediate_size: usize,
-    num_hidden_layers: usize,
-    num_attention_heads: usize,
-    num_key_value_heads: Option<usize>,
-    head_dim: Option<usize>,
-    vocab_size: usize,
-    rms_norm_eps: Option<f64>,
-    rope_theta: Option<f64>,
-    rope_scaling: Option<serde_json::Value>,
-    /// transformers ≥ 5 keeps rope_theta and the scaling here.
-    rope_parameters: Option<serde_json::Value>,
-    tie_word_embeddings: Option<bool>,
-    attention_bias: Option<bool>,
-    sliding_window: Option<serde_json::Value>,
-    use_sliding_window: Option<bool>,
-    max_position_embeddings: Option<usize>,
-    bos_token_id: Option<serde_json::Value>,
-    eos_token_id: Option<serde_json::Value>,
-}
-
-fn first_id(v: &Option<serde_json::Value>) -> Option<u32> {
-    match v {
-        Some(serde_json::Value::Number(n)) => n.as_u64().map(|x| x as u32),
-        Some(serde_json::Value::Array(a)) => a.first().and_then(|x| x.as_u64()).map(|x| x as u32),
-        _ => None,
-    }
-}
-
-impl ModelSpec {
-    pub fn from_config_file(path: &Path) -> Result<ModelSpec> {
-        let text =
-            std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-        ModelSpec::from_config_json(&text).with_context(|| format!("in {}", path.display()))
-    }
-
-    pub fn from_config_json(text: &str) -> Result<ModelSpec> {
-        let c: HfConfig =
-            serde_json::from_str(text).context("config.json is not a valid model config")?;
-        let arch = c
-            .architectures
-            .as_ref()
-            .and_then(|a| a.first().cloned())
-            .unwrap_or_default();
-        let family = match (arch.as_str(), c.model_type.as_deref()) {
-            ("LlamaForCausalLM", _) | (_, Some("llama")) => Family::Llama,
-            ("MistralForCausalLM", _) | (_, Some("mistral")) => Family::Mistral,
-            ("Qwen2ForCausalLM", _) | (_, Some("qwen2")) => Family::Qwen2,
-            ("Qwen3ForCausalLM", _) | (_, Some("qwen3")) => Family::Qwen3,
-            _ => bail!(
-                "unsupported architecture {arch:?} (model_type {:?}): lorafit runs LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM",
-                c.model_type
-            ),
-        };
-        let n_kv_heads = c.num_key_value_heads.unwrap_or(c.num_attention_heads);
-        let head_dim = c.head_dim.unwrap_or(c.hidden_size / c.num_attention_heads);
-        let rope_scaling =
-            parse_rope_scaling(c.rope_scaling.as_ref().or(c.rope_parameters.as_ref()))?;
-        let rope_theta = c.rope_theta.or_else(|| {
-            c.rope_parameters
-                .as_ref()
-                .and_then(|p| p.get("rope_theta"))
-                .and_then(|v| v.as_f64())
-        });
-        let window = c
-            .sliding_window
-            .as_ref()
-            .and_then(|v| v.as_u64())
-            .map(|w| w as usize);
-        let sliding_window = match family {
-            Family::Mistral => window,
-            // Qwen2/3 configs carry a window but only apply it with use_sliding_window.
-            Family::Qwen2 | Family::Qwen3 if c.use_sliding_window == Some(true) => window,
-            _ => None,
-        };
-        let spec = ModelSpec {
-            family,
-            hidden: c.hidden_size,
-            intermediate: c.intermediate_size,
-            n_layers: c.num_hidden_layers,
-            n_heads: c.num_attention_heads,
-            n_kv_heads,
-            head_dim,
-            vocab: c.vocab_size,
-            rms_eps: c.rms_norm_eps.unwrap_or(1e-6) as f32,
-            rope_theta: rope_theta.unwrap_or(10000.0),
-            rope_scaling,
-            tie_embeddings: c.tie_word_embeddings.unwrap_or(false),
-            qkv_bias: family == Family::Qwen2 || c.attention_bias.unwrap_or(false),
-            qk_norm: family == Family::Qwen3,
-            sliding_window,
-            max_position_embeddings: c.max_position_embeddings.unwrap_or(4096),
-            bos_token_id: first_id(&c.bos_token_id),
-            eos_token_id: first_id(&c.eos_token_id),
-            final_logit_softcap: None,
-        };
-        spec.validate()?;
-        Ok(spec)
-    }
-
-    pub fn validate(&self) -> Result<()> {
-        if self.n_heads == 0
-            || self.n_kv_heads == 0
-            || !self.n_heads.is_multiple_of(self.n_kv_heads)
-        {
-            bail!(
-                "num_attention_heads {} is not a multiple of num_key_value_heads {}",
-                self.n_heads,
-                self.n_kv_heads
-            );
-        }
-        if !self.head_dim.is_multiple_of(2) {
-            bail!("head_dim {} must be even for RoPE", self.head_dim);
-        }
-        if self.hidden == 0 || self.vocab == 0 || self.n_layers == 0 {
-            bail!("hidden_size, vocab_size and num_hidden_layers must be positive");
-        }
-        Ok(())
-    }
-
-    pub fn q_dim(&self) -> usize {
-        self.n_heads * self.head_dim
-    }
-    pub fn kv_dim(&self) -> usize {
-        self.n_kv_heads * self.head_dim
-    }
-
-    /// RoPE inverse frequencies (`head_dim/2` of them) after the configured scaling, as
-    /// Hugging Face computes them.
-    pub fn inv_freq(&self) -> Vec<f32> {
-        let half = self.head_dim / 2;
+impl RopeSpec {
+    /// Inverse frequencies (`dims/2` of them) for a sequence whose largest position is
+    /// `max_pos`, after the scaling, as Hugging Face computes them.
+    pub fn inv_freq(&self, max_pos: usize) -> Vec<f32> {
+        let half = self.dims / 2;
         let base: Vec<f64> = (0..half)
-            .map(|i| 1.0 / self.rope_theta.powf(2.0 * i as f64 / self.head_dim as f64))
+            .map(|i| 1.0 / self.theta.powf(2.0 * i as f64 / self.dims as f64))
             .collect();
-        let scaled: Vec<f64> = match &self.rope_scaling {
+        let scaled: Vec<f64> = match &self.scaling {
             RopeScaling::None => base,
             RopeScaling::Linear { factor } => base.iter().map(|f| f / factor).collect(),
             RopeScaling::Llama3 {
@@ -224,20 +95,365 @@ impl ModelSpec {
                     })
                     .collect()
             }
+            RopeScaling::LongRope {
+                short,
+                long,
+                original_max_position_embeddings,
+                ..
+            } => {
+                let ext = if max_pos + 1 > *original_max_position_embeddings {
+                    long
+                } else {
+                    short
+                };
+                base.iter().zip(ext).map(|(f, e)| f / e).collect()
+            }
         };
         scaled.into_iter().map(|f| f as f32).collect()
     }
 
-    /// Number of parameters of the base model (for FLOP estimates).
-    pub fn param_count(&self) -> usize {
-        let attn = self.hidden * (self.q_dim() + 2 * self.kv_dim()) + self.q_dim() * self.hidden;
-        let mlp = 3 * self.hidden * self.intermediate;
-        let emb = self.vocab * self.hidden * if self.tie_embeddings { 1 } else { 2 };
-        self.n_layers * (attn + mlp) + emb
+    /// The factor on cos and sin (1 except for LongRoPE).
+    pub fn attention_factor(&self) -> f32 {
+        match &self.scaling {
+            RopeScaling::LongRope {
+                attention_factor, ..
+            } => *attention_factor as f32,
+            _ => 1.0,
+        }
     }
 }
 
-fn parse_rope_scaling(v: Option<&serde_json::Value>) -> Result<RopeScaling> {
+/// The MLP's gate activation: `down(act(gate(x)) * up(x))`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Activation {
+    Silu,
+    /// `gelu_pytorch_tanh` (Gemma).
+    GeluTanh,
+}
+
+/// One decoder layer as the runner executes it. Every layer is pre-norm:
+/// `x1 = x + s·post_attn(attn(norm(x)))`, `out = x1 + s·post_mlp(mlp(norm(x1)))`, where the
+/// post norms exist only with `sandwich_norms` and `s` is `residual_scale`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LayerSpec {
+    /// Sliding-window span (key k visible to query q iff `pos[q] − pos[k] < window`).
+    pub window: Option<u32>,
+    /// Index into `ModelSpec::ropes`.
+    pub rope: usize,
+    /// Score scale (`head_dim^-½`, Gemma `query_pre_attn_scalar^-½`).
+    pub attn_scale: f32,
+    /// Attention logit softcap `c·tanh(s/c)` (Gemma 2).
+    pub attn_softcap: Option<f32>,
+    pub activation: Activation,
+    pub intermediate: usize,
+    /// Gemma's extra norms on the attention and MLP outputs, before their residual adds.
+    pub sandwich_norms: bool,
+    /// Factor on both residual branches (MiniCPM's `scale_depth/√L`).
+    pub residual_scale: f32,
+}
+
+#[derive(Clone, Debug)]
+pub struct ModelSpec {
+    pub family: Family,
+    pub hidden: usize,
+    /// The widest layer's MLP (every layer's, in the families so far).
+    pub intermediate: usize,
+    pub n_layers: usize,
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    pub vocab: usize,
+    pub rms_eps: f32,
+    /// The main rotary table (`ropes[0]`): theta and scaling.
+    pub rope_theta: f64,
+    pub rope_scaling: RopeScaling,
+    pub tie_embeddings: bool,
+    /// Bias on the q, k and v projections (Qwen2).
+    pub qkv_bias: bool,
+    /// Per-head RMSNorm of q and k before RoPE (Qwen3, Gemma 3).
+    pub qk_norm: bool,
+    /// The sliding layers' window in tokens (every layer's for Mistral; Gemma's local layers').
+    pub sliding_window: Option<usize>,
+    pub max_position_embeddings: usize,
+    pub bos_token_id: Option<u32>,
+    pub eos_token_id: Option<u32>,
+    /// Final logit softcap `c`: logits `z` become `c·tanh(z/c)` (Gemma 2). `None`: no cap.
+    pub final_logit_softcap: Option<f32>,
+    /// One description per decoder layer.
+    pub layers: Vec<LayerSpec>,
+    /// The rotary tables the layers name (`ropes[0]` is the main one).
+    pub ropes: Vec<RopeSpec>,
+    /// Factor on the token embeddings (Gemma `√hidden`, MiniCPM `scale_emb`).
+    pub embed_scale: Option<f32>,
+    /// Round `embed_scale` to the compute dtype before it multiplies (transformers' Gemma casts
+    /// √hidden to the embeddings' dtype: 55.4256 becomes 55.5 in bf16).
+    pub embed_scale_in_weight_dtype: bool,
+    /// Added to every RMSNorm weight at load: 1 for Gemma's `(1 + w)` norms in Hugging Face
+    /// checkpoints (GGUF files store the sum already).
+    pub norm_offset: f32,
+    /// Factor on the final hidden states before the head (MiniCPM `dim_model_base/hidden`),
+    /// folded into the final norm's weight at load.
+    pub head_input_scale: Option<f32>,
+    /// Prefix of the decoder's tensor names (`model.`; `model.language_model.` or
+    /// `language_model.model.` inside multimodal Gemma 3 checkpoints) and of the head's.
+    pub tensor_prefix: String,
+    pub head_prefix: String,
+}
+
+/// The fields of `config.json` that every family reads.
+#[derive(Deserialize)]
+pub struct HfConfig {
+    pub architectures: Option<Vec<String>>,
+    pub model_type: Option<String>,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    pub num_key_value_heads: Option<usize>,
+    pub head_dim: Option<usize>,
+    pub vocab_size: usize,
+    pub rms_norm_eps: Option<f64>,
+    pub rope_theta: Option<f64>,
+    pub rope_scaling: Option<serde_json::Value>,
+    /// transformers ≥ 5 keeps rope_theta and the scaling here (Gemma 3: one entry per layer
+    /// type).
+    pub rope_parameters: Option<serde_json::Value>,
+    pub tie_word_embeddings: Option<bool>,
+    pub attention_bias: Option<bool>,
+    pub sliding_window: Option<serde_json::Value>,
+    pub use_sliding_window: Option<bool>,
+    pub max_position_embeddings: Option<usize>,
+    pub bos_token_id: Option<serde_json::Value>,
+    pub eos_token_id: Option<serde_json::Value>,
+}
+
+fn first_id(v: &Option<serde_json::Value>) -> Option<u32> {
+    match v {
+        Some(serde_json::Value::Number(n)) => n.as_u64().map(|x| x as u32),
+        Some(serde_json::Value::Array(a)) => a.first().and_then(|x| x.as_u64()).map(|x| x as u32),
+        _ => None,
+    }
+}
+
+impl HfConfig {
+    pub fn sliding_window(&self) -> Option<usize> {
+        self.sliding_window
+            .as_ref()
+            .and_then(|v| v.as_u64())
+            .map(|w| w as usize)
+    }
+
+    /// rope_theta, from the top level or `rope_parameters`.
+    pub fn rope_theta(&self) -> Option<f64> {
+        self.rope_theta.or_else(|| {
+            self.rope_parameters
+                .as_ref()
+                .and_then(|p| p.get("rope_theta"))
+                .and_then(|v| v.as_f64())
+        })
+    }
+
+    /// A `ModelSpec` with this config's geometry and every layer a plain Llama layer (pre-norm,
+    /// SiLU gate, one rotary table, `head_dim^-½` scores); families adjust what they change.
+    pub fn llama_spec(&self, family: Family) -> Result<ModelSpec> {
+        let n_kv_heads = self.num_key_value_heads.unwrap_or(self.num_attention_heads);
+        let head_dim = self
+            .head_dim
+            .unwrap_or(self.hidden_size / self.num_attention_heads.max(1));
+        let rope_scaling = parse_rope_scaling(
+            self.rope_scaling.as_ref().or(self.rope_parameters.as_ref()),
+            head_dim,
+            self.max_position_embeddings,
+        )?;
+        let rope_theta = self.rope_theta().unwrap_or(10000.0);
+        let layer = LayerSpec {
+            window: None,
+            rope: 0,
+            attn_scale: 1.0 / (head_dim as f32).sqrt(),
+            attn_softcap: None,
+            activation: Activation::Silu,
+            intermediate: self.intermediate_size,
+            sandwich_norms: false,
+            residual_scale: 1.0,
+        };
+        Ok(ModelSpec {
+            family,
+            hidden: self.hidden_size,
+            intermediate: self.intermediate_size,
+            n_layers: self.num_hidden_layers,
+            n_heads: self.num_attention_heads,
+            n_kv_heads,
+            head_dim,
+            vocab: self.vocab_size,
+            rms_eps: self.rms_norm_eps.unwrap_or(1e-6) as f32,
+            rope_theta,
+            rope_scaling: rope_scaling.clone(),
+            tie_embeddings: self.tie_word_embeddings.unwrap_or(false),
+            qkv_bias: self.attention_bias.unwrap_or(false),
+            qk_norm: false,
+            sliding_window: None,
+            max_position_embeddings: self.max_position_embeddings.unwrap_or(4096),
+            bos_token_id: first_id(&self.bos_token_id),
+            eos_token_id: first_id(&self.eos_token_id),
+            final_logit_softcap: None,
+            layers: vec![layer; self.num_hidden_layers],
+            ropes: vec![RopeSpec {
+                theta: rope_theta,
+                scaling: rope_scaling,
+                dims: head_dim,
+            }],
+            embed_scale: None,
+            embed_scale_in_weight_dtype: false,
+            norm_offset: 0.0,
+            head_input_scale: None,
+            tensor_prefix: "model.".into(),
+            head_prefix: String::new(),
+        })
+    }
+}
+
+impl ModelSpec {
+    pub fn from_config_file(path: &Path) -> Result<ModelSpec> {
+        let text =
+            std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+        ModelSpec::from_config_json(&text).with_context(|| format!("in {}", path.display()))
+    }
+
+    pub fn from_config_json(text: &str) -> Result<ModelSpec> {
+        let raw: serde_json::Value =
+            serde_json::from_str(text).context("config.json is not valid JSON")?;
+        let arch = raw
+            .get("architectures")
+            .and_then(|a| a.get(0))
+            .and_then(|a| a.as_str())
+            .unwrap_or_default()
+            .to_string();
+        let model_type = raw
+            .get("model_type")
+            .and_then(|m| m.as_str())
+            .map(String::from);
+        // Multimodal Gemma 3 checkpoints keep the language model's config under text_config.
+        if arch == "Gemma3ForConditionalGeneration" || model_type.as_deref() == Some("gemma3") {
+            return super::gemma::spec_from_multimodal(&raw);
+        }
+        let c: HfConfig = serde_json::from_value(raw.clone())
+            .context("config.json is not a valid model config")?;
+        let spec = match (arch.as_str(), model_type.as_deref()) {
+            ("LlamaForCausalLM", _) | (_, Some("llama")) => {
+                super::llama::spec_from_hf(&c, Family::Llama)?
+            }
+            ("MistralForCausalLM", _) | (_, Some("mistral")) => {
+                super::llama::spec_from_hf(&c, Family::Mistral)?
+            }
+            ("Qwen2ForCausalLM", _) | (_, Some("qwen2")) => {
+                super::llama::spec_from_hf(&c, Family::Qwen2)?
+            }
+            ("Qwen3ForCausalLM", _) | (_, Some("qwen3")) => {
+                super::llama::spec_from_hf(&c, Family::Qwen3)?
+            }
+            ("Gemma2ForCausalLM", _) | (_, Some("gemma2")) => {
+                super::gemma::spec_from_hf(&c, &raw, Family::Gemma2)?
+            }
+            ("Gemma3ForCausalLM", _) | (_, Some("gemma3_text")) => {
+                super::gemma::spec_from_hf(&c, &raw, Family::Gemma3)?
+            }
+            ("MiniCPMForCausalLM", _) | (_, Some("minicpm")) => {
+                super::minicpm::spec_from_hf(&c, &raw)?
+            }
+            _ => bail!(
+                "unsupported architecture {arch:?} (model_type {model_type:?}): lorafit runs {SUPPORTED_ARCHITECTURES}"
+            ),
+        };
+        spec.validate()?;
+        Ok(spec)
+    }
+
+    pub fn validate(&self) -> Result<()> {
+        if self.n_heads == 0
+            || self.n_kv_heads == 0
+            || !self.n_heads.is_multiple_of(self.n_kv_heads)
+        {
+            bail!(
+                "num_attention_heads {} is not a multiple of num_key_value_heads {}",
+                self.n_heads,
+                self.n_kv_heads
+            );
+        }
+        if !self.head_dim.is_multiple_of(2) {
+            bail!("head_dim {} must be even for RoPE", self.head_dim);
+        }
+        if self.hidden == 0 || self.vocab == 0 || self.n_layers == 0 {
+            bail!("hidden_size, vocab_size and num_hidden_layers must be positive");
+        }
+        if self.layers.len() != self.n_layers {
+            bail!(
+                "{} layer descriptions for num_hidden_layers {}",
+                self.layers.len(),
+                self.n_layers
+            );
+        }
+        for (l, ls) in self.layers.iter().enumerate() {
+            if ls.rope >= self.ropes.len() {
+                bail!("layer {l}: rotary table {} does not exist", ls.rope);
+            }
+            if ls.window == Some(0) {
+                bail!("layer {l}: sliding window 0");
+            }
+        }
+        for r in &self.ropes {
+            if let RopeScaling::LongRope { short, long, .. } = &r.scaling {
+                if short.len() != r.dims / 2 || long.len() != r.dims / 2 {
+                    bail!(
+                        "rope_scaling: longrope factors have {} and {} entries, head_dim/2 is {}",
+                        short.len(),
+                        long.len(),
+                        r.dims / 2
+                    );
+                }
+            }
+        }
+        Ok(())
+    }
+
+    pub fn q_dim(&self) -> usize {
+        self.n_heads * self.head_dim
+    }
+    pub fn kv_dim(&self) -> usize {
+        self.n_kv_heads * self.head_dim
+    }
+
+    /// The main rotary table's inverse frequencies (`head_dim/2` of them) for short sequences.
+    pub fn inv_freq(&self) -> Vec<f32> {
+        self.ropes[0].inv_freq(0)
+    }
+
+    /// Name of a decoder tensor of layer `l` (`leaf` as in Hugging Face's Llama, e.g.
+    /// `self_attn.q_proj.weight`).
+    pub fn layer_tensor(&self, l: usize, leaf: &str) -> String {
+        format!("{}layers.{l}.{leaf}", self.tensor_prefix)
+    }
+    /// Name of a model-level tensor (`embed_tokens.weight`, `norm.weight`).
+    pub fn model_tensor(&self, leaf: &str) -> String {
+        format!("{}{leaf}", self.tensor_prefix)
+    }
+    /// Name of the untied LM head.
+    pub fn head_tensor(&self) -> String {
+        format!("{}lm_head.weight", self.head_prefix)
+    }
+}
+
+fn num(v: &serde_json::Value, k: &str) -> Result<f64> {
+    v.get(k)
+        .and_then(|x| x.as_f64())
+        .with_context(|| format!("rope_scaling.{k} is missing"))
+}
+
+/// `rope_scaling` (or transformers 5's `rope_parameters`) of one rotary table.
+pub fn parse_rope_scaling(
+    v: Option<&serde_json::Value>,
+    head_dim: usize,
+    max_position_embeddings: Option<usize>,
+) -> Result<RopeScaling> {
     let Some(v) = v.filter(|v| !v.is_null()) else {
         return Ok(RopeScaling::None);
     };
@@ -246,22 +462,60 @@ fn parse_rope_scaling(v: Option<&serde_json::Value>) -> Result<RopeScaling> {
         .or_else(|| v.get("type"))
         .and_then(|x| x.as_str())
         .unwrap_or("default");
-    let num = |k: &str| -> Result<f64> {
-        v.get(k)
-            .and_then(|x| x.as_f64())
-            .with_context(|| format!("rope_scaling.{k} is missing"))
-    };
     Ok(match kind {
         "default" => RopeScaling::None,
         "linear" => RopeScaling::Linear {
-            factor: num("factor")?,
+            factor: num(v, "factor")?,
         },
         "llama3" => RopeScaling::Llama3 {
-            factor: num("factor")?,
-            low_freq_factor: num("low_freq_factor")?,
-            high_freq_factor: num("high_freq_factor")?,
-            original_max_position_embeddings: num("original_max_position_embeddings")?,
+            factor: num(v, "factor")?,
+            low_freq_factor: num(v, "low_freq_factor")?,
+            high_freq_factor: num(v, "high_freq_factor")?,
+            original_max_position_embeddings: num(v, "original_max_position_embeddings")?,
         },
-        other => bail!("rope_scaling type {other:?} is not supported (supported: linear, llama3)"),
+        "longrope" => {
+            let factors = |k: &str| -> Result<Vec<f64>> {
+                let a = v
+                    .get(k)
+                    .and_then(|x| x.as_array())
+                    .with_context(|| format!("rope_scaling.{k} is missing"))?;
+                let f: Vec<f64> = a.iter().filter_map(|x| x.as_f64()).collect();
+                anyhow::ensure!(
+                    f.len() == a.len() && f.len() == head_dim / 2,
+                    "rope_scaling.{k} has {} numbers, head_dim/2 is {}",
+                    f.len(),
+                    head_dim / 2
+                );
+                Ok(f)
+            };
+            let original = v
+                .get("original_max_position_embeddings")
+                .and_then(|x| x.as_u64())
+                .map(|x| x as usize)
+                .or(max_position_embeddings)
+                .context("rope_scaling.original_max_position_embeddings is missing")?;
+            // As transformers: the given attention_factor, else sqrt(1 + ln(s) / ln(original))
+            // with s = max_position_embeddings / original (1 when s <= 1).
+            let attention_factor = match v.get("attention_factor").and_then(|x| x.as_f64()) {
+                Some(f) => f,
+                None => {
+                    let s = max_position_embeddings.unwrap_or(original) as f64 / original as f64;
+                    if s <= 1.0 {
+                        1.0
+                    } else {
+                        (1.0 + s.ln() / (original as f64).ln()).sqrt()
+                    }
+                }
+            };
+            RopeScaling::LongRope {
+                short: factors("short_factor")?,
+                long: factors("long_factor")?,
+                original_max_position_embeddings: original,
+                attention_factor,
+            }
+        }
+        other => bail!(
+            "rope_scaling type {other:?} is not supported (supported: linear, llama3, longrope)"
+        ),
     })
 }

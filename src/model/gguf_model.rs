@@ -2,7 +2,7 @@
 //! renamed to Hugging Face's names, and the q/k rows that llama.cpp's converter permuted for its
 //! RoPE layout put back in Hugging Face's order.
 
-use super::config::{Family, ModelSpec, RopeScaling};
+use super::config::{Family, HfConfig, ModelSpec};
 use super::gguf::{unpermute_qk_rows, GgmlType, GgufFile};
 use super::weights::{QuantWeight, TensorSource, Weight};
 use crate::tensor::cuda::QuantKind;
@@ -168,40 +168,36 @@ pub fn spec_from_gguf(f: &GgufFile) -> Result<ModelSpec> {
         f.get_str(&k("rope.scaling.type")).ok(),
         f.get_f32(&k("rope.scaling.factor")).ok(),
     ) {
-        (Some("linear"), Some(factor)) => RopeScaling::Linear {
-            factor: factor as f64,
-        },
-        (None | Some("none"), _) => RopeScaling::None,
+        (Some("linear"), Some(factor)) => {
+            serde_json::json!({"rope_type": "linear", "factor": factor as f64})
+        }
+        (None | Some("none"), _) => serde_json::Value::Null,
         (Some(other), _) => bail!(
             "{}: rope scaling {other:?} is not supported",
             f.path().display()
         ),
     };
-    let spec = ModelSpec {
-        family: Family::Llama,
-        hidden,
-        intermediate: f.get_usize(&k("feed_forward_length"))?,
-        n_layers: f.get_usize(&k("block_count"))?,
-        n_heads,
-        n_kv_heads: f
-            .get_usize(&k("attention.head_count_kv"))
-            .unwrap_or(n_heads),
-        head_dim,
-        vocab,
-        rms_eps: f
-            .get_f32(&k("attention.layer_norm_rms_epsilon"))
-            .unwrap_or(1e-5),
-        rope_theta: f.get_f32(&k("rope.freq_base")).unwrap_or(10000.0) as f64,
-        rope_scaling,
-        tie_embeddings: f.tensor_info("output.weight").is_err(),
-        qkv_bias: f.tensor_info("blk.0.attn_q.bias").is_ok(),
-        qk_norm: false,
-        sliding_window: None,
-        max_position_embeddings: f.get_usize(&k("context_length")).unwrap_or(4096),
-        bos_token_id: f.get_u32("tokenizer.ggml.bos_token_id").ok(),
-        eos_token_id: f.get_u32("tokenizer.ggml.eos_token_id").ok(),
-        final_logit_softcap: None,
-    };
+    // The metadata as the config.json the family file reads.
+    let config = serde_json::json!({
+        "hidden_size": hidden,
+        "intermediate_size": f.get_usize(&k("feed_forward_length"))?,
+        "num_hidden_layers": f.get_usize(&k("block_count"))?,
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": f.get_usize(&k("attention.head_count_kv")).unwrap_or(n_heads),
+        "head_dim": head_dim,
+        "vocab_size": vocab,
+        "rms_norm_eps": f.get_f32(&k("attention.layer_norm_rms_epsilon")).unwrap_or(1e-5) as f64,
+        "rope_theta": f.get_f32(&k("rope.freq_base")).unwrap_or(10000.0) as f64,
+        "rope_scaling": rope_scaling,
+        "tie_word_embeddings": f.tensor_info("output.weight").is_err(),
+        "attention_bias": f.tensor_info("blk.0.attn_q.bias").is_ok(),
+        "max_position_embeddings": f.get_usize(&k("context_length")).unwrap_or(4096),
+        "bos_token_id": f.get_u32("tokenizer.ggml.bos_token_id").ok(),
+        "eos_token_id": f.get_u32("tokenizer.ggml.eos_token_id").ok(),
+    });
+    let c: HfConfig = serde_json::from_value(config)
+        .with_context(|| format!("{}: GGUF metadata", f.path().display()))?;
+    let spec = super::llama::spec_from_hf(&c, Family::Llama)?;
     spec.validate()
         .with_context(|| format!("{}", f.path().display()))?;
     Ok(spec)

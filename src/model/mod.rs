@@ -1,13 +1,18 @@
-//! Models: configuration, frozen weights, LoRA adapters, and the Llama-family layer passes.
+//! Models: configuration, the family files that describe each architecture's layers, frozen
+//! weights, LoRA adapters, the layer maths and the runner that executes any family's layers.
 
 pub mod config;
+pub mod gemma;
+pub mod layer;
 pub mod llama;
 pub mod lora;
+pub mod minicpm;
+pub mod runner;
 pub mod weights;
 
 pub use config::{Family, ModelSpec};
-pub use llama::{ForwardPlan, Model, PassCtx};
 pub use lora::{Lora, LoraConfig, Target};
+pub use runner::{ForwardPlan, Model, PassCtx};
 pub mod gguf;
 pub mod gguf_model;
 pub mod smollm2;

@@ -61,8 +61,12 @@ impl std::ops::Deref for Dense<'_> {
 
 /// Weights of one decoder layer.
 pub struct LayerWeights {
+    /// The norm before attention and the one before the MLP.
     pub attn_norm: Tensor,
     pub mlp_norm: Tensor,
+    /// Sandwich norms (Gemma): on the attention output and on the MLP output.
+    pub post_attn_norm: Option<Tensor>,
+    pub post_mlp_norm: Option<Tensor>,
     pub q: Weight,
     pub k: Weight,
     pub v: Weight,
@@ -75,6 +79,27 @@ pub struct LayerWeights {
     pub v_bias: Option<Tensor>,
     pub q_norm: Option<Tensor>,
     pub k_norm: Option<Tensor>,
+}
+
+/// Hugging Face leaf names of a layer's norms: (before attention, before the MLP, after
+/// attention, after the MLP). With sandwich norms (Gemma) `post_attention_layernorm` is the norm
+/// on the attention output and `pre_feedforward_layernorm` the one before the MLP.
+pub fn norm_names(sandwich: bool) -> [Option<&'static str>; 4] {
+    if sandwich {
+        [
+            Some("input_layernorm.weight"),
+            Some("pre_feedforward_layernorm.weight"),
+            Some("post_attention_layernorm.weight"),
+            Some("post_feedforward_layernorm.weight"),
+        ]
+    } else {
+        [
+            Some("input_layernorm.weight"),
+            Some("post_attention_layernorm.weight"),
+            None,
+            None,
+        ]
+    }
 }
 
 pub struct ModelWeights {
@@ -251,22 +276,54 @@ impl TensorSource for SafetensorsFolder {
     }
 }
 
+/// The tensor-name prefixes under which `src` holds the model: the spec's, or for a multimodal
+/// Gemma 3 checkpoint whichever of its two layouts the files use.
+fn resolve_prefixes(spec: &ModelSpec, src: &dyn TensorSource) -> ModelSpec {
+    let mut spec = spec.clone();
+    if !src.contains(&spec.model_tensor("embed_tokens.weight"))
+        && spec.tensor_prefix == "language_model.model."
+        && src.contains("model.language_model.embed_tokens.weight")
+    {
+        spec.tensor_prefix = "model.language_model.".into();
+        spec.head_prefix = String::new();
+    }
+    spec
+}
+
 /// Loads every base weight of `spec` from `src` (Hugging Face names).
 pub fn load_weights(
     spec: &ModelSpec,
     src: &dyn TensorSource,
     device: &Device,
 ) -> Result<ModelWeights> {
-    let (h, q, kv, i, v) = (
-        spec.hidden,
-        spec.q_dim(),
-        spec.kv_dim(),
-        spec.intermediate,
-        spec.vocab,
-    );
+    let spec = &resolve_prefixes(spec, src);
+    let (h, q, kv, v) = (spec.hidden, spec.q_dim(), spec.kv_dim(), spec.vocab);
+    // A norm weight with the family's offset added (Gemma's `1 + w`), times `scale`. With an
+    // offset it is kept in f32 on every device, as transformers computes `1 + w` in f32.
+    let norm = |name: &str, want: &[usize], scale: f32| -> Result<Tensor> {
+        if spec.norm_offset == 0.0 && scale == 1.0 {
+            return src.tensor(name, want, device);
+        }
+        let (shape, mut data) = src.get(name)?;
+        ensure!(
+            shape == want,
+            "{}: tensor {name} has shape {shape:?}, but config.json implies {want:?}",
+            src.describe()
+        );
+        for x in &mut data {
+            *x = (*x + spec.norm_offset) * scale;
+        }
+        let dtype = if spec.norm_offset != 0.0 {
+            DType::F32
+        } else {
+            device.compute_dtype()
+        };
+        Tensor::from_f32(&data, &shape, dtype, device)
+    };
     let mut layers = Vec::with_capacity(spec.n_layers);
-    for l in 0..spec.n_layers {
-        let p = |s: &str| format!("model.layers.{l}.{s}");
+    for (l, ls) in spec.layers.iter().enumerate() {
+        let i = ls.intermediate;
+        let p = |s: &str| spec.layer_tensor(l, s);
         let opt = |name: String, want: &[usize], on: bool| -> Result<Option<Tensor>> {
             if on {
                 Ok(Some(src.tensor(&name, want, device)?))
@@ -274,9 +331,16 @@ pub fn load_weights(
                 Ok(None)
             }
         };
+        let opt_norm = |leaf: Option<&str>, want: &[usize]| -> Result<Option<Tensor>> {
+            leaf.map(|leaf| norm(&p(leaf), want, 1.0)).transpose()
+        };
+        let [attn_norm, mlp_norm, post_attn, post_mlp] = norm_names(ls.sandwich_norms);
+        let hd = [spec.head_dim];
         layers.push(LayerWeights {
-            attn_norm: src.tensor(&p("input_layernorm.weight"), &[h], device)?,
-            mlp_norm: src.tensor(&p("post_attention_layernorm.weight"), &[h], device)?,
+            attn_norm: norm(&p(attn_norm.expect("always named")), &[h], 1.0)?,
+            mlp_norm: norm(&p(mlp_norm.expect("always named")), &[h], 1.0)?,
+            post_attn_norm: opt_norm(post_attn, &[h])?,
+            post_mlp_norm: opt_norm(post_mlp, &[h])?,
             q: src.weight(&p("self_attn.q_proj.weight"), [q, h], device)?,
             k: src.weight(&p("self_attn.k_proj.weight"), [kv, h], device)?,
             v: src.weight(&p("self_attn.v_proj.weight"), [kv, h], device)?,
@@ -287,25 +351,28 @@ pub fn load_weights(
             q_bias: opt(p("self_attn.q_proj.bias"), &[q], spec.qkv_bias)?,
             k_bias: opt(p("self_attn.k_proj.bias"), &[kv], spec.qkv_bias)?,
             v_bias: opt(p("self_attn.v_proj.bias"), &[kv], spec.qkv_bias)?,
-            q_norm: opt(p("self_attn.q_norm.weight"), &[spec.head_dim], spec.qk_norm)?,
-            k_norm: opt(p("self_attn.k_norm.weight"), &[spec.head_dim], spec.qk_norm)?,
+            q_norm: opt_norm(spec.qk_norm.then_some("self_attn.q_norm.weight"), &hd)?,
+            k_norm: opt_norm(spec.qk_norm.then_some("self_attn.k_norm.weight"), &hd)?,
         });
     }
-    let embed = src.weight("model.embed_tokens.weight", [v, h], device)?;
-    let lm_head = if spec.tie_embeddings || !src.contains("lm_head.weight") {
+    let embed = src.weight(&spec.model_tensor("embed_tokens.weight"), [v, h], device)?;
+    let head_name = spec.head_tensor();
+    let lm_head = if spec.tie_embeddings || !src.contains(&head_name) {
         ensure!(
             spec.tie_embeddings,
-            "{}: lm_head.weight is missing and tie_word_embeddings is false",
+            "{}: {head_name} is missing and tie_word_embeddings is false",
             src.describe()
         );
         None
     } else {
-        Some(src.weight("lm_head.weight", [v, h], device)?)
+        Some(src.weight(&head_name, [v, h], device)?)
     };
+    // MiniCPM's head reads h·(dim_model_base/hidden): the factor folds into the final norm.
+    let head_scale = spec.head_input_scale.unwrap_or(1.0);
     Ok(ModelWeights {
         embed,
         layers,
-        norm: src.tensor("model.norm.weight", &[h], device)?,
+        norm: norm(&spec.model_tensor("norm.weight"), &[h], head_scale)?,
         lm_head,
     })
 }
@@ -324,7 +391,8 @@ impl TensorSource for RandomSource {
             random_shape(s, name).with_context(|| format!("random model: no tensor {name}"))?;
         let n: usize = shape.iter().product();
         let data = if name.ends_with("norm.weight") || name.ends_with("layernorm.weight") {
-            vec![1.0; n]
+            // Unit norms once the family's offset is added at load.
+            vec![1.0 - s.norm_offset; n]
         } else {
             let mut h = 0xcbf29ce484222325u64 ^ self.seed;
             for b in name.bytes() {
@@ -352,6 +420,11 @@ fn random_shape(s: &ModelSpec, name: &str) -> Option<Vec<usize>> {
         "model.embed_tokens.weight" => vec![v, h],
         "lm_head.weight" if !s.tie_embeddings => vec![v, h],
         "model.norm.weight" | "input_layernorm.weight" | "post_attention_layernorm.weight" => {
+            vec![h]
+        }
+        "pre_feedforward_layernorm.weight" | "post_feedforward_layernorm.weight"
+            if s.layers.iter().any(|l| l.sandwich_norms) =>
+        {
             vec![h]
         }
         "self_attn.q_proj.weight" => vec![q, h],

@@ -476,6 +476,17 @@ pub struct RopeTable {
 
 impl RopeTable {
     pub fn new(positions: &[i32], inv_freq: &[f32], device: &Device) -> Result<RopeTable> {
+        RopeTable::scaled(positions, inv_freq, 1.0, device)
+    }
+
+    /// `new` with cos and sin multiplied by `factor` (LongRoPE's attention factor; the inverse
+    /// rotation then carries the same factor, which is the transposed Jacobian).
+    pub fn scaled(
+        positions: &[i32],
+        inv_freq: &[f32],
+        factor: f32,
+        device: &Device,
+    ) -> Result<RopeTable> {
         let half = inv_freq.len();
         let mut cos = vec![0f32; positions.len() * half];
         let mut sin = vec![0f32; positions.len() * half];
@@ -483,8 +494,8 @@ impl RopeTable {
             for (i, &f) in inv_freq.iter().enumerate() {
                 // Angles in f64 so long positions keep their precision before the f32 cos/sin.
                 let a = p as f64 * f as f64;
-                cos[t * half + i] = a.cos() as f32;
-                sin[t * half + i] = a.sin() as f32;
+                cos[t * half + i] = a.cos() as f32 * factor;
+                sin[t * half + i] = a.sin() as f32 * factor;
             }
         }
         let shape = [positions.len(), half];
@@ -1180,4 +1191,22 @@ mod tests {
             with_clip[0]
         );
     }
+}
+
+// PENDING-OPS: placeholders until the GELU-tanh gate and the logits softcap land.
+pub fn gelu_tanh_mul(_gate: &Tensor, _up: &Tensor) -> Result<Tensor> {
+    anyhow::bail!("gelu_tanh_mul: not yet available")
+}
+pub fn gelu_tanh_mul_bwd_in_place(
+    _dh: &Tensor,
+    _gate: &mut Tensor,
+    _up: &mut Tensor,
+) -> Result<()> {
+    anyhow::bail!("gelu_tanh_mul: not yet available")
+}
+pub fn softcap(_x: &mut Tensor, _c: f32) -> Result<()> {
+    anyhow::bail!("softcap: not yet available")
+}
+pub fn softcap_bwd(_dy: &mut Tensor, _y: &Tensor, _c: f32) -> Result<()> {
+    anyhow::bail!("softcap: not yet available")
 }

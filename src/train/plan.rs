@@ -5,6 +5,9 @@
 //! With prefix sharing, a preference pair is ONE sequence `[P; Rc; Rr]`: both responses start at
 //! logical position |P|, rejected tokens never see chosen ones, and the head reads
 //! chosen[k] ← H[P−1+k], rejected[0] ← H[P−1], rejected[k≥1] ← H[P+Rc+k−1].
+//!
+//! The masks here carry the layout only; each layer applies its own sliding window
+//! (`model::runner`).
 
 use crate::data::TokenizedPair;
 use crate::tensor::AttnMask;
@@ -35,10 +38,6 @@ pub struct Plan {
     pub rejected: Option<Branch>,
 }
 
-fn causal(n: usize, window: Option<u32>) -> AttnMask {
-    AttnMask::causal(n).with_window(window)
-}
-
 /// Rows predicting `tokens[1..]` of the prompt (positions 0..P−2).
 fn prompt_rows(seq: usize, prompt: &[u32]) -> Rows {
     let n = prompt.len().saturating_sub(1);
@@ -51,7 +50,7 @@ fn prompt_rows(seq: usize, prompt: &[u32]) -> Rows {
 
 impl Plan {
     /// A preference pair, as one prefix-shared sequence or as two sequences.
-    pub fn pair(p: &TokenizedPair, prefix_shared: bool, window: Option<u32>) -> Result<Plan> {
+    pub fn pair(p: &TokenizedPair, prefix_shared: bool) -> Result<Plan> {
         let (np, nc, nr) = (p.prompt.len(), p.chosen.len(), p.rejected.len());
         ensure!(np >= 1, "a preference example needs a non-empty prompt");
         ensure!(
@@ -62,7 +61,7 @@ impl Plan {
             let mut ids = p.prompt.clone();
             ids.extend(&p.chosen);
             ids.extend(&p.rejected);
-            let mask = AttnMask::prefix_shared(np, nc, nr).with_window(window);
+            let mask = AttnMask::prefix_shared(np, nc, nr);
             let chosen = Branch {
                 prompt: prompt_rows(0, &p.prompt),
                 response: Rows {
@@ -97,7 +96,7 @@ impl Plan {
         let mk = |seq: usize, resp: &[u32]| -> (Sequence, Branch) {
             let mut ids = p.prompt.clone();
             ids.extend(resp);
-            let mask = causal(ids.len(), window);
+            let mask = AttnMask::causal(ids.len());
             let b = Branch {
                 prompt: prompt_rows(seq, &p.prompt),
                 response: Rows {
@@ -119,7 +118,7 @@ impl Plan {
 
     /// An SFT example: one sequence; the completion rows are the response branch. With an empty
     /// prompt the first completion token has no predecessor and is not trained.
-    pub fn sft(prompt: &[u32], completion: &[u32], window: Option<u32>) -> Result<Plan> {
+    pub fn sft(prompt: &[u32], completion: &[u32]) -> Result<Plan> {
         ensure!(
             !completion.is_empty(),
             "an SFT example needs a non-empty completion"
@@ -132,7 +131,7 @@ impl Plan {
             .map(|k| ((np + k - 1) as u32, completion[k]))
             .unzip();
         ensure!(!rows.is_empty(), "an SFT example needs at least two tokens");
-        let mask = causal(ids.len(), window);
+        let mask = AttnMask::causal(ids.len());
         Ok(Plan {
             seqs: vec![Sequence { ids, mask }],
             chosen: Branch {

@@ -164,7 +164,7 @@ struct Forwarded {
     /// Rows of `hidden`.
     rows: usize,
     read_from: usize,
-    state: Option<crate::model::llama::ForwardState>,
+    state: Option<crate::model::runner::ForwardState>,
     rope: RopeTable,
 }
 

@@ -25,10 +25,10 @@ pub enum Item {
 }
 
 impl Item {
-    pub fn plan(&self, prefix_shared: bool, window: Option<u32>) -> Result<Plan> {
+    pub fn plan(&self, prefix_shared: bool) -> Result<Plan> {
         match self {
-            Item::Pair(p) => Plan::pair(p, prefix_shared, window),
-            Item::Sft(s) => Plan::sft(&s.prompt, &s.completion, window),
+            Item::Pair(p) => Plan::pair(p, prefix_shared),
+            Item::Sft(s) => Plan::sft(&s.prompt, &s.completion),
         }
     }
 }
@@ -214,7 +214,6 @@ pub fn evaluate(
 ) -> Result<BTreeMap<String, f64>> {
     let objective = cfg.objective();
     let opts = pass_options(cfg, model, 0, usize::MAX, None);
-    let window = model.spec.sliding_window.map(|w| w as u32);
     let n = if cfg.eval_limit > 0 {
         cfg.eval_limit.min(items.len())
     } else {
@@ -222,7 +221,7 @@ pub fn evaluate(
     };
     let mut sums: BTreeMap<String, f64> = BTreeMap::new();
     for item in &items[..n] {
-        let plan = item.plan(cfg.prefix_shared, window)?;
+        let plan = item.plan(cfg.prefix_shared)?;
         let reference = match objective {
             Objective::Dpo { .. } => Some(reference_logps(model, &plan, &opts)?),
             _ => None,
@@ -305,7 +304,6 @@ pub fn train(
     }
 
     let objective = cfg.objective();
-    let window = model.spec.sliding_window.map(|w| w as u32);
     let memory_budget = super::memory::budget(&device)?;
     let mut ref_cache: Vec<Option<Reference>> = vec![None; n];
     let mut metrics_file = std::fs::OpenOptions::new()
@@ -365,7 +363,7 @@ pub fn train(
         for micro in 0..cfg.grad_accum {
             let idx = example_index(state.position, n, cfg.seed);
             state.position += 1;
-            let plan = train_items[idx].plan(cfg.prefix_shared, window)?;
+            let plan = train_items[idx].plan(cfg.prefix_shared)?;
             let dropout_seed = cfg.seed
                 ^ ((state.step * cfg.grad_accum + micro) as u64)
                     .wrapping_mul(0x2545_F491_4F6C_DD1D);

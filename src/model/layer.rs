@@ -1,0 +1,776 @@
+//! One decoder layer of any family, forward and hand-written backward, from its `LayerSpec`:
+//! attention (q/k/v biases and norms, RoPE, softcap, window) and a gated MLP, each pre-normed,
+//! with the optional sandwich norms and residual scale. The runner (`runner.rs`) decides what
+//! each call keeps and recomputes; this file is the maths.
+//!
+//! Read `layer_forward` and `layer_backward` side by side: the backward is the forward's op list
+//! in reverse. Frozen weights get no gradient; the backward yields d(input) and accumulates the
+//! LoRA gradients dA, dB into the adapters. Shapes: T tokens, H hidden, I intermediate,
+//! nh/nkv heads of hd dims.
+
+use super::config::Activation;
+use super::lora::{Lora, LoraPair, Target, GROUP_GATE_UP, GROUP_QKV};
+use super::runner::{Model, PassCtx};
+use super::weights::{Dense, Weight};
+use crate::tensor::{self as ops, AttnMask, AttnShape, RopeTable, Tensor};
+use anyhow::Result;
+
+/// What a LoRA-carrying projection keeps for its backward: `xa = dropout(x) Aᵀ`, `(T, r)`.
+pub struct LoraSaved {
+    xa: Tensor,
+}
+
+/// What one layer's forward keeps for its backward.
+pub struct LayerActs {
+    x: Tensor,              // (T, H) layer input
+    xn: Tensor,             // (T, H) after the attention norm
+    rstd1: Tensor,          // (T)
+    q_pre: Option<Tensor>,  // (T*nh, hd) q before its per-head norm (Qwen3, Gemma 3)
+    q_rstd: Option<Tensor>, // (T*nh)
+    k_pre: Option<Tensor>,  // (T*nkv, hd)
+    k_rstd: Option<Tensor>, // (T*nkv)
+    /// After RoPE: q (T, nh*hd), k (T, nkv*hd); and v (T, nkv*hd).
+    pub q: Tensor,
+    pub k: Tensor,
+    pub v: Tensor,
+    /// The attention output (T, nh*hd) and its lse (nh, T) f32.
+    pub attn: Tensor,
+    pub lse: Tensor,
+    /// First row of the o projection and the MLP (the runner's read rows; 0: every row). The
+    /// tensors below hold rows `[from, T)`.
+    from: usize,
+    /// Sandwich norms: the o projection's output before its norm, and that norm's rstd.
+    o_post: Option<(Tensor, Tensor)>,
+    x1: Tensor,    // (T - from, H) after the attention residual
+    xn2: Tensor,   // (T - from, H) after the MLP norm
+    rstd2: Tensor, // (T - from)
+    /// The MLP's intermediates; `None` when the MLP runs in token chunks and is recomputed chunk
+    /// by chunk in the backward.
+    mlp: Option<MlpActs>,
+    /// Sandwich norms: the MLP's output before its norm, and that norm's rstd.
+    mlp_post: Option<(Tensor, Tensor)>,
+    lora: [Option<LoraSaved>; 7],
+}
+
+/// What the gated MLP keeps for its backward.
+pub struct MlpActs {
+    gate: Tensor, // (T, I)
+    up: Tensor,   // (T, I)
+    act: Tensor,  // (T, I) act(gate) * up
+    /// LoRA inputs of gate, up, down.
+    lora: [Option<LoraSaved>; 3],
+}
+
+/// The attention mask and rotary table one layer reads (its kind's, from the runner).
+#[derive(Clone, Copy)]
+pub struct LayerEnv<'a> {
+    pub mask: &'a AttnMask,
+    pub rope: &'a RopeTable,
+    /// First row of the o projection and the MLP (0: every row; see `runner::ReadRows`).
+    pub from: usize,
+}
+
+/// How one layer's forward runs (`Model::layer_forward`).
+pub struct LayerRun<'a> {
+    pub env: LayerEnv<'a>,
+    /// Compute the layer output (a recomputation of a segment's last layer does not need it,
+    /// which spares the MLP's down projection).
+    pub want_output: bool,
+    /// The layer's attention output and lse kept from the forward (spares the attention kernel).
+    pub attention: Option<(Tensor, Tensor)>,
+    /// The layer's k (rotated) and v kept from the forward (spares their projections).
+    pub kept_kv: Option<(Tensor, Tensor)>,
+    /// Keep the MLP intermediates (otherwise the backward recomputes them).
+    pub keep_mlp: bool,
+}
+
+/// The gate activation times up: `act(gate) * up`.
+fn gate_act(act: Activation, gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+    match act {
+        Activation::Silu => ops::silu_mul(gate, up),
+        Activation::GeluTanh => ops::gelu_tanh_mul(gate, up),
+    }
+}
+
+/// Backward of `gate_act`, writing d(gate) over `gate` and d(up) over `up`.
+fn gate_act_bwd_in_place(
+    act: Activation,
+    dh: &Tensor,
+    gate: &mut Tensor,
+    up: &mut Tensor,
+) -> Result<()> {
+    match act {
+        Activation::Silu => ops::silu_mul_bwd_in_place(dh, gate, up),
+        Activation::GeluTanh => ops::gelu_tanh_mul_bwd_in_place(dh, gate, up),
+    }
+}
+
+/// `s · x`, borrowing `x` when `s` is 1.
+fn scaled(x: &Tensor, s: f32) -> Result<Dense<'_>> {
+    if s == 1.0 {
+        return Ok(Dense::Borrowed(x));
+    }
+    let mut y = x.try_clone()?;
+    ops::scale(&mut y, s)?;
+    Ok(Dense::Owned(y))
+}
+
+/// Rows `[from, T)` of `x` (borrowed when that is all of it).
+fn rows_from(x: &Tensor, from: usize) -> Result<Dense<'_>> {
+    Ok(if from == 0 {
+        Dense::Borrowed(x)
+    } else {
+        Dense::Owned(ops::slice_rows(x, from, x.dim(0))?)
+    })
+}
+
+/// `x` with `(T - from)` rows as rows `[from, T)` of a zero `(T, ·)` tensor.
+fn rows_into_full(x: Tensor, from: usize, t: usize) -> Result<Tensor> {
+    if from == 0 {
+        return Ok(x);
+    }
+    let mut full = Tensor::zeros(&[t, x.dim(1)], x.dtype(), x.device())?;
+    ops::scatter_add_rows(&mut full, &(from as u32..t as u32).collect::<Vec<_>>(), &x)?;
+    Ok(full)
+}
+
+fn token_chunks(t: usize, c: usize) -> Vec<(usize, usize)> {
+    (0..t)
+        .step_by(c.max(1))
+        .map(|a| (a, (a + c).min(t)))
+        .collect()
+}
+
+/// `y = x Wᵀ (+ scale · dropout(x) Aᵀ Bᵀ)`; `xa`, when given, is `dropout(x) Aᵀ` already
+/// computed (by `stacked_lora_inputs`).
+fn linear_fwd(
+    x: &Tensor,
+    w: &Weight,
+    lora: Option<&LoraPair>,
+    dropout: Option<(f32, u64)>,
+    xa: Option<Tensor>,
+) -> Result<(Tensor, Option<LoraSaved>)> {
+    let dt = x.dtype();
+    let Some(p) = lora else {
+        return Ok((ops::matmul(x, false, &*w.dense()?, true, 1.0, dt)?, None));
+    };
+    let saved = match xa {
+        Some(xa) => LoraSaved { xa },
+        None => lora_input(x, p, dropout)?,
+    };
+    // The rank-r product writes y first and the base GEMM accumulates onto it: the base GEMM
+    // reads y in its epilogue almost for free, where the skinny product would read and write the
+    // whole (T, out) output a second time.
+    let mut y = ops::matmul(&saved.xa, false, p.b(), true, p.scale, dt)?;
+    ops::matmul_acc(&mut y, x, false, &*w.dense()?, true, 1.0, 1.0)?;
+    Ok((y, Some(saved)))
+}
+
+/// What `linear_fwd` keeps for the backward, without the projection itself (a recomputed layer
+/// whose output is not needed).
+fn lora_input(x: &Tensor, p: &LoraPair, dropout: Option<(f32, u64)>) -> Result<LoraSaved> {
+    let dt = x.dtype();
+    let xa = match dropout {
+        Some((prob, seed)) => {
+            ops::matmul(&ops::dropout(x, prob, seed)?, false, p.a(), true, 1.0, dt)?
+        }
+        None => ops::matmul(x, false, p.a(), true, 1.0, dt)?,
+    };
+    Ok(LoraSaved { xa })
+}
+
+/// `x Aᵢᵀ` of every adapter of shared-input group `group` (`lora::SHARED_INPUT`) from one GEMM
+/// with the layer's stacked A, by target index; all None when the layer has no stacked A for the
+/// group or LoRA dropout is on (each projection then draws its own mask).
+fn stacked_lora_inputs(
+    x: &Tensor,
+    lora: Option<&Lora>,
+    l: usize,
+    group: usize,
+    ctx: &PassCtx,
+) -> Result<[Option<Tensor>; 7]> {
+    let mut out: [Option<Tensor>; 7] = Default::default();
+    let Some(st) = lora.and_then(|lo| lo.stacked(l, group)) else {
+        return Ok(out);
+    };
+    if ctx.dropout_for(l, st.members[0].0).is_some() {
+        return Ok(out);
+    }
+    let xa = ops::matmul(x, false, &st.a, true, 1.0, x.dtype())?;
+    let mut c0 = 0;
+    for &(t, r) in &st.members {
+        out[t.index()] = Some(ops::slice_cols(&xa, c0, c0 + r)?);
+        c0 += r;
+    }
+    Ok(out)
+}
+
+/// The LoRA part of a projection's backward without dropout: accumulates `dB += s · dyᵀ xa` and
+/// `dA += dxaᵀ x`, returns `dxa = s · dy B`.
+fn lora_bwd(dy: &Tensor, x: &Tensor, p: &mut LoraPair, saved: &LoraSaved) -> Result<Tensor> {
+    ops::matmul_acc(&mut p.grad_b, dy, true, &saved.xa, false, p.scale, 1.0)?;
+    let dxa = ops::matmul(dy, false, p.b(), false, p.scale, dy.dtype())?;
+    ops::matmul_acc(&mut p.grad_a, &dxa, true, x, false, 1.0, 1.0)?;
+    Ok(dxa)
+}
+
+/// One projection of a shared-input group in `shared_input_bwd`: its output gradient, weight,
+/// target and what its forward saved.
+struct MemberBwd<'a> {
+    dy: Tensor,
+    w: &'a Weight,
+    target: Target,
+    saved: Option<&'a LoraSaved>,
+}
+
+/// Backward of the projections of `lora::SHARED_INPUT[group]` that read the same `x`: d(x), with
+/// every LoRA gradient accumulated. With the layer's stacked A (no dropout) the adapters' `dxa A`
+/// terms run as one GEMM over the concatenated dxa; otherwise projection by projection. Each
+/// output gradient is freed after its last use.
+fn shared_input_bwd(
+    members: Vec<MemberBwd>,
+    x: &Tensor,
+    mut lora: Option<&mut Lora>,
+    l: usize,
+    group: usize,
+    ctx: &PassCtx,
+) -> Result<Tensor> {
+    let stacked: Option<Vec<(Target, usize)>> = lora
+        .as_deref()
+        .and_then(|lo| lo.stacked(l, group))
+        .filter(|st| ctx.dropout_for(l, st.members[0].0).is_none())
+        .map(|st| st.members.clone());
+    let Some(stacked) = stacked else {
+        let mut dx = None;
+        for m in members {
+            let pair = lora.as_deref_mut().and_then(|lo| lo.get_mut(l, m.target));
+            dx = Some(linear_bwd(
+                dx,
+                &m.dy,
+                x,
+                m.w,
+                pair,
+                m.saved,
+                ctx.dropout_for(l, m.target),
+            )?);
+        }
+        return dx.ok_or_else(|| anyhow::anyhow!("shared_input_bwd: no projection"));
+    };
+    let lo = lora.expect("a stacked A comes from an adapter");
+    let mut dxa = Vec::with_capacity(stacked.len());
+    for &(t, _) in &stacked {
+        let m = members.iter().find(|m| m.target == t);
+        let (Some(m), Some(p)) = (m, lo.get_mut(l, t)) else {
+            anyhow::bail!("layer {l}: stacked adapter {t:?} has no projection backward");
+        };
+        let saved = m
+            .saved
+            .ok_or_else(|| anyhow::anyhow!("layer {l} {t:?}: no saved LoRA input"))?;
+        dxa.push(lora_bwd(&m.dy, x, p, saved)?);
+    }
+    let dxa = ops::concat_cols(&dxa.iter().collect::<Vec<_>>())?;
+    let st = lo.stacked(l, group).expect("checked above");
+    // As in the forward: the rank-r product first, the base GEMMs accumulate onto it.
+    let mut dx = ops::matmul(&dxa, false, &st.a, false, 1.0, x.dtype())?;
+    drop(dxa);
+    for m in members {
+        ops::matmul_acc(&mut dx, &m.dy, false, &*m.w.dense()?, false, 1.0, 1.0)?;
+    }
+    Ok(dx)
+}
+
+/// Backward of `linear_fwd`: returns dx and accumulates dA, dB.
+///   dB += s · dyᵀ xa        dxa = s · dy B
+///   dA += dxaᵀ dropout(x)   dx  = dy W + dropout(dxa A)
+fn linear_bwd(
+    into: Option<Tensor>,
+    dy: &Tensor,
+    x: &Tensor,
+    w: &Weight,
+    lora: Option<&mut LoraPair>,
+    saved: Option<&LoraSaved>,
+    dropout: Option<(f32, u64)>,
+) -> Result<Tensor> {
+    let dt = dy.dtype();
+    // dx accumulates in place when the projection shares its input with others (q, k, v).
+    let base = |into: Option<Tensor>| -> Result<Tensor> {
+        Ok(match into {
+            Some(mut acc) => {
+                ops::matmul_acc(&mut acc, dy, false, &*w.dense()?, false, 1.0, 1.0)?;
+                acc
+            }
+            None => ops::matmul(dy, false, &*w.dense()?, false, 1.0, dt)?,
+        })
+    };
+    let (Some(p), Some(saved)) = (lora, saved) else {
+        return base(into);
+    };
+    match dropout {
+        Some((prob, seed)) => {
+            ops::matmul_acc(&mut p.grad_b, dy, true, &saved.xa, false, p.scale, 1.0)?;
+            let dxa = ops::matmul(dy, false, p.b(), false, p.scale, dt)?;
+            let dx_lora = ops::matmul(&dxa, false, p.a(), false, 1.0, dt)?;
+            ops::matmul_acc(
+                &mut p.grad_a,
+                &dxa,
+                true,
+                &ops::dropout(x, prob, seed)?,
+                false,
+                1.0,
+                1.0,
+            )?;
+            let mut dx = base(into)?;
+            ops::add_assign(&mut dx, &ops::dropout(&dx_lora, prob, seed)?, 1.0)?;
+            Ok(dx)
+        }
+        None => {
+            let dxa = lora_bwd(dy, x, p, saved)?;
+            // As in the forward: the rank-r product first, the base GEMM accumulates onto it.
+            let dx = match into {
+                Some(mut acc) => {
+                    ops::matmul_acc(&mut acc, &dxa, false, p.a(), false, 1.0, 1.0)?;
+                    acc
+                }
+                None => ops::matmul(&dxa, false, p.a(), false, 1.0, dt)?,
+            };
+            base(Some(dx))
+        }
+    }
+}
+impl Model {
+    /// The attention geometry of layer `l`.
+    pub fn attn_shape(&self, l: usize) -> AttnShape {
+        let s = &self.spec;
+        let ls = &s.layers[l];
+        AttnShape {
+            n_heads: s.n_heads,
+            n_kv_heads: s.n_kv_heads,
+            head_dim: s.head_dim,
+            scale: ls.attn_scale,
+            softcap: ls.attn_softcap,
+        }
+    }
+
+    /// One decoder layer: returns the layer output (with `run.want_output`) and what its
+    /// backward needs.
+    pub fn layer_forward(
+        &self,
+        l: usize,
+        x: Tensor,
+        lora: Option<&Lora>,
+        ctx: &PassCtx,
+        run: LayerRun,
+    ) -> Result<(Option<Tensor>, LayerActs)> {
+        let LayerRun {
+            env,
+            want_output,
+            attention,
+            kept_kv,
+            keep_mlp,
+        } = run;
+        let s = &self.spec;
+        let ls = &s.layers[l];
+        let w = &self.weights.layers[l];
+        let t = x.dim(0);
+        let pair = |tg: Target| lora.and_then(|lo| lo.get(l, tg));
+        let mut saved: [Option<LoraSaved>; 7] = Default::default();
+        let cdt = self.device.compute_dtype();
+        let (xn, rstd1) = ops::rms_norm_to(&x, &w.attn_norm, s.rms_eps, cdt)?;
+        let mut xa = stacked_lora_inputs(&xn, lora, l, GROUP_QKV, ctx)?;
+        anyhow::ensure!(
+            kept_kv.is_none() || w.k_norm.is_none(),
+            "layer {l}: k and v are kept only without a k norm"
+        );
+        // k (rotated) and v kept from the forward: only their LoRA inputs are rebuilt.
+        let kv_kept = kept_kv.is_some();
+        if kv_kept {
+            for tg in [Target::K, Target::V] {
+                saved[tg.index()] = match (xa[tg.index()].take(), pair(tg)) {
+                    (Some(xa), _) => Some(LoraSaved { xa }),
+                    (None, Some(p)) => Some(lora_input(&xn, p, ctx.dropout_for(l, tg))?),
+                    (None, None) => None,
+                };
+            }
+        }
+        let mut lin = |inp: &Tensor, wt: &Weight, tg: Target| -> Result<Tensor> {
+            let pre = xa[tg.index()].take();
+            let (y, sv) = linear_fwd(inp, wt, pair(tg), ctx.dropout_for(l, tg), pre)?;
+            saved[tg.index()] = sv;
+            Ok(y)
+        };
+
+        let mut q = lin(&xn, &w.q, Target::Q)?;
+        let (mut k, mut v) = match kept_kv {
+            Some(kv) => kv,
+            None => (lin(&xn, &w.k, Target::K)?, lin(&xn, &w.v, Target::V)?),
+        };
+        if let (Some(qb), Some(kb), Some(vb)) = (&w.q_bias, &w.k_bias, &w.v_bias) {
+            ops::add_bias(&mut q, qb)?;
+            if !kv_kept {
+                ops::add_bias(&mut k, kb)?;
+                ops::add_bias(&mut v, vb)?;
+            }
+        }
+        let (mut q_pre, mut q_rstd, mut k_pre, mut k_rstd) = (None, None, None, None);
+        if let (Some(qn), Some(kn)) = (&w.q_norm, &w.k_norm) {
+            let qp = q.reshape(&[t * s.n_heads, s.head_dim])?;
+            let kp = k.reshape(&[t * s.n_kv_heads, s.head_dim])?;
+            let (qy, qr) = ops::rms_norm(&qp, qn, s.rms_eps)?;
+            let (ky, kr) = ops::rms_norm(&kp, kn, s.rms_eps)?;
+            q = qy.reshape(&[t, s.q_dim()])?;
+            k = ky.reshape(&[t, s.kv_dim()])?;
+            (q_pre, q_rstd, k_pre, k_rstd) = (Some(qp), Some(qr), Some(kp), Some(kr));
+        }
+        // (Shadowing would keep the unrotated q and k alive to the end of the layer.)
+        let q = {
+            let rotated = ops::rope(&q, env.rope, s.n_heads, false)?;
+            drop(q);
+            rotated
+        };
+        let k = if kv_kept {
+            k
+        } else {
+            let rotated = ops::rope(&k, env.rope, s.n_kv_heads, false)?;
+            drop(k);
+            rotated
+        };
+        // A recomputation may bring this layer's attention output and lse from the forward.
+        let (attn, lse) = match attention {
+            Some(kept) => kept,
+            None => ops::attention(&q, &k, &v, env.mask, self.attn_shape(l))?,
+        };
+        let from = env.from;
+        let mut o = lin(&*rows_from(&attn, from)?, &w.o, Target::O)?;
+        let mut o_post = None;
+        if let Some(pn) = &w.post_attn_norm {
+            let (y, r) = ops::rms_norm(&o, pn, s.rms_eps)?;
+            o_post = Some((std::mem::replace(&mut o, y), r));
+        }
+        if ls.residual_scale != 1.0 {
+            ops::scale(&mut o, ls.residual_scale)?;
+        }
+        let (x1, xn2, rstd2) =
+            ops::add_rms_norm_to(&*rows_from(&x, from)?, &o, &w.mlp_norm, s.rms_eps, cdt)?;
+        drop(o);
+
+        let rows = t - from;
+        let chunked = self.mlp_chunk > 0 && rows > self.mlp_chunk;
+        // The MLP's output is needed for the layer's output, and for its post norm's backward.
+        let need_out = want_output || w.post_mlp_norm.is_some();
+        let (mlp_out, mlp) = if (chunked || !keep_mlp) && !need_out {
+            // The backward recomputes the MLP; nothing reads its output now.
+            (None, None)
+        } else if chunked {
+            // Token chunks: the (T, I) intermediates never exist for all tokens at once.
+            let mut out = Tensor::zeros(x1.shape(), cdt, x1.device())?;
+            for (a, b) in token_chunks(rows, self.mlp_chunk) {
+                let (o, _) = self.mlp_forward(l, &ops::slice_rows(&xn2, a, b)?, lora, ctx, true)?;
+                let o = o.expect("the MLP output was asked for");
+                ops::scatter_add_rows(&mut out, &(a as u32..b as u32).collect::<Vec<_>>(), &o)?;
+            }
+            (Some(out), None)
+        } else {
+            let (out, m) = self.mlp_forward(l, &xn2, lora, ctx, need_out)?;
+            (out, keep_mlp.then_some(m))
+        };
+        let mut mlp_post = None;
+        let mlp_out = match (mlp_out, &w.post_mlp_norm) {
+            (Some(m), Some(pn)) => {
+                let (y, r) = ops::rms_norm(&m, pn, s.rms_eps)?;
+                mlp_post = Some((m, r));
+                Some(y)
+            }
+            (m, _) => m,
+        };
+        let out = match mlp_out.filter(|_| want_output) {
+            Some(mlp_out) => Some(ops::add(&x1, &mlp_out, ls.residual_scale)?),
+            None => None,
+        };
+        let acts = LayerActs {
+            x,
+            xn,
+            rstd1,
+            q_pre,
+            q_rstd,
+            k_pre,
+            k_rstd,
+            q,
+            k,
+            v,
+            attn,
+            lse,
+            from,
+            o_post,
+            x1,
+            xn2,
+            rstd2,
+            mlp,
+            mlp_post,
+            lora: saved,
+        };
+        Ok((out, acts))
+    }
+
+    /// The gated MLP on normed inputs `xn2` (any token range); its output only with `want_output`.
+    fn mlp_forward(
+        &self,
+        l: usize,
+        xn2: &Tensor,
+        lora: Option<&Lora>,
+        ctx: &PassCtx,
+        want_output: bool,
+    ) -> Result<(Option<Tensor>, MlpActs)> {
+        let w = &self.weights.layers[l];
+        let pair = |tg: Target| lora.and_then(|lo| lo.get(l, tg));
+        let mut xa = stacked_lora_inputs(xn2, lora, l, GROUP_GATE_UP, ctx)?;
+        let (gate, sg) = linear_fwd(
+            xn2,
+            &w.gate,
+            pair(Target::Gate),
+            ctx.dropout_for(l, Target::Gate),
+            xa[Target::Gate.index()].take(),
+        )?;
+        let (up, su) = linear_fwd(
+            xn2,
+            &w.up,
+            pair(Target::Up),
+            ctx.dropout_for(l, Target::Up),
+            xa[Target::Up.index()].take(),
+        )?;
+        let act = gate_act(self.spec.layers[l].activation, &gate, &up)?;
+        let down_dropout = ctx.dropout_for(l, Target::Down);
+        let (out, sd) = if want_output {
+            let (y, sd) = linear_fwd(&act, &w.down, pair(Target::Down), down_dropout, None)?;
+            (Some(y), sd)
+        } else {
+            let sd = pair(Target::Down)
+                .map(|p| lora_input(&act, p, down_dropout))
+                .transpose()?;
+            (None, sd)
+        };
+        Ok((
+            out,
+            MlpActs {
+                gate,
+                up,
+                act,
+                lora: [sg, su, sd],
+            },
+        ))
+    }
+
+    /// Backward of `mlp_forward`: d(xn2) from d(out). Consumes the intermediates, each freed at
+    /// its last use (the gradients of gate and up overwrite them), which lowers the step's peak.
+    fn mlp_backward(
+        &self,
+        l: usize,
+        d_out: &Tensor,
+        xn2: &Tensor,
+        m: MlpActs,
+        mut lora: Option<&mut Lora>,
+        ctx: &PassCtx,
+    ) -> Result<Tensor> {
+        let MlpActs {
+            mut gate,
+            mut up,
+            act,
+            lora: saved,
+        } = m;
+        let w = &self.weights.layers[l];
+        let down_dropout = ctx.dropout_for(l, Target::Down);
+        let d_act = match (
+            lora.as_deref_mut()
+                .and_then(|lo| lo.get_mut(l, Target::Down)),
+            saved[2].as_ref(),
+        ) {
+            (Some(p), Some(sv)) if down_dropout.is_none() => {
+                // The LoRA terms are the only reader of `act`: it is freed before the (T, I)
+                // gradient is allocated, which lowers the step's peak by one (T, I) tensor.
+                let dxa = lora_bwd(d_out, &act, p, sv)?;
+                drop(act);
+                let mut d_act = ops::matmul(&dxa, false, p.a(), false, 1.0, d_out.dtype())?;
+                ops::matmul_acc(&mut d_act, d_out, false, &*w.down.dense()?, false, 1.0, 1.0)?;
+                d_act
+            }
+            (pair, sv) => {
+                let d_act = linear_bwd(None, d_out, &act, &w.down, pair, sv, down_dropout)?;
+                drop(act);
+                d_act
+            }
+        };
+        gate_act_bwd_in_place(self.spec.layers[l].activation, &d_act, &mut gate, &mut up)?;
+        drop(d_act);
+        let members = vec![
+            MemberBwd {
+                dy: gate,
+                w: &w.gate,
+                target: Target::Gate,
+                saved: saved[0].as_ref(),
+            },
+            MemberBwd {
+                dy: up,
+                w: &w.up,
+                target: Target::Up,
+                saved: saved[1].as_ref(),
+            },
+        ];
+        shared_input_bwd(members, xn2, lora, l, GROUP_GATE_UP, ctx)
+    }
+    /// Backward of `layer_forward`: d(layer input) from d(layer output); LoRA grads accumulate.
+    /// Consumes the activations, freeing each after its last use. `d_out_c` is d(layer output)
+    /// in the compute dtype when the residual stream is wider (None: cast here); the result
+    /// carries the same copy of d(layer input) for the layer below. `env` is the one
+    /// `layer_forward` ran with: `d_out` then holds rows `[env.from, T)`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn layer_backward(
+        &self,
+        l: usize,
+        d_out: &Tensor,
+        d_out_c: Option<Tensor>,
+        a: LayerActs,
+        mut lora: Option<&mut Lora>,
+        ctx: &PassCtx,
+        env: LayerEnv,
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        let s = &self.spec;
+        let ls = &s.layers[l];
+        let w = &self.weights.layers[l];
+        // Rows of d_out (all T unless the top layer is trimmed to the rows read).
+        let t = d_out.dim(0);
+        let t_full = a.x.dim(0);
+        // MLP: out = x1 + s·post(down(act(gate(xn2)) * up(xn2)))
+        let d_out_c = match d_out_c {
+            Some(c) => Dense::Owned(c),
+            None => self.compute(d_out)?,
+        };
+        let d_branch = scaled(&d_out_c, ls.residual_scale)?;
+        let d_mlp = match (&a.mlp_post, &w.post_mlp_norm) {
+            (Some((m, r)), Some(pn)) => {
+                let d = ops::rms_norm_bwd(&d_branch, m, pn, r)?;
+                drop(d_branch);
+                Dense::Owned(d)
+            }
+            _ => d_branch,
+        };
+        drop(a.mlp_post);
+        let d_xn2 = match a.mlp {
+            Some(m) => self.mlp_backward(l, &d_mlp, &a.xn2, m, lora.as_deref_mut(), ctx)?,
+            // Recomputed all at once (the forward did not keep it).
+            None if self.mlp_chunk == 0 || t <= self.mlp_chunk => {
+                let (_, m) = self.mlp_forward(l, &a.xn2, lora.as_deref(), ctx, false)?;
+                self.mlp_backward(l, &d_mlp, &a.xn2, m, lora.as_deref_mut(), ctx)?
+            }
+            // Recomputed chunk by chunk.
+            None => {
+                let mut d = Tensor::zeros(a.xn2.shape(), a.xn2.dtype(), a.xn2.device())?;
+                for (c0, c1) in token_chunks(t, self.mlp_chunk) {
+                    let xc = ops::slice_rows(&a.xn2, c0, c1)?;
+                    let (_, m) = self.mlp_forward(l, &xc, lora.as_deref(), ctx, false)?;
+                    let dc = self.mlp_backward(
+                        l,
+                        &ops::slice_rows(&d_mlp, c0, c1)?,
+                        &xc,
+                        m,
+                        lora.as_deref_mut(),
+                        ctx,
+                    )?;
+                    ops::scatter_add_rows(
+                        &mut d,
+                        &(c0 as u32..c1 as u32).collect::<Vec<_>>(),
+                        &dc,
+                    )?;
+                }
+                d
+            }
+        };
+        drop(d_mlp);
+        let cdt = self.device.compute_dtype();
+        let (d_x1, d_x1_c) =
+            ops::rms_norm_bwd_add_copy(&d_xn2, &a.x1, &w.mlp_norm, &a.rstd2, d_out, cdt)?;
+        drop((d_xn2, d_out_c, a.x1, a.xn2));
+
+        let mut lin_bwd = |into: Option<Tensor>,
+                           dy: &Tensor,
+                           inp: &Tensor,
+                           wt: &Weight,
+                           tg: Target|
+         -> Result<Tensor> {
+            let pair = lora.as_deref_mut().and_then(|lo| lo.get_mut(l, tg));
+            linear_bwd(
+                into,
+                dy,
+                inp,
+                wt,
+                pair,
+                a.lora[tg.index()].as_ref(),
+                ctx.dropout_for(l, tg),
+            )
+        };
+
+        // Attention: x1 = x + s·post(o(attention(rope(q), rope(k), v)))
+        let d_o = {
+            let d_x1_cd = d_x1_c.as_ref().unwrap_or(&d_x1);
+            let d_branch = scaled(d_x1_cd, ls.residual_scale)?;
+            match (&a.o_post, &w.post_attn_norm) {
+                (Some((o, r)), Some(pn)) => {
+                    let d = ops::rms_norm_bwd(&*self.compute(&d_branch)?, o, pn, r)?;
+                    drop(d_branch);
+                    Dense::Owned(d)
+                }
+                _ => d_branch,
+            }
+        };
+        let d_attn = lin_bwd(None, &d_o, &*rows_from(&a.attn, a.from)?, &w.o, Target::O)?;
+        drop(d_o);
+        drop((d_x1_c, a.o_post));
+        // The rows before `a.from` get no gradient from above; they still have one through k, v.
+        let d_attn = rows_into_full(d_attn, a.from, t_full)?;
+        let d_x1 = rows_into_full(d_x1, a.from, t_full)?;
+        let (dq_rot, dk_rot, dv) = ops::attention_bwd(
+            &d_attn,
+            &a.q,
+            &a.k,
+            &a.v,
+            &a.attn,
+            &a.lse,
+            env.mask,
+            self.attn_shape(l),
+        )?;
+        drop((d_attn, a.q, a.k, a.v, a.attn, a.lse));
+        let mut dq = ops::rope(&dq_rot, env.rope, s.n_heads, true)?;
+        drop(dq_rot);
+        let mut dk = ops::rope(&dk_rot, env.rope, s.n_kv_heads, true)?;
+        drop(dk_rot);
+        if let (Some(qn), Some(kn)) = (&w.q_norm, &w.k_norm) {
+            let dqp = dq.reshape(&[t_full * s.n_heads, s.head_dim])?;
+            let dkp = dk.reshape(&[t_full * s.n_kv_heads, s.head_dim])?;
+            dq = ops::rms_norm_bwd(
+                &dqp,
+                a.q_pre.as_ref().unwrap(),
+                qn,
+                a.q_rstd.as_ref().unwrap(),
+            )?
+            .reshape(&[t_full, s.q_dim()])?;
+            dk = ops::rms_norm_bwd(
+                &dkp,
+                a.k_pre.as_ref().unwrap(),
+                kn,
+                a.k_rstd.as_ref().unwrap(),
+            )?
+            .reshape(&[t_full, s.kv_dim()])?;
+        }
+        let members = [
+            (dq, &w.q, Target::Q),
+            (dk, &w.k, Target::K),
+            (dv, &w.v, Target::V),
+        ]
+        .map(|(dy, w, target)| MemberBwd {
+            dy,
+            w,
+            target,
+            saved: a.lora[target.index()].as_ref(),
+        });
+        let d_xn = shared_input_bwd(members.into(), &a.xn, lora, l, GROUP_QKV, ctx)?;
+        ops::rms_norm_bwd_add_copy(&d_xn, &a.x, &w.attn_norm, &a.rstd1, &d_x1, cdt)
+    }
+}

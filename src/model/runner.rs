@@ -1,0 +1,503 @@
+//! The runner: a loaded model, and the whole-model passes over its list of layers with the memory
+//! machinery every family shares. Segments (keep every s-th layer boundary, recompute a segment
+//! at a time in the backward), kept attention outputs, kept k/v, the MLP chunk size, the top
+//! layer trimmed to the rows the head reads, and the per-kind masks and rotary tables (one mask
+//! per distinct sliding window, one table per `RopeSpec`) built once per pass from the pass's
+//! base mask, which carries the prefix-shared layout. The maths of one layer is `layer.rs`.
+
+use super::config::ModelSpec;
+use super::layer::{LayerActs, LayerEnv, LayerRun};
+use super::lora::{Lora, Target};
+use super::weights::{Dense, ModelWeights};
+use crate::tensor::{self as ops, AttnMask, DType, Device, RopeTable, Tensor};
+use anyhow::Result;
+
+/// Per-pass context shared by every layer: the pass's mask (its layout: causal or
+/// prefix-shared; each layer applies its own window), the main rotary table for its positions
+/// (`Model::rope_table`), and LoRA dropout.
+pub struct PassCtx<'a> {
+    pub mask: &'a AttnMask,
+    pub rope: &'a RopeTable,
+    /// LoRA-input dropout `(p, step seed)`; the mask is keyed by (step seed, layer, target) so a
+    /// recomputation replays it.
+    pub dropout: Option<(f32, u64)>,
+}
+
+impl PassCtx<'_> {
+    pub(crate) fn dropout_for(&self, layer: usize, t: Target) -> Option<(f32, u64)> {
+        self.dropout.filter(|(p, _)| *p > 0.0).map(|(p, seed)| {
+            let key = (layer as u64) * 8 + t.index() as u64;
+            (p, seed ^ key.wrapping_mul(0xD6E8_FEB8_6659_FD93))
+        })
+    }
+}
+
+/// The rows `[from, T)` of a pass's final hidden states, the only ones anything reads (the head's
+/// rows of a preference pair start at the prompt's last token). The top layer runs its o
+/// projection and MLP for these rows only, and its other rows attend to themselves alone
+/// (`mask`): nothing reads their outputs, while their k and v still feed the rows that are read.
+/// Their gradients are exactly zero either way, so the result is the same as the full layer's.
+pub struct ReadRows {
+    from: usize,
+    mask: AttnMask,
+}
+
+impl ReadRows {
+    /// `None` when every row is read (`from == 0`).
+    pub fn new(mask: &AttnMask, from: usize) -> Option<ReadRows> {
+        if from == 0 {
+            return None;
+        }
+        let mut mask = mask.clone();
+        for (q, r) in mask.ranges.iter_mut().enumerate().take(from) {
+            *r = [q as u32, q as u32 + 1, 0, 0];
+        }
+        Some(ReadRows { from, mask })
+    }
+}
+
+/// Borrowed from the pass when it already is what a layer kind needs, else built for it.
+enum Held<'a, T> {
+    Borrowed(&'a T),
+    Owned(T),
+}
+
+impl<T> std::ops::Deref for Held<'_, T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        match self {
+            Held::Borrowed(t) => t,
+            Held::Owned(t) => t,
+        }
+    }
+}
+
+/// A pass's masks and rotary tables per layer kind, and the top layer's read rows.
+struct Kinds<'a> {
+    masks: Vec<Held<'a, AttnMask>>,
+    /// Per layer: index into `masks`.
+    mask_of: Vec<usize>,
+    ropes: Vec<Held<'a, RopeTable>>,
+    read: Option<ReadRows>,
+}
+
+impl Kinds<'_> {
+    fn env(&self, model: &Model, l: usize) -> LayerEnv<'_> {
+        let top = l + 1 == model.spec.n_layers;
+        match self.read.as_ref().filter(|_| top) {
+            Some(r) => LayerEnv {
+                mask: &r.mask,
+                rope: &self.ropes[model.spec.layers[l].rope],
+                from: r.from,
+            },
+            None => LayerEnv {
+                mask: &self.masks[self.mask_of[l]],
+                rope: &self.ropes[model.spec.layers[l].rope],
+                from: 0,
+            },
+        }
+    }
+}
+
+/// What a forward keeps for its backward, and which rows of its final hidden states it computes
+/// (`Model::forward_keeping`).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ForwardPlan {
+    /// 0 keeps every layer's activations; s > 0 keeps the input of every s-th layer below the
+    /// top one and the top layer's activations, and recomputes a segment at a time.
+    pub segment_size: usize,
+    /// With segments: also keep every layer's attention output and lse (`(T, nh·hd)` + `(nh, T)`
+    /// per layer), so that the recomputation runs no attention kernel.
+    pub keep_attention: bool,
+    /// With segments: the top layer keeps its MLP intermediates too (otherwise its backward
+    /// recomputes them; see `train::memory::keep_top_mlp`).
+    pub keep_top_mlp: bool,
+    /// Compute the final hidden states of rows `[read_from, T)` only (`ReadRows`).
+    pub read_from: usize,
+    /// With segments: also keep k (rotated) and v of the lowest this many layers below the top
+    /// one (`T·2·kv_dim` values each), sparing their projections in the recomputation. Not for
+    /// models with q/k norms (their backward needs the unnormed k as well).
+    pub keep_kv_layers: usize,
+}
+
+/// A loaded model: spec, frozen weights, and its device.
+pub struct Model {
+    pub spec: ModelSpec,
+    pub weights: ModelWeights,
+    pub device: Device,
+    /// The main rotary table's inverse frequencies (for sequences within the original context,
+    /// where LongRoPE differs).
+    pub inv_freq: Vec<f32>,
+    /// Run the MLP in token chunks of this size (0: all tokens at once); the backward recomputes
+    /// each chunk's intermediates, trading one extra gate/up projection for (T, I) memory.
+    pub mlp_chunk: usize,
+    /// Dtype of the residual stream and its gradient between layers: f32 on every device, so
+    /// that the sums of many bf16 sublayer outputs do not round at each layer (projections and
+    /// attention still read the compute dtype).
+    pub residual_dtype: DType,
+}
+
+impl Model {
+    pub fn new(spec: ModelSpec, weights: ModelWeights, device: Device) -> Model {
+        let inv_freq = spec.inv_freq();
+        Model {
+            spec,
+            weights,
+            device,
+            inv_freq,
+            mlp_chunk: 0,
+            residual_dtype: DType::F32,
+        }
+    }
+
+    /// The attention mask of a plain causal sequence (each layer applies its own window).
+    pub fn causal_mask(&self, t: usize) -> AttnMask {
+        AttnMask::causal(t)
+    }
+
+    /// Final hidden states of one plain causal sequence, keeping nothing for a backward
+    /// (generation and evaluation).
+    pub fn hidden_states(&self, ids: &[u32], lora: Option<&Lora>) -> Result<Tensor> {
+        let mask = self.causal_mask(ids.len());
+        let rope = self.rope_table(&mask.positions)?;
+        let ctx = PassCtx {
+            mask: &mask,
+            rope: &rope,
+            dropout: None,
+        };
+        Ok(self.forward(ids, lora, &ctx, self.spec.n_layers)?.0)
+    }
+
+    /// The main rotary table (`spec.ropes[0]`) at `positions`.
+    pub fn rope_table(&self, positions: &[i32]) -> Result<RopeTable> {
+        self.rope_table_of(0, positions)
+    }
+
+    /// Rotary table `kind` at `positions` (LongRoPE picks its factors by the largest position).
+    pub fn rope_table_of(&self, kind: usize, positions: &[i32]) -> Result<RopeTable> {
+        let r = &self.spec.ropes[kind];
+        let max_pos = positions.iter().copied().max().unwrap_or(0).max(0) as usize;
+        RopeTable::scaled(
+            positions,
+            &r.inv_freq(max_pos),
+            r.attention_factor(),
+            &self.device,
+        )
+    }
+
+    /// The pass's masks and tables per layer kind; `read_from` trims the top layer.
+    fn kinds<'a>(&self, ctx: &PassCtx<'a>, read_from: usize) -> Result<Kinds<'a>> {
+        let mut windows: Vec<Option<u32>> = Vec::new();
+        let mut mask_of = Vec::with_capacity(self.spec.n_layers);
+        for ls in &self.spec.layers {
+            let i = match windows.iter().position(|w| *w == ls.window) {
+                Some(i) => i,
+                None => {
+                    windows.push(ls.window);
+                    windows.len() - 1
+                }
+            };
+            mask_of.push(i);
+        }
+        let masks: Vec<Held<AttnMask>> = windows
+            .iter()
+            .map(|&w| {
+                if ctx.mask.window == w {
+                    Held::Borrowed(ctx.mask)
+                } else {
+                    Held::Owned(ctx.mask.clone().with_window(w))
+                }
+            })
+            .collect();
+        let mut ropes = vec![Held::Borrowed(ctx.rope)];
+        for kind in 1..self.spec.ropes.len() {
+            ropes.push(Held::Owned(self.rope_table_of(kind, &ctx.mask.positions)?));
+        }
+        let top = self.spec.n_layers - 1;
+        let read = ReadRows::new(&masks[mask_of[top]], read_from);
+        Ok(Kinds {
+            masks,
+            mask_of,
+            ropes,
+            read,
+        })
+    }
+
+    /// `t` in the compute dtype (borrowed when it already is).
+    pub(crate) fn compute<'a>(&self, t: &'a Tensor) -> Result<Dense<'a>> {
+        let dt = self.device.compute_dtype();
+        Ok(if t.dtype() == dt {
+            Dense::Borrowed(t)
+        } else {
+            Dense::Owned(t.to_dtype(dt)?)
+        })
+    }
+
+    /// Token embeddings `(T, H)` in the compute dtype (before the family's embedding scale).
+    pub fn embed(&self, ids: &[u32]) -> Result<Tensor> {
+        ops::embedding(&*self.weights.embed.dense()?, ids)
+    }
+
+    /// The factor on the embeddings as this device applies it (`spec.embed_scale`, rounded to
+    /// the compute dtype where the family asks).
+    fn embed_scale(&self) -> Option<f32> {
+        let s = self.spec.embed_scale?;
+        Some(
+            if self.spec.embed_scale_in_weight_dtype && self.device.compute_dtype() == DType::BF16 {
+                half::bf16::from_f32(s).to_f32()
+            } else {
+                s
+            },
+        )
+    }
+
+    /// Forward through all layers and the final norm, keeping what the backward needs according
+    /// to `segment_size` (see `ForwardPlan`).
+    pub fn forward(
+        &self,
+        ids: &[u32],
+        lora: Option<&Lora>,
+        ctx: &PassCtx,
+        segment_size: usize,
+    ) -> Result<(Tensor, ForwardState)> {
+        let plan = ForwardPlan {
+            segment_size,
+            keep_top_mlp: true,
+            ..Default::default()
+        };
+        self.forward_keeping(ids, lora, ctx, plan)
+    }
+
+    /// `forward` keeping what `plan` says. Same numbers whatever it keeps: the kept tensors are
+    /// the ones a recomputation would make. Returns the final hidden states of rows
+    /// `[plan.read_from, T)`.
+    pub fn forward_keeping(
+        &self,
+        ids: &[u32],
+        lora: Option<&Lora>,
+        ctx: &PassCtx,
+        plan: ForwardPlan,
+    ) -> Result<(Tensor, ForwardState)> {
+        let ForwardPlan {
+            segment_size,
+            keep_attention,
+            keep_top_mlp,
+            read_from,
+            keep_kv_layers,
+        } = plan;
+        let keep_kv = |l: usize| {
+            segment_size > 0
+                && l < keep_kv_layers
+                && l + 1 < self.spec.n_layers
+                && self.weights.layers[l].k_norm.is_none()
+        };
+        let kinds = self.kinds(ctx, read_from)?;
+        let mut kept_kv = Vec::new();
+        let n = self.spec.n_layers;
+        let mut x = self.embed(ids)?;
+        if x.dtype() != self.residual_dtype {
+            x = x.to_dtype(self.residual_dtype)?;
+        }
+        if let Some(s) = self.embed_scale() {
+            ops::scale(&mut x, s)?;
+        }
+        let mut acts = Vec::new();
+        let mut boundaries = Vec::new();
+        let mut kept_attention = Vec::new();
+        for l in 0..n {
+            // With segments, the top layer keeps its activations from the forward: the backward
+            // starts there, so a recomputation would rebuild them at once, and they are live at
+            // the step's peak either way.
+            let top = l + 1 == n;
+            if segment_size > 0 && l % segment_size == 0 && !top {
+                boundaries.push((l, x.try_clone()?));
+            }
+            let run = LayerRun {
+                env: kinds.env(self, l),
+                want_output: true,
+                attention: None,
+                kept_kv: None,
+                keep_mlp: segment_size == 0 || keep_top_mlp,
+            };
+            let (y, a) = self.layer_forward(l, x, lora, ctx, run)?;
+            if segment_size == 0 || top {
+                acts.push(a);
+            } else {
+                kept_kv.push(keep_kv(l).then_some((a.k, a.v)));
+                if keep_attention {
+                    kept_attention.push(Some((a.attn, a.lse)));
+                }
+            }
+            self.device.memtrace(|| format!("forward layer {l}"));
+            x = y.expect("the layer output was asked for");
+        }
+        let (h, rstd) = ops::rms_norm_to(
+            &x,
+            &self.weights.norm,
+            self.spec.rms_eps,
+            self.device.compute_dtype(),
+        )?;
+        Ok((
+            h,
+            ForwardState {
+                acts,
+                boundaries,
+                kept_attention,
+                kept_kv,
+                last: x,
+                rstd,
+                segment_size,
+                read_from,
+            },
+        ))
+    }
+
+    /// Backward from d(final hidden) to every LoRA gradient. Returns d(embeddings) for tests.
+    /// Takes d(final hidden) to free it after its first use.
+    pub fn backward(
+        &self,
+        d_hidden: Tensor,
+        state: ForwardState,
+        mut lora: Option<&mut Lora>,
+        ctx: &PassCtx,
+    ) -> Result<Tensor> {
+        let kinds = self.kinds(ctx, state.read_from)?;
+        let mut d = ops::rms_norm_bwd(&d_hidden, &state.last, &self.weights.norm, &state.rstd)?;
+        drop(d_hidden);
+        // The compute-dtype copy of d, where the residual stream is wider: written with it by
+        // each layer's last kernel, for the next layer's first projection.
+        let mut dc = None;
+        drop(state.last);
+        let n = self.spec.n_layers;
+        if state.segment_size == 0 {
+            for (l, a) in state.acts.into_iter().enumerate().rev() {
+                (d, dc) = self.layer_backward(
+                    l,
+                    &d,
+                    dc,
+                    a,
+                    lora.as_deref_mut(),
+                    ctx,
+                    kinds.env(self, l),
+                )?;
+            }
+            return self.embed_bwd(d);
+        }
+        // With segments `acts` holds the top layer's, kept from the forward.
+        for a in state.acts {
+            (d, dc) = self.layer_backward(
+                n - 1,
+                &d,
+                dc,
+                a,
+                lora.as_deref_mut(),
+                ctx,
+                kinds.env(self, n - 1),
+            )?;
+            self.device.memtrace(|| format!("backward layer {}", n - 1));
+        }
+        let mut kept_attention = state.kept_attention;
+        let mut kept_kv = state.kept_kv;
+        for (start, x) in state.boundaries.into_iter().rev() {
+            let end = (start + state.segment_size).min(n - 1);
+            // Recompute this segment's activations from its boundary; only one segment is live.
+            let mut seg: Vec<LayerActs> = Vec::with_capacity(end - start);
+            let mut x = Some(x);
+            for l in start..end {
+                let input = x.take().expect("each recomputed layer's input");
+                let kept = kept_attention.get_mut(l).and_then(Option::take);
+                let run = LayerRun {
+                    env: kinds.env(self, l),
+                    want_output: l + 1 < end,
+                    attention: kept,
+                    kept_kv: kept_kv.get_mut(l).and_then(Option::take),
+                    keep_mlp: true,
+                };
+                let (y, a) = self.layer_forward(l, input, lora.as_deref(), ctx, run)?;
+                seg.push(a);
+                x = y;
+            }
+            for (i, a) in seg.into_iter().enumerate().rev() {
+                let l = start + i;
+                self.device.memtrace(|| format!("recomputed layer {l}"));
+                (d, dc) = self.layer_backward(
+                    l,
+                    &d,
+                    dc,
+                    a,
+                    lora.as_deref_mut(),
+                    ctx,
+                    kinds.env(self, l),
+                )?;
+                self.device.memtrace(|| format!("backward layer {l}"));
+            }
+        }
+        self.embed_bwd(d)
+    }
+
+    /// d(embeddings) from d(scaled embeddings).
+    fn embed_bwd(&self, mut d: Tensor) -> Result<Tensor> {
+        if let Some(s) = self.embed_scale() {
+            ops::scale(&mut d, s)?;
+        }
+        Ok(d)
+    }
+
+    /// Logits `(T, V)` from final hidden states (softcapped where the family caps them).
+    pub fn logits(&self, hidden: &Tensor, out_dtype: DType) -> Result<Tensor> {
+        let mut z = ops::matmul(
+            hidden,
+            false,
+            &*self.weights.head().dense()?,
+            true,
+            1.0,
+            out_dtype,
+        )?;
+        if let Some(c) = self.spec.final_logit_softcap {
+            ops::softcap(&mut z, c)?;
+        }
+        Ok(z)
+    }
+
+    /// d(hidden) from d(logits): `dH = dLogits · W_head`. For a model with a final softcap use
+    /// `logits_bwd_capped`, which needs the logits.
+    pub fn logits_bwd(&self, d_logits: &Tensor) -> Result<Tensor> {
+        anyhow::ensure!(
+            self.spec.final_logit_softcap.is_none(),
+            "logits_bwd: this model softcaps its logits; use logits_bwd_capped"
+        );
+        let dt = self.device.compute_dtype();
+        let d = self.compute(d_logits)?;
+        ops::matmul(&d, false, &*self.weights.head().dense()?, false, 1.0, dt)
+    }
+
+    /// d(hidden) from d(logits) and the (softcapped) logits `logits` returned.
+    pub fn logits_bwd_capped(&self, d_logits: &Tensor, logits: &Tensor) -> Result<Tensor> {
+        let Some(c) = self.spec.final_logit_softcap else {
+            return self.logits_bwd(d_logits);
+        };
+        let mut d = d_logits.to_dtype(DType::F32)?;
+        ops::softcap_bwd(&mut d, &logits.to_dtype(DType::F32)?, c)?;
+        let dt = self.device.compute_dtype();
+        let d = self.compute(&d)?;
+        ops::matmul(&d, false, &*self.weights.head().dense()?, false, 1.0, dt)
+    }
+}
+
+/// What `Model::forward` keeps for `Model::backward`.
+pub struct ForwardState {
+    /// Every layer's activations without segments; the top layer's alone with them.
+    acts: Vec<LayerActs>,
+    /// With segments: `(first layer, its input)` of each segment below the top layer.
+    boundaries: Vec<(usize, Tensor)>,
+    /// Per layer, with segments and `keep_attention`: the forward's attention output and lse,
+    /// taken by the layer's recomputation.
+    kept_attention: Vec<Option<(Tensor, Tensor)>>,
+    /// Per layer, with segments: k and v kept from the forward (`ForwardPlan::keep_kv_layers`).
+    kept_kv: Vec<Option<(Tensor, Tensor)>>,
+    last: Tensor,
+    rstd: Tensor,
+    segment_size: usize,
+    /// The first row the forward's top layer computed (0: all).
+    read_from: usize,
+}
