@@ -83,32 +83,48 @@ pub fn named_shape(name: &str) -> Result<ModelSpec> {
         "llama8b" => r#"{"architectures":["LlamaForCausalLM"],"hidden_size":4096,"intermediate_size":14336,"num_hidden_layers":32,"num_attention_heads":32,"num_key_value_heads":8,"vocab_size":128256,"rope_theta":500000.0,"tie_word_embeddings":false,"rms_norm_eps":1e-5}"#.to_string(),
         "qwen1.5b" => r#"{"architectures":["Qwen2ForCausalLM"],"hidden_size":1536,"intermediate_size":8960,"num_hidden_layers":28,"num_attention_heads":12,"num_key_value_heads":2,"vocab_size":151936,"rope_theta":1000000.0,"tie_word_embeddings":true,"rms_norm_eps":1e-6}"#.to_string(),
         "qwen0.5b" => r#"{"architectures":["Qwen2ForCausalLM"],"hidden_size":896,"intermediate_size":4864,"num_hidden_layers":24,"num_attention_heads":14,"num_key_value_heads":2,"vocab_size":151936,"rope_theta":1000000.0,"tie_word_embeddings":true,"rms_norm_eps":1e-6}"#.to_string(),
+        "minicpm5-1b" => r#"{"architectures":["LlamaForCausalLM"],"hidden_size":1536,"intermediate_size":4608,"num_hidden_layers":24,"num_attention_heads":16,"num_key_value_heads":2,"head_dim":128,"vocab_size":130560,"rope_theta":1000000.0,"tie_word_embeddings":false,"rms_norm_eps":1e-5}"#.to_string(),
+        "gemma2-2b" => r#"{"architectures":["Gemma2ForCausalLM"],"hidden_size":2304,"intermediate_size":9216,"num_hidden_layers":26,"num_attention_heads":8,"num_key_value_heads":4,"head_dim":256,"vocab_size":256000,"query_pre_attn_scalar":256,"attn_logit_softcapping":50.0,"final_logit_softcapping":30.0,"sliding_window":4096,"rope_theta":10000.0,"rms_norm_eps":1e-6,"tie_word_embeddings":true}"#.to_string(),
+        "gemma3-4b" => r#"{"architectures":["Gemma3ForCausalLM"],"model_type":"gemma3_text","hidden_size":2560,"intermediate_size":10240,"num_hidden_layers":34,"num_attention_heads":8,"num_key_value_heads":4,"head_dim":256,"vocab_size":262208,"query_pre_attn_scalar":256,"sliding_window":1024,"sliding_window_pattern":6,"rope_theta":1000000.0,"rope_local_base_freq":10000.0,"rope_scaling":{"rope_type":"linear","factor":8.0},"rms_norm_eps":1e-6,"tie_word_embeddings":true}"#.to_string(),
         "tiny" => r#"{"architectures":["LlamaForCausalLM"],"hidden_size":128,"intermediate_size":256,"num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":2,"vocab_size":512,"tie_word_embeddings":false}"#.to_string(),
-        path => std::fs::read_to_string(path).with_context(|| format!("shape {path:?} is not a known name (qwen0.5b, qwen1.5b, llama8b, tiny) nor a readable config.json"))?,
+        path => std::fs::read_to_string(path).with_context(|| format!("shape {path:?} is not a known name (qwen0.5b, qwen1.5b, llama8b, minicpm5-1b, gemma2-2b, gemma3-4b, tiny) nor a readable config.json"))?,
     };
     ModelSpec::from_config_json(&json)
 }
 
-/// Model FLOPs of one ORPO step (see the module doc).
+/// Model FLOPs of one ORPO step (see the module doc), layer by layer from the spec's layer
+/// descriptions (each layer's MLP width and sliding window).
 pub fn step_flops(spec: &ModelSpec, plan: &Plan, rank: usize, head_rows: usize) -> f64 {
-    let (h, q, kv, i) = (
+    let (h, q, kv) = (
         spec.hidden as f64,
         spec.q_dim() as f64,
         spec.kv_dim() as f64,
-        spec.intermediate as f64,
     );
-    let per_tok_linear = 2.0 * (h * (q + 2.0 * kv) + q * h + 3.0 * h * i);
     let r = rank as f64;
-    let lora_in_out = (h + q) + (h + kv) * 2.0 + (q + h) + (h + i) * 2.0 + (i + h);
-    let per_tok_lora = 2.0 * r * lora_in_out;
     let mut total = 0.0;
     for s in &plan.seqs {
         let t = s.ids.len() as f64;
-        let visible: f64 = (0..s.mask.len())
-            .map(|qi| s.mask.visible_count(qi) as f64)
-            .sum();
-        let attn = visible * spec.n_heads as f64 * spec.head_dim as f64 * (4.0 + 10.0);
-        total += spec.n_layers as f64 * (t * (2.0 * per_tok_linear + 4.0 * per_tok_lora) + attn);
+        // Visible (query, key) pairs per distinct window.
+        let mut visible: Vec<(Option<u32>, f64)> = Vec::new();
+        for ls in &spec.layers {
+            let i = ls.intermediate as f64;
+            let per_tok_linear = 2.0 * (h * (q + 2.0 * kv) + q * h + 3.0 * h * i);
+            let lora_in_out = (h + q) + (h + kv) * 2.0 + (q + h) + (h + i) * 2.0 + (i + h);
+            let per_tok_lora = 2.0 * r * lora_in_out;
+            let pairs = match visible.iter().find(|(w, _)| *w == ls.window) {
+                Some((_, v)) => *v,
+                None => {
+                    let mask = s.mask.clone().with_window(ls.window);
+                    let v: f64 = (0..mask.len())
+                        .map(|qi| mask.visible_count(qi) as f64)
+                        .sum();
+                    visible.push((ls.window, v));
+                    v
+                }
+            };
+            let attn = pairs * spec.n_heads as f64 * spec.head_dim as f64 * (4.0 + 10.0);
+            total += t * (2.0 * per_tok_linear + 4.0 * per_tok_lora) + attn;
+        }
     }
     total + 4.0 * head_rows as f64 * h * spec.vocab as f64
 }

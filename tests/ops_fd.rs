@@ -636,6 +636,16 @@ const MISTRAL: &str = r#"{"architectures":["MistralForCausalLM"],"hidden_size":3
     "num_key_value_heads":2,"vocab_size":64,"rms_norm_eps":1e-5,"rope_theta":10000.0,
     "sliding_window":4,"tie_word_embeddings":false,"max_position_embeddings":128}"#;
 
+/// MiniCPM: μP scales (embeddings × 12, residual branches × 1.4/√2, the head reading h/2) and
+/// LongRoPE past 4 positions (T = 9 takes the long factors and the attention factor).
+const MINICPM: &str = r#"{"architectures":["MiniCPMForCausalLM"],"hidden_size":32,
+    "intermediate_size":48,"num_hidden_layers":2,"num_attention_heads":4,
+    "num_key_value_heads":2,"vocab_size":64,"rms_norm_eps":1e-5,"rope_theta":10000.0,
+    "scale_emb":12,"scale_depth":1.4,"dim_model_base":16,"tie_word_embeddings":true,
+    "max_position_embeddings":16,"rope_scaling":{"rope_type":"longrope",
+    "short_factor":[1.0,1.3,2.1,3.0],"long_factor":[1.1,1.9,2.7,3.9],
+    "original_max_position_embeddings":4}}"#;
+
 /// Token ids of the T = 9 sequence (with repeats).
 const IDS: [u32; 9] = [1, 17, 5, 63, 17, 0, 42, 5, 9];
 
@@ -697,7 +707,7 @@ fn model_grads(m: &Model, lora: &mut Lora, ctx: &PassCtx, c: &[f32], plan: Forwa
     let (hidden, state) = m.forward_keeping(&IDS, Some(&*lora), ctx, plan).unwrap();
     let logits = m.logits(&hidden, DType::F32).unwrap();
     let dl = t(c, logits.shape());
-    let dh = m.logits_bwd(&dl).unwrap();
+    let dh = m.logits_bwd_capped(&dl, &logits).unwrap();
     m.backward(dh, state, Some(lora), ctx).unwrap()
 }
 
@@ -896,6 +906,17 @@ fn model_lora_grads_match_fd_mistral_sliding_window() {
     let mut m = tiny(MISTRAL, 4);
     assert_eq!(m.model.spec.sliding_window, Some(4));
     check_lora_grads("mistral", &mut m, None);
+}
+
+#[test]
+fn model_lora_grads_match_fd_minicpm_mup_longrope() {
+    let mut m = tiny(MINICPM, 6);
+    let spec = &m.model.spec;
+    assert_eq!(spec.embed_scale, Some(12.0));
+    assert!((spec.layers[0].residual_scale - 1.4 / 2f32.sqrt()).abs() < 1e-6);
+    assert_eq!(spec.head_input_scale, Some(0.5));
+    assert!(spec.ropes[0].attention_factor() > 1.0);
+    check_lora_grads("minicpm", &mut m, None);
 }
 
 #[test]

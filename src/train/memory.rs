@@ -29,15 +29,25 @@ pub fn estimate_bytes(
     dtype_bytes: usize,
     head_chunk_rows: usize,
 ) -> usize {
-    let (h, q, kv, i) = (spec.hidden, spec.q_dim(), spec.kv_dim(), spec.intermediate);
+    let (h, q, kv) = (spec.hidden, spec.q_dim(), spec.kv_dim());
     let c = dtype_bytes;
-    let mlp = if mlp_chunked { 0 } else { 3 * i * c };
-    let per_token_layer =
-        2 * 4 * h + 2 * c * h + c * (2 * q + 2 * kv) + mlp + 4 * (spec.n_heads + 2);
-    let layer = tokens * per_token_layer;
+    // Bytes per token that layer `ls` keeps (its MLP width; sandwich norms keep the attention and
+    // MLP outputs before their norms).
+    let per_token = |ls: &crate::model::config::LayerSpec| {
+        let mlp = if mlp_chunked {
+            0
+        } else {
+            3 * ls.intermediate * c
+        };
+        let sandwich = if ls.sandwich_norms { 2 * c * h + 8 } else { 0 };
+        2 * 4 * h + 2 * c * h + c * (2 * q + 2 * kv) + mlp + 4 * (spec.n_heads + 2) + sandwich
+    };
+    let widest = spec.layers.iter().map(per_token).max().unwrap_or(0);
+    let layer = tokens * widest;
+    let all_layers: usize = spec.layers.iter().map(|ls| tokens * per_token(ls)).sum();
     let l = spec.n_layers;
     let kept = if segment_size == 0 {
-        l * layer
+        all_layers
     } else {
         let boundaries = l.div_ceil(segment_size) * tokens * h * 4;
         let attention = if keep_attention {
@@ -62,7 +72,11 @@ pub fn keep_top_mlp(
     head_transient_bytes: usize,
     dtype_bytes: usize,
 ) -> bool {
-    head_transient_bytes <= tokens * spec.intermediate * dtype_bytes
+    let top = spec
+        .layers
+        .last()
+        .map_or(spec.intermediate, |l| l.intermediate);
+    head_transient_bytes <= tokens * top * dtype_bytes
 }
 
 /// What a step keeps for its backward: the segment size and, with segments, whether the
