@@ -206,7 +206,6 @@ pub fn run(a: BenchArgs) -> Result<()> {
         workloads.push(Workload::parse(spec_str)?);
     }
     for w in &workloads {
-        model.mlp_chunk = w.mlp_chunk;
         let mut rng = crate::model::lora::Rng(1);
         let mut tok = |n: usize| -> Vec<u32> {
             (0..n)
@@ -241,6 +240,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
             segment_size,
             keep_attention,
             keep_kv_layers,
+            mlp_chunk: w.mlp_chunk,
             head: match a.head {
                 HeadArg::Full => HeadTier::Full,
                 HeadArg::Chunked => HeadTier::Chunked,

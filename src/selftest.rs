@@ -358,6 +358,7 @@ pub fn train_parity(device: &Device) -> Result<bool> {
             segment_size: 2,
             keep_attention: false,
             keep_kv_layers: 1,
+            mlp_chunk: 0,
             head: HeadTier::Chunked,
             head_chunk: 16,
             dropout: None,

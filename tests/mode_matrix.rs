@@ -38,7 +38,6 @@ fn run(seg: usize, head: HeadTier, chunk: usize, prefix: bool, mlp_chunk: usize)
         .unwrap(),
         dev.clone(),
     );
-    model.mlp_chunk = mlp_chunk;
     let mut lora = Lora::new(
         &spec,
         LoraConfig {
@@ -69,6 +68,7 @@ fn run(seg: usize, head: HeadTier, chunk: usize, prefix: bool, mlp_chunk: usize)
         keep_attention: false,
         // k and v of the lowest `seg` layers kept (with segments).
         keep_kv_layers: seg,
+        mlp_chunk,
         head,
         head_chunk: chunk,
         dropout: None,

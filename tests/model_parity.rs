@@ -1,5 +1,10 @@
-//! Whole-model parity against PyTorch: tiny random Llama, Qwen2, Qwen3 and Mistral models with
-//! LoRA on all seven projections (non-zero B), fixtures made by scripts/make_model_fixtures.py.
+//! Whole-model parity against PyTorch: tiny random Llama, Qwen2, Qwen3, Mistral, MiniCPM5-shaped
+//! Llama, Gemma 2, Gemma 3 and MiniCPM (tied with LongRoPE, untied) models with LoRA on all seven
+//! projections (non-zero B), fixtures made by scripts/make_model_fixtures.py.
+//!
+//! MiniCPM's `h / (hidden/dim_model_base)` is folded into lorafit's final norm, so its final
+//! hidden states are the fixture's `hidden` times `head_input_scale` (and d(hidden) the
+//! fixture's divided by it).
 //! Logits within max|diff| ≤ 1e-4·max|logit| and every LoRA gradient within relative-norm error
 //! ≤ 1e-4, both from d(logits) and from d(hidden); all on the CPU in f32.
 
@@ -19,12 +24,35 @@ fn run_family(name: &str) {
     let model = Model::new(spec.clone(), weights, dev.clone());
     let mut lora = Lora::load_peft(&dir.join("adapter"), &spec, &dev).unwrap();
 
-    let (inv_shape, inv_ref) = &reference["rope_inv_freq"];
-    assert_eq!(inv_shape[0], spec.head_dim / 2);
-    assert_close(&format!("{name} inv_freq"), &model.inv_freq, inv_ref, 1e-6);
-
     let ids: Vec<u32> = reference["input_ids"].1.iter().map(|&x| x as u32).collect();
     let t = ids.len();
+    let (inv_shape, inv_ref) = &reference["rope_inv_freq"];
+    assert_eq!(inv_shape[0], spec.head_dim / 2);
+    // The table a T-token pass uses (LongRoPE's long factors past the original context).
+    assert_close(
+        &format!("{name} inv_freq"),
+        &spec.ropes[0].inv_freq(t - 1),
+        inv_ref,
+        1e-6,
+    );
+    if let Some((_, local)) = reference.get("rope_inv_freq_local") {
+        assert_close(
+            &format!("{name} local inv_freq"),
+            &spec.ropes[1].inv_freq(t - 1),
+            local,
+            1e-6,
+        );
+    }
+    if let Some((_, f)) = reference.get("rope_attention_factor") {
+        let got = spec.ropes[0].attention_factor();
+        assert!((got - f[0]).abs() <= 1e-6, "{name}: attention factor {got} vs {}", f[0]);
+    }
+    if let Some((_, s)) = reference.get("embed_scale") {
+        assert_eq!(spec.embed_scale, Some(s[0]), "{name}: embedding scale");
+    }
+    let hscale = spec.head_input_scale.unwrap_or(1.0);
+    let hidden_ref: Vec<f32> = reference["hidden"].1.iter().map(|x| x * hscale).collect();
+    let dhidden_ref: Vec<f32> = reference["dhidden"].1.iter().map(|x| x / hscale).collect();
     let mask = model.causal_mask(t);
     let rope = model.rope_table(&mask.positions).unwrap();
     let ctx = PassCtx {
@@ -48,18 +76,18 @@ fn run_family(name: &str) {
         assert_close(
             &format!("{name} hidden"),
             hidden.as_cpu().unwrap(),
-            &reference["hidden"].1,
+            &hidden_ref,
             1e-5,
         );
         let dlogits = Tensor::cpu(reference["dlogits"].1.clone(), &[t, spec.vocab]).unwrap();
-        let dh = model.logits_bwd(&dlogits).unwrap();
+        let dh = model.logits_bwd_capped(&dlogits, &logits).unwrap();
         model.backward(dh, state, Some(&mut lora), &ctx).unwrap();
         check_grads(name, "grad_logits", &lora, &reference);
 
         // From d(hidden).
         lora.zero_grads().unwrap();
         let (_, state) = model.forward(&ids, Some(&lora), &ctx, seg).unwrap();
-        let dh = Tensor::cpu(reference["dhidden"].1.clone(), &[t, spec.hidden]).unwrap();
+        let dh = Tensor::cpu(dhidden_ref.clone(), &[t, spec.hidden]).unwrap();
         model.backward(dh, state, Some(&mut lora), &ctx).unwrap();
         check_grads(name, "grad_hidden", &lora, &reference);
     }
@@ -68,7 +96,7 @@ fn run_family(name: &str) {
     // `read_from`, as the trainer does when the head reads a suffix) gives those rows and every
     // gradient of the full pass whose d(hidden) is zero before row r.
     let r = t / 2 + 1;
-    let dh_full = reference["dhidden"].1.clone();
+    let dh_full = dhidden_ref.clone();
     let mut dh_zeroed = dh_full.clone();
     dh_zeroed[..r * spec.hidden].fill(0.0);
     for seg in [0usize, 1] {
@@ -89,6 +117,7 @@ fn run_family(name: &str) {
             keep_top_mlp: false,
             read_from: r,
             keep_kv_layers: seg,
+            mlp_chunk: 0,
         };
         let (hidden, state) = model
             .forward_keeping(&ids, Some(&lora), &ctx, plan)
@@ -113,7 +142,7 @@ fn run_family(name: &str) {
             .pairs()
             .flat_map(|(_, _, p)| [p.grad_a.to_vec().unwrap(), p.grad_b.to_vec().unwrap()])
             .collect();
-        assert_eq!(grads.len(), 28);
+        assert_eq!(grads.len(), 2 * 7 * spec.n_layers);
         for (i, (g, want)) in grads.iter().zip(&grads_full).enumerate() {
             assert!(
                 want.iter().any(|&v| v != 0.0),
@@ -152,7 +181,8 @@ fn check_grads(
             n += 1;
         }
     }
-    assert_eq!(n, 28, "{name}: expected 2 layers x 7 targets x 2 matrices");
+    let layers = lora.pairs().map(|(l, _, _)| l + 1).max().unwrap_or(0);
+    assert_eq!(n, 2 * 7 * layers, "{name}: expected 7 targets x 2 matrices per layer");
 }
 
 #[test]
@@ -174,4 +204,24 @@ fn qwen3_matches_pytorch() {
 #[test]
 fn mistral_sliding_window_matches_pytorch() {
     run_family("mistral");
+}
+#[test]
+fn minicpm5_llama_explicit_head_dim_matches_pytorch() {
+    run_family("minicpm5");
+}
+#[test]
+fn gemma2_softcaps_sandwich_window_matches_pytorch() {
+    run_family("gemma2");
+}
+#[test]
+fn gemma3_qk_norm_local_global_rope_matches_pytorch() {
+    run_family("gemma3");
+}
+#[test]
+fn minicpm_mup_longrope_tied_matches_pytorch() {
+    run_family("minicpm");
+}
+#[test]
+fn minicpm_untied_matches_pytorch() {
+    run_family("minicpm_untied");
 }

@@ -362,6 +362,7 @@ fn grad_accum_equals_summed_batch() {
         segment_size: 0,
         keep_attention: false,
         keep_kv_layers: 0,
+        mlp_chunk: 0,
         head: HeadTier::Chunked,
         head_chunk: DEFAULT_CHUNK,
         dropout: None,

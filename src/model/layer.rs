@@ -68,6 +68,8 @@ pub struct LayerEnv<'a> {
     pub rope: &'a RopeTable,
     /// First row of the o projection and the MLP (0: every row; see `runner::ReadRows`).
     pub from: usize,
+    /// MLP token chunk (0: all rows at once; see `runner::ForwardPlan`).
+    pub mlp_chunk: usize,
 }
 
 /// How one layer's forward runs (`Model::layer_forward`).
@@ -454,7 +456,7 @@ impl Model {
         drop(o);
 
         let rows = t - from;
-        let chunked = self.mlp_chunk > 0 && rows > self.mlp_chunk;
+        let chunked = env.mlp_chunk > 0 && rows > env.mlp_chunk;
         // The MLP's output is needed for the layer's output, and for its post norm's backward.
         let need_out = want_output || w.post_mlp_norm.is_some();
         let (mlp_out, mlp) = if (chunked || !keep_mlp) && !need_out {
@@ -463,7 +465,7 @@ impl Model {
         } else if chunked {
             // Token chunks: the (T, I) intermediates never exist for all tokens at once.
             let mut out = Tensor::zeros(x1.shape(), cdt, x1.device())?;
-            for (a, b) in token_chunks(rows, self.mlp_chunk) {
+            for (a, b) in token_chunks(rows, env.mlp_chunk) {
                 let (o, _) = self.mlp_forward(l, &ops::slice_rows(&xn2, a, b)?, lora, ctx, true)?;
                 let o = o.expect("the MLP output was asked for");
                 ops::scatter_add_rows(&mut out, &(a as u32..b as u32).collect::<Vec<_>>(), &o)?;
@@ -656,14 +658,14 @@ impl Model {
         let d_xn2 = match a.mlp {
             Some(m) => self.mlp_backward(l, &d_mlp, &a.xn2, m, lora.as_deref_mut(), ctx)?,
             // Recomputed all at once (the forward did not keep it).
-            None if self.mlp_chunk == 0 || t <= self.mlp_chunk => {
+            None if env.mlp_chunk == 0 || t <= env.mlp_chunk => {
                 let (_, m) = self.mlp_forward(l, &a.xn2, lora.as_deref(), ctx, false)?;
                 self.mlp_backward(l, &d_mlp, &a.xn2, m, lora.as_deref_mut(), ctx)?
             }
             // Recomputed chunk by chunk.
             None => {
                 let mut d = Tensor::zeros(a.xn2.shape(), a.xn2.dtype(), a.xn2.device())?;
-                for (c0, c1) in token_chunks(t, self.mlp_chunk) {
+                for (c0, c1) in token_chunks(t, env.mlp_chunk) {
                     let xc = ops::slice_rows(&a.xn2, c0, c1)?;
                     let (_, m) = self.mlp_forward(l, &xc, lora.as_deref(), ctx, false)?;
                     let dc = self.mlp_backward(

@@ -79,22 +79,22 @@ struct Kinds<'a> {
     mask_of: Vec<usize>,
     ropes: Vec<Held<'a, RopeTable>>,
     read: Option<ReadRows>,
+    mlp_chunk: usize,
 }
 
 impl Kinds<'_> {
     fn env(&self, model: &Model, l: usize) -> LayerEnv<'_> {
         let top = l + 1 == model.spec.n_layers;
-        match self.read.as_ref().filter(|_| top) {
-            Some(r) => LayerEnv {
-                mask: &r.mask,
-                rope: &self.ropes[model.spec.layers[l].rope],
-                from: r.from,
-            },
-            None => LayerEnv {
-                mask: &self.masks[self.mask_of[l]],
-                rope: &self.ropes[model.spec.layers[l].rope],
-                from: 0,
-            },
+        let rope = &self.ropes[model.spec.layers[l].rope];
+        let (mask, from) = match self.read.as_ref().filter(|_| top) {
+            Some(r) => (&r.mask, r.from),
+            None => (&*self.masks[self.mask_of[l]], 0),
+        };
+        LayerEnv {
+            mask,
+            rope,
+            from,
+            mlp_chunk: self.mlp_chunk,
         }
     }
 }
@@ -118,6 +118,9 @@ pub struct ForwardPlan {
     /// one (`T·2·kv_dim` values each), sparing their projections in the recomputation. Not for
     /// models with q/k norms (their backward needs the unnormed k as well).
     pub keep_kv_layers: usize,
+    /// Run the MLP in token chunks of this size (0: all tokens at once); the backward recomputes
+    /// each chunk's intermediates, trading one extra gate/up projection for (T, I) memory.
+    pub mlp_chunk: usize,
 }
 
 /// A loaded model: spec, frozen weights, and its device.
@@ -128,9 +131,6 @@ pub struct Model {
     /// The main rotary table's inverse frequencies (for sequences within the original context,
     /// where LongRoPE differs).
     pub inv_freq: Vec<f32>,
-    /// Run the MLP in token chunks of this size (0: all tokens at once); the backward recomputes
-    /// each chunk's intermediates, trading one extra gate/up projection for (T, I) memory.
-    pub mlp_chunk: usize,
     /// Dtype of the residual stream and its gradient between layers: f32 on every device, so
     /// that the sums of many bf16 sublayer outputs do not round at each layer (projections and
     /// attention still read the compute dtype).
@@ -145,7 +145,6 @@ impl Model {
             weights,
             device,
             inv_freq,
-            mlp_chunk: 0,
             residual_dtype: DType::F32,
         }
     }
@@ -186,7 +185,12 @@ impl Model {
     }
 
     /// The pass's masks and tables per layer kind; `read_from` trims the top layer.
-    fn kinds<'a>(&self, ctx: &PassCtx<'a>, read_from: usize) -> Result<Kinds<'a>> {
+    fn kinds<'a>(
+        &self,
+        ctx: &PassCtx<'a>,
+        read_from: usize,
+        mlp_chunk: usize,
+    ) -> Result<Kinds<'a>> {
         let mut windows: Vec<Option<u32>> = Vec::new();
         let mut mask_of = Vec::with_capacity(self.spec.n_layers);
         for ls in &self.spec.layers {
@@ -220,6 +224,7 @@ impl Model {
             mask_of,
             ropes,
             read,
+            mlp_chunk,
         })
     }
 
@@ -284,6 +289,7 @@ impl Model {
             keep_top_mlp,
             read_from,
             keep_kv_layers,
+            mlp_chunk,
         } = plan;
         let keep_kv = |l: usize| {
             segment_size > 0
@@ -291,7 +297,7 @@ impl Model {
                 && l + 1 < self.spec.n_layers
                 && self.weights.layers[l].k_norm.is_none()
         };
-        let kinds = self.kinds(ctx, read_from)?;
+        let kinds = self.kinds(ctx, read_from, mlp_chunk)?;
         let mut kept_kv = Vec::new();
         let n = self.spec.n_layers;
         let mut x = self.embed(ids)?;
@@ -348,6 +354,7 @@ impl Model {
                 rstd,
                 segment_size,
                 read_from,
+                mlp_chunk,
             },
         ))
     }
@@ -361,7 +368,7 @@ impl Model {
         mut lora: Option<&mut Lora>,
         ctx: &PassCtx,
     ) -> Result<Tensor> {
-        let kinds = self.kinds(ctx, state.read_from)?;
+        let kinds = self.kinds(ctx, state.read_from, state.mlp_chunk)?;
         let mut d = ops::rms_norm_bwd(&d_hidden, &state.last, &self.weights.norm, &state.rstd)?;
         drop(d_hidden);
         // The compute-dtype copy of d, where the residual stream is wider: written with it by
@@ -500,4 +507,5 @@ pub struct ForwardState {
     segment_size: usize,
     /// The first row the forward's top layer computed (0: all).
     read_from: usize,
+    mlp_chunk: usize,
 }

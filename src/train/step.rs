@@ -45,6 +45,8 @@ pub struct PassOptions {
     pub keep_attention: bool,
     /// With segments: layers whose k and v stay from the forward (`ForwardPlan`).
     pub keep_kv_layers: usize,
+    /// MLP token chunk (`ForwardPlan::mlp_chunk`).
+    pub mlp_chunk: usize,
     pub head: HeadTier,
     pub head_chunk: usize,
     pub dropout: Option<(f32, u64)>,
@@ -199,6 +201,7 @@ fn forward_all(
                 keep_top_mlp: keep_top_mlp(model, s.ids.len() - read_from, opts),
                 read_from,
                 keep_kv_layers: if keep { opts.keep_kv_layers } else { 0 },
+                mlp_chunk: opts.mlp_chunk,
             };
             let (hidden, st) = model.forward_keeping(&s.ids, lora, &ctx, plan)?;
             Ok(Forwarded {

@@ -184,7 +184,7 @@ pub fn pass_options(
     let shape = super::memory::StepShape {
         spec: &model.spec,
         tokens,
-        mlp_chunked: model.mlp_chunk > 0,
+        mlp_chunked: cfg.mlp_chunk > 0,
         dtype_bytes: model.device.compute_dtype().size(),
         head_chunk_rows: head_chunk,
     };
@@ -199,6 +199,7 @@ pub fn pass_options(
         segment_size: plan.segment_size,
         keep_attention: plan.keep_attention,
         keep_kv_layers: plan.keep_kv_layers,
+        mlp_chunk: cfg.mlp_chunk,
         head: cfg.head,
         head_chunk,
         dropout,
