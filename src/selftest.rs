@@ -296,8 +296,95 @@ fn dump_case(
     write_f32_safetensors(&out.join("case.safetensors"), &case)
 }
 
+/// The logp engine (`train::head`) of every tier on `device` against the same tier on the CPU, on
+/// a random head (bf16-rounded weights and hidden states), without and with Gemma 2's final logit
+/// softcap (30; raw logits of spread ~±60 so that it bites): logp (max abs-rel 1e-3, as the fused
+/// kernel's rows) and dh (bf16 bound), from the saved forward and recomputed. Group `head`.
+pub fn head_parity(device: &Device) -> Result<Vec<parity::ParityRow>> {
+    use crate::train::head::{logp_backward, logp_backward_saved, logp_forward_saved, HeadTier};
+    let mut rows = Vec::new();
+    let (n, chunk) = (300usize, 64usize);
+    for cap in [None, Some(30.0f32)] {
+        let mut spec = ModelSpec::from_config_json(
+            r#"{"architectures":["LlamaForCausalLM"],"hidden_size":256,"intermediate_size":512,"num_hidden_layers":1,"num_attention_heads":4,"num_key_value_heads":2,"vocab_size":32768,"tie_word_embeddings":false}"#,
+        )?;
+        spec.final_logit_softcap = cap;
+        let src = RandomSource {
+            spec: spec.clone(),
+            seed: 13,
+        };
+        let cpu = Model::new(
+            spec.clone(),
+            load_weights(&spec, &Bf16Rounded::new(&src), &Device::Cpu)?,
+            Device::Cpu,
+        );
+        let gpu = Model::new(
+            spec.clone(),
+            load_weights(&spec, &src, device)?,
+            device.clone(),
+        );
+        // Head weights are N(0, 0.02²): a logit's std is 0.02·√256·|h| = 0.32·|h|.
+        let hd = spec.hidden;
+        let mut rng = crate::model::lora::Rng(17);
+        let h: Vec<f32> = (0..n * hd)
+            .map(|_| half::bf16::from_f32((rng.normal() * 60.0) as f32).to_f32())
+            .collect();
+        let targets: Vec<u32> = (0..n)
+            .map(|i| {
+                if i % 9 == 4 {
+                    u32::MAX
+                } else {
+                    (rng.next_u64() % spec.vocab as u64) as u32
+                }
+            })
+            .collect();
+        let dl: Vec<f32> = (0..n).map(|_| rng.normal() as f32).collect();
+        let hc = Tensor::from_f32(&h, &[n, hd], DType::F32, &Device::Cpu)?;
+        let hg = Tensor::from_f32(&h, &[n, hd], gpu.device.compute_dtype(), device)?;
+        let tag = cap.map(|c| format!(" cap{c}")).unwrap_or_default();
+        for (tier, c) in [
+            (HeadTier::Full, 0),
+            (HeadTier::Chunked, chunk),
+            (HeadTier::Fused, 0),
+        ] {
+            let run = |m: &Model, h: &Tensor| -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
+                let (lp, saved) = logp_forward_saved(m, h, &targets, tier, c, true)?;
+                let g = Tensor::from_f32(&dl, &[n], DType::F32, &m.device)?;
+                let dh = logp_backward_saved(m, h, &targets, &g, tier, c, saved)?;
+                let dr = logp_backward(m, h, &targets, &dl, tier, c)?;
+                Ok((lp.to_vec()?, dh.to_vec()?, dr.to_vec()?))
+            };
+            let (lpc, dhc, drc) = run(&cpu, &hc)?;
+            let (lpg, dhg, drg) = run(&gpu, &hg)?;
+            let name = format!("head {tier:?} N={n} H={hd} V={}{tag}", spec.vocab);
+            rows.push(parity::compare_abs_rel(
+                &format!("{name} logp"),
+                &lpg,
+                &lpc,
+                1e-3,
+            ));
+            rows.push(parity::compare(
+                &format!("{name} dh (saved)"),
+                &dhg,
+                &dhc,
+                parity::BF16_GRAD,
+            ));
+            rows.push(parity::compare(
+                &format!("{name} dh (recomputed)"),
+                &drg,
+                &drc,
+                parity::BF16_GRAD,
+            ));
+        }
+    }
+    Ok(rows)
+}
+
 pub fn run(device: &Device, seed: u64) -> Result<()> {
     let mut rows = parity::run_op_parity(device, seed)?;
+    if parity::group_wanted("head") {
+        rows.extend(head_parity(device)?);
+    }
     rows.extend(crate::train::device_loss::parity_rows(device)?);
     parity::print_parity(&rows);
     let op_failed = rows.iter().filter(|r| !r.pass).count();

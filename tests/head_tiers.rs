@@ -286,3 +286,134 @@ fn fused_matches_full_on_smollm2_hidden_states() {
     assert!(cos > 0.999, "dh cosine {cos}");
     assert!(rn < 1e-2, "dh rel-norm {rn}");
 }
+
+fn capped_model(tied: bool, cap: f32) -> Model {
+    let mut spec = named_shape("tiny").unwrap();
+    spec.tie_embeddings = tied;
+    spec.final_logit_softcap = Some(cap);
+    let w = load_weights(
+        &spec,
+        &RandomSource {
+            spec: spec.clone(),
+            seed: 3,
+        },
+        &Device::Cpu,
+    )
+    .unwrap();
+    Model::new(spec, w, Device::Cpu)
+}
+
+/// `Σ dl · logp` of one tier, in f64.
+fn head_loss(model: &Model, h: &[f32], t: &[u32], dl: &[f32], tier: HeadTier, c: usize) -> f64 {
+    let ht = Tensor::cpu(h.to_vec(), &[t.len(), model.spec.hidden]).unwrap();
+    logp_forward(model, &ht, t, tier, c)
+        .unwrap()
+        .iter()
+        .zip(dl)
+        .map(|(&a, &b)| a as f64 * b as f64)
+        .sum()
+}
+
+/// With a final logit softcap (cap 2 against raw logits of spread ~±10), every tier, saved or
+/// recomputed, gives the materialised capped reference's logp and dh, and the cap really acts.
+#[test]
+fn softcapped_tiers_agree_with_reference() {
+    let cap = 2.0f32;
+    for tied in [true, false] {
+        let model = capped_model(tied, cap);
+        let (n, hd, v) = (50, model.spec.hidden, model.spec.vocab);
+        let hv: Vec<f32> = rand_vec(n * hd, 11).iter().map(|x| x * 20.0).collect();
+        let h = Tensor::cpu(hv, &[n, hd]).unwrap();
+        let t = targets(n, v, 12);
+        let dl = rand_vec(n, 13);
+        let w = model.weights.head().dense().unwrap();
+        let raw = model.logits(&h, DType::F32).unwrap().to_vec().unwrap();
+        let zmax = max_abs(&raw);
+        assert!(zmax > 3.0 * cap as f64, "raw logits reach only {zmax}");
+        let (lp_ref, dh_ref) = reference(&h, &w, &t, &dl, Some(cap));
+        let (lp_raw, _) = reference(&h, &w, &t, &dl, None);
+        let (moved, _) = max_diff(&lp_ref, &lp_raw);
+        assert!(moved > 1.0, "the cap changed logp by only {moved}");
+        let g = Tensor::cpu(dl.clone(), &[n]).unwrap();
+        for (tier, c) in [
+            (HeadTier::Full, 0),
+            (HeadTier::Chunked, 7),
+            (HeadTier::Fused, 0),
+        ] {
+            let lp = logp_forward(&model, &h, &t, tier, c).unwrap();
+            logp_close(&format!("{tier:?} capped logp"), &lp, &lp_ref);
+            let d = logp_backward(&model, &h, &t, &dl, tier, c).unwrap();
+            let r = rel_norm(&d.to_vec().unwrap(), &dh_ref);
+            let (lp2, saved) = logp_forward_saved(&model, &h, &t, tier, c, true).unwrap();
+            logp_close("saved-forward capped logp", &lp2.to_vec().unwrap(), &lp_ref);
+            let ds = logp_backward_saved(&model, &h, &t, &g, tier, c, saved).unwrap();
+            let rs = rel_norm(&ds.to_vec().unwrap(), &dh_ref);
+            // The fused tier runs with the default coefficient filter.
+            let tol = if tier == HeadTier::Fused { 1e-2 } else { 1e-5 };
+            assert!(
+                r < tol && rs < tol,
+                "{tier:?} capped dh rel-norm {r:.2e} / saved {rs:.2e}"
+            );
+            eprintln!("tied {tied} {tier:?}: capped dh rel-norm {r:.2e}, from saved {rs:.2e}");
+        }
+        // The fused kernels with the filter off: f32 agreement.
+        let (_, lse) = cce_forward(&h, &w, &t, Some(cap)).unwrap();
+        let exact = cce_backward(&h, &w, &t, &g, &lse, Some(cap), 0.0).unwrap();
+        let re = rel_norm(&exact.to_vec().unwrap(), &dh_ref);
+        assert!(re < 1e-5, "fused (filter off) capped dh rel-norm {re}");
+    }
+}
+
+/// The softcapped head of every tier against central differences of `Σ dl · logp` in `h`
+/// (non-uniform `dl`, an ignored row, chunks that do not divide the rows).
+#[test]
+fn softcapped_head_matches_finite_differences() {
+    let cap = 2.0f32;
+    let model = capped_model(false, cap);
+    let (n, hd, v) = (10, model.spec.hidden, model.spec.vocab);
+    let h0: Vec<f32> = rand_vec(n * hd, 41).iter().map(|x| x * 20.0).collect();
+    let mut t = targets(n, v, 42);
+    t[4] = IGNORE;
+    let dl: Vec<f32> = rand_vec(n, 43).iter().map(|x| x + 0.3).collect();
+    let idx: Vec<usize> = (0..n * hd).step_by(7).collect();
+    // Step: a head weight is ~0.02, so a step of 0.5 in h moves a logit by ~1e-2 (against a cap
+    // of 2: truncation ~(1e-2)²/6, 1e-5 relative) and the loss by ~1e-2, far above the f32
+    // rounding of the forward (~4e-6 over 10 rows of |logp| ~ 6).
+    let eps = 0.5f32;
+    for (tier, c) in [
+        (HeadTier::Full, 0),
+        (HeadTier::Chunked, 3),
+        (HeadTier::Fused, 0),
+    ] {
+        let h = Tensor::cpu(h0.clone(), &[n, hd]).unwrap();
+        let dh = logp_backward(&model, &h, &t, &dl, tier, c)
+            .unwrap()
+            .to_vec()
+            .unwrap();
+        assert!(dh[4 * hd..5 * hd].iter().all(|&x| x == 0.0), "ignored row");
+        let (mut an, mut fd) = (Vec::new(), Vec::new());
+        for &i in &idx {
+            let mut hp = h0.clone();
+            hp[i] += eps;
+            let mut hm = h0.clone();
+            hm[i] -= eps;
+            let lp = head_loss(&model, &hp, &t, &dl, tier, c);
+            let lm = head_loss(&model, &hm, &t, &dl, tier, c);
+            fd.push(((lp - lm) / (hp[i] as f64 - hm[i] as f64)) as f32);
+            an.push(dh[i]);
+        }
+        let r = rel_norm(&an, &fd);
+        let scale = max_abs(&fd);
+        assert!(
+            scale > 1e-3,
+            "{tier:?}: FD gradient negligible ({scale:.2e})"
+        );
+        // Full and Chunked are exact; the fused tier keeps the default coefficient filter.
+        let tol = if tier == HeadTier::Fused { 1e-2 } else { 2e-3 };
+        eprintln!(
+            "{tier:?} capped head: {} entries, max|grad| {scale:.3e}, FD rel-norm {r:.2e}",
+            idx.len()
+        );
+        assert!(r < tol, "{tier:?} capped dh vs FD: rel-norm {r:.3e}");
+    }
+}

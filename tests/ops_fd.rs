@@ -442,6 +442,105 @@ fn silu_mul_bwd_matches_fd() {
     assert_eq!(ui.as_cpu().unwrap(), du.as_cpu().unwrap());
 }
 
+/// `gelu_tanh` (transformers' `gelu_pytorch_tanh`) in f64, from its definition.
+fn gelu_tanh_f64(x: f64) -> f64 {
+    let k = (2.0 / std::f64::consts::PI).sqrt();
+    0.5 * x * (1.0 + (k * (x + 0.044715 * x * x * x)).tanh())
+}
+
+#[test]
+fn gelu_tanh_mul_matches_definition_and_fd() {
+    let (r, c_) = (5, 12);
+    let n = r * c_;
+    // Gates over ±4 (the tails and the curved middle), and a few exact points.
+    let mut g = rv(n, 53, 4.0);
+    g[..5].copy_from_slice(&[0.0, 1.0, -1.0, 3.0, -3.0]);
+    let u = rv(n, 54, 1.5);
+    let c = rand_vec(n, 55);
+    let f = |g: &[f32], u: &[f32]| ops::gelu_tanh_mul(&t(g, &[r, c_]), &t(u, &[r, c_])).unwrap();
+    // The forward against the f64 definition (a wrong constant shows at ~1e-3).
+    let y = f(&g, &u);
+    let want: Vec<f32> = g
+        .iter()
+        .zip(&u)
+        .map(|(&g, &u)| (gelu_tanh_f64(g as f64) * u as f64) as f32)
+        .collect();
+    let (md, i) = max_diff(y.as_cpu().unwrap(), &want);
+    assert!(
+        md < 1e-6,
+        "gelu_tanh_mul forward: max|diff| {md:.2e} at {i}"
+    );
+    let (dg, du) =
+        ops::gelu_tanh_mul_bwd(&t(&c, &[r, c_]), &t(&g, &[r, c_]), &t(&u, &[r, c_])).unwrap();
+    // Smooth in gate (its third derivative is below ~1 on ±4): TOL_SMOOTH. Linear in up:
+    // TOL_LINEAR.
+    check_all(
+        "gelu_tanh_mul dgate",
+        &g,
+        dg.as_cpu().unwrap(),
+        TOL_SMOOTH,
+        |x| dotc(&c, &f(x, &u)),
+    );
+    check_all(
+        "gelu_tanh_mul dup",
+        &u,
+        du.as_cpu().unwrap(),
+        TOL_LINEAR,
+        |x| dotc(&c, &f(&g, x)),
+    );
+    // The in-place form writes the same gradients over gate and up.
+    let (mut gi, mut ui) = (t(&g, &[r, c_]), t(&u, &[r, c_]));
+    ops::gelu_tanh_mul_bwd_in_place(&t(&c, &[r, c_]), &mut gi, &mut ui).unwrap();
+    assert_eq!(gi.as_cpu().unwrap(), dg.as_cpu().unwrap());
+    assert_eq!(ui.as_cpu().unwrap(), du.as_cpu().unwrap());
+}
+
+#[test]
+fn softcap_logsoftmax_gather_bwd_matches_fd() {
+    let (rows, v) = (6, 11);
+    let targets = [3u32, 0, u32::MAX, 10, 3, 7];
+    // Raw logits of spread ±8 against a cap of 4: well into tanh's saturation.
+    let cap = 4.0f32;
+    let raw = rv(rows * v, 82, 8.0);
+    let c = rand_vec(rows, 83);
+    let capped = |x: &[f32]| {
+        let mut l = t(x, &[rows, v]);
+        ops::softcap(&mut l, cap).unwrap();
+        l
+    };
+    let l = capped(&raw);
+    for (&y, &z) in l.as_cpu().unwrap().iter().zip(&raw) {
+        let want = cap as f64 * (z as f64 / cap as f64).tanh();
+        assert!(
+            (y as f64 - want).abs() < 1e-6,
+            "softcap({z}) = {y}, want {want}"
+        );
+    }
+    let (_, lse) = ops::logsoftmax_gather(&l, &targets).unwrap();
+    let d = ops::logsoftmax_gather_softcap_bwd_to(
+        &t(&c, &[rows]),
+        &l,
+        &lse,
+        &targets,
+        Some(cap),
+        DType::F32,
+    )
+    .unwrap();
+    let d = d.as_cpu().unwrap();
+    assert!(d[2 * v..3 * v].iter().all(|&x| x == 0.0), "ignored row");
+    // Smooth, and the cap only flattens the curvature: TOL_SMOOTH.
+    check_all("softcap + logsoftmax_gather dz", &raw, d, TOL_SMOOTH, |x| {
+        dotc(&c, &ops::logsoftmax_gather(&capped(x), &targets).unwrap().0)
+    });
+    // Without a cap it is logsoftmax_gather_bwd.
+    let lt = t(&raw, &[rows, v]);
+    let (_, lse) = ops::logsoftmax_gather(&lt, &targets).unwrap();
+    let g = t(&c, &[rows]);
+    let a = ops::logsoftmax_gather_softcap_bwd_to(&g, &lt, &lse, &targets, None, DType::F32);
+    let b = ops::logsoftmax_gather_bwd(&g, &lt, &lse, &targets).unwrap();
+    assert_eq!(a.unwrap().as_cpu().unwrap(), b.as_cpu().unwrap());
+}
+
 #[test]
 fn matmul_all_transpose_combos_match_fd() {
     let (m, k, n) = (5, 7, 6);

@@ -357,6 +357,67 @@ pub fn silu_mul_bwd_in_place(dh: &Tensor, gate: &mut Tensor, up: &mut Tensor) ->
     Ok(())
 }
 
+/// `√(2/π)` and the cubic coefficient of the tanh approximation of GELU.
+const GELU_K: f32 = std::f32::consts::FRAC_2_SQRT_PI * std::f32::consts::FRAC_1_SQRT_2;
+const GELU_A: f32 = 0.044_715;
+
+/// `gelu_tanh(x)` and its derivative.
+#[inline]
+fn gelu_tanh_d(x: f32) -> (f32, f32) {
+    let x2 = x * x;
+    let t = (GELU_K * x * (1.0 + GELU_A * x2)).tanh();
+    let y = 0.5 * x * (1.0 + t);
+    let dy = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * GELU_K * (1.0 + 3.0 * GELU_A * x2);
+    (y, dy)
+}
+
+pub fn gelu_tanh_mul(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+    let (g, u) = (gate.as_cpu()?, up.as_cpu()?);
+    let y: Vec<f32> = g
+        .par_iter()
+        .zip(u.par_iter())
+        .map(|(&g, &u)| {
+            let t = (GELU_K * g * (1.0 + GELU_A * g * g)).tanh();
+            0.5 * g * (1.0 + t) * u
+        })
+        .collect();
+    out(y, gate.shape())
+}
+
+pub fn gelu_tanh_mul_bwd(dh: &Tensor, gate: &Tensor, up: &Tensor) -> Result<(Tensor, Tensor)> {
+    let (d, g, u) = (dh.as_cpu()?, gate.as_cpu()?, up.as_cpu()?);
+    let (dg, du): (Vec<f32>, Vec<f32>) = d
+        .par_iter()
+        .zip(g.par_iter().zip(u.par_iter()))
+        .map(|(&d, (&g, &u))| {
+            let (y, dy) = gelu_tanh_d(g);
+            (d * u * dy, d * y)
+        })
+        .unzip();
+    Ok((out(dg, gate.shape())?, out(du, up.shape())?))
+}
+
+pub fn gelu_tanh_mul_bwd_in_place(dh: &Tensor, gate: &mut Tensor, up: &mut Tensor) -> Result<()> {
+    let d = dh.as_cpu()?;
+    let u = up.as_cpu_mut()?;
+    gate.as_cpu_mut()?
+        .par_iter_mut()
+        .zip(u.par_iter_mut().zip(d.par_iter()))
+        .for_each(|(g, (u, &d))| {
+            let (y, dy) = gelu_tanh_d(*g);
+            (*g, *u) = (d * *u * dy, d * y);
+        });
+    Ok(())
+}
+
+pub fn softcap(x: &mut Tensor, cap: f32) -> Result<()> {
+    let inv = 1.0 / cap;
+    x.as_cpu_mut()?
+        .par_iter_mut()
+        .for_each(|v| *v = cap * (*v * inv).tanh());
+    Ok(())
+}
+
 pub fn add_assign(a: &mut Tensor, b: &Tensor, alpha: f32) -> Result<()> {
     let b = b.as_cpu()?;
     a.as_cpu_mut()?
@@ -502,6 +563,35 @@ pub fn logsoftmax_gather_bwd(
             *x = -g * (l[r * v + j] - ls[r]).exp();
         }
         dr[t as usize] += g;
+    });
+    out(d, logits.shape())
+}
+
+/// `logsoftmax_gather_bwd` through a softcap: `logits` hold the capped `y = cap·tanh(z/cap)`, and
+/// the gradient is with respect to `z`: `dlogp · (onehot − softmax(y)) · (1 − (y/cap)²)`.
+pub fn logsoftmax_gather_softcap_bwd(
+    dlogp: &Tensor,
+    logits: &Tensor,
+    lse: &Tensor,
+    targets: &[u32],
+    cap: f32,
+) -> Result<Tensor> {
+    let (rows, v) = logits.rows_cols();
+    let (l, ls, dl) = (logits.as_cpu()?, lse.as_cpu()?, dlogp.as_cpu()?);
+    let inv = 1.0 / cap;
+    let mut d = vec![0f32; rows * v];
+    d.par_chunks_mut(v).enumerate().for_each(|(r, dr)| {
+        let t = targets[r];
+        if t == u32::MAX {
+            return;
+        }
+        let g = dl[r];
+        let lr = &l[r * v..(r + 1) * v];
+        for (j, (x, &y)) in dr.iter_mut().zip(lr).enumerate() {
+            let onehot = if j == t as usize { 1.0 } else { 0.0 };
+            let th = y * inv;
+            *x = g * (onehot - (y - ls[r]).exp()) * ((1.0 - th) * (1.0 + th));
+        }
     });
     out(d, logits.shape())
 }

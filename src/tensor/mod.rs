@@ -781,6 +781,51 @@ pub fn silu_mul_bwd_in_place(dh: &Tensor, gate: &mut Tensor, up: &mut Tensor) ->
     dispatch!(&dev, cpu::silu_mul_bwd_in_place(dh, gate, up), c => c.silu_mul_bwd_in_place(dh, gate, up))
 }
 
+/// The gated MLP activation of Gemma: `gelu_tanh(gate) * up`, with transformers'
+/// `gelu_pytorch_tanh`: `gelu_tanh(x) = 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))`.
+pub fn gelu_tanh_mul(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+    ensure!(
+        gate.shape() == up.shape(),
+        "gelu_tanh_mul: {:?} vs {:?}",
+        gate.shape(),
+        up.shape()
+    );
+    dispatch!(gate.device(), cpu::gelu_tanh_mul(gate, up), c => c.gelu_tanh_mul(gate, up))
+}
+
+/// Backward of `gelu_tanh_mul`: `(dgate, dup)`.
+pub fn gelu_tanh_mul_bwd(dh: &Tensor, gate: &Tensor, up: &Tensor) -> Result<(Tensor, Tensor)> {
+    ensure!(
+        gate.shape() == up.shape() && dh.shape() == gate.shape(),
+        "gelu_tanh_mul_bwd: shapes {:?}, {:?}, {:?} differ",
+        dh.shape(),
+        gate.shape(),
+        up.shape()
+    );
+    dispatch!(gate.device(), cpu::gelu_tanh_mul_bwd(dh, gate, up), c => c.gelu_tanh_mul_bwd(dh, gate, up))
+}
+
+/// `gelu_tanh_mul_bwd` writing `dgate` over `gate` and `dup` over `up`.
+pub fn gelu_tanh_mul_bwd_in_place(dh: &Tensor, gate: &mut Tensor, up: &mut Tensor) -> Result<()> {
+    ensure!(
+        gate.shape() == up.shape() && dh.shape() == gate.shape(),
+        "gelu_tanh_mul_bwd: shapes {:?}, {:?}, {:?} differ",
+        dh.shape(),
+        gate.shape(),
+        up.shape()
+    );
+    let dev = gate.device().clone();
+    dispatch!(&dev, cpu::gelu_tanh_mul_bwd_in_place(dh, gate, up), c => c.gelu_tanh_mul_bwd_in_place(dh, gate, up))
+}
+
+/// Softcap in place: `x ← cap·tanh(x/cap)` (Gemma 2's final logits; `cap > 0`). Its derivative
+/// in terms of the output `y` is `1 − (y/cap)²`.
+pub fn softcap(x: &mut Tensor, cap: f32) -> Result<()> {
+    ensure!(cap > 0.0, "softcap: cap {cap} must be positive");
+    let dev = x.device().clone();
+    dispatch!(&dev, cpu::softcap(x, cap), c => c.softcap(x, cap))
+}
+
 /// `a += alpha * b` (residual adds and gradient accumulation; b may be f32 or a's dtype).
 /// `a + alpha * b` as a new tensor of a's dtype (one pass, where a copy then `add_assign` is
 /// two).
@@ -962,6 +1007,43 @@ pub fn logsoftmax_gather_bwd_to(
             }
         },
         c => c.logsoftmax_gather_bwd(dlogp, logits, lse, targets, out_dtype)
+    )
+}
+
+/// The backward of `softcap` then `logsoftmax_gather`, in one pass: `logits` are the capped
+/// logits `y = cap·tanh(z/cap)` (as `softcap` left them, with `lse` from `logsoftmax_gather` of
+/// them) and `dz = dlogp · (onehot(target) − softmax(y)) · (1 − (y/cap)²)`, stored in
+/// `out_dtype`. `softcap: None` is `logsoftmax_gather_bwd_to`.
+pub fn logsoftmax_gather_softcap_bwd_to(
+    dlogp: &Tensor,
+    logits: &Tensor,
+    lse: &Tensor,
+    targets: &[u32],
+    softcap: Option<f32>,
+    out_dtype: DType,
+) -> Result<Tensor> {
+    let Some(cap) = softcap else {
+        return logsoftmax_gather_bwd_to(dlogp, logits, lse, targets, out_dtype);
+    };
+    ensure!(cap > 0.0, "softcap: cap {cap} must be positive");
+    ensure!(
+        logits.rows_cols().0 == targets.len() && dlogp.numel() == targets.len(),
+        "logsoftmax_gather_softcap_bwd: {} rows, {} targets, {} gradients",
+        logits.rows_cols().0,
+        targets.len(),
+        dlogp.numel()
+    );
+    dispatch!(
+        logits.device(),
+        {
+            let d = cpu::logsoftmax_gather_softcap_bwd(dlogp, logits, lse, targets, cap)?;
+            if d.dtype() == out_dtype {
+                Ok(d)
+            } else {
+                d.to_dtype(out_dtype)
+            }
+        },
+        c => c.logsoftmax_gather_softcap_bwd(dlogp, logits, lse, targets, cap, out_dtype)
     )
 }
 

@@ -173,6 +173,14 @@ impl Ctx<'_> {
     }
 }
 
+/// Whether a parity group runs: `LORAFIT_PARITY_ONLY=cce,attention` runs only the named groups (a
+/// short GPU session); unset, all do.
+pub fn group_wanted(group: &str) -> bool {
+    std::env::var("LORAFIT_PARITY_ONLY")
+        .ok()
+        .is_none_or(|o| o.split(',').any(|x| x == group))
+}
+
 /// Runs every op on `device` and on the CPU with the same inputs and reports the differences.
 pub fn run_op_parity(device: &Device, seed: u64) -> Result<Vec<ParityRow>> {
     let mut cx = Ctx {
@@ -180,9 +188,7 @@ pub fn run_op_parity(device: &Device, seed: u64) -> Result<Vec<ParityRow>> {
         rows: Vec::new(),
     };
     let mut r = Rng(seed);
-    // LORAFIT_PARITY_ONLY=cce,attention runs only the named groups (a short GPU session).
-    let only = std::env::var("LORAFIT_PARITY_ONLY").ok();
-    let want = |g: &str| only.as_deref().is_none_or(|o| o.split(',').any(|x| x == g));
+    let want = group_wanted;
     if want("elementwise") {
         elementwise(&mut cx, &mut r)?;
     }
@@ -384,6 +390,59 @@ fn elementwise(cx: &mut Ctx, r: &mut Rng) -> Result<()> {
         )?;
         cx.push(row);
     }
+    // gelu_tanh_mul: n = 4099 takes the generic kernels, n = 4096 the 8-wide bf16 ones
+    for n in [4099, 4096] {
+        let (g, u, d) = (r.bnormals(n, 2.0), r.bnormals(n, 1.0), r.bnormals(n, 1.0));
+        let want = gelu_tanh_mul(&cx.c(&g, &[n])?, &cx.c(&u, &[n])?)?;
+        let got = gelu_tanh_mul(&cx.g(&g, &[n], bf)?, &cx.g(&u, &[n], bf)?)?;
+        let row = cmp_t(&format!("gelu_tanh_mul fwd n={n}"), &got, &want, BF16_FWD)?;
+        cx.push(row);
+        let (dgc, duc) = gelu_tanh_mul_bwd(&cx.c(&d, &[n])?, &cx.c(&g, &[n])?, &cx.c(&u, &[n])?)?;
+        let (dgg, dug) = gelu_tanh_mul_bwd(
+            &cx.g(&d, &[n], bf)?,
+            &cx.g(&g, &[n], bf)?,
+            &cx.g(&u, &[n], bf)?,
+        )?;
+        let row = cmp_t(
+            &format!("gelu_tanh_mul bwd dgate n={n}"),
+            &dgg,
+            &dgc,
+            BF16_GRAD,
+        )?;
+        cx.push(row);
+        let row = cmp_t(
+            &format!("gelu_tanh_mul bwd dup n={n}"),
+            &dug,
+            &duc,
+            BF16_GRAD,
+        )?;
+        cx.push(row);
+        let (mut gi, mut ui) = (cx.g(&g, &[n], bf)?, cx.g(&u, &[n], bf)?);
+        gelu_tanh_mul_bwd_in_place(&cx.g(&d, &[n], bf)?, &mut gi, &mut ui)?;
+        let row = cmp_t(
+            &format!("gelu_tanh_mul bwd in place dgate n={n}"),
+            &gi,
+            &dgc,
+            BF16_GRAD,
+        )?;
+        cx.push(row);
+        let row = cmp_t(
+            &format!("gelu_tanh_mul bwd in place dup n={n}"),
+            &ui,
+            &duc,
+            BF16_GRAD,
+        )?;
+        cx.push(row);
+        // f32 operands take the generic kernels: f32 agreement.
+        let got = gelu_tanh_mul(&cx.g(&g, &[n], DType::F32)?, &cx.g(&u, &[n], DType::F32)?)?;
+        let row = cmp_t(
+            &format!("gelu_tanh_mul fwd n={n} (f32)"),
+            &got,
+            &want,
+            F32_TIGHT,
+        )?;
+        cx.push(row);
+    }
     // add_assign / add_bias / scale
     {
         let n = 3001;
@@ -515,6 +574,51 @@ fn elementwise(cx: &mut Ctx, r: &mut Rng) -> Result<()> {
             BF16_GRAD,
         )?;
         cx.push(row);
+    }
+    // softcap (Gemma 2's final logits, cap 30, raw logits of spread ±60) in place, and the
+    // softcapped logsoftmax_gather backward on the capped logits
+    {
+        let (rows, v, cap) = (19usize, 50_000usize, 30.0f32);
+        let l = r.bnormals(rows * v, 20.0);
+        let mut targets: Vec<u32> = (0..rows).map(|_| r.below(v) as u32).collect();
+        targets[2] = u32::MAX;
+        let mut lc = cx.c(&l, &[rows, v])?;
+        softcap(&mut lc, cap)?;
+        let mut lg32 = cx.g(&l, &[rows, v], DType::F32)?;
+        softcap(&mut lg32, cap)?;
+        let row = cmp_t("softcap cap30 (f32)", &lg32, &lc, F32_TIGHT)?;
+        cx.push(row);
+        let mut lgb = cx.g(&l, &[rows, v], bf)?;
+        softcap(&mut lgb, cap)?;
+        let row = cmp_t("softcap cap30 (bf16)", &lgb, &lc, BF16_FWD)?;
+        cx.push(row);
+        let (_, lsc) = logsoftmax_gather(&lc, &targets)?;
+        let dl = r.normals(rows, 1.0);
+        let want = logsoftmax_gather_softcap_bwd_to(
+            &cx.c(&dl, &[rows])?,
+            &lc,
+            &lsc,
+            &targets,
+            Some(cap),
+            DType::F32,
+        )?;
+        for odt in [DType::F32, bf] {
+            let got = logsoftmax_gather_softcap_bwd_to(
+                &cx.g(&dl, &[rows], DType::F32)?,
+                &lg32,
+                &cx.g(&lsc.to_vec()?, &[rows], DType::F32)?,
+                &targets,
+                Some(cap),
+                odt,
+            )?;
+            let row = cmp_t(
+                &format!("logsoftmax_gather softcap bwd V={v} -> {odt:?}"),
+                &got,
+                &want,
+                if odt == bf { BF16_GRAD } else { F32_STAT },
+            )?;
+            cx.push(row);
+        }
     }
     // dropout: the same keep pattern bit for bit
     {
@@ -1445,7 +1549,7 @@ fn attn_timing(
 
 /// Largest `|got - want| / max(1, |want|)`: the bound of per-token statistics (logp, lse) whose
 /// magnitude varies from near 0 to tens.
-fn compare_abs_rel(op: &str, got: &[f32], want: &[f32], bound: f64) -> ParityRow {
+pub fn compare_abs_rel(op: &str, got: &[f32], want: &[f32], bound: f64) -> ParityRow {
     let mut row = compare(op, got, want, bound);
     let mut worst = 0f64;
     for (i, (&a, &b)) in got.iter().zip(want).enumerate() {

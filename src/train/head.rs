@@ -8,6 +8,10 @@
 //! `Fused` is the fused linear cross-entropy (`tensor::cce`): no logits are ever stored, the
 //! backward recomputes them block by block from the forward's lse (`HeadSaved`).
 //! Only rows that have a target are ever projected: callers gather those rows first.
+//!
+//! Every tier applies the model's final logit softcap (`ModelSpec::final_logit_softcap`, Gemma 2:
+//! `z → c·tanh(z/c)`) to the raw head logits before the softmax, and its derivative
+//! `1 − (y/c)²` in the coefficients; `Model::logits` itself returns raw logits.
 
 use crate::model::Model;
 use crate::tensor::cce::{self, DEFAULT_FILTER_EPS};
@@ -58,6 +62,15 @@ fn chunks(rows: usize, tier: HeadTier, chunk: usize) -> Vec<(usize, usize)> {
 pub struct HeadSaved {
     lse: Option<Tensor>,
     dh_per_logp: Option<Tensor>,
+}
+
+/// f32 logits of the rows `h`, softcapped in place when the model has a final logit softcap.
+fn capped_logits(model: &Model, h: &Tensor) -> Result<Tensor> {
+    let mut logits = model.logits(h, DType::F32)?;
+    if let Some(c) = model.spec.final_logit_softcap {
+        ops::softcap(&mut logits, c)?;
+    }
+    Ok(logits)
 }
 
 /// log p(targets[i] | h[i]) for every row of `h` `(N, H)`, on the host.
@@ -113,7 +126,7 @@ pub fn logp_forward_saved(
     if tier == HeadTier::Fused {
         // A quantized head is dequantized once per call.
         let w = model.weights.head().dense()?;
-        let (logp, lse) = cce::cce_forward(h, &w, targets, None)?;
+        let (logp, lse) = cce::cce_forward(h, &w, targets, model.spec.final_logit_softcap)?;
         let saved = HeadSaved {
             lse: Some(lse),
             dh_per_logp: None,
@@ -138,16 +151,17 @@ pub fn logp_forward_saved(
         } else {
             ops::slice_rows(h, s, e)?
         };
-        let logits = model.logits(&hc, DType::F32)?;
+        let logits = capped_logits(model, &hc)?;
         let (logp, lse) = ops::logsoftmax_gather(&logits, &targets[s..e])?;
         parts.push(logp);
         if for_backward {
             let ones = Tensor::from_f32(&vec![1.0; e - s], &[e - s], DType::F32, h.device())?;
-            let coeff = ops::logsoftmax_gather_bwd_to(
+            let coeff = ops::logsoftmax_gather_softcap_bwd_to(
                 &ones,
                 &logits,
                 &lse,
                 &targets[s..e],
+                model.spec.final_logit_softcap,
                 model.device.compute_dtype(),
             )?;
             drop(logits);
@@ -204,17 +218,18 @@ pub fn logp_backward_saved(
         dlogp.numel()
     );
     let dev = h.device().clone();
+    let cap = model.spec.final_logit_softcap;
     if tier == HeadTier::Fused {
         let w = model.weights.head().dense()?;
         let recomputed;
         let lse = match &saved.lse {
             Some(l) => l,
             None => {
-                recomputed = cce::cce_forward(h, &w, targets, None)?.1;
+                recomputed = cce::cce_forward(h, &w, targets, cap)?.1;
                 &recomputed
             }
         };
-        return cce::cce_backward(h, &w, targets, dlogp, lse, None, filter_eps());
+        return cce::cce_backward(h, &w, targets, dlogp, lse, cap, filter_eps());
     }
     if let Some(mut dh) = saved.dh_per_logp {
         ops::scale_rows(&mut dh, dlogp)?;
@@ -223,10 +238,17 @@ pub fn logp_backward_saved(
     let mut dh = Tensor::zeros(&[n, hid], h.dtype(), &dev)?;
     for (s, e) in chunks(n, tier, chunk) {
         let hc = ops::slice_rows(h, s, e)?;
-        let logits = model.logits(&hc, DType::F32)?;
+        let logits = capped_logits(model, &hc)?;
         let (_, lse) = ops::logsoftmax_gather(&logits, &targets[s..e])?;
         let g = slice_vector(dlogp, s, e)?;
-        let dlogits = ops::logsoftmax_gather_bwd(&g, &logits, &lse, &targets[s..e])?;
+        let dlogits = ops::logsoftmax_gather_softcap_bwd_to(
+            &g,
+            &logits,
+            &lse,
+            &targets[s..e],
+            cap,
+            DType::F32,
+        )?;
         drop(logits);
         let dhc = model.logits_bwd(&dlogits)?;
         let idx: Vec<u32> = (s as u32..e as u32).collect();

@@ -1892,6 +1892,88 @@ impl CudaBackend {
         )
     }
 
+    pub fn gelu_tanh_mul(&self, gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+        let y = self.empty(gate.shape(), gate.dtype())?;
+        let n = gate.numel();
+        if bf16x8(&[gate, up], n) {
+            let [a, b, c] = [gate, up, &y].map(|t| cuda_ptr(t).map(Arg::P));
+            let args = [a?, b?, c?, Arg::I64(n as i64 / 8)];
+            self.launch_n("lf_gelu_tanh_mul_bf16x8", n / 8, &args)?;
+            return Ok(y);
+        }
+        self.launch_n(
+            "lf_gelu_tanh_mul",
+            n,
+            &[
+                Arg::P(cuda_ptr(gate)?),
+                dt(gate.dtype()),
+                Arg::P(cuda_ptr(up)?),
+                dt(up.dtype()),
+                Arg::P(cuda_ptr(&y)?),
+                Arg::I64(n as i64),
+            ],
+        )?;
+        Ok(y)
+    }
+
+    pub fn gelu_tanh_mul_bwd(
+        &self,
+        dh: &Tensor,
+        gate: &Tensor,
+        up: &Tensor,
+    ) -> Result<(Tensor, Tensor)> {
+        let dg = self.empty(gate.shape(), gate.dtype())?;
+        let du = self.empty(up.shape(), up.dtype())?;
+        self.launch_gelu_tanh_mul_bwd(dh, gate, up, cuda_ptr(&dg)?, cuda_ptr(&du)?)?;
+        Ok((dg, du))
+    }
+
+    pub fn gelu_tanh_mul_bwd_in_place(
+        &self,
+        dh: &Tensor,
+        gate: &mut Tensor,
+        up: &mut Tensor,
+    ) -> Result<()> {
+        // Each thread reads its elements of gate and up before writing the same elements.
+        self.launch_gelu_tanh_mul_bwd(dh, gate, up, cuda_ptr(gate)?, cuda_ptr(up)?)
+    }
+
+    /// The GELU-gate backward into `dg` / `du` (of `gate`'s / `up`'s dtype and size; they may be
+    /// `gate` and `up` themselves).
+    fn launch_gelu_tanh_mul_bwd(
+        &self,
+        dh: &Tensor,
+        gate: &Tensor,
+        up: &Tensor,
+        dg: u64,
+        du: u64,
+    ) -> Result<()> {
+        let n = gate.numel();
+        if bf16x8(&[dh, gate, up], n) {
+            let [a, b, c] = [dh, gate, up].map(|t| cuda_ptr(t).map(Arg::P));
+            return self.launch_n(
+                "lf_gelu_tanh_mul_bwd_bf16x8",
+                n / 8,
+                &[a?, b?, c?, Arg::P(dg), Arg::P(du), Arg::I64(n as i64 / 8)],
+            );
+        }
+        self.launch_n(
+            "lf_gelu_tanh_mul_bwd",
+            n,
+            &[
+                Arg::P(cuda_ptr(dh)?),
+                dt(dh.dtype()),
+                Arg::P(cuda_ptr(gate)?),
+                dt(gate.dtype()),
+                Arg::P(cuda_ptr(up)?),
+                dt(up.dtype()),
+                Arg::P(dg),
+                Arg::P(du),
+                Arg::I64(n as i64),
+            ],
+        )
+    }
+
     pub fn add_assign(&self, a: &mut Tensor, b: &Tensor, alpha: f32) -> Result<()> {
         self.add_into(cuda_ptr(a)?, a, b, alpha)
     }
@@ -2147,6 +2229,58 @@ impl CudaBackend {
                 Arg::P(tb.ptr),
                 Arg::P(cuda_ptr(&d)?),
                 dt(out_dtype),
+                Arg::I64(v as i64),
+            ],
+        )?;
+        Ok(d)
+    }
+
+    pub fn softcap(&self, x: &mut Tensor, cap: f32) -> Result<()> {
+        let n = x.numel();
+        self.launch_n(
+            "lf_softcap",
+            n,
+            &[
+                Arg::P(cuda_ptr(x)?),
+                dt(x.dtype()),
+                Arg::F32(cap),
+                Arg::I64(n as i64),
+            ],
+        )
+    }
+
+    /// See `tensor::logsoftmax_gather_softcap_bwd_to`.
+    pub fn logsoftmax_gather_softcap_bwd(
+        &self,
+        dlogp: &Tensor,
+        logits: &Tensor,
+        lse: &Tensor,
+        targets: &[u32],
+        cap: f32,
+        out_dtype: DType,
+    ) -> Result<Tensor> {
+        ensure!(
+            dlogp.dtype() == DType::F32 && lse.dtype() == DType::F32,
+            "logsoftmax_gather_softcap_bwd: dlogp and lse must be f32"
+        );
+        let (rows, v) = logits.rows_cols();
+        let d = self.empty(logits.shape(), out_dtype)?;
+        let tb = self.upload_u32(targets)?;
+        let bx = v.div_ceil(256).min(64) as u32;
+        self.launch(
+            "lf_logsoftmax_gather_softcap_bwd",
+            (rows as u32, bx, 1),
+            256,
+            0,
+            &[
+                Arg::P(cuda_ptr(dlogp)?),
+                Arg::P(cuda_ptr(logits)?),
+                dt(logits.dtype()),
+                Arg::P(cuda_ptr(lse)?),
+                Arg::P(tb.ptr),
+                Arg::P(cuda_ptr(&d)?),
+                dt(out_dtype),
+                Arg::F32(cap),
                 Arg::I64(v as i64),
             ],
         )?;

@@ -265,6 +265,73 @@ extern "C" __global__ void lf_silu_mul_bwd_bf16x8(const uint4* dh, const uint4* 
     }
 }
 
+// gelu_tanh_mul: gelu_tanh(gate) * up with transformers' gelu_pytorch_tanh,
+// gelu_tanh(x) = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), and its backward; the same
+// generic and 8-wide bf16 kernels as silu_mul's.
+#define LF_GELU_K 0.7978845608028654f
+#define LF_GELU_A 0.044715f
+__device__ __forceinline__ float lf_gelu_tanh(float x) {
+    return 0.5f * x * (1.f + tanhf(LF_GELU_K * x * (1.f + LF_GELU_A * x * x)));
+}
+// gelu_tanh(x) into *y; returns its derivative.
+__device__ __forceinline__ float lf_gelu_tanh_d(float x, float* y) {
+    const float x2 = x * x, t = tanhf(LF_GELU_K * x * (1.f + LF_GELU_A * x2));
+    *y = 0.5f * x * (1.f + t);
+    return 0.5f * (1.f + t) + 0.5f * x * (1.f - t * t) * LF_GELU_K * (1.f + 3.f * LF_GELU_A * x2);
+}
+
+extern "C" __global__ void lf_gelu_tanh_mul(const void* g, int gdt, const void* u, int udt, void* y, i64 n) {
+    GRID_STRIDE(i, n) stf(y, gdt, i, lf_gelu_tanh(ldf(g, gdt, i)) * ldf(u, udt, i));
+}
+
+extern "C" __global__ void lf_gelu_tanh_mul_bwd(const void* dh, int ddt, const void* g, int gdt, const void* u,
+                                                int udt, void* dg, void* du, i64 n) {
+    GRID_STRIDE(i, n) {
+        float d = ldf(dh, ddt, i), uv = ldf(u, udt, i), y;
+        const float dy = lf_gelu_tanh_d(ldf(g, gdt, i), &y);
+        stf(dg, gdt, i, d * uv * dy);
+        stf(du, udt, i, d * y);
+    }
+}
+
+extern "C" __global__ void lf_gelu_tanh_mul_bf16x8(const uint4* g, const uint4* u, uint4* y, i64 n8) {
+    GRID_STRIDE(i, n8) {
+        uint4 gv = g[i], uv = u[i], out;
+        const __nv_bfloat162* gp = (const __nv_bfloat162*)&gv;
+        const __nv_bfloat162* up = (const __nv_bfloat162*)&uv;
+        __nv_bfloat162* op = (__nv_bfloat162*)&out;
+        #pragma unroll
+        for (int j = 0; j < 4; j++) {
+            const float2 gf = __bfloat1622float2(gp[j]), uf = __bfloat1622float2(up[j]);
+            op[j] = __floats2bfloat162_rn(lf_gelu_tanh(gf.x) * uf.x, lf_gelu_tanh(gf.y) * uf.y);
+        }
+        y[i] = out;
+    }
+}
+
+extern "C" __global__ void lf_gelu_tanh_mul_bwd_bf16x8(const uint4* dh, const uint4* g, const uint4* u, uint4* dg,
+                                                       uint4* du, i64 n8) {
+    GRID_STRIDE(i, n8) {
+        uint4 dv = dh[i], gv = g[i], uv = u[i], dgo, duo;
+        const __nv_bfloat162* dp = (const __nv_bfloat162*)&dv;
+        const __nv_bfloat162* gp = (const __nv_bfloat162*)&gv;
+        const __nv_bfloat162* up = (const __nv_bfloat162*)&uv;
+        __nv_bfloat162* dgp = (__nv_bfloat162*)&dgo;
+        __nv_bfloat162* dup = (__nv_bfloat162*)&duo;
+        #pragma unroll
+        for (int j = 0; j < 4; j++) {
+            const float2 d = __bfloat1622float2(dp[j]), gf = __bfloat1622float2(gp[j]),
+                         uf = __bfloat1622float2(up[j]);
+            float yx, yy;
+            const float dx = lf_gelu_tanh_d(gf.x, &yx), dy = lf_gelu_tanh_d(gf.y, &yy);
+            dgp[j] = __floats2bfloat162_rn(d.x * uf.x * dx, d.y * uf.y * dy);
+            dup[j] = __floats2bfloat162_rn(d.x * yx, d.y * yy);
+        }
+        dg[i] = dgo;
+        du[i] = duo;
+    }
+}
+
 // dst[r, dc0 + j] = src[r, sc0 + j] over rows x width elements (n); one dtype.
 extern "C" __global__ void lf_copy_cols(const void* src, i64 src_cols, i64 sc0, void* dst, i64 dst_cols, i64 dc0,
                                         i64 width, i64 n, int dt) {
@@ -429,6 +496,32 @@ extern "C" __global__ void lf_logsoftmax_gather_bwd(const float* dlogp, const vo
         if (t != 0xffffffffu) {
             d = -g * expf(ldf(logits, dt, base + j) - l);
             if (j == (i64)t) d += g;
+        }
+        stf(dl, odt, base + j, d);
+    }
+}
+
+// Softcap in place: x = cap * tanh(x / cap).
+extern "C" __global__ void lf_softcap(void* x, int dt, float cap, i64 n) {
+    const float inv = 1.f / cap;
+    GRID_STRIDE(i, n) stf(x, dt, i, cap * tanhf(ldf(x, dt, i) * inv));
+}
+
+// lf_logsoftmax_gather_bwd through a softcap: logits hold y = cap * tanh(z / cap) and
+// dz = dlogp * (onehot(target) - softmax(y)) * (1 - (y / cap)^2); zero for ignored rows. Same grid.
+extern "C" __global__ void lf_logsoftmax_gather_softcap_bwd(const float* dlogp, const void* logits, int dt,
+                                                            const float* lse, const u32* targets, void* dl,
+                                                            int odt, float cap, i64 v) {
+    i64 row = blockIdx.x;
+    u32 t = targets[row];
+    float g = dlogp[row], l = lse[row];
+    const float inv = 1.f / cap;
+    const i64 base = row * v;
+    for (i64 j = (i64)blockIdx.y * blockDim.x + threadIdx.x; j < v; j += (i64)gridDim.y * blockDim.x) {
+        float d = 0.f;
+        if (t != 0xffffffffu) {
+            const float y = ldf(logits, dt, base + j), th = y * inv;
+            d = g * ((j == (i64)t ? 1.f : 0.f) - expf(y - l)) * ((1.f - th) * (1.f + th));
         }
         stf(dl, odt, base + j, d);
     }
