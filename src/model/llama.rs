@@ -388,7 +388,7 @@ impl Model {
             n_kv_heads: s.n_kv_heads,
             head_dim: s.head_dim,
             scale: 1.0 / (s.head_dim as f32).sqrt(),
-        softcap: None,
+            softcap: None,
         }
     }
 

@@ -466,6 +466,21 @@ pub struct AttnShape {
     pub softcap: Option<f32>,
 }
 
+impl AttnShape {
+    /// The score of a scaled logit `s = scale·q·k` and its derivative: `(c·tanh(s/c),
+    /// 1 − tanh²(s/c))` with a softcap `c`, else `(s, 1)`.
+    #[inline]
+    pub fn cap(&self, s: f32) -> (f32, f32) {
+        match self.softcap {
+            Some(c) => {
+                let th = (s / c).tanh();
+                (c * th, 1.0 - th * th)
+            }
+            None => (s, 1.0),
+        }
+    }
+}
+
 /// RoPE cos/sin tables for one sequence of positions: `[T, head_dim/2]` each, f32, built once per
 /// step and shared by every layer.
 pub struct RopeTable {
