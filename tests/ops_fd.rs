@@ -295,18 +295,30 @@ fn rope_inverse_is_the_backward_scaled_freqs() {
 }
 
 fn attention_case(what: &str, mask: &AttnMask, nh: usize, nkv: usize) {
+    attention_case_capped(what, mask, nh, nkv, None, 1.5);
+}
+
+/// `attention_case` with a logit softcap and q, k drawn at scale `qk` (scores of order ±qk²).
+fn attention_case_capped(
+    what: &str,
+    mask: &AttnMask,
+    nh: usize,
+    nkv: usize,
+    softcap: Option<f32>,
+    qk: f32,
+) {
     let (tt, hd) = (mask.len(), 8);
     let s = AttnShape {
         n_heads: nh,
         n_kv_heads: nkv,
         head_dim: hd,
         scale: 1.0 / (hd as f32).sqrt(),
-        softcap: None,
+        softcap,
     };
     let (qw, kw) = (nh * hd, nkv * hd);
-    // Scores of order ±3: a far-from-uniform softmax.
-    let q = rv(tt * qw, 40, 1.5);
-    let k = rv(tt * kw, 41, 1.5);
+    // Scores of order ±3 at qk = 1.5: a far-from-uniform softmax.
+    let q = rv(tt * qw, 40, qk);
+    let k = rv(tt * kw, 41, qk);
     let v = rv(tt * kw, 42, 1.0);
     let c = rand_vec(tt * qw, 43);
     let attn = |q: &[f32], k: &[f32], v: &[f32]| -> Tensor {
@@ -413,6 +425,67 @@ fn attention_bwd_matches_fd_sliding_window() {
     assert!(!mask.visible(9, 0) && mask.visible(9, 7) && !mask.visible(9, 6));
     let mask = AttnMask::prefix_shared(4, 3, 3).with_window(Some(3));
     attention_case("attention prefix-shared window 3", &mask, 2, 1);
+}
+
+#[test]
+fn attention_bwd_matches_fd_softcap() {
+    // Scores of standard deviation 1.6 (up to about ±5) against a cap of 1.5: a third of them
+    // reach the cap (|s/c| > 1, where the tanh's derivative is below 0.42).
+    let (tt, hd) = (10, 8);
+    let q = rv(tt * 4 * hd, 40, 2.2);
+    let k = rv(tt * 2 * hd, 41, 2.2);
+    let scale = 1.0 / (hd as f32).sqrt();
+    let mut capped = 0;
+    for i in 0..tt {
+        for j in 0..tt {
+            let raw = scale
+                * (0..hd)
+                    .map(|d| q[i * 4 * hd + d] * k[j * 2 * hd + d])
+                    .sum::<f32>();
+            capped += (raw.abs() > 1.5) as usize;
+        }
+    }
+    assert!(capped > tt * tt / 4, "only {capped} scores reach the cap");
+    let cap = Some(1.5);
+    let causal = AttnMask::causal(tt);
+    attention_case_capped(
+        "attention softcap 1.5 causal GQA 4/2",
+        &causal,
+        4,
+        2,
+        cap,
+        2.2,
+    );
+    let mask = AttnMask::causal(tt).with_window(Some(3));
+    attention_case_capped("attention softcap window 3 GQA 4/2", &mask, 4, 2, cap, 2.2);
+    let mask = AttnMask::prefix_shared(4, 3, 3).with_window(Some(4));
+    attention_case_capped(
+        "attention softcap prefix-shared window 4",
+        &mask,
+        4,
+        1,
+        cap,
+        2.2,
+    );
+    let mask = AttnMask::prefix_shared(4, 3, 3);
+    attention_case_capped("attention softcap prefix-shared", &mask, 2, 2, cap, 2.2);
+    // The cap really applies: the forward differs from the uncapped one.
+    let s = AttnShape {
+        n_heads: 4,
+        n_kv_heads: 2,
+        head_dim: hd,
+        scale,
+        softcap: cap,
+    };
+    let (qt, kt) = (t(&q, &[tt, 4 * hd]), t(&k, &[tt, 2 * hd]));
+    let v = t(&rv(tt * 2 * hd, 42, 1.0), &[tt, 2 * hd]);
+    let (o1, l1) = ops::attention(&qt, &kt, &v, &causal, s).unwrap();
+    let uncapped = AttnShape { softcap: None, ..s };
+    let (o2, l2) = ops::attention(&qt, &kt, &v, &causal, uncapped).unwrap();
+    assert!(rel_norm(o1.as_cpu().unwrap(), o2.as_cpu().unwrap()) > 1e-2);
+    let bound = 1.5 + 10f64.ln();
+    assert!(max_abs(l1.as_cpu().unwrap()) <= bound + 1e-4);
+    assert!(max_abs(l2.as_cpu().unwrap()) > bound);
 }
 
 #[test]

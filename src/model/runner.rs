@@ -478,15 +478,22 @@ impl Model {
         ops::matmul(&d, false, &*self.weights.head().dense()?, false, 1.0, dt)
     }
 
-    /// d(hidden) from d(logits) and the (softcapped) logits `logits` returned.
+    /// d(hidden) from d(logits) and the (softcapped) logits `logits` returned: the softcap's
+    /// derivative `1 − (z/c)²` is applied on the host (tests and tools; training goes through the
+    /// head, `train::head`, which never holds all logits).
     pub fn logits_bwd_capped(&self, d_logits: &Tensor, logits: &Tensor) -> Result<Tensor> {
         let Some(c) = self.spec.final_logit_softcap else {
             return self.logits_bwd(d_logits);
         };
-        let mut d = d_logits.to_dtype(DType::F32)?;
-        ops::softcap_bwd(&mut d, &logits.to_dtype(DType::F32)?, c)?;
+        let z = logits.to_vec()?;
+        let d: Vec<f32> = d_logits
+            .to_vec()?
+            .iter()
+            .zip(&z)
+            .map(|(d, z)| d * (1.0 - (z / c) * (z / c)))
+            .collect();
         let dt = self.device.compute_dtype();
-        let d = self.compute(&d)?;
+        let d = Tensor::from_f32(&d, d_logits.shape(), dt, &self.device)?;
         ops::matmul(&d, false, &*self.weights.head().dense()?, false, 1.0, dt)
     }
 }

@@ -170,7 +170,7 @@ pub fn attention(
             for j in 0..t {
                 if mask.visible(i, j) {
                     let kj = &ks[j * kw + kvh * hd..j * kw + (kvh + 1) * hd];
-                    let sc = s.scale * dot(qi, kj);
+                    let sc = s.cap(s.scale * dot(qi, kj)).0;
                     m = m.max(sc);
                     scores.push((j, sc));
                 }
@@ -238,15 +238,17 @@ pub fn attention_bwd(
             )
         })
         .collect();
-    // dS_ij = P_ij (dP_ij - D_i) with dP_ij = do_i · v_j; recomputed in both passes.
+    // dS_ij = P_ij (dP_ij - D_i) with dP_ij = do_i · v_j, times the softcap's derivative
+    // 1 - tanh² (d score / d scaled logit); recomputed in both passes.
     let ds = |h: usize, i: usize, j: usize| -> (f32, f32) {
         let kvh = h / group;
         let qi = &qs[i * qw + h * hd..i * qw + (h + 1) * hd];
         let kj = &ks[j * kw + kvh * hd..j * kw + (kvh + 1) * hd];
         let vj = &vs[j * kw + kvh * hd..j * kw + (kvh + 1) * hd];
-        let p = (s.scale * dot(qi, kj) - ls[h * t + i]).exp();
+        let (sc, dcap) = s.cap(s.scale * dot(qi, kj));
+        let p = (sc - ls[h * t + i]).exp();
         let dp = dot(&dos[i * qw + h * hd..i * qw + (h + 1) * hd], vj);
-        (p, p * (dp - big_d[h * t + i]))
+        (p, p * (dp - big_d[h * t + i]) * dcap)
     };
     // Pass 1: dq per (head, query).
     let dq_parts: Vec<Vec<f32>> = (0..nh * t)

@@ -466,6 +466,21 @@ pub struct AttnShape {
     pub softcap: Option<f32>,
 }
 
+impl AttnShape {
+    /// The score of a scaled logit `s = scale·q·k` and its derivative: `(c·tanh(s/c),
+    /// 1 − tanh²(s/c))` with a softcap `c`, else `(s, 1)`.
+    #[inline]
+    pub fn cap(&self, s: f32) -> (f32, f32) {
+        match self.softcap {
+            Some(c) => {
+                let th = (s / c).tanh();
+                (c * th, 1.0 - th * th)
+            }
+            None => (s, 1.0),
+        }
+    }
+}
+
 /// RoPE cos/sin tables for one sequence of positions: `[T, head_dim/2]` each, f32, built once per
 /// step and shared by every layer.
 pub struct RopeTable {
@@ -1273,22 +1288,4 @@ mod tests {
             with_clip[0]
         );
     }
-}
-
-// PENDING-OPS: placeholders until the GELU-tanh gate and the logits softcap land.
-pub fn gelu_tanh_mul(_gate: &Tensor, _up: &Tensor) -> Result<Tensor> {
-    anyhow::bail!("gelu_tanh_mul: not yet available")
-}
-pub fn gelu_tanh_mul_bwd_in_place(
-    _dh: &Tensor,
-    _gate: &mut Tensor,
-    _up: &mut Tensor,
-) -> Result<()> {
-    anyhow::bail!("gelu_tanh_mul: not yet available")
-}
-pub fn softcap(_x: &mut Tensor, _c: f32) -> Result<()> {
-    anyhow::bail!("softcap: not yet available")
-}
-pub fn softcap_bwd(_dy: &mut Tensor, _y: &Tensor, _c: f32) -> Result<()> {
-    anyhow::bail!("softcap: not yet available")
 }
