@@ -152,7 +152,7 @@ fn run_train(a: TrainArgs) -> Result<()> {
     let cfg = apply_overrides(base, &a)?;
     cfg.validate()?;
     let device = Device::parse(&cfg.device)?;
-    let mut loaded = trainer::load_model_and_tokenizer(&cfg.model, &device)?;
+    let loaded = trainer::load_model_and_tokenizer(&cfg.model, &device)?;
     let train_items = trainer::load_items(&cfg.data, None, cfg.method, &loaded, &cfg)?;
     let valid_items = match &cfg.valid {
         Some(v) => trainer::load_items(v, None, cfg.method, &loaded, &cfg)?,

@@ -1246,6 +1246,7 @@ fn segmented_backward_is_bit_identical() {
                 keep_top_mlp: top_mlp,
                 read_from: 0,
                 keep_kv_layers: kv,
+                mlp_chunk: 0,
             };
             let d1 = model_grads(&m.model, &mut m.lora, &ctx, &m.c, plan);
             let g1 = grads(&m.lora);

@@ -450,16 +450,28 @@ impl Model {
         Ok(d)
     }
 
-    /// Logits `(T, V)` from final hidden states (softcapped where the family caps them).
-    pub fn logits(&self, hidden: &Tensor, out_dtype: DType) -> Result<Tensor> {
-        let mut z = ops::matmul(
+    /// The head's product `h Wᵀ` `(T, V)`, before any final softcap.
+    pub fn raw_logits(&self, hidden: &Tensor, out_dtype: DType) -> Result<Tensor> {
+        ops::matmul(
             hidden,
             false,
             &*self.weights.head().dense()?,
             true,
             1.0,
             out_dtype,
-        )?;
+        )
+    }
+
+    /// d(hidden) from d(raw logits): `dH = dZ · W_head`.
+    pub fn raw_logits_bwd(&self, d_raw: &Tensor) -> Result<Tensor> {
+        let dt = self.device.compute_dtype();
+        let d = self.compute(d_raw)?;
+        ops::matmul(&d, false, &*self.weights.head().dense()?, false, 1.0, dt)
+    }
+
+    /// Logits `(T, V)` from final hidden states (softcapped where the family caps them).
+    pub fn logits(&self, hidden: &Tensor, out_dtype: DType) -> Result<Tensor> {
+        let mut z = self.raw_logits(hidden, out_dtype)?;
         if let Some(c) = self.spec.final_logit_softcap {
             ops::softcap(&mut z, c)?;
         }
@@ -473,9 +485,7 @@ impl Model {
             self.spec.final_logit_softcap.is_none(),
             "logits_bwd: this model softcaps its logits; use logits_bwd_capped"
         );
-        let dt = self.device.compute_dtype();
-        let d = self.compute(d_logits)?;
-        ops::matmul(&d, false, &*self.weights.head().dense()?, false, 1.0, dt)
+        self.raw_logits_bwd(d_logits)
     }
 
     /// d(hidden) from d(logits) and the (softcapped) logits `logits` returned: the softcap's
@@ -492,9 +502,8 @@ impl Model {
             .zip(&z)
             .map(|(d, z)| d * (1.0 - (z / c) * (z / c)))
             .collect();
-        let dt = self.device.compute_dtype();
-        let d = Tensor::from_f32(&d, d_logits.shape(), dt, &self.device)?;
-        ops::matmul(&d, false, &*self.weights.head().dense()?, false, 1.0, dt)
+        let d = Tensor::from_f32(&d, d_logits.shape(), DType::F32, &self.device)?;
+        self.raw_logits_bwd(&d)
     }
 }
 

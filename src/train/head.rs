@@ -66,7 +66,7 @@ pub struct HeadSaved {
 
 /// f32 logits of the rows `h`, softcapped in place when the model has a final logit softcap.
 fn capped_logits(model: &Model, h: &Tensor) -> Result<Tensor> {
-    let mut logits = model.logits(h, DType::F32)?;
+    let mut logits = model.raw_logits(h, DType::F32)?;
     if let Some(c) = model.spec.final_logit_softcap {
         ops::softcap(&mut logits, c)?;
     }
@@ -165,7 +165,7 @@ pub fn logp_forward_saved(
                 model.device.compute_dtype(),
             )?;
             drop(logits);
-            let u = model.logits_bwd(&coeff)?;
+            let u = model.raw_logits_bwd(&coeff)?;
             match &mut dh_per_logp {
                 Some(all) => {
                     let idx: Vec<u32> = (s as u32..e as u32).collect();
@@ -250,7 +250,7 @@ pub fn logp_backward_saved(
             DType::F32,
         )?;
         drop(logits);
-        let dhc = model.logits_bwd(&dlogits)?;
+        let dhc = model.raw_logits_bwd(&dlogits)?;
         let idx: Vec<u32> = (s as u32..e as u32).collect();
         ops::scatter_add_rows(&mut dh, &idx, &dhc)?;
     }
