@@ -199,7 +199,9 @@ __device__ void cce_bwd(const bf16* __restrict__ h, const bf16* __restrict__ w, 
     const int ra = r0 + 16 * wp + g, rb = ra + 8;
     const u32 ta = ra < n ? tgt[ra] : IGNORE, tb = rb < n ? tgt[rb] : IGNORE;
     const float ga = ta == IGNORE ? 0.f : dlogp[ra], gb = tb == IGNORE ? 0.f : dlogp[rb];
-    const float la = ta == IGNORE ? 0.f : lse[ra] * LOG2E, lb = tb == IGNORE ? 0.f : lse[rb] * LOG2E;
+    // An ignored row's lse is +inf, so that its p is 0 rather than exp(logit), which overflows for
+    // logits above 88 and makes 0 * inf = NaN coefficients.
+    const float la = ta == IGNORE ? LF_INF : lse[ra] * LOG2E, lb = tb == IGNORE ? LF_INF : lse[rb] * LOG2E;
     // A row tile without gradient contributes nothing.
     if (!__syncthreads_or(ga != 0.f || gb != 0.f)) return;
     float s[CBV / 8][4];
