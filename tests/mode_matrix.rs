@@ -3,7 +3,10 @@
 //! chunking gives the loss
 //! and every LoRA gradient of the plain path (all activations kept, full logits, two forwards,
 //! whole-sequence MLP). Bit-identical where the arithmetic is the same (segment sizes: the same
-//! ops on the same rows); within stated f32 bounds where it is not.
+//! ops on the same rows); within stated f32 bounds where it is not. For Qwen2 and for each family
+//! whose layers differ from Llama's: Gemma 2 (sandwich norms, GELU gate, softcaps that bite,
+//! sliding and global layers), Gemma 3 (q/k norms, local and global rotary tables) and MiniCPM
+//! (μP scales, LongRoPE).
 
 mod common;
 use lorafit::data::TokenizedPair;
@@ -16,14 +19,24 @@ use lorafit::train::plan::Plan;
 use lorafit::train::step::{queue_example, Objective, PassOptions};
 
 const CONFIG: &str = r#"{"architectures":["Qwen2ForCausalLM"],"hidden_size":64,"intermediate_size":96,"num_hidden_layers":3,"num_attention_heads":4,"num_key_value_heads":2,"vocab_size":200,"tie_word_embeddings":true}"#;
+const GEMMA2: &str = r#"{"architectures":["Gemma2ForCausalLM"],"hidden_size":64,"intermediate_size":96,"num_hidden_layers":3,"num_attention_heads":4,"num_key_value_heads":2,"head_dim":16,"vocab_size":200,"query_pre_attn_scalar":24,"attn_logit_softcapping":0.05,"final_logit_softcapping":0.1,"sliding_window":6,"tie_word_embeddings":true}"#;
+const GEMMA3: &str = r#"{"architectures":["Gemma3ForCausalLM"],"hidden_size":64,"intermediate_size":96,"num_hidden_layers":3,"num_attention_heads":4,"num_key_value_heads":2,"head_dim":16,"vocab_size":200,"query_pre_attn_scalar":16,"sliding_window":6,"layer_types":["sliding_attention","full_attention","sliding_attention"],"rope_theta":1000000.0,"rope_local_base_freq":10000.0,"rope_scaling":{"rope_type":"linear","factor":8.0},"tie_word_embeddings":true}"#;
+const MINICPM: &str = r#"{"architectures":["MiniCPMForCausalLM"],"hidden_size":64,"intermediate_size":96,"num_hidden_layers":3,"num_attention_heads":4,"num_key_value_heads":2,"vocab_size":200,"scale_emb":12,"scale_depth":1.4,"dim_model_base":16,"max_position_embeddings":64,"rope_scaling":{"rope_type":"longrope","short_factor":[1.0,1.2,1.5,2.0,2.5,3.0,3.5,4.0],"long_factor":[1.1,1.4,1.9,2.3,2.9,3.3,3.9,4.4],"original_max_position_embeddings":16},"tie_word_embeddings":false}"#;
 
 struct Run {
     loss: f64,
     grads: Vec<Vec<f32>>,
 }
 
-fn run(seg: usize, head: HeadTier, chunk: usize, prefix: bool, mlp_chunk: usize) -> Run {
-    let spec = ModelSpec::from_config_json(CONFIG).unwrap();
+fn run(
+    config: &str,
+    seg: usize,
+    head: HeadTier,
+    chunk: usize,
+    prefix: bool,
+    mlp_chunk: usize,
+) -> Run {
+    let spec = ModelSpec::from_config_json(config).unwrap();
     let dev = Device::Cpu;
     let mut model = Model::new(
         spec.clone(),
@@ -90,9 +103,8 @@ fn run(seg: usize, head: HeadTier, chunk: usize, prefix: bool, mlp_chunk: usize)
     }
 }
 
-#[test]
-fn every_mode_matches_the_plain_path() {
-    let plain = run(0, HeadTier::Full, 0, false, 0);
+fn every_mode_matches_the_plain_path(config: &str) {
+    let plain = run(config, 0, HeadTier::Full, 0, false, 0);
     assert!(
         plain.grads.iter().all(|g| g.iter().any(|x| *x != 0.0)),
         "every LoRA matrix must get a gradient"
@@ -106,7 +118,7 @@ fn every_mode_matches_the_plain_path() {
         ] {
             for prefix in [false, true] {
                 for mlp_chunk in [0, 5] {
-                    let r = run(seg, head, chunk, prefix, mlp_chunk);
+                    let r = run(config, seg, head, chunk, prefix, mlp_chunk);
                     let what =
                         format!("seg {seg} head {head:?} prefix {prefix} mlp_chunk {mlp_chunk}");
                     if !prefix && head == HeadTier::Full && mlp_chunk == 0 {
@@ -145,6 +157,26 @@ fn every_mode_matches_the_plain_path() {
         }
     }
     assert_eq!(checked, 48);
+}
+
+#[test]
+fn every_mode_matches_the_plain_path_qwen2() {
+    every_mode_matches_the_plain_path(CONFIG);
+}
+
+#[test]
+fn every_mode_matches_the_plain_path_gemma2() {
+    every_mode_matches_the_plain_path(GEMMA2);
+}
+
+#[test]
+fn every_mode_matches_the_plain_path_gemma3() {
+    every_mode_matches_the_plain_path(GEMMA3);
+}
+
+#[test]
+fn every_mode_matches_the_plain_path_minicpm() {
+    every_mode_matches_the_plain_path(MINICPM);
 }
 
 #[test]

@@ -45,7 +45,11 @@ fn run_family(name: &str) {
     }
     if let Some((_, f)) = reference.get("rope_attention_factor") {
         let got = spec.ropes[0].attention_factor();
-        assert!((got - f[0]).abs() <= 1e-6, "{name}: attention factor {got} vs {}", f[0]);
+        assert!(
+            (got - f[0]).abs() <= 1e-6,
+            "{name}: attention factor {got} vs {}",
+            f[0]
+        );
     }
     if let Some((_, s)) = reference.get("embed_scale") {
         assert_eq!(spec.embed_scale, Some(s[0]), "{name}: embedding scale");
@@ -182,7 +186,11 @@ fn check_grads(
         }
     }
     let layers = lora.pairs().map(|(l, _, _)| l + 1).max().unwrap_or(0);
-    assert_eq!(n, 2 * 7 * layers, "{name}: expected 7 targets x 2 matrices per layer");
+    assert_eq!(
+        n,
+        2 * 7 * layers,
+        "{name}: expected 7 targets x 2 matrices per layer"
+    );
 }
 
 #[test]

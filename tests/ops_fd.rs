@@ -818,6 +818,22 @@ const MINICPM: &str = r#"{"architectures":["MiniCPMForCausalLM"],"hidden_size":3
     "short_factor":[1.0,1.3,2.1,3.0],"long_factor":[1.1,1.9,2.7,3.9],
     "original_max_position_embeddings":4}}"#;
 
+/// Gemma 2: sandwich norms, GELU-tanh gate, √hidden embeddings, attention and final softcaps
+/// small enough to act on a random model's scores and logits, a window of 4 on layer 0.
+const GEMMA2: &str = r#"{"architectures":["Gemma2ForCausalLM"],"hidden_size":32,
+    "intermediate_size":48,"num_hidden_layers":2,"num_attention_heads":4,
+    "num_key_value_heads":2,"head_dim":8,"vocab_size":64,"rms_norm_eps":1e-6,
+    "query_pre_attn_scalar":12,"attn_logit_softcapping":0.02,"final_logit_softcapping":0.05,
+    "sliding_window":4,"tie_word_embeddings":true,"max_position_embeddings":128}"#;
+/// Gemma 3: q/k norms, a local layer (window 4, base 1e4) and a global one (1e6, linear × 8).
+const GEMMA3: &str = r#"{"architectures":["Gemma3ForCausalLM"],"hidden_size":32,
+    "intermediate_size":48,"num_hidden_layers":2,"num_attention_heads":4,
+    "num_key_value_heads":2,"head_dim":8,"vocab_size":64,"rms_norm_eps":1e-6,
+    "query_pre_attn_scalar":8,"sliding_window":4,
+    "layer_types":["sliding_attention","full_attention"],"rope_theta":1000000.0,
+    "rope_local_base_freq":10000.0,"rope_scaling":{"rope_type":"linear","factor":8.0},
+    "tie_word_embeddings":true,"max_position_embeddings":128}"#;
+
 /// Token ids of the T = 9 sequence (with repeats).
 const IDS: [u32; 9] = [1, 17, 5, 63, 17, 0, 42, 5, 9];
 
@@ -1089,6 +1105,26 @@ fn model_lora_grads_match_fd_minicpm_mup_longrope() {
     assert_eq!(spec.head_input_scale, Some(0.5));
     assert!(spec.ropes[0].attention_factor() > 1.0);
     check_lora_grads("minicpm", &mut m, None);
+}
+
+#[test]
+fn model_lora_grads_match_fd_gemma2_sandwich_softcaps() {
+    let mut m = tiny(GEMMA2, 7);
+    let spec = &m.model.spec;
+    assert!(spec.layers.iter().all(|l| l.sandwich_norms));
+    assert_eq!(spec.layers[0].window, Some(4));
+    assert_eq!(spec.layers[1].window, None);
+    assert_eq!(spec.final_logit_softcap, Some(0.05));
+    check_lora_grads("gemma2", &mut m, None);
+}
+
+#[test]
+fn model_lora_grads_match_fd_gemma3_local_global() {
+    let mut m = tiny(GEMMA3, 8);
+    let spec = &m.model.spec;
+    assert!(spec.qk_norm && spec.ropes.len() == 2);
+    assert_eq!((spec.layers[0].rope, spec.layers[1].rope), (1, 0));
+    check_lora_grads("gemma3", &mut m, None);
 }
 
 #[test]

@@ -400,7 +400,11 @@ impl ModelSpec {
                 bail!("layer {l}: sliding window 0");
             }
         }
-        for r in &self.ropes {
+        for (i, r) in self.ropes.iter().enumerate() {
+            if matches!(r.scaling, RopeScaling::LongRope { .. }) && i > 0 {
+                // A pass brings its example's largest position for the main table only.
+                bail!("LongRoPE is supported on the main rotary table only");
+            }
             if let RopeScaling::LongRope { short, long, .. } = &r.scaling {
                 if short.len() != r.dims / 2 || long.len() != r.dims / 2 {
                     bail!(

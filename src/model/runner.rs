@@ -172,10 +172,21 @@ impl Model {
         self.rope_table_of(0, positions)
     }
 
+    /// The main rotary table at `positions` of a pass whose example reaches `max_pos` (LongRoPE
+    /// picks its factors by the example's largest position, over all its sequences).
+    pub fn rope_table_at(&self, positions: &[i32], max_pos: i32) -> Result<RopeTable> {
+        self.rope_table_with(0, positions, max_pos)
+    }
+
     /// Rotary table `kind` at `positions` (LongRoPE picks its factors by the largest position).
     pub fn rope_table_of(&self, kind: usize, positions: &[i32]) -> Result<RopeTable> {
+        let max_pos = positions.iter().copied().max().unwrap_or(0);
+        self.rope_table_with(kind, positions, max_pos)
+    }
+
+    fn rope_table_with(&self, kind: usize, positions: &[i32], max_pos: i32) -> Result<RopeTable> {
         let r = &self.spec.ropes[kind];
-        let max_pos = positions.iter().copied().max().unwrap_or(0).max(0) as usize;
+        let max_pos = max_pos.max(0) as usize;
         RopeTable::scaled(
             positions,
             &r.inv_freq(max_pos),

@@ -178,11 +178,20 @@ fn forward_all(
     keep: bool,
     groups: &[HeadGroup],
 ) -> Result<Vec<Forwarded>> {
+    // LongRoPE picks its factors by the example's largest position over all its sequences, as a
+    // padded batch of chosen and rejected does in transformers: the same for one prefix-shared
+    // sequence and for two.
+    let max_pos = plan
+        .seqs
+        .iter()
+        .flat_map(|s| s.mask.positions.iter().copied())
+        .max()
+        .unwrap_or(0);
     plan.seqs
         .iter()
         .enumerate()
         .map(|(i, s)| {
-            let rope = model.rope_table(&s.mask.positions)?;
+            let rope = model.rope_table_at(&s.mask.positions, max_pos)?;
             let ctx = PassCtx {
                 mask: &s.mask,
                 rope: &rope,
