@@ -66,6 +66,15 @@ pub struct BenchArgs {
     pub rank: usize,
     /// Further workloads on the same loaded model, each
     /// `P,R[,SEG|auto[,MLP_CHUNK[,KEEP_ATTENTION]]]`.
+    /// The bit-reproducible two-kernel attention backward (`TrainConfig::deterministic_attention`).
+    #[arg(long)]
+    pub deterministic_attention: bool,
+    /// Time cuBLASLt's candidates per product shape (`TrainConfig::gemm_tuning`).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub gemm_tuning: bool,
+    /// The fused head's coefficient filter (`TrainConfig::cce_filter_eps`; 0 keeps every term).
+    #[arg(long, default_value_t = crate::tensor::cce::DEFAULT_FILTER_EPS)]
+    pub cce_filter_eps: f32,
     #[arg(long)]
     pub also: Vec<String>,
 }
@@ -161,6 +170,8 @@ pub fn measure_gemm_peak(device: &Device) -> Result<f64> {
 
 pub fn run(a: BenchArgs) -> Result<()> {
     let device = Device::parse(&a.device)?;
+    device.set_numerics(a.deterministic_attention, a.gemm_tuning)?;
+    crate::train::head::set_filter_eps(a.cce_filter_eps);
     let spec = named_shape(&a.shape)?;
     let t_load = Instant::now();
     let weights = load_weights(

@@ -1,11 +1,10 @@
-//! `TrainConfig`: the one description of a training run behind the CLI flags, TOML files and the
-//! saved plan. Defaults follow the spec's table (ORPO: lr 1e-5, λ 0.1, rank 16, scale 2.0,
-//! warmup ≈ 3%); `resolve` fills what depends on the method.
+//! `TrainConfig`: the one description of a training run behind the CLI flags, TOML files, the job
+//! API and the saved plan (`plan.toml`), with the vocabulary it is written in (`Method`,
+//! `HeadTier`, `SftScope`). Defaults follow the spec's table (ORPO: lr 1e-5, λ 0.1, rank 16,
+//! scale 2.0, warmup ≈ 3%); what depends on the method (the learning rate, the objective) is
+//! resolved from it. This module reads nothing from `train`: data flows config → train.
 
 use crate::model::{LoraConfig, Target};
-use crate::train::head::HeadTier;
-use crate::train::objectives::SftScope;
-use crate::train::step::Objective;
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -18,6 +17,26 @@ pub enum Method {
     Sft,
     Dpo,
     Simpo,
+}
+
+/// How the LM head computes its logps (`train::head`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum HeadTier {
+    Full,
+    Chunked,
+    Fused,
+}
+
+/// Which tokens ORPO's NLL term averages over.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SftScope {
+    /// TRL-faithful: token-mean cross-entropy over all chosen tokens, prompt and response.
+    #[default]
+    Full,
+    /// Token-mean cross-entropy over the chosen response tokens only (`nll = -lw`).
+    Response,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -97,6 +116,16 @@ pub struct TrainConfig {
     pub save_every: usize,
     /// Start from this PEFT adapter's weights (optimiser and schedule start fresh).
     pub warm_start: Option<String>,
+    /// CUDA: the two-kernel attention backward, bit-reproducible from run to run (about 2.3×
+    /// slower in attention's backward on sm_90); otherwise dQ is reduced in whatever order
+    /// blocks finish and gradients differ in the last bits between runs.
+    pub deterministic_attention: bool,
+    /// CUDA: time cuBLASLt's candidate algorithms for each product shape on its first call and
+    /// keep the fastest; false takes the heuristic's first choice (reproducible across
+    /// processes).
+    pub gemm_tuning: bool,
+    /// Fused head tier: drop softmax-gradient terms below this in the backward (0: keep all).
+    pub cce_filter_eps: f32,
 }
 
 impl Default for TrainConfig {
@@ -152,6 +181,9 @@ impl Default for TrainConfig {
             eval_limit: 0,
             save_every: 100,
             warm_start: None,
+            deterministic_attention: false,
+            gemm_tuning: true,
+            cce_filter_eps: crate::tensor::cce::DEFAULT_FILTER_EPS,
         }
     }
 }
@@ -198,26 +230,6 @@ impl TrainConfig {
             Method::Sft => 2e-4,
             Method::Dpo => 5e-6,
             Method::Simpo => 1e-6,
-        }
-    }
-
-    pub fn objective(&self) -> Objective {
-        match self.method {
-            Method::Orpo => Objective::Orpo {
-                lambda: self.orpo_lambda,
-                scope: self.sft_scope,
-            },
-            Method::Sft => Objective::Sft {
-                all_tokens: self.sft_all_tokens,
-            },
-            Method::Dpo => Objective::Dpo {
-                beta: self.dpo_beta,
-                label_smoothing: self.label_smoothing,
-            },
-            Method::Simpo => Objective::Simpo {
-                beta: self.simpo_beta,
-                gamma: self.simpo_gamma,
-            },
         }
     }
 

@@ -41,6 +41,17 @@ pub enum Device {
 }
 
 impl Device {
+    /// The run's numerics choices (`TrainConfig`, recorded in plan.toml): on CUDA, the
+    /// bit-reproducible two-kernel attention backward instead of the one-pass one, and whether
+    /// GEMM algorithms are chosen by timing. The CPU computes each op one way.
+    pub fn set_numerics(&self, deterministic_attention: bool, gemm_tuning: bool) -> Result<()> {
+        if let Device::Cuda(c) = self {
+            c.set_attention_backward_version(if deterministic_attention { 2 } else { 0 });
+            c.set_gemm_tuning(gemm_tuning)?;
+        }
+        Ok(())
+    }
+
     pub fn is_cuda(&self) -> bool {
         matches!(self, Device::Cuda(_))
     }

@@ -11,29 +11,27 @@
 //!
 //! Every tier applies the model's final logit softcap (`ModelSpec::final_logit_softcap`, Gemma 2:
 //! `z → c·tanh(z/c)`) to the raw head logits before the softmax, and its derivative
-//! `1 − (y/c)²` in the coefficients; `Model::logits` itself returns raw logits.
+//! `1 − (y/c)²` in the coefficients, from `Model::raw_logits`.
 
 use crate::model::Model;
 use crate::tensor::cce::{self, DEFAULT_FILTER_EPS};
 use crate::tensor::{self as ops, DType, Tensor};
 use anyhow::Result;
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum HeadTier {
-    Full,
-    Chunked,
-    Fused,
+pub use crate::config::HeadTier;
+
+/// The fused tier's coefficient filter (`TrainConfig::cce_filter_eps`), as bits of an f32.
+static FILTER_EPS: std::sync::atomic::AtomicU32 =
+    std::sync::atomic::AtomicU32::new(DEFAULT_FILTER_EPS.to_bits());
+
+/// Sets the fused tier's coefficient filter for this process (`0` keeps every term).
+pub fn set_filter_eps(eps: f32) {
+    FILTER_EPS.store(eps.max(0.0).to_bits(), std::sync::atomic::Ordering::Relaxed);
 }
 
-/// The fused tier's coefficient filter: `DEFAULT_FILTER_EPS` unless `LORAFIT_CCE_FILTER_EPS` is
-/// set (`0` turns the filter off; for measurements).
+/// The fused tier's coefficient filter: `DEFAULT_FILTER_EPS` unless `set_filter_eps` changed it.
 pub fn filter_eps() -> f32 {
-    std::env::var("LORAFIT_CCE_FILTER_EPS")
-        .ok()
-        .and_then(|s| s.parse::<f32>().ok())
-        .filter(|e| *e >= 0.0)
-        .unwrap_or(DEFAULT_FILTER_EPS)
+    f32::from_bits(FILTER_EPS.load(std::sync::atomic::Ordering::Relaxed))
 }
 
 /// Rows per chunk for the chunked tier.

@@ -62,15 +62,55 @@ pub struct BranchGrads {
     pub response: Vec<f32>,
 }
 
-/// Which tokens ORPO's NLL term averages over.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum SftScope {
-    /// TRL-faithful: token-mean cross-entropy over all chosen tokens, prompt and response.
-    #[default]
-    Full,
-    /// Token-mean cross-entropy over the chosen response tokens only (`nll = -lw`).
-    Response,
+pub use crate::config::SftScope;
+use crate::config::{Method, TrainConfig};
+
+/// The training objective and its hyperparameters.
+#[derive(Clone, Copy, Debug)]
+pub enum Objective {
+    Orpo { lambda: f64, scope: SftScope },
+    Sft { all_tokens: bool },
+    Dpo { beta: f64, label_smoothing: f64 },
+    Simpo { beta: f64, gamma: f64 },
+}
+
+impl Objective {
+    pub fn is_preference(&self) -> bool {
+        !matches!(self, Objective::Sft { .. })
+    }
+    /// Whether the prompt tokens' logps enter the loss.
+    pub(crate) fn needs_prompt(&self) -> bool {
+        matches!(
+            self,
+            Objective::Orpo {
+                scope: SftScope::Full,
+                ..
+            } | Objective::Sft { all_tokens: true }
+        )
+    }
+}
+
+impl TrainConfig {
+    /// The configured method's objective with its hyperparameters.
+    pub fn objective(&self) -> Objective {
+        match self.method {
+            Method::Orpo => Objective::Orpo {
+                lambda: self.orpo_lambda,
+                scope: self.sft_scope,
+            },
+            Method::Sft => Objective::Sft {
+                all_tokens: self.sft_all_tokens,
+            },
+            Method::Dpo => Objective::Dpo {
+                beta: self.dpo_beta,
+                label_smoothing: self.label_smoothing,
+            },
+            Method::Simpo => Objective::Simpo {
+                beta: self.simpo_beta,
+                gamma: self.simpo_gamma,
+            },
+        }
+    }
 }
 
 /// Result of one objective on one example.

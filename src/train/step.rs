@@ -6,36 +6,12 @@ use super::device_loss::{self, Parts, PendingLoss, Reference};
 use super::head::{
     concat_vectors, logp_backward_saved, logp_forward_saved, slice_vector, HeadSaved, HeadTier,
 };
-use super::objectives::SftScope;
 use super::plan::{Plan, Rows};
 use crate::model::{ForwardPlan, Lora, Model, PassCtx};
 use crate::tensor::{self as ops, RopeTable, Tensor};
 use anyhow::{anyhow, ensure, Result};
 
-/// The training objective and its hyperparameters.
-#[derive(Clone, Copy, Debug)]
-pub enum Objective {
-    Orpo { lambda: f64, scope: SftScope },
-    Sft { all_tokens: bool },
-    Dpo { beta: f64, label_smoothing: f64 },
-    Simpo { beta: f64, gamma: f64 },
-}
-
-impl Objective {
-    pub fn is_preference(&self) -> bool {
-        !matches!(self, Objective::Sft { .. })
-    }
-    /// Whether the prompt tokens' logps enter the loss.
-    fn needs_prompt(&self) -> bool {
-        matches!(
-            self,
-            Objective::Orpo {
-                scope: SftScope::Full,
-                ..
-            } | Objective::Sft { all_tokens: true }
-        )
-    }
-}
+pub use super::objectives::Objective;
 
 #[derive(Clone, Copy, Debug)]
 pub struct PassOptions {

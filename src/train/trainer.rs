@@ -305,6 +305,8 @@ pub fn train(
     }
 
     let objective = cfg.objective();
+    device.set_numerics(cfg.deterministic_attention, cfg.gemm_tuning)?;
+    super::head::set_filter_eps(cfg.cce_filter_eps);
     let memory_budget = super::memory::budget(&device)?;
     let mut ref_cache: Vec<Option<Reference>> = vec![None; n];
     let mut metrics_file = std::fs::OpenOptions::new()

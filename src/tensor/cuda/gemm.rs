@@ -189,6 +189,25 @@ struct Operands {
     beta: f32,
 }
 
+impl CudaBackend {
+    /// The GEMM state, created on first use.
+    fn gemms_guard(&self) -> Result<std::sync::MutexGuard<'_, Option<Gemms>>> {
+        let mut guard = self.gemms.lock().unwrap();
+        if guard.is_none() {
+            *guard = Some(Gemms::new(self)?);
+        }
+        Ok(guard)
+    }
+
+    /// Whether each product shape's first call times cuBLASLt's candidates and keeps the fastest
+    /// (the default), or takes the heuristic's first choice (reproducible across processes).
+    /// Shapes already planned keep their algorithm.
+    pub fn set_gemm_tuning(&self, on: bool) -> Result<()> {
+        self.gemms_guard()?.as_mut().expect("created").tune = on;
+        Ok(())
+    }
+}
+
 impl Gemms {
     fn new(backend: &CudaBackend) -> Result<Gemms> {
         let handle = catch("cuBLASLt could not be loaded (libcublasLt.so.13)", || {
@@ -201,7 +220,7 @@ impl Gemms {
             handle,
             workspace: backend.empty(&[WORKSPACE_BYTES / DType::BF16.size()], DType::BF16)?,
             plans: HashMap::new(),
-            tune: !std::env::var("LORAFIT_GEMM_TUNE").is_ok_and(|v| v == "0"),
+            tune: true,
             log: std::env::var("LORAFIT_GEMM_TUNE").is_ok_and(|v| v == "log"),
         })
     }
@@ -358,11 +377,8 @@ impl CudaBackend {
             alpha,
             beta,
         };
-        let mut guard = self.gemms.lock().unwrap();
-        if guard.is_none() {
-            *guard = Some(Gemms::new(self)?);
-        }
-        let g = guard.as_mut().expect("created above");
+        let mut guard = self.gemms_guard()?;
+        let g = guard.as_mut().expect("created by gemms_guard");
         if !g.plans.contains_key(&key) {
             let plan = self.tune_plan(g, &key, &ops, c.dtype())?;
             g.plans.insert(key, plan);

@@ -559,13 +559,7 @@ impl CudaBackend {
                 live: AtomicUsize::new(0),
                 peak: AtomicUsize::new(0),
                 attn_fwd_version: std::sync::atomic::AtomicU8::new(0),
-                attn_bwd_version: std::sync::atomic::AtomicU8::new(
-                    if std::env::var_os("LORAFIT_ATTN_DETERMINISTIC").is_some_and(|v| v != "0") {
-                        2
-                    } else {
-                        0
-                    },
-                ),
+                attn_bwd_version: std::sync::atomic::AtomicU8::new(0),
                 prof: if std::env::var_os("LORAFIT_PROFILE").is_some_and(|v| v != "0") {
                     let flags = sys::CUevent_flags::CU_EVENT_DEFAULT;
                     let e0 = drv::event::create(flags).map_err(|e| anyhow!("{e:?}"))?;
