@@ -1180,7 +1180,8 @@ fn attention_suite(cx: &mut Ctx, r: &mut Rng) -> Result<()> {
     // deviation 3: a third of them past the tanh's knee, |s| > c/2) puts the cap to work; cap 50
     // with plain scores is Gemma 2's setting. Every kernel family and head dim: version 1 (d 24,
     // 16), the mma.sync ones at 64 and 128 (each forced version below), version 5 at 128, 256.
-    let capped: Vec<(usize, usize, usize, usize, AttnMask, &str, f32, f32)> = vec![
+    type Capped = (usize, usize, usize, usize, AttnMask, &'static str, f32, f32);
+    let capped: Vec<Capped> = vec![
         (17, 4, 1, 24, AttnMask::causal(17), "causal", 5.0, 3.0),
         (
             1000,
@@ -1341,7 +1342,27 @@ fn attention_long(cx: &mut Ctx, r: &mut Rng) -> Result<()> {
             None,
             1.0f32,
         ),
-        (16384, 4, 1, 128, AttnMask::causal(16384), "causal", None, 1.0),
+        (
+            16384,
+            4,
+            1,
+            128,
+            AttnMask::causal(16384),
+            "causal",
+            None,
+            1.0,
+        ),
+        // The softcap's cost at head_dim 128 (version 5's capped kernels).
+        (
+            16384,
+            4,
+            1,
+            128,
+            AttnMask::causal(16384),
+            "causal softcap50",
+            Some(50.0),
+            1.0,
+        ),
         (
             16384,
             4,
@@ -1395,7 +1416,16 @@ fn attention_long(cx: &mut Ctx, r: &mut Rng) -> Result<()> {
             Some(5.0),
             3.0,
         ),
-        (16384, 8, 4, 256, AttnMask::causal(16384), "causal", None, 1.0),
+        (
+            16384,
+            8,
+            4,
+            256,
+            AttnMask::causal(16384),
+            "causal",
+            None,
+            1.0,
+        ),
         (
             16384,
             8,

@@ -1452,14 +1452,36 @@ impl CudaBackend {
             };
         }
         caps!(
-            "lf_attn_fwd_16", "lf_attn_fwd_32", "lf_attn_fwd_64", "lf_attn_fwd_96",
-            "lf_attn_fwd_128", "lf_attn_bwd_dq_16", "lf_attn_bwd_dq_32", "lf_attn_bwd_dq_64",
-            "lf_attn_bwd_dq_96", "lf_attn_bwd_dq_128", "lf_attn_bwd_dkdv_16",
-            "lf_attn_bwd_dkdv_32", "lf_attn_bwd_dkdv_64", "lf_attn_bwd_dkdv_96",
-            "lf_attn_bwd_dkdv_128", "lf_attn2_fwd_64", "lf_attn2_fwd_128", "lf_attn2_fwd_256",
-            "lf_attn2_dq_64", "lf_attn2_dq_128", "lf_attn2_dq_256", "lf_attn2_dkdv_64",
-            "lf_attn2_dkdv_128", "lf_attn2_dkdv_256", "lf_attn3_fwd_64", "lf_attn3_fwd_128",
-            "lf_attn4_bwd_64", "lf_attn4_bwd_128", "lf_attn5_fwd_128", "lf_attn5_bwd_128",
+            "lf_attn_fwd_16",
+            "lf_attn_fwd_32",
+            "lf_attn_fwd_64",
+            "lf_attn_fwd_96",
+            "lf_attn_fwd_128",
+            "lf_attn_bwd_dq_16",
+            "lf_attn_bwd_dq_32",
+            "lf_attn_bwd_dq_64",
+            "lf_attn_bwd_dq_96",
+            "lf_attn_bwd_dq_128",
+            "lf_attn_bwd_dkdv_16",
+            "lf_attn_bwd_dkdv_32",
+            "lf_attn_bwd_dkdv_64",
+            "lf_attn_bwd_dkdv_96",
+            "lf_attn_bwd_dkdv_128",
+            "lf_attn2_fwd_64",
+            "lf_attn2_fwd_128",
+            "lf_attn2_fwd_256",
+            "lf_attn2_dq_64",
+            "lf_attn2_dq_128",
+            "lf_attn2_dq_256",
+            "lf_attn2_dkdv_64",
+            "lf_attn2_dkdv_128",
+            "lf_attn2_dkdv_256",
+            "lf_attn3_fwd_64",
+            "lf_attn3_fwd_128",
+            "lf_attn4_bwd_64",
+            "lf_attn4_bwd_128",
+            "lf_attn5_fwd_128",
+            "lf_attn5_bwd_128",
             "lf_attn6_bwd_256",
         )
     }
@@ -1674,7 +1696,11 @@ impl CudaBackend {
                 )
                 .map(|_| (o, lse));
         }
-        ensure!(hdp <= 128, "cuda attention: no kernel for head_dim {}", s.head_dim);
+        ensure!(
+            hdp <= 128,
+            "cuda attention: no kernel for head_dim {}",
+            s.head_dim
+        );
         self.launch(
             Self::attn_cap_name(Self::attn_fn("fwd", hdp), &s),
             (t.div_ceil(64) as u32, s.n_heads as u32, 1),
