@@ -1140,10 +1140,19 @@ fn ref_rows(
             .sum::<f64>()
     };
     let vis: Vec<usize> = (0..t).filter(|&j| mask.visible(i, j)).collect();
-    let sc: Vec<f64> = vis
+    // Scores c·tanh(x/c) with a softcap, and their derivative (1 - tanh²) for dS.
+    let cap = |x: f64| match s.softcap {
+        Some(c) => {
+            let th = (x / c as f64).tanh();
+            (c as f64 * th, 1.0 - th * th)
+        }
+        None => (x, 1.0),
+    };
+    let raw: Vec<f64> = vis
         .iter()
         .map(|&j| s.scale as f64 * dot(qi, &k[j * kw + kvh * hd..j * kw + (kvh + 1) * hd]))
         .collect();
+    let sc: Vec<f64> = raw.iter().map(|&x| cap(x).0).collect();
     let m = sc.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
     let l: f64 = sc.iter().map(|x| (x - m).exp()).sum();
     let lse = m + l.ln();
@@ -1157,10 +1166,10 @@ fn ref_rows(
     let big_d = dot(doi, oi);
     let lse_g = lse_in[h * t + i] as f64;
     let mut dq = vec![0f64; hd];
-    for (&j, &x) in vis.iter().zip(&sc) {
+    for ((&j, &x), &r) in vis.iter().zip(&sc).zip(&raw) {
         let p = (x - lse_g).exp();
         let dp = dot(doi, &v[j * kw + kvh * hd..j * kw + (kvh + 1) * hd]);
-        let ds = p * (dp - big_d);
+        let ds = p * (dp - big_d) * cap(r).1;
         for d in 0..hd {
             dq[d] += s.scale as f64 * ds * k[j * kw + kvh * hd + d] as f64;
         }
@@ -1215,21 +1224,12 @@ fn rms_norm_rows(
 }
 
 fn visible_pairs(mask: &AttnMask) -> f64 {
-    let t = mask.len();
-    let mut n = 0f64;
-    for i in 0..t {
-        let [a0, a1, b0, b1] = mask.ranges[i];
-        match mask.window {
-            None => n += (a1.saturating_sub(a0) + b1.saturating_sub(b0)) as f64,
-            Some(_) => n += (0..t).filter(|&j| mask.visible(i, j)).count() as f64,
-        }
-    }
-    n
+    (0..mask.len()).map(|i| mask.visible_count(i) as f64).sum()
 }
 
 fn attention_suite(cx: &mut Ctx, r: &mut Rng) -> Result<()> {
-    // (T, heads, kv heads, head_dim, mask, label)
-    let cases: Vec<(usize, usize, usize, usize, AttnMask, &str)> = vec![
+    // (T, heads, kv heads, head_dim, mask, label); the softcap cases follow.
+    let mut cases: Vec<(usize, usize, usize, usize, AttnMask, &str)> = vec![
         (1, 4, 4, 16, AttnMask::causal(1), "causal"),
         (17, 4, 1, 24, AttnMask::causal(17), "causal"),
         (17, 2, 2, 16, AttnMask::prefix_shared(5, 7, 5), "prefix"),
@@ -1269,18 +1269,85 @@ fn attention_suite(cx: &mut Ctx, r: &mut Rng) -> Result<()> {
         ),
         (1000, 3, 3, 96, AttnMask::causal(1000), "causal"),
         (4096, 4, 1, 128, AttnMask::causal(4096), "causal"),
+        // Head_dim 256 (Gemma): GQA 8/4, prefix-shared, a window shorter than T.
+        (1000, 8, 4, 256, AttnMask::causal(1000), "causal"),
+        (
+            1000,
+            8,
+            4,
+            256,
+            AttnMask::prefix_shared(300, 400, 300).with_window(Some(256)),
+            "prefix+window256",
+        ),
     ];
-    for (t, nh, nkv, hd, mask, label) in cases {
+    // Softcapped: (…, softcap, query scale). Cap 5 with queries drawn at 3 (scores of standard
+    // deviation 3: a third of them past the tanh's knee, |s| > c/2) puts the cap to work; cap 50
+    // with plain scores is Gemma 2's setting. Every kernel family and head dim: version 1 (d 24,
+    // 16), the mma.sync ones at 64 and 128 (each forced version below), version 5 at 128, 256.
+    type Capped = (usize, usize, usize, usize, AttnMask, &'static str, f32, f32);
+    let capped: Vec<Capped> = vec![
+        (17, 4, 1, 24, AttnMask::causal(17), "causal", 5.0, 3.0),
+        (
+            1000,
+            2,
+            2,
+            16,
+            AttnMask::prefix_shared(200, 500, 300).with_window(Some(100)),
+            "prefix+window100",
+            5.0,
+            3.0,
+        ),
+        (128, 4, 4, 64, AttnMask::causal(128), "causal", 5.0, 3.0),
+        (
+            1000,
+            8,
+            2,
+            128,
+            AttnMask::prefix_shared(300, 400, 300),
+            "prefix",
+            5.0,
+            3.0,
+        ),
+        (
+            1000,
+            4,
+            1,
+            128,
+            AttnMask::causal(1000).with_window(Some(256)),
+            "window256",
+            50.0,
+            1.0,
+        ),
+        (
+            1000,
+            8,
+            4,
+            256,
+            AttnMask::prefix_shared(300, 400, 300).with_window(Some(256)),
+            "prefix+window256",
+            5.0,
+            3.0,
+        ),
+        (1000, 4, 2, 256, AttnMask::causal(1000), "causal", 50.0, 1.0),
+    ];
+    let mut all: Vec<_> = cases
+        .drain(..)
+        .map(|(t, nh, nkv, hd, m, l)| (t, nh, nkv, hd, m, l.to_string(), None, 1.0))
+        .collect();
+    for (t, nh, nkv, hd, m, l, c, qs) in capped {
+        all.push((t, nh, nkv, hd, m, format!("{l} softcap{c}"), Some(c), qs));
+    }
+    for (t, nh, nkv, hd, mask, label, softcap, qscale) in all {
         let s = AttnShape {
             n_heads: nh,
             n_kv_heads: nkv,
             head_dim: hd,
             scale: 1.0 / (hd as f32).sqrt(),
-            softcap: None,
+            softcap,
         };
         let tag = format!("attn T={t} h={nh}/{nkv} d={hd} {label}");
         let (qw, kw) = (nh * hd, nkv * hd);
-        let q = r.bnormals(t * qw, 1.0);
+        let q = r.bnormals(t * qw, qscale);
         let k = r.bnormals(t * kw, 1.0);
         let v = r.bnormals(t * kw, 1.0);
         let d_o = r.bnormals(t * qw, 1.0);
@@ -1335,11 +1402,13 @@ fn attention_suite(cx: &mut Ctx, r: &mut Rng) -> Result<()> {
             let row = cmp_t(&format!("{tag} bwd {name}"), g, c, BF16_GRAD)?;
             cx.push(row);
         }
-        if let (Device::Cuda(c), 64 | 128) = (cx.dev, hd) {
+        if let (Device::Cuda(c), 64 | 128 | 256) = (cx.dev, hd) {
             // The default above is the one-pass backward (its wgmma form on sm_90 at head_dim
-            // 128); the mma.sync one-pass and the two-kernel versions too, and version 5's two
-            // GQA forms (per-head blocks, kv-head loop) where they apply.
-            for version in [4u8, 2, 5, 6] {
+            // 128, version 6 at 256); the mma.sync one-pass and the two-kernel versions too, and
+            // version 5's two GQA forms (per-head blocks, kv-head loop) where they apply. Head_dim
+            // 256 has the two-kernel form besides.
+            let versions: &[u8] = if hd == 256 { &[2] } else { &[4, 2, 5, 6] };
+            for &version in versions {
                 c.set_attention_backward_version(version);
                 let got = attention_bwd(&dog, &qg, &kg, &vg, &oig, &lig, &mask, s);
                 c.set_attention_backward_version(0);
@@ -1364,52 +1433,157 @@ fn attention_long(cx: &mut Ctx, r: &mut Rng) -> Result<()> {
     let only_t: Option<usize> = std::env::var("LORAFIT_PARITY_T")
         .ok()
         .and_then(|v| v.parse().ok());
-    for (t, nh, nkv, mask, label) in [
+    let gemma_w = Some(4096);
+    // (T, heads, kv heads, head_dim, mask, label, softcap, query scale)
+    for (t, nh, nkv, hd, mask, label, softcap, qscale) in [
         (
             4096usize,
             8usize,
             2usize,
+            128usize,
             AttnMask::prefix_shared(1024, 1536, 1536),
             "prefix",
+            None,
+            1.0f32,
         ),
-        (16384, 4, 1, AttnMask::causal(16384), "causal"),
+        (
+            16384,
+            4,
+            1,
+            128,
+            AttnMask::causal(16384),
+            "causal",
+            None,
+            1.0,
+        ),
+        // The softcap's cost at head_dim 128 (version 5's capped kernels).
+        (
+            16384,
+            4,
+            1,
+            128,
+            AttnMask::causal(16384),
+            "causal softcap50",
+            Some(50.0),
+            1.0,
+        ),
         (
             16384,
             4,
             2,
+            128,
             AttnMask::prefix_shared(4096, 6144, 6144),
             "prefix",
+            None,
+            1.0,
         ),
         // llama8b's heads on the bench's two pair shapes (prompt 3584 / 14336, responses 512 / 2048).
         (
             4608,
             32,
             8,
+            128,
             AttnMask::prefix_shared(3584, 512, 512),
             "prefix",
+            None,
+            1.0,
         ),
         (
             18432,
             32,
             8,
+            128,
             AttnMask::prefix_shared(14336, 2048, 2048),
             "prefix",
+            None,
+            1.0,
+        ),
+        // Gemma 2 9B's attention (8/4 heads of 256, softcap 50, every other layer a 4096 window)
+        // on the same pair shapes and at 16K; one capped row with scores past the cap.
+        (
+            4608,
+            8,
+            4,
+            256,
+            AttnMask::prefix_shared(3584, 512, 512),
+            "prefix",
+            None,
+            1.0,
+        ),
+        (
+            4608,
+            8,
+            4,
+            256,
+            AttnMask::prefix_shared(3584, 512, 512).with_window(gemma_w),
+            "prefix+window4096 softcap5",
+            Some(5.0),
+            3.0,
+        ),
+        (
+            16384,
+            8,
+            4,
+            256,
+            AttnMask::causal(16384),
+            "causal",
+            None,
+            1.0,
+        ),
+        (
+            16384,
+            8,
+            4,
+            256,
+            AttnMask::causal(16384),
+            "causal softcap50",
+            Some(50.0),
+            1.0,
+        ),
+        (
+            16384,
+            8,
+            4,
+            256,
+            AttnMask::causal(16384).with_window(gemma_w),
+            "window4096 softcap50",
+            Some(50.0),
+            1.0,
+        ),
+        (
+            16384,
+            8,
+            4,
+            256,
+            AttnMask::prefix_shared(4096, 6144, 6144).with_window(gemma_w),
+            "prefix+window4096 softcap50",
+            Some(50.0),
+            1.0,
+        ),
+        (
+            18432,
+            8,
+            4,
+            256,
+            AttnMask::prefix_shared(14336, 2048, 2048).with_window(gemma_w),
+            "prefix+window4096 softcap50",
+            Some(50.0),
+            1.0,
         ),
     ] {
         if only_t.is_some_and(|o| o != t) {
             continue;
         }
-        let hd = 128;
         let s = AttnShape {
             n_heads: nh,
             n_kv_heads: nkv,
             head_dim: hd,
             scale: 1.0 / (hd as f32).sqrt(),
-            softcap: None,
+            softcap,
         };
         let tag = format!("attn T={t} h={nh}/{nkv} d={hd} {label}");
         let (qw, kw) = (nh * hd, nkv * hd);
-        let q = r.bnormals(t * qw, 1.0);
+        let q = r.bnormals(t * qw, qscale);
         let k = r.bnormals(t * kw, 1.0);
         let v = r.bnormals(t * kw, 1.0);
         let d_o = r.bnormals(t * qw, 1.0);
@@ -1425,7 +1599,7 @@ fn attention_long(cx: &mut Ctx, r: &mut Rng) -> Result<()> {
         let dog = cx.g(&d_o, &[t, qw], bf)?;
         let (dqg, _, _) = attention_bwd(&dog, &qg, &kg, &vg, &og, &lg, &mask, s)?;
         let dq_all = dqg.to_vec()?;
-        if let Device::Cuda(c) = cx.dev {
+        if let (Device::Cuda(c), 128) = (cx.dev, hd) {
             // dK and dV at this length: version 5's kv-head loop against its per-head blocks and
             // partials (the short cases check both against the CPU).
             let mut outs = Vec::new();
@@ -1525,13 +1699,19 @@ fn attn_timing(
         return Ok(());
     };
     let c = c.clone();
-    for (version, label) in [
-        (0u8, "bwd"),
-        (5, "bwd v5 per-head"),
-        (6, "bwd v5 head-loop"),
-        (4, "bwd v4"),
-        (2, "bwd v2"),
-    ] {
+    // Head_dim 256: the one-pass kernel (version 6) and the two-kernel one.
+    let versions: &[(u8, &str)] = if s.head_dim == 256 {
+        &[(0, "bwd"), (2, "bwd v2")]
+    } else {
+        &[
+            (0, "bwd"),
+            (5, "bwd v5 per-head"),
+            (6, "bwd v5 head-loop"),
+            (4, "bwd v4"),
+            (2, "bwd v2"),
+        ]
+    };
+    for &(version, label) in versions {
         c.set_attention_backward_version(version);
         let bwd = cx.time(iters, || {
             attention_bwd(d_o, q, k, v, &o, &lse, mask, s).map(|_| ())

@@ -623,7 +623,8 @@ impl CudaBackend {
     /// Forces the attention backward for head_dim 64 / 128: 0 (the default) the one-pass kernel
     /// (on sm_90 at head_dim 128 its wgmma form, version 5), 4 the one-pass mma.sync kernel, 2
     /// the two-kernel version; 5 and 6 version 5 with per-head blocks or with the kv-head loop
-    /// (see `attn5_head_loop`). For the parity suite, which checks each.
+    /// (see `attn5_head_loop`). At head_dim 256, 2 is the two-kernel version and any other the
+    /// one-pass version 6. For the parity suite, which checks each.
     pub fn set_attention_backward_version(&self, v: u8) {
         self.inner.attn_bwd_version.store(v, Ordering::Relaxed);
     }
@@ -1034,8 +1035,8 @@ impl CudaBackend {
         let f = unsafe { drv::module::get_function(module, cname) }
             .map_err(|e| anyhow!("cuda: kernel {name} not found: {e:?}"))?;
         if mname == "attention" {
-            // The largest attention kernel needs about 88 KB (head_dim 128).
-            let want = (self.inner.smem_optin - 1024).min(200 * 1024);
+            // Version 1 needs about 88 KB (head_dim 128); the head_dim 256 kernels about 200 KB.
+            let want = self.attn_smem_limit() as i32;
             ensure!(
                 want >= Self::attn_smem("dq", 128) as i32,
                 "cuda: the device allows only {} bytes of shared memory per block",
@@ -1407,6 +1408,11 @@ impl CudaBackend {
             k.shape()
         );
         ensure!(k.shape() == v.shape(), "attention: k and v differ");
+        ensure!(
+            s.softcap.is_none_or(|c| c.is_finite() && c > 0.0),
+            "attention: softcap {:?} must be positive",
+            s.softcap
+        );
         let hdp = match s.head_dim {
             0 => bail!("attention: head_dim 0"),
             1..=16 => 16,
@@ -1414,9 +1420,64 @@ impl CudaBackend {
             33..=64 => 64,
             65..=96 => 96,
             97..=128 => 128,
-            d => bail!("cuda attention supports head_dim up to 128, got {d}"),
+            // Versions 2 (forward, dQ, dK/dV) only; `attn2` says where they do not apply.
+            256 => 256,
+            d => bail!("cuda attention supports head_dim up to 128 and 256, got {d}"),
         };
         Ok(hdp)
+    }
+
+    /// The dynamic shared memory an attention kernel may use (the limit `function` sets).
+    fn attn_smem_limit(&self) -> u32 {
+        (self.inner.smem_optin - 1024).max(0) as u32
+    }
+
+    /// The kernel's capped form (`…_cap`: scores `c·tanh(s/c)`) where the shape has a softcap.
+    fn attn_cap_name(name: &'static str, s: &AttnShape) -> &'static str {
+        if s.softcap.is_none() {
+            return name;
+        }
+        macro_rules! caps {
+            ($($n:literal),* $(,)?) => {
+                match name {
+                    $($n => concat!($n, "_cap"),)*
+                    other => panic!("attention kernel {other} has no capped form"),
+                }
+            };
+        }
+        caps!(
+            "lf_attn_fwd_16",
+            "lf_attn_fwd_32",
+            "lf_attn_fwd_64",
+            "lf_attn_fwd_96",
+            "lf_attn_fwd_128",
+            "lf_attn_bwd_dq_16",
+            "lf_attn_bwd_dq_32",
+            "lf_attn_bwd_dq_64",
+            "lf_attn_bwd_dq_96",
+            "lf_attn_bwd_dq_128",
+            "lf_attn_bwd_dkdv_16",
+            "lf_attn_bwd_dkdv_32",
+            "lf_attn_bwd_dkdv_64",
+            "lf_attn_bwd_dkdv_96",
+            "lf_attn_bwd_dkdv_128",
+            "lf_attn2_fwd_64",
+            "lf_attn2_fwd_128",
+            "lf_attn2_fwd_256",
+            "lf_attn2_dq_64",
+            "lf_attn2_dq_128",
+            "lf_attn2_dq_256",
+            "lf_attn2_dkdv_64",
+            "lf_attn2_dkdv_128",
+            "lf_attn2_dkdv_256",
+            "lf_attn3_fwd_64",
+            "lf_attn3_fwd_128",
+            "lf_attn4_bwd_64",
+            "lf_attn4_bwd_128",
+            "lf_attn5_fwd_128",
+            "lf_attn5_bwd_128",
+            "lf_attn6_bwd_256",
+        )
     }
 
     fn attn_smem(kind: &str, hdp: usize) -> u32 {
@@ -1443,7 +1504,7 @@ impl CudaBackend {
             _ => t.div_ceil(128) * s.n_heads >= 4 * self.inner.sm_count as usize,
         };
         let (name, threads, rows) = Self::attn2_fn(kind, s, wide)?;
-        let limit = (self.inner.smem_optin - 1024).min(200 * 1024);
+        let limit = self.attn_smem_limit();
         // Version 5 forward: Q and two K and two V tiles (128 x 128 bf16 each), eight mbarriers
         // (64 bytes), the tile flags, and room to align to 1024 bytes.
         let fwd5_smem =
@@ -1474,10 +1535,12 @@ impl CudaBackend {
             });
         }
         let smem = Self::attn2_smem(kind, s.head_dim, t);
+        // dK/dV at head_dim 256: one block per head-dim half.
+        let z = if name == "lf_attn2_dkdv_256" { 2 } else { 1 };
         (smem as i64 <= limit as i64).then_some(AttnKernel {
             name,
             threads,
-            grid: (t.div_ceil(rows) as u32, s.n_heads as u32, 1),
+            grid: (t.div_ceil(rows) as u32, s.n_heads as u32, z),
             smem,
         })
     }
@@ -1492,6 +1555,10 @@ impl CudaBackend {
         Some(match (kind, s.head_dim) {
             ("fwd", 64) if !wide => ("lf_attn2_fwd_64", 256, 128),
             ("fwd", 128) if !wide => ("lf_attn2_fwd_128", 256, 128),
+            ("fwd", 256) => ("lf_attn2_fwd_256", 256, 128),
+            ("dq", 256) => ("lf_attn2_dq_256", 128, 64),
+            ("dkdv", 256) => ("lf_attn2_dkdv_256", 128, 64),
+            ("bwd", 256) => ("lf_attn6_bwd_256", 256, 64),
             ("fwd", 64) => ("lf_attn3_fwd_64", 128, 128),
             ("fwd", 128) => ("lf_attn3_fwd_128", 128, 128),
             ("dq", 64) => ("lf_attn2_dq_64", 128, 64),
@@ -1547,6 +1614,14 @@ impl CudaBackend {
         let b = match kind {
             "fwd" => (128 + 4 * 64) * row + t.div_ceil(64).next_multiple_of(16),
             "dq" => (2 * 64 + 4 * 64) * row + t.div_ceil(64).next_multiple_of(16),
+            // Version 6 (head_dim 256): 64-key K and V tiles, two buffers of Q and dO, the P^T and
+            // dS^T tiles, lse and D.
+            "bwd" if hd == 256 => {
+                (2 * 64 + 4 * 64) * row
+                    + 2 * 64 * (64 + 8) * 2
+                    + 4 * 64 * 4
+                    + t.div_ceil(64).next_multiple_of(16)
+            }
             // 128-key K and V tiles, two buffers of Q and dO, the dS^T tile, lse and D.
             "bwd" => {
                 (2 * 128 + 4 * 64) * row
@@ -1591,10 +1666,11 @@ impl CudaBackend {
         let o = self.empty(q.shape(), q.dtype())?;
         let lse = self.empty(&[s.n_heads, t], DType::F32)?;
         let (_mbuf, marg) = self.upload_mask(mask)?;
+        let cap = s.softcap.unwrap_or(1.0);
         if let Some(kn) = self.attn2("fwd", &s, t) {
             return self
                 .launch(
-                    kn.name,
+                    Self::attn_cap_name(kn.name, &s),
                     kn.grid,
                     kn.threads,
                     kn.smem,
@@ -1609,12 +1685,18 @@ impl CudaBackend {
                         Arg::I32(s.n_heads as i32),
                         Arg::I32(s.n_kv_heads as i32),
                         Arg::F32(s.scale),
+                        Arg::F32(cap),
                     ],
                 )
                 .map(|_| (o, lse));
         }
+        ensure!(
+            hdp <= 128,
+            "cuda attention: no kernel for head_dim {}",
+            s.head_dim
+        );
         self.launch(
-            Self::attn_fn("fwd", hdp),
+            Self::attn_cap_name(Self::attn_fn("fwd", hdp), &s),
             (t.div_ceil(64) as u32, s.n_heads as u32, 1),
             128,
             Self::attn_smem("fwd", hdp),
@@ -1630,6 +1712,7 @@ impl CudaBackend {
                 Arg::I32(s.n_kv_heads as i32),
                 Arg::I32(s.head_dim as i32),
                 Arg::F32(s.scale),
+                Arg::F32(cap),
             ],
         )?;
         Ok((o, lse))
@@ -1689,6 +1772,7 @@ impl CudaBackend {
                 Arg::I32(s.n_kv_heads as i32),
                 Arg::I32(s.head_dim as i32),
                 Arg::F32(s.scale),
+                Arg::F32(s.softcap.unwrap_or(1.0)),
             ]);
             Ok(a)
         };
@@ -1700,10 +1784,16 @@ impl CudaBackend {
             Some(_) => (None, None),
             None => (self.attn2("dq", &s, t), self.attn2("dkdv", &s, t)),
         };
+        ensure!(
+            hdp <= 128 || one_pass.is_some() || (dq2.is_some() && dkdv2.is_some()),
+            "cuda attention backward: no kernel for head_dim {}",
+            s.head_dim
+        );
+        let cap = |name| Self::attn_cap_name(name, &s);
         // Version 2 takes no head_dim argument (it is the template's).
         let common2 = |out: Vec<Arg>| -> Result<Vec<Arg>> {
             let mut a = common(out)?;
-            a.remove(a.len() - 2);
+            a.remove(a.len() - 3);
             Ok(a)
         };
         let dq_acc = match &one_pass {
@@ -1714,7 +1804,7 @@ impl CudaBackend {
             // The one-pass kernel below writes dQ into dq_acc.
         } else if let Some(kn) = dq2 {
             self.launch(
-                kn.name,
+                cap(kn.name),
                 kn.grid,
                 kn.threads,
                 kn.smem,
@@ -1722,7 +1812,7 @@ impl CudaBackend {
             )?;
         } else {
             self.launch(
-                Self::attn_fn("dq", hdp),
+                cap(Self::attn_fn("dq", hdp)),
                 (t.div_ceil(64) as u32, s.n_heads as u32, 1),
                 128,
                 Self::attn_smem("dq", hdp),
@@ -1758,12 +1848,13 @@ impl CudaBackend {
             args.insert(6, Arg::P(cuda_ptr(acc)?));
             let mut grid = kn.grid;
             if kn.name == "lf_attn5_bwd_128" {
-                args.push(Arg::I32(head_loop as i32));
+                // head_loop comes before the softcap.
+                args.insert(args.len() - 1, Arg::I32(head_loop as i32));
                 if head_loop {
                     grid = (s.n_kv_heads as u32, t.div_ceil(128) as u32, 1);
                 }
             }
-            self.launch(kn.name, grid, kn.threads, kn.smem, &args)?;
+            self.launch(cap(kn.name), grid, kn.threads, kn.smem, &args)?;
             self.launch_n(
                 "lf_attn_dq_finish",
                 dq.numel(),
@@ -1775,10 +1866,10 @@ impl CudaBackend {
                 ],
             )?;
         } else if let Some(kn) = dkdv2 {
-            self.launch(kn.name, kn.grid, kn.threads, kn.smem, &common2(outs)?)?;
+            self.launch(cap(kn.name), kn.grid, kn.threads, kn.smem, &common2(outs)?)?;
         } else {
             self.launch(
-                Self::attn_fn("dkdv", hdp),
+                cap(Self::attn_fn("dkdv", hdp)),
                 (t.div_ceil(64) as u32, s.n_heads as u32, 1),
                 128,
                 Self::attn_smem("dkdv", hdp),

@@ -11,9 +11,11 @@
 // zeros in shared memory, so any head_dim up to 128 works.
 //
 // Versions: 1 (below, any head_dim up to 128); 2, 3 and 4 (after it: head_dim 64 and 128 only,
-// mma.sync with ldmatrix and cp.async, about 3x faster); 5 (at the end: head_dim 128 on sm_90a,
-// warpgroup MMAs, compiled only where the module targets sm_90a). The host picks the newest that
-// applies. All keep these semantics.
+// mma.sync with ldmatrix and cp.async, about 3x faster; version 2's forward, dQ and dK/dV also at
+// head_dim 256); 6 (head_dim 256, the one-pass backward on mma.sync); 5 (at the end: head_dim 128
+// on sm_90a, warpgroup MMAs, compiled only where the module targets sm_90a). The host picks the
+// newest that applies. All keep these semantics, and every kernel has a softcapped form (`_cap`,
+// see cap_scores).
 //
 // mma.m16n8k16 fragment layouts (g = lane / 4, t = lane % 4):
 //   A (16x16, row-major): a0 = (g, 2t..2t+1), a1 = (g+8, 2t..), a2 = (g, 2t+8..), a3 = (g+8, 2t+8..)
@@ -41,6 +43,26 @@ __device__ __forceinline__ float fast_exp2(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
     return y;
+}
+
+// tanh(y) = 1 - 2 / (1 + e^(2y)) from one exp2: absolute error about 1e-7 over the whole range
+// (tanh.approx's relative 2^-11 would put errors of 0.02 on scores near a cap of 50); y is clamped
+// at 15, where tanh is 1 in f32, so that e stays finite.
+__device__ __forceinline__ float cap_tanh(float y) {
+    const float e = fast_exp2(fminf(y, 15.f) * (2.f * LOG2E));
+    return 1.f - __fdividef(2.f, 1.f + e);
+}
+
+// Logit softcap (Gemma 2): raw dot products x become the scores cap * tanh(x * sc) with sc =
+// scale / cap, in natural-log units (so that the softmax then scales by LOG2E alone). Kernels take
+// it as a template flag CAP: the uncapped ones compile exactly as before. The backward recomputes
+// tanh and multiplies dS by the cap's derivative 1 - tanh^2.
+template <int NB>
+__device__ __forceinline__ void cap_scores(float (&s)[NB][4], float sc, float cap) {
+    #pragma unroll
+    for (int nt = 0; nt < NB; nt++)
+        #pragma unroll
+        for (int e = 0; e < 4; e++) s[nt][e] = cap * cap_tanh(s[nt][e] * sc);
 }
 
 struct Mask {
@@ -103,10 +125,10 @@ __device__ __forceinline__ void load_tile(bf16* dst, int dstride, const bf16* sr
 
 // ------------------------------------------------------------------------------------------------
 // Forward. grid (ceil(T/64), n_heads), 128 threads; warp w owns query rows 16w..16w+15 of the tile.
-template <int HDP>
+template <int HDP, bool CAP>
 __device__ void attn_fwd(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v,
                          bf16* __restrict__ o, float* __restrict__ lse, Mask mk, int t, int nh, int nkv, int hd,
-                         float scale) {
+                         float scale, float cap) {
     extern __shared__ __align__(16) unsigned char smem[];
     const int SQ = HDP + 8, SV = BK + 8;
     bf16* qs = (bf16*)smem;
@@ -180,7 +202,7 @@ __device__ void attn_fwd(const bf16* __restrict__ q, const bf16* __restrict__ k,
         for (int nt = 0; nt < BK / 8; nt++) {
             #pragma unroll
             for (int e = 0; e < 4; e++) {
-                float x = s[nt][e] * sl2;
+                float x = CAP ? cap * cap_tanh(s[nt][e] * (scale / cap)) * LOG2E : s[nt][e] * sl2;
                 if (!tile_all) {
                     int kl = nt * 8 + 2 * tq + (e & 1);
                     bool vis = e < 2 ? visible(rga, pa, k0 + kl, kpos[kl], mk.window)
@@ -274,10 +296,10 @@ extern "C" __global__ void lf_attn_bwd_dot(const bf16* d_o, const bf16* o, float
 
 // ------------------------------------------------------------------------------------------------
 // dQ. grid (ceil(T/64), n_heads); warp w owns query rows 16w.. of the tile.
-template <int HDP>
+template <int HDP, bool CAP>
 __device__ void attn_bwd_dq(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v,
                             const bf16* __restrict__ d_o, const float* __restrict__ lse, const float* __restrict__ dd,
-                            bf16* __restrict__ dq, Mask mk, int t, int nh, int nkv, int hd, float scale) {
+                            bf16* __restrict__ dq, Mask mk, int t, int nh, int nkv, int hd, float scale, float cap) {
     extern __shared__ __align__(16) unsigned char smem[];
     const int SQ = HDP + 8, SK = BK + 8;
     bf16* qs = (bf16*)smem;
@@ -362,14 +384,21 @@ __device__ void attn_bwd_dq(const bf16* __restrict__ q, const bf16* __restrict__
             #pragma unroll
             for (int e = 0; e < 4; e++) {
                 const bool top = e < 2;
-                float p = exp2f(s[nt][e] * sl2 - (top ? la : lb));
+                float p, dcap = 1.f;
+                if (CAP) {
+                    const float th = cap_tanh(s[nt][e] * (scale / cap));
+                    p = exp2f(cap * th * LOG2E - (top ? la : lb));
+                    dcap = 1.f - th * th;
+                } else {
+                    p = exp2f(s[nt][e] * sl2 - (top ? la : lb));
+                }
                 if (!tile_all) {
                     int kl = nt * 8 + 2 * tq + (e & 1);
                     bool vis = top ? visible(rga, pa, k0 + kl, kpos[kl], mk.window)
                                    : visible(rgb, pb, k0 + kl, kpos[kl], mk.window);
                     if (!vis) p = 0.f;
                 }
-                s[nt][e] = p * (dp[nt][e] - (top ? da : db));
+                s[nt][e] = p * (dp[nt][e] - (top ? da : db)) * dcap;
             }
         }
         #pragma unroll
@@ -406,12 +435,12 @@ __device__ void attn_bwd_dq(const bf16* __restrict__ q, const bf16* __restrict__
 // With GQA (group > 1) each query head writes f32 partials [n_heads, T, hd] that
 // lf_attn_dkdv_reduce sums over the group; with group 1 it writes bf16 dK/dV directly.
 #define BQ2 32
-template <int HDP>
+template <int HDP, bool CAP>
 __device__ void attn_bwd_dkdv(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v,
                               const bf16* __restrict__ d_o, const float* __restrict__ lse,
                               const float* __restrict__ dd, bf16* __restrict__ dk, bf16* __restrict__ dv,
                               float* __restrict__ dk_part, float* __restrict__ dv_part, Mask mk, int t, int nh,
-                              int nkv, int hd, float scale) {
+                              int nkv, int hd, float scale, float cap) {
     extern __shared__ __align__(16) unsigned char smem[];
     const int SQ = HDP + 8, ST = BQ2 + 8;
     bf16* ks = (bf16*)smem;
@@ -505,14 +534,21 @@ __device__ void attn_bwd_dkdv(const bf16* __restrict__ q, const bf16* __restrict
                 #pragma unroll
                 for (int e = 0; e < 4; e++) {
                     const int ql = nt * 8 + 2 * tq + (e & 1);
-                    float p = exp2f(s[nt][e] * sl2 - lse_s[ql]);
+                    float p, dcap = 1.f;
+                    if (CAP) {
+                        const float th = cap_tanh(s[nt][e] * (scale / cap));
+                        p = exp2f(cap * th * LOG2E - lse_s[ql]);
+                        dcap = 1.f - th * th;
+                    } else {
+                        p = exp2f(s[nt][e] * sl2 - lse_s[ql]);
+                    }
                     if (!tile_all) {
                         const bool top = e < 2;
                         bool vis = visible(qr_s[ql], qpos_s[ql], top ? ka : kb, top ? kpa : kpb, mk.window);
                         if (!vis) p = 0.f;
                     }
                     s[nt][e] = p;
-                    dp[nt][e] = p * (dp[nt][e] - d_s[ql]);
+                    dp[nt][e] = p * (dp[nt][e] - d_s[ql]) * dcap;
                 }
             }
             #pragma unroll
@@ -584,29 +620,37 @@ extern "C" __global__ void lf_attn_dkdv_reduce(const float* dkp, const float* dv
     }
 }
 
-#define INSTANTIATE(HDP)                                                                                       \
-    extern "C" __global__ void __launch_bounds__(NTHREADS) lf_attn_fwd_##HDP(                                  \
+// Every attention kernel takes the softcap as its last argument; only the `_cap` instances
+// (CAP = true) read it.
+#define INSTANTIATE(HDP, CAP, SFX)                                                                             \
+    extern "C" __global__ void __launch_bounds__(NTHREADS) lf_attn_fwd_##HDP##SFX(                             \
         const bf16* q, const bf16* k, const bf16* v, bf16* o, float* lse, Mask mk, int t, int nh, int nkv,     \
-        int hd, float scale) {                                                                                 \
-        attn_fwd<HDP>(q, k, v, o, lse, mk, t, nh, nkv, hd, scale);                                             \
+        int hd, float scale, float cap) {                                                                      \
+        attn_fwd<HDP, CAP>(q, k, v, o, lse, mk, t, nh, nkv, hd, scale, cap);                                   \
     }                                                                                                          \
-    extern "C" __global__ void __launch_bounds__(NTHREADS) lf_attn_bwd_dq_##HDP(                               \
+    extern "C" __global__ void __launch_bounds__(NTHREADS) lf_attn_bwd_dq_##HDP##SFX(                          \
         const bf16* q, const bf16* k, const bf16* v, const bf16* d_o, const float* lse, const float* dd,       \
-        bf16* dq, Mask mk, int t, int nh, int nkv, int hd, float scale) {                                      \
-        attn_bwd_dq<HDP>(q, k, v, d_o, lse, dd, dq, mk, t, nh, nkv, hd, scale);                                \
+        bf16* dq, Mask mk, int t, int nh, int nkv, int hd, float scale, float cap) {                           \
+        attn_bwd_dq<HDP, CAP>(q, k, v, d_o, lse, dd, dq, mk, t, nh, nkv, hd, scale, cap);                      \
     }                                                                                                          \
-    extern "C" __global__ void __launch_bounds__(NTHREADS) lf_attn_bwd_dkdv_##HDP(                             \
+    extern "C" __global__ void __launch_bounds__(NTHREADS) lf_attn_bwd_dkdv_##HDP##SFX(                        \
         const bf16* q, const bf16* k, const bf16* v, const bf16* d_o, const float* lse, const float* dd,       \
         bf16* dk, bf16* dv, float* dk_part, float* dv_part, Mask mk, int t, int nh, int nkv, int hd,           \
-        float scale) {                                                                                         \
-        attn_bwd_dkdv<HDP>(q, k, v, d_o, lse, dd, dk, dv, dk_part, dv_part, mk, t, nh, nkv, hd, scale);        \
+        float scale, float cap) {                                                                              \
+        attn_bwd_dkdv<HDP, CAP>(q, k, v, d_o, lse, dd, dk, dv, dk_part, dv_part, mk, t, nh, nkv, hd, scale,    \
+                                cap);                                                                          \
     }
 
-INSTANTIATE(16)
-INSTANTIATE(32)
-INSTANTIATE(64)
-INSTANTIATE(96)
-INSTANTIATE(128)
+INSTANTIATE(16, false, )
+INSTANTIATE(32, false, )
+INSTANTIATE(64, false, )
+INSTANTIATE(96, false, )
+INSTANTIATE(128, false, )
+INSTANTIATE(16, true, _cap)
+INSTANTIATE(32, true, _cap)
+INSTANTIATE(64, true, _cap)
+INSTANTIATE(96, true, _cap)
+INSTANTIATE(128, true, _cap)
 
 // ================================================================================================
 // Version 2 (head_dim 64 and 128, 16-byte aligned rows): operands staged by cp.async into padded
@@ -880,11 +924,15 @@ __device__ __forceinline__ void dual_scores(float (&s)[N / 8][4], float (&dp)[N 
 // Forward v2. grid (ceil(T/128), n_heads), 256 threads; warp w owns query rows 16w.. of the tile.
 // The warp's Q fragments stay in registers (about 206 registers at head_dim 128: one block of 8
 // warps per SM). Re-reading them from shared memory every key tile to fit two blocks per SM
-// (128 registers, small spills) measured 30% slower at T=16K.
-template <int HD>
+// (128 registers, small spills) measured 30% slower at T=16K. At head_dim 256 the output
+// accumulators alone take 128 registers, so the Q fragments are read from shared memory per k16
+// step (QREG false); its shared memory is then Q (128 rows) and two K and two V buffers of 64 rows,
+// 198 KB of padded rows.
+template <int HD, bool CAP>
 __device__ void attn2_fwd(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v,
                           bf16* __restrict__ o, float* __restrict__ lse, Mask mk, int t, int nh, int nkv,
-                          float scale) {
+                          float scale, float cap) {
+    constexpr bool QREG = HD <= 128;
     constexpr int BQ_ = 128, BK_ = 64, NT = 256, SS = HD + 8;
     extern __shared__ __align__(16) unsigned char smem[];
     bf16* qs = (bf16*)smem;
@@ -896,7 +944,7 @@ __device__ void attn2_fwd(const bf16* __restrict__ q, const bf16* __restrict__ k
     const int q0 = (gridDim.x - 1 - blockIdx.x) * BQ_;
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
     const i64 qstride = (i64)nh * HD, kstride = (i64)nkv * HD;
-    const float sl2 = scale * LOG2E;
+    const float sl2 = CAP ? LOG2E : scale * LOG2E;
     const int ntiles = (t + BK_ - 1) / BK_;
     const bf16* kg = k + (i64)kvh * HD;
     const bf16* vg = v + (i64)kvh * HD;
@@ -908,9 +956,11 @@ __device__ void attn2_fwd(const bf16* __restrict__ q, const bf16* __restrict__ k
 
     cp_async_wait<1>();
     __syncthreads();
-    u32 qf[HD / 16][4];
-    #pragma unroll
-    for (int kk = 0; kk < HD / 16; kk++) ldsm_x4(qf[kk], qs + (16 * w) * SS + kk * 16 + lo_a<SS>(lane));
+    u32 qf[QREG ? HD / 16 : 1][4];
+    if constexpr (QREG) {
+        #pragma unroll
+        for (int kk = 0; kk < HD / 16; kk++) ldsm_x4(qf[kk], qs + (16 * w) * SS + kk * 16 + lo_a<SS>(lane));
+    }
 
     float acc[HD / 8][4];
     #pragma unroll
@@ -934,7 +984,10 @@ __device__ void attn2_fwd(const bf16* __restrict__ q, const bf16* __restrict__ k
         for (int nt = 0; nt < BK_ / 8; nt++) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
         #pragma unroll
         for (int kk = 0; kk < HD / 16; kk++) {
-            const u32* af = qf[kk];
+            u32 qs_f[4];
+            const u32* af = qs_f;
+            if constexpr (QREG) af = qf[kk];
+            else ldsm_x4(qs_f, qs + (16 * w) * SS + kk * 16 + lo_a<SS>(lane));
             #pragma unroll
             for (int np = 0; np < BK_ / 16; np++) {
                 u32 b[4];
@@ -943,6 +996,7 @@ __device__ void attn2_fwd(const bf16* __restrict__ q, const bf16* __restrict__ k
                 mma16816(s[2 * np + 1], af, b[2], b[3]);
             }
         }
+        if constexpr (CAP) cap_scores(s, scale / cap, cap);
         if (!tile_all) mask_scores(s, mk, ra, rb, k0, t, tq);
         online_softmax<HD>(s, m_a, m_b, l_a, l_b, acc, sl2);
         #pragma unroll
@@ -983,12 +1037,14 @@ __device__ void attn2_fwd(const bf16* __restrict__ q, const bf16* __restrict__ k
 }
 
 // ------------------------------------------------------------------------------------------------
-// dQ v2. grid (ceil(T/64), n_heads), 128 threads; warp w owns query rows 16w.. of the tile.
-template <int HD>
+// dQ v2. grid (ceil(T/64), n_heads), 128 threads; warp w owns query rows 16w.. of the tile. At
+// head_dim 256 (dQ accumulators: 128 registers) each 64-key tile is taken as two 32-key halves, so
+// that S and dP of a step need 32 registers, not 64.
+template <int HD, bool CAP>
 __device__ void attn2_dq(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v,
                          const bf16* __restrict__ d_o, const float* __restrict__ lse, const float* __restrict__ dd,
-                         bf16* __restrict__ dq, Mask mk, int t, int nh, int nkv, float scale) {
-    constexpr int BQ_ = 64, BK_ = 64, NT = 128, SS = HD + 8;
+                         bf16* __restrict__ dq, Mask mk, int t, int nh, int nkv, float scale, float cap) {
+    constexpr int BQ_ = 64, BK_ = 64, NT = 128, SS = HD + 8, KH = HD <= 128 ? 64 : 32;
     extern __shared__ __align__(16) unsigned char smem[];
     bf16* qs = (bf16*)smem;
     bf16* dos = qs + BQ_ * SS;
@@ -1037,35 +1093,45 @@ __device__ void attn2_dq(const bf16* __restrict__ q, const bf16* __restrict__ k,
         const int k0 = cur * BK_;
         const bool tile_all = fl[cur] == 2;
 
-        float s[BK_ / 8][4], dp[BK_ / 8][4];
-        dual_scores<HD, BK_>(s, dp, qs + (16 * w) * SS, dos + (16 * w) * SS, kb, vb, lane);
         #pragma unroll
-        for (int nt = 0; nt < BK_ / 8; nt++) {
+        for (int kh = 0; kh < BK_; kh += KH) {
+            float s[KH / 8][4], dp[KH / 8][4];
+            dual_scores<HD, KH>(s, dp, qs + (16 * w) * SS, dos + (16 * w) * SS, kb + kh * SS, vb + kh * SS, lane);
             #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const bool top = e < 2;
-                float p = fast_exp2(s[nt][e] * sl2 - (top ? la : lb));
-                if (!tile_all) {
-                    const int kx = k0 + nt * 8 + 2 * tq + (e & 1);
-                    const bool vis = top ? vis2(mk, rga, pa, oka, kx, t) : vis2(mk, rgb, pb, okb, kx, t);
-                    if (!vis) p = 0.f;
+            for (int nt = 0; nt < KH / 8; nt++) {
+                #pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const bool top = e < 2;
+                    float p, dcap = 1.f;
+                    if constexpr (CAP) {
+                        const float th = cap_tanh(s[nt][e] * (scale / cap));
+                        p = fast_exp2(cap * th * LOG2E - (top ? la : lb));
+                        dcap = 1.f - th * th;
+                    } else {
+                        p = fast_exp2(s[nt][e] * sl2 - (top ? la : lb));
+                    }
+                    if (!tile_all) {
+                        const int kx = k0 + kh + nt * 8 + 2 * tq + (e & 1);
+                        const bool vis = top ? vis2(mk, rga, pa, oka, kx, t) : vis2(mk, rgb, pb, okb, kx, t);
+                        if (!vis) p = 0.f;
+                    }
+                    s[nt][e] = p * (dp[nt][e] - (top ? da : db)) * dcap;
                 }
-                s[nt][e] = p * (dp[nt][e] - (top ? da : db));
             }
-        }
-        #pragma unroll
-        for (int j = 0; j < BK_ / 16; j++) {
-            u32 pf[4];
-            pf[0] = pack_bf16(s[2 * j][0], s[2 * j][1]);
-            pf[1] = pack_bf16(s[2 * j][2], s[2 * j][3]);
-            pf[2] = pack_bf16(s[2 * j + 1][0], s[2 * j + 1][1]);
-            pf[3] = pack_bf16(s[2 * j + 1][2], s[2 * j + 1][3]);
             #pragma unroll
-            for (int dpi = 0; dpi < HD / 16; dpi++) {
-                u32 b[4];
-                ldsm_x4_t(b, kb + j * 16 * SS + dpi * 16 + lo_bt<SS>(lane));
-                mma16816(acc[2 * dpi], pf, b[0], b[1]);
-                mma16816(acc[2 * dpi + 1], pf, b[2], b[3]);
+            for (int j = 0; j < KH / 16; j++) {
+                u32 pf[4];
+                pf[0] = pack_bf16(s[2 * j][0], s[2 * j][1]);
+                pf[1] = pack_bf16(s[2 * j][2], s[2 * j][3]);
+                pf[2] = pack_bf16(s[2 * j + 1][0], s[2 * j + 1][1]);
+                pf[3] = pack_bf16(s[2 * j + 1][2], s[2 * j + 1][3]);
+                #pragma unroll
+                for (int dpi = 0; dpi < HD / 16; dpi++) {
+                    u32 b[4];
+                    ldsm_x4_t(b, kb + (kh + j * 16) * SS + dpi * 16 + lo_bt<SS>(lane));
+                    mma16816(acc[2 * dpi], pf, b[0], b[1]);
+                    mma16816(acc[2 * dpi + 1], pf, b[2], b[3]);
+                }
             }
         }
         __syncthreads();
@@ -1111,12 +1177,14 @@ __device__ __forceinline__ void load_query_tile(bf16* qs, bf16* dos, float* ls, 
 
 // S^T = K_w Q^T and dP^T = V_w dO^T (kw, vw: the warp's 16 rows of the K and V tiles), then in
 // place P^T = exp(S^T * scale - lse) (masked) and dS^T = P^T * (dP^T - D). Element e of n-tile nt:
-// key row (e < 2 ? ka : kb), query column nt * 8 + 2tq + (e & 1) of the tile.
-template <int HD, int BQ_>
+// key row (e < 2 ? ka : kb), query column nt * 8 + 2tq + (e & 1) of the tile. With CAP the
+// scores are cap * tanh(S^T * sc) (sl2 then LOG2E) and dS^T carries the factor 1 - tanh^2.
+template <int HD, int BQ_, bool CAP>
 __device__ __forceinline__ void key_tile_probs(float (&s)[BQ_ / 8][4], float (&dp)[BQ_ / 8][4], const bf16* kw,
                                                const bf16* vw, const bf16* qb, const bf16* ob, const float* lb,
                                                const float* db, const Mask& mk, int q0, int ka, int kb, int kpa,
-                                               int kpb, bool tile_all, int t, float sl2, int lane) {
+                                               int kpb, bool tile_all, int t, float sl2, float sc, float cap,
+                                               int lane) {
     const int tq = lane & 3;
     dual_scores<HD, BQ_>(s, dp, kw, vw, qb, ob, lane);
     #pragma unroll
@@ -1124,7 +1192,14 @@ __device__ __forceinline__ void key_tile_probs(float (&s)[BQ_ / 8][4], float (&d
         #pragma unroll
         for (int e = 0; e < 4; e++) {
             const int ql = nt * 8 + 2 * tq + (e & 1);
-            float p = fast_exp2(s[nt][e] * sl2 - lb[ql] * LOG2E);
+            float p, dcap = 1.f;
+            if constexpr (CAP) {
+                const float th = cap_tanh(s[nt][e] * sc);
+                p = fast_exp2((cap * th - lb[ql]) * LOG2E);
+                dcap = 1.f - th * th;
+            } else {
+                p = fast_exp2(s[nt][e] * sl2 - lb[ql] * LOG2E);
+            }
             if (!tile_all) {
                 const int qi = q0 + ql, kx = e < 2 ? ka : kb;
                 bool vis = false;
@@ -1132,7 +1207,7 @@ __device__ __forceinline__ void key_tile_probs(float (&s)[BQ_ / 8][4], float (&d
                 if (!vis) p = 0.f;
             }
             s[nt][e] = p;
-            dp[nt][e] = p * (dp[nt][e] - db[ql]);
+            dp[nt][e] = p * (dp[nt][e] - db[ql]) * dcap;
         }
     }
 }
@@ -1140,8 +1215,10 @@ __device__ __forceinline__ void key_tile_probs(float (&s)[BQ_ / 8][4], float (&d
 // dV_w += P^T dO and dK_w += dS^T Q, with P^T (s) and dS^T (dp) as bf16 A operands straight from
 // registers. With `ds_out`, dS^T (as rounded for the product) is also stored to the warp's 16 rows
 // of a [key][query] shared tile of row stride `ds_stride`, for version 4's dQ product.
-template <int HD, int BQ_>
-__device__ __forceinline__ void key_tile_accumulate(float (&adv)[HD / 8][4], float (&adk)[HD / 8][4],
+// DW: the width of the accumulated head-dim slice (all HD, or a part from column dh of qb / ob,
+// which the caller's pointers already include).
+template <int HD, int BQ_, int DW = HD>
+__device__ __forceinline__ void key_tile_accumulate(float (&adv)[DW / 8][4], float (&adk)[DW / 8][4],
                                                     const float (&s)[BQ_ / 8][4], const float (&dp)[BQ_ / 8][4],
                                                     const bf16* qb, const bf16* ob, bf16* ds_out, int ds_stride,
                                                     int lane) {
@@ -1167,7 +1244,7 @@ __device__ __forceinline__ void key_tile_accumulate(float (&adv)[HD / 8][4], flo
             *(u32*)(r + 8 * ds_stride + 8) = sf[3];
         }
         #pragma unroll
-        for (int dpi = 0; dpi < HD / 16; dpi++) {
+        for (int dpi = 0; dpi < DW / 16; dpi++) {
             u32 b[4];
             ldsm_x4_t(b, ob + j * 16 * SS + dpi * 16 + lo_bt<SS>(lane));
             mma16816(adv[2 * dpi], pf, b[0], b[1]);
@@ -1180,17 +1257,17 @@ __device__ __forceinline__ void key_tile_accumulate(float (&adv)[HD / 8][4], flo
 }
 
 // The warp's dK (times scale) and dV rows: f32 partials per query head with GQA (summed by
-// lf_attn_dkdv_reduce), bf16 directly without.
-template <int HD>
-__device__ __forceinline__ void key_tile_store(const float (&adk)[HD / 8][4], const float (&adv)[HD / 8][4],
+// lf_attn_dkdv_reduce), bf16 directly without. DW columns from head dim dh.
+template <int HD, int DW = HD>
+__device__ __forceinline__ void key_tile_store(const float (&adk)[DW / 8][4], const float (&adv)[DW / 8][4],
                                                bf16* __restrict__ dk, bf16* __restrict__ dv,
                                                float* __restrict__ dk_part, float* __restrict__ dv_part, int h,
                                                int kvh, int group, int ka, int kb, int t, int nkv, float scale,
-                                               int tq) {
+                                               int tq, int dh = 0) {
     const i64 kstride = (i64)nkv * HD;
     #pragma unroll
-    for (int nd = 0; nd < HD / 8; nd++) {
-        const int d = nd * 8 + 2 * tq;
+    for (int nd = 0; nd < DW / 8; nd++) {
+        const int d = dh + nd * 8 + 2 * tq;
         if (group > 1) {
             if (ka < t) {
                 *(float2*)(dk_part + ((i64)h * t + ka) * HD + d) = make_float2(adk[nd][0] * scale, adk[nd][1] * scale);
@@ -1256,14 +1333,18 @@ __device__ __forceinline__ void tile_dq_add(float* __restrict__ dq_acc, const bf
 //   tile's dQ = dS K is computed (warp w: query rows 16(w % 4).., head dims (w / 4) * HD/2..) and
 //   added to an f32 accumulator [T, n_heads * HD] with vector atomics (lf_attn_dq_finish scales
 //   and rounds it). S and dP are computed once per tile pair: 5 products, not version 2's 7.
-template <int HD, int BK_, bool WITH_DQ>
+//   dK/dV at head_dim 256 (BK_ 64, DSPLIT 2, grid z 2): block z accumulates head dims 128z..
+//   only (128 accumulator registers, not 256), recomputing S and dP over all 256.
+template <int HD, int BK_, bool WITH_DQ, bool CAP, int DSPLIT = 1>
 __device__ void attn_keys_bwd(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v,
                               const bf16* __restrict__ d_o, const float* __restrict__ lse,
                               const float* __restrict__ dd, float* __restrict__ dq_acc, bf16* __restrict__ dk,
                               bf16* __restrict__ dv, float* __restrict__ dk_part, float* __restrict__ dv_part,
-                              Mask mk, int t, int nh, int nkv, float scale) {
-    constexpr int BQ_ = 64, NT = 2 * BK_, NW = NT / 32, SS = HD + 8, DS = BQ_ + 8;
+                              Mask mk, int t, int nh, int nkv, float scale, float cap) {
+    constexpr int BQ_ = 64, NT = 2 * BK_, NW = NT / 32, SS = HD + 8, DS = BQ_ + 8, DW = HD / DSPLIT;
     static_assert(!WITH_DQ || NW == 8, "the dQ product splits the tile over 8 warps");
+    static_assert(!WITH_DQ || DSPLIT == 1, "the one-pass kernel accumulates all head dims");
+    const int dh = DSPLIT > 1 ? (int)blockIdx.z * DW : 0;
     extern __shared__ __align__(16) unsigned char smem[];
     bf16* ks = (bf16*)smem;
     bf16* vs = ks + BK_ * SS;
@@ -1278,7 +1359,7 @@ __device__ void attn_keys_bwd(const bf16* __restrict__ q, const bf16* __restrict
     const int k0 = blockIdx.x * BK_;
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
     const i64 qstride = (i64)nh * HD, kstride = (i64)nkv * HD;
-    const float sl2 = scale * LOG2E;
+    const float sl2 = CAP ? LOG2E : scale * LOG2E;
     const int nqt = (t + BQ_ - 1) / BQ_;
     const bf16* qg = q + (i64)h * HD;
     const bf16* og = d_o + (i64)h * HD;
@@ -1302,7 +1383,7 @@ __device__ void attn_keys_bwd(const bf16* __restrict__ q, const bf16* __restrict
 
     const int ka = k0 + 16 * w + g, kb = ka + 8;
     const int kpa = ka < t ? mk.pos[ka] : 0, kpb = kb < t ? mk.pos[kb] : 0;
-    float adk[HD / 8][4], adv[HD / 8][4];
+    float adk[DW / 8][4], adv[DW / 8][4];
     zero_key_acc(adk, adv);
 
     int buf = 0;
@@ -1317,10 +1398,11 @@ __device__ void attn_keys_bwd(const bf16* __restrict__ q, const bf16* __restrict
         const int q0 = cur * BQ_;
         {
             float s[BQ_ / 8][4], dp[BQ_ / 8][4];
-            key_tile_probs<HD, BQ_>(s, dp, ks + (16 * w) * SS, vs + (16 * w) * SS, qb, ob, ls + buf * BQ_,
-                                    dsum + buf * BQ_, mk, q0, ka, kb, kpa, kpb, fl[cur] == 2, t, sl2, lane);
-            key_tile_accumulate<HD, BQ_>(adv, adk, s, dp, qb, ob, WITH_DQ ? dst + (16 * w) * DS : nullptr, DS,
-                                         lane);
+            key_tile_probs<HD, BQ_, CAP>(s, dp, ks + (16 * w) * SS, vs + (16 * w) * SS, qb, ob, ls + buf * BQ_,
+                                         dsum + buf * BQ_, mk, q0, ka, kb, kpa, kpb, fl[cur] == 2, t, sl2,
+                                         scale / cap, cap, lane);
+            key_tile_accumulate<HD, BQ_, DW>(adv, adk, s, dp, qb + dh, ob + dh,
+                                             WITH_DQ ? dst + (16 * w) * DS : nullptr, DS, lane);
         }
         if constexpr (WITH_DQ) {
             __syncthreads();
@@ -1330,41 +1412,47 @@ __device__ void attn_keys_bwd(const bf16* __restrict__ q, const bf16* __restrict
         cur = nxt;
         buf ^= 1;
     }
-    key_tile_store<HD>(adk, adv, dk, dv, dk_part, dv_part, h, kvh, group, ka, kb, t, nkv, scale, tq);
+    key_tile_store<HD, DW>(adk, adv, dk, dv, dk_part, dv_part, h, kvh, group, ka, kb, t, nkv, scale, tq, dh);
 }
 
-#define INSTANTIATE2(HD)                                                                                       \
-    extern "C" __global__ void __launch_bounds__(256, 1) lf_attn2_fwd_##HD(                                    \
+#define INSTANTIATE2(HD, CAP, SFX, DSPLIT)                                                                     \
+    extern "C" __global__ void __launch_bounds__(256, 1) lf_attn2_fwd_##HD##SFX(                               \
         const bf16* q, const bf16* k, const bf16* v, bf16* o, float* lse, Mask mk, int t, int nh, int nkv,     \
-        float scale) {                                                                                         \
-        attn2_fwd<HD>(q, k, v, o, lse, mk, t, nh, nkv, scale);                                                 \
+        float scale, float cap) {                                                                              \
+        attn2_fwd<HD, CAP>(q, k, v, o, lse, mk, t, nh, nkv, scale, cap);                                       \
     }                                                                                                          \
-    extern "C" __global__ void __launch_bounds__(128) lf_attn2_dq_##HD(                                        \
+    extern "C" __global__ void __launch_bounds__(128) lf_attn2_dq_##HD##SFX(                                   \
         const bf16* q, const bf16* k, const bf16* v, const bf16* d_o, const float* lse, const float* dd,       \
-        bf16* dq, Mask mk, int t, int nh, int nkv, float scale) {                                              \
-        attn2_dq<HD>(q, k, v, d_o, lse, dd, dq, mk, t, nh, nkv, scale);                                        \
+        bf16* dq, Mask mk, int t, int nh, int nkv, float scale, float cap) {                                   \
+        attn2_dq<HD, CAP>(q, k, v, d_o, lse, dd, dq, mk, t, nh, nkv, scale, cap);                              \
     }                                                                                                          \
-    extern "C" __global__ void __launch_bounds__(128) lf_attn2_dkdv_##HD(                                      \
+    extern "C" __global__ void __launch_bounds__(128) lf_attn2_dkdv_##HD##SFX(                                 \
         const bf16* q, const bf16* k, const bf16* v, const bf16* d_o, const float* lse, const float* dd,       \
-        bf16* dk, bf16* dv, float* dk_part, float* dv_part, Mask mk, int t, int nh, int nkv, float scale) {    \
-        attn_keys_bwd<HD, 64, false>(q, k, v, d_o, lse, dd, nullptr, dk, dv, dk_part, dv_part, mk, t, nh, nkv,   \
-                                     scale);                                                                   \
+        bf16* dk, bf16* dv, float* dk_part, float* dv_part, Mask mk, int t, int nh, int nkv, float scale,      \
+        float cap) {                                                                                           \
+        attn_keys_bwd<HD, 64, false, CAP, DSPLIT>(q, k, v, d_o, lse, dd, nullptr, dk, dv, dk_part, dv_part, mk, \
+                                                  t, nh, nkv, scale, cap);                                     \
     }
 
 // 64-query tiles in dK/dV (255 registers at head_dim 128, a few bytes spilled); 32-query tiles (242
 // registers, no spill) measured the same end to end and 4-8% slower in the selftest's backward timings.
-INSTANTIATE2(64)
-INSTANTIATE2(128)
+// Head_dim 256: the forward, and dQ and dK/dV (two head-dim halves per key tile, grid z = 2).
+INSTANTIATE2(64, false, , 1)
+INSTANTIATE2(128, false, , 1)
+INSTANTIATE2(256, false, , 2)
+INSTANTIATE2(64, true, _cap, 1)
+INSTANTIATE2(128, true, _cap, 1)
+INSTANTIATE2(256, true, _cap, 2)
 
 // ------------------------------------------------------------------------------------------------
 // Forward v3. grid (ceil(T/128), n_heads), 128 threads; warp w owns query rows 32w..32w+31 as two
 // 16-row m-tiles. Each K / V fragment read from shared memory feeds both m-tiles, which halves the
 // shared-memory traffic per tensor-core op of version 2 (16 rows per warp); Q fragments are
 // re-read from shared memory each key tile so that two blocks fit one SM.
-template <int HD>
+template <int HD, bool CAP>
 __device__ void attn3_fwd(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v,
                           bf16* __restrict__ o, float* __restrict__ lse, Mask mk, int t, int nh, int nkv,
-                          float scale) {
+                          float scale, float cap) {
     constexpr int BQ_ = 128, BK_ = 64, NT = 128, SS = HD + 8;
     extern __shared__ __align__(16) unsigned char smem[];
     bf16* qs = (bf16*)smem;
@@ -1376,7 +1464,7 @@ __device__ void attn3_fwd(const bf16* __restrict__ q, const bf16* __restrict__ k
     const int q0 = (gridDim.x - 1 - blockIdx.x) * BQ_;
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
     const i64 qstride = (i64)nh * HD, kstride = (i64)nkv * HD;
-    const float sl2 = scale * LOG2E;
+    const float sl2 = CAP ? LOG2E : scale * LOG2E;
     const int ntiles = (t + BK_ - 1) / BK_;
     const bf16* kg = k + (i64)kvh * HD;
     const bf16* vg = v + (i64)kvh * HD;
@@ -1436,6 +1524,10 @@ __device__ void attn3_fwd(const bf16* __restrict__ q, const bf16* __restrict__ k
                 mma16816(s[1][2 * np + 1], a1, b[2], b[3]);
             }
         }
+        if constexpr (CAP) {
+            #pragma unroll
+            for (int i = 0; i < 2; i++) cap_scores(s[i], scale / cap, cap);
+        }
         if (!tile_all) {
             #pragma unroll
             for (int i = 0; i < 2; i++) mask_scores(s[i], mk, r[i][0], r[i][1], k0, t, tq);
@@ -1490,14 +1582,16 @@ __device__ void attn3_fwd(const bf16* __restrict__ q, const bf16* __restrict__ k
     }
 }
 
-#define INSTANTIATE3(HD)                                                                                       \
-    extern "C" __global__ void __launch_bounds__(128, 2) lf_attn3_fwd_##HD(                                    \
+#define INSTANTIATE3(HD, CAP, SFX)                                                                             \
+    extern "C" __global__ void __launch_bounds__(128, 2) lf_attn3_fwd_##HD##SFX(                               \
         const bf16* q, const bf16* k, const bf16* v, bf16* o, float* lse, Mask mk, int t, int nh, int nkv,     \
-        float scale) {                                                                                         \
-        attn3_fwd<HD>(q, k, v, o, lse, mk, t, nh, nkv, scale);                                                 \
+        float scale, float cap) {                                                                              \
+        attn3_fwd<HD, CAP>(q, k, v, o, lse, mk, t, nh, nkv, scale, cap);                                       \
     }
-INSTANTIATE3(64)
-INSTANTIATE3(128)
+INSTANTIATE3(64, false, )
+INSTANTIATE3(128, false, )
+INSTANTIATE3(64, true, _cap)
+INSTANTIATE3(128, true, _cap)
 
 // dq = scale * dq_acc, rounded to bf16.
 extern "C" __global__ void lf_attn_dq_finish(const float* acc, bf16* dq, i64 n, float scale) {
@@ -1505,16 +1599,199 @@ extern "C" __global__ void lf_attn_dq_finish(const float* acc, bf16* dq, i64 n, 
         dq[i] = __float2bfloat16(acc[i] * scale);
 }
 
-#define INSTANTIATE4(HD)                                                                                       \
-    extern "C" __global__ void __launch_bounds__(256, 1) lf_attn4_bwd_##HD(                                    \
+#define INSTANTIATE4(HD, CAP, SFX)                                                                             \
+    extern "C" __global__ void __launch_bounds__(256, 1) lf_attn4_bwd_##HD##SFX(                               \
         const bf16* q, const bf16* k, const bf16* v, const bf16* d_o, const float* lse, const float* dd,       \
         float* dq_acc, bf16* dk, bf16* dv, float* dk_part, float* dv_part, Mask mk, int t, int nh, int nkv,    \
-        float scale) {                                                                                         \
-        attn_keys_bwd<HD, 128, true>(q, k, v, d_o, lse, dd, dq_acc, dk, dv, dk_part, dv_part, mk, t, nh, nkv,    \
-                                     scale);                                                                   \
+        float scale, float cap) {                                                                              \
+        attn_keys_bwd<HD, 128, true, CAP>(q, k, v, d_o, lse, dd, dq_acc, dk, dv, dk_part, dv_part, mk, t, nh,  \
+                                          nkv, scale, cap);                                                    \
     }
-INSTANTIATE4(64)
-INSTANTIATE4(128)
+INSTANTIATE4(64, false, )
+INSTANTIATE4(128, false, )
+INSTANTIATE4(64, true, _cap)
+INSTANTIATE4(128, true, _cap)
+
+// ------------------------------------------------------------------------------------------------
+// Backward v6 (head_dim 256), one pass like version 4: the block owns 64 keys and loops over the
+// visible 64-query tiles of query head blockIdx.y; grid (ceil(T/64), n_heads), 256 threads.
+// At head_dim 256 a warp cannot hold dK and dV of 16 keys over all head dims (256 registers), so
+// warp w owns keys 16(w % 4).. and head dims 128(w / 4).. of dK and dV (128 registers), and the
+// two warps of a key-row group share the elementwise work of the tile pair:
+//   warps 0-3: S^T = K_w Q^T over all 256 dims, P^T (masked, with the softcap) to shared memory
+//              as bf16, twice: the A operand of dV (pt_s) and P^T * (1 - tanh^2) in dst;
+//   warps 4-7: dP^T = V_w dO^T, then dS^T = dst * (dP^T - D) in place in dst (each warp reads and
+//              writes the same 16 rows of dst);
+//   all:       dV_w += P^T dO[:, half], dK_w += dS^T Q[:, half] (A operands from shared memory),
+//              then dQ rows 16(w % 4).., head dims 128(w / 4).. of dS K added to the f32 accumulator
+//              with vector atomics (lf_attn_dq_finish scales and rounds it).
+// Five products per tile pair, none repeated. Shared memory: K, V (64 padded rows each), two
+// buffers of Q and dO, pt_s and dst (64 x 72 bf16), lse and D: 217 KB. Same arguments and outputs as
+// lf_attn4_bwd_128.
+template <bool CAP>
+__device__ void attn6_bwd(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v,
+                          const bf16* __restrict__ d_o, const float* __restrict__ lse,
+                          const float* __restrict__ dd, float* __restrict__ dq_acc, bf16* __restrict__ dk,
+                          bf16* __restrict__ dv, float* __restrict__ dk_part, float* __restrict__ dv_part, Mask mk,
+                          int t, int nh, int nkv, float scale, float cap) {
+    constexpr int HD = 256, BK_ = 64, BQ_ = 64, NT = 256, SS = HD + 8, DS = BQ_ + 8, DW = HD / 2;
+    extern __shared__ __align__(16) unsigned char smem[];
+    bf16* ks = (bf16*)smem;
+    bf16* vs = ks + BK_ * SS;
+    bf16* qs = vs + BK_ * SS;
+    bf16* dos = qs + 2 * BQ_ * SS;
+    bf16* pt_s = dos + 2 * BQ_ * SS;  // P^T [key][query]
+    bf16* dst = pt_s + BK_ * DS;      // P^T * (1 - tanh^2), then dS^T
+    float* ls = (float*)(dst + BK_ * DS);
+    float* dsum = ls + 2 * BQ_;
+    unsigned char* fl = (unsigned char*)(dsum + 2 * BQ_);
+
+    const int h = blockIdx.y, group = nh / nkv, kvh = h / group;
+    const int k0 = blockIdx.x * BK_;
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
+    const int wr = w & 3, role = __shfl_sync(0xffffffffu, w >> 2, 0), dh = role * DW;
+    const i64 qstride = (i64)nh * HD, kstride = (i64)nkv * HD;
+    const float sl2 = CAP ? LOG2E : scale * LOG2E, sc = scale / cap;
+    const int nqt = (t + BQ_ - 1) / BQ_;
+    const bf16* qg = q + (i64)h * HD;
+    const bf16* og = d_o + (i64)h * HD;
+    const float* lg = lse + (i64)h * t;
+    const float* dg = dd + (i64)h * t;
+
+    cp_tile<HD, BK_, NT>(ks, k + (i64)kvh * HD, kstride, k0, t);
+    cp_tile<HD, BK_, NT>(vs, v + (i64)kvh * HD, kstride, k0, t);
+    cp_async_commit();
+    for (int it = threadIdx.x; it < nqt; it += NT) fl[it] = tile_flag(mk, t, it, 1, blockIdx.x, 1);
+    __syncthreads();
+    auto load_q = [&](int it, int b) {
+        load_query_tile<HD, BQ_, NT>(qs + b * BQ_ * SS, dos + b * BQ_ * SS, ls + b * BQ_, dsum + b * BQ_, qg, og, lg,
+                                     dg, qstride, it * BQ_, t);
+    };
+    int cur = next_visible(fl, 0, nqt);
+    if (cur < nqt) load_q(cur, 0);
+    cp_async_commit();
+
+    const int ka = k0 + 16 * wr + g, kb = ka + 8;
+    const int kpa = ka < t ? mk.pos[ka] : 0, kpb = kb < t ? mk.pos[kb] : 0;
+    float adk[DW / 8][4], adv[DW / 8][4];
+    zero_key_acc(adk, adv);
+    // This warp's rows of the A operand of its score product: K for S^T, V for dP^T.
+    const bf16* aw = (role == 0 ? ks : vs) + (16 * wr) * SS;
+
+    int buf = 0;
+    while (cur < nqt) {
+        const int nxt = next_visible(fl, cur + 1, nqt);
+        // Past this barrier the current buffers have landed and every warp has finished the
+        // previous tile pair, so the other buffers, pt_s and dst may be overwritten.
+        cp_async_wait<0>();
+        __syncthreads();
+        if (nxt < nqt) load_q(nxt, buf ^ 1);
+        cp_async_commit();
+        const bf16* qb = qs + buf * BQ_ * SS;
+        const bf16* ob = dos + buf * BQ_ * SS;
+        const float* lb = ls + buf * BQ_;
+        const float* db = dsum + buf * BQ_;
+        const int q0 = cur * BQ_;
+        {
+            // S^T (role 0) or dP^T (role 1) for the warp's 16 keys x 64 queries.
+            float x[BQ_ / 8][4];
+            #pragma unroll
+            for (int nt = 0; nt < BQ_ / 8; nt++) x[nt][0] = x[nt][1] = x[nt][2] = x[nt][3] = 0.f;
+            const bf16* bw = role == 0 ? qb : ob;
+            #pragma unroll
+            for (int kk = 0; kk < HD / 16; kk++) {
+                u32 af[4];
+                ldsm_x4(af, aw + kk * 16 + lo_a<SS>(lane));
+                #pragma unroll
+                for (int np = 0; np < BQ_ / 16; np++) {
+                    u32 b[4];
+                    ldsm_x4(b, bw + np * 16 * SS + kk * 16 + lo_bn<SS>(lane));
+                    mma16816(x[2 * np], af, b[0], b[1]);
+                    mma16816(x[2 * np + 1], af, b[2], b[3]);
+                }
+            }
+            // Element e of n-tile nt: key row (e < 2 ? ka : kb), query column nt * 8 + 2tq + (e & 1),
+            // stored as bf16 pairs at row 16wr + g (+ 8), column nt * 8 + 2tq.
+            bf16* pw = pt_s + (16 * wr + g) * DS + 2 * tq;
+            bf16* dw = dst + (16 * wr + g) * DS + 2 * tq;
+            if (role == 0) {
+                const bool tile_all = fl[cur] == 2;
+                #pragma unroll
+                for (int nt = 0; nt < BQ_ / 8; nt++) {
+                    float p[4], pm[4];
+                    #pragma unroll
+                    for (int e = 0; e < 4; e++) {
+                        const int ql = nt * 8 + 2 * tq + (e & 1);
+                        float dcap = 1.f;
+                        if constexpr (CAP) {
+                            const float th = cap_tanh(x[nt][e] * sc);
+                            p[e] = fast_exp2((cap * th - lb[ql]) * LOG2E);
+                            dcap = 1.f - th * th;
+                        } else {
+                            p[e] = fast_exp2(x[nt][e] * sl2 - lb[ql] * LOG2E);
+                        }
+                        if (!tile_all) {
+                            const int qi = q0 + ql, kx = e < 2 ? ka : kb;
+                            bool vis = false;
+                            if (qi < t && kx < t)
+                                vis = visible(mk.ranges[qi], mk.pos[qi], kx, e < 2 ? kpa : kpb, mk.window);
+                            if (!vis) p[e] = 0.f;
+                        }
+                        pm[e] = p[e] * dcap;
+                    }
+                    *(u32*)(pw + nt * 8) = pack_bf16(p[0], p[1]);
+                    *(u32*)(pw + 8 * DS + nt * 8) = pack_bf16(p[2], p[3]);
+                    *(u32*)(dw + nt * 8) = pack_bf16(pm[0], pm[1]);
+                    *(u32*)(dw + 8 * DS + nt * 8) = pack_bf16(pm[2], pm[3]);
+                }
+            }
+            __syncthreads();
+            if (role == 1) {
+                #pragma unroll
+                for (int nt = 0; nt < BQ_ / 8; nt++) {
+                    const float d0 = db[nt * 8 + 2 * tq], d1 = db[nt * 8 + 2 * tq + 1];
+                    const u32 top = *(const u32*)(dw + nt * 8), bot = *(const u32*)(dw + 8 * DS + nt * 8);
+                    const float2 pt = __bfloat1622float2(*(const __nv_bfloat162*)&top);
+                    const float2 pb = __bfloat1622float2(*(const __nv_bfloat162*)&bot);
+                    *(u32*)(dw + nt * 8) = pack_bf16(pt.x * (x[nt][0] - d0), pt.y * (x[nt][1] - d1));
+                    *(u32*)(dw + 8 * DS + nt * 8) = pack_bf16(pb.x * (x[nt][2] - d0), pb.y * (x[nt][3] - d1));
+                }
+            }
+        }
+        __syncthreads();
+        // dV_w += P^T dO[:, dh..], dK_w += dS^T Q[:, dh..] (A operands: the warp's 16 key rows).
+        #pragma unroll
+        for (int j = 0; j < BQ_ / 16; j++) {
+            u32 pf[4], sf[4];
+            ldsm_x4(pf, pt_s + (16 * wr) * DS + j * 16 + lo_a<DS>(lane));
+            ldsm_x4(sf, dst + (16 * wr) * DS + j * 16 + lo_a<DS>(lane));
+            #pragma unroll
+            for (int dpi = 0; dpi < DW / 16; dpi++) {
+                u32 b[4];
+                ldsm_x4_t(b, ob + dh + j * 16 * SS + dpi * 16 + lo_bt<SS>(lane));
+                mma16816(adv[2 * dpi], pf, b[0], b[1]);
+                mma16816(adv[2 * dpi + 1], pf, b[2], b[3]);
+                ldsm_x4_t(b, qb + dh + j * 16 * SS + dpi * 16 + lo_bt<SS>(lane));
+                mma16816(adk[2 * dpi], sf, b[0], b[1]);
+                mma16816(adk[2 * dpi + 1], sf, b[2], b[3]);
+            }
+        }
+        tile_dq_add<HD, BK_, DS>(dq_acc, dst, ks, q0, 16 * wr, dh, h, qstride, t, lane);
+        cur = nxt;
+        buf ^= 1;
+    }
+    key_tile_store<HD, DW>(adk, adv, dk, dv, dk_part, dv_part, h, kvh, group, ka, kb, t, nkv, scale, tq, dh);
+}
+
+#define INSTANTIATE6(CAP, SFX)                                                                                 \
+    extern "C" __global__ void __launch_bounds__(256, 1) lf_attn6_bwd_256##SFX(                                \
+        const bf16* q, const bf16* k, const bf16* v, const bf16* d_o, const float* lse, const float* dd,       \
+        float* dq_acc, bf16* dk, bf16* dv, float* dk_part, float* dv_part, Mask mk, int t, int nh, int nkv,    \
+        float scale, float cap) {                                                                              \
+        attn6_bwd<CAP>(q, k, v, d_o, lse, dd, dq_acc, dk, dv, dk_part, dv_part, mk, t, nh, nkv, scale, cap);   \
+    }
+INSTANTIATE6(false, )
+INSTANTIATE6(true, _cap)
 
 // ================================================================================================
 // Backward v5 (head_dim 128, sm_90a only): version 4's one-pass algorithm on warpgroup MMAs
@@ -1649,9 +1926,12 @@ __device__ __forceinline__ void cp_tile_sw(bf16* dst, const bf16* src, i64 strid
 // K and V have two buffers each, loaded one tile apart (K_{i+2} and V_{i+1} during tile i) by all
 // threads; mbarriers say when a buffer is full and when it may be refilled, so there is no
 // block-wide barrier in the loop. Same masking, LSE and outputs as versions 2 and 3.
+template <bool CAP>
 __device__ __forceinline__ void fwd5_softmax(float (&s)[16][4], u32 (&pn)[8][4], float& m_a, float& m_b,
                                              float& l_a, float& l_b, float& al_a, float& al_b, const Mask& mk,
-                                             bool tile_all, int ra, int rb, int k0, int t, float sl2, int tq) {
+                                             bool tile_all, int ra, int rb, int k0, int t, float sl2, float sc,
+                                             float cap, int tq) {
+    if constexpr (CAP) cap_scores<16>(s, sc, cap);
     if (!tile_all) mask_scores<16>(s, mk, ra, rb, k0, t, tq);
     softmax_tile<16>(s, m_a, m_b, l_a, l_b, al_a, al_b, sl2);
     #pragma unroll
@@ -1690,9 +1970,10 @@ __device__ __forceinline__ void fwd5_pv(float* acc, const u32 (&pf)[8][4], const
     for (int kk = 0; kk < 8; kk++) wg_rs_n128_tb(acc, pf[kk], wg_at(dv, kk * 16 * 64));
 }
 
+template <bool CAP>
 __device__ void attn5_fwd(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v,
                           bf16* __restrict__ o, float* __restrict__ lse, Mask mk, int t, int nh, int nkv,
-                          float scale) {
+                          float scale, float cap) {
     constexpr int HD = 128, BQ_ = 128, BK_ = 128, NT = 256;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     unsigned char* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
@@ -1710,7 +1991,7 @@ __device__ void attn5_fwd(const bf16* __restrict__ q, const bf16* __restrict__ k
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
     const int wg = __shfl_sync(0xffffffffu, w >> 2, 0);
     const i64 qstride = (i64)nh * HD, kstride = (i64)nkv * HD;
-    const float sl2 = scale * LOG2E;
+    const float sl2 = CAP ? LOG2E : scale * LOG2E, sc = scale / cap;
     const int n = (t + BK_ - 1) / BK_;
     const bf16* kg = k + (i64)kvh * HD;
     const bf16* vg = v + (i64)kvh * HD;
@@ -1772,7 +2053,8 @@ __device__ void attn5_fwd(const bf16* __restrict__ q, const bf16* __restrict__ k
         wg_wait<0>();
         wg_pin<64>(&s[0][0]);
         mbar_arrive(empty_k);
-        fwd5_softmax(s, pa, m_a, m_b, l_a, l_b, al_a, al_b, mk, fl[cur] == 2, ra, rb, cur * BK_, t, sl2, tq);
+        fwd5_softmax<CAP>(s, pa, m_a, m_b, l_a, l_b, al_a, al_b, mk, fl[cur] == 2, ra, rb, cur * BK_, t, sl2, sc,
+                          cap, tq);
     }
     int j = 0;  // cur is visible tile j
     // One step: P_cur V_cur and the scores (then probabilities, into pn) of the next tile. No
@@ -1794,7 +2076,8 @@ __device__ void attn5_fwd(const bf16* __restrict__ q, const bf16* __restrict__ k
         wg_wait<1>();
         wg_pin<64>(&s[0][0]);
         mbar_arrive(empty_k + (b ^ 1));
-        fwd5_softmax(s, pn, m_a, m_b, l_a, l_b, al_a, al_b, mk, fl[nxt] == 2, ra, rb, nxt * BK_, t, sl2, tq);
+        fwd5_softmax<CAP>(s, pn, m_a, m_b, l_a, l_b, al_a, al_b, mk, fl[nxt] == 2, ra, rb, nxt * BK_, t, sl2, sc,
+                          cap, tq);
         wg_wait<0>();
         wg_pin<64>(&acc[0][0]);
         wg_keep(pc);  // P_cur stays in its registers until its product has landed
@@ -1887,11 +2170,12 @@ __device__ __forceinline__ void bwd5_key_rows_product(float* acc, u64 dk, u64 dq
     }
 }
 
+template <bool CAP>
 __device__ void attn5_bwd(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v,
                           const bf16* __restrict__ d_o, const float* __restrict__ lse,
                           const float* __restrict__ dd, float* __restrict__ dq_acc, bf16* __restrict__ dk,
                           bf16* __restrict__ dv, float* __restrict__ dk_part, float* __restrict__ dv_part, Mask mk,
-                          int t, int nh, int nkv, float scale, int head_loop) {
+                          int t, int nh, int nkv, float scale, int head_loop, float cap) {
     constexpr int HD = 128, BK_ = 128, BQ_ = 64, NT = 256;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     unsigned char* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
@@ -1919,7 +2203,7 @@ __device__ void attn5_bwd(const bf16* __restrict__ q, const bf16* __restrict__ k
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
     const int wg = __shfl_sync(0xffffffffu, w >> 2, 0);
     const i64 qstride = (i64)nh * HD, kstride = (i64)nkv * HD;
-    const float sl2 = scale * LOG2E;
+    const float sl2 = CAP ? LOG2E : scale * LOG2E, sc = scale / cap;
     const int nqt = (t + BQ_ - 1) / BQ_;
 
     cp_tile_sw<BK_, NT>(ks, k + (i64)kvh * HD, kstride, k0, t);
@@ -1987,8 +2271,24 @@ __device__ void attn5_bwd(const bf16* __restrict__ q, const bf16* __restrict__ k
         wg_wait<1>();
         wg_pin<32>(s);
         // Fully visible tiles (most) take a branch-free loop; the compiler would otherwise test
-        // the flag per element and serialise the exponentials.
-        if (fl[cur] == 2) {
+        // the flag per element and serialise the exponentials. With CAP, dc keeps each element's
+        // 1 - tanh^2 for dS^T.
+        float dc[CAP ? 32 : 1];
+        if constexpr (CAP) {
+            const bool all = fl[cur] == 2;
+            #pragma unroll
+            for (int j = 0; j < 8; j++) {
+                #pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int ql = j * 8 + 2 * tq + (e & 1), qi = q0 + ql, kx = e < 2 ? ka : kb;
+                    const bool vis = all || (qi < t && kx < t &&
+                                             visible(mk.ranges[qi], mk.pos[qi], kx, e < 2 ? kpa : kpb, mk.window));
+                    const float th = cap_tanh(s[4 * j + e] * sc);
+                    dc[4 * j + e] = 1.f - th * th;
+                    s[4 * j + e] = vis ? fast_exp2((cap * th - lb[ql]) * LOG2E) : 0.f;
+                }
+            }
+        } else if (fl[cur] == 2) {
             #pragma unroll
             for (int j = 0; j < 8; j++)
                 #pragma unroll
@@ -2017,7 +2317,10 @@ __device__ void attn5_bwd(const bf16* __restrict__ q, const bf16* __restrict__ k
         #pragma unroll
         for (int j = 0; j < 8; j++) {
             #pragma unroll
-            for (int e = 0; e < 4; e++) dp[4 * j + e] = s[4 * j + e] * (dp[4 * j + e] - db[j * 8 + 2 * tq + (e & 1)]);
+            for (int e = 0; e < 4; e++) {
+                dp[4 * j + e] = s[4 * j + e] * (dp[4 * j + e] - db[j * 8 + 2 * tq + (e & 1)]);
+                if constexpr (CAP) dp[4 * j + e] *= dc[4 * j + e];
+            }
         }
         pack_k16_frags(sf, dp);
         wg_fence();
@@ -2075,18 +2378,23 @@ __device__ void attn5_bwd(const bf16* __restrict__ q, const bf16* __restrict__ k
 }
 #endif
 
-extern "C" __global__ void __launch_bounds__(256, 1) lf_attn5_fwd_128(const bf16* q, const bf16* k, const bf16* v,
-                                                                     bf16* o, float* lse, Mask mk, int t, int nh,
-                                                                     int nkv, float scale) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    attn5_fwd(q, k, v, o, lse, mk, t, nh, nkv, scale);
+#define ATTN5_BODY(x) x
+#else
+#define ATTN5_BODY(x)
 #endif
-}
-
-extern "C" __global__ void __launch_bounds__(256, 1) lf_attn5_bwd_128(
-    const bf16* q, const bf16* k, const bf16* v, const bf16* d_o, const float* lse, const float* dd, float* dq_acc,
-    bf16* dk, bf16* dv, float* dk_part, float* dv_part, Mask mk, int t, int nh, int nkv, float scale, int head_loop) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    attn5_bwd(q, k, v, d_o, lse, dd, dq_acc, dk, dv, dk_part, dv_part, mk, t, nh, nkv, scale, head_loop);
-#endif
-}
+#define INSTANTIATE5(CAP, SFX)                                                                                 \
+    extern "C" __global__ void __launch_bounds__(256, 1) lf_attn5_fwd_128##SFX(                                \
+        const bf16* q, const bf16* k, const bf16* v, bf16* o, float* lse, Mask mk, int t, int nh, int nkv,     \
+        float scale, float cap) {                                                                              \
+        ATTN5_BODY((attn5_fwd<CAP>(q, k, v, o, lse, mk, t, nh, nkv, scale, cap)));                             \
+    }                                                                                                          \
+    extern "C" __global__ void __launch_bounds__(256, 1) lf_attn5_bwd_128##SFX(                                \
+        const bf16* q, const bf16* k, const bf16* v, const bf16* d_o, const float* lse, const float* dd,       \
+        float* dq_acc, bf16* dk, bf16* dv, float* dk_part, float* dv_part, Mask mk, int t, int nh, int nkv,    \
+        float scale, int head_loop, float cap) {                                                               \
+        ATTN5_BODY((attn5_bwd<CAP>(q, k, v, d_o, lse, dd, dq_acc, dk, dv, dk_part, dv_part, mk, t, nh, nkv,    \
+                                   scale, head_loop, cap)));                                                   \
+    }
+INSTANTIATE5(false, )
+INSTANTIATE5(true, _cap)
