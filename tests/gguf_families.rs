@@ -1,7 +1,7 @@
 //! GGUF files of the Gemma 2, Gemma 3 and MiniCPM fixture models (written by
 //! scripts/make_gguf_family_fixtures.py from tests/fixtures/models/*) against their Hugging Face
-//! folders: the same ModelSpec, the same weights once renamed, un-permuted and un-shifted, and
-//! the same logits on the CPU. Plus llama.cpp's conventions for metadata the converter leaves
+//! folders: the same ModelSpec, the same weights once renamed, un-permuted and un-shifted, the
+//! same logits on the CPU, and PyTorch's logits on the fixture's ids. Plus llama.cpp's conventions for metadata the converter leaves
 //! out (synthetic files), the error for an unsupported architecture, and the SentencePiece
 //! tokenizer on vocabularies trained by sentencepiece.
 
@@ -218,7 +218,33 @@ fn check_family(name: &str, weight_tol: f64, logit_tol: f64, lens: &[usize]) -> 
     );
     compare_weights(name, &g, &h, weight_tol);
     compare_forward(name, &g, &h, lens, logit_tol);
+    compare_pytorch(name, &g, logit_tol.max(1e-4));
     (g, h)
+}
+
+/// The GGUF's logits on the fixture's ids against PyTorch's base-model logits
+/// (`reference.safetensors`, made by scripts/make_model_fixtures.py), on the GGUF's vocab.
+fn compare_pytorch(name: &str, g: &Model, tol: f64) {
+    let r = common::read_safetensors(&fixture(&format!("models/{name}/reference.safetensors")));
+    let ids: Vec<u32> = r["input_ids"].1.iter().map(|&x| x as u32).collect();
+    let (shape, want) = &r["base_logits"];
+    let Some((_, got)) = forward(name, g, &ids) else {
+        return;
+    };
+    let gv = g.spec.vocab;
+    let want: Vec<f32> = want
+        .chunks(shape[1])
+        .flat_map(|row| row[..gv].iter().copied())
+        .collect();
+    let (d, i) = max_diff(&got, &want);
+    let scale = max_abs(&want);
+    assert!(
+        d <= tol * scale,
+        "{name}: logits vs PyTorch differ by {d:.3e} at {i} (got {} want {}; max |logit| {scale:.3e})",
+        got[i],
+        want[i]
+    );
+    eprintln!("{name}: vs PyTorch max |logit diff| {d:.2e} (max |logit| {scale:.2e})");
 }
 
 #[test]

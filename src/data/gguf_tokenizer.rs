@@ -303,7 +303,8 @@ fn spm_merges(
     types: &[i32],
     vocab: &tokenizers::models::bpe::Vocab,
 ) -> Vec<(String, String)> {
-    let mut found: Vec<(f32, u32, String, String)> = Vec::new();
+    // (score, token id, split byte offset): the strings are made once, in rank order.
+    let mut found: Vec<(f32, u32, u32)> = Vec::new();
     for (id, (&tok, &ty)) in tokens.iter().zip(types).enumerate() {
         let mergeable = !matches!(
             ty,
@@ -315,13 +316,19 @@ fn spm_merges(
         for (i, _) in tok.char_indices().skip(1) {
             let (a, b) = tok.split_at(i);
             if vocab.contains_key(a) && vocab.contains_key(b) {
-                found.push((scores[id], id as u32, a.to_owned(), b.to_owned()));
+                found.push((scores[id], id as u32, i as u32));
             }
         }
     }
     // Stable: the splits of one token keep their order.
     found.sort_by(|x, y| y.0.total_cmp(&x.0).then(x.1.cmp(&y.1)));
-    found.into_iter().map(|(_, _, a, b)| (a, b)).collect()
+    found
+        .into_iter()
+        .map(|(_, id, i)| {
+            let (a, b) = tokens[id as usize].split_at(i as usize);
+            (a.to_owned(), b.to_owned())
+        })
+        .collect()
 }
 
 /// The SentencePiece-style (`tokenizer.ggml.model == "llama"`) tokenizer.
