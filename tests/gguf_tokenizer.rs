@@ -99,10 +99,11 @@ fn synthetic_gpt2_tokenizer() {
 
 #[test]
 fn unsupported_tokenizer_model_is_a_clear_error() {
-    let p = write_tokenizer_gguf("spm", "llama", &["<unk>", "▁a"], &[2, 1], &[]);
+    let p = write_tokenizer_gguf("wpm", "bert", &["[UNK]", "a"], &[2, 1], &[]);
     let f = GgufFile::open(&p).unwrap();
     let e = format!("{:#}", tokenizer_from_gguf(&f).unwrap_err());
-    assert!(e.contains("llama") && e.contains("not supported"), "{e}");
+    assert!(e.contains("bert") && e.contains("not supported"), "{e}");
+    assert!(e.contains("gpt2") && e.contains("llama"), "{e}");
     assert!(e.contains(p.file_name().unwrap().to_str().unwrap()), "{e}");
     let _ = std::fs::remove_file(&p);
 }
