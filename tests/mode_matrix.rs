@@ -38,7 +38,7 @@ fn run(
 ) -> Run {
     let spec = ModelSpec::from_config_json(config).unwrap();
     let dev = Device::Cpu;
-    let mut model = Model::new(
+    let model = Model::new(
         spec.clone(),
         load_weights(
             &spec,

@@ -11,8 +11,9 @@
 //!
 //! When C is read (beta ≠ 0) the candidates write into a scratch output, so the call's C is
 //! untouched until the chosen algorithm runs. Products too small to be worth timing take the
-//! heuristic's first answer, as does every product with `LORAFIT_GEMM_TUNE=0` (the choice then
-//! does not depend on timing noise, so runs are reproducible across processes);
+//! heuristic's first answer, as does every product with tuning off (`set_gemm_tuning(false)`,
+//! `TrainConfig::gemm_tuning`: the choice then does not depend on timing noise, so runs are
+//! reproducible across processes);
 //! `LORAFIT_GEMM_TUNE=log` prints each shape's timings.
 
 use super::{catch, cuda_ptr, CudaBackend, HostCall};

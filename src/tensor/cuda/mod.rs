@@ -130,7 +130,7 @@ struct Inner {
     attn_fwd_version: std::sync::atomic::AtomicU8,
     /// Which attention backward serves head_dim 64 / 128: 0 or 4 the one-pass kernel (dQ by f32
     /// atomics, so not bit-reproducible run to run), 2 the two deterministic kernels (dQ, dK/dV).
-    /// Starts at 2 when `LORAFIT_ATTN_DETERMINISTIC=1`.
+    /// Set to 2 by `Device::set_numerics` for `TrainConfig::deterministic_attention`.
     attn_bwd_version: std::sync::atomic::AtomicU8,
     /// `LORAFIT_PROFILE`: per-kernel and per-GEMM times (see `profiled`).
     prof: Option<Mutex<Profile>>,
