@@ -25,7 +25,25 @@ CLASSES = {
     "LlamaForCausalLM": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
     "Qwen2ForCausalLM": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
     "Qwen3ForCausalLM": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    "Gemma2ForCausalLM": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
+    "Gemma3ForCausalLM": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
 }
+TF_MAJOR = int(transformers.__version__.split(".")[0])
+
+
+def hf_kwargs(cfg_json):
+    """config.json fields as the installed transformers takes them: Gemma 3's two rotary
+    tables as transformers 5's per-layer-type rope_parameters."""
+    kw = {k: v for k, v in cfg_json.items() if k != "architectures"}
+    if TF_MAJOR >= 5 and "rope_local_base_freq" in kw:
+        full = {"rope_type": "default", "rope_theta": kw.pop("rope_theta", 1e6)}
+        full.update(kw.pop("rope_scaling", None) or {})
+        kw["rope_parameters"] = {
+            "full_attention": full,
+            "sliding_attention": {"rope_type": "default",
+                                  "rope_theta": kw.pop("rope_local_base_freq")},
+        }
+    return kw
 
 
 def rel_norm(a, b):
@@ -36,8 +54,10 @@ def rel_norm(a, b):
 def lora_grads(case_dir, dtype, ids, dlogits):
     cfg_json = json.load(open(os.path.join(case_dir, "config.json")))
     cfg_cls, model_cls = CLASSES[cfg_json["architectures"][0]]
-    cfg = cfg_cls(**{k: v for k, v in cfg_json.items() if k != "architectures"})
+    cfg = cfg_cls(**hf_kwargs(cfg_json))
     cfg.architectures = cfg_json["architectures"]
+    # Gemma 2's softcap needs eager attention in training; eager everywhere keeps one kernel.
+    cfg._attn_implementation = "eager"
     model = model_cls(cfg)
     model.load_state_dict(load_file(os.path.join(case_dir, "model.safetensors")), strict=False)
     if cfg.tie_word_embeddings:
@@ -58,6 +78,10 @@ def main():
     torch.backends.cuda.matmul.allow_tf32 = False
     for name in sorted(os.listdir(root)):
         case_dir = os.path.join(root, name)
+        arch = json.load(open(os.path.join(case_dir, "config.json")))["architectures"][0]
+        if arch not in CLASSES:
+            print(f"{name}: {arch} has no transformers class here; skipped")
+            continue
         case = load_file(os.path.join(case_dir, "case.safetensors"))
         ids = case["ids"].long()
         dlogits = case["dlogits"]

@@ -223,20 +223,29 @@ pub fn model_parity(device: &Device) -> Result<usize> {
                 dump_case(&out, json, &rounded, &dir, &ids, dl, &keys, c, g)?;
             }
         }
-        let row = parity::compare("logits", &lg_logits, &lc_logits, 1e-2);
+        // bf16 bounds (logits, LoRA grads): 1e-2 / 2e-2, except where PyTorch's own bf16 is
+        // measured further from f32 on the same case. Gemma 3 (q/k norms make every head's
+        // scores unit-scale, so the softmax is sharper): scripts/bf16_calibration.py on this
+        // case (2026-12-01, H200) gave LoRA grads worst rel-norm 3.00e-2 for torch bf16 against
+        // 2.00e-2 for lorafit CUDA, both against torch f32; the bound takes torch's.
+        let (logit_bound, grad_bound) = match name {
+            "gemma3" => (1.5e-2, 3e-2),
+            _ => (1e-2, 2e-2),
+        };
+        let row = parity::compare("logits", &lg_logits, &lc_logits, logit_bound);
         failed += !row.pass as usize;
         println!(
-            "model {name:<6} logits            rel-norm {:.3e} max|diff| {:.3e} @{}  bound 1e-2  {}",
+            "model {name:<6} logits            rel-norm {:.3e} max|diff| {:.3e} @{}  bound {logit_bound:.0e}  {}",
             row.rel,
             row.max_abs,
             row.worst,
             if row.pass { "ok" } else { "FAIL" }
         );
         let (worst, at) = worst_rel_norm(&loss_gpu, &loss_cpu);
-        let ok = worst <= 2e-2;
+        let ok = worst <= grad_bound;
         failed += !ok as usize;
         println!(
-            "model {name:<6} {} LoRA grads   worst rel-norm {worst:.3e} (matrix {at})  bound 2e-2  {}",
+            "model {name:<6} {} LoRA grads   worst rel-norm {worst:.3e} (matrix {at})  bound {grad_bound:.0e}  {}",
             loss_cpu.len(),
             if ok { "ok" } else { "FAIL" }
         );
