@@ -462,3 +462,84 @@ impl CudaBackend {
         Ok(plan)
     }
 }
+
+/// The products the ops call: shapes checked once, the cuBLASLt path timed per call when
+/// profiling.
+impl CudaBackend {
+    // --------------------------------------------------------------------------------------------
+    // GEMM
+
+    pub fn matmul(
+        &self,
+        a: &Tensor,
+        ta: bool,
+        b: &Tensor,
+        tb: bool,
+        alpha: f32,
+        out_dtype: DType,
+    ) -> Result<Tensor> {
+        let (ar, ac) = a.rows_cols();
+        let (br, bc) = b.rows_cols();
+        let m = if ta { ac } else { ar };
+        let n = if tb { br } else { bc };
+        let mut c = self.empty(&[m, n], out_dtype)?;
+        self.matmul_acc(&mut c, a, ta, b, tb, alpha, 0.0)?;
+        Ok(c)
+    }
+
+    pub fn matmul_acc(
+        &self,
+        c: &mut Tensor,
+        a: &Tensor,
+        ta: bool,
+        b: &Tensor,
+        tb: bool,
+        alpha: f32,
+        beta: f32,
+    ) -> Result<()> {
+        let (m, k, n) = crate::tensor::matmul_dims(c, a, ta, b, tb)?;
+        if m == 0 || n == 0 {
+            return Ok(());
+        }
+        if k == 0 {
+            return self.scale(c, beta);
+        }
+        // Supported directly: bf16 x bf16 -> bf16 | f32, and f32 x f32 -> f32.
+        let direct = matches!(
+            (a.dtype(), b.dtype(), c.dtype()),
+            (DType::BF16, DType::BF16, _) | (DType::F32, DType::F32, DType::F32)
+        );
+        if !direct {
+            // Mixed operands: widen to f32 (lossless), then accumulate into c.
+            let a32 = a.to_dtype(DType::F32)?;
+            let b32 = b.to_dtype(DType::F32)?;
+            if c.dtype() == DType::F32 {
+                return self.matmul_acc(c, &a32, ta, &b32, tb, alpha, beta);
+            }
+            let mut tmp = self.empty(&[m, n], DType::F32)?;
+            self.matmul_acc(&mut tmp, &a32, ta, &b32, tb, alpha, 0.0)?;
+            if beta != 1.0 {
+                self.scale(c, beta)?;
+            }
+            return self.add_assign(c, &tmp, 1.0);
+        }
+        self.inner.bind()?;
+        let dname = |d: DType| match d {
+            DType::F32 => "f32",
+            DType::BF16 => "bf16",
+        };
+        let c_dtype = c.dtype();
+        let pname = || {
+            format!(
+                "gemm {}->{} {}{} {m}x{n}x{k}",
+                dname(a.dtype()),
+                dname(c_dtype),
+                if ta { "T" } else { "N" },
+                if tb { "T" } else { "N" }
+            )
+        };
+        self.profiled(pname, || {
+            self.gemm(c, (a, ta), (b, tb), (m, k, n), (alpha, beta))
+        })
+    }
+}

@@ -1,0 +1,854 @@
+//! Host side of `kernels/elementwise.cu`: RMSNorm (with the residual add and its backward),
+//! RoPE, the gated activations, adds and scales, row slices and gathers, the log-softmax gather
+//! and softcap of the head, dropout, sums of squares, AdamW and the multi-tensor casts.
+use super::*;
+
+impl CudaBackend {
+    pub fn rms_norm(&self, x: &Tensor, w: &Tensor, eps: f32) -> Result<(Tensor, Tensor)> {
+        self.rms_norm_to(x, w, eps, x.dtype())
+    }
+
+    /// RMSNorm with the output stored in `out_dtype`.
+    pub fn rms_norm_to(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        eps: f32,
+        out_dtype: DType,
+    ) -> Result<(Tensor, Tensor)> {
+        let (y, rstd, _) = self.rms_norm_launch(x, None, w, eps, out_dtype)?;
+        Ok((y, rstd))
+    }
+
+    pub fn add_rms_norm_to(
+        &self,
+        x: &Tensor,
+        r: &Tensor,
+        w: &Tensor,
+        eps: f32,
+        out_dtype: DType,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        let (y, rstd, sum) = self.rms_norm_launch(x, Some(r), w, eps, out_dtype)?;
+        Ok((sum.context("add_rms_norm: no sum")?, y, rstd))
+    }
+
+    /// RMSNorm of `x` (or of `x + r`, also returned, in `x`'s dtype) with the output in
+    /// `out_dtype`; one block per row.
+    fn rms_norm_launch(
+        &self,
+        x: &Tensor,
+        r: Option<&Tensor>,
+        w: &Tensor,
+        eps: f32,
+        out_dtype: DType,
+    ) -> Result<(Tensor, Tensor, Option<Tensor>)> {
+        let (rows, h) = x.rows_cols();
+        let y = self.empty(x.shape(), out_dtype)?;
+        let rstd = self.empty(&[rows], DType::F32)?;
+        let sum = match r {
+            Some(_) => Some(self.empty(x.shape(), x.dtype())?),
+            None => None,
+        };
+        self.launch(
+            rms_kernel("lf_rms_norm", h),
+            (rows as u32, 1, 1),
+            256,
+            0,
+            &[
+                Arg::P(cuda_ptr(x)?),
+                dt(x.dtype()),
+                Arg::P(r.map(cuda_ptr).transpose()?.unwrap_or(0)),
+                dt(r.map_or(DType::F32, |t| t.dtype())),
+                Arg::P(sum.as_ref().map(cuda_ptr).transpose()?.unwrap_or(0)),
+                Arg::P(cuda_ptr(w)?),
+                dt(w.dtype()),
+                Arg::P(cuda_ptr(&y)?),
+                dt(out_dtype),
+                Arg::P(cuda_ptr(&rstd)?),
+                Arg::I32(h as i32),
+                Arg::F32(eps),
+            ],
+        )?;
+        Ok((y, rstd, sum))
+    }
+
+    /// dx of RMSNorm, plus `add` when given (the residual gradient), in one pass; with `copy` a
+    /// second output: dx in that dtype, written by the same kernel (the compute-dtype operand of
+    /// the projection that reads the gradient next).
+    pub fn rms_norm_bwd_add(
+        &self,
+        dy: &Tensor,
+        x: &Tensor,
+        w: &Tensor,
+        rstd: &Tensor,
+        add: Option<&Tensor>,
+        copy: Option<DType>,
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        let (rows, h) = x.rows_cols();
+        ensure!(rstd.dtype() == DType::F32, "rms_norm_bwd: rstd must be f32");
+        let dx = self.empty(x.shape(), x.dtype())?;
+        let dxc = copy.map(|c| self.empty(x.shape(), c)).transpose()?;
+        self.launch(
+            rms_kernel("lf_rms_norm_bwd", h),
+            (rows as u32, 1, 1),
+            256,
+            0,
+            &[
+                Arg::P(cuda_ptr(dy)?),
+                dt(dy.dtype()),
+                Arg::P(cuda_ptr(x)?),
+                dt(x.dtype()),
+                Arg::P(cuda_ptr(w)?),
+                dt(w.dtype()),
+                Arg::P(cuda_ptr(rstd)?),
+                Arg::P(add.map(cuda_ptr).transpose()?.unwrap_or(0)),
+                dt(add.map_or(DType::F32, |t| t.dtype())),
+                Arg::P(cuda_ptr(&dx)?),
+                Arg::P(dxc.as_ref().map(cuda_ptr).transpose()?.unwrap_or(0)),
+                dt(copy.unwrap_or(DType::F32)),
+                Arg::I32(h as i32),
+            ],
+        )?;
+        Ok((dx, dxc))
+    }
+
+    pub fn rope(
+        &self,
+        x: &Tensor,
+        table: &RopeTable,
+        n_heads: usize,
+        inverse: bool,
+    ) -> Result<Tensor> {
+        ensure!(
+            table.cos.dtype() == DType::F32 && table.sin.dtype() == DType::F32,
+            "rope: tables must be f32"
+        );
+        let (t, _) = x.rows_cols();
+        let y = self.empty(x.shape(), x.dtype())?;
+        let half = table.head_dim / 2;
+        let mut args = vec![
+            Arg::P(cuda_ptr(x)?),
+            dt(x.dtype()),
+            Arg::P(cuda_ptr(&table.cos)?),
+            Arg::P(cuda_ptr(&table.sin)?),
+            Arg::P(cuda_ptr(&y)?),
+            Arg::I64(t as i64),
+            Arg::I32(n_heads as i32),
+            Arg::I32(table.head_dim as i32),
+            Arg::F32(if inverse { -1.0 } else { 1.0 }),
+        ];
+        // bf16 with an even half: two pairs per thread (that kernel takes no dtype flag).
+        if x.dtype() == DType::BF16 && half.is_multiple_of(2) {
+            args.remove(1);
+            self.launch_n("lf_rope_bf16x2", t * n_heads * half / 2, &args)?;
+        } else {
+            self.launch_n("lf_rope", t * n_heads * half, &args)?;
+        }
+        Ok(y)
+    }
+
+    pub fn silu_mul(&self, gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+        let y = self.empty(gate.shape(), gate.dtype())?;
+        let n = gate.numel();
+        if bf16x8(&[gate, up], n) {
+            let [a, b, c] = [gate, up, &y].map(|t| cuda_ptr(t).map(Arg::P));
+            let args = [a?, b?, c?, Arg::I64(n as i64 / 8)];
+            self.launch_n("lf_silu_mul_bf16x8", n / 8, &args)?;
+            return Ok(y);
+        }
+        self.launch_n(
+            "lf_silu_mul",
+            n,
+            &[
+                Arg::P(cuda_ptr(gate)?),
+                dt(gate.dtype()),
+                Arg::P(cuda_ptr(up)?),
+                dt(up.dtype()),
+                Arg::P(cuda_ptr(&y)?),
+                Arg::I64(n as i64),
+            ],
+        )?;
+        Ok(y)
+    }
+
+    pub fn silu_mul_bwd(
+        &self,
+        dh: &Tensor,
+        gate: &Tensor,
+        up: &Tensor,
+    ) -> Result<(Tensor, Tensor)> {
+        let dg = self.empty(gate.shape(), gate.dtype())?;
+        let du = self.empty(up.shape(), up.dtype())?;
+        self.launch_silu_mul_bwd(dh, gate, up, cuda_ptr(&dg)?, cuda_ptr(&du)?)?;
+        Ok((dg, du))
+    }
+
+    pub fn silu_mul_bwd_in_place(
+        &self,
+        dh: &Tensor,
+        gate: &mut Tensor,
+        up: &mut Tensor,
+    ) -> Result<()> {
+        // Each thread reads its elements of gate and up before writing the same elements.
+        self.launch_silu_mul_bwd(dh, gate, up, cuda_ptr(gate)?, cuda_ptr(up)?)
+    }
+
+    /// The SiLU-gate backward into `dg` / `du` (of `gate`'s / `up`'s dtype and size; they may be
+    /// `gate` and `up` themselves).
+    fn launch_silu_mul_bwd(
+        &self,
+        dh: &Tensor,
+        gate: &Tensor,
+        up: &Tensor,
+        dg: u64,
+        du: u64,
+    ) -> Result<()> {
+        let n = gate.numel();
+        if bf16x8(&[dh, gate, up], n) {
+            let [a, b, c] = [dh, gate, up].map(|t| cuda_ptr(t).map(Arg::P));
+            return self.launch_n(
+                "lf_silu_mul_bwd_bf16x8",
+                n / 8,
+                &[a?, b?, c?, Arg::P(dg), Arg::P(du), Arg::I64(n as i64 / 8)],
+            );
+        }
+        self.launch_n(
+            "lf_silu_mul_bwd",
+            n,
+            &[
+                Arg::P(cuda_ptr(dh)?),
+                dt(dh.dtype()),
+                Arg::P(cuda_ptr(gate)?),
+                dt(gate.dtype()),
+                Arg::P(cuda_ptr(up)?),
+                dt(up.dtype()),
+                Arg::P(dg),
+                Arg::P(du),
+                Arg::I64(n as i64),
+            ],
+        )
+    }
+
+    pub fn gelu_tanh_mul(&self, gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+        let y = self.empty(gate.shape(), gate.dtype())?;
+        let n = gate.numel();
+        if bf16x8(&[gate, up], n) {
+            let [a, b, c] = [gate, up, &y].map(|t| cuda_ptr(t).map(Arg::P));
+            let args = [a?, b?, c?, Arg::I64(n as i64 / 8)];
+            self.launch_n("lf_gelu_tanh_mul_bf16x8", n / 8, &args)?;
+            return Ok(y);
+        }
+        self.launch_n(
+            "lf_gelu_tanh_mul",
+            n,
+            &[
+                Arg::P(cuda_ptr(gate)?),
+                dt(gate.dtype()),
+                Arg::P(cuda_ptr(up)?),
+                dt(up.dtype()),
+                Arg::P(cuda_ptr(&y)?),
+                Arg::I64(n as i64),
+            ],
+        )?;
+        Ok(y)
+    }
+
+    pub fn gelu_tanh_mul_bwd(
+        &self,
+        dh: &Tensor,
+        gate: &Tensor,
+        up: &Tensor,
+    ) -> Result<(Tensor, Tensor)> {
+        let dg = self.empty(gate.shape(), gate.dtype())?;
+        let du = self.empty(up.shape(), up.dtype())?;
+        self.launch_gelu_tanh_mul_bwd(dh, gate, up, cuda_ptr(&dg)?, cuda_ptr(&du)?)?;
+        Ok((dg, du))
+    }
+
+    pub fn gelu_tanh_mul_bwd_in_place(
+        &self,
+        dh: &Tensor,
+        gate: &mut Tensor,
+        up: &mut Tensor,
+    ) -> Result<()> {
+        // Each thread reads its elements of gate and up before writing the same elements.
+        self.launch_gelu_tanh_mul_bwd(dh, gate, up, cuda_ptr(gate)?, cuda_ptr(up)?)
+    }
+
+    /// The GELU-gate backward into `dg` / `du` (of `gate`'s / `up`'s dtype and size; they may be
+    /// `gate` and `up` themselves).
+    fn launch_gelu_tanh_mul_bwd(
+        &self,
+        dh: &Tensor,
+        gate: &Tensor,
+        up: &Tensor,
+        dg: u64,
+        du: u64,
+    ) -> Result<()> {
+        let n = gate.numel();
+        if bf16x8(&[dh, gate, up], n) {
+            let [a, b, c] = [dh, gate, up].map(|t| cuda_ptr(t).map(Arg::P));
+            return self.launch_n(
+                "lf_gelu_tanh_mul_bwd_bf16x8",
+                n / 8,
+                &[a?, b?, c?, Arg::P(dg), Arg::P(du), Arg::I64(n as i64 / 8)],
+            );
+        }
+        self.launch_n(
+            "lf_gelu_tanh_mul_bwd",
+            n,
+            &[
+                Arg::P(cuda_ptr(dh)?),
+                dt(dh.dtype()),
+                Arg::P(cuda_ptr(gate)?),
+                dt(gate.dtype()),
+                Arg::P(cuda_ptr(up)?),
+                dt(up.dtype()),
+                Arg::P(dg),
+                Arg::P(du),
+                Arg::I64(n as i64),
+            ],
+        )
+    }
+
+    pub fn add_assign(&self, a: &mut Tensor, b: &Tensor, alpha: f32) -> Result<()> {
+        self.add_into(cuda_ptr(a)?, a, b, alpha)
+    }
+
+    pub fn add(&self, a: &Tensor, b: &Tensor, alpha: f32) -> Result<Tensor> {
+        let c = self.empty(a.shape(), a.dtype())?;
+        self.add_into(cuda_ptr(&c)?, a, b, alpha)?;
+        Ok(c)
+    }
+
+    /// `c = a + alpha * b` into `c` (a's dtype and size; may be a itself).
+    fn add_into(&self, c: u64, a: &Tensor, b: &Tensor, alpha: f32) -> Result<()> {
+        let n = a.numel();
+        self.launch_n(
+            "lf_add",
+            n,
+            &[
+                Arg::P(cuda_ptr(a)?),
+                dt(a.dtype()),
+                Arg::P(cuda_ptr(b)?),
+                dt(b.dtype()),
+                Arg::P(c),
+                dt(a.dtype()),
+                Arg::F32(alpha),
+                Arg::I64(n as i64),
+            ],
+        )
+    }
+
+    pub fn add_bias(&self, x: &mut Tensor, bias: &Tensor) -> Result<()> {
+        let n = x.numel();
+        self.launch_n(
+            "lf_add_bias",
+            n,
+            &[
+                Arg::P(cuda_ptr(x)?),
+                dt(x.dtype()),
+                Arg::P(cuda_ptr(bias)?),
+                dt(bias.dtype()),
+                Arg::I64(n as i64),
+                Arg::I64(bias.numel() as i64),
+            ],
+        )
+    }
+
+    pub fn scale_rows(&self, x: &mut Tensor, s: &Tensor) -> Result<()> {
+        let n = x.numel();
+        self.launch_n(
+            "lf_scale_rows",
+            n,
+            &[
+                Arg::P(cuda_ptr(x)?),
+                dt(x.dtype()),
+                Arg::P(cuda_ptr(s)?),
+                Arg::I64(n as i64),
+                Arg::I64(x.rows_cols().1.max(1) as i64),
+            ],
+        )
+    }
+
+    pub fn scale(&self, x: &mut Tensor, s: f32) -> Result<()> {
+        let n = x.numel();
+        self.launch_n(
+            "lf_scale",
+            n,
+            &[
+                Arg::P(cuda_ptr(x)?),
+                dt(x.dtype()),
+                Arg::F32(s),
+                Arg::I64(n as i64),
+            ],
+        )
+    }
+
+    pub fn slice_cols(&self, x: &Tensor, rows: usize, start: usize, end: usize) -> Result<Tensor> {
+        let y = self.empty(&[rows, end - start], x.dtype())?;
+        self.copy_cols(x, start, &y, 0, end - start)?;
+        Ok(y)
+    }
+
+    /// Side-by-side copies of `xs` (equal rows and dtype, checked by the caller).
+    pub fn concat_cols(&self, xs: &[&Tensor], rows: usize, cols: usize) -> Result<Tensor> {
+        let y = self.empty(&[rows, cols], xs[0].dtype())?;
+        let mut c0 = 0;
+        for x in xs {
+            let w = x.rows_cols().1;
+            self.copy_cols(x, 0, &y, c0, w)?;
+            c0 += w;
+        }
+        Ok(y)
+    }
+
+    /// `dst[:, dst_col0 + j] = src[:, src_col0 + j]` for `j < width` (same dtype and rows).
+    fn copy_cols(
+        &self,
+        src: &Tensor,
+        src_col0: usize,
+        dst: &Tensor,
+        dst_col0: usize,
+        width: usize,
+    ) -> Result<()> {
+        let ((rows, sc), (dr, dc)) = (src.rows_cols(), dst.rows_cols());
+        ensure!(
+            rows == dr && src.dtype() == dst.dtype(),
+            "copy_cols: {:?} {:?} into {:?} {:?}",
+            src.shape(),
+            src.dtype(),
+            dst.shape(),
+            dst.dtype()
+        );
+        ensure!(
+            src_col0 + width <= sc && dst_col0 + width <= dc,
+            "copy_cols: columns {src_col0}+{width} of {sc} into {dst_col0}+{width} of {dc}"
+        );
+        self.launch_n(
+            "lf_copy_cols",
+            rows * width,
+            &[
+                Arg::P(cuda_ptr(src)?),
+                Arg::I64(sc as i64),
+                Arg::I64(src_col0 as i64),
+                Arg::P(cuda_ptr(dst)?),
+                Arg::I64(dc as i64),
+                Arg::I64(dst_col0 as i64),
+                Arg::I64(width as i64),
+                Arg::I64((rows * width) as i64),
+                dt(src.dtype()),
+            ],
+        )
+    }
+
+    /// Row-stacked copies of `xs` (equal columns and dtype, checked by the caller).
+    pub fn concat_rows(&self, xs: &[&Tensor], rows: usize, cols: usize) -> Result<Tensor> {
+        let dtype = xs[0].dtype();
+        let y = self.empty(&[rows, cols], dtype)?;
+        let mut off = 0;
+        for x in xs {
+            let bytes = x.numel() * dtype.size();
+            self.dtod(cuda_ptr(&y)? + off as u64, cuda_ptr(x)?, bytes)?;
+            off += bytes;
+        }
+        Ok(y)
+    }
+
+    pub fn slice_rows(&self, x: &Tensor, start: usize, end: usize) -> Result<Tensor> {
+        let (_, c) = x.rows_cols();
+        let (shape, c) = if x.shape().len() == 1 {
+            (vec![end - start], 1)
+        } else {
+            (vec![end - start, c], c)
+        };
+        let y = self.empty(&shape, x.dtype())?;
+        let es = x.dtype().size();
+        self.dtod(
+            cuda_ptr(&y)?,
+            cuda_ptr(x)? + (start * c * es) as u64,
+            (end - start) * c * es,
+        )?;
+        Ok(y)
+    }
+
+    pub fn gather_rows(&self, x: &Tensor, idx: &[u32]) -> Result<Tensor> {
+        let (_, c) = x.rows_cols();
+        let y = self.empty(&[idx.len(), c], x.dtype())?;
+        let ib = self.upload_u32(idx)?;
+        self.launch_n(
+            "lf_gather_rows",
+            idx.len() * c,
+            &[
+                Arg::P(cuda_ptr(x)?),
+                dt(x.dtype()),
+                Arg::P(ib.ptr),
+                Arg::P(cuda_ptr(&y)?),
+                Arg::I64(idx.len() as i64),
+                Arg::I64(c as i64),
+            ],
+        )?;
+        Ok(y)
+    }
+
+    pub fn scatter_add_rows(&self, dst: &mut Tensor, idx: &[u32], src: &Tensor) -> Result<()> {
+        let (_, c) = dst.rows_cols();
+        ensure!(
+            src.numel() == idx.len() * c,
+            "scatter_add_rows: src {:?} vs {} rows of {c}",
+            src.shape(),
+            idx.len()
+        );
+        let ib = self.upload_u32(idx)?;
+        self.launch_n(
+            "lf_scatter_add_rows",
+            idx.len() * c,
+            &[
+                Arg::P(cuda_ptr(dst)?),
+                dt(dst.dtype()),
+                Arg::P(ib.ptr),
+                Arg::P(cuda_ptr(src)?),
+                dt(src.dtype()),
+                Arg::I64(idx.len() as i64),
+                Arg::I64(c as i64),
+            ],
+        )
+    }
+
+    pub fn logsoftmax_gather(&self, logits: &Tensor, targets: &[u32]) -> Result<(Tensor, Tensor)> {
+        let (rows, v) = logits.rows_cols();
+        let logp = self.empty(&[rows], DType::F32)?;
+        let lse = self.empty(&[rows], DType::F32)?;
+        let tb = self.upload_u32(targets)?;
+        self.launch(
+            "lf_logsoftmax_gather",
+            (rows as u32, 1, 1),
+            1024,
+            0,
+            &[
+                Arg::P(cuda_ptr(logits)?),
+                dt(logits.dtype()),
+                Arg::P(tb.ptr),
+                Arg::P(cuda_ptr(&logp)?),
+                Arg::P(cuda_ptr(&lse)?),
+                Arg::I64(v as i64),
+            ],
+        )?;
+        Ok((logp, lse))
+    }
+
+    pub fn logsoftmax_gather_bwd(
+        &self,
+        dlogp: &Tensor,
+        logits: &Tensor,
+        lse: &Tensor,
+        targets: &[u32],
+        out_dtype: DType,
+    ) -> Result<Tensor> {
+        ensure!(
+            dlogp.dtype() == DType::F32 && lse.dtype() == DType::F32,
+            "logsoftmax_gather_bwd: dlogp and lse must be f32"
+        );
+        let (rows, v) = logits.rows_cols();
+        let d = self.empty(logits.shape(), out_dtype)?;
+        let tb = self.upload_u32(targets)?;
+        let bx = v.div_ceil(256).min(64) as u32;
+        self.launch(
+            "lf_logsoftmax_gather_bwd",
+            (rows as u32, bx, 1),
+            256,
+            0,
+            &[
+                Arg::P(cuda_ptr(dlogp)?),
+                Arg::P(cuda_ptr(logits)?),
+                dt(logits.dtype()),
+                Arg::P(cuda_ptr(lse)?),
+                Arg::P(tb.ptr),
+                Arg::P(cuda_ptr(&d)?),
+                dt(out_dtype),
+                Arg::I64(v as i64),
+            ],
+        )?;
+        Ok(d)
+    }
+
+    pub fn softcap(&self, x: &mut Tensor, cap: f32) -> Result<()> {
+        let n = x.numel();
+        self.launch_n(
+            "lf_softcap",
+            n,
+            &[
+                Arg::P(cuda_ptr(x)?),
+                dt(x.dtype()),
+                Arg::F32(cap),
+                Arg::I64(n as i64),
+            ],
+        )
+    }
+
+    /// See `tensor::logsoftmax_gather_softcap_bwd_to`.
+    pub fn logsoftmax_gather_softcap_bwd(
+        &self,
+        dlogp: &Tensor,
+        logits: &Tensor,
+        lse: &Tensor,
+        targets: &[u32],
+        cap: f32,
+        out_dtype: DType,
+    ) -> Result<Tensor> {
+        ensure!(
+            dlogp.dtype() == DType::F32 && lse.dtype() == DType::F32,
+            "logsoftmax_gather_softcap_bwd: dlogp and lse must be f32"
+        );
+        let (rows, v) = logits.rows_cols();
+        let d = self.empty(logits.shape(), out_dtype)?;
+        let tb = self.upload_u32(targets)?;
+        let bx = v.div_ceil(256).min(64) as u32;
+        self.launch(
+            "lf_logsoftmax_gather_softcap_bwd",
+            (rows as u32, bx, 1),
+            256,
+            0,
+            &[
+                Arg::P(cuda_ptr(dlogp)?),
+                Arg::P(cuda_ptr(logits)?),
+                dt(logits.dtype()),
+                Arg::P(cuda_ptr(lse)?),
+                Arg::P(tb.ptr),
+                Arg::P(cuda_ptr(&d)?),
+                dt(out_dtype),
+                Arg::F32(cap),
+                Arg::I64(v as i64),
+            ],
+        )?;
+        Ok(d)
+    }
+
+    pub fn dropout(&self, x: &Tensor, p: f32, seed: u64) -> Result<Tensor> {
+        let y = self.empty(x.shape(), x.dtype())?;
+        let n = x.numel();
+        self.launch_n(
+            "lf_dropout",
+            n,
+            &[
+                Arg::P(cuda_ptr(x)?),
+                dt(x.dtype()),
+                Arg::P(cuda_ptr(&y)?),
+                Arg::I64(n as i64),
+                Arg::F32(p),
+                Arg::U64(seed),
+                Arg::F32(1.0 / (1.0 - p)),
+            ],
+        )?;
+        Ok(y)
+    }
+
+    /// Sum of squares (f64 partials; a sync point).
+    pub fn sum_sq(&self, x: &Tensor) -> Result<f64> {
+        let out = self.alloc(8)?;
+        self.memset0(&out)?;
+        let n = x.numel();
+        self.launch_n(
+            "lf_sum_sq",
+            n,
+            &[
+                Arg::P(cuda_ptr(x)?),
+                dt(x.dtype()),
+                Arg::I64(n as i64),
+                Arg::P(out.ptr),
+            ],
+        )?;
+        let mut v = [0f64; 1];
+        self.inner.bind()?;
+        out.dtoh(&mut v)?;
+        Ok(v[0])
+    }
+
+    pub fn adamw_step(
+        &self,
+        param: &mut Tensor,
+        grad: &Tensor,
+        m: &mut Tensor,
+        v: &mut Tensor,
+        h: AdamW,
+    ) -> Result<()> {
+        ensure!(
+            param.dtype() == DType::F32 && m.dtype() == DType::F32 && v.dtype() == DType::F32,
+            "adamw: parameters and moments must be f32"
+        );
+        let n = param.numel();
+        ensure!(
+            grad.numel() == n && m.numel() == n && v.numel() == n,
+            "adamw: sizes differ"
+        );
+        let bc1 = 1.0 - (h.beta1 as f64).powi(h.step as i32);
+        let bc2 = 1.0 - (h.beta2 as f64).powi(h.step as i32);
+        self.launch_n(
+            "lf_adamw",
+            n,
+            &[
+                Arg::P(cuda_ptr(param)?),
+                Arg::P(cuda_ptr(grad)?),
+                dt(grad.dtype()),
+                Arg::P(cuda_ptr(m)?),
+                Arg::P(cuda_ptr(v)?),
+                Arg::I64(n as i64),
+                Arg::F32(h.lr),
+                Arg::F32(h.beta1),
+                Arg::F32(h.beta2),
+                Arg::F32(h.eps),
+                Arg::F32(h.weight_decay),
+                Arg::F32(h.grad_scale),
+                Arg::F64(bc1),
+                Arg::F64(bc2),
+            ],
+        )
+    }
+
+    // --------------------------------------------------------------------------------------------
+    // Multi-tensor ops: one launch over a table of tensors (see the end of elementwise.cu). Each
+    // table entry is a fixed number of 8-byte words mirroring a struct there; empty tensors get
+    // no entry, so every entry owns at least one chunk.
+
+    /// Uploads `words` (`entries` table entries covering `n_chunks` chunks of `MULTI_CHUNK`
+    /// elements) and launches `name` with the table arguments followed by `extra`. The table is
+    /// freed in stream order after the kernel; the upload goes through pinned staging (no sync).
+    fn launch_multi(
+        &self,
+        name: &'static str,
+        words: &[u64],
+        entries: usize,
+        n_chunks: u64,
+        extra: Vec<Arg>,
+    ) -> Result<()> {
+        if entries == 0 {
+            return Ok(());
+        }
+        ensure!(
+            entries <= i32::MAX as usize,
+            "{name}: {entries} tensors in one call"
+        );
+        let table = self.alloc(words.len() * 8)?;
+        self.htod(&table, bytemuck::cast_slice(words))?;
+        let blocks = n_chunks.min(self.inner.sm_count as u64 * 16) as u32;
+        let mut args = vec![
+            Arg::P(table.ptr),
+            Arg::I32(entries as i32),
+            Arg::I64(n_chunks as i64),
+            Arg::I32(MULTI_CHUNK as i32),
+        ];
+        args.extend(extra);
+        self.launch(name, (blocks, 1, 1), MULTI_THREADS, 0, &args)
+    }
+
+    /// Sum of squares of every tensor: one launch, the result left on the device.
+    pub fn sum_sq_multi(&self, xs: &[&Tensor]) -> Result<DeviceValues> {
+        // SqSeg: x, n, chunk0, (dt, pad).
+        let mut words = Vec::with_capacity(xs.len() * 4);
+        let (mut entries, mut chunks) = (0, 0u64);
+        for x in xs {
+            let n = x.numel();
+            if n == 0 {
+                continue;
+            }
+            words.extend([cuda_ptr(x)?, n as u64, chunks, pack(dt_code(x.dtype()), 0)]);
+            entries += 1;
+            chunks += n.div_ceil(MULTI_CHUNK) as u64;
+        }
+        let out = self.alloc(8)?;
+        self.memset0(&out)?;
+        if entries > 0 {
+            self.launch_multi(
+                "lf_sum_sq_multi",
+                &words,
+                entries,
+                chunks,
+                vec![Arg::P(out.ptr)],
+            )?;
+        }
+        Ok(DeviceValues::cuda(out, 1))
+    }
+
+    /// AdamW on every item, each compute copy refreshed and each gradient zeroed in the same
+    /// kernel (shapes and dtypes checked by `tensor::adamw_multi`). No sync.
+    pub fn adamw_multi(
+        &self,
+        items: &mut [AdamWItem],
+        h: AdamW,
+        clip: Option<NormClip>,
+    ) -> Result<()> {
+        // AdamwSeg: p, g, m, v, pc, n, chunk0, (lr, gdt), (pcdt, pad).
+        let mut words = Vec::with_capacity(items.len() * 9);
+        let (mut entries, mut chunks) = (0, 0u64);
+        for it in items.iter() {
+            let n = it.param.numel();
+            if n == 0 {
+                continue;
+            }
+            let (pc, pcdt) = match it.compute.as_deref() {
+                Some(c) => (cuda_ptr(c)?, dt_code(c.dtype())),
+                None => (0, 0),
+            };
+            words.extend([
+                cuda_ptr(it.param)?,
+                cuda_ptr(it.grad)?,
+                cuda_ptr(it.m)?,
+                cuda_ptr(it.v)?,
+                pc,
+                n as u64,
+                chunks,
+                pack(it.lr.to_bits(), dt_code(it.grad.dtype())),
+                pack(pcdt, 0),
+            ]);
+            entries += 1;
+            chunks += n.div_ceil(MULTI_CHUNK) as u64;
+        }
+        // Bias corrections exactly as `adamw_step` computes them.
+        let bc1 = 1.0 - (h.beta1 as f64).powi(h.step as i32);
+        let bc2 = 1.0 - (h.beta2 as f64).powi(h.step as i32);
+        self.launch_multi(
+            "lf_adamw_multi",
+            &words,
+            entries,
+            chunks,
+            vec![
+                Arg::F32(h.beta1),
+                Arg::F32(h.beta2),
+                Arg::F32(h.eps),
+                Arg::F32(h.weight_decay),
+                Arg::F32(h.grad_scale),
+                Arg::F64(bc1),
+                Arg::F64(bc2),
+                Arg::P(match clip {
+                    Some(c) => c.sum_sq.cuda_ptr()?,
+                    None => 0,
+                }),
+                Arg::F64(clip.map_or(1.0, |c| c.average)),
+                Arg::F64(clip.map_or(0.0, |c| c.max_norm)),
+            ],
+        )
+    }
+
+    /// Every source converted into its (existing) destination: one launch, no allocation.
+    pub fn cast_multi(&self, pairs: &mut [(&Tensor, &mut Tensor)]) -> Result<()> {
+        // CastSeg: x, y, n, chunk0, (xdt, ydt).
+        let mut words = Vec::with_capacity(pairs.len() * 5);
+        let (mut entries, mut chunks) = (0, 0u64);
+        for (src, dst) in pairs.iter() {
+            let n = src.numel();
+            if n == 0 {
+                continue;
+            }
+            words.extend([
+                cuda_ptr(src)?,
+                cuda_ptr(dst)?,
+                n as u64,
+                chunks,
+                pack(dt_code(src.dtype()), dt_code(dst.dtype())),
+            ]);
+            entries += 1;
+            chunks += n.div_ceil(MULTI_CHUNK) as u64;
+        }
+        self.launch_multi("lf_cast_multi", &words, entries, chunks, vec![])
+    }
+}
