@@ -217,7 +217,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         workloads.push(Workload::parse(spec_str)?);
     }
     for w in &workloads {
-        let mut rng = crate::model::lora::Rng(1);
+        let mut rng = crate::tensor::Rng(1);
         let mut tok = |n: usize| -> Vec<u32> {
             (0..n)
                 .map(|_| 3 + (rng.next_u64() % (spec.vocab as u64 - 3)) as u32)

@@ -1,8 +1,9 @@
-//! lorafit: LoRA fine-tuning (ORPO, SFT, DPO) of Llama-family language models on one NVIDIA GPU
-//! or the CPU.
+//! lorafit: LoRA fine-tuning (ORPO, SFT, DPO, SimPO) of decoder language models (the Llama family,
+//! Gemma 2 and 3, MiniCPM) on one NVIDIA GPU or the CPU.
 //!
 //! Data flows one way: config → data → model → train → outputs. `tensor` is the engine under all
-//! of it: a CPU reference backend and a CUDA backend with the same ops.
+//! of it: a CPU reference backend and a CUDA backend with the same ops. A model family is one file
+//! in `model` that describes its layers; `model::runner` executes any family's layers.
 
 pub mod bench;
 pub mod config;

@@ -137,7 +137,7 @@ pub fn model_parity(device: &Device) -> Result<usize> {
         // Non-zero B so that dA is exercised too.
         // A and B are rounded to bf16 like the weights: the GPU computes with bf16 copies of the
         // f32 masters, and the rows should measure its arithmetic, not that rounding.
-        let mut rng = crate::model::lora::Rng(3);
+        let mut rng = crate::tensor::Rng(3);
         let round = |x: f32| half::bf16::from_f32(x).to_f32();
         for (_, _, p) in lc.pairs_mut() {
             for x in p.b.as_cpu_mut()? {
@@ -354,7 +354,7 @@ pub fn head_parity(device: &Device) -> Result<Vec<parity::ParityRow>> {
         );
         // Head weights are N(0, 0.02²): a logit's std is 0.02·√256·|h| = 0.32·|h|.
         let hd = spec.hidden;
-        let mut rng = crate::model::lora::Rng(17);
+        let mut rng = crate::tensor::Rng(17);
         let h: Vec<f32> = (0..n * hd)
             .map(|_| half::bf16::from_f32((rng.normal() * 60.0) as f32).to_f32())
             .collect();
@@ -444,7 +444,7 @@ pub fn train_parity(device: &Device) -> Result<bool> {
         spec: spec.clone(),
         seed: 11,
     };
-    let mut rng = crate::model::lora::Rng(5);
+    let mut rng = crate::tensor::Rng(5);
     let mut tok = |n: usize| -> Vec<u32> {
         (0..n)
             .map(|_| (rng.next_u64() % spec.vocab as u64) as u32)

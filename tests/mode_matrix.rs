@@ -61,7 +61,7 @@ fn run(
         &dev,
     )
     .unwrap();
-    let mut rng = lorafit::model::lora::Rng(9);
+    let mut rng = lorafit::tensor::Rng(9);
     for (_, _, p) in lora.pairs_mut() {
         for x in p.b.as_cpu_mut().unwrap() {
             *x = (rng.normal() * 0.1) as f32;

@@ -29,9 +29,9 @@
 
 mod common;
 use common::*;
-use lorafit::model::lora::Rng;
 use lorafit::model::weights::{load_weights, RandomSource, Weight};
 use lorafit::model::{ForwardPlan, Lora, LoraConfig, Model, ModelSpec, PassCtx, Target};
+use lorafit::tensor::Rng;
 use lorafit::tensor::{self as ops, AttnMask, AttnShape, DType, Device, RopeTable, Tensor};
 
 // ------------------------------------------------------------------------------------------------

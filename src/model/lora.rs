@@ -209,37 +209,12 @@ pub struct Lora {
     stacked: Vec<[Option<StackedA>; 2]>,
 }
 
-/// A small, seedable generator (SplitMix64) so that initialisation and dropout are reproducible
-/// without a dependency.
-#[derive(Clone, Debug, Serialize, Deserialize)]
-pub struct Rng(pub u64);
-
-impl Rng {
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    /// Uniform in [0, 1).
-    pub fn uniform(&mut self) -> f64 {
-        (self.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
-    }
-    /// Standard normal (Box-Muller).
-    pub fn normal(&mut self) -> f64 {
-        let u1 = self.uniform().max(1e-300);
-        let u2 = self.uniform();
-        (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()
-    }
-}
-
 impl Lora {
     /// Fresh adapters with PEFT's initialisation: B = 0, A ~ Kaiming-uniform with a = √5, i.e.
     /// U(−1/√in, 1/√in).
     pub fn new(spec: &ModelSpec, config: LoraConfig, device: &Device) -> Result<Lora> {
         ensure!(config.rank > 0, "LoRA rank must be positive");
-        let mut rng = Rng(config.seed ^ 0x5EED_1077_AF17_0000);
+        let mut rng = crate::tensor::Rng(config.seed ^ 0x5EED_1077_AF17_0000);
         let mut layers = Vec::with_capacity(spec.n_layers);
         for l in 0..spec.n_layers {
             let mut row: [Option<LoraPair>; 7] = Default::default();

@@ -446,7 +446,7 @@ pub fn random_normal(n: usize, seed: u64, std: f32) -> Vec<f32> {
     out.par_chunks_mut(1 << 16)
         .enumerate()
         .for_each(|(c, chunk)| {
-            let mut rng = super::lora::Rng(seed ^ (c as u64).wrapping_mul(0xA24B_AED4_963E_E407));
+            let mut rng = crate::tensor::Rng(seed ^ (c as u64).wrapping_mul(0xA24B_AED4_963E_E407));
             for x in chunk.iter_mut() {
                 *x = rng.normal() as f32 * std;
             }

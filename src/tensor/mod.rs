@@ -8,6 +8,8 @@
 //! always contiguous.
 
 pub mod cce;
+pub mod rng;
+pub use rng::Rng;
 pub mod cpu;
 pub mod cuda;
 pub mod parity;

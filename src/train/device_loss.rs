@@ -306,7 +306,7 @@ fn all_objectives() -> [Objective; 6] {
 /// Random logps laid out as the step lays them out (prompt, chosen response, rejected response
 /// end to end), with `reference` logps for DPO.
 fn random_case(seed: u64, n: [usize; 3]) -> (Vec<f32>, Vec<f32>, Parts) {
-    let mut rng = crate::model::lora::Rng(seed);
+    let mut rng = crate::tensor::Rng(seed);
     let mut draw = |k: usize| -> Vec<f32> {
         (0..k)
             .map(|_| -((rng.next_u64() % 4000) as f32) / 1000.0 - 1e-3)

@@ -1,6 +1,9 @@
 //! Choosing what a step keeps for its backward: estimate the bytes it keeps live for each choice
 //! and take the fastest plan that fits the device.
 //!
+//! The estimates read the model's layer descriptions (`model::config::LayerSpec`: each layer's
+//! MLP width and sandwich norms), so they hold for every family.
+//!
 //! - Segment size 0 (no recomputation) when it fits.
 //! - Otherwise a recomputation of about one forward. Two things make it cheaper, each at a
 //!   memory cost: segment size 1 (the recomputation skips the MLP down projection of each
@@ -8,6 +11,9 @@
 //!   attention outputs (about `T·(nh·hd)` values per layer, sparing the recomputation's attention
 //!   kernels, the larger saving). In order of preference: size 1 with kept attention, the
 //!   smallest-footprint size with kept attention, size 1, the smallest-footprint size.
+//! - Then, with segments, k and v of as many of the lowest layers as still fit
+//!   (`keep_kv_layers`; none for models with q/k norms), sparing their projections in the
+//!   recomputation.
 
 use crate::model::ModelSpec;
 

@@ -76,6 +76,6 @@ pub fn assert_close(what: &str, got: &[f32], want: &[f32], tol: f64) {
 
 /// Deterministic pseudo-random floats in [-1, 1).
 pub fn rand_vec(n: usize, seed: u64) -> Vec<f32> {
-    let mut r = lorafit::model::lora::Rng(seed);
+    let mut r = lorafit::tensor::Rng(seed);
     (0..n).map(|_| (r.uniform() * 2.0 - 1.0) as f32).collect()
 }
