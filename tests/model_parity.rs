@@ -233,3 +233,63 @@ fn minicpm_mup_longrope_tied_matches_pytorch() {
 fn minicpm_untied_matches_pytorch() {
     run_family("minicpm_untied");
 }
+
+/// A `Gemma3ForConditionalGeneration` checkpoint (the text model's config under `text_config`,
+/// its weights under `model.language_model.` as transformers ≥ 4.52 saves them, or under
+/// `language_model.model.` as older ones did, plus vision weights that are not loaded) gives the
+/// text model's logits.
+#[test]
+fn gemma3_multimodal_checkpoint_loads_its_language_model() {
+    let dir = fixture("models/gemma3");
+    let text: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    let weights = read_safetensors(&dir.join("model.safetensors"));
+    let reference = read_safetensors(&dir.join("reference.safetensors"));
+    let ids: Vec<u32> = reference["input_ids"].1.iter().map(|&x| x as u32).collect();
+    for new_layout in [true, false] {
+        let out = std::env::temp_dir().join(format!(
+            "lorafit-gemma3-multimodal-{}-{new_layout}",
+            std::process::id()
+        ));
+        std::fs::create_dir_all(&out).unwrap();
+        let config = serde_json::json!({
+            "architectures": ["Gemma3ForConditionalGeneration"],
+            "model_type": "gemma3",
+            "text_config": text,
+            "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 8},
+        });
+        std::fs::write(out.join("config.json"), config.to_string()).unwrap();
+        let prefix = if new_layout {
+            "model.language_model."
+        } else {
+            "language_model.model."
+        };
+        let mut tensors: Vec<(String, Vec<usize>, Vec<f32>)> = weights
+            .iter()
+            .map(|(k, (s, d))| {
+                let leaf = k.strip_prefix("model.").unwrap_or(k);
+                (format!("{prefix}{leaf}"), s.clone(), d.clone())
+            })
+            .collect();
+        tensors.push((
+            "model.vision_tower.patch_embed.weight".into(),
+            vec![8, 3],
+            vec![0.5; 24],
+        ));
+        tensors.sort_by(|a, b| a.0.cmp(&b.0));
+        lorafit::model::weights::write_f32_safetensors(&out.join("model.safetensors"), &tensors)
+            .unwrap();
+        let mm = lorafit::model::load(&out, &Device::Cpu).unwrap();
+        let plain = lorafit::model::load(&dir, &Device::Cpu).unwrap();
+        let dtype = lorafit::tensor::DType::F32;
+        let got = mm
+            .logits(&mm.hidden_states(&ids, None).unwrap(), dtype)
+            .unwrap();
+        let want = plain
+            .logits(&plain.hidden_states(&ids, None).unwrap(), dtype)
+            .unwrap();
+        let (md, _) = max_diff(got.as_cpu().unwrap(), want.as_cpu().unwrap());
+        assert_eq!(md, 0.0, "layout new={new_layout}: logits differ by {md}");
+        let _ = std::fs::remove_dir_all(&out);
+    }
+}

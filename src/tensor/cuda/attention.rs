@@ -149,7 +149,8 @@ impl CudaBackend {
     /// The version 2+ kernel for `kind` ("fwd", "dq", "dkdv" or the one-pass "bwd") and its launch,
     /// where one serves this shape and its shared memory fits the device (the attention kernels'
     /// limit set in `function`). These (ldmatrix, cp.async double buffering) serve head_dim 64 and
-    /// 128, version 1 the rest; `LORAFIT_ATTN_V1=1` forces version 1 everywhere (for comparison).
+    /// 128, version 1 the rest; forward or backward version 1 (`set_attention_forward_version`,
+    /// `set_attention_backward_version`) forces version 1 there (for comparison).
     fn attn2(&self, kind: &str, s: &AttnShape, t: usize) -> Option<AttnKernel> {
         // The forward's two-m-tile kernel (4 warps per 128 rows, two blocks per SM) is faster once
         // the grid fills the device several times over (32 heads at 4K: 16% faster, at 16K:
@@ -159,6 +160,13 @@ impl CudaBackend {
             3 => true,
             _ => t.div_ceil(128) * s.n_heads >= 4 * self.inner.sm_count as usize,
         };
+        let v1 = match kind {
+            "fwd" => self.inner.attn_fwd_version.load(Ordering::Relaxed) == 1,
+            _ => self.inner.attn_bwd_version.load(Ordering::Relaxed) == 1,
+        };
+        if v1 {
+            return None;
+        }
         let (name, threads, rows) = Self::attn2_fn(kind, s, wide)?;
         let limit = self.attn_smem_limit();
         // Version 5 forward: Q and two K and two V tiles (128 x 128 bf16 each), eight mbarriers
@@ -204,10 +212,6 @@ impl CudaBackend {
     /// (kernel, threads per block, rows per block: queries for the forward and dQ, keys for
     /// dK/dV and the one-pass backward).
     fn attn2_fn(kind: &str, s: &AttnShape, wide: bool) -> Option<(&'static str, u32, usize)> {
-        static V1: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        if *V1.get_or_init(|| std::env::var_os("LORAFIT_ATTN_V1").is_some_and(|v| v != "0")) {
-            return None;
-        }
         Some(match (kind, s.head_dim) {
             ("fwd", 64) if !wide => ("lf_attn2_fwd_64", 256, 128),
             ("fwd", 128) if !wide => ("lf_attn2_fwd_128", 256, 128),

@@ -3,6 +3,28 @@
 //! and softcap of the head, dropout, sums of squares, AdamW and the multi-tensor casts.
 use super::*;
 
+/// The kernels of one gated MLP activation `act(gate) * up`: any dtype, and bf16 eight at a time.
+struct GateKernels {
+    fwd: &'static str,
+    fwd8: &'static str,
+    bwd: &'static str,
+    bwd8: &'static str,
+}
+
+const SILU: GateKernels = GateKernels {
+    fwd: "lf_silu_mul",
+    fwd8: "lf_silu_mul_bf16x8",
+    bwd: "lf_silu_mul_bwd",
+    bwd8: "lf_silu_mul_bwd_bf16x8",
+};
+
+const GELU_TANH: GateKernels = GateKernels {
+    fwd: "lf_gelu_tanh_mul",
+    fwd8: "lf_gelu_tanh_mul_bf16x8",
+    bwd: "lf_gelu_tanh_mul_bwd",
+    bwd8: "lf_gelu_tanh_mul_bwd_bf16x8",
+};
+
 impl CudaBackend {
     pub fn rms_norm(&self, x: &Tensor, w: &Tensor, eps: f32) -> Result<(Tensor, Tensor)> {
         self.rms_norm_to(x, w, eps, x.dtype())
@@ -148,27 +170,7 @@ impl CudaBackend {
     }
 
     pub fn silu_mul(&self, gate: &Tensor, up: &Tensor) -> Result<Tensor> {
-        let y = self.empty(gate.shape(), gate.dtype())?;
-        let n = gate.numel();
-        if bf16x8(&[gate, up], n) {
-            let [a, b, c] = [gate, up, &y].map(|t| cuda_ptr(t).map(Arg::P));
-            let args = [a?, b?, c?, Arg::I64(n as i64 / 8)];
-            self.launch_n("lf_silu_mul_bf16x8", n / 8, &args)?;
-            return Ok(y);
-        }
-        self.launch_n(
-            "lf_silu_mul",
-            n,
-            &[
-                Arg::P(cuda_ptr(gate)?),
-                dt(gate.dtype()),
-                Arg::P(cuda_ptr(up)?),
-                dt(up.dtype()),
-                Arg::P(cuda_ptr(&y)?),
-                Arg::I64(n as i64),
-            ],
-        )?;
-        Ok(y)
+        self.gated_mul(&SILU, gate, up)
     }
 
     pub fn silu_mul_bwd(
@@ -177,10 +179,7 @@ impl CudaBackend {
         gate: &Tensor,
         up: &Tensor,
     ) -> Result<(Tensor, Tensor)> {
-        let dg = self.empty(gate.shape(), gate.dtype())?;
-        let du = self.empty(up.shape(), up.dtype())?;
-        self.launch_silu_mul_bwd(dh, gate, up, cuda_ptr(&dg)?, cuda_ptr(&du)?)?;
-        Ok((dg, du))
+        self.gated_mul_bwd(&SILU, dh, gate, up)
     }
 
     pub fn silu_mul_bwd_in_place(
@@ -189,57 +188,43 @@ impl CudaBackend {
         gate: &mut Tensor,
         up: &mut Tensor,
     ) -> Result<()> {
-        // Each thread reads its elements of gate and up before writing the same elements.
-        self.launch_silu_mul_bwd(dh, gate, up, cuda_ptr(gate)?, cuda_ptr(up)?)
+        self.gated_mul_bwd_in_place(&SILU, dh, gate, up)
     }
 
-    /// The SiLU-gate backward into `dg` / `du` (of `gate`'s / `up`'s dtype and size; they may be
-    /// `gate` and `up` themselves).
-    fn launch_silu_mul_bwd(
+    pub fn gelu_tanh_mul(&self, gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+        self.gated_mul(&GELU_TANH, gate, up)
+    }
+
+    pub fn gelu_tanh_mul_bwd(
         &self,
         dh: &Tensor,
         gate: &Tensor,
         up: &Tensor,
-        dg: u64,
-        du: u64,
-    ) -> Result<()> {
-        let n = gate.numel();
-        if bf16x8(&[dh, gate, up], n) {
-            let [a, b, c] = [dh, gate, up].map(|t| cuda_ptr(t).map(Arg::P));
-            return self.launch_n(
-                "lf_silu_mul_bwd_bf16x8",
-                n / 8,
-                &[a?, b?, c?, Arg::P(dg), Arg::P(du), Arg::I64(n as i64 / 8)],
-            );
-        }
-        self.launch_n(
-            "lf_silu_mul_bwd",
-            n,
-            &[
-                Arg::P(cuda_ptr(dh)?),
-                dt(dh.dtype()),
-                Arg::P(cuda_ptr(gate)?),
-                dt(gate.dtype()),
-                Arg::P(cuda_ptr(up)?),
-                dt(up.dtype()),
-                Arg::P(dg),
-                Arg::P(du),
-                Arg::I64(n as i64),
-            ],
-        )
+    ) -> Result<(Tensor, Tensor)> {
+        self.gated_mul_bwd(&GELU_TANH, dh, gate, up)
     }
 
-    pub fn gelu_tanh_mul(&self, gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+    pub fn gelu_tanh_mul_bwd_in_place(
+        &self,
+        dh: &Tensor,
+        gate: &mut Tensor,
+        up: &mut Tensor,
+    ) -> Result<()> {
+        self.gated_mul_bwd_in_place(&GELU_TANH, dh, gate, up)
+    }
+
+    /// `act(gate) * up` with `k`'s kernels.
+    fn gated_mul(&self, k: &GateKernels, gate: &Tensor, up: &Tensor) -> Result<Tensor> {
         let y = self.empty(gate.shape(), gate.dtype())?;
         let n = gate.numel();
         if bf16x8(&[gate, up], n) {
             let [a, b, c] = [gate, up, &y].map(|t| cuda_ptr(t).map(Arg::P));
             let args = [a?, b?, c?, Arg::I64(n as i64 / 8)];
-            self.launch_n("lf_gelu_tanh_mul_bf16x8", n / 8, &args)?;
+            self.launch_n(k.fwd8, n / 8, &args)?;
             return Ok(y);
         }
         self.launch_n(
-            "lf_gelu_tanh_mul",
+            k.fwd,
             n,
             &[
                 Arg::P(cuda_ptr(gate)?),
@@ -253,32 +238,35 @@ impl CudaBackend {
         Ok(y)
     }
 
-    pub fn gelu_tanh_mul_bwd(
+    fn gated_mul_bwd(
         &self,
+        k: &GateKernels,
         dh: &Tensor,
         gate: &Tensor,
         up: &Tensor,
     ) -> Result<(Tensor, Tensor)> {
         let dg = self.empty(gate.shape(), gate.dtype())?;
         let du = self.empty(up.shape(), up.dtype())?;
-        self.launch_gelu_tanh_mul_bwd(dh, gate, up, cuda_ptr(&dg)?, cuda_ptr(&du)?)?;
+        self.launch_gated_mul_bwd(k, dh, gate, up, cuda_ptr(&dg)?, cuda_ptr(&du)?)?;
         Ok((dg, du))
     }
 
-    pub fn gelu_tanh_mul_bwd_in_place(
+    fn gated_mul_bwd_in_place(
         &self,
+        k: &GateKernels,
         dh: &Tensor,
         gate: &mut Tensor,
         up: &mut Tensor,
     ) -> Result<()> {
         // Each thread reads its elements of gate and up before writing the same elements.
-        self.launch_gelu_tanh_mul_bwd(dh, gate, up, cuda_ptr(gate)?, cuda_ptr(up)?)
+        self.launch_gated_mul_bwd(k, dh, gate, up, cuda_ptr(gate)?, cuda_ptr(up)?)
     }
 
-    /// The GELU-gate backward into `dg` / `du` (of `gate`'s / `up`'s dtype and size; they may be
-    /// `gate` and `up` themselves).
-    fn launch_gelu_tanh_mul_bwd(
+    /// The gated activation's backward into `dg` / `du` (of `gate`'s / `up`'s dtype and size;
+    /// they may be `gate` and `up` themselves).
+    fn launch_gated_mul_bwd(
         &self,
+        k: &GateKernels,
         dh: &Tensor,
         gate: &Tensor,
         up: &Tensor,
@@ -289,13 +277,13 @@ impl CudaBackend {
         if bf16x8(&[dh, gate, up], n) {
             let [a, b, c] = [dh, gate, up].map(|t| cuda_ptr(t).map(Arg::P));
             return self.launch_n(
-                "lf_gelu_tanh_mul_bwd_bf16x8",
+                k.bwd8,
                 n / 8,
                 &[a?, b?, c?, Arg::P(dg), Arg::P(du), Arg::I64(n as i64 / 8)],
             );
         }
         self.launch_n(
-            "lf_gelu_tanh_mul_bwd",
+            k.bwd,
             n,
             &[
                 Arg::P(cuda_ptr(dh)?),
