@@ -8,15 +8,16 @@
 //! of scores, dP, dS·K, dSᵀ·Q, Pᵀ·dO). MFU divides by the bf16 dense GEMM rate measured on the same
 //! device at start.
 
+use crate::config::{HeadTier, TrainConfig};
 use crate::model::weights::{load_weights, RandomSource};
 use crate::model::{Lora, LoraConfig, Model, ModelSpec};
 use crate::tensor::{self as ops, DType, Device, Tensor};
-use crate::train::head::HeadTier;
 use crate::train::memory;
 use crate::train::objectives::SftScope;
 use crate::train::optim::{apply_update, AdamState, OptimOptions};
 use crate::train::plan::Plan;
-use crate::train::step::{queue_example, Objective, PassOptions};
+use crate::train::step::{queue_example, Objective};
+use crate::train::trainer::pass_options;
 use anyhow::{ensure, Context, Result};
 use std::time::Instant;
 
@@ -53,7 +54,7 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = 0)]
     pub mlp_chunk: usize,
     #[arg(long, value_enum, default_value = "chunked")]
-    pub head: HeadArg,
+    pub head: HeadTier,
     /// Rows per head chunk (0: automatic, about 256 MiB of f32 logits).
     #[arg(long, default_value_t = 0)]
     pub head_chunk: usize,
@@ -77,13 +78,6 @@ pub struct BenchArgs {
     pub cce_filter_eps: f32,
     #[arg(long)]
     pub also: Vec<String>,
-}
-
-#[derive(Clone, Copy, Debug, clap::ValueEnum)]
-pub enum HeadArg {
-    Full,
-    Chunked,
-    Fused,
 }
 
 /// The anchor shapes (shared/anchors/torch_orpo_bench.py), as Hugging Face configs.
@@ -170,8 +164,18 @@ pub fn measure_gemm_peak(device: &Device) -> Result<f64> {
 
 pub fn run(a: BenchArgs) -> Result<()> {
     let device = Device::parse(&a.device)?;
-    device.set_numerics(a.deterministic_attention, a.gemm_tuning)?;
-    crate::train::head::set_filter_eps(a.cce_filter_eps);
+    // The training knobs the benchmark shares with `lorafit train`, as a `TrainConfig`, so that
+    // each workload's pass options are resolved exactly as the trainer resolves them.
+    let base = TrainConfig {
+        head: a.head,
+        head_chunk: a.head_chunk,
+        deterministic_attention: a.deterministic_attention,
+        gemm_tuning: a.gemm_tuning,
+        cce_filter_eps: a.cce_filter_eps,
+        ..Default::default()
+    };
+    device.set_numerics(base.deterministic_attention, base.gemm_tuning)?;
+    crate::train::head::set_filter_eps(base.cce_filter_eps);
     let spec = named_shape(&a.shape)?;
     let t_load = Instant::now();
     let weights = load_weights(
@@ -228,38 +232,14 @@ pub fn run(a: BenchArgs) -> Result<()> {
         } else {
             2 * (w.prompt_len + w.resp_len)
         };
-        let head_chunk = crate::config::resolve_head_chunk(a.head_chunk, spec.vocab);
-        let budget = memory::budget(&device)?;
-        let memory::KeepPlan {
-            segment_size,
-            keep_attention,
-            keep_kv_layers,
-        } = memory::resolve_plan(
-            memory::StepShape {
-                spec: &spec,
-                tokens,
-                mlp_chunked: w.mlp_chunk > 0,
-                dtype_bytes: device.compute_dtype().size(),
-                head_chunk_rows: head_chunk,
-            },
-            w.segment_size,
-            w.keep_attention,
-            w.keep_kv_layers,
-            budget,
-        );
-        let opts = PassOptions {
-            segment_size,
-            keep_attention,
-            keep_kv_layers,
+        let cfg = TrainConfig {
+            segment_size: w.segment_size,
+            keep_attention: w.keep_attention,
+            keep_kv_layers: w.keep_kv_layers,
             mlp_chunk: w.mlp_chunk,
-            head: match a.head {
-                HeadArg::Full => HeadTier::Full,
-                HeadArg::Chunked => HeadTier::Chunked,
-                HeadArg::Fused => HeadTier::Fused,
-            },
-            head_chunk,
-            dropout: None,
+            ..base.clone()
         };
+        let opts = pass_options(&cfg, &model, tokens, memory::budget(&device)?, None);
         let objective = Objective::Orpo {
             lambda: 0.1,
             scope: SftScope::Full,
@@ -335,7 +315,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         let mem = device.memory();
         let line = serde_json::json!({
             "tool": "lorafit", "shape": a.shape, "P": w.prompt_len, "R": w.resp_len, "device": device.name(),
-            "segment_size": segment_size, "segment_auto": w.segment_size.is_none(), "keep_attention": keep_attention, "keep_kv_layers": keep_kv_layers, "mlp_chunk": w.mlp_chunk, "head": format!("{:?}", a.head).to_lowercase(), "prefix_shared": a.prefix_shared,
+            "segment_size": opts.segment_size, "segment_auto": w.segment_size.is_none(), "keep_attention": opts.keep_attention, "keep_kv_layers": opts.keep_kv_layers, "mlp_chunk": w.mlp_chunk, "head": format!("{:?}", a.head).to_lowercase(), "prefix_shared": a.prefix_shared,
             "s_per_step": med, "host_queue_s": host_med, "launches_per_step": launches,
             "device_busy": (!busy.is_empty()).then(|| busy.iter().sum::<f64>() / busy.len() as f64), "pairs_per_s": 1.0 / med, "tokens_per_s": tokens as f64 / med,
             "model_tflops_per_step": flops / 1e12, "gemm_peak_tflops": peak_flops / 1e12, "mfu": flops / med / peak_flops,

@@ -20,7 +20,7 @@ pub enum Method {
 }
 
 /// How the LM head computes its logps (`train::head`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum HeadTier {
     Full,

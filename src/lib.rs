@@ -15,6 +15,12 @@ pub mod train;
 
 pub mod selftest;
 
+#[cfg(test)]
+#[path = "../tests/common/skip.rs"]
+mod skip;
+#[cfg(test)]
+pub(crate) use skip::skip_note;
+
 /// CUDA-vs-CPU parity of every op and of whole models (the `selftest` command).
 pub fn selftest(device: &tensor::Device, seed: u64) -> anyhow::Result<()> {
     selftest::run(device, seed)

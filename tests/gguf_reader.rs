@@ -1,8 +1,10 @@
 //! Tests for the GGUF reader and dequantizers: bit-exact comparison against
 //! gguf-py references (tests/fixtures/gguf/quant_ref.gguf, made by
-//! scripts/make_gguf_fixtures.py), bad-input handling, and — when
-//! LORAFIT_SMOLLM2_GGUF points at SmolLM2-135M-Instruct.Q4_1.gguf — checks on
-//! the real model.
+//! scripts/make_gguf_fixtures.py), bad-input handling, and — where the
+//! SmolLM2-135M-Instruct.Q4_1 GGUF is cached or LORAFIT_SMOLLM2_GGUF points at
+//! it — checks on the real model.
+
+mod common;
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -342,21 +344,12 @@ fn corrupted_header_never_panics() {
 
 // ---------- real model ----------
 
-fn smollm2() -> Option<GgufFile> {
-    match std::env::var_os("LORAFIT_SMOLLM2_GGUF") {
-        Some(p) if Path::new(&p).exists() => Some(GgufFile::open(Path::new(&p)).unwrap()),
-        _ => {
-            eprintln!(
-                "note: LORAFIT_SMOLLM2_GGUF not set (or missing): skipping SmolLM2 GGUF test"
-            );
-            None
-        }
-    }
-}
-
 #[test]
 fn smollm2_metadata_and_dequantization() {
-    let Some(f) = smollm2() else { return };
+    let Some(path) = common::smollm2_or_skip("smollm2_metadata_and_dequantization") else {
+        return;
+    };
+    let f = GgufFile::open(&path).unwrap();
     assert_eq!(f.arch().unwrap(), "llama");
     assert_eq!(f.get_u32("llama.block_count").unwrap(), 30);
     assert_eq!(f.get_usize("llama.embedding_length").unwrap(), 576);

@@ -1,7 +1,9 @@
 //! Tests for building a `tokenizers::Tokenizer` from GGUF metadata: a small
 //! synthetic gpt2-style vocabulary (always runs) and SmolLM2's real tokenizer
-//! compared with reference ids from scripts/make_gguf_fixtures.py (runs when
-//! LORAFIT_SMOLLM2_GGUF is set).
+//! compared with reference ids from scripts/make_gguf_fixtures.py (runs where
+//! the GGUF is cached or LORAFIT_SMOLLM2_GGUF points at it).
+
+mod common;
 
 use std::path::{Path, PathBuf};
 
@@ -110,14 +112,8 @@ fn unsupported_tokenizer_model_is_a_clear_error() {
 
 #[test]
 fn smollm2_tokenizer_matches_reference() {
-    let path = match std::env::var_os("LORAFIT_SMOLLM2_GGUF") {
-        Some(p) if Path::new(&p).exists() => PathBuf::from(p),
-        _ => {
-            eprintln!(
-                "note: LORAFIT_SMOLLM2_GGUF not set (or missing): skipping SmolLM2 tokenizer test"
-            );
-            return;
-        }
+    let Some(path) = common::smollm2_or_skip("smollm2_tokenizer_matches_reference") else {
+        return;
     };
     let f = GgufFile::open(&path).unwrap();
     let info = tokenizer_info_from_gguf(&f).unwrap();

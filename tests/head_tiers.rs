@@ -228,8 +228,7 @@ fn cce_backward_matches_finite_differences() {
 /// sentence, fused (filter 1e-5) against the full tier.
 #[test]
 fn fused_matches_full_on_smollm2_hidden_states() {
-    let Some(path) = lorafit::model::smollm2::find() else {
-        eprintln!("note: SmolLM2 GGUF not cached (run `lorafit demo` or set LORAFIT_SMOLLM2_GGUF); skipping");
+    let Some(path) = smollm2_or_skip("fused_matches_full_on_smollm2_hidden_states") else {
         return;
     };
     let model = lorafit::model::load(&path, &Device::Cpu).unwrap();

@@ -1,16 +1,15 @@
 //! SmolLM2-135M-Instruct (Q4_1 GGUF): loads, and its logits on a fixed sequence match transformers
 //! run on the same dequantized weights (scripts/make_smollm2_fixture.py) within relative-norm error
-//! 1e-3. Skipped, with a note, where the model is not cached (the CI script fetches it first).
+//! 1e-3. Skipped, with a `SKIPPED` line in the test output, where the model is not cached (the CI
+//! script fetches it first and then requires it).
 
 mod common;
 use common::*;
-use lorafit::model::smollm2;
 use lorafit::tensor::{DType, Device};
 
 #[test]
 fn smollm2_logits_match_transformers() {
-    let Some(path) = smollm2::find() else {
-        eprintln!("note: SmolLM2 GGUF not cached (run `lorafit demo` or set LORAFIT_SMOLLM2_GGUF); skipping");
+    let Some(path) = smollm2_or_skip("smollm2_logits_match_transformers") else {
         return;
     };
     let model = lorafit::model::load(&path, &Device::Cpu).unwrap();

@@ -658,6 +658,82 @@ fn segment_and_prefix_modes_agree() {
 }
 
 // ---------------------------------------------------------------------------------------------
+// 7. The MLP chunk reaches the plan from the config alone
+// ---------------------------------------------------------------------------------------------
+
+/// The train lines of a run's metrics.jsonl.
+fn train_lines(dir: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(dir.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter(|l| l["split"] == "train")
+        .collect()
+}
+
+/// `train` called as a library (no CLI) with `mlp_chunk` set: the written plan.toml holds it,
+/// every step ran with it, and each step's estimated activation bytes are those of an MLP in
+/// token chunks, below the same run's without chunks; the losses agree (chunking changes
+/// memory, not maths).
+#[test]
+fn mlp_chunk_from_config_reaches_the_plan() {
+    let loaded = tiny_loaded();
+    let spec = &loaded.model.spec;
+    let tr = pair_items(6, 12, spec.vocab);
+    let chunk = 4;
+    let runs: Vec<(TrainOutcome, Vec<serde_json::Value>)> = [0, chunk]
+        .into_iter()
+        .map(|mlp_chunk| {
+            let dir = out_dir(&format!("mlp_chunk-{mlp_chunk}"));
+            let mut c = cfg(&dir, 3);
+            c.mlp_chunk = mlp_chunk;
+            let out = run(&c, None, &loaded, &tr, &[]);
+            let plan = TrainConfig::from_toml_file(&dir.join("plan.toml")).unwrap();
+            assert_eq!(plan.mlp_chunk, mlp_chunk, "plan.toml");
+            let lines = train_lines(&dir);
+            let _ = std::fs::remove_dir_all(&dir);
+            (out, lines)
+        })
+        .collect();
+    let (plain, chunked) = (&runs[0], &runs[1]);
+    assert_eq!(chunked.1.len(), 3);
+    let head_chunk = lorafit::config::resolve_head_chunk(0, spec.vocab);
+    for (a, b) in plain.1.iter().zip(&chunked.1) {
+        let (pa, pb) = (&a["pass"], &b["pass"]);
+        assert_eq!(pa["mlp_chunk"], 0, "{a}");
+        assert_eq!(pb["mlp_chunk"], chunk, "{b}");
+        let tokens = pb["tokens"].as_u64().unwrap() as usize;
+        assert_eq!(
+            pa["tokens"], pb["tokens"],
+            "the same example at the same step"
+        );
+        assert!(tokens > chunk, "{tokens} tokens: more than one chunk");
+        assert_eq!(pb["segment_size"], 0, "{b}");
+        let estimate = |mlp_chunked| {
+            lorafit::train::memory::estimate_bytes(
+                spec,
+                tokens,
+                0,
+                false,
+                mlp_chunked,
+                4,
+                head_chunk,
+            ) as u64
+        };
+        assert_eq!(pa["estimated_bytes"].as_u64(), Some(estimate(false)), "{a}");
+        assert_eq!(pb["estimated_bytes"].as_u64(), Some(estimate(true)), "{b}");
+        assert!(estimate(true) < estimate(false));
+    }
+    for (i, (a, b)) in plain.0.losses.iter().zip(&chunked.0.losses).enumerate() {
+        assert!(
+            (a - b).abs() <= 1e-5 * a.abs(),
+            "step {}: loss {a} unchunked vs {b} with MLP chunk {chunk}",
+            i + 1
+        );
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
 // PEFT round trip
 // ---------------------------------------------------------------------------------------------
 

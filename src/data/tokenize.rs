@@ -114,16 +114,8 @@ impl TextTokenizer {
         Self::new(inner, bos_id, eos_id, add_bos)
     }
 
-    pub fn with_bos_id(mut self, id: Option<u32>) -> Self {
-        self.bos_id = id;
-        self
-    }
     pub fn with_eos_id(mut self, id: Option<u32>) -> Self {
         self.eos_id = id;
-        self
-    }
-    pub fn with_add_bos(mut self, add: bool) -> Self {
-        self.add_bos = add;
         self
     }
 
@@ -292,10 +284,6 @@ impl TokenizedPair {
     /// prompt followed by chosen.
     pub fn chosen_sequence(&self) -> Vec<u32> {
         [self.prompt.as_slice(), &self.chosen].concat()
-    }
-    /// prompt followed by rejected.
-    pub fn rejected_sequence(&self) -> Vec<u32> {
-        [self.prompt.as_slice(), &self.rejected].concat()
     }
     /// prompt + longest response.
     pub fn max_len(&self) -> usize {

@@ -688,11 +688,6 @@ impl GgufFile {
         let v = self.require(key)?;
         v.as_u32().ok_or_else(|| self.wrong_type(key, v, "u32"))
     }
-    /// Any integer type that fits in u64.
-    pub fn get_u64(&self, key: &str) -> Result<u64> {
-        let v = self.require(key)?;
-        v.as_u64().ok_or_else(|| self.wrong_type(key, v, "u64"))
-    }
     /// Any integer type that fits in usize.
     pub fn get_usize(&self, key: &str) -> Result<usize> {
         let v = self.require(key)?;

@@ -453,8 +453,3 @@ pub fn random_normal(n: usize, seed: u64, std: f32) -> Vec<f32> {
         });
     out
 }
-
-/// DType used to hold dense frozen weights on `device`.
-pub fn weight_dtype(device: &Device) -> DType {
-    device.compute_dtype()
-}

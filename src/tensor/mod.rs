@@ -285,9 +285,6 @@ impl Tensor {
     pub fn storage(&self) -> &Storage {
         &self.storage
     }
-    pub fn storage_mut(&mut self) -> &mut Storage {
-        &mut self.storage
-    }
     pub fn numel(&self) -> usize {
         self.shape.iter().product()
     }
@@ -352,13 +349,6 @@ impl Tensor {
         match &self.device {
             Device::Cpu => self.try_clone(),
             Device::Cuda(c) => c.cast(self, dtype),
-        }
-    }
-
-    pub fn to_device(&self, device: &Device, dtype: DType) -> Result<Tensor> {
-        match (&self.device, device) {
-            (Device::Cpu, Device::Cpu) => self.try_clone(),
-            _ => Tensor::from_f32(&self.to_vec()?, &self.shape, dtype, device),
         }
     }
 }

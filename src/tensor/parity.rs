@@ -1897,19 +1897,28 @@ fn cce_suite(cx: &mut Ctx) -> Result<()> {
 
 /// Prints the parity table and a summary line.
 pub fn print_parity(rows: &[ParityRow]) {
-    println!(
+    print!("{}", format_parity(rows));
+}
+
+/// The parity table, one line per row, and a summary line.
+pub fn format_parity(rows: &[ParityRow]) -> String {
+    use std::fmt::Write;
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
         "{:<58} {:>10} {:>10} {:>9} {:>8} {:>5}  note",
         "op", "max|diff|", "rel-norm", "worst@", "bound", "ok"
     );
     for r in rows {
         if let Some(ms) = r.ms {
             if r.bound == 0.0 && r.rel == 0.0 && r.max_abs == 0.0 {
-                println!("{:<58} {:>10} {:>10.3} ms  {}", r.op, "", ms, r.note);
+                let _ = writeln!(s, "{:<58} {:>10} {:>10.3} ms  {}", r.op, "", ms, r.note);
                 continue;
             }
         }
         let ms = r.ms.map(|m| format!(" [{m:.3} ms]")).unwrap_or_default();
-        println!(
+        let _ = writeln!(
+            s,
             "{:<58} {:>10.3e} {:>10.3e} {:>9} {:>8.0e} {:>5}  {}{}",
             r.op,
             r.max_abs,
@@ -1922,7 +1931,8 @@ pub fn print_parity(rows: &[ParityRow]) {
         );
     }
     let fails = rows.iter().filter(|r| !r.pass).count();
-    println!("parity: {} rows, {} failed", rows.len(), fails);
+    let _ = writeln!(s, "parity: {} rows, {} failed", rows.len(), fails);
+    s
 }
 
 #[cfg(test)]
@@ -1942,7 +1952,10 @@ mod tests {
         assert!(rows.iter().all(|r| r.pass), "parity failures");
     }
 
-    /// The harness itself on the CPU against the CPU (all differences zero), on the cheap ops.
+    /// The harness itself: a difference planted in one element of a real op's output is
+    /// reported at its index with its size, fails its bound and is counted in the table; the
+    /// same difference ten times smaller passes; NaN and a length mismatch never pass. Then the
+    /// elementwise group runs with the CPU as the device (every row passes).
     #[test]
     fn parity_harness_cpu_self_check() {
         let mut cx = Ctx {
@@ -1950,6 +1963,55 @@ mod tests {
             rows: Vec::new(),
         };
         let mut r = Rng(1);
+        let (rows, h) = (16, 64);
+        let x = r.bnormals(rows * h, 1.0);
+        let w = r.bnormals(h, 1.0);
+        let (want, _) = rms_norm(
+            &cx.c(&x, &[rows, h]).unwrap(),
+            &cx.c(&w, &[h]).unwrap(),
+            1e-6,
+        )
+        .unwrap();
+        let want = want.to_vec().unwrap();
+        let norm = want.iter().map(|&v| (v as f64).powi(2)).sum::<f64>().sqrt();
+        let at = 617;
+        for (scale, pass) in [(1.0, false), (0.1, true)] {
+            // A difference of 2x the bound (relative norm), or a fifth of it.
+            let delta = scale * 2.0 * BF16_FWD * norm;
+            let mut got = want.clone();
+            got[at] += delta as f32;
+            let d = (got[at] as f64 - want[at] as f64).abs();
+            let row = cmp_t(
+                "planted",
+                &cx.c(&got, &[rows, h]).unwrap(),
+                &cx.c(&want, &[rows, h]).unwrap(),
+                BF16_FWD,
+            )
+            .unwrap();
+            assert_eq!(row.worst, at, "{row:?}");
+            assert_eq!(row.max_abs, d, "{row:?}");
+            assert!((row.rel - d / norm).abs() <= 1e-9 * row.rel, "{row:?}");
+            assert_eq!(row.pass, pass, "{row:?}");
+            cx.push(row);
+        }
+        let table = format_parity(&cx.rows);
+        let line = table.lines().nth(1).unwrap();
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        assert_eq!(
+            (fields[0], fields[3], fields[5]),
+            ("planted", "617", "FAIL"),
+            "{table}"
+        );
+        assert!(table.ends_with("parity: 2 rows, 1 failed\n"), "{table}");
+
+        let mut nan = want.clone();
+        nan[3] = f32::NAN;
+        let row = compare("nan", &nan, &want, f64::INFINITY);
+        assert!(!row.pass && row.worst == 3, "{row:?}");
+        let row = compare("short", &want[1..], &want, f64::INFINITY);
+        assert!(!row.pass && row.note == "length 1023 vs 1024", "{row:?}");
+
+        cx.rows.clear();
         elementwise(&mut cx, &mut r).unwrap();
         assert!(cx.rows.iter().all(|r| r.pass), "{:?}", cx.rows);
     }

@@ -388,7 +388,7 @@ pub fn parity_rows(device: &Device) -> Result<Vec<crate::tensor::parity::ParityR
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::train::objectives::BranchLogps;
+    use crate::train::objectives::per_token::{self, BranchLogps};
 
     /// The CPU form of `evaluate` against the per-token reference functions of `objectives`:
     /// the same loss, metrics and gradient for every objective.
@@ -418,16 +418,14 @@ mod tests {
             let rejected = BranchLogps::response_only(rr);
             let want = match objective {
                 Objective::Orpo { lambda, scope } => {
-                    objectives::orpo(chosen, rejected, lambda, scope)
+                    per_token::orpo(chosen, rejected, lambda, scope)
                 }
-                Objective::Sft { all_tokens } => objectives::sft(chosen, all_tokens),
+                Objective::Sft { all_tokens } => per_token::sft(chosen, all_tokens),
                 Objective::Dpo {
                     beta,
                     label_smoothing,
-                } => objectives::dpo(chosen, rejected, refs.0, refs.1, beta, label_smoothing),
-                Objective::Simpo { beta, gamma } => {
-                    objectives::simpo(chosen, rejected, beta, gamma)
-                }
+                } => per_token::dpo(chosen, rejected, refs.0, refs.1, beta, label_smoothing),
+                Objective::Simpo { beta, gamma } => per_token::simpo(chosen, rejected, beta, gamma),
             }
             .unwrap();
             let (pending, d) = evaluate(&x, &parts, &objective, Some(&reference), 0.5).unwrap();

@@ -10,13 +10,18 @@
 //!
 //! The model side produces, per branch (chosen / rejected), the per-token `log p(target)`
 //! over the response tokens (and, for full-scope NLL, over the prompt tokens too). Every
-//! objective here takes those values and returns the loss, the metrics (with TRL's names)
-//! and `d loss / d logp` for every token. Gradient vectors always have the same shape as
-//! the input slices; tokens an objective does not use get a gradient of exactly `0.0`.
+//! objective reads those values only through their sums and counts per part
+//! ([`BranchSums`]), so the `*_sums` functions here take the sums and return the loss, the
+//! metrics (with TRL's names) and `d loss / d logp` as one constant per part (chosen prompt,
+//! chosen response, rejected response); `train::device_loss` broadcasts the constants over the
+//! tokens where the logps live. The per-token form (per-token logps in, a gradient for every
+//! token out, a bad token named by its index) is compiled for tests only (`per_token`): the
+//! tests below check it against reference formulas and finite differences, and
+//! `device_loss`'s tests compare with it.
 //!
 //! All functions work on ONE example (one preference pair). For a batch mean, average the
 //! losses/metrics over the examples and scale each example's gradients by `1 / batch`.
-//! Reductions are done in `f64`; inputs and gradients are `f32`.
+//! Reductions are done in `f64`.
 //!
 //! Errors are `Result<_, String>`; no function panics on bad input.
 
@@ -30,37 +35,6 @@ pub const LOGP_POSITIVE_TOLERANCE: f64 = 1e-3;
 /// The loss and gradient have finite limits as the mean goes to `0`, so this changes
 /// the results by a relative amount of order `1e-30`.
 pub const ODDS_MEAN_CEILING: f64 = -1e-30;
-
-/// Per-token log-probabilities of one branch (one sequence).
-#[derive(Clone, Copy, Debug)]
-pub struct BranchLogps<'a> {
-    /// Per-token logps over the prompt tokens; may be empty (only ORPO full-scope NLL and
-    /// SFT with `all_tokens` read it).
-    pub prompt: &'a [f32],
-    /// Per-token logps over the response (completion) tokens; must be non-empty.
-    pub response: &'a [f32],
-}
-
-impl<'a> BranchLogps<'a> {
-    pub fn new(prompt: &'a [f32], response: &'a [f32]) -> Self {
-        BranchLogps { prompt, response }
-    }
-
-    /// A branch without prompt logps.
-    pub fn response_only(response: &'a [f32]) -> Self {
-        BranchLogps {
-            prompt: &[],
-            response,
-        }
-    }
-}
-
-/// `d loss / d logp` for one branch, same lengths as the corresponding [`BranchLogps`].
-#[derive(Clone, Debug, PartialEq, Default)]
-pub struct BranchGrads {
-    pub prompt: Vec<f32>,
-    pub response: Vec<f32>,
-}
 
 pub use crate::config::SftScope;
 use crate::config::{Method, TrainConfig};
@@ -111,17 +85,6 @@ impl TrainConfig {
             },
         }
     }
-}
-
-/// Result of one objective on one example.
-#[derive(Clone, Debug, PartialEq)]
-pub struct ObjectiveOut {
-    pub loss: f64,
-    pub metrics: Metrics,
-    /// Gradient w.r.t. the chosen branch (for [`sft`]: the only branch).
-    pub d_chosen: BranchGrads,
-    /// Gradient w.r.t. the rejected branch (for [`sft`]: empty vectors).
-    pub d_rejected: BranchGrads,
 }
 
 /// ORPO metrics. TRL names are produced by [`Metrics::pairs`].
@@ -282,74 +245,6 @@ impl Metrics {
 }
 
 // ---------------------------------------------------------------------------
-// Public f32 API
-// ---------------------------------------------------------------------------
-
-/// ORPO (Hong et al. 2024, TRL `ORPOTrainer`): `loss = nll + lambda * L_OR` with
-/// `L_OR = -log_sigmoid(log_odds)`, `log_odds = (lw - lr) - (log1mexp(lw) - log1mexp(lr))`,
-/// `lw`/`lr` the MEAN response logps. `scope` selects the NLL term (see [`SftScope`]).
-pub fn orpo(
-    chosen: BranchLogps,
-    rejected: BranchLogps,
-    lambda: f64,
-    scope: SftScope,
-) -> Result<ObjectiveOut, String> {
-    orpo64(
-        &Branch64::from(chosen),
-        &Branch64::from(rejected),
-        lambda,
-        scope,
-    )
-    .map(Out64::into_f32)
-}
-
-/// SFT: token-mean NLL over the response, or over prompt + response when `all_tokens`.
-/// The result's `d_rejected` is empty.
-pub fn sft(logps: BranchLogps, all_tokens: bool) -> Result<ObjectiveOut, String> {
-    sft64(&Branch64::from(logps), all_tokens).map(Out64::into_f32)
-}
-
-/// DPO, sigmoid loss (TRL `DPOTrainer` default), with cDPO label smoothing:
-/// `z = beta * ((pc - rc) - (pr - rr))`,
-/// `loss = -(1 - ls) * log_sigmoid(z) - ls * log_sigmoid(-z)`, where `pc`/`pr` are SUMS of
-/// the policy response logps and `rc`/`rr` the reference sums (constants).
-pub fn dpo(
-    policy_chosen: BranchLogps,
-    policy_rejected: BranchLogps,
-    ref_chosen_sum: f64,
-    ref_rejected_sum: f64,
-    beta: f64,
-    label_smoothing: f64,
-) -> Result<ObjectiveOut, String> {
-    dpo64(
-        &Branch64::from(policy_chosen),
-        &Branch64::from(policy_rejected),
-        ref_chosen_sum,
-        ref_rejected_sum,
-        beta,
-        label_smoothing,
-    )
-    .map(Out64::into_f32)
-}
-
-/// SimPO (Meng et al. 2024; TRL `CPOTrainer` with `loss_type="simpo"`, `cpo_alpha=0`):
-/// `z = beta * (lw - lr) - gamma`, `loss = -log_sigmoid(z)`, `lw`/`lr` MEAN response logps.
-pub fn simpo(
-    chosen: BranchLogps,
-    rejected: BranchLogps,
-    beta: f64,
-    gamma: f64,
-) -> Result<ObjectiveOut, String> {
-    simpo64(
-        &Branch64::from(chosen),
-        &Branch64::from(rejected),
-        beta,
-        gamma,
-    )
-    .map(Out64::into_f32)
-}
-
-// ---------------------------------------------------------------------------
 // Numerics
 // ---------------------------------------------------------------------------
 
@@ -386,99 +281,6 @@ fn d_log1mexp(x: f64) -> f64 {
     -1.0 / (-x).exp_m1()
 }
 
-// ---------------------------------------------------------------------------
-// f64 core (also what the finite-difference tests exercise)
-// ---------------------------------------------------------------------------
-
-#[derive(Clone, Debug)]
-struct Branch64 {
-    prompt: Vec<f64>,
-    response: Vec<f64>,
-}
-
-impl From<BranchLogps<'_>> for Branch64 {
-    fn from(b: BranchLogps<'_>) -> Self {
-        Branch64 {
-            prompt: b.prompt.iter().map(|&x| x as f64).collect(),
-            response: b.response.iter().map(|&x| x as f64).collect(),
-        }
-    }
-}
-
-#[derive(Clone, Debug)]
-struct Grads64 {
-    prompt: Vec<f64>,
-    response: Vec<f64>,
-}
-
-impl Grads64 {
-    fn zeros_like(b: &Branch64) -> Self {
-        Grads64 {
-            prompt: vec![0.0; b.prompt.len()],
-            response: vec![0.0; b.response.len()],
-        }
-    }
-
-    fn empty() -> Self {
-        Grads64 {
-            prompt: Vec::new(),
-            response: Vec::new(),
-        }
-    }
-
-    fn to_f32(&self) -> BranchGrads {
-        BranchGrads {
-            prompt: self.prompt.iter().map(|&x| x as f32).collect(),
-            response: self.response.iter().map(|&x| x as f32).collect(),
-        }
-    }
-}
-
-#[derive(Clone, Debug)]
-struct Out64 {
-    loss: f64,
-    metrics: Metrics,
-    d_chosen: Grads64,
-    d_rejected: Grads64,
-}
-
-impl Out64 {
-    fn into_f32(self) -> ObjectiveOut {
-        ObjectiveOut {
-            loss: self.loss,
-            metrics: self.metrics,
-            d_chosen: self.d_chosen.to_f32(),
-            d_rejected: self.d_rejected.to_f32(),
-        }
-    }
-}
-
-fn check_tokens(obj: &str, branch: &str, part: &str, v: &[f64]) -> Result<(), String> {
-    for (i, &x) in v.iter().enumerate() {
-        if !x.is_finite() {
-            return Err(format!(
-                "{obj}: {branch} {part} logp[{i}] is not finite ({x})"
-            ));
-        }
-        if x > LOGP_POSITIVE_TOLERANCE {
-            return Err(format!(
-                "{obj}: {branch} {part} logp[{i}] = {x} is positive; not a log-probability"
-            ));
-        }
-    }
-    Ok(())
-}
-
-fn check_branch(obj: &str, branch: &str, b: &Branch64) -> Result<(), String> {
-    if b.response.is_empty() {
-        return Err(format!(
-            "{obj}: {branch} response is empty (need at least one response token)"
-        ));
-    }
-    check_tokens(obj, branch, "prompt", &b.prompt)?;
-    check_tokens(obj, branch, "response", &b.response)
-}
-
 fn check_param(obj: &str, name: &str, v: f64, ok: bool, want: &str) -> Result<(), String> {
     if v.is_finite() && ok {
         Ok(())
@@ -498,14 +300,6 @@ pub struct BranchSums {
 }
 
 impl BranchSums {
-    fn of(b: &Branch64) -> BranchSums {
-        BranchSums {
-            prompt: b.prompt.iter().sum(),
-            n_prompt: b.prompt.len(),
-            response: b.response.iter().sum(),
-            n_response: b.response.len(),
-        }
-    }
     fn mean_response(&self) -> f64 {
         self.response / self.n_response as f64
     }
@@ -520,29 +314,6 @@ pub struct SumsOut {
     pub coef: [f64; 3],
 }
 
-impl SumsOut {
-    /// Broadcasts the per-part constants over the branches' tokens.
-    fn into_tokens(self, c: &Branch64, r: Option<&Branch64>) -> Out64 {
-        let mut dc = Grads64::zeros_like(c);
-        dc.prompt.iter_mut().for_each(|g| *g = self.coef[0]);
-        dc.response.iter_mut().for_each(|g| *g = self.coef[1]);
-        let dr = match r {
-            Some(r) => {
-                let mut d = Grads64::zeros_like(r);
-                d.response.iter_mut().for_each(|g| *g = self.coef[2]);
-                d
-            }
-            None => Grads64::empty(),
-        };
-        Out64 {
-            loss: self.loss,
-            metrics: self.metrics,
-            d_chosen: dc,
-            d_rejected: dr,
-        }
-    }
-}
-
 fn check_response(obj: &str, branch: &str, s: &BranchSums) -> Result<(), String> {
     if s.n_response == 0 {
         return Err(format!(
@@ -552,7 +323,10 @@ fn check_response(obj: &str, branch: &str, s: &BranchSums) -> Result<(), String>
     Ok(())
 }
 
-/// ORPO on branch sums (see [`orpo`]). The prompt sum of `r` is not read.
+/// ORPO (Hong et al. 2024, TRL `ORPOTrainer`) on branch sums: `loss = nll + lambda * L_OR`
+/// with `L_OR = -log_sigmoid(log_odds)`, `log_odds = (lw - lr) - (log1mexp(lw) - log1mexp(lr))`,
+/// `lw`/`lr` the MEAN response logps. `scope` selects the NLL term (see [`SftScope`]). The
+/// prompt sum of `r` is not read.
 pub fn orpo_sums(
     c: &BranchSums,
     r: &BranchSums,
@@ -608,7 +382,8 @@ pub fn orpo_sums(
     })
 }
 
-/// SFT on the sums of one branch (see [`sft`]).
+/// SFT on the sums of one branch: token-mean NLL over the response, or over prompt + response
+/// when `all_tokens`. `coef[2]` (the rejected response) is 0.
 pub fn sft_sums(b: &BranchSums, all_tokens: bool) -> Result<SumsOut, String> {
     check_response("sft", "sequence", b)?;
     let (nll, tokens, coef) = if all_tokens {
@@ -630,7 +405,10 @@ pub fn sft_sums(b: &BranchSums, all_tokens: bool) -> Result<SumsOut, String> {
     })
 }
 
-/// DPO on branch sums (see [`dpo`]).
+/// DPO on branch sums, sigmoid loss (TRL `DPOTrainer` default), with cDPO label smoothing:
+/// `z = beta * ((pc - rc) - (pr - rr))`,
+/// `loss = -(1 - ls) * log_sigmoid(z) - ls * log_sigmoid(-z)`, where `pc`/`pr` are SUMS of
+/// the policy response logps and `rc`/`rr` the reference sums (constants).
 pub fn dpo_sums(
     c: &BranchSums,
     r: &BranchSums,
@@ -674,7 +452,9 @@ pub fn dpo_sums(
     })
 }
 
-/// SimPO on branch sums (see [`simpo`]).
+/// SimPO (Meng et al. 2024; TRL `CPOTrainer` with `loss_type="simpo"`, `cpo_alpha=0`) on
+/// branch sums: `z = beta * (lw - lr) - gamma`, `loss = -log_sigmoid(z)`, `lw`/`lr` MEAN
+/// response logps.
 pub fn simpo_sums(
     c: &BranchSums,
     r: &BranchSums,
@@ -709,37 +489,9 @@ pub fn simpo_sums(
     })
 }
 
-fn orpo64(c: &Branch64, r: &Branch64, lambda: f64, scope: SftScope) -> Result<Out64, String> {
-    check_branch("orpo", "chosen", c)?;
-    check_branch("orpo", "rejected", r)?;
-    Ok(orpo_sums(&BranchSums::of(c), &BranchSums::of(r), lambda, scope)?.into_tokens(c, Some(r)))
-}
-
-fn sft64(b: &Branch64, all_tokens: bool) -> Result<Out64, String> {
-    check_branch("sft", "sequence", b)?;
-    Ok(sft_sums(&BranchSums::of(b), all_tokens)?.into_tokens(b, None))
-}
-
-fn dpo64(
-    c: &Branch64,
-    r: &Branch64,
-    rc: f64,
-    rr: f64,
-    beta: f64,
-    ls: f64,
-) -> Result<Out64, String> {
-    check_branch("dpo", "chosen", c)?;
-    check_branch("dpo", "rejected", r)?;
-    let out = dpo_sums(&BranchSums::of(c), &BranchSums::of(r), rc, rr, beta, ls)?;
-    Ok(out.into_tokens(c, Some(r)))
-}
-
-fn simpo64(c: &Branch64, r: &Branch64, beta: f64, gamma: f64) -> Result<Out64, String> {
-    check_branch("simpo", "chosen", c)?;
-    check_branch("simpo", "rejected", r)?;
-    let out = simpo_sums(&BranchSums::of(c), &BranchSums::of(r), beta, gamma)?;
-    Ok(out.into_tokens(c, Some(r)))
-}
+/// The per-token form of the objectives (tests only).
+#[cfg(test)]
+pub(crate) mod per_token;
 
 // ---------------------------------------------------------------------------
 // Tests
@@ -747,6 +499,7 @@ fn simpo64(c: &Branch64, r: &Branch64, beta: f64, gamma: f64) -> Result<Out64, S
 
 #[cfg(test)]
 mod tests {
+    use super::per_token::*;
     use super::*;
 
     /// SplitMix64: tiny deterministic PRNG.

@@ -206,6 +206,20 @@ pub fn pass_options(
     }
 }
 
+/// `memory::estimate_bytes` of one pass over `tokens` tokens run with `opts`: the activation
+/// bytes its plan keeps.
+pub fn pass_estimate_bytes(model: &Model, tokens: usize, opts: &PassOptions) -> usize {
+    super::memory::estimate_bytes(
+        &model.spec,
+        tokens,
+        opts.segment_size,
+        opts.keep_attention,
+        opts.mlp_chunk > 0,
+        model.device.compute_dtype().size(),
+        opts.head_chunk,
+    )
+}
+
 /// Mean metrics over `items` without gradients.
 pub fn evaluate(
     model: &Model,
@@ -363,6 +377,8 @@ pub fn train(
         let mut tokens = 0;
         let mut loss = 0.0;
         let mut queued_examples = Vec::with_capacity(cfg.grad_accum);
+        // The step's largest pass: its estimated bytes, tokens and options (metrics.jsonl).
+        let mut widest: Option<(usize, usize, PassOptions)> = None;
         for micro in 0..cfg.grad_accum {
             let idx = example_index(state.position, n, cfg.seed);
             state.position += 1;
@@ -377,6 +393,10 @@ pub fn train(
                 memory_budget,
                 (cfg.lora_dropout > 0.0).then_some((cfg.lora_dropout, dropout_seed)),
             );
+            let estimate = pass_estimate_bytes(model, plan.tokens(), &opts);
+            if widest.is_none_or(|(e, _, _)| estimate > e) {
+                widest = Some((estimate, plan.tokens(), opts));
+            }
             let reference = match objective {
                 Objective::Dpo { .. } => {
                     if ref_cache[idx].is_none() {
@@ -435,12 +455,18 @@ pub fn train(
             }
         ));
         bar.set_position(state.step as u64);
+        let (estimate, pass_tokens, pass) = widest.context("a step with no micro-steps")?;
         write_json_line(
             &mut metrics_file,
             &serde_json::json!({
                 "step": state.step, "split": "train", "loss": loss, "lr": lr, "grad_norm": grad_norm,
                 "tokens": tokens, "tokens_per_s": tokens as f64 / dt, "step_s": dt,
                 "live_bytes": mem.live_bytes, "peak_bytes": mem.peak_bytes, "metrics": sums,
+                "pass": {
+                    "tokens": pass_tokens, "segment_size": pass.segment_size,
+                    "keep_attention": pass.keep_attention, "keep_kv_layers": pass.keep_kv_layers,
+                    "mlp_chunk": pass.mlp_chunk, "estimated_bytes": estimate,
+                },
             }),
         )?;
 

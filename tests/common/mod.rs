@@ -5,6 +5,38 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
+mod skip;
+pub use skip::skip_note;
+
+/// The SmolLM2 GGUF (`lorafit::model::smollm2::find`: `LORAFIT_SMOLLM2_GGUF` or the cache), or
+/// `None` after a visible skip note for `test`. With `LORAFIT_REQUIRE_SMOLLM2=1` (`.ci/run` sets
+/// it once the model is fetched) a missing model fails the test instead of skipping it.
+pub fn smollm2_or_skip(test: &str) -> Option<PathBuf> {
+    use lorafit::model::smollm2;
+    if let Some(p) = smollm2::find() {
+        return Some(p);
+    }
+    let cached = smollm2::cache_dir()
+        .join("smollm2")
+        .join(smollm2::FILE_NAME);
+    if std::env::var_os("LORAFIT_REQUIRE_SMOLLM2").is_some_and(|v| v != "0") {
+        panic!(
+            "{test}: LORAFIT_REQUIRE_SMOLLM2 is set, but the SmolLM2 GGUF is neither at \
+             LORAFIT_SMOLLM2_GGUF nor at {}",
+            cached.display()
+        );
+    }
+    skip_note(
+        test,
+        &format!(
+            "SmolLM2 GGUF not found at {} (run `lorafit demo` or .ci/run, or set \
+             LORAFIT_SMOLLM2_GGUF)",
+            cached.display()
+        ),
+    );
+    None
+}
+
 pub fn fixture(rel: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("tests/fixtures")

@@ -6,7 +6,7 @@
 use anyhow::{anyhow, bail, Context, Result};
 use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys};
 use std::ffi::{c_char, c_int, c_void, CString};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
 const COMMON: &str = include_str!("kernels/common.cuh");
@@ -165,6 +165,7 @@ fn fnv1a(parts: &[&[u8]]) -> u64 {
     h
 }
 
+/// The on-disk kernel cache: `$LORAFIT_CACHE/kernels`, else `~/.cache/lorafit/kernels`.
 fn cache_dir() -> Option<PathBuf> {
     if let Ok(v) = std::env::var("LORAFIT_CACHE") {
         return Some(PathBuf::from(v).join("kernels"));
@@ -175,8 +176,19 @@ fn cache_dir() -> Option<PathBuf> {
 }
 
 /// Compiles `src` for `arch` (e.g. "sm_90"): a CUBIN when `cubin`, else PTX for the matching
-/// virtual architecture. Results are cached on disk.
+/// virtual architecture. Results are cached on disk (`cache_dir`).
 pub fn compile(name: &str, src: &str, arch: &str, cubin: bool) -> Result<Vec<u8>> {
+    compile_in(name, src, arch, cubin, cache_dir().as_deref())
+}
+
+/// [`compile`] with the cache in `cache` (None: no cache).
+pub fn compile_in(
+    name: &str,
+    src: &str,
+    arch: &str,
+    cubin: bool,
+    cache: Option<&Path>,
+) -> Result<Vec<u8>> {
     ensure_nvrtc()?;
     let inc = include_dir()
         .ok_or_else(|| anyhow!("cuda_bf16.h not found: set CUDA_HOME or LORAFIT_CUDA_INCLUDE"))?;
@@ -213,7 +225,7 @@ pub fn compile(name: &str, src: &str, arch: &str, cubin: bool) -> Result<Vec<u8>
         if cubin { b"cubin" } else { b"ptx" },
     ]);
     let ext = if cubin { "cubin" } else { "ptx" };
-    let path = cache_dir().map(|d| d.join(format!("{name}-{gpu_arch}-{key:016x}.{ext}")));
+    let path = cache.map(|d| d.join(format!("{name}-{gpu_arch}-{key:016x}.{ext}")));
     if let Some(p) = path.as_ref().filter(|_| !verbose) {
         if let Ok(bytes) = std::fs::read(p) {
             if !bytes.is_empty() {
@@ -293,20 +305,33 @@ mod tests {
     use super::*;
 
     /// Every kernel module compiles for sm_90 (CUBIN) where libnvrtc and the CUDA headers exist;
-    /// skipped with a note otherwise. Needs no GPU.
+    /// skipped with a note otherwise. Needs no GPU. The cache is a fresh private folder, so the
+    /// test really compiles; each module's CUBIN must land there and be served from there.
     #[test]
     fn kernels_compile_for_sm90() {
         if let Err(e) = ensure_nvrtc() {
-            eprintln!("note: skipping NVRTC compile test: {e}");
+            crate::skip_note("kernels_compile_for_sm90", &e.to_string());
             return;
         }
         if include_dir().is_none() {
-            eprintln!("note: skipping NVRTC compile test: cuda_bf16.h not found");
+            crate::skip_note("kernels_compile_for_sm90", "cuda_bf16.h not found");
             return;
         }
-        // A private cache folder so the test really compiles.
         let dir = std::env::temp_dir().join(format!("lorafit-kcache-{}", std::process::id()));
-        std::env::set_var("LORAFIT_CACHE", &dir);
+        let _ = std::fs::remove_dir_all(&dir);
+        let cached = |name: &str| -> Vec<PathBuf> {
+            std::fs::read_dir(&dir)
+                .map(|d| {
+                    d.flatten()
+                        .map(|e| e.path())
+                        .filter(|p| {
+                            let f = p.file_name().unwrap().to_string_lossy().into_owned();
+                            f.starts_with(&format!("{name}-sm_90")) && f.ends_with(".cubin")
+                        })
+                        .collect()
+                })
+                .unwrap_or_default()
+        };
         // For kernel work, with LORAFIT_PTXAS_VERBOSE=1: LORAFIT_ONLY_MODULE=attention compiles
         // one module, LORAFIT_KERNEL_SRC=file.cu takes that module's body from a file, and
         // LORAFIT_KERNEL_PTX=file.ptx writes its PTX there.
@@ -321,12 +346,32 @@ mod tests {
                 _ => module_source(name).unwrap(),
             };
             if let Ok(ptx_path) = std::env::var("LORAFIT_KERNEL_PTX") {
-                let ptx = compile(name, &src, &module_arch(name, "sm_90"), false).unwrap();
+                let ptx =
+                    compile_in(name, &src, &module_arch(name, "sm_90"), false, Some(&dir)).unwrap();
                 std::fs::write(ptx_path, ptx).unwrap();
             }
-            let bin = compile(name, &src, &module_arch(name, "sm_90"), true)
+            let arch = module_arch(name, "sm_90");
+            let bin = compile_in(name, &src, &arch, true, Some(&dir))
                 .unwrap_or_else(|e| panic!("module {name}: {e:#}"));
             assert!(bin.len() > 100, "module {name}: empty cubin");
+            let files = cached(name);
+            assert_eq!(
+                files.len(),
+                1,
+                "module {name}: cached CUBINs in {dir:?}: {files:?}"
+            );
+            assert_eq!(
+                std::fs::read(&files[0]).unwrap(),
+                bin,
+                "module {name}: cache file"
+            );
+            // A second call is served from that folder: marked bytes come back (not with
+            // LORAFIT_PTXAS_VERBOSE, which always compiles to print its report).
+            if std::env::var_os("LORAFIT_PTXAS_VERBOSE").is_none() {
+                std::fs::write(&files[0], b"cached").unwrap();
+                let again = compile_in(name, &src, &arch, true, Some(&dir)).unwrap();
+                assert_eq!(again, b"cached", "module {name}: not read from {dir:?}");
+            }
         }
         let _ = std::fs::remove_dir_all(&dir);
     }

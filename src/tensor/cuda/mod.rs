@@ -325,9 +325,6 @@ impl CudaStorage {
     pub fn device_ptr(&self) -> u64 {
         self.ptr
     }
-    pub fn len_bytes(&self) -> usize {
-        self.bytes
-    }
 
     /// Copies `n` elements to the host as f32 (a sync point).
     pub fn download_f32(&self, n: usize, dtype: DType) -> Result<Vec<f32>> {
@@ -511,18 +508,32 @@ fn catch<T>(what: &str, f: impl FnOnce() -> Result<T>) -> Result<T> {
     }
 }
 
+/// The error where the NVIDIA driver library is missing: what is missing, and what to do.
+const NO_DRIVER: &str = "CUDA is not available: the NVIDIA driver library (libcuda.so.1) was not \
+    found; install the NVIDIA driver on a machine with an NVIDIA GPU, or run on the CPU \
+    (--device cpu)";
+
+/// The error where the driver is present but GPU `ordinal` cannot be opened (`detail`: the
+/// driver's own error).
+fn no_device(ordinal: usize, detail: &str) -> String {
+    format!(
+        "CUDA device {ordinal} could not be opened ({detail}); check that a GPU is present and \
+         visible to this process (nvidia-smi, CUDA_VISIBLE_DEVICES), or run on the CPU \
+         (--device cpu)"
+    )
+}
+
 #[allow(clippy::too_many_arguments)]
 impl CudaBackend {
     /// Opens GPU `ordinal`: an error (not a panic) where the driver library or the GPU is missing.
     pub fn new(ordinal: usize) -> Result<Arc<CudaBackend>> {
         // SAFETY: probing only opens the library.
         if !unsafe { sys::is_culib_present() } {
-            bail!("CUDA is not available: the NVIDIA driver library (libcuda.so) was not found");
+            bail!(NO_DRIVER);
         }
         let inner = catch("CUDA initialisation failed", || {
-            let ctx = CudaContext::new(ordinal).map_err(|e| {
-                anyhow!("CUDA device {ordinal} could not be opened: {e:?} (is there a GPU?)")
-            })?;
+            let ctx = CudaContext::new(ordinal)
+                .map_err(|e| anyhow!(no_device(ordinal, &format!("{e:?}"))))?;
             let stream = ctx
                 .new_stream()
                 .map_err(|e| anyhow!("cuda: creating a stream: {e:?}"))?;
@@ -1161,16 +1172,58 @@ impl CudaBackend {
 
 #[cfg(test)]
 mod tests {
-    /// On a machine without a driver or GPU, opening CUDA is an error with a readable message.
+    /// Whether this process should see an NVIDIA GPU, judged without the code under test: the
+    /// kernel driver exposes a device node (`/dev/nvidiaN`; a container gets only its own) and
+    /// `CUDA_VISIBLE_DEVICES` does not hide every device.
+    fn gpu_present() -> bool {
+        let node = std::fs::read_dir("/dev").is_ok_and(|d| {
+            d.flatten().any(|e| {
+                let name = e.file_name();
+                let name = name.to_string_lossy();
+                name.strip_prefix("nvidia")
+                    .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+            })
+        });
+        let hidden = std::env::var("CUDA_VISIBLE_DEVICES")
+            .is_ok_and(|v| matches!(v.trim(), "" | "-1" | "NoDevFiles"));
+        node && !hidden
+    }
+
+    /// With a GPU, opening CUDA succeeds. Without one, it is an error (not a panic) whose whole
+    /// message says what is missing and what to do.
     #[test]
     fn cuda_errors_cleanly_without_gpu() {
-        match crate::tensor::Device::cuda(0) {
-            Ok(d) => eprintln!("note: a GPU is present ({}); nothing to check", d.name()),
-            Err(e) => {
-                let msg = format!("{e:#}");
-                eprintln!("Device::cuda(0) -> {msg}");
-                assert!(msg.to_lowercase().contains("cuda"), "unclear error: {msg}");
+        let opened = crate::tensor::Device::cuda(0);
+        if gpu_present() {
+            if let Err(e) = &opened {
+                panic!("this machine has a GPU, but Device::cuda(0) failed: {e:#}");
             }
+            return;
+        }
+        let msg = match opened {
+            // A GPU this check does not know how to see (nothing to assert about errors).
+            Ok(_) => return,
+            Err(e) => format!("{e:#}"),
+        };
+        // SAFETY: probing only opens the library.
+        if !unsafe { super::sys::is_culib_present() } {
+            assert_eq!(
+                msg,
+                "CUDA is not available: the NVIDIA driver library (libcuda.so.1) was not found; \
+                 install the NVIDIA driver on a machine with an NVIDIA GPU, or run on the CPU \
+                 (--device cpu)"
+            );
+        } else {
+            // A driver without a GPU: the driver's own error sits between fixed words.
+            let (head, tail) = (
+                "CUDA device 0 could not be opened (",
+                "); check that a GPU is present and visible to this process (nvidia-smi, \
+                 CUDA_VISIBLE_DEVICES), or run on the CPU (--device cpu)",
+            );
+            assert!(
+                msg.starts_with(head) && msg.ends_with(tail) && msg.len() > head.len() + tail.len(),
+                "{msg}"
+            );
         }
     }
 }
