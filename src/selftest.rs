@@ -235,7 +235,7 @@ pub fn model_parity(device: &Device) -> Result<usize> {
         let row = parity::compare("logits", &lg_logits, &lc_logits, logit_bound);
         failed += !row.pass as usize;
         println!(
-            "model {name:<6} logits            rel-norm {:.3e} max|diff| {:.3e} @{}  bound {logit_bound:.0e}  {}",
+            "model {name:<6} logits            rel-norm {:.3e} max|diff| {:.3e} @{}  bound {logit_bound:.1e}  {}",
             row.rel,
             row.max_abs,
             row.worst,
@@ -245,7 +245,7 @@ pub fn model_parity(device: &Device) -> Result<usize> {
         let ok = worst <= grad_bound;
         failed += !ok as usize;
         println!(
-            "model {name:<6} {} LoRA grads   worst rel-norm {worst:.3e} (matrix {at})  bound {grad_bound:.0e}  {}",
+            "model {name:<6} {} LoRA grads   worst rel-norm {worst:.3e} (matrix {at})  bound {grad_bound:.1e}  {}",
             loss_cpu.len(),
             if ok { "ok" } else { "FAIL" }
         );
