@@ -533,31 +533,7 @@ impl CudaBackend {
         targets: &[u32],
         out_dtype: DType,
     ) -> Result<Tensor> {
-        ensure!(
-            dlogp.dtype() == DType::F32 && lse.dtype() == DType::F32,
-            "logsoftmax_gather_bwd: dlogp and lse must be f32"
-        );
-        let (rows, v) = logits.rows_cols();
-        let d = self.empty(logits.shape(), out_dtype)?;
-        let tb = self.upload_u32(targets)?;
-        let bx = v.div_ceil(256).min(64) as u32;
-        self.launch(
-            "lf_logsoftmax_gather_bwd",
-            (rows as u32, bx, 1),
-            256,
-            0,
-            &[
-                Arg::P(cuda_ptr(dlogp)?),
-                Arg::P(cuda_ptr(logits)?),
-                dt(logits.dtype()),
-                Arg::P(cuda_ptr(lse)?),
-                Arg::P(tb.ptr),
-                Arg::P(cuda_ptr(&d)?),
-                dt(out_dtype),
-                Arg::I64(v as i64),
-            ],
-        )?;
-        Ok(d)
+        self.logsoftmax_gather_bwd_capped(dlogp, logits, lse, targets, None, out_dtype)
     }
 
     pub fn softcap(&self, x: &mut Tensor, cap: f32) -> Result<()> {
@@ -584,31 +560,44 @@ impl CudaBackend {
         cap: f32,
         out_dtype: DType,
     ) -> Result<Tensor> {
+        self.logsoftmax_gather_bwd_capped(dlogp, logits, lse, targets, Some(cap), out_dtype)
+    }
+
+    /// The log-softmax gather's backward, times the softcap's derivative with `cap`.
+    fn logsoftmax_gather_bwd_capped(
+        &self,
+        dlogp: &Tensor,
+        logits: &Tensor,
+        lse: &Tensor,
+        targets: &[u32],
+        cap: Option<f32>,
+        out_dtype: DType,
+    ) -> Result<Tensor> {
         ensure!(
             dlogp.dtype() == DType::F32 && lse.dtype() == DType::F32,
-            "logsoftmax_gather_softcap_bwd: dlogp and lse must be f32"
+            "logsoftmax_gather_bwd: dlogp and lse must be f32"
         );
         let (rows, v) = logits.rows_cols();
         let d = self.empty(logits.shape(), out_dtype)?;
         let tb = self.upload_u32(targets)?;
         let bx = v.div_ceil(256).min(64) as u32;
-        self.launch(
-            "lf_logsoftmax_gather_softcap_bwd",
-            (rows as u32, bx, 1),
-            256,
-            0,
-            &[
-                Arg::P(cuda_ptr(dlogp)?),
-                Arg::P(cuda_ptr(logits)?),
-                dt(logits.dtype()),
-                Arg::P(cuda_ptr(lse)?),
-                Arg::P(tb.ptr),
-                Arg::P(cuda_ptr(&d)?),
-                dt(out_dtype),
-                Arg::F32(cap),
-                Arg::I64(v as i64),
-            ],
-        )?;
+        let mut args = vec![
+            Arg::P(cuda_ptr(dlogp)?),
+            Arg::P(cuda_ptr(logits)?),
+            dt(logits.dtype()),
+            Arg::P(cuda_ptr(lse)?),
+            Arg::P(tb.ptr),
+            Arg::P(cuda_ptr(&d)?),
+            dt(out_dtype),
+        ];
+        args.extend(cap.map(Arg::F32));
+        args.push(Arg::I64(v as i64));
+        let name = if cap.is_some() {
+            "lf_logsoftmax_gather_softcap_bwd"
+        } else {
+            "lf_logsoftmax_gather_bwd"
+        };
+        self.launch(name, (rows as u32, bx, 1), 256, 0, &args)?;
         Ok(d)
     }
 
