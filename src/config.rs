@@ -269,6 +269,69 @@ impl TrainConfig {
         if !["cosine", "constant"].contains(&self.schedule.as_str()) {
             bail!("schedule {:?}: expected cosine or constant", self.schedule);
         }
+        // Numbers a run reads: each named with its allowed range.
+        let range = |name: &str, v: f64, lo: f64, hi: f64, lo_open: bool, hi_open: bool| {
+            let ok = v.is_finite()
+                && if lo_open { v > lo } else { v >= lo }
+                && if hi_open { v < hi } else { v <= hi };
+            let (l, h) = (
+                if lo_open { "(" } else { "[" },
+                if hi_open { ")" } else { "]" },
+            );
+            if ok {
+                Ok(())
+            } else {
+                Err(anyhow::anyhow!(
+                    "{name} = {v}: expected a number in {l}{lo}, {hi}{h}"
+                ))
+            }
+        };
+        let inf = f64::INFINITY;
+        range("lr", self.lr, 0.0, inf, false, true)?;
+        if self.steps == 0 {
+            range("epochs", self.epochs, 0.0, inf, true, true)?;
+        }
+        range("warmup_ratio", self.warmup_ratio, 0.0, 1.0, false, false)?;
+        range("weight_decay", self.weight_decay, 0.0, inf, false, true)?;
+        range("grad_clip", self.grad_clip, 0.0, inf, false, true)?;
+        range("adam_beta1", self.adam_beta1, 0.0, 1.0, false, true)?;
+        range("adam_beta2", self.adam_beta2, 0.0, 1.0, false, true)?;
+        range("adam_eps", self.adam_eps, 0.0, inf, true, true)?;
+        range("alpha", self.alpha, 0.0, inf, false, true)?;
+        range(
+            "lora_plus_ratio",
+            self.lora_plus_ratio,
+            0.0,
+            inf,
+            true,
+            true,
+        )?;
+        range("orpo_lambda", self.orpo_lambda, 0.0, inf, false, true)?;
+        range("dpo_beta", self.dpo_beta, 0.0, inf, true, true)?;
+        range(
+            "label_smoothing",
+            self.label_smoothing,
+            0.0,
+            0.5,
+            false,
+            false,
+        )?;
+        range("simpo_beta", self.simpo_beta, 0.0, inf, true, true)?;
+        range("simpo_gamma", self.simpo_gamma, 0.0, inf, false, true)?;
+        range(
+            "cce_filter_eps",
+            self.cce_filter_eps as f64,
+            0.0,
+            inf,
+            false,
+            true,
+        )?;
+        if self.targets.is_empty() {
+            bail!("targets is empty: name at least one projection (q, k, v, o, gate, up, down)");
+        }
+        if self.output.trim().is_empty() {
+            bail!("output is empty: name the run's output folder (--output DIR)");
+        }
         if self.max_prompt_len >= self.max_seq_len {
             bail!(
                 "max_prompt_len ({}) must be below max_seq_len ({})",

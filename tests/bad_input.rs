@@ -93,3 +93,65 @@ fn missing_tensor_is_named() {
         "{e}"
     );
 }
+
+/// A config.json with zero heads is an error naming the field, not a division by zero.
+#[test]
+fn zero_heads_are_named() {
+    let d = scratch("heads");
+    copy_fixture(&d);
+    let cfg = std::fs::read_to_string(d.join("config.json")).unwrap();
+    let mut v: serde_json::Value = serde_json::from_str(&cfg).unwrap();
+    v["num_attention_heads"] = 0.into();
+    std::fs::write(d.join("config.json"), v.to_string()).unwrap();
+    let e = load_err(&d);
+    assert!(
+        e.contains("num_attention_heads") && e.contains("config.json"),
+        "{e}"
+    );
+}
+
+/// Settings a run reads are checked before anything runs: each bad value is an error that names
+/// its field (none is taken silently at a default).
+#[test]
+fn bad_settings_name_their_field() {
+    use lorafit::config::TrainConfig;
+    let base = TrainConfig {
+        data: "train.jsonl".into(),
+        ..Default::default()
+    };
+    base.validate().unwrap();
+    let cases: Vec<(&str, Box<dyn Fn(&mut TrainConfig)>)> = vec![
+        ("lr", Box::new(|c| c.lr = -1e-4)),
+        ("lr", Box::new(|c| c.lr = f64::NAN)),
+        ("epochs", Box::new(|c| c.epochs = -3.0)),
+        ("warmup_ratio", Box::new(|c| c.warmup_ratio = 1.5)),
+        ("grad_clip", Box::new(|c| c.grad_clip = -1.0)),
+        ("adam_beta1", Box::new(|c| c.adam_beta1 = 1.5)),
+        ("adam_beta2", Box::new(|c| c.adam_beta2 = 1.0)),
+        ("adam_eps", Box::new(|c| c.adam_eps = 0.0)),
+        ("weight_decay", Box::new(|c| c.weight_decay = f64::INFINITY)),
+        ("dpo_beta", Box::new(|c| c.dpo_beta = 0.0)),
+        ("label_smoothing", Box::new(|c| c.label_smoothing = 0.7)),
+        ("targets", Box::new(|c| c.targets.clear())),
+        ("output", Box::new(|c| c.output = String::new())),
+        ("cce_filter_eps", Box::new(|c| c.cce_filter_eps = -1.0)),
+    ];
+    for (field, set) in cases {
+        let mut c = base.clone();
+        set(&mut c);
+        let e = match c.validate() {
+            Ok(()) => panic!("a bad {field} was accepted"),
+            Err(e) => format!("{e:#}"),
+        };
+        assert!(e.starts_with(field), "{field}: {e}");
+    }
+}
+
+/// An SFT `{text}` row has no prompt: its plan trains every token after the first, and builds
+/// without slicing past the empty prompt.
+#[test]
+fn sft_text_rows_without_prompt_plan() {
+    let plan = lorafit::train::plan::Plan::sft(&[], &[5, 6, 7]).unwrap();
+    assert!(plan.chosen.prompt.rows.is_empty() && plan.chosen.prompt.targets.is_empty());
+    assert_eq!(plan.chosen.response.targets, vec![6, 7]);
+}

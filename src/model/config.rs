@@ -369,6 +369,13 @@ impl ModelSpec {
     }
 
     pub fn validate(&self) -> Result<()> {
+        if self.n_heads == 0 || self.head_dim == 0 {
+            bail!(
+                "num_attention_heads ({}) and head_dim ({}) must be positive",
+                self.n_heads,
+                self.head_dim
+            );
+        }
         if self.n_heads == 0
             || self.n_kv_heads == 0
             || !self.n_heads.is_multiple_of(self.n_kv_heads)

@@ -44,7 +44,7 @@ fn prompt_rows(seq: usize, prompt: &[u32]) -> Rows {
     Rows {
         seq,
         rows: (0..n as u32).collect(),
-        targets: prompt[1..].to_vec(),
+        targets: prompt.get(1..).unwrap_or_default().to_vec(),
     }
 }
 
