@@ -120,21 +120,23 @@ fn bad_settings_name_their_field() {
         ..Default::default()
     };
     base.validate().unwrap();
-    let cases: Vec<(&str, Box<dyn Fn(&mut TrainConfig)>)> = vec![
-        ("lr", Box::new(|c| c.lr = -1e-4)),
-        ("lr", Box::new(|c| c.lr = f64::NAN)),
-        ("epochs", Box::new(|c| c.epochs = -3.0)),
-        ("warmup_ratio", Box::new(|c| c.warmup_ratio = 1.5)),
-        ("grad_clip", Box::new(|c| c.grad_clip = -1.0)),
-        ("adam_beta1", Box::new(|c| c.adam_beta1 = 1.5)),
-        ("adam_beta2", Box::new(|c| c.adam_beta2 = 1.0)),
-        ("adam_eps", Box::new(|c| c.adam_eps = 0.0)),
-        ("weight_decay", Box::new(|c| c.weight_decay = f64::INFINITY)),
-        ("dpo_beta", Box::new(|c| c.dpo_beta = 0.0)),
-        ("label_smoothing", Box::new(|c| c.label_smoothing = 0.7)),
-        ("targets", Box::new(|c| c.targets.clear())),
-        ("output", Box::new(|c| c.output = String::new())),
-        ("cce_filter_eps", Box::new(|c| c.cce_filter_eps = -1.0)),
+    // Each case: the field whose name the error must start with, and how it is set badly.
+    type Case = (&'static str, fn(&mut TrainConfig));
+    let cases: Vec<Case> = vec![
+        ("lr", |c| c.lr = -1e-4),
+        ("lr", |c| c.lr = f64::NAN),
+        ("epochs", |c| c.epochs = -3.0),
+        ("warmup_ratio", |c| c.warmup_ratio = 1.5),
+        ("grad_clip", |c| c.grad_clip = -1.0),
+        ("adam_beta1", |c| c.adam_beta1 = 1.5),
+        ("adam_beta2", |c| c.adam_beta2 = 1.0),
+        ("adam_eps", |c| c.adam_eps = 0.0),
+        ("weight_decay", |c| c.weight_decay = f64::INFINITY),
+        ("dpo_beta", |c| c.dpo_beta = 0.0),
+        ("label_smoothing", |c| c.label_smoothing = 0.7),
+        ("targets", |c| c.targets.clear()),
+        ("output", |c| c.output = String::new()),
+        ("cce_filter_eps", |c| c.cce_filter_eps = -1.0),
     ];
     for (field, set) in cases {
         let mut c = base.clone();

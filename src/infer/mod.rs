@@ -5,7 +5,7 @@
 use crate::data::{ChatTemplate, Message, TextTokenizer};
 use crate::model::{Lora, Model};
 use crate::tensor::{self as ops, DType};
-use anyhow::Result;
+use anyhow::{bail, ensure, Result};
 
 /// Greedy continuation of `prompt_ids`, stopping at `eos` or after `max_new` tokens.
 pub fn generate_ids(
@@ -15,12 +15,18 @@ pub fn generate_ids(
     max_new: usize,
     eos: Option<u32>,
 ) -> Result<Vec<u32>> {
+    ensure!(!prompt_ids.is_empty(), "generate: the prompt has no tokens");
     let mut ids = prompt_ids.to_vec();
     let mut out = Vec::new();
-    for _ in 0..max_new {
+    for step in 0..max_new {
         let h = model.hidden_states(&ids, lora)?;
         let last = ops::slice_rows(&h, ids.len() - 1, ids.len())?;
         let logits = model.logits(&last, DType::F32)?.to_vec()?;
+        if let Some((i, v)) = logits.iter().enumerate().find(|(_, v)| !v.is_finite()) {
+            bail!(
+                "generate: token {step}: logit {i} is {v}; the base weights or the adapter hold non-finite values"
+            );
+        }
         let next = logits
             .iter()
             .enumerate()
