@@ -209,11 +209,128 @@ pub fn resolve_head_chunk(chunk: usize, vocab: usize) -> usize {
     }
 }
 
+/// TRL's names for settings (its `ORPOConfig`, `DPOConfig`, `SFTConfig` and PEFT's
+/// `LoraConfig`), accepted beside lorafit's own. TRL's `beta` is ORPO's λ, DPO's β or SimPO's β by
+/// method (`setting_name`).
+const TRL_NAMES: &[(&str, &str)] = &[
+    ("learning_rate", "lr"),
+    ("max_steps", "steps"),
+    ("gradient_accumulation_steps", "grad_accum"),
+    ("lora_r", "rank"),
+    ("lora_alpha", "alpha"),
+    ("max_length", "max_seq_len"),
+    ("max_prompt_length", "max_prompt_len"),
+    ("num_train_epochs", "epochs"),
+    ("output_dir", "output"),
+];
+
+/// Edit distance between two short names (for "did you mean").
+fn edit_distance(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut row: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut prev = row[0];
+        row[0] = i + 1;
+        for (j, &cb) in b.iter().enumerate() {
+            let cur = row[j + 1];
+            row[j + 1] = (prev + (ca != cb) as usize).min(row[j] + 1).min(cur + 1);
+            prev = cur;
+        }
+    }
+    row[b.len()]
+}
+
 impl TrainConfig {
+    /// Every setting's name, as `plan.toml` writes it.
+    pub fn setting_names() -> Vec<String> {
+        let table: toml::Table =
+            toml::from_str(&TrainConfig::default().to_toml().unwrap_or_default())
+                .unwrap_or_default();
+        // Optional settings are absent from a default plan (TOML has no null): named here, as
+        // the struct's `Option` fields.
+        let mut names: Vec<String> = table.keys().cloned().collect();
+        for extra in [
+            "valid",
+            "segment_size",
+            "keep_attention",
+            "keep_kv_layers",
+            "warm_start",
+        ] {
+            if !names.iter().any(|n| n == extra) {
+                names.push(extra.to_string());
+            }
+        }
+        names
+    }
+
+    /// lorafit's name for setting `key` (itself, or what a TRL name means under `method`), or an
+    /// error that names the nearest setting.
+    pub fn setting_name(key: &str, method: &str) -> Result<String> {
+        let names = TrainConfig::setting_names();
+        if names.iter().any(|n| n == key) {
+            return Ok(key.to_string());
+        }
+        if key == "beta" {
+            return Ok(match method {
+                "dpo" => "dpo_beta",
+                "simpo" => "simpo_beta",
+                _ => "orpo_lambda",
+            }
+            .to_string());
+        }
+        if let Some((_, ours)) = TRL_NAMES.iter().find(|(trl, _)| *trl == key) {
+            return Ok(ours.to_string());
+        }
+        let nearest = names
+            .iter()
+            .map(String::as_str)
+            .chain(TRL_NAMES.iter().map(|(trl, _)| *trl))
+            .min_by_key(|n| edit_distance(key, n))
+            .unwrap_or_default()
+            .to_string();
+        if edit_distance(key, &nearest) <= 3 {
+            bail!("unknown setting `{key}` (did you mean `{nearest}`?)")
+        }
+        bail!("unknown setting `{key}` (settings: {})", names.join(", "))
+    }
+
+    /// A settings table with TRL's names renamed to lorafit's; an unknown name, or one given
+    /// twice under two names, is an error.
+    pub fn normalize(table: toml::Table) -> Result<toml::Table> {
+        let method = table
+            .get("method")
+            .and_then(|m| m.as_str())
+            .unwrap_or("orpo")
+            .to_string();
+        let mut out = toml::Table::new();
+        for (k, v) in table {
+            let name = TrainConfig::setting_name(&k, &method)?;
+            if out.contains_key(&name) {
+                bail!("setting `{name}` is given twice (as `{k}` and under another name)");
+            }
+            out.insert(name, v);
+        }
+        Ok(out)
+    }
+
     pub fn from_toml_file(path: &Path) -> Result<TrainConfig> {
+        let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("");
+        if matches!(ext, "yaml" | "yml" | "json") {
+            bail!(
+                "{}: a {} file; lorafit reads its settings from TOML (`key = value` lines, as plan.toml is written; TRL's names are accepted)",
+                path.display(),
+                ext.to_uppercase()
+            );
+        }
         let text =
             std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-        toml::from_str(&text).with_context(|| format!("{}: invalid config", path.display()))
+        let table: toml::Table = toml::from_str(&text)
+            .with_context(|| format!("{}: not a TOML file", path.display()))?;
+        let table =
+            TrainConfig::normalize(table).with_context(|| format!("in {}", path.display()))?;
+        table
+            .try_into()
+            .with_context(|| format!("{}: invalid config", path.display()))
     }
 
     pub fn to_toml(&self) -> Result<String> {

@@ -137,7 +137,14 @@ fn apply_overrides(mut cfg: TrainConfig, a: &TrainArgs) -> Result<TrainConfig> {
             let value: toml::Value = toml::from_str::<toml::Table>(&format!("x = {v}"))
                 .map(|mut t| t.remove("x").unwrap())
                 .unwrap_or_else(|_| toml::Value::String(v.to_string()));
-            table.insert(k.trim().to_string(), value);
+            let method = table
+                .get("method")
+                .and_then(|m| m.as_str())
+                .unwrap_or("orpo")
+                .to_string();
+            let name = TrainConfig::setting_name(k.trim(), &method)
+                .with_context(|| format!("--set {kv}"))?;
+            table.insert(name, value);
         }
         cfg = toml::from_str(&toml::to_string(&table)?).context("--set")?;
     }

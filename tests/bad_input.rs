@@ -157,3 +157,40 @@ fn sft_text_rows_without_prompt_plan() {
     assert!(plan.chosen.prompt.rows.is_empty() && plan.chosen.prompt.targets.is_empty());
     assert_eq!(plan.chosen.response.targets, vec![6, 7]);
 }
+
+/// A run's TOML may use TRL's names (`beta` by method); a misspelt name is refused with the
+/// nearest one; a YAML file is named as such; one setting under two names is refused.
+#[test]
+fn settings_files_take_trl_names_and_name_mistakes() {
+    use lorafit::config::TrainConfig;
+    let d = scratch("settings");
+    let write = |name: &str, text: &str| {
+        let p = d.join(name);
+        std::fs::write(&p, text).unwrap();
+        p
+    };
+    let p = write(
+        "trl.toml",
+        "learning_rate = 5e-5\nmax_steps = 7\nbeta = 0.25\nlora_r = 8\nlora_alpha = 16\n\
+         gradient_accumulation_steps = 2\nmax_length = 512\nmax_prompt_length = 256\n\
+         num_train_epochs = 2.0\noutput_dir = \"runs/x\"\nwarmup_ratio = 0.1\n",
+    );
+    let c = TrainConfig::from_toml_file(&p).unwrap();
+    assert_eq!((c.lr, c.steps, c.orpo_lambda), (5e-5, 7, 0.25));
+    assert_eq!((c.rank, c.alpha, c.grad_accum), (8, 16.0, 2));
+    assert_eq!((c.max_seq_len, c.max_prompt_len, c.epochs), (512, 256, 2.0));
+    assert_eq!(c.output, "runs/x");
+    let p = write("dpo.toml", "method = \"dpo\"\nbeta = 0.3\n");
+    let c = TrainConfig::from_toml_file(&p).unwrap();
+    assert_eq!((c.dpo_beta, c.orpo_lambda), (0.3, 0.1));
+    let err = |p: &Path| format!("{:#}", TrainConfig::from_toml_file(p).unwrap_err());
+    let e = err(&write("typo.toml", "learnig_rate = 1e-4\n"));
+    assert!(
+        e.contains("typo.toml") && e.contains("did you mean `learning_rate`"),
+        "{e}"
+    );
+    let e = err(&write("twice.toml", "lr = 1e-4\nlearning_rate = 2e-4\n"));
+    assert!(e.contains("`lr` is given twice"), "{e}");
+    let e = err(&write("run.yaml", "learning_rate: 1e-4\n"));
+    assert!(e.contains("run.yaml") && e.contains("YAML"), "{e}");
+}
