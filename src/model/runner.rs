@@ -56,39 +56,29 @@ impl ReadRows {
     }
 }
 
-/// Borrowed from the pass when it already is what a layer kind needs, else built for it.
-enum Held<'a, T> {
-    Borrowed(&'a T),
-    Owned(T),
-}
-
-impl<T> std::ops::Deref for Held<'_, T> {
-    type Target = T;
-    fn deref(&self) -> &T {
-        match self {
-            Held::Borrowed(t) => t,
-            Held::Owned(t) => t,
-        }
-    }
-}
-
-/// A pass's masks and rotary tables per layer kind, and the top layer's read rows.
-struct Kinds<'a> {
-    masks: Vec<Held<'a, AttnMask>>,
+/// A pass's masks and rotary tables per layer kind, and the top layer's read rows: built once by
+/// the forward and kept in `ForwardState` for the backward. A kind that is the pass's own mask
+/// or main table (`None`) is read from the `PassCtx`.
+struct Kinds {
+    masks: Vec<Option<AttnMask>>,
     /// Per layer: index into `masks`.
     mask_of: Vec<usize>,
-    ropes: Vec<Held<'a, RopeTable>>,
+    /// Tables `1..` of `spec.ropes` (table 0 is the pass's).
+    ropes: Vec<RopeTable>,
     read: Option<ReadRows>,
     mlp_chunk: usize,
 }
 
-impl Kinds<'_> {
-    fn env(&self, model: &Model, l: usize) -> LayerEnv<'_> {
+impl Kinds {
+    fn env<'a>(&'a self, ctx: &'a PassCtx, model: &Model, l: usize) -> LayerEnv<'a> {
         let top = l + 1 == model.spec.n_layers;
-        let rope = &self.ropes[model.spec.layers[l].rope];
+        let rope = match model.spec.layers[l].rope {
+            0 => ctx.rope,
+            k => &self.ropes[k - 1],
+        };
         let (mask, from) = match self.read.as_ref().filter(|_| top) {
             Some(r) => (&r.mask, r.from),
-            None => (&*self.masks[self.mask_of[l]], 0),
+            None => (self.masks[self.mask_of[l]].as_ref().unwrap_or(ctx.mask), 0),
         };
         LayerEnv {
             mask,
@@ -196,12 +186,7 @@ impl Model {
     }
 
     /// The pass's masks and tables per layer kind; `read_from` trims the top layer.
-    fn kinds<'a>(
-        &self,
-        ctx: &PassCtx<'a>,
-        read_from: usize,
-        mlp_chunk: usize,
-    ) -> Result<Kinds<'a>> {
+    fn kinds(&self, ctx: &PassCtx, read_from: usize, mlp_chunk: usize) -> Result<Kinds> {
         let mut windows: Vec<Option<u32>> = Vec::new();
         let mut mask_of = Vec::with_capacity(self.spec.n_layers);
         for ls in &self.spec.layers {
@@ -214,22 +199,15 @@ impl Model {
             };
             mask_of.push(i);
         }
-        let masks: Vec<Held<AttnMask>> = windows
+        let masks: Vec<Option<AttnMask>> = windows
             .iter()
-            .map(|&w| {
-                if ctx.mask.window == w {
-                    Held::Borrowed(ctx.mask)
-                } else {
-                    Held::Owned(ctx.mask.clone().with_window(w))
-                }
-            })
+            .map(|&w| (ctx.mask.window != w).then(|| ctx.mask.clone().with_window(w)))
             .collect();
-        let mut ropes = vec![Held::Borrowed(ctx.rope)];
-        for kind in 1..self.spec.ropes.len() {
-            ropes.push(Held::Owned(self.rope_table_of(kind, &ctx.mask.positions)?));
-        }
+        let ropes = (1..self.spec.ropes.len())
+            .map(|kind| self.rope_table_of(kind, &ctx.mask.positions))
+            .collect::<Result<_>>()?;
         let top = self.spec.n_layers - 1;
-        let read = ReadRows::new(&masks[mask_of[top]], read_from);
+        let read = ReadRows::new(masks[mask_of[top]].as_ref().unwrap_or(ctx.mask), read_from);
         Ok(Kinds {
             masks,
             mask_of,
@@ -330,7 +308,7 @@ impl Model {
                 boundaries.push((l, x.try_clone()?));
             }
             let run = LayerRun {
-                env: kinds.env(self, l),
+                env: kinds.env(ctx, self, l),
                 want_output: true,
                 attention: None,
                 kept_kv: None,
@@ -364,8 +342,7 @@ impl Model {
                 last: x,
                 rstd,
                 segment_size,
-                read_from,
-                mlp_chunk,
+                kinds,
             },
         ))
     }
@@ -379,7 +356,7 @@ impl Model {
         mut lora: Option<&mut Lora>,
         ctx: &PassCtx,
     ) -> Result<Tensor> {
-        let kinds = self.kinds(ctx, state.read_from, state.mlp_chunk)?;
+        let kinds = state.kinds;
         let mut d = ops::rms_norm_bwd(&d_hidden, &state.last, &self.weights.norm, &state.rstd)?;
         drop(d_hidden);
         // The compute-dtype copy of d, where the residual stream is wider: written with it by
@@ -396,7 +373,7 @@ impl Model {
                     a,
                     lora.as_deref_mut(),
                     ctx,
-                    kinds.env(self, l),
+                    kinds.env(ctx, self, l),
                 )?;
             }
             return self.embed_bwd(d);
@@ -410,7 +387,7 @@ impl Model {
                 a,
                 lora.as_deref_mut(),
                 ctx,
-                kinds.env(self, n - 1),
+                kinds.env(ctx, self, n - 1),
             )?;
             self.device.memtrace(|| format!("backward layer {}", n - 1));
         }
@@ -425,7 +402,7 @@ impl Model {
                 let input = x.take().expect("each recomputed layer's input");
                 let kept = kept_attention.get_mut(l).and_then(Option::take);
                 let run = LayerRun {
-                    env: kinds.env(self, l),
+                    env: kinds.env(ctx, self, l),
                     want_output: l + 1 < end,
                     attention: kept,
                     kept_kv: kept_kv.get_mut(l).and_then(Option::take),
@@ -445,7 +422,7 @@ impl Model {
                     a,
                     lora.as_deref_mut(),
                     ctx,
-                    kinds.env(self, l),
+                    kinds.env(ctx, self, l),
                 )?;
                 self.device.memtrace(|| format!("backward layer {l}"));
             }
@@ -532,7 +509,6 @@ pub struct ForwardState {
     last: Tensor,
     rstd: Tensor,
     segment_size: usize,
-    /// The first row the forward's top layer computed (0: all).
-    read_from: usize,
-    mlp_chunk: usize,
+    /// The forward's masks and tables per layer kind, its read rows and MLP chunk.
+    kinds: Kinds,
 }
