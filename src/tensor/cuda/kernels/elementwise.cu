@@ -205,96 +205,50 @@ extern "C" __global__ void lf_rope_bf16x2(const bf16* x, const float* cosv, cons
     }
 }
 
-extern "C" __global__ void lf_silu_mul(const void* g, int gdt, const void* u, int udt, void* y, i64 n) {
-    GRID_STRIDE(i, n) {
-        float gv = ldf(g, gdt, i);
-        stf(y, gdt, i, gv / (1.f + expf(-gv)) * ldf(u, udt, i));
+// The gated MLP activations act(gate) * up and their backwards: one generic kernel (any dtypes)
+// and one bf16 fast path (8 elements per thread through 16-byte loads; n % 8 == 0, allocations
+// are 16-byte aligned) per activation, from one template each. An activation gives `fwd(g)` and
+// `grad(d, g, u)`, the (d gate, d up) of one element.
+struct Silu {
+    static __device__ __forceinline__ float fwd(float g) { return g / (1.f + expf(-g)); }
+    static __device__ __forceinline__ float2 grad(float d, float g, float u) {
+        const float sig = 1.f / (1.f + expf(-g));
+        return make_float2(d * u * (sig * (1.f + g * (1.f - sig))), d * g * sig);
     }
-}
+};
 
-extern "C" __global__ void lf_silu_mul_bwd(const void* dh, int ddt, const void* g, int gdt, const void* u,
-                                           int udt, void* dg, void* du, i64 n) {
-    GRID_STRIDE(i, n) {
-        float d = ldf(dh, ddt, i), gv = ldf(g, gdt, i), uv = ldf(u, udt, i);
-        float sig = 1.f / (1.f + expf(-gv));
-        float dsilu = sig * (1.f + gv * (1.f - sig));
-        stf(dg, gdt, i, d * uv * dsilu);
-        stf(du, udt, i, d * gv * sig);
-    }
-}
-
-// bf16 fast paths of silu_mul and its backward: 8 elements per thread through 16-byte loads
-// (n % 8 == 0; allocations are 16-byte aligned). Same arithmetic as the generic kernels above.
-__device__ __forceinline__ float lf_silu(float g) { return g / (1.f + expf(-g)); }
-
-extern "C" __global__ void lf_silu_mul_bf16x8(const uint4* g, const uint4* u, uint4* y, i64 n8) {
-    GRID_STRIDE(i, n8) {
-        uint4 gv = g[i], uv = u[i], out;
-        const __nv_bfloat162* gp = (const __nv_bfloat162*)&gv;
-        const __nv_bfloat162* up = (const __nv_bfloat162*)&uv;
-        __nv_bfloat162* op = (__nv_bfloat162*)&out;
-        #pragma unroll
-        for (int j = 0; j < 4; j++) {
-            const float2 gf = __bfloat1622float2(gp[j]), uf = __bfloat1622float2(up[j]);
-            op[j] = __floats2bfloat162_rn(lf_silu(gf.x) * uf.x, lf_silu(gf.y) * uf.y);
-        }
-        y[i] = out;
-    }
-}
-
-extern "C" __global__ void lf_silu_mul_bwd_bf16x8(const uint4* dh, const uint4* g, const uint4* u, uint4* dg,
-                                                  uint4* du, i64 n8) {
-    GRID_STRIDE(i, n8) {
-        uint4 dv = dh[i], gv = g[i], uv = u[i], dgo, duo;
-        const __nv_bfloat162* dp = (const __nv_bfloat162*)&dv;
-        const __nv_bfloat162* gp = (const __nv_bfloat162*)&gv;
-        const __nv_bfloat162* up = (const __nv_bfloat162*)&uv;
-        __nv_bfloat162* dgp = (__nv_bfloat162*)&dgo;
-        __nv_bfloat162* dup = (__nv_bfloat162*)&duo;
-        #pragma unroll
-        for (int j = 0; j < 4; j++) {
-            const float2 d = __bfloat1622float2(dp[j]), gf = __bfloat1622float2(gp[j]),
-                         uf = __bfloat1622float2(up[j]);
-            const float sx = 1.f / (1.f + expf(-gf.x)), sy = 1.f / (1.f + expf(-gf.y));
-            dgp[j] = __floats2bfloat162_rn(d.x * uf.x * (sx * (1.f + gf.x * (1.f - sx))),
-                                           d.y * uf.y * (sy * (1.f + gf.y * (1.f - sy))));
-            dup[j] = __floats2bfloat162_rn(d.x * gf.x * sx, d.y * gf.y * sy);
-        }
-        dg[i] = dgo;
-        du[i] = duo;
-    }
-}
-
-// gelu_tanh_mul: gelu_tanh(gate) * up with transformers' gelu_pytorch_tanh,
-// gelu_tanh(x) = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), and its backward; the same
-// generic and 8-wide bf16 kernels as silu_mul's.
+// transformers' gelu_pytorch_tanh: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
 #define LF_GELU_K 0.7978845608028654f
 #define LF_GELU_A 0.044715f
-__device__ __forceinline__ float lf_gelu_tanh(float x) {
-    return 0.5f * x * (1.f + tanhf(LF_GELU_K * x * (1.f + LF_GELU_A * x * x)));
-}
-// gelu_tanh(x) into *y; returns its derivative.
-__device__ __forceinline__ float lf_gelu_tanh_d(float x, float* y) {
-    const float x2 = x * x, t = tanhf(LF_GELU_K * x * (1.f + LF_GELU_A * x2));
-    *y = 0.5f * x * (1.f + t);
-    return 0.5f * (1.f + t) + 0.5f * x * (1.f - t * t) * LF_GELU_K * (1.f + 3.f * LF_GELU_A * x2);
+struct GeluTanh {
+    static __device__ __forceinline__ float fwd(float x) {
+        return 0.5f * x * (1.f + tanhf(LF_GELU_K * x * (1.f + LF_GELU_A * x * x)));
+    }
+    static __device__ __forceinline__ float2 grad(float d, float x, float u) {
+        const float x2 = x * x, t = tanhf(LF_GELU_K * x * (1.f + LF_GELU_A * x2));
+        const float y = 0.5f * x * (1.f + t);
+        const float dy = 0.5f * (1.f + t) + 0.5f * x * (1.f - t * t) * LF_GELU_K * (1.f + 3.f * LF_GELU_A * x2);
+        return make_float2(d * u * dy, d * y);
+    }
+};
+
+template <class A>
+__device__ void gated_mul(const void* g, int gdt, const void* u, int udt, void* y, i64 n) {
+    GRID_STRIDE(i, n) stf(y, gdt, i, A::fwd(ldf(g, gdt, i)) * ldf(u, udt, i));
 }
 
-extern "C" __global__ void lf_gelu_tanh_mul(const void* g, int gdt, const void* u, int udt, void* y, i64 n) {
-    GRID_STRIDE(i, n) stf(y, gdt, i, lf_gelu_tanh(ldf(g, gdt, i)) * ldf(u, udt, i));
-}
-
-extern "C" __global__ void lf_gelu_tanh_mul_bwd(const void* dh, int ddt, const void* g, int gdt, const void* u,
-                                                int udt, void* dg, void* du, i64 n) {
+template <class A>
+__device__ void gated_mul_bwd(const void* dh, int ddt, const void* g, int gdt, const void* u, int udt, void* dg,
+                              void* du, i64 n) {
     GRID_STRIDE(i, n) {
-        float d = ldf(dh, ddt, i), uv = ldf(u, udt, i), y;
-        const float dy = lf_gelu_tanh_d(ldf(g, gdt, i), &y);
-        stf(dg, gdt, i, d * uv * dy);
-        stf(du, udt, i, d * y);
+        const float2 r = A::grad(ldf(dh, ddt, i), ldf(g, gdt, i), ldf(u, udt, i));
+        stf(dg, gdt, i, r.x);
+        stf(du, udt, i, r.y);
     }
 }
 
-extern "C" __global__ void lf_gelu_tanh_mul_bf16x8(const uint4* g, const uint4* u, uint4* y, i64 n8) {
+template <class A>
+__device__ void gated_mul_bf16x8(const uint4* g, const uint4* u, uint4* y, i64 n8) {
     GRID_STRIDE(i, n8) {
         uint4 gv = g[i], uv = u[i], out;
         const __nv_bfloat162* gp = (const __nv_bfloat162*)&gv;
@@ -303,14 +257,15 @@ extern "C" __global__ void lf_gelu_tanh_mul_bf16x8(const uint4* g, const uint4* 
         #pragma unroll
         for (int j = 0; j < 4; j++) {
             const float2 gf = __bfloat1622float2(gp[j]), uf = __bfloat1622float2(up[j]);
-            op[j] = __floats2bfloat162_rn(lf_gelu_tanh(gf.x) * uf.x, lf_gelu_tanh(gf.y) * uf.y);
+            op[j] = __floats2bfloat162_rn(A::fwd(gf.x) * uf.x, A::fwd(gf.y) * uf.y);
         }
         y[i] = out;
     }
 }
 
-extern "C" __global__ void lf_gelu_tanh_mul_bwd_bf16x8(const uint4* dh, const uint4* g, const uint4* u, uint4* dg,
-                                                       uint4* du, i64 n8) {
+template <class A>
+__device__ void gated_mul_bwd_bf16x8(const uint4* dh, const uint4* g, const uint4* u, uint4* dg, uint4* du,
+                                     i64 n8) {
     GRID_STRIDE(i, n8) {
         uint4 dv = dh[i], gv = g[i], uv = u[i], dgo, duo;
         const __nv_bfloat162* dp = (const __nv_bfloat162*)&dv;
@@ -322,15 +277,33 @@ extern "C" __global__ void lf_gelu_tanh_mul_bwd_bf16x8(const uint4* dh, const ui
         for (int j = 0; j < 4; j++) {
             const float2 d = __bfloat1622float2(dp[j]), gf = __bfloat1622float2(gp[j]),
                          uf = __bfloat1622float2(up[j]);
-            float yx, yy;
-            const float dx = lf_gelu_tanh_d(gf.x, &yx), dy = lf_gelu_tanh_d(gf.y, &yy);
-            dgp[j] = __floats2bfloat162_rn(d.x * uf.x * dx, d.y * uf.y * dy);
-            dup[j] = __floats2bfloat162_rn(d.x * yx, d.y * yy);
+            const float2 rx = A::grad(d.x, gf.x, uf.x), ry = A::grad(d.y, gf.y, uf.y);
+            dgp[j] = __floats2bfloat162_rn(rx.x, ry.x);
+            dup[j] = __floats2bfloat162_rn(rx.y, ry.y);
         }
         dg[i] = dgo;
         du[i] = duo;
     }
 }
+
+#define GATED_KERNELS(NAME, A)                                                                            \
+    extern "C" __global__ void lf_##NAME(const void* g, int gdt, const void* u, int udt, void* y, i64 n) {   \
+        gated_mul<A>(g, gdt, u, udt, y, n);                                                                  \
+    }                                                                                                        \
+    extern "C" __global__ void lf_##NAME##_bwd(const void* dh, int ddt, const void* g, int gdt, const void* u, \
+                                               int udt, void* dg, void* du, i64 n) {                          \
+        gated_mul_bwd<A>(dh, ddt, g, gdt, u, udt, dg, du, n);                                                 \
+    }                                                                                                        \
+    extern "C" __global__ void lf_##NAME##_bf16x8(const uint4* g, const uint4* u, uint4* y, i64 n8) {        \
+        gated_mul_bf16x8<A>(g, u, y, n8);                                                                    \
+    }                                                                                                        \
+    extern "C" __global__ void lf_##NAME##_bwd_bf16x8(const uint4* dh, const uint4* g, const uint4* u,        \
+                                                      uint4* dg, uint4* du, i64 n8) {                        \
+        gated_mul_bwd_bf16x8<A>(dh, g, u, dg, du, n8);                                                       \
+    }
+
+GATED_KERNELS(silu_mul, Silu)
+GATED_KERNELS(gelu_tanh_mul, GeluTanh)
 
 // dst[r, dc0 + j] = src[r, sc0 + j] over rows x width elements (n); one dtype.
 extern "C" __global__ void lf_copy_cols(const void* src, i64 src_cols, i64 sc0, void* dst, i64 dst_cols, i64 dc0,
