@@ -321,42 +321,66 @@ fn silu(x: f32) -> f32 {
     x / (1.0 + (-x).exp())
 }
 
-pub fn silu_mul(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+/// `act(gate) * up`, elementwise, with `f(g, u)` the product.
+fn gated(gate: &Tensor, up: &Tensor, f: impl Fn(f32, f32) -> f32 + Sync) -> Result<Tensor> {
     let (g, u) = (gate.as_cpu()?, up.as_cpu()?);
     let y: Vec<f32> = g
         .par_iter()
         .zip(u.par_iter())
-        .map(|(&g, &u)| silu(g) * u)
+        .map(|(&g, &u)| f(g, u))
         .collect();
     out(y, gate.shape())
 }
 
-pub fn silu_mul_bwd(dh: &Tensor, gate: &Tensor, up: &Tensor) -> Result<(Tensor, Tensor)> {
+/// Backward of a gated activation: `f(d, g, u)` is `(d gate, d up)` of one element.
+fn gated_bwd(
+    dh: &Tensor,
+    gate: &Tensor,
+    up: &Tensor,
+    f: impl Fn(f32, f32, f32) -> (f32, f32) + Sync,
+) -> Result<(Tensor, Tensor)> {
     let (d, g, u) = (dh.as_cpu()?, gate.as_cpu()?, up.as_cpu()?);
     let (dg, du): (Vec<f32>, Vec<f32>) = d
         .par_iter()
         .zip(g.par_iter().zip(u.par_iter()))
-        .map(|(&d, (&g, &u))| {
-            let sig = 1.0 / (1.0 + (-g).exp());
-            let dsilu = sig * (1.0 + g * (1.0 - sig));
-            (d * u * dsilu, d * g * sig)
-        })
+        .map(|(&d, (&g, &u))| f(d, g, u))
         .unzip();
     Ok((out(dg, gate.shape())?, out(du, up.shape())?))
 }
 
-pub fn silu_mul_bwd_in_place(dh: &Tensor, gate: &mut Tensor, up: &mut Tensor) -> Result<()> {
+/// `gated_bwd` writing d(gate) over `gate` and d(up) over `up`.
+fn gated_bwd_in_place(
+    dh: &Tensor,
+    gate: &mut Tensor,
+    up: &mut Tensor,
+    f: impl Fn(f32, f32, f32) -> (f32, f32) + Sync,
+) -> Result<()> {
     let d = dh.as_cpu()?;
     let u = up.as_cpu_mut()?;
     gate.as_cpu_mut()?
         .par_iter_mut()
         .zip(u.par_iter_mut().zip(d.par_iter()))
-        .for_each(|(g, (u, &d))| {
-            let sig = 1.0 / (1.0 + (-*g).exp());
-            let dsilu = sig * (1.0 + *g * (1.0 - sig));
-            (*g, *u) = (d * *u * dsilu, d * *g * sig);
-        });
+        .for_each(|(g, (u, &d))| (*g, *u) = f(d, *g, *u));
     Ok(())
+}
+
+/// `(d gate, d up)` of `silu(g) * u` under upstream `d`.
+fn silu_mul_grad(d: f32, g: f32, u: f32) -> (f32, f32) {
+    let sig = 1.0 / (1.0 + (-g).exp());
+    let dsilu = sig * (1.0 + g * (1.0 - sig));
+    (d * u * dsilu, d * g * sig)
+}
+
+pub fn silu_mul(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+    gated(gate, up, |g, u| silu(g) * u)
+}
+
+pub fn silu_mul_bwd(dh: &Tensor, gate: &Tensor, up: &Tensor) -> Result<(Tensor, Tensor)> {
+    gated_bwd(dh, gate, up, silu_mul_grad)
+}
+
+pub fn silu_mul_bwd_in_place(dh: &Tensor, gate: &mut Tensor, up: &mut Tensor) -> Result<()> {
+    gated_bwd_in_place(dh, gate, up, silu_mul_grad)
 }
 
 /// `√(2/π)` and the cubic coefficient of the tanh approximation of GELU.
@@ -373,43 +397,25 @@ fn gelu_tanh_d(x: f32) -> (f32, f32) {
     (y, dy)
 }
 
+/// `(d gate, d up)` of `gelu_tanh(g) * u` under upstream `d`.
+fn gelu_tanh_mul_grad(d: f32, g: f32, u: f32) -> (f32, f32) {
+    let (y, dy) = gelu_tanh_d(g);
+    (d * u * dy, d * y)
+}
+
 pub fn gelu_tanh_mul(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
-    let (g, u) = (gate.as_cpu()?, up.as_cpu()?);
-    let y: Vec<f32> = g
-        .par_iter()
-        .zip(u.par_iter())
-        .map(|(&g, &u)| {
-            let t = (GELU_K * g * (1.0 + GELU_A * g * g)).tanh();
-            0.5 * g * (1.0 + t) * u
-        })
-        .collect();
-    out(y, gate.shape())
+    gated(gate, up, |g, u| {
+        let t = (GELU_K * g * (1.0 + GELU_A * g * g)).tanh();
+        0.5 * g * (1.0 + t) * u
+    })
 }
 
 pub fn gelu_tanh_mul_bwd(dh: &Tensor, gate: &Tensor, up: &Tensor) -> Result<(Tensor, Tensor)> {
-    let (d, g, u) = (dh.as_cpu()?, gate.as_cpu()?, up.as_cpu()?);
-    let (dg, du): (Vec<f32>, Vec<f32>) = d
-        .par_iter()
-        .zip(g.par_iter().zip(u.par_iter()))
-        .map(|(&d, (&g, &u))| {
-            let (y, dy) = gelu_tanh_d(g);
-            (d * u * dy, d * y)
-        })
-        .unzip();
-    Ok((out(dg, gate.shape())?, out(du, up.shape())?))
+    gated_bwd(dh, gate, up, gelu_tanh_mul_grad)
 }
 
 pub fn gelu_tanh_mul_bwd_in_place(dh: &Tensor, gate: &mut Tensor, up: &mut Tensor) -> Result<()> {
-    let d = dh.as_cpu()?;
-    let u = up.as_cpu_mut()?;
-    gate.as_cpu_mut()?
-        .par_iter_mut()
-        .zip(u.par_iter_mut().zip(d.par_iter()))
-        .for_each(|(g, (u, &d))| {
-            let (y, dy) = gelu_tanh_d(*g);
-            (*g, *u) = (d * *u * dy, d * y);
-        });
-    Ok(())
+    gated_bwd_in_place(dh, gate, up, gelu_tanh_mul_grad)
 }
 
 pub fn softcap(x: &mut Tensor, cap: f32) -> Result<()> {

@@ -356,92 +356,54 @@ fn elementwise(cx: &mut Ctx, r: &mut Rng) -> Result<()> {
             cx.push(row);
         }
     }
-    // silu_mul: n = 4099 takes the generic kernels, n = 4096 the 8-wide bf16 ones
-    for n in [4099, 4096] {
-        let (g, u, d) = (r.bnormals(n, 2.0), r.bnormals(n, 1.0), r.bnormals(n, 1.0));
-        let want = silu_mul(&cx.c(&g, &[n])?, &cx.c(&u, &[n])?)?;
-        let got = silu_mul(&cx.g(&g, &[n], bf)?, &cx.g(&u, &[n], bf)?)?;
-        let row = cmp_t(&format!("silu_mul fwd n={n}"), &got, &want, BF16_FWD)?;
-        cx.push(row);
-        let (dgc, duc) = silu_mul_bwd(&cx.c(&d, &[n])?, &cx.c(&g, &[n])?, &cx.c(&u, &[n])?)?;
-        let (dgg, dug) = silu_mul_bwd(
-            &cx.g(&d, &[n], bf)?,
-            &cx.g(&g, &[n], bf)?,
-            &cx.g(&u, &[n], bf)?,
-        )?;
-        let row = cmp_t(&format!("silu_mul bwd dgate n={n}"), &dgg, &dgc, BF16_GRAD)?;
-        cx.push(row);
-        let row = cmp_t(&format!("silu_mul bwd dup n={n}"), &dug, &duc, BF16_GRAD)?;
-        cx.push(row);
-        let (mut gi, mut ui) = (cx.g(&g, &[n], bf)?, cx.g(&u, &[n], bf)?);
-        silu_mul_bwd_in_place(&cx.g(&d, &[n], bf)?, &mut gi, &mut ui)?;
-        let row = cmp_t(
-            &format!("silu_mul bwd in place dgate n={n}"),
-            &gi,
-            &dgc,
-            BF16_GRAD,
-        )?;
-        cx.push(row);
-        let row = cmp_t(
-            &format!("silu_mul bwd in place dup n={n}"),
-            &ui,
-            &duc,
-            BF16_GRAD,
-        )?;
-        cx.push(row);
-    }
-    // gelu_tanh_mul: n = 4099 takes the generic kernels, n = 4096 the 8-wide bf16 ones
-    for n in [4099, 4096] {
-        let (g, u, d) = (r.bnormals(n, 2.0), r.bnormals(n, 1.0), r.bnormals(n, 1.0));
-        let want = gelu_tanh_mul(&cx.c(&g, &[n])?, &cx.c(&u, &[n])?)?;
-        let got = gelu_tanh_mul(&cx.g(&g, &[n], bf)?, &cx.g(&u, &[n], bf)?)?;
-        let row = cmp_t(&format!("gelu_tanh_mul fwd n={n}"), &got, &want, BF16_FWD)?;
-        cx.push(row);
-        let (dgc, duc) = gelu_tanh_mul_bwd(&cx.c(&d, &[n])?, &cx.c(&g, &[n])?, &cx.c(&u, &[n])?)?;
-        let (dgg, dug) = gelu_tanh_mul_bwd(
-            &cx.g(&d, &[n], bf)?,
-            &cx.g(&g, &[n], bf)?,
-            &cx.g(&u, &[n], bf)?,
-        )?;
-        let row = cmp_t(
-            &format!("gelu_tanh_mul bwd dgate n={n}"),
-            &dgg,
-            &dgc,
-            BF16_GRAD,
-        )?;
-        cx.push(row);
-        let row = cmp_t(
-            &format!("gelu_tanh_mul bwd dup n={n}"),
-            &dug,
-            &duc,
-            BF16_GRAD,
-        )?;
-        cx.push(row);
-        let (mut gi, mut ui) = (cx.g(&g, &[n], bf)?, cx.g(&u, &[n], bf)?);
-        gelu_tanh_mul_bwd_in_place(&cx.g(&d, &[n], bf)?, &mut gi, &mut ui)?;
-        let row = cmp_t(
-            &format!("gelu_tanh_mul bwd in place dgate n={n}"),
-            &gi,
-            &dgc,
-            BF16_GRAD,
-        )?;
-        cx.push(row);
-        let row = cmp_t(
-            &format!("gelu_tanh_mul bwd in place dup n={n}"),
-            &ui,
-            &duc,
-            BF16_GRAD,
-        )?;
-        cx.push(row);
-        // f32 operands take the generic kernels: f32 agreement.
-        let got = gelu_tanh_mul(&cx.g(&g, &[n], DType::F32)?, &cx.g(&u, &[n], DType::F32)?)?;
-        let row = cmp_t(
-            &format!("gelu_tanh_mul fwd n={n} (f32)"),
-            &got,
-            &want,
-            F32_TIGHT,
-        )?;
-        cx.push(row);
+    // The gated activations: n = 4099 takes the generic kernels, n = 4096 the 8-wide bf16 ones;
+    // f32 operands take the generic kernels at f32 agreement.
+    type GateFwd = fn(&Tensor, &Tensor) -> Result<Tensor>;
+    type GateBwd = fn(&Tensor, &Tensor, &Tensor) -> Result<(Tensor, Tensor)>;
+    type GateBwdInPlace = fn(&Tensor, &mut Tensor, &mut Tensor) -> Result<()>;
+    let gates: [(&str, GateFwd, GateBwd, GateBwdInPlace); 2] = [
+        ("silu_mul", silu_mul, silu_mul_bwd, silu_mul_bwd_in_place),
+        (
+            "gelu_tanh_mul",
+            gelu_tanh_mul,
+            gelu_tanh_mul_bwd,
+            gelu_tanh_mul_bwd_in_place,
+        ),
+    ];
+    for (name, fwd, bwd, bwd_in_place) in gates {
+        for n in [4099, 4096] {
+            let (g, u, d) = (r.bnormals(n, 2.0), r.bnormals(n, 1.0), r.bnormals(n, 1.0));
+            let want = fwd(&cx.c(&g, &[n])?, &cx.c(&u, &[n])?)?;
+            let got = fwd(&cx.g(&g, &[n], bf)?, &cx.g(&u, &[n], bf)?)?;
+            let row = cmp_t(&format!("{name} fwd n={n}"), &got, &want, BF16_FWD)?;
+            cx.push(row);
+            let (dgc, duc) = bwd(&cx.c(&d, &[n])?, &cx.c(&g, &[n])?, &cx.c(&u, &[n])?)?;
+            let (dgg, dug) = bwd(
+                &cx.g(&d, &[n], bf)?,
+                &cx.g(&g, &[n], bf)?,
+                &cx.g(&u, &[n], bf)?,
+            )?;
+            let row = cmp_t(&format!("{name} bwd dgate n={n}"), &dgg, &dgc, BF16_GRAD)?;
+            cx.push(row);
+            let row = cmp_t(&format!("{name} bwd dup n={n}"), &dug, &duc, BF16_GRAD)?;
+            cx.push(row);
+            let (mut gi, mut ui) = (cx.g(&g, &[n], bf)?, cx.g(&u, &[n], bf)?);
+            bwd_in_place(&cx.g(&d, &[n], bf)?, &mut gi, &mut ui)?;
+            let what = format!("{name} bwd in place dgate n={n}");
+            let row = cmp_t(&what, &gi, &dgc, BF16_GRAD)?;
+            cx.push(row);
+            let what = format!("{name} bwd in place dup n={n}");
+            let row = cmp_t(&what, &ui, &duc, BF16_GRAD)?;
+            cx.push(row);
+            let f32_got = fwd(&cx.g(&g, &[n], DType::F32)?, &cx.g(&u, &[n], DType::F32)?)?;
+            let row = cmp_t(
+                &format!("{name} fwd n={n} (f32)"),
+                &f32_got,
+                &want,
+                F32_TIGHT,
+            )?;
+            cx.push(row);
+        }
     }
     // add_assign / add_bias / scale
     {
