@@ -12,10 +12,10 @@
 //
 // Versions: 1 (below, any head_dim up to 128); 2, 3 and 4 (after it: head_dim 64 and 128 only,
 // mma.sync with ldmatrix and cp.async, about 3x faster; version 2's forward, dQ and dK/dV also at
-// head_dim 256); 6 (head_dim 256, the one-pass backward on mma.sync); 5 (at the end: head_dim 128
-// on sm_90a, warpgroup MMAs, compiled only where the module targets sm_90a). The host picks the
-// newest that applies. All keep these semantics, and every kernel has a softcapped form (`_cap`,
-// see cap_scores).
+// head_dim 256); 6 (head_dim 256, the one-pass backward on mma.sync); 5 (head_dim 128 on sm_90a,
+// warpgroup MMAs, compiled only where the module targets sm_90a); 7 (at the end: head_dim 512,
+// forward, dQ and dK/dV on mma.sync, no atomics). The host picks the newest that applies. All
+// keep these semantics, and every kernel has a softcapped form (`_cap`, see cap_scores).
 //
 // mma.m16n8k16 fragment layouts (g = lane / 4, t = lane % 4):
 //   A (16x16, row-major): a0 = (g, 2t..2t+1), a1 = (g+8, 2t..), a2 = (g, 2t+8..), a3 = (g+8, 2t+8..)
