@@ -1241,6 +1241,27 @@ fn attention_suite(cx: &mut Ctx, r: &mut Rng) -> Result<()> {
             AttnMask::prefix_shared(300, 400, 300).with_window(Some(256)),
             "prefix+window256",
         ),
+        // Head_dim 512 (Gemma 4's global layers, version 7): GQA 8/2; T = 17 (one partial tile
+        // of every kind), causal, prefix-shared with a window shorter than T, and a full CPU
+        // check at T = 4096 (prompt 1024, responses 1536).
+        (17, 8, 2, 512, AttnMask::causal(17), "causal"),
+        (1000, 8, 2, 512, AttnMask::causal(1000), "causal"),
+        (
+            1000,
+            8,
+            2,
+            512,
+            AttnMask::prefix_shared(300, 400, 300).with_window(Some(256)),
+            "prefix+window256",
+        ),
+        (
+            4096,
+            8,
+            2,
+            512,
+            AttnMask::prefix_shared(1024, 1536, 1536),
+            "prefix",
+        ),
     ];
     // Softcapped: (…, softcap, query scale). Cap 5 with queries drawn at 3 (scores of standard
     // deviation 3: a third of them past the tanh's knee, |s| > c/2) puts the cap to work; cap 50
@@ -1291,6 +1312,18 @@ fn attention_suite(cx: &mut Ctx, r: &mut Rng) -> Result<()> {
             3.0,
         ),
         (1000, 4, 2, 256, AttnMask::causal(1000), "causal", 50.0, 1.0),
+        // Version 7's capped forms (Gemma 4 has no softcap; the kernels keep the family's
+        // contract), with scores past the cap.
+        (
+            1000,
+            8,
+            2,
+            512,
+            AttnMask::prefix_shared(300, 400, 300).with_window(Some(256)),
+            "prefix+window256",
+            5.0,
+            3.0,
+        ),
     ];
     let mut all: Vec<_> = cases
         .drain(..)
@@ -1532,6 +1565,28 @@ fn attention_long(cx: &mut Ctx, r: &mut Rng) -> Result<()> {
             Some(50.0),
             1.0,
         ),
+        // Gemma 4 E4B's global layers (8/2 heads of 512, no window) at 16K, causal and
+        // prefix-shared (the model's scale is 1 on normed q and k; here 1/sqrt(d), as above).
+        (
+            16384,
+            8,
+            2,
+            512,
+            AttnMask::causal(16384),
+            "causal",
+            None,
+            1.0,
+        ),
+        (
+            16384,
+            8,
+            2,
+            512,
+            AttnMask::prefix_shared(4096, 6144, 6144),
+            "prefix",
+            None,
+            1.0,
+        ),
     ] {
         if only_t.is_some_and(|o| o != t) {
             continue;
@@ -1661,8 +1716,11 @@ fn attn_timing(
         return Ok(());
     };
     let c = c.clone();
-    // Head_dim 256: the one-pass kernel (version 6) and the two-kernel one.
-    let versions: &[(u8, &str)] = if s.head_dim == 256 {
+    // Head_dim 256: the one-pass kernel (version 6) and the two-kernel one; 512: version 7's
+    // two kernels only.
+    let versions: &[(u8, &str)] = if s.head_dim == 512 {
+        &[(0, "bwd")]
+    } else if s.head_dim == 256 {
         &[(0, "bwd"), (2, "bwd v2")]
     } else {
         &[

@@ -79,7 +79,9 @@ impl CudaBackend {
             97..=128 => 128,
             // Versions 2 (forward, dQ, dK/dV) only; `attn2` says where they do not apply.
             256 => 256,
-            d => bail!("cuda attention supports head_dim up to 128 and 256, got {d}"),
+            // Version 7 (forward, dQ, dK/dV) only.
+            512 => 512,
+            d => bail!("cuda attention supports head_dim up to 128, 256 and 512, got {d}"),
         };
         Ok(hdp)
     }
@@ -134,6 +136,9 @@ impl CudaBackend {
             "lf_attn5_fwd_128",
             "lf_attn5_bwd_128",
             "lf_attn6_bwd_256",
+            "lf_attn7_fwd_512",
+            "lf_attn7_dq_512",
+            "lf_attn7_dkdv_512",
         )
     }
 
@@ -200,8 +205,11 @@ impl CudaBackend {
             });
         }
         let smem = Self::attn2_smem(kind, s.head_dim, t);
-        // dK/dV at head_dim 256: one block per head-dim half.
-        let z = if name == "lf_attn2_dkdv_256" { 2 } else { 1 };
+        // dK/dV at head_dim 256 and the forward at 512: one block per head-dim half.
+        let z = match name {
+            "lf_attn2_dkdv_256" | "lf_attn7_fwd_512" => 2,
+            _ => 1,
+        };
         (smem as i64 <= limit as i64).then_some(AttnKernel {
             name,
             threads,
@@ -220,6 +228,10 @@ impl CudaBackend {
             ("dq", 256) => ("lf_attn2_dq_256", 128, 64),
             ("dkdv", 256) => ("lf_attn2_dkdv_256", 128, 64),
             ("bwd", 256) => ("lf_attn6_bwd_256", 256, 64),
+            // Head_dim 512: version 7's forward, dQ and dK/dV (no one-pass backward).
+            ("fwd", 512) => ("lf_attn7_fwd_512", 256, 128),
+            ("dq", 512) => ("lf_attn7_dq_512", 256, 64),
+            ("dkdv", 512) => ("lf_attn7_dkdv_512", 256, 32),
             ("fwd", 64) => ("lf_attn3_fwd_64", 128, 128),
             ("fwd", 128) => ("lf_attn3_fwd_128", 128, 128),
             ("dq", 64) => ("lf_attn2_dq_64", 128, 64),
@@ -272,7 +284,19 @@ impl CudaBackend {
     /// visibility byte per tile.
     fn attn2_smem(kind: &str, hd: usize, t: usize) -> u32 {
         let row = (hd + 8) * 2;
+        let flags = t.div_ceil(64).next_multiple_of(16);
         let b = match kind {
+            // Version 7 (head_dim 512), laid out as its kernels' headers list. Forward: Q (128
+            // rows), two K buffers (32 rows), the block's half of V (32 rows of 256 + 8).
+            "fwd" if hd == 512 => 128 * row + 2 * 32 * row + 32 * (256 + 8) * 2 + flags,
+            // dQ: Q and dO (64 rows), two buffers of K and V (16 rows), P (f32, 64 x 20), dS
+            // (bf16, 64 x 24).
+            "dq" if hd == 512 => (2 * 64 + 4 * 16) * row + 64 * 20 * 4 + 64 * 24 * 2 + flags,
+            // dK/dV: K and V (32 rows), two buffers of Q and dO (32 rows), P^T and dS^T (bf16,
+            // 32 x 40), P^T (f32, 32 x 36), two buffers of lse and D (32 each).
+            "dkdv" if hd == 512 => {
+                (2 * 32 + 4 * 32) * row + 2 * 32 * 40 * 2 + 32 * 36 * 4 + 4 * 32 * 4 + flags
+            }
             "fwd" => (128 + 4 * 64) * row + t.div_ceil(64).next_multiple_of(16),
             "dq" => (2 * 64 + 4 * 64) * row + t.div_ceil(64).next_multiple_of(16),
             // Version 6 (head_dim 256): 64-key K and V tiles, two buffers of Q and dO, the P^T and
@@ -293,6 +317,29 @@ impl CudaBackend {
             _ => (2 * 64 + 4 * 64) * row + 4 * 64 * 4 + t.div_ceil(64).next_multiple_of(16),
         };
         b as u32
+    }
+
+    /// Why no kernel serves `kind` ("fwd", "dq", "dkdv") at a head dim above 128, which version 1
+    /// does not cover: version 1 forced (`set_attention_forward_version` /
+    /// `set_attention_backward_version`), or more shared memory than the device has.
+    fn attn_no_kernel(&self, kind: &str, s: &AttnShape, t: usize) -> anyhow::Error {
+        let version = match kind {
+            "fwd" => self.inner.attn_fwd_version.load(Ordering::Relaxed),
+            _ => self.inner.attn_bwd_version.load(Ordering::Relaxed),
+        };
+        if version == 1 {
+            return anyhow!(
+                "cuda attention {kind}: version 1 is forced and has no kernel for head_dim {}",
+                s.head_dim
+            );
+        }
+        anyhow!(
+            "cuda attention {kind}: the head_dim {} kernel needs {} bytes of shared memory per \
+             block at T = {t}; this device allows {}",
+            s.head_dim,
+            Self::attn2_smem(kind, s.head_dim, t),
+            self.attn_smem_limit()
+        )
     }
 
     fn attn_fn(kind: &str, hdp: usize) -> &'static str {
@@ -351,11 +398,9 @@ impl CudaBackend {
                 )
                 .map(|_| (o, lse));
         }
-        ensure!(
-            hdp <= 128,
-            "cuda attention: no kernel for head_dim {}",
-            s.head_dim
-        );
+        if hdp > 128 {
+            return Err(self.attn_no_kernel("fwd", &s, t));
+        }
         self.launch(
             Self::attn_cap_name(Self::attn_fn("fwd", hdp), &s),
             (t.div_ceil(64) as u32, s.n_heads as u32, 1),
@@ -445,11 +490,14 @@ impl CudaBackend {
             Some(_) => (None, None),
             None => (self.attn2("dq", &s, t), self.attn2("dkdv", &s, t)),
         };
-        ensure!(
-            hdp <= 128 || one_pass.is_some() || (dq2.is_some() && dkdv2.is_some()),
-            "cuda attention backward: no kernel for head_dim {}",
-            s.head_dim
-        );
+        if hdp > 128 && one_pass.is_none() {
+            if dq2.is_none() {
+                return Err(self.attn_no_kernel("dq", &s, t));
+            }
+            if dkdv2.is_none() {
+                return Err(self.attn_no_kernel("dkdv", &s, t));
+            }
+        }
         let cap = |name| Self::attn_cap_name(name, &s);
         // Version 2 takes no head_dim argument (it is the template's).
         let common2 = |out: Vec<Arg>| -> Result<Vec<Arg>> {
@@ -554,5 +602,68 @@ impl CudaBackend {
             )?;
         }
         Ok((dq, dk, dv))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::CudaBackend;
+
+    /// Version 7's shared memory (head_dim 512), from its kernels' layouts: padded rows of 520
+    /// bf16 (1040 bytes) plus each kernel's small tiles and one visibility byte per 64 rows
+    /// (rounded up to 16). All three fit an H200's 227 KB opt-in limit (less the 1 KB the attention
+    /// kernels leave) far past the lengths Gemma 4 trains at.
+    #[test]
+    fn head_dim_512_shared_memory() {
+        let (row, t) = (1040, 16384);
+        let flags = 256;
+        let fwd = 128 * row + 2 * 32 * row + 32 * 264 * 2 + flags;
+        let dq = 64 * row * 2 + 4 * 16 * row + 64 * 20 * 4 + 64 * 24 * 2 + flags;
+        let dkdv = 2 * 32 * row + 4 * 32 * row + 2 * 32 * 40 * 2 + 32 * 36 * 4 + 4 * 32 * 4 + flags;
+        assert_eq!((fwd, dq, dkdv), (216_832, 208_128, 210_176));
+        for (kind, want) in [("fwd", fwd), ("dq", dq), ("dkdv", dkdv)] {
+            assert_eq!(CudaBackend::attn2_smem(kind, 512, t), want as u32, "{kind}");
+        }
+        let h200_limit = 232_448 - 1024;
+        for kind in ["fwd", "dq", "dkdv"] {
+            let at_256k = CudaBackend::attn2_smem(kind, 512, 262_144);
+            assert!(at_256k <= h200_limit, "{kind}: {at_256k} bytes at T = 256K");
+        }
+    }
+
+    /// Head_dim 512 is served by version 7 alone: its forward (one block per output half), dQ
+    /// and dK/dV, no one-pass backward; each has its capped form.
+    #[test]
+    fn head_dim_512_kernels() {
+        let s = crate::tensor::AttnShape {
+            n_heads: 8,
+            n_kv_heads: 2,
+            head_dim: 512,
+            scale: 1.0,
+            softcap: None,
+        };
+        let names: Vec<_> = ["fwd", "dq", "dkdv", "bwd"]
+            .iter()
+            .map(|k| CudaBackend::attn2_fn(k, &s, false))
+            .collect();
+        assert_eq!(
+            names,
+            [
+                Some(("lf_attn7_fwd_512", 256, 128)),
+                Some(("lf_attn7_dq_512", 256, 64)),
+                Some(("lf_attn7_dkdv_512", 256, 32)),
+                None
+            ]
+        );
+        let capped = crate::tensor::AttnShape {
+            softcap: Some(50.0),
+            ..s
+        };
+        for (name, _, _) in names.into_iter().flatten() {
+            assert_eq!(
+                CudaBackend::attn_cap_name(name, &capped),
+                format!("{name}_cap")
+            );
+        }
     }
 }

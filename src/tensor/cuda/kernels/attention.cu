@@ -12,10 +12,10 @@
 //
 // Versions: 1 (below, any head_dim up to 128); 2, 3 and 4 (after it: head_dim 64 and 128 only,
 // mma.sync with ldmatrix and cp.async, about 3x faster; version 2's forward, dQ and dK/dV also at
-// head_dim 256); 6 (head_dim 256, the one-pass backward on mma.sync); 5 (at the end: head_dim 128
-// on sm_90a, warpgroup MMAs, compiled only where the module targets sm_90a). The host picks the
-// newest that applies. All keep these semantics, and every kernel has a softcapped form (`_cap`,
-// see cap_scores).
+// head_dim 256); 6 (head_dim 256, the one-pass backward on mma.sync); 5 (head_dim 128 on sm_90a,
+// warpgroup MMAs, compiled only where the module targets sm_90a); 7 (at the end: head_dim 512,
+// forward, dQ and dK/dV on mma.sync, no atomics). The host picks the newest that applies. All
+// keep these semantics, and every kernel has a softcapped form (`_cap`, see cap_scores).
 //
 // mma.m16n8k16 fragment layouts (g = lane / 4, t = lane % 4):
 //   A (16x16, row-major): a0 = (g, 2t..2t+1), a1 = (g+8, 2t..), a2 = (g, 2t+8..), a3 = (g+8, 2t+8..)
@@ -2398,3 +2398,475 @@ __device__ void attn5_bwd(const bf16* __restrict__ q, const bf16* __restrict__ k
     }
 INSTANTIATE5(false, )
 INSTANTIATE5(true, _cap)
+
+// ================================================================================================
+// Version 7: head_dim 512 (Gemma 4's global layers) on mma.sync, forward, dQ and dK/dV, no
+// atomics. A warp owns 16 rows; at head_dim 512 its accumulators over all head dims would be 256
+// f32 registers (per output, dK or dV), so each kernel splits the accumulated head dims across
+// blocks or warps, and the tiles shrink to fit shared memory (rows of 520 bf16, padded as in
+// version 2). Key and query steps of 16 or 32 rows walk the 64-row tiles of the visibility table:
+// a step takes its 64-tile's flag (none: skipped, full: no per-element test, else tested), and
+// steps that start at or past T are skipped.
+//
+//   forward  grid (ceil(T/128), n_heads, 2), 256 threads. Block z computes output dims 256z..:
+//            S = Q K^T over all 512 dims (Q read from shared memory per k16 step), the online
+//            softmax, O[:, 256z..] += P V[:, 256z..]. Both blocks of a query tile compute the same
+//            S, maxima and sums (same instructions on the same data), so their halves of O agree;
+//            block 0 writes the lse. 32-key steps; K double-buffered, V (its half) single, its
+//            load overlapping the next step's S. Shared memory 217 KB.
+//   dQ       grid (ceil(T/64), n_heads), 256 threads; 16-key steps, K and V double-buffered, Q and
+//            dO resident. Warps 0-3 compute S (query rows 16w..), warps 4-7 dP = dO V^T for the
+//            same rows; the probabilities P * (1 - tanh^2) go through shared memory (f32) to the
+//            dP warps, which write dS (bf16) for dQ = dS K: warp w accumulates query rows
+//            16(w % 4).., head dims 256(w / 4).. (128 registers). 208 KB.
+//   dK/dV    grid (ceil(T/32), n_heads), 256 threads: 32 keys per block (K and V resident) meet
+//            the visible queries in 32-row steps (Q, dO, lse and D double-buffered). Warp w computes
+//            S^T (w < 4) or dP^T (w >= 4) for keys 16(w % 2).., queries 16((w / 2) % 2).. of the
+//            step; P^T and dS^T (bf16) go to shared memory as in version 6; then warp w
+//            accumulates dV += P^T dO and dK += dS^T Q for keys 16(w % 2).., head dims
+//            128(w / 2).. (64 + 64 registers). Output as key_tile_store writes it (f32 partials per
+//            query head with GQA, summed by lf_attn_dkdv_reduce). 210 KB.
+// Every product is computed once per (query, key) pair except S in the forward (twice, one per
+// output half).
+
+// The step after `st` (steps of BS rows inside 64-row tiles; fl: the tiles' visibility bytes, n
+// tiles): the next step of the same tile while it starts below t, else the first step of the next
+// visible tile; n * (64 / BS) when none is left.
+template <int BS>
+__device__ __forceinline__ int next_step(const unsigned char* fl, int st, int n, int t) {
+    constexpr int SUB = 64 / BS;
+    if (st % SUB + 1 < SUB && (st + 1) * BS < t) return st + 1;
+    return next_visible(fl, st / SUB + 1, n) * SUB;
+}
+
+template <bool CAP>
+__device__ void attn7_fwd(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v,
+                          bf16* __restrict__ o, float* __restrict__ lse, Mask mk, int t, int nh, int nkv,
+                          float scale, float cap) {
+    constexpr int HD = 512, DW = 256, BQ_ = 128, BK_ = 32, NT = 256, SS = HD + 8, SV = DW + 8, SUB = 64 / BK_;
+    extern __shared__ __align__(16) unsigned char smem[];
+    bf16* qs = (bf16*)smem;                    // [BQ_][SS]
+    bf16* ks = qs + BQ_ * SS;                  // two buffers of [BK_][SS]
+    bf16* vs = ks + 2 * BK_ * SS;              // [BK_][SV]: this block's DW columns of V
+    unsigned char* fl = (unsigned char*)(vs + BK_ * SV);
+
+    const int h = blockIdx.y, kvh = h / (nh / nkv), dh = blockIdx.z * DW;
+    const int q0 = (gridDim.x - 1 - blockIdx.x) * BQ_;
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
+    const i64 qstride = (i64)nh * HD, kstride = (i64)nkv * HD;
+    const float sl2 = CAP ? LOG2E : scale * LOG2E;
+    const int ntiles = (t + 63) / 64, nsteps = ntiles * SUB;
+    const bf16* kg = k + (i64)kvh * HD;
+    const bf16* vg = v + (i64)kvh * HD + dh;
+
+    cp_tile<HD, BQ_, NT>(qs, q + (i64)h * HD, qstride, q0, t);
+    cp_async_commit();
+    for (int kt = threadIdx.x; kt < ntiles; kt += NT) fl[kt] = tile_flag(mk, t, q0 / 64, BQ_ / 64, kt, 1);
+    __syncthreads();
+    int cur = next_visible(fl, 0, ntiles) * SUB;
+    // cp.async groups, oldest first: Q, then per step its K and its V (empty groups where there is
+    // nothing to load, so that the counts below hold).
+    if (cur < nsteps) cp_tile<HD, BK_, NT>(ks, kg, kstride, cur * BK_, t);
+    cp_async_commit();
+    if (cur < nsteps) cp_tile<DW, BK_, NT>(vs, vg, kstride, cur * BK_, t);
+    cp_async_commit();
+
+    const int ra = q0 + 16 * w + g, rb = ra + 8;
+    const bool oka = ra < t, okb = rb < t;
+    float acc[DW / 8][4];
+    #pragma unroll
+    for (int i = 0; i < DW / 8; i++) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+    float m_a = -LF_INF, m_b = -LF_INF, l_a = 0.f, l_b = 0.f;
+
+    int buf = 0;
+    while (cur < nsteps) {
+        const int nxt = next_step<BK_>(fl, cur, ntiles, t);
+        // Q and this step's K have landed (its V may be in flight); past the barrier every warp
+        // is done with the other K buffer (the previous step's S).
+        cp_async_wait<1>();
+        __syncthreads();
+        if (nxt < nsteps) cp_tile<HD, BK_, NT>(ks + (buf ^ 1) * BK_ * SS, kg, kstride, nxt * BK_, t);
+        cp_async_commit();
+        const bf16* kb = ks + buf * BK_ * SS;
+        const int k0 = cur * BK_;
+        const bool tile_all = fl[cur / SUB] == 2;
+
+        float s[BK_ / 8][4];
+        #pragma unroll
+        for (int nt = 0; nt < BK_ / 8; nt++) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+        #pragma unroll 4
+        for (int kk = 0; kk < HD / 16; kk++) {
+            u32 af[4];
+            ldsm_x4(af, qs + (16 * w) * SS + kk * 16 + lo_a<SS>(lane));
+            #pragma unroll
+            for (int np = 0; np < BK_ / 16; np++) {
+                u32 b[4];
+                ldsm_x4(b, kb + np * 16 * SS + kk * 16 + lo_bn<SS>(lane));
+                mma16816(s[2 * np], af, b[0], b[1]);
+                mma16816(s[2 * np + 1], af, b[2], b[3]);
+            }
+        }
+        if constexpr (CAP) cap_scores(s, scale / cap, cap);
+        if (!tile_all) mask_scores(s, mk, ra, rb, k0, t, tq);
+        float al_a, al_b;
+        softmax_tile<BK_ / 8>(s, m_a, m_b, l_a, l_b, al_a, al_b, sl2);
+        rescale_rows<DW / 8>(acc, al_a, al_b);
+
+        // This step's V has landed (the next K may be in flight).
+        cp_async_wait<1>();
+        __syncthreads();
+        #pragma unroll
+        for (int j = 0; j < BK_ / 16; j++) {
+            u32 pf[4];
+            pf[0] = pack_bf16(s[2 * j][0], s[2 * j][1]);
+            pf[1] = pack_bf16(s[2 * j][2], s[2 * j][3]);
+            pf[2] = pack_bf16(s[2 * j + 1][0], s[2 * j + 1][1]);
+            pf[3] = pack_bf16(s[2 * j + 1][2], s[2 * j + 1][3]);
+            #pragma unroll
+            for (int dp = 0; dp < DW / 16; dp++) {
+                u32 b[4];
+                ldsm_x4_t(b, vs + j * 16 * SV + dp * 16 + lo_bt<SV>(lane));
+                mma16816(acc[2 * dp], pf, b[0], b[1]);
+                mma16816(acc[2 * dp + 1], pf, b[2], b[3]);
+            }
+        }
+        // Every warp is done with V: the next step's V may overwrite it.
+        __syncthreads();
+        if (nxt < nsteps) cp_tile<DW, BK_, NT>(vs, vg, kstride, nxt * BK_, t);
+        cp_async_commit();
+        cur = nxt;
+        buf ^= 1;
+    }
+    cp_async_wait<0>();
+
+    l_a += __shfl_xor_sync(0xffffffffu, l_a, 1);
+    l_a += __shfl_xor_sync(0xffffffffu, l_a, 2);
+    l_b += __shfl_xor_sync(0xffffffffu, l_b, 1);
+    l_b += __shfl_xor_sync(0xffffffffu, l_b, 2);
+    const float inv_a = l_a > 0.f ? 1.f / l_a : 0.f, inv_b = l_b > 0.f ? 1.f / l_b : 0.f;
+    #pragma unroll
+    for (int nd = 0; nd < DW / 8; nd++) {
+        const i64 col = (i64)h * HD + dh + nd * 8 + 2 * tq;
+        if (oka) *(u32*)(o + (i64)ra * qstride + col) = pack_bf16(acc[nd][0] * inv_a, acc[nd][1] * inv_a);
+        if (okb) *(u32*)(o + (i64)rb * qstride + col) = pack_bf16(acc[nd][2] * inv_b, acc[nd][3] * inv_b);
+    }
+    if (tq == 0 && blockIdx.z == 0) {
+        if (oka) lse[(i64)h * t + ra] = l_a > 0.f ? (m_a + log2f(l_a)) * LN2 : -LF_INF;
+        if (okb) lse[(i64)h * t + rb] = l_b > 0.f ? (m_b + log2f(l_b)) * LN2 : -LF_INF;
+    }
+}
+
+template <bool CAP>
+__device__ void attn7_dq(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v,
+                         const bf16* __restrict__ d_o, const float* __restrict__ lse, const float* __restrict__ dd,
+                         bf16* __restrict__ dq, Mask mk, int t, int nh, int nkv, float scale, float cap) {
+    constexpr int HD = 512, DW = 256, BQ_ = 64, BK_ = 16, NT = 256, SS = HD + 8, SUB = 64 / BK_;
+    constexpr int PS = BK_ + 4, DSS = BK_ + 8;
+    extern __shared__ __align__(16) unsigned char smem[];
+    bf16* qs = (bf16*)smem;                     // [BQ_][SS]
+    bf16* dos = qs + BQ_ * SS;                  // [BQ_][SS]
+    bf16* ks = dos + BQ_ * SS;                  // two buffers of [BK_][SS]
+    bf16* vs = ks + 2 * BK_ * SS;               // two buffers of [BK_][SS]
+    float* pm = (float*)(vs + 2 * BK_ * SS);    // [BQ_][PS]: P * (1 - tanh^2), f32
+    bf16* dss = (bf16*)(pm + BQ_ * PS);         // [BQ_][DSS]: dS
+    unsigned char* fl = (unsigned char*)(dss + BQ_ * DSS);
+
+    const int h = blockIdx.y, kvh = h / (nh / nkv);
+    const int q0 = (gridDim.x - 1 - blockIdx.x) * BQ_;
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
+    const int qg = w & 3, role = w >> 2, dh = role * DW;
+    const i64 qstride = (i64)nh * HD, kstride = (i64)nkv * HD;
+    const float sl2 = scale * LOG2E;
+    const int ntiles = (t + 63) / 64, nsteps = ntiles * SUB;
+    const bf16* kg = k + (i64)kvh * HD;
+    const bf16* vg = v + (i64)kvh * HD;
+
+    cp_tile<HD, BQ_, NT>(qs, q + (i64)h * HD, qstride, q0, t);
+    cp_tile<HD, BQ_, NT>(dos, d_o + (i64)h * HD, qstride, q0, t);
+    for (int kt = threadIdx.x; kt < ntiles; kt += NT) fl[kt] = tile_flag(mk, t, q0 / 64, BQ_ / 64, kt, 1);
+    __syncthreads();
+    auto load_kv = [&](int st, int b) {
+        cp_tile<HD, BK_, NT>(ks + b * BK_ * SS, kg, kstride, st * BK_, t);
+        cp_tile<HD, BK_, NT>(vs + b * BK_ * SS, vg, kstride, st * BK_, t);
+    };
+    int cur = next_visible(fl, 0, ntiles) * SUB;
+    if (cur < nsteps) load_kv(cur, 0);
+    cp_async_commit();
+
+    // The warp's score rows (query rows ra, rb of its C fragments).
+    const int ra = q0 + 16 * qg + g, rb = ra + 8;
+    const uint4 empty = make_uint4(0, 0, 0, 0);
+    const bool oka = ra < t, okb = rb < t;
+    const uint4 rga = oka ? mk.ranges[ra] : empty, rgb = okb ? mk.ranges[rb] : empty;
+    const int pa = oka ? mk.pos[ra] : 0, pb = okb ? mk.pos[rb] : 0;
+    const float la = oka ? lse[(i64)h * t + ra] * LOG2E : 0.f, lb = okb ? lse[(i64)h * t + rb] * LOG2E : 0.f;
+    const float da = oka ? dd[(i64)h * t + ra] : 0.f, db = okb ? dd[(i64)h * t + rb] : 0.f;
+    // This warp's rows of its score product's A operand (Q for S, dO for dP).
+    const bf16* aw = (role == 0 ? qs : dos) + (16 * qg) * SS;
+    float* pw = pm + (16 * qg + g) * PS + 2 * tq;
+    bf16* dw = dss + (16 * qg + g) * DSS + 2 * tq;
+
+    float acc[DW / 8][4];
+    #pragma unroll
+    for (int i = 0; i < DW / 8; i++) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+
+    int buf = 0;
+    while (cur < nsteps) {
+        const int nxt = next_step<BK_>(fl, cur, ntiles, t);
+        // This step's K and V have landed; every warp is done with the previous step (the other
+        // buffers, pm and dss may be overwritten).
+        cp_async_wait<0>();
+        __syncthreads();
+        if (nxt < nsteps) load_kv(nxt, buf ^ 1);
+        cp_async_commit();
+        const bf16* kb = ks + buf * BK_ * SS;
+        const int k0 = cur * BK_;
+        {
+            // S (role 0) or dP (role 1): 16 query rows x 16 keys over all 512 dims. Element e of
+            // n-tile nt: row (e < 2 ? ra : rb), key k0 + nt * 8 + 2tq + (e & 1).
+            const bf16* bw = (role == 0 ? kb : vs + buf * BK_ * SS);
+            float x[BK_ / 8][4];
+            #pragma unroll
+            for (int nt = 0; nt < BK_ / 8; nt++) x[nt][0] = x[nt][1] = x[nt][2] = x[nt][3] = 0.f;
+            #pragma unroll 8
+            for (int kk = 0; kk < HD / 16; kk++) {
+                u32 af[4], b[4];
+                ldsm_x4(af, aw + kk * 16 + lo_a<SS>(lane));
+                ldsm_x4(b, bw + kk * 16 + lo_bn<SS>(lane));
+                mma16816(x[0], af, b[0], b[1]);
+                mma16816(x[1], af, b[2], b[3]);
+            }
+            if (role == 0) {
+                const bool tile_all = fl[cur / SUB] == 2;
+                #pragma unroll
+                for (int nt = 0; nt < BK_ / 8; nt++) {
+                    float pmv[4];
+                    #pragma unroll
+                    for (int e = 0; e < 4; e++) {
+                        const bool top = e < 2;
+                        float p, dcap = 1.f;
+                        if constexpr (CAP) {
+                            const float th = cap_tanh(x[nt][e] * (scale / cap));
+                            p = fast_exp2(cap * th * LOG2E - (top ? la : lb));
+                            dcap = 1.f - th * th;
+                        } else {
+                            p = fast_exp2(x[nt][e] * sl2 - (top ? la : lb));
+                        }
+                        if (!tile_all) {
+                            const int kx = k0 + nt * 8 + 2 * tq + (e & 1);
+                            const bool vis = top ? vis2(mk, rga, pa, oka, kx, t) : vis2(mk, rgb, pb, okb, kx, t);
+                            if (!vis) p = 0.f;
+                        }
+                        pmv[e] = p * dcap;
+                    }
+                    *(float2*)(pw + nt * 8) = make_float2(pmv[0], pmv[1]);
+                    *(float2*)(pw + 8 * PS + nt * 8) = make_float2(pmv[2], pmv[3]);
+                }
+            }
+            __syncthreads();
+            if (role == 1) {
+                #pragma unroll
+                for (int nt = 0; nt < BK_ / 8; nt++) {
+                    const float2 top = *(const float2*)(pw + nt * 8), bot = *(const float2*)(pw + 8 * PS + nt * 8);
+                    *(u32*)(dw + nt * 8) = pack_bf16(top.x * (x[nt][0] - da), top.y * (x[nt][1] - da));
+                    *(u32*)(dw + 8 * DSS + nt * 8) = pack_bf16(bot.x * (x[nt][2] - db), bot.y * (x[nt][3] - db));
+                }
+            }
+        }
+        __syncthreads();
+        // dQ rows 16qg.., head dims dh..: A = dS (16 rows x 16 keys), B = K (keys x dims).
+        u32 af[4];
+        ldsm_x4(af, dss + (16 * qg) * DSS + lo_a<DSS>(lane));
+        #pragma unroll
+        for (int dpi = 0; dpi < DW / 16; dpi++) {
+            u32 b[4];
+            ldsm_x4_t(b, kb + dh + dpi * 16 + lo_bt<SS>(lane));
+            mma16816(acc[2 * dpi], af, b[0], b[1]);
+            mma16816(acc[2 * dpi + 1], af, b[2], b[3]);
+        }
+        cur = nxt;
+        buf ^= 1;
+    }
+    cp_async_wait<0>();
+    #pragma unroll
+    for (int nd = 0; nd < DW / 8; nd++) {
+        const i64 col = (i64)h * HD + dh + nd * 8 + 2 * tq;
+        if (oka) *(u32*)(dq + (i64)ra * qstride + col) = pack_bf16(acc[nd][0] * scale, acc[nd][1] * scale);
+        if (okb) *(u32*)(dq + (i64)rb * qstride + col) = pack_bf16(acc[nd][2] * scale, acc[nd][3] * scale);
+    }
+}
+
+template <bool CAP>
+__device__ void attn7_dkdv(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v,
+                           const bf16* __restrict__ d_o, const float* __restrict__ lse,
+                           const float* __restrict__ dd, bf16* __restrict__ dk, bf16* __restrict__ dv,
+                           float* __restrict__ dk_part, float* __restrict__ dv_part, Mask mk, int t, int nh,
+                           int nkv, float scale, float cap) {
+    constexpr int HD = 512, DW = 128, BK_ = 32, BQ_ = 32, NT = 256, SS = HD + 8, SUB = 64 / BQ_;
+    constexpr int DS = BQ_ + 8, PS = BQ_ + 4;
+    extern __shared__ __align__(16) unsigned char smem[];
+    bf16* ks = (bf16*)smem;                     // [BK_][SS]
+    bf16* vs = ks + BK_ * SS;                   // [BK_][SS]
+    bf16* qs = vs + BK_ * SS;                   // two buffers of [BQ_][SS]
+    bf16* dos = qs + 2 * BQ_ * SS;              // two buffers of [BQ_][SS]
+    bf16* pt_s = dos + 2 * BQ_ * SS;            // [BK_][DS]: P^T
+    bf16* dst = pt_s + BK_ * DS;                // [BK_][DS]: dS^T
+    float* pm = (float*)(dst + BK_ * DS);       // [BK_][PS]: P^T * (1 - tanh^2), f32
+    float* ls = pm + BK_ * PS;                  // two buffers of BQ_ lse
+    float* dsum = ls + 2 * BQ_;                 // two buffers of BQ_ D
+    unsigned char* fl = (unsigned char*)(dsum + 2 * BQ_);
+
+    const int h = blockIdx.y, group = nh / nkv, kvh = h / group;
+    const int k0 = blockIdx.x * BK_;
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
+    // Scores: keys 16kr.., queries 16qc.. of the step, S^T (role 0) or dP^T (role 1).
+    // Accumulators: keys 16kr.., head dims dh...
+    const int kr = w & 1, qc = (w >> 1) & 1, role = w >> 2, dh = (w >> 1) * DW;
+    const i64 qstride = (i64)nh * HD, kstride = (i64)nkv * HD;
+    const float sl2 = CAP ? LOG2E : scale * LOG2E, sc = scale / cap;
+    const int nqt = (t + 63) / 64, nsteps = nqt * SUB;
+    const bf16* qg = q + (i64)h * HD;
+    const bf16* og = d_o + (i64)h * HD;
+    const float* lg = lse + (i64)h * t;
+    const float* dg = dd + (i64)h * t;
+
+    cp_tile<HD, BK_, NT>(ks, k + (i64)kvh * HD, kstride, k0, t);
+    cp_tile<HD, BK_, NT>(vs, v + (i64)kvh * HD, kstride, k0, t);
+    cp_async_commit();
+    // Visibility per 64-query tile from the 64-key tile holding the block's keys.
+    for (int it = threadIdx.x; it < nqt; it += NT) fl[it] = tile_flag(mk, t, it, 1, k0 / 64, 1);
+    __syncthreads();
+    auto load_q = [&](int st, int b) {
+        load_query_tile<HD, BQ_, NT>(qs + b * BQ_ * SS, dos + b * BQ_ * SS, ls + b * BQ_, dsum + b * BQ_, qg, og, lg,
+                                     dg, qstride, st * BQ_, t);
+    };
+    int cur = next_visible(fl, 0, nqt) * SUB;
+    if (cur < nsteps) load_q(cur, 0);
+    cp_async_commit();
+
+    const int ka = k0 + 16 * kr + g, kb = ka + 8;
+    const int kpa = ka < t ? mk.pos[ka] : 0, kpb = kb < t ? mk.pos[kb] : 0;
+    float adk[DW / 8][4], adv[DW / 8][4];
+    zero_key_acc(adk, adv);
+    // This warp's rows of its score product's A operand (K for S^T, V for dP^T).
+    const bf16* aw = (role == 0 ? ks : vs) + (16 * kr) * SS;
+    // Its elements of the P^T / dS^T tiles: key row 16kr + g (+ 8), query column 16qc + 2tq (+ nt * 8).
+    bf16* pw = pt_s + (16 * kr + g) * DS + 16 * qc + 2 * tq;
+    bf16* dw = dst + (16 * kr + g) * DS + 16 * qc + 2 * tq;
+    float* mw = pm + (16 * kr + g) * PS + 16 * qc + 2 * tq;
+
+    int buf = 0;
+    while (cur < nsteps) {
+        const int nxt = next_step<BQ_>(fl, cur, nqt, t);
+        // This step's Q, dO, lse and D have landed; every warp is done with the previous step.
+        cp_async_wait<0>();
+        __syncthreads();
+        if (nxt < nsteps) load_q(nxt, buf ^ 1);
+        cp_async_commit();
+        const bf16* qb = qs + buf * BQ_ * SS;
+        const bf16* ob = dos + buf * BQ_ * SS;
+        const int q0 = cur * BQ_;
+        {
+            float x[2][4];
+            #pragma unroll
+            for (int nt = 0; nt < 2; nt++) x[nt][0] = x[nt][1] = x[nt][2] = x[nt][3] = 0.f;
+            const bf16* bw = (role == 0 ? qb : ob) + (16 * qc) * SS;
+            #pragma unroll 8
+            for (int kk = 0; kk < HD / 16; kk++) {
+                u32 af[4], b[4];
+                ldsm_x4(af, aw + kk * 16 + lo_a<SS>(lane));
+                ldsm_x4(b, bw + kk * 16 + lo_bn<SS>(lane));
+                mma16816(x[0], af, b[0], b[1]);
+                mma16816(x[1], af, b[2], b[3]);
+            }
+            // Element e of n-tile nt: key (e < 2 ? ka : kb), query column ql of the step.
+            if (role == 0) {
+                const float* lb = ls + buf * BQ_;
+                const bool tile_all = fl[cur / SUB] == 2;
+                #pragma unroll
+                for (int nt = 0; nt < 2; nt++) {
+                    float p[4], pmv[4];
+                    #pragma unroll
+                    for (int e = 0; e < 4; e++) {
+                        const int ql = 16 * qc + nt * 8 + 2 * tq + (e & 1);
+                        float dcap = 1.f;
+                        if constexpr (CAP) {
+                            const float th = cap_tanh(x[nt][e] * sc);
+                            p[e] = fast_exp2((cap * th - lb[ql]) * LOG2E);
+                            dcap = 1.f - th * th;
+                        } else {
+                            p[e] = fast_exp2(x[nt][e] * sl2 - lb[ql] * LOG2E);
+                        }
+                        if (!tile_all) {
+                            const int qi = q0 + ql, kx = e < 2 ? ka : kb;
+                            bool vis = false;
+                            if (qi < t && kx < t)
+                                vis = visible(mk.ranges[qi], mk.pos[qi], kx, e < 2 ? kpa : kpb, mk.window);
+                            if (!vis) p[e] = 0.f;
+                        }
+                        pmv[e] = p[e] * dcap;
+                    }
+                    *(u32*)(pw + nt * 8) = pack_bf16(p[0], p[1]);
+                    *(u32*)(pw + 8 * DS + nt * 8) = pack_bf16(p[2], p[3]);
+                    *(float2*)(mw + nt * 8) = make_float2(pmv[0], pmv[1]);
+                    *(float2*)(mw + 8 * PS + nt * 8) = make_float2(pmv[2], pmv[3]);
+                }
+            }
+            __syncthreads();
+            if (role == 1) {
+                const float* db = dsum + buf * BQ_;
+                #pragma unroll
+                for (int nt = 0; nt < 2; nt++) {
+                    const int ql = 16 * qc + nt * 8 + 2 * tq;
+                    const float d0 = db[ql], d1 = db[ql + 1];
+                    const float2 top = *(const float2*)(mw + nt * 8), bot = *(const float2*)(mw + 8 * PS + nt * 8);
+                    *(u32*)(dw + nt * 8) = pack_bf16(top.x * (x[nt][0] - d0), top.y * (x[nt][1] - d1));
+                    *(u32*)(dw + 8 * DS + nt * 8) = pack_bf16(bot.x * (x[nt][2] - d0), bot.y * (x[nt][3] - d1));
+                }
+            }
+        }
+        __syncthreads();
+        // dV_w += P^T dO[:, dh..], dK_w += dS^T Q[:, dh..] (A operands: keys 16kr.. of the tiles).
+        #pragma unroll
+        for (int j = 0; j < BQ_ / 16; j++) {
+            u32 pf[4], sf[4];
+            ldsm_x4(pf, pt_s + (16 * kr) * DS + j * 16 + lo_a<DS>(lane));
+            ldsm_x4(sf, dst + (16 * kr) * DS + j * 16 + lo_a<DS>(lane));
+            #pragma unroll
+            for (int dpi = 0; dpi < DW / 16; dpi++) {
+                u32 b[4];
+                ldsm_x4_t(b, ob + dh + j * 16 * SS + dpi * 16 + lo_bt<SS>(lane));
+                mma16816(adv[2 * dpi], pf, b[0], b[1]);
+                mma16816(adv[2 * dpi + 1], pf, b[2], b[3]);
+                ldsm_x4_t(b, qb + dh + j * 16 * SS + dpi * 16 + lo_bt<SS>(lane));
+                mma16816(adk[2 * dpi], sf, b[0], b[1]);
+                mma16816(adk[2 * dpi + 1], sf, b[2], b[3]);
+            }
+        }
+        cur = nxt;
+        buf ^= 1;
+    }
+    cp_async_wait<0>();
+    key_tile_store<HD, DW>(adk, adv, dk, dv, dk_part, dv_part, h, kvh, group, ka, kb, t, nkv, scale, tq, dh);
+}
+
+// Same arguments as version 2's kernels (lf_attn2_fwd / _dq / _dkdv).
+#define INSTANTIATE7(CAP, SFX)                                                                                 \
+    extern "C" __global__ void __launch_bounds__(256, 1) lf_attn7_fwd_512##SFX(                                \
+        const bf16* q, const bf16* k, const bf16* v, bf16* o, float* lse, Mask mk, int t, int nh, int nkv,     \
+        float scale, float cap) {                                                                              \
+        attn7_fwd<CAP>(q, k, v, o, lse, mk, t, nh, nkv, scale, cap);                                           \
+    }                                                                                                          \
+    extern "C" __global__ void __launch_bounds__(256, 1) lf_attn7_dq_512##SFX(                                 \
+        const bf16* q, const bf16* k, const bf16* v, const bf16* d_o, const float* lse, const float* dd,       \
+        bf16* dq, Mask mk, int t, int nh, int nkv, float scale, float cap) {                                   \
+        attn7_dq<CAP>(q, k, v, d_o, lse, dd, dq, mk, t, nh, nkv, scale, cap);                                  \
+    }                                                                                                          \
+    extern "C" __global__ void __launch_bounds__(256, 1) lf_attn7_dkdv_512##SFX(                               \
+        const bf16* q, const bf16* k, const bf16* v, const bf16* d_o, const float* lse, const float* dd,       \
+        bf16* dk, bf16* dv, float* dk_part, float* dv_part, Mask mk, int t, int nh, int nkv, float scale,      \
+        float cap) {                                                                                           \
+        attn7_dkdv<CAP>(q, k, v, d_o, lse, dd, dk, dv, dk_part, dv_part, mk, t, nh, nkv, scale, cap);          \
+    }
+INSTANTIATE7(false, )
+INSTANTIATE7(true, _cap)
