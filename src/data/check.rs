@@ -13,8 +13,8 @@
 //! Loading, tokenising and checking are one pass, so `lint` and `train` see
 //! the same rows and the same ids.
 
+use std::collections::hash_map::{DefaultHasher, Entry};
 use std::collections::HashMap;
-use std::collections::hash_map::DefaultHasher;
 use std::fmt;
 use std::hash::{Hash, Hasher};
 use std::path::Path;
@@ -27,8 +27,8 @@ use super::dataset::{
 };
 use super::template::ChatTemplate;
 use super::tokenize::{
-    render_preference, render_sft, tokenize_pair, tokenize_sft_example, TextTokenizer,
-    TokenRules, TokenizeOptions, TokenizeReport, TokenizedPair, TokenizedSft,
+    render_preference, render_sft, tokenize_pair, tokenize_sft_example, TextTokenizer, TokenRules,
+    TokenizeOptions, TokenizeReport, TokenizedPair, TokenizedSft,
 };
 
 /// A chosen/rejected length ratio (in response tokens) beyond this, either
@@ -68,6 +68,8 @@ pub enum Finding {
     BoundaryMerge(&'static str),
     /// The compared rule set gives other ids for these parts.
     RulesDiffer(Vec<&'static str>),
+    /// The compared rule set cannot encode this row (why).
+    OtherRulesFail(String),
     /// The prompt lost this many leading tokens to `max_prompt_len`.
     PromptCut(usize),
     /// Responses lost this many trailing tokens to `max_seq_len` (the most over
@@ -93,14 +95,26 @@ impl fmt::Display for Finding {
                 "a token merges across the prompt/{field} boundary when encoded as one string"
             ),
             Finding::RulesDiffer(parts) => {
-                write!(f, "the other tokenization gives other ids for {}", parts.join(", "))
+                write!(
+                    f,
+                    "the other tokenization gives other ids for {}",
+                    parts.join(", ")
+                )
+            }
+            Finding::OtherRulesFail(why) => {
+                write!(f, "the other tokenization cannot encode this row: {why}")
             }
             Finding::PromptCut(n) => write!(f, "prompt cut: its first {n} tokens dropped"),
             Finding::ResponseCut(n, text) => {
-                write!(f, "response cut: its last {n} tokens dropped, from {text:?}")
+                write!(
+                    f,
+                    "response cut: its last {n} tokens dropped, from {text:?}"
+                )
             }
             Finding::LengthRatio(r) => write!(f, "chosen/rejected length ratio {r:.2}"),
-            Finding::IdenticalResponses => f.write_str("chosen equals rejected (no preference signal)"),
+            Finding::IdenticalResponses => {
+                f.write_str("chosen equals rejected (no preference signal)")
+            }
             Finding::Duplicate(line) => write!(f, "duplicate of the row at {line}"),
             Finding::PromptEndsWithAssistant => {
                 f.write_str("the prompt ends with an assistant turn (the response continues it)")
@@ -155,7 +169,7 @@ impl CheckReport {
             Finding::NoBos => self.no_bos += 1,
             Finding::NoEos(_) => self.no_eos += 1,
             Finding::BoundaryMerge(_) => self.boundary_merges += 1,
-            Finding::RulesDiffer(_) => self.rules_differ += 1,
+            Finding::RulesDiffer(_) | Finding::OtherRulesFail(_) => self.rules_differ += 1,
             Finding::PromptCut(_) => self.prompt_cut += 1,
             Finding::ResponseCut(..) => self.response_cut += 1,
             Finding::LengthRatio(_) => self.length_ratio += 1,
@@ -198,11 +212,16 @@ impl fmt::Display for CheckReport {
         )?;
         write!(
             f,
-            "\n  notes: {} prompts without BOS, {} responses without EOS, {} rows with a token merged across the boundary, {} prompts cut, {} rows with a response cut, {} pairs with length ratio beyond {LENGTH_RATIO_NOTE}",
+            "\n  notes: {} prompts without BOS, {} responses without EOS, {} responses with a token merged across the boundary, {} prompts cut, {} rows with a response cut, {} pairs with length ratio beyond {LENGTH_RATIO_NOTE}",
             self.no_bos, self.no_eos, self.boundary_merges, self.prompt_cut, self.response_cut, self.length_ratio
         )?;
         if let Some(c) = self.compare {
-            write!(f, "\n  {} rows get other ids under tokenization {}", self.rules_differ, c.name())?;
+            write!(
+                f,
+                "\n  {} rows get other ids under tokenization {}",
+                self.rules_differ,
+                c.name()
+            )?;
         }
         if t.split_prompts > 0 {
             write!(
@@ -242,8 +261,11 @@ pub fn load_and_check(
     let mut seen: HashMap<u64, usize> = HashMap::new();
     for ex in &examples {
         let at = row_location(path, parquet, ex.line());
-        match check_row(ex, tok, template, opts, &mut report.tokenize) {
+        // The row's counts join the report only when the row is used.
+        let mut row_counts = TokenizeReport::default();
+        match check_row(ex, tok, template, opts, &mut row_counts) {
             Ok((tokens, mut findings)) => {
+                report.tokenize.add(&row_counts);
                 let mut h = DefaultHasher::new();
                 match ex {
                     Example::Preference { data, .. } => data.hash(&mut h),
@@ -252,10 +274,10 @@ pub fn load_and_check(
                 // A 64-bit hash of the row's content: a collision would only
                 // report a false duplicate, never drop a row.
                 let key = h.finish();
-                match seen.get(&key) {
-                    Some(first) => findings.push(Finding::Duplicate(*first)),
-                    None => {
-                        seen.insert(key, ex.line());
+                match seen.entry(key) {
+                    Entry::Occupied(first) => findings.push(Finding::Duplicate(*first.get())),
+                    Entry::Vacant(slot) => {
+                        slot.insert(ex.line());
                     }
                 }
                 for f in &findings {
@@ -345,12 +367,18 @@ fn check_row(
     }
     let tokens = match ex {
         Example::Preference { data, .. } => {
-            if let PreferenceData::Text { chosen, rejected, .. } = data {
+            if let PreferenceData::Text {
+                chosen, rejected, ..
+            } = data
+            {
                 if chosen == rejected {
                     findings.push(Finding::IdenticalResponses);
                 }
             }
-            if let PreferenceData::Chat { chosen, rejected, .. } = data {
+            if let PreferenceData::Chat {
+                chosen, rejected, ..
+            } = data
+            {
                 if chosen == rejected {
                     findings.push(Finding::IdenticalResponses);
                 }
@@ -371,26 +399,35 @@ fn check_row(
                     findings.push(Finding::NoEos(field));
                 }
             }
-            let r = render_preference(data, template)?;
-            for (field, text) in [("chosen", &r.chosen), ("rejected", &r.rejected)] {
-                if merges_across(tok, &r.prompt, text)? {
-                    findings.push(Finding::BoundaryMerge(field));
+            // The split `separate` uses; a template that renders the prompt differently alone
+            // fails it, and the TRL rules (which tokenized the row above) need no such split.
+            if let Ok(r) = render_preference(data, template) {
+                for (field, text) in [("chosen", &r.chosen), ("rejected", &r.rejected)] {
+                    if merges_across(tok, &r.prompt, text)? {
+                        findings.push(Finding::BoundaryMerge(field));
+                    }
                 }
             }
-            if let Some(other) = opts.compare {
-                let o = tokenize_pair(data, tok, template, &full.with_rules(other), &mut scratch)?;
-                let mut parts = Vec::new();
-                if o.prompt != whole.prompt {
-                    parts.push("prompt");
-                }
-                if o.chosen != whole.chosen {
-                    parts.push("chosen");
-                }
-                if o.rejected != whole.rejected {
-                    parts.push("rejected");
-                }
-                if !parts.is_empty() {
-                    findings.push(Finding::RulesDiffer(parts));
+            let other = opts
+                .compare
+                .map(|o| tokenize_pair(data, tok, template, &full.with_rules(o), &mut scratch));
+            match other {
+                None => {}
+                Some(Err(e)) => findings.push(Finding::OtherRulesFail(format!("{e:#}"))),
+                Some(Ok(o)) => {
+                    let mut parts = Vec::new();
+                    if o.prompt != whole.prompt {
+                        parts.push("prompt");
+                    }
+                    if o.chosen != whole.chosen {
+                        parts.push("chosen");
+                    }
+                    if o.rejected != whole.rejected {
+                        parts.push("rejected");
+                    }
+                    if !parts.is_empty() {
+                        findings.push(Finding::RulesDiffer(parts));
+                    }
                 }
             }
             if pair.prompt.len() < whole.prompt.len() {
@@ -408,7 +445,10 @@ fn check_row(
                 let text = tok.decode(&ids[keep..end]).unwrap_or_default();
                 findings.push(Finding::ResponseCut(cut_c.max(cut_r), text));
             }
-            let (c, rj) = (whole.chosen.len().max(1) as f64, whole.rejected.len().max(1) as f64);
+            let (c, rj) = (
+                whole.chosen.len().max(1) as f64,
+                whole.rejected.len().max(1) as f64,
+            );
             let ratio = c / rj;
             if !(1.0 / LENGTH_RATIO_NOTE..=LENGTH_RATIO_NOTE).contains(&ratio) {
                 findings.push(Finding::LengthRatio(ratio));
@@ -419,7 +459,10 @@ fn check_row(
             let whole = tokenize_sft_example(data, tok, template, &full, &mut scratch)?;
             let sft = tokenize_sft_example(data, tok, template, &opts.tokenize, report)?;
             if sft.len() < 2 {
-                anyhow::bail!("the row encodes to {} token(s); at least two are needed to train one", sft.len());
+                anyhow::bail!(
+                    "the row encodes to {} token(s); at least two are needed to train one",
+                    sft.len()
+                );
             }
             check_ids("prompt", &sft.prompt, vocab)?;
             check_ids("completion", &sft.completion, vocab)?;
@@ -429,21 +472,28 @@ fn check_row(
             if tok.eos_id().is_some() && !tok.ends_with_eos(&whole.completion)? {
                 findings.push(Finding::NoEos("completion"));
             }
-            let r = render_sft(data, template)?;
-            if !r.prompt.is_empty() && merges_across(tok, &r.prompt, &r.completion)? {
-                findings.push(Finding::BoundaryMerge("completion"));
+            if let Ok(r) = render_sft(data, template) {
+                if !r.prompt.is_empty() && merges_across(tok, &r.prompt, &r.completion)? {
+                    findings.push(Finding::BoundaryMerge("completion"));
+                }
             }
-            if let Some(other) = opts.compare {
-                let o = tokenize_sft_example(data, tok, template, &full.with_rules(other), &mut scratch)?;
-                let mut parts = Vec::new();
-                if o.prompt != whole.prompt {
-                    parts.push("prompt");
-                }
-                if o.completion != whole.completion {
-                    parts.push("completion");
-                }
-                if !parts.is_empty() {
-                    findings.push(Finding::RulesDiffer(parts));
+            let other = opts.compare.map(|o| {
+                tokenize_sft_example(data, tok, template, &full.with_rules(o), &mut scratch)
+            });
+            match other {
+                None => {}
+                Some(Err(e)) => findings.push(Finding::OtherRulesFail(format!("{e:#}"))),
+                Some(Ok(o)) => {
+                    let mut parts = Vec::new();
+                    if o.prompt != whole.prompt {
+                        parts.push("prompt");
+                    }
+                    if o.completion != whole.completion {
+                        parts.push("completion");
+                    }
+                    if !parts.is_empty() {
+                        findings.push(Finding::RulesDiffer(parts));
+                    }
                 }
             }
             if sft.prompt.len() < whole.prompt.len() {

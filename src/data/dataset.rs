@@ -319,7 +319,12 @@ pub fn load_jsonl(
     Ok((examples, report))
 }
 
-fn ensure_some(name: &str, kind: DatasetKind, examples: &[Example], report: &LoadReport) -> Result<()> {
+fn ensure_some(
+    name: &str,
+    kind: DatasetKind,
+    examples: &[Example],
+    report: &LoadReport,
+) -> Result<()> {
     if examples.is_empty() {
         bail!(
             "{name}: no {kind} examples found ({} malformed rows skipped, {} blank lines)",
@@ -399,7 +404,13 @@ pub fn load_parquet(
         let n = i + 1;
         let row = row.map_err(|e| anyhow::anyhow!("{name}: row {n}: reading the row ({e})"))?;
         let parsed = parse_row(&row.to_json_value(), kind, n);
-        collect_row(parsed, row_location(&name, true, n), skip_bad, &mut examples, &mut report)?;
+        collect_row(
+            parsed,
+            row_location(&name, true, n),
+            skip_bad,
+            &mut examples,
+            &mut report,
+        )?;
     }
     ensure_some(&name, kind, &examples, &report)?;
     Ok((examples, report))
@@ -445,7 +456,13 @@ pub fn read_jsonl(
             }
             Err(e) => Err(RowError::row(format!("line is not valid UTF-8 ({e})"))),
         };
-        collect_row(parsed, row_location(name, false, line_no), skip_bad, &mut examples, &mut report)?;
+        collect_row(
+            parsed,
+            row_location(name, false, line_no),
+            skip_bad,
+            &mut examples,
+            &mut report,
+        )?;
     }
     Ok((examples, report))
 }
@@ -610,9 +627,12 @@ fn parse_conversation(obj: &Map<String, Value>, field: &str) -> Result<Vec<Messa
 
 /// A ShareGPT preference response: one message object, a list of messages,
 /// or a string (the assistant's reply).
-fn parse_sharegpt_response(obj: &Map<String, Value>, field: &str) -> Result<Vec<Message>, RowError> {
+fn parse_sharegpt_response(
+    obj: &Map<String, Value>,
+    field: &str,
+) -> Result<Vec<Message>, RowError> {
     let msgs = match get_field(obj, field)? {
-        Value::Object(_) => vec![parse_message(&obj[field], field)?],
+        message @ Value::Object(_) => vec![parse_message(message, field)?],
         Value::Array(items) => parse_messages(items, field)?,
         Value::String(text) => vec![Message::assistant(text.clone())],
         other => {
@@ -825,7 +845,10 @@ fn parse_alpaca(obj: &Map<String, Value>) -> Result<SftData, RowError> {
         }
     };
     if instruction.trim().is_empty() && input.trim().is_empty() {
-        return Err(RowError::field("instruction", "empty instruction (and no input)"));
+        return Err(RowError::field(
+            "instruction",
+            "empty instruction (and no input)",
+        ));
     }
     check_text_response("output", &output)?;
     let user = match (instruction.trim().is_empty(), input.trim().is_empty()) {
@@ -1037,7 +1060,7 @@ mod tests {
                 DatasetKind::Preference,
                 r#"{"prompt":[{"role":"user","content":"x"}],"chosen":[{"role":"bot","content":"a"}],"rejected":[{"role":"assistant","content":"b"}]}"#
             ),
-            "data/train.jsonl:1: field \"chosen[0].role\": unknown role \"bot\" (expected system, user, assistant or tool)"
+            "data/train.jsonl:1: field \"chosen[0].role\": unknown role \"bot\" (expected system, user, assistant or tool; ShareGPT's human, gpt)"
         );
         assert_eq!(
             err(
@@ -1152,7 +1175,7 @@ mod tests {
         );
         assert_eq!(
             err(DatasetKind::Sft, r#"{"foo":"bar"}"#),
-            "data/train.jsonl:1: expected an SFT row: {\"prompt\", \"completion\"}, {\"messages\"} or {\"text\"}"
+            "data/train.jsonl:1: expected an SFT row: {\"prompt\", \"completion\"}, {\"messages\"}, {\"conversations\"} (ShareGPT), {\"instruction\", \"input\", \"output\"} (Alpaca) or {\"text\"}"
         );
         assert_eq!(
             err(DatasetKind::Sft, r#"{"prompt":"x","completion":""}"#),

@@ -13,11 +13,11 @@ pub mod model_files;
 pub mod template;
 pub mod tokenize;
 
-pub use dataset::{
-    load_dataset, load_jsonl, load_parquet, read_jsonl, DatasetKind, Example, LoadReport, Message, PreferenceData, Role,
-    RowError, SftData,
-};
 pub use check::{load_and_check, CheckOptions, CheckReport, CheckedRow, Finding, RowTokens};
+pub use dataset::{
+    load_dataset, load_jsonl, load_parquet, read_jsonl, DatasetKind, Example, LoadReport, Message,
+    PreferenceData, Role, RowError, SftData,
+};
 pub use template::ChatTemplate;
 pub use tokenize::{
     render_preference, render_sft, tokenize_pair, tokenize_preferences, tokenize_sft,

@@ -338,6 +338,21 @@ pub struct TokenizeReport {
     pub split_prompts: usize,
 }
 
+impl TokenizeReport {
+    /// Adds `other`'s counts (the longest sequence is the longer of the two).
+    pub fn add(&mut self, other: &TokenizeReport) {
+        self.rows += other.rows;
+        self.prompt_truncated += other.prompt_truncated;
+        self.response_truncated += other.response_truncated;
+        self.eos_appended += other.eos_appended;
+        self.identical_pairs += other.identical_pairs;
+        self.total_tokens += other.total_tokens;
+        self.max_seq_tokens = self.max_seq_tokens.max(other.max_seq_tokens);
+        self.boundary_merges += other.boundary_merges;
+        self.split_prompts += other.split_prompts;
+    }
+}
+
 impl fmt::Display for TokenizeReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
@@ -433,7 +448,8 @@ fn need_template(template: Option<&ChatTemplate>) -> Result<&ChatTemplate> {
     template.ok_or_else(|| {
         anyhow!(
             "the row is in chat (messages) form but no chat template is available \
-             (the model's tokenizer config has none); supply a chat template or use plain-text rows"
+             (the model's tokenizer config has none); set `chat_template` to a Jinja template file \
+             (--chat-template FILE) or use plain-text rows"
         )
     })
 }
@@ -592,7 +608,11 @@ pub fn tokenize_pair(
     if chosen.is_empty() || rejected.is_empty() {
         bail!(
             "field \"{}\": the response encodes to no tokens",
-            if chosen.is_empty() { "chosen" } else { "rejected" }
+            if chosen.is_empty() {
+                "chosen"
+            } else {
+                "rejected"
+            }
         );
     }
     if truncate_prompt(&mut prompt, opts.max_prompt_len, tok.bos_id) {
@@ -836,8 +856,12 @@ pub fn tokenize_sft_example(
         // (ORPO's rules never apply to SFT rows; see `TokenRules::resolve`).
         TokenRules::TrlDpo | TokenRules::TrlOrpo => {
             let (p, c) = match data {
-                SftData::Text { prompt, completion } => (Part::Text(prompt), Part::Text(completion)),
-                SftData::Chat { prompt, completion } => (Part::Chat(prompt), Part::Chat(completion)),
+                SftData::Text { prompt, completion } => {
+                    (Part::Text(prompt), Part::Text(completion))
+                }
+                SftData::Chat { prompt, completion } => {
+                    (Part::Chat(prompt), Part::Chat(completion))
+                }
             };
             let (p, mut full) = trl_dpo_encode(tok, template, p, &[c])?;
             let full = full.pop().unwrap_or_default();
