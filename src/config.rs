@@ -39,6 +39,21 @@ pub enum SftScope {
     Response,
 }
 
+/// How a row's text becomes prompt and response token ids (`data::tokenize`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Tokenization {
+    /// Prompt and each response encoded apart: the prompt gets the tokenizer's BOS when
+    /// `add_bos_token` asks for it, a response gets EOS unless it already ends with EOS (trailing
+    /// whitespace tokens such as ChatML's `\n` after `<|im_end|>` ignored). The prompt's ids are
+    /// the ones generation sees.
+    #[default]
+    Separate,
+    /// TRL 1.16's ids for the method: ORPOTrainer's (ORPO; CPOTrainer's for SimPO, the same
+    /// code) or DPOTrainer's / SFTTrainer's (DPO, SFT). See the README's "Tokenization".
+    Trl,
+}
+
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct TrainConfig {
@@ -90,6 +105,11 @@ pub struct TrainConfig {
     pub max_prompt_len: usize,
     /// Skip (and count) malformed rows instead of failing.
     pub skip_bad_rows: bool,
+    /// How rows become token ids: "separate" (prompt and responses encoded apart) or "trl"
+    /// (TRL 1.16's ids for the method).
+    pub tokenization: Tokenization,
+    /// A Jinja chat template file, used instead of the model's own (or for a model without one).
+    pub chat_template: Option<String>,
     /// Keep every `segment_size`-th layer boundary and recompute segments in the backward; 0 keeps
     /// all activations; unset chooses per example: 0 when the step fits the device's free memory,
     /// else the fastest segmented plan that fits (`train::memory::auto_plan`).
@@ -166,6 +186,8 @@ impl Default for TrainConfig {
             max_seq_len: 2048,
             max_prompt_len: 1024,
             skip_bad_rows: false,
+            tokenization: Tokenization::Separate,
+            chat_template: None,
             segment_size: None,
             keep_attention: None,
             keep_kv_layers: None,
@@ -222,6 +244,7 @@ const TRL_NAMES: &[(&str, &str)] = &[
     ("max_prompt_length", "max_prompt_len"),
     ("num_train_epochs", "epochs"),
     ("output_dir", "output"),
+    ("chat_template_path", "chat_template"),
 ];
 
 /// Edit distance between two short names (for "did you mean").
@@ -251,6 +274,7 @@ impl TrainConfig {
         let mut names: Vec<String> = table.keys().cloned().collect();
         for extra in [
             "valid",
+            "chat_template",
             "segment_size",
             "keep_attention",
             "keep_kv_layers",
@@ -448,6 +472,14 @@ impl TrainConfig {
         }
         if self.output.trim().is_empty() {
             bail!("output is empty: name the run's output folder (--output DIR)");
+        }
+        if let Some(t) = &self.chat_template {
+            if t.trim().is_empty() {
+                bail!("chat_template is empty: name a Jinja template file, or leave it unset to use the model's");
+            }
+            if !Path::new(t).is_file() {
+                bail!("chat_template = {t:?}: no such file (expected a Jinja chat template file)");
+            }
         }
         if self.max_prompt_len >= self.max_seq_len {
             bail!(

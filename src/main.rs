@@ -1,9 +1,10 @@
-//! The `lorafit` command line: `train`, `demo`, `generate`, `bench` and `selftest`. Every
+//! The `lorafit` command line: `train`, `lint`, `demo`, `generate`, `bench` and `selftest`. Every
 //! subcommand resolves its flags into library types and calls the library; nothing here computes.
 
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
-use lorafit::config::{Method, TrainConfig};
+use lorafit::config::{Method, Tokenization, TrainConfig};
+use lorafit::data;
 use lorafit::tensor::Device;
 use lorafit::train::trainer;
 use std::path::PathBuf;
@@ -23,6 +24,10 @@ struct Cli {
 enum Cmd {
     /// Train a LoRA adapter from a TOML config and/or flags.
     Train(TrainArgs),
+    /// Check a dataset against a model before training: per row and in sum, BOS/EOS, merges
+    /// across the prompt/response boundary, where the tokenization modes differ, template
+    /// problems, truncation, length ratios, duplicates. Exit status 1 when a row is unusable.
+    Lint(LintArgs),
     /// ORPO on SmolLM2-135M-Instruct with the bundled preference set; before/after accuracy,
     /// margin and generations.
     Demo(DemoArgs),
@@ -83,12 +88,46 @@ struct TrainArgs {
     segment_size: Option<usize>,
     #[arg(long)]
     seed: Option<u64>,
+    /// How rows become token ids: separate (prompt and responses encoded apart) or trl (TRL
+    /// 1.16's ids for the method).
+    #[arg(long, value_enum)]
+    tokenization: Option<Tokenization>,
+    /// A Jinja chat template file (or a tokenizer_config.json) to use instead of the model's.
+    #[arg(long)]
+    chat_template: Option<String>,
     /// Continue a run from a checkpoint folder (adapter, optimiser, step, data position).
     #[arg(long)]
     resume: Option<PathBuf>,
     /// Any TrainConfig field as KEY=VALUE (VALUE in TOML syntax), e.g. --set orpo_lambda=0.2.
     #[arg(long = "set", value_name = "KEY=VALUE")]
     set: Vec<String>,
+}
+
+#[derive(clap::Args)]
+struct LintArgs {
+    /// Hugging Face model folder, GGUF file, or "smollm2"; only its tokenizer, chat template and
+    /// vocabulary size are read.
+    #[arg(long, default_value = "smollm2")]
+    model: String,
+    /// The dataset: JSONL, or Parquet by its `.parquet` name.
+    #[arg(long)]
+    data: String,
+    /// Which rows to expect and which TRL trainer's rules `trl` means.
+    #[arg(long, value_enum, default_value = "orpo")]
+    method: Method,
+    /// The tokenization to check; the other one is compared with it.
+    #[arg(long, value_enum, default_value = "separate")]
+    tokenization: Tokenization,
+    /// A Jinja chat template file (or a tokenizer_config.json) to use instead of the model's.
+    #[arg(long)]
+    chat_template: Option<String>,
+    #[arg(long, default_value_t = TrainConfig::default().max_seq_len)]
+    max_seq_len: usize,
+    #[arg(long, default_value_t = TrainConfig::default().max_prompt_len)]
+    max_prompt_len: usize,
+    /// Print the summary only, not one line per row with findings.
+    #[arg(long)]
+    quiet: bool,
 }
 
 #[derive(clap::Args)]
@@ -128,6 +167,12 @@ fn apply_overrides(mut cfg: TrainConfig, a: &TrainArgs) -> Result<TrainConfig> {
     if let Some(m) = a.method {
         cfg.method = m;
     }
+    if let Some(t) = a.tokenization {
+        cfg.tokenization = t;
+    }
+    if let Some(t) = &a.chat_template {
+        cfg.chat_template = Some(t.clone());
+    }
     if !a.set.is_empty() {
         let mut table: toml::Table = toml::from_str(&cfg.to_toml()?)?;
         for kv in &a.set {
@@ -159,7 +204,13 @@ fn run_train(a: TrainArgs) -> Result<()> {
     let cfg = apply_overrides(base, &a)?;
     cfg.validate()?;
     let device = Device::parse(&cfg.device)?;
-    let loaded = trainer::load_model_and_tokenizer(&cfg.model, &device)?;
+    let mut loaded = trainer::load_model_and_tokenizer(&cfg.model, &device)?;
+    if let Some(t) = &cfg.chat_template {
+        loaded.template = Some(data::model_files::template_from_setting(
+            t,
+            &loaded.tokenizer,
+        )?);
+    }
     let train_items = trainer::load_items(&cfg.data, None, cfg.method, &loaded, &cfg)?;
     let valid_items = match &cfg.valid {
         Some(v) => trainer::load_items(v, None, cfg.method, &loaded, &cfg)?,
@@ -174,6 +225,47 @@ fn run_train(a: TrainArgs) -> Result<()> {
         &valid_items,
     )?;
     Ok(())
+}
+
+/// `lorafit lint`: every row checked as `train` would (`data::check`), findings per row, the
+/// summary, and exit status 1 when a row is unusable.
+fn run_lint(a: LintArgs) -> Result<bool> {
+    let path = trainer::resolve_model_path(&a.model)?;
+    let mut m = data::model_files::load_model_tokens(&path)?;
+    if let Some(t) = &a.chat_template {
+        m.template = Some(data::model_files::template_from_setting(t, &m.tokenizer)?);
+    }
+    let rules = data::TokenRules::resolve(a.tokenization, a.method);
+    let other = match a.tokenization {
+        Tokenization::Separate => Tokenization::Trl,
+        Tokenization::Trl => Tokenization::Separate,
+    };
+    let opts = data::CheckOptions {
+        kind: if a.method == Method::Sft {
+            data::DatasetKind::Sft
+        } else {
+            data::DatasetKind::Preference
+        },
+        skip_bad: true,
+        tokenize: data::TokenizeOptions::new(a.max_seq_len, a.max_prompt_len).with_rules(rules),
+        compare: Some(data::TokenRules::resolve(other, a.method)),
+        model_vocab: m.vocab,
+    };
+    let (rows, report) =
+        data::load_and_check(&a.data, None, &m.tokenizer, m.template.as_ref(), &opts)?;
+    if !a.quiet {
+        for r in report.load.skip_reasons.iter().chain(&report.bad_rows) {
+            println!("error: {r}");
+        }
+        let parquet = data::dataset::is_parquet(std::path::Path::new(&a.data));
+        for row in rows.iter().filter(|r| !r.findings.is_empty()) {
+            let at = data::dataset::row_location(&a.data, parquet, row.line);
+            let notes: Vec<String> = row.findings.iter().map(|f| f.to_string()).collect();
+            println!("{at}: {}", notes.join("; "));
+        }
+    }
+    println!("{report}");
+    Ok(report.errors() == 0)
 }
 
 const DEMO_TRAIN: &str = include_str!("../demo/train.jsonl");
@@ -262,6 +354,11 @@ fn main() {
     let cli = Cli::parse();
     let result = match cli.cmd {
         Cmd::Train(a) => run_train(a),
+        Cmd::Lint(a) => match run_lint(a) {
+            Ok(true) => Ok(()),
+            Ok(false) => std::process::exit(1),
+            Err(e) => Err(e),
+        },
         Cmd::Demo(a) => run_demo(a),
         Cmd::Generate {
             model,

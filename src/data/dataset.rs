@@ -16,6 +16,18 @@
 //!   assistant message is the completion, everything before it the prompt) or
 //!   `{text}` (plain text, every token trained)
 //!
+//! * the H4 UltraFeedback layout: `prompt` a string, `chosen`/`rejected`
+//!   whole conversations that start with it (extra columns such as
+//!   `prompt_id`, `messages`, `score_chosen` are ignored)
+//! * ShareGPT: `conversations` of `{from, value}` (roles `human`, `gpt`,
+//!   `system`); for preference rows `chosen`/`rejected` are the next reply
+//!   (a message, a list of messages or a string)
+//! * Alpaca (SFT): `instruction`, optional `input` and `system`, `output`,
+//!   as a user turn and the assistant's reply
+//!
+//! Rows come from JSONL files or local Parquet files (what the Hugging Face
+//! Hub serves), with the same layouts.
+//!
 //! Text rows and chat rows are kept apart in the types ([`PreferenceData`],
 //! [`SftData`]) because they are turned into token sequences differently: chat
 //! rows go through the model's chat template, text rows are used as-is.
@@ -51,7 +63,7 @@ impl fmt::Display for DatasetKind {
 }
 
 /// The speaker of a chat message. Any other role in a data file is an error.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Role {
     System,
@@ -71,13 +83,14 @@ impl Role {
         }
     }
 
-    /// Parses a role name; `None` for anything not in [`Role`].
+    /// Parses a role name, ShareGPT's (`human`, `gpt`, `function_call`,
+    /// `observation`) included; `None` for anything else.
     pub fn parse(s: &str) -> Option<Role> {
         match s {
             "system" => Some(Role::System),
-            "user" => Some(Role::User),
-            "assistant" => Some(Role::Assistant),
-            "tool" => Some(Role::Tool),
+            "user" | "human" => Some(Role::User),
+            "assistant" | "gpt" | "function_call" => Some(Role::Assistant),
+            "tool" | "observation" => Some(Role::Tool),
             _ => None,
         }
     }
@@ -91,7 +104,7 @@ impl fmt::Display for Role {
 
 /// One chat message. Serialises as `{"role": ..., "content": ...}`, which is
 /// what chat templates receive.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize)]
 pub struct Message {
     pub role: Role,
     pub content: String,
@@ -116,7 +129,7 @@ impl Message {
 }
 
 /// A preference example, either plain text or chat.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub enum PreferenceData {
     /// Plain strings: the prompt is used as-is and each response is appended
     /// to it as-is (no template).
@@ -137,7 +150,7 @@ pub enum PreferenceData {
 
 /// An SFT example, either plain text or chat. Only completion tokens are
 /// trained.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub enum SftData {
     /// Plain strings. A `{text}` row becomes `prompt: ""`, `completion: text`,
     /// so that all of its tokens are trained.
@@ -152,7 +165,8 @@ pub enum SftData {
 }
 
 /// One validated training row. `line` is the 1-based line of the source file
-/// (0 for examples built in code) so later stages can point back at it.
+/// (the 1-based row of a Parquet file; 0 for examples built in code) so later
+/// stages can point back at it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Example {
     Preference { line: usize, data: PreferenceData },
@@ -200,10 +214,13 @@ pub struct LoadReport {
     pub skipped: usize,
     /// Blank (whitespace-only) lines ignored.
     pub blank_lines: usize,
+    /// Rows are Parquet rows (messages say `row N`), not JSONL lines.
+    pub parquet: bool,
     /// Rows in text form / chat form among `loaded`.
     pub text_rows: usize,
     pub chat_rows: usize,
-    /// The first [`MAX_SKIP_REASONS`] skip reasons, each `file:line: ...`.
+    /// Every skip reason, each `file:line: ...` (the log shows the first
+    /// [`MAX_SKIP_REASONS`]).
     pub skip_reasons: Vec<String>,
 }
 
@@ -216,15 +233,11 @@ impl fmt::Display for LoadReport {
         )?;
         if self.skipped > 0 {
             write!(f, ", {} malformed rows skipped", self.skipped)?;
-            for r in &self.skip_reasons {
+            for r in self.skip_reasons.iter().take(MAX_SKIP_REASONS) {
                 write!(f, "\n  skipped {r}")?;
             }
-            if self.skipped > self.skip_reasons.len() {
-                write!(
-                    f,
-                    "\n  ... and {} more",
-                    self.skipped - self.skip_reasons.len()
-                )?;
+            if self.skipped > MAX_SKIP_REASONS {
+                write!(f, "\n  ... and {} more", self.skipped - MAX_SKIP_REASONS)?;
             }
         }
         Ok(())
@@ -265,6 +278,28 @@ impl fmt::Display for RowError {
 
 impl std::error::Error for RowError {}
 
+/// Reads a dataset file of `kind` rows: Parquet when the name ends in
+/// `.parquet`, JSONL otherwise (see [`load_jsonl`], [`load_parquet`]).
+pub fn load_dataset(
+    path: impl AsRef<Path>,
+    kind: DatasetKind,
+    skip_bad: bool,
+) -> Result<(Vec<Example>, LoadReport)> {
+    let path = path.as_ref();
+    if is_parquet(path) {
+        load_parquet(path, kind, skip_bad)
+    } else {
+        load_jsonl(path, kind, skip_bad)
+    }
+}
+
+/// Whether `path` names a Parquet file (by its extension).
+pub fn is_parquet(path: &Path) -> bool {
+    path.extension()
+        .and_then(|e| e.to_str())
+        .is_some_and(|e| e.eq_ignore_ascii_case("parquet"))
+}
+
 /// Reads a JSONL file of `kind` rows.
 ///
 /// Blank lines are ignored (and counted). A malformed row is an error naming
@@ -280,6 +315,16 @@ pub fn load_jsonl(
     let name = path.display().to_string();
     let file = File::open(path).with_context(|| format!("opening {kind} dataset {name}"))?;
     let (examples, report) = read_jsonl(BufReader::new(file), &name, kind, skip_bad)?;
+    ensure_some(&name, kind, &examples, &report)?;
+    Ok((examples, report))
+}
+
+fn ensure_some(
+    name: &str,
+    kind: DatasetKind,
+    examples: &[Example],
+    report: &LoadReport,
+) -> Result<()> {
     if examples.is_empty() {
         bail!(
             "{name}: no {kind} examples found ({} malformed rows skipped, {} blank lines)",
@@ -287,6 +332,87 @@ pub fn load_jsonl(
             report.blank_lines
         );
     }
+    Ok(())
+}
+
+/// Where a row sits in its file: a JSONL line or a Parquet row (both
+/// 1-based), written the way error messages name it.
+pub fn row_location(name: &str, parquet: bool, n: usize) -> String {
+    if parquet {
+        format!("{name}: row {n}")
+    } else {
+        format!("{name}:{n}")
+    }
+}
+
+/// Adds one parsed row to `examples` and `report`, or fails / skips and counts
+/// it. `at` is the row's [`row_location`].
+fn collect_row(
+    parsed: Result<Example, RowError>,
+    at: String,
+    skip_bad: bool,
+    examples: &mut Vec<Example>,
+    report: &mut LoadReport,
+) -> Result<()> {
+    match parsed {
+        Ok(ex) => {
+            if ex.is_chat() {
+                report.chat_rows += 1;
+            } else {
+                report.text_rows += 1;
+            }
+            report.loaded += 1;
+            examples.push(ex);
+        }
+        Err(err) => {
+            let msg = format!("{at}: {err}");
+            if !skip_bad {
+                bail!(msg);
+            }
+            report.skipped += 1;
+            report.skip_reasons.push(msg);
+        }
+    }
+    Ok(())
+}
+
+/// Reads a local Parquet file of `kind` rows (a Hugging Face Hub dataset
+/// shard): each row is read as a JSON object of its columns (lists of structs
+/// become lists of objects) and validated like a JSONL line; messages name
+/// `file: row N` (1-based). Snappy, zstd and gzip pages are read.
+pub fn load_parquet(
+    path: impl AsRef<Path>,
+    kind: DatasetKind,
+    skip_bad: bool,
+) -> Result<(Vec<Example>, LoadReport)> {
+    use parquet::file::reader::{FileReader, SerializedFileReader};
+    let path = path.as_ref();
+    let name = path.display().to_string();
+    let file = File::open(path).with_context(|| format!("opening {kind} dataset {name}"))?;
+    let reader = SerializedFileReader::new(file)
+        .map_err(|e| anyhow::anyhow!("{name}: not a readable Parquet file ({e})"))?;
+    let rows = reader
+        .get_row_iter(None)
+        .map_err(|e| anyhow::anyhow!("{name}: reading the Parquet schema ({e})"))?;
+    let mut report = LoadReport {
+        path: name.clone(),
+        parquet: true,
+        ..Default::default()
+    };
+    let mut examples = Vec::new();
+    for (i, row) in rows.enumerate() {
+        let n = i + 1;
+        let row = row.map_err(|e| anyhow::anyhow!("{name}: row {n}: reading the row ({e})"))?;
+        let parsed = parse_row(&row.to_json_value(), kind, n);
+        collect_row(
+            parsed,
+            row_location(&name, true, n),
+            skip_bad,
+            &mut examples,
+            &mut report,
+        )?;
+    }
+    ensure_some(&name, kind, &examples, &report)?;
     Ok((examples, report))
 }
 
@@ -330,27 +456,13 @@ pub fn read_jsonl(
             }
             Err(e) => Err(RowError::row(format!("line is not valid UTF-8 ({e})"))),
         };
-        match parsed {
-            Ok(ex) => {
-                if ex.is_chat() {
-                    report.chat_rows += 1;
-                } else {
-                    report.text_rows += 1;
-                }
-                report.loaded += 1;
-                examples.push(ex);
-            }
-            Err(err) => {
-                let msg = format!("{name}:{line_no}: {err}");
-                if !skip_bad {
-                    bail!(msg);
-                }
-                report.skipped += 1;
-                if report.skip_reasons.len() < MAX_SKIP_REASONS {
-                    report.skip_reasons.push(msg);
-                }
-            }
-        }
+        collect_row(
+            parsed,
+            row_location(name, false, line_no),
+            skip_bad,
+            &mut examples,
+            &mut report,
+        )?;
     }
     Ok((examples, report))
 }
@@ -440,30 +552,36 @@ fn parse_message(item: &Value, field: &str) -> Result<Message, RowError> {
             ),
         )
     })?;
-    let role = match obj.get("role") {
+    // OpenAI/TRL messages are {role, content}; ShareGPT's are {from, value}.
+    let (role_key, content_key) = if obj.contains_key("from") && !obj.contains_key("role") {
+        ("from", "value")
+    } else {
+        ("role", "content")
+    };
+    let role = match obj.get(role_key) {
         Some(Value::String(r)) => Role::parse(r).ok_or_else(|| {
             RowError::field(
-                format!("{field}.role"),
-                format!("unknown role \"{r}\" (expected system, user, assistant or tool)"),
+                format!("{field}.{role_key}"),
+                format!("unknown role \"{r}\" (expected system, user, assistant or tool; ShareGPT's human, gpt)"),
             )
         })?,
         Some(other) => {
             return Err(RowError::field(
-                format!("{field}.role"),
+                format!("{field}.{role_key}"),
                 format!("expected a string, found {}", json_type(other)),
             ));
         }
-        None => return Err(RowError::field(format!("{field}.role"), "missing")),
+        None => return Err(RowError::field(format!("{field}.{role_key}"), "missing")),
     };
-    let content = match obj.get("content") {
+    let content = match obj.get(content_key) {
         Some(Value::String(c)) => c.clone(),
         Some(other) => {
             return Err(RowError::field(
-                format!("{field}.content"),
+                format!("{field}.{content_key}"),
                 format!("expected a string, found {}", json_type(other)),
             ));
         }
-        None => return Err(RowError::field(format!("{field}.content"), "missing")),
+        None => return Err(RowError::field(format!("{field}.{content_key}"), "missing")),
     };
     Ok(Message { role, content })
 }
@@ -496,13 +614,117 @@ fn check_chat_response(field: &str, msgs: &[Message]) -> Result<(), RowError> {
     Ok(())
 }
 
+/// A ShareGPT `conversations` list (or any message list) under `field`.
+fn parse_conversation(obj: &Map<String, Value>, field: &str) -> Result<Vec<Message>, RowError> {
+    match get_field(obj, field)? {
+        Value::Array(items) => parse_messages(items, field),
+        other => Err(RowError::field(
+            field,
+            format!("expected a list of messages, found {}", json_type(other)),
+        )),
+    }
+}
+
+/// A ShareGPT preference response: one message object, a list of messages,
+/// or a string (the assistant's reply).
+fn parse_sharegpt_response(
+    obj: &Map<String, Value>,
+    field: &str,
+) -> Result<Vec<Message>, RowError> {
+    let msgs = match get_field(obj, field)? {
+        message @ Value::Object(_) => vec![parse_message(message, field)?],
+        Value::Array(items) => parse_messages(items, field)?,
+        Value::String(text) => vec![Message::assistant(text.clone())],
+        other => {
+            return Err(RowError::field(
+                field,
+                format!(
+                    "expected a message, a list of messages or a string, found {}",
+                    json_type(other)
+                ),
+            ))
+        }
+    };
+    check_chat_response(field, &msgs)?;
+    Ok(msgs)
+}
+
+/// Splits two whole conversations into their shared leading messages (the
+/// prompt) and what follows.
+fn implicit_prompt(
+    chosen: Vec<Message>,
+    rejected: Vec<Message>,
+) -> Result<PreferenceData, RowError> {
+    let common = chosen
+        .iter()
+        .zip(rejected.iter())
+        .take_while(|(a, b)| a == b)
+        .count();
+    if common == 0 {
+        return Err(RowError::field(
+            "prompt",
+            "missing, and \"chosen\" and \"rejected\" share no leading messages to use as an implicit prompt",
+        ));
+    }
+    let prompt = chosen[..common].to_vec();
+    let chosen = chosen[common..].to_vec();
+    let rejected = rejected[common..].to_vec();
+    check_chat_response("chosen", &chosen)?;
+    check_chat_response("rejected", &rejected)?;
+    Ok(PreferenceData::Chat {
+        prompt,
+        chosen,
+        rejected,
+    })
+}
+
+fn check_text_prompt(prompt: &str) -> Result<(), RowError> {
+    if prompt.trim().is_empty() {
+        return Err(RowError::field("prompt", "empty prompt"));
+    }
+    Ok(())
+}
+
 fn parse_preference(obj: &Map<String, Value>) -> Result<PreferenceData, RowError> {
+    if obj.contains_key("conversations") && !obj.contains_key("prompt") {
+        // ShareGPT preference rows: the conversation so far, then one chosen
+        // and one rejected reply.
+        let prompt = parse_conversation(obj, "conversations")?;
+        if prompt.is_empty() {
+            return Err(RowError::field("conversations", "empty list of messages"));
+        }
+        return Ok(PreferenceData::Chat {
+            prompt,
+            chosen: parse_sharegpt_response(obj, "chosen")?,
+            rejected: parse_sharegpt_response(obj, "rejected")?,
+        });
+    }
     let chosen = parse_field(obj, "chosen")?;
     let rejected = parse_field(obj, "rejected")?;
     if obj.contains_key("prompt") {
         let prompt = parse_field(obj, "prompt")?;
         return match (prompt, chosen, rejected) {
+            (Field::Text(prompt), Field::Chat(chosen), Field::Chat(rejected)) => {
+                // The H4 UltraFeedback layout: `prompt` is the question as a
+                // string and chosen/rejected are whole conversations that
+                // start with it.
+                check_text_prompt(&prompt)?;
+                let data = implicit_prompt(chosen, rejected)?;
+                if let PreferenceData::Chat { prompt: shared, .. } = &data {
+                    let found = shared
+                        .iter()
+                        .any(|m| m.role == Role::User && m.content.trim() == prompt.trim());
+                    if !found {
+                        return Err(RowError::field(
+                            "prompt",
+                            "a string while \"chosen\" and \"rejected\" are whole conversations, and no user turn they share has this text (the H4 layout repeats the prompt as the first user turn)",
+                        ));
+                    }
+                }
+                Ok(data)
+            }
             (Field::Text(prompt), Field::Text(chosen), Field::Text(rejected)) => {
+                check_text_prompt(&prompt)?;
                 check_text_response("chosen", &chosen)?;
                 check_text_response("rejected", &rejected)?;
                 Ok(PreferenceData::Text {
@@ -550,34 +772,99 @@ fn parse_preference(obj: &Map<String, Value>) -> Result<PreferenceData, RowError
     }
     // Implicit prompt: chosen and rejected are whole conversations.
     match (chosen, rejected) {
-        (Field::Chat(chosen), Field::Chat(rejected)) => {
-            let common = chosen
-                .iter()
-                .zip(rejected.iter())
-                .take_while(|(a, b)| a == b)
-                .count();
-            if common == 0 {
-                return Err(RowError::field(
-                    "prompt",
-                    "missing, and \"chosen\" and \"rejected\" share no leading messages to use as an implicit prompt",
-                ));
-            }
-            let prompt = chosen[..common].to_vec();
-            let chosen = chosen[common..].to_vec();
-            let rejected = rejected[common..].to_vec();
-            check_chat_response("chosen", &chosen)?;
-            check_chat_response("rejected", &rejected)?;
-            Ok(PreferenceData::Chat {
-                prompt,
-                chosen,
-                rejected,
-            })
-        }
+        (Field::Chat(chosen), Field::Chat(rejected)) => implicit_prompt(chosen, rejected),
         _ => Err(RowError::field(
             "prompt",
             "missing (an implicit prompt needs \"chosen\" and \"rejected\" to be lists of messages)",
         )),
     }
+}
+
+/// A conversation whose last message is the assistant's completion.
+fn split_conversation(field: &str, mut msgs: Vec<Message>) -> Result<SftData, RowError> {
+    let Some(last) = msgs.last() else {
+        return Err(RowError::field(field, "empty list of messages"));
+    };
+    if last.role != Role::Assistant {
+        return Err(RowError::field(
+            field,
+            format!(
+                "the conversation must end with an assistant message (the completion), found role \"{}\"",
+                last.role
+            ),
+        ));
+    }
+    if msgs.len() < 2 {
+        return Err(RowError::field(
+            field,
+            "needs at least one message before the final assistant message",
+        ));
+    }
+    let completion: Vec<Message> = msgs.split_off(msgs.len() - 1);
+    check_chat_response(&format!("{field}[{}]", msgs.len()), &completion)?;
+    Ok(SftData::Chat {
+        prompt: msgs,
+        completion,
+    })
+}
+
+/// An optional string field: absent or null is empty.
+fn opt_string(obj: &Map<String, Value>, name: &str) -> Result<String, RowError> {
+    match obj.get(name) {
+        None | Some(Value::Null) => Ok(String::new()),
+        Some(Value::String(s)) => Ok(s.clone()),
+        Some(other) => Err(RowError::field(
+            name,
+            format!("expected a string, found {}", json_type(other)),
+        )),
+    }
+}
+
+/// An Alpaca row: `instruction` (and `input`, joined to it by a blank line)
+/// is the user's turn, `output` the assistant's, `system` an optional system
+/// turn.
+fn parse_alpaca(obj: &Map<String, Value>) -> Result<SftData, RowError> {
+    let instruction = match get_field(obj, "instruction")? {
+        Value::String(s) => s.clone(),
+        other => {
+            return Err(RowError::field(
+                "instruction",
+                format!("expected a string, found {}", json_type(other)),
+            ))
+        }
+    };
+    let input = opt_string(obj, "input")?;
+    let system = opt_string(obj, "system")?;
+    let output = match get_field(obj, "output")? {
+        Value::String(s) => s.clone(),
+        other => {
+            return Err(RowError::field(
+                "output",
+                format!("expected a string, found {}", json_type(other)),
+            ))
+        }
+    };
+    if instruction.trim().is_empty() && input.trim().is_empty() {
+        return Err(RowError::field(
+            "instruction",
+            "empty instruction (and no input)",
+        ));
+    }
+    check_text_response("output", &output)?;
+    let user = match (instruction.trim().is_empty(), input.trim().is_empty()) {
+        (false, false) => format!("{instruction}\n\n{input}"),
+        (false, true) => instruction,
+        (true, _) => input,
+    };
+    let mut prompt = Vec::with_capacity(2);
+    if !system.trim().is_empty() {
+        prompt.push(Message::system(system));
+    }
+    prompt.push(Message::user(user));
+    Ok(SftData::Chat {
+        prompt,
+        completion: vec![Message::assistant(output)],
+    })
 }
 
 fn parse_sft(obj: &Map<String, Value>) -> Result<SftData, RowError> {
@@ -606,38 +893,13 @@ fn parse_sft(obj: &Map<String, Value>) -> Result<SftData, RowError> {
             )),
         };
     }
-    if let Some(v) = obj.get("messages") {
-        let Value::Array(items) = v else {
-            return Err(RowError::field(
-                "messages",
-                format!("expected a list of messages, found {}", json_type(v)),
-            ));
-        };
-        let mut msgs = parse_messages(items, "messages")?;
-        let Some(last) = msgs.last() else {
-            return Err(RowError::field("messages", "empty list of messages"));
-        };
-        if last.role != Role::Assistant {
-            return Err(RowError::field(
-                "messages",
-                format!(
-                    "the conversation must end with an assistant message (the completion), found role \"{}\"",
-                    last.role
-                ),
-            ));
+    for field in ["messages", "conversations"] {
+        if obj.contains_key(field) {
+            return split_conversation(field, parse_conversation(obj, field)?);
         }
-        if msgs.len() < 2 {
-            return Err(RowError::field(
-                "messages",
-                "needs at least one message before the final assistant message",
-            ));
-        }
-        let completion = vec![msgs.pop().expect("checked non-empty")];
-        check_chat_response(&format!("messages[{}]", msgs.len()), &completion)?;
-        return Ok(SftData::Chat {
-            prompt: msgs,
-            completion,
-        });
+    }
+    if obj.contains_key("instruction") || obj.contains_key("output") {
+        return parse_alpaca(obj);
     }
     if let Some(v) = obj.get("text") {
         let Value::String(text) = v else {
@@ -658,7 +920,7 @@ fn parse_sft(obj: &Map<String, Value>) -> Result<SftData, RowError> {
         return Err(RowError::field("completion", "missing"));
     }
     Err(RowError::row(
-        "expected an SFT row: {\"prompt\", \"completion\"}, {\"messages\"} or {\"text\"}",
+        "expected an SFT row: {\"prompt\", \"completion\"}, {\"messages\"}, {\"conversations\"} (ShareGPT), {\"instruction\", \"input\", \"output\"} (Alpaca) or {\"text\"}",
     ))
 }
 
@@ -798,7 +1060,7 @@ mod tests {
                 DatasetKind::Preference,
                 r#"{"prompt":[{"role":"user","content":"x"}],"chosen":[{"role":"bot","content":"a"}],"rejected":[{"role":"assistant","content":"b"}]}"#
             ),
-            "data/train.jsonl:1: field \"chosen[0].role\": unknown role \"bot\" (expected system, user, assistant or tool)"
+            "data/train.jsonl:1: field \"chosen[0].role\": unknown role \"bot\" (expected system, user, assistant or tool; ShareGPT's human, gpt)"
         );
         assert_eq!(
             err(
@@ -913,7 +1175,7 @@ mod tests {
         );
         assert_eq!(
             err(DatasetKind::Sft, r#"{"foo":"bar"}"#),
-            "data/train.jsonl:1: expected an SFT row: {\"prompt\", \"completion\"}, {\"messages\"} or {\"text\"}"
+            "data/train.jsonl:1: expected an SFT row: {\"prompt\", \"completion\"}, {\"messages\"}, {\"conversations\"} (ShareGPT), {\"instruction\", \"input\", \"output\"} (Alpaca) or {\"text\"}"
         );
         assert_eq!(
             err(DatasetKind::Sft, r#"{"prompt":"x","completion":""}"#),

@@ -138,6 +138,25 @@ impl ChatTemplate {
         Ok(Some(Self::new(template, bos, eos)?))
     }
 
+    /// A template from a file: a Jinja file, or a `tokenizer_config.json`
+    /// (by its `.json` name) whose `chat_template` is used. `bos_token` and
+    /// `eos_token` are the model tokenizer's token strings (a config's own
+    /// ones win). Errors name the file.
+    pub fn from_file(path: impl AsRef<Path>, bos_token: &str, eos_token: &str) -> Result<Self> {
+        let path = path.as_ref();
+        let is_json = path.extension().and_then(|e| e.to_str()) == Some("json");
+        if is_json {
+            return Self::from_tokenizer_config(path)?
+                .ok_or_else(|| anyhow!("{}: has no \"chat_template\"", path.display()));
+        }
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("reading the chat template {}", path.display()))?;
+        if text.trim().is_empty() {
+            bail!("{}: the chat template file is empty", path.display());
+        }
+        Self::new(text, bos_token, eos_token).with_context(|| path.display().to_string())
+    }
+
     /// The Jinja source.
     pub fn source(&self) -> &str {
         &self.source

@@ -1,10 +1,17 @@
 //! Turning validated examples into token ids: rendering (chat template or
-//! plain text), tokenising prompt and responses separately, appending eos, and
-//! truncating to the configured lengths.
+//! plain text), encoding prompt and responses by one of two rule sets
+//! ([`TokenRules`]), and truncating to the configured lengths.
 //!
-//! Prompt and response are tokenised separately so the boundary between the
-//! tokens that are conditioned on and the tokens that are trained is exact
-//! (the same choice TRL makes). Truncation never moves that boundary: an
+//! `Separate` (the default) encodes the prompt and each response apart, so the
+//! prompt's ids are exactly the ids generation will see and the boundary
+//! between conditioned and trained tokens is exact by construction. This is
+//! lorafit's own choice, not TRL's: TRL 1.16 encodes prompt+response as one
+//! string and splits the ids afterwards, so a token that merges across the
+//! boundary lands in the response. The `Trl*` rules reproduce TRL 1.16's ids
+//! (ORPOTrainer/CPOTrainer's `tokenize_row`; DPOTrainer's and SFTTrainer's
+//! `tokenize_fn`) for users who need TRL's numbers.
+//!
+//! Truncation is lorafit's under every rule and never moves the boundary: an
 //! over-long prompt loses its *first* tokens (the question at its end is
 //! kept), an over-long response loses its *last* tokens, and every such cut is
 //! counted in [`TokenizeReport`] so that a bad `max_seq_len` is visible in the
@@ -16,8 +23,9 @@ use std::path::Path;
 use anyhow::{anyhow, bail, Context, Result};
 use tokenizers::Tokenizer;
 
-use super::dataset::{Example, PreferenceData, SftData};
+use super::dataset::{Example, Message, PreferenceData, SftData};
 use super::template::ChatTemplate;
+use crate::config::{Method, Tokenization};
 
 /// A `tokenizers::Tokenizer` plus the special tokens training needs.
 ///
@@ -151,6 +159,22 @@ impl TextTokenizer {
         Ok(enc.get_ids().to_vec())
     }
 
+    /// Token ids of `text` with the post-processor's special tokens (what
+    /// transformers' `tokenizer(text)` returns: BOS where the tokenizer adds
+    /// one).
+    pub fn encode_with_special_tokens(&self, text: &str) -> Result<Vec<u32>> {
+        let enc = self
+            .inner
+            .encode(text, true)
+            .map_err(|e| anyhow!("tokenizing text: {e}"))?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    /// The EOS token's text (e.g. `"<|im_end|>"`), if the EOS id is known.
+    pub fn eos_token(&self) -> Option<String> {
+        self.eos_id.and_then(|id| self.id_to_token(id))
+    }
+
     /// Text of `ids`, special tokens included.
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
         self.inner
@@ -160,7 +184,7 @@ impl TextTokenizer {
 
     /// Whether `ids` end with eos, ignoring trailing whitespace-only tokens
     /// (ChatML renders `<|im_end|>\n`).
-    fn ends_with_eos(&self, ids: &[u32]) -> Result<bool> {
+    pub fn ends_with_eos(&self, ids: &[u32]) -> Result<bool> {
         let Some(eos) = self.eos_id else {
             return Ok(false);
         };
@@ -192,7 +216,57 @@ fn post_processor_bos(tok: &Tokenizer) -> Result<Option<u32>> {
     }
 }
 
-/// Length limits and the eos rule.
+/// The rules that turn rendered text into prompt and response ids: the
+/// configured [`Tokenization`] resolved for the training method.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TokenRules {
+    /// Prompt and each response encoded apart (no special tokens from the
+    /// post-processor); BOS prepended to the prompt when the tokenizer's
+    /// `add_bos_token` asks and it is not there; EOS appended to a response
+    /// that does not end with it, trailing whitespace tokens ignored (with
+    /// `append_eos`).
+    Separate,
+    /// TRL 1.16 `ORPOTrainer.tokenize_row` (CPOTrainer, for SimPO, runs the
+    /// same code). Chat rows are rendered to text first (the prompt text is the
+    /// characters the prompt rendering shares with both full renderings); then
+    /// per response: `P = enc(prompt)`, `F = enc(prompt + response)`, the
+    /// prompt part is `F[..|P|]`, or `F[..|P|-1]` when `F` does not start with
+    /// `P` (a token merged across the boundary goes to the response); BOS is
+    /// prepended to a prompt whose first id is not BOS, whatever
+    /// `add_bos_token` says; EOS is appended to a response whose last id is not
+    /// EOS (so ChatML's `<|im_end|>\n` gets a second `<|im_end|>`).
+    TrlOrpo,
+    /// TRL 1.16 `DPOTrainer` / `SFTTrainer` `tokenize_fn`: text responses get
+    /// the EOS *string* appended unless they end with it, and are encoded with
+    /// the tokenizer's special tokens (`tokenizer(text)`: BOS only where the
+    /// post-processor adds it); chat rows are the template's renderings of the
+    /// prompt (with generation prompt) and of prompt+response, encoded without
+    /// special tokens and without any EOS added. The prompt is the ids that the
+    /// prompt encoding shares with both full encodings; the rest of each full
+    /// encoding is the response.
+    TrlDpo,
+}
+
+impl TokenRules {
+    /// The rules `tokenization` means for `method`.
+    pub fn resolve(tokenization: Tokenization, method: Method) -> TokenRules {
+        match (tokenization, method) {
+            (Tokenization::Separate, _) => TokenRules::Separate,
+            (Tokenization::Trl, Method::Orpo | Method::Simpo) => TokenRules::TrlOrpo,
+            (Tokenization::Trl, Method::Dpo | Method::Sft) => TokenRules::TrlDpo,
+        }
+    }
+
+    pub fn name(&self) -> &'static str {
+        match self {
+            TokenRules::Separate => "separate",
+            TokenRules::TrlOrpo => "trl (ORPOTrainer)",
+            TokenRules::TrlDpo => "trl (DPOTrainer)",
+        }
+    }
+}
+
+/// Length limits, the eos rule and the tokenization rules.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct TokenizeOptions {
     /// Most tokens of prompt + longest response.
@@ -204,16 +278,24 @@ pub struct TokenizeOptions {
     /// already close each turn with eos, so in practice this adds eos to
     /// plain-text responses. No effect when the eos id is unknown.
     pub append_eos: bool,
+    /// How text becomes ids (`append_eos` applies to `Separate` only; the TRL
+    /// rules add EOS as TRL does).
+    pub rules: TokenRules,
 }
 
 impl TokenizeOptions {
-    /// `append_eos` defaults to true.
+    /// `append_eos` defaults to true, `rules` to [`TokenRules::Separate`].
     pub fn new(max_seq_len: usize, max_prompt_len: usize) -> Self {
         TokenizeOptions {
             max_seq_len,
             max_prompt_len,
             append_eos: true,
+            rules: TokenRules::Separate,
         }
+    }
+
+    pub fn with_rules(self, rules: TokenRules) -> Self {
+        TokenizeOptions { rules, ..self }
     }
 
     pub fn validate(&self) -> Result<()> {
@@ -247,6 +329,28 @@ pub struct TokenizeReport {
     pub total_tokens: usize,
     /// The longest prompt+response sequence after truncation.
     pub max_seq_tokens: usize,
+    /// Rows where the TRL rules found a token merged across the prompt/response
+    /// boundary and moved it (or the prompt's diverging end) into the response.
+    pub boundary_merges: usize,
+    /// ORPO rows whose two responses split the prompt differently: TRL gives
+    /// each response its own prompt; here the prompt is their common ids and the
+    /// rest of each prompt starts its response.
+    pub split_prompts: usize,
+}
+
+impl TokenizeReport {
+    /// Adds `other`'s counts (the longest sequence is the longer of the two).
+    pub fn add(&mut self, other: &TokenizeReport) {
+        self.rows += other.rows;
+        self.prompt_truncated += other.prompt_truncated;
+        self.response_truncated += other.response_truncated;
+        self.eos_appended += other.eos_appended;
+        self.identical_pairs += other.identical_pairs;
+        self.total_tokens += other.total_tokens;
+        self.max_seq_tokens = self.max_seq_tokens.max(other.max_seq_tokens);
+        self.boundary_merges += other.boundary_merges;
+        self.split_prompts += other.split_prompts;
+    }
 }
 
 impl fmt::Display for TokenizeReport {
@@ -265,6 +369,20 @@ impl fmt::Display for TokenizeReport {
                 f,
                 ", {} pairs identical after truncation",
                 self.identical_pairs
+            )?;
+        }
+        if self.boundary_merges > 0 {
+            write!(
+                f,
+                ", {} rows with a token merged across the prompt/response boundary",
+                self.boundary_merges
+            )?;
+        }
+        if self.split_prompts > 0 {
+            write!(
+                f,
+                ", {} pairs whose responses split the prompt differently",
+                self.split_prompts
             )?;
         }
         Ok(())
@@ -330,7 +448,8 @@ fn need_template(template: Option<&ChatTemplate>) -> Result<&ChatTemplate> {
     template.ok_or_else(|| {
         anyhow!(
             "the row is in chat (messages) form but no chat template is available \
-             (the model's tokenizer config has none); supply a chat template or use plain-text rows"
+             (the model's tokenizer config has none); set `chat_template` to a Jinja template file \
+             (--chat-template FILE) or use plain-text rows"
         )
     })
 }
@@ -432,6 +551,46 @@ fn truncate_prompt(prompt: &mut Vec<u32>, max: usize, bos: Option<u32>) -> bool 
     true
 }
 
+/// The ids of a pair before truncation, by `opts.rules`.
+fn encode_pair(
+    data: &PreferenceData,
+    tok: &TextTokenizer,
+    template: Option<&ChatTemplate>,
+    opts: &TokenizeOptions,
+    report: &mut TokenizeReport,
+) -> Result<TokenizedPair> {
+    match opts.rules {
+        TokenRules::Separate => {
+            let r = render_preference(data, template)?;
+            Ok(TokenizedPair {
+                prompt: encode_prompt(tok, &r.prompt)?,
+                chosen: encode_response(tok, &r.chosen, opts, report)?,
+                rejected: encode_response(tok, &r.rejected, opts, report)?,
+            })
+        }
+        TokenRules::TrlOrpo => trl_orpo_pair(data, tok, template, report),
+        TokenRules::TrlDpo => {
+            let (prompt, mut full) = trl_dpo_encode(
+                tok,
+                template,
+                data_prompt(data),
+                &[data_chosen(data), data_rejected(data)],
+            )?;
+            let rejected = full.pop().unwrap_or_default();
+            let chosen = full.pop().unwrap_or_default();
+            let n = common_prefix_len(&prompt, &chosen).min(common_prefix_len(&prompt, &rejected));
+            if n < prompt.len() {
+                report.boundary_merges += 1;
+            }
+            Ok(TokenizedPair {
+                prompt: prompt[..n].to_vec(),
+                chosen: chosen[n..].to_vec(),
+                rejected: rejected[n..].to_vec(),
+            })
+        }
+    }
+}
+
 /// Tokenises one preference example, updating `report`.
 pub fn tokenize_pair(
     data: &PreferenceData,
@@ -441,10 +600,21 @@ pub fn tokenize_pair(
     report: &mut TokenizeReport,
 ) -> Result<TokenizedPair> {
     opts.validate()?;
-    let r = render_preference(data, template)?;
-    let mut prompt = encode_prompt(tok, &r.prompt)?;
-    let mut chosen = encode_response(tok, &r.chosen, opts, report)?;
-    let mut rejected = encode_response(tok, &r.rejected, opts, report)?;
+    let TokenizedPair {
+        mut prompt,
+        mut chosen,
+        mut rejected,
+    } = encode_pair(data, tok, template, opts, report)?;
+    if chosen.is_empty() || rejected.is_empty() {
+        bail!(
+            "field \"{}\": the response encodes to no tokens",
+            if chosen.is_empty() {
+                "chosen"
+            } else {
+                "rejected"
+            }
+        );
+    }
     if truncate_prompt(&mut prompt, opts.max_prompt_len, tok.bos_id) {
         report.prompt_truncated += 1;
     }
@@ -468,6 +638,203 @@ pub fn tokenize_pair(
     Ok(pair)
 }
 
+// ------------------------------------------------------------- TRL 1.16 rules
+
+/// A row's prompt or response as TRL sees it: a string or a message list.
+#[derive(Clone, Copy)]
+enum Part<'a> {
+    Text(&'a str),
+    Chat(&'a [Message]),
+}
+
+fn data_prompt(d: &PreferenceData) -> Part<'_> {
+    match d {
+        PreferenceData::Text { prompt, .. } => Part::Text(prompt),
+        PreferenceData::Chat { prompt, .. } => Part::Chat(prompt),
+    }
+}
+fn data_chosen(d: &PreferenceData) -> Part<'_> {
+    match d {
+        PreferenceData::Text { chosen, .. } => Part::Text(chosen),
+        PreferenceData::Chat { chosen, .. } => Part::Chat(chosen),
+    }
+}
+fn data_rejected(d: &PreferenceData) -> Part<'_> {
+    match d {
+        PreferenceData::Text { rejected, .. } => Part::Text(rejected),
+        PreferenceData::Chat { rejected, .. } => Part::Chat(rejected),
+    }
+}
+
+/// Number of leading items `a` and `b` share (TRL's `common_prefix_length`).
+pub fn common_prefix_len<T: PartialEq>(a: &[T], b: &[T]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
+}
+
+/// The byte length of the longest common character prefix of `a` and `b`.
+fn common_char_prefix(a: &str, b: &str) -> usize {
+    a.char_indices()
+        .zip(b.chars())
+        .find(|((_, x), y)| x != y)
+        .map(|((i, _), _)| i)
+        .unwrap_or_else(|| a.len().min(b.len()))
+}
+
+/// `prompt + messages`, as one list.
+fn join(prompt: &[Message], rest: &[Message]) -> Vec<Message> {
+    [prompt, rest].concat()
+}
+
+/// DPOTrainer's / SFTTrainer's encodings: the prompt's ids and, for each
+/// response, the ids of prompt+response (see [`TokenRules::TrlDpo`]).
+fn trl_dpo_encode(
+    tok: &TextTokenizer,
+    template: Option<&ChatTemplate>,
+    prompt: Part<'_>,
+    responses: &[Part<'_>],
+) -> Result<(Vec<u32>, Vec<Vec<u32>>)> {
+    match prompt {
+        Part::Text(prompt) => {
+            let eos = tok.eos_token().ok_or_else(|| {
+                anyhow!("tokenization \"trl\": the tokenizer has no EOS token, which TRL appends to text responses")
+            })?;
+            let mut full = Vec::with_capacity(responses.len());
+            for r in responses {
+                let Part::Text(r) = r else {
+                    bail!("text prompt with a message-list response");
+                };
+                let with_eos = if r.ends_with(&eos) {
+                    r.to_string()
+                } else {
+                    format!("{r}{eos}")
+                };
+                full.push(tok.encode_with_special_tokens(&format!("{prompt}{with_eos}"))?);
+            }
+            Ok((tok.encode_with_special_tokens(prompt)?, full))
+        }
+        Part::Chat(prompt) => {
+            let t = need_template(template)?;
+            let mut full = Vec::with_capacity(responses.len());
+            for r in responses {
+                let Part::Chat(r) = r else {
+                    bail!("message-list prompt with a text response");
+                };
+                full.push(tok.encode(&t.render(&join(prompt, r), false)?)?);
+            }
+            Ok((tok.encode(&t.render_prompt(prompt)?)?, full))
+        }
+    }
+}
+
+/// ORPOTrainer's text: chat rows rendered as TRL's `apply_chat_template`
+/// does, text rows as they are.
+fn trl_orpo_text(
+    data: &PreferenceData,
+    template: Option<&ChatTemplate>,
+) -> Result<(String, String, String)> {
+    match data {
+        PreferenceData::Text {
+            prompt,
+            chosen,
+            rejected,
+        } => Ok((prompt.clone(), chosen.clone(), rejected.clone())),
+        PreferenceData::Chat {
+            prompt,
+            chosen,
+            rejected,
+        } => {
+            let t = need_template(template)?;
+            let mut p = t.render_prompt(prompt)?;
+            let pc = t.render(&join(prompt, chosen), false)?;
+            let pr = t.render(&join(prompt, rejected), false)?;
+            // The prompt text is what the prompt rendering shares with both full
+            // renderings (TRL's `takewhile` over characters).
+            p.truncate(common_char_prefix(&p, &pc));
+            p.truncate(common_char_prefix(&p, &pr));
+            let c = pc[p.len()..].to_string();
+            let r = pr[p.len()..].to_string();
+            Ok((p, c, r))
+        }
+    }
+}
+
+/// ORPOTrainer's `build_tokenized_answer`: (prompt ids, response ids, whether
+/// the prompt lost its last token to a merge).
+fn trl_orpo_answer(
+    tok: &TextTokenizer,
+    prompt: &str,
+    prompt_ids: &[u32],
+    answer: &str,
+) -> Result<(Vec<u32>, Vec<u32>, bool)> {
+    let full = tok.encode(&format!("{prompt}{answer}"))?;
+    if full.len() < prompt_ids.len() {
+        bail!(
+            "tokenization \"trl\": prompt+response encodes to fewer tokens ({}) than the prompt alone ({}); TRL's ORPOTrainer refuses such a row",
+            full.len(),
+            prompt_ids.len()
+        );
+    }
+    let mut start = prompt_ids.len();
+    let merged = full[..start] != *prompt_ids;
+    if merged {
+        start -= 1;
+    }
+    Ok((full[..start].to_vec(), full[start..].to_vec(), merged))
+}
+
+/// ORPOTrainer's `tokenize_row` (before its truncation), with one prompt for
+/// both responses (see [`TokenizeReport::split_prompts`]).
+fn trl_orpo_pair(
+    data: &PreferenceData,
+    tok: &TextTokenizer,
+    template: Option<&ChatTemplate>,
+    report: &mut TokenizeReport,
+) -> Result<TokenizedPair> {
+    let (prompt, chosen, rejected) = trl_orpo_text(data, template)?;
+    let prompt_ids = tok.encode(&prompt)?;
+    let (mut pc, mut ac, mc) = trl_orpo_answer(tok, &prompt, &prompt_ids, &chosen)?;
+    let (mut pr, mut ar, mr) = trl_orpo_answer(tok, &prompt, &prompt_ids, &rejected)?;
+    let differing = pc.iter().zip(&pr).filter(|(a, b)| a != b).count();
+    if differing > 1 || pc.len().abs_diff(pr.len()) > 1 {
+        bail!(
+            "tokenization \"trl\": the chosen and rejected encodings split the prompt in ways that differ by more than the last token; TRL's ORPOTrainer refuses such a row"
+        );
+    }
+    if let Some(bos) = tok.bos_id {
+        for p in [&mut pc, &mut pr] {
+            if p.first() != Some(&bos) {
+                p.insert(0, bos);
+            }
+        }
+    }
+    let eos = tok.eos_id.ok_or_else(|| {
+        anyhow!("tokenization \"trl\": the tokenizer has no EOS id, which TRL's ORPOTrainer appends to every response")
+    })?;
+    for a in [&mut ac, &mut ar] {
+        if a.last() != Some(&eos) {
+            a.push(eos);
+            report.eos_appended += 1;
+        }
+    }
+    if mc || mr {
+        report.boundary_merges += 1;
+    }
+    if pc == pr {
+        return Ok(TokenizedPair {
+            prompt: pc,
+            chosen: ac,
+            rejected: ar,
+        });
+    }
+    report.split_prompts += 1;
+    let n = common_prefix_len(&pc, &pr);
+    Ok(TokenizedPair {
+        prompt: pc[..n].to_vec(),
+        chosen: [&pc[n..], ac.as_slice()].concat(),
+        rejected: [&pr[n..], ar.as_slice()].concat(),
+    })
+}
+
 /// Tokenises one SFT example, updating `report`.
 pub fn tokenize_sft_example(
     data: &SftData,
@@ -477,9 +844,37 @@ pub fn tokenize_sft_example(
     report: &mut TokenizeReport,
 ) -> Result<TokenizedSft> {
     opts.validate()?;
-    let r = render_sft(data, template)?;
-    let mut prompt = encode_prompt(tok, &r.prompt)?;
-    let mut completion = encode_response(tok, &r.completion, opts, report)?;
+    let (mut prompt, mut completion) = match opts.rules {
+        TokenRules::Separate => {
+            let r = render_sft(data, template)?;
+            (
+                encode_prompt(tok, &r.prompt)?,
+                encode_response(tok, &r.completion, opts, report)?,
+            )
+        }
+        // SFTTrainer's prompt-completion rule is DPOTrainer's with one response
+        // (ORPO's rules never apply to SFT rows; see `TokenRules::resolve`).
+        TokenRules::TrlDpo | TokenRules::TrlOrpo => {
+            let (p, c) = match data {
+                SftData::Text { prompt, completion } => {
+                    (Part::Text(prompt), Part::Text(completion))
+                }
+                SftData::Chat { prompt, completion } => {
+                    (Part::Chat(prompt), Part::Chat(completion))
+                }
+            };
+            let (p, mut full) = trl_dpo_encode(tok, template, p, &[c])?;
+            let full = full.pop().unwrap_or_default();
+            let n = common_prefix_len(&p, &full);
+            if n < p.len() {
+                report.boundary_merges += 1;
+            }
+            (p[..n].to_vec(), full[n..].to_vec())
+        }
+    };
+    if completion.is_empty() {
+        bail!("field \"completion\": the completion encodes to no tokens");
+    }
     if truncate_prompt(&mut prompt, opts.max_prompt_len, tok.bos_id) {
         report.prompt_truncated += 1;
     }

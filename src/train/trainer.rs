@@ -9,11 +9,11 @@ use super::optim::{apply_update, AdamState, OptimOptions, Schedule};
 use super::plan::Plan;
 use super::step::{queue_example, reference_logps, Objective, PassOptions};
 use crate::config::{Method, TrainConfig};
-use crate::data::{self, ChatTemplate, DatasetKind, TextTokenizer, TokenizeOptions};
+use crate::data::{self, ChatTemplate, DatasetKind, TextTokenizer, TokenRules, TokenizeOptions};
 use crate::model::{self, Lora, Model};
 use crate::tensor::Rng;
 use crate::tensor::{DType, Device, Tensor};
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -89,7 +89,9 @@ pub fn load_model_and_tokenizer(model_arg: &str, device: &Device) -> Result<Load
     })
 }
 
-/// Reads and tokenises a JSONL file for `method`, logging what was skipped or truncated.
+/// Reads, tokenises and checks a dataset file (JSONL or Parquet) for `method` (`data::check`:
+/// the same checks as `lorafit lint`), printing their summary. A bad row fails here, naming file,
+/// line and field, or with `skip_bad_rows` is skipped and counted, before the first step.
 pub fn load_items(
     path: &str,
     text: Option<&str>,
@@ -97,50 +99,37 @@ pub fn load_items(
     loaded: &Loaded,
     cfg: &TrainConfig,
 ) -> Result<Vec<Item>> {
-    let kind = if method == Method::Sft {
-        DatasetKind::Sft
-    } else {
-        DatasetKind::Preference
+    let rules = TokenRules::resolve(cfg.tokenization, method);
+    let opts = data::CheckOptions {
+        kind: if method == Method::Sft {
+            DatasetKind::Sft
+        } else {
+            DatasetKind::Preference
+        },
+        skip_bad: cfg.skip_bad_rows,
+        tokenize: TokenizeOptions::new(cfg.max_seq_len, cfg.max_prompt_len).with_rules(rules),
+        compare: None,
+        model_vocab: loaded.model.spec.vocab,
     };
-    let (examples, report) = match text {
-        Some(t) => data::read_jsonl(std::io::Cursor::new(t), path, kind, cfg.skip_bad_rows)?,
-        None => data::load_jsonl(path, kind, cfg.skip_bad_rows)?,
-    };
-    if report.skipped > 0 {
-        eprintln!("{report}");
-    }
-    let opts = TokenizeOptions::new(cfg.max_seq_len, cfg.max_prompt_len);
-    let items: Vec<Item> = if kind == DatasetKind::Sft {
-        let (v, rep) = data::tokenize_sft(
-            &examples,
-            &loaded.tokenizer,
-            loaded.template.as_ref(),
-            &opts,
-        )
-        .with_context(|| path.to_string())?;
-        log_tokenize(path, &rep);
-        v.into_iter().map(Item::Sft).collect()
-    } else {
-        let (v, rep) = data::tokenize_preferences(
-            &examples,
-            &loaded.tokenizer,
-            loaded.template.as_ref(),
-            &opts,
-        )
-        .with_context(|| path.to_string())?;
-        log_tokenize(path, &rep);
-        v.into_iter().map(Item::Pair).collect()
-    };
-    if items.is_empty() {
-        bail!("{path}: no usable examples");
-    }
-    Ok(items)
+    let (rows, report) = data::load_and_check(
+        path,
+        text,
+        &loaded.tokenizer,
+        loaded.template.as_ref(),
+        &opts,
+    )?;
+    log_tokenize(&report);
+    Ok(rows
+        .into_iter()
+        .map(|r| match r.tokens {
+            data::RowTokens::Pair(p) => Item::Pair(p),
+            data::RowTokens::Sft(s) => Item::Sft(s),
+        })
+        .collect())
 }
 
-fn log_tokenize(path: &str, rep: &data::TokenizeReport) {
-    if rep.prompt_truncated > 0 || rep.response_truncated > 0 {
-        eprintln!("{path}: {rep}");
-    }
+fn log_tokenize(report: &data::CheckReport) {
+    eprintln!("{report}");
 }
 
 /// Optimiser and data position saved with each checkpoint.

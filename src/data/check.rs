@@ -1,0 +1,513 @@
+//! The pre-flight checks of a dataset: every row loaded, rendered, tokenised
+//! and checked against the model before the first training step, and what a
+//! person should know about each pair (`lorafit lint`; `lorafit train` prints
+//! the summary).
+//!
+//! It exists so that a row that would fail mid-run (a template that cannot
+//! render it, a prompt that encodes to nothing, an id outside the model's
+//! vocabulary) fails while loading, with its file, line and field, or is
+//! skipped and counted under `skip_bad_rows`; and so that the rows that train
+//! without error but not as intended (chosen equal to rejected, duplicates, a
+//! prompt ending in an assistant turn, a token merged across the boundary, a
+//! truncation that cut the answer) are counted instead of passing in silence.
+//! Loading, tokenising and checking are one pass, so `lint` and `train` see
+//! the same rows and the same ids.
+
+use std::collections::hash_map::{DefaultHasher, Entry};
+use std::collections::HashMap;
+use std::fmt;
+use std::hash::{Hash, Hasher};
+use std::path::Path;
+
+use anyhow::Result;
+
+use super::dataset::{
+    is_parquet, load_dataset, read_jsonl, row_location, DatasetKind, Example, LoadReport,
+    PreferenceData, Role, SftData,
+};
+use super::template::ChatTemplate;
+use super::tokenize::{
+    render_preference, render_sft, tokenize_pair, tokenize_sft_example, TextTokenizer, TokenRules,
+    TokenizeOptions, TokenizeReport, TokenizedPair, TokenizedSft,
+};
+
+/// A chosen/rejected length ratio (in response tokens) beyond this, either
+/// way, is noted: the pair's preference is then mostly about length.
+pub const LENGTH_RATIO_NOTE: f64 = 4.0;
+
+/// How the rows are read and tokenised, and what they are checked against.
+#[derive(Debug, Clone, Copy)]
+pub struct CheckOptions {
+    pub kind: DatasetKind,
+    /// Skip (and count) a bad row instead of failing on it.
+    pub skip_bad: bool,
+    pub tokenize: TokenizeOptions,
+    /// A second rule set to compare with (where the ids would differ), if any.
+    pub compare: Option<TokenRules>,
+    /// Rows of the model's embedding: every id must be below it.
+    pub model_vocab: usize,
+}
+
+/// A row's ids for training.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RowTokens {
+    Pair(TokenizedPair),
+    Sft(TokenizedSft),
+}
+
+/// What is worth knowing about one row that trains without error.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Finding {
+    /// The prompt does not start with the tokenizer's BOS.
+    NoBos,
+    /// A response (named) does not end with EOS (trailing whitespace tokens
+    /// ignored).
+    NoEos(&'static str),
+    /// Encoding prompt+response as one string merges a token across the
+    /// boundary (the response named).
+    BoundaryMerge(&'static str),
+    /// The compared rule set gives other ids for these parts.
+    RulesDiffer(Vec<&'static str>),
+    /// The compared rule set cannot encode this row (why).
+    OtherRulesFail(String),
+    /// The prompt lost this many leading tokens to `max_prompt_len`.
+    PromptCut(usize),
+    /// Responses lost this many trailing tokens to `max_seq_len` (the most over
+    /// chosen and rejected), and the cut text began with this.
+    ResponseCut(usize, String),
+    /// chosen/rejected response tokens beyond [`LENGTH_RATIO_NOTE`].
+    LengthRatio(f64),
+    /// chosen and rejected are the same text: no preference signal.
+    IdenticalResponses,
+    /// The same row as an earlier one (its line).
+    Duplicate(usize),
+    /// The prompt's last message is the assistant's.
+    PromptEndsWithAssistant,
+}
+
+impl fmt::Display for Finding {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Finding::NoBos => f.write_str("prompt has no BOS"),
+            Finding::NoEos(field) => write!(f, "{field} does not end with EOS"),
+            Finding::BoundaryMerge(field) => write!(
+                f,
+                "a token merges across the prompt/{field} boundary when encoded as one string"
+            ),
+            Finding::RulesDiffer(parts) => {
+                write!(
+                    f,
+                    "the other tokenization gives other ids for {}",
+                    parts.join(", ")
+                )
+            }
+            Finding::OtherRulesFail(why) => {
+                write!(f, "the other tokenization cannot encode this row: {why}")
+            }
+            Finding::PromptCut(n) => write!(f, "prompt cut: its first {n} tokens dropped"),
+            Finding::ResponseCut(n, text) => {
+                write!(
+                    f,
+                    "response cut: its last {n} tokens dropped, from {text:?}"
+                )
+            }
+            Finding::LengthRatio(r) => write!(f, "chosen/rejected length ratio {r:.2}"),
+            Finding::IdenticalResponses => {
+                f.write_str("chosen equals rejected (no preference signal)")
+            }
+            Finding::Duplicate(line) => write!(f, "duplicate of the row at {line}"),
+            Finding::PromptEndsWithAssistant => {
+                f.write_str("the prompt ends with an assistant turn (the response continues it)")
+            }
+        }
+    }
+}
+
+/// A checked row: its place, its ids and its findings.
+#[derive(Debug, Clone)]
+pub struct CheckedRow {
+    pub line: usize,
+    pub tokens: RowTokens,
+    pub findings: Vec<Finding>,
+}
+
+/// The sums over a file.
+#[derive(Debug, Clone, Default)]
+pub struct CheckReport {
+    pub load: LoadReport,
+    pub tokenize: TokenizeReport,
+    /// Rows that failed a check after parsing (template, tokens, vocabulary),
+    /// each `file:line: ...`; skipped with `skip_bad`.
+    pub bad_rows: Vec<String>,
+    pub rules: Option<TokenRules>,
+    pub compare: Option<TokenRules>,
+    pub no_bos: usize,
+    pub no_eos: usize,
+    pub boundary_merges: usize,
+    pub rules_differ: usize,
+    pub prompt_cut: usize,
+    pub response_cut: usize,
+    pub length_ratio: usize,
+    pub identical_responses: usize,
+    pub duplicates: usize,
+    pub prompt_ends_with_assistant: usize,
+}
+
+impl CheckReport {
+    /// Rows that could not be used: malformed when read, or failing a check.
+    pub fn errors(&self) -> usize {
+        self.load.skipped + self.bad_rows.len()
+    }
+
+    /// Counted warnings: rows that train but not as intended.
+    pub fn warnings(&self) -> usize {
+        self.identical_responses + self.duplicates + self.prompt_ends_with_assistant
+    }
+
+    fn count(&mut self, f: &Finding) {
+        match f {
+            Finding::NoBos => self.no_bos += 1,
+            Finding::NoEos(_) => self.no_eos += 1,
+            Finding::BoundaryMerge(_) => self.boundary_merges += 1,
+            Finding::RulesDiffer(_) | Finding::OtherRulesFail(_) => self.rules_differ += 1,
+            Finding::PromptCut(_) => self.prompt_cut += 1,
+            Finding::ResponseCut(..) => self.response_cut += 1,
+            Finding::LengthRatio(_) => self.length_ratio += 1,
+            Finding::IdenticalResponses => self.identical_responses += 1,
+            Finding::Duplicate(_) => self.duplicates += 1,
+            Finding::PromptEndsWithAssistant => self.prompt_ends_with_assistant += 1,
+        }
+    }
+}
+
+impl fmt::Display for CheckReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let t = &self.tokenize;
+        write!(
+            f,
+            "{}: {} rows used ({} chat, {} text), tokenization {}; {} tokens, longest sequence {}",
+            self.load.path,
+            t.rows,
+            self.load.chat_rows,
+            self.load.text_rows,
+            self.rules.map(|r| r.name()).unwrap_or("?"),
+            t.total_tokens,
+            t.max_seq_tokens
+        )?;
+        write!(
+            f,
+            "\n  errors: {} ({} malformed rows, {} rows failing a check){}",
+            self.errors(),
+            self.load.skipped,
+            self.bad_rows.len(),
+            if self.errors() > 0 { ", skipped" } else { "" }
+        )?;
+        for r in self.load.skip_reasons.iter().chain(&self.bad_rows).take(5) {
+            write!(f, "\n    {r}")?;
+        }
+        write!(
+            f,
+            "\n  warnings: {} chosen == rejected, {} duplicate rows, {} prompts ending in an assistant turn",
+            self.identical_responses, self.duplicates, self.prompt_ends_with_assistant
+        )?;
+        write!(
+            f,
+            "\n  notes: {} prompts without BOS, {} responses without EOS, {} responses with a token merged across the boundary, {} prompts cut, {} rows with a response cut, {} pairs with length ratio beyond {LENGTH_RATIO_NOTE}",
+            self.no_bos, self.no_eos, self.boundary_merges, self.prompt_cut, self.response_cut, self.length_ratio
+        )?;
+        if let Some(c) = self.compare {
+            write!(
+                f,
+                "\n  {} rows get other ids under tokenization {}",
+                self.rules_differ,
+                c.name()
+            )?;
+        }
+        if t.split_prompts > 0 {
+            write!(
+                f,
+                "\n  {} pairs whose responses split the prompt differently (TRL gives each its own prompt; here the prompt is their shared ids)",
+                t.split_prompts
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// Reads `path` (JSONL or Parquet; `text` is the file's content when it is
+/// already in memory), tokenises and checks every row. A bad row is an error
+/// naming `file:line` (or `file: row N`) and its field, or with `skip_bad` is
+/// skipped and counted.
+pub fn load_and_check(
+    path: &str,
+    text: Option<&str>,
+    tok: &TextTokenizer,
+    template: Option<&ChatTemplate>,
+    opts: &CheckOptions,
+) -> Result<(Vec<CheckedRow>, CheckReport)> {
+    opts.tokenize.validate()?;
+    let (examples, load) = match text {
+        Some(t) => read_jsonl(std::io::Cursor::new(t), path, opts.kind, opts.skip_bad)?,
+        None => load_dataset(path, opts.kind, opts.skip_bad)?,
+    };
+    let parquet = is_parquet(Path::new(path)) && text.is_none();
+    let mut report = CheckReport {
+        load,
+        rules: Some(opts.tokenize.rules),
+        compare: opts.compare,
+        ..Default::default()
+    };
+    let mut rows = Vec::with_capacity(examples.len());
+    let mut seen: HashMap<u64, usize> = HashMap::new();
+    for ex in &examples {
+        let at = row_location(path, parquet, ex.line());
+        // The row's counts join the report only when the row is used.
+        let mut row_counts = TokenizeReport::default();
+        match check_row(ex, tok, template, opts, &mut row_counts) {
+            Ok((tokens, mut findings)) => {
+                report.tokenize.add(&row_counts);
+                let mut h = DefaultHasher::new();
+                match ex {
+                    Example::Preference { data, .. } => data.hash(&mut h),
+                    Example::Sft { data, .. } => data.hash(&mut h),
+                }
+                // A 64-bit hash of the row's content: a collision would only
+                // report a false duplicate, never drop a row.
+                let key = h.finish();
+                match seen.entry(key) {
+                    Entry::Occupied(first) => findings.push(Finding::Duplicate(*first.get())),
+                    Entry::Vacant(slot) => {
+                        slot.insert(ex.line());
+                    }
+                }
+                for f in &findings {
+                    report.count(f);
+                }
+                rows.push(CheckedRow {
+                    line: ex.line(),
+                    tokens,
+                    findings,
+                });
+            }
+            Err(e) => {
+                let msg = format!("{at}: {e:#}");
+                if !opts.skip_bad {
+                    anyhow::bail!(msg);
+                }
+                report.bad_rows.push(msg);
+            }
+        }
+    }
+    if rows.is_empty() {
+        anyhow::bail!(
+            "{path}: no usable {} rows ({} malformed, {} failing a check)",
+            opts.kind,
+            report.load.skipped,
+            report.bad_rows.len()
+        );
+    }
+    Ok((rows, report))
+}
+
+/// Options with limits no row reaches: the ids before truncation.
+fn untruncated(opts: &TokenizeOptions) -> TokenizeOptions {
+    TokenizeOptions {
+        max_seq_len: usize::MAX / 2,
+        max_prompt_len: usize::MAX / 4,
+        ..*opts
+    }
+}
+
+fn check_ids(field: &'static str, ids: &[u32], vocab: usize) -> Result<()> {
+    if let Some(&bad) = ids.iter().find(|&&id| id as usize >= vocab) {
+        anyhow::bail!(
+            "field \"{field}\": token id {bad} is outside the model's vocabulary ({vocab} rows): the tokenizer does not match the model"
+        );
+    }
+    Ok(())
+}
+
+fn prompt_ends_with_assistant(ex: &Example) -> bool {
+    let last = match ex {
+        Example::Preference {
+            data: PreferenceData::Chat { prompt, .. },
+            ..
+        }
+        | Example::Sft {
+            data: SftData::Chat { prompt, .. },
+            ..
+        } => prompt.last(),
+        _ => None,
+    };
+    last.is_some_and(|m| m.role == Role::Assistant)
+}
+
+/// Whether encoding `prompt + response` as one string gives other ids at the
+/// boundary than encoding the two apart.
+fn merges_across(tok: &TextTokenizer, prompt: &str, response: &str) -> Result<bool> {
+    let p = tok.encode(prompt)?;
+    let joint = tok.encode(&format!("{prompt}{response}"))?;
+    Ok(joint.get(..p.len()) != Some(p.as_slice()))
+}
+
+/// Tokenises one row under the configured rules and checks it.
+fn check_row(
+    ex: &Example,
+    tok: &TextTokenizer,
+    template: Option<&ChatTemplate>,
+    opts: &CheckOptions,
+    report: &mut TokenizeReport,
+) -> Result<(RowTokens, Vec<Finding>)> {
+    let mut findings = Vec::new();
+    let full = untruncated(&opts.tokenize);
+    let mut scratch = TokenizeReport::default();
+    let vocab = opts.model_vocab;
+    if prompt_ends_with_assistant(ex) {
+        findings.push(Finding::PromptEndsWithAssistant);
+    }
+    let tokens = match ex {
+        Example::Preference { data, .. } => {
+            if let PreferenceData::Text {
+                chosen, rejected, ..
+            } = data
+            {
+                if chosen == rejected {
+                    findings.push(Finding::IdenticalResponses);
+                }
+            }
+            if let PreferenceData::Chat {
+                chosen, rejected, ..
+            } = data
+            {
+                if chosen == rejected {
+                    findings.push(Finding::IdenticalResponses);
+                }
+            }
+            let whole = tokenize_pair(data, tok, template, &full, &mut scratch)?;
+            let pair = tokenize_pair(data, tok, template, &opts.tokenize, report)?;
+            if pair.prompt.is_empty() {
+                anyhow::bail!("field \"prompt\": the prompt encodes to no tokens (and the tokenizer adds no BOS), so the first response token has nothing to be predicted from");
+            }
+            check_ids("prompt", &pair.prompt, vocab)?;
+            check_ids("chosen", &pair.chosen, vocab)?;
+            check_ids("rejected", &pair.rejected, vocab)?;
+            if tok.bos_id().is_some() && pair.prompt.first() != tok.bos_id().as_ref() {
+                findings.push(Finding::NoBos);
+            }
+            for (field, ids) in [("chosen", &whole.chosen), ("rejected", &whole.rejected)] {
+                if tok.eos_id().is_some() && !tok.ends_with_eos(ids)? {
+                    findings.push(Finding::NoEos(field));
+                }
+            }
+            // The split `separate` uses; a template that renders the prompt differently alone
+            // fails it, and the TRL rules (which tokenized the row above) need no such split.
+            if let Ok(r) = render_preference(data, template) {
+                for (field, text) in [("chosen", &r.chosen), ("rejected", &r.rejected)] {
+                    if merges_across(tok, &r.prompt, text)? {
+                        findings.push(Finding::BoundaryMerge(field));
+                    }
+                }
+            }
+            let other = opts
+                .compare
+                .map(|o| tokenize_pair(data, tok, template, &full.with_rules(o), &mut scratch));
+            match other {
+                None => {}
+                Some(Err(e)) => findings.push(Finding::OtherRulesFail(format!("{e:#}"))),
+                Some(Ok(o)) => {
+                    let mut parts = Vec::new();
+                    if o.prompt != whole.prompt {
+                        parts.push("prompt");
+                    }
+                    if o.chosen != whole.chosen {
+                        parts.push("chosen");
+                    }
+                    if o.rejected != whole.rejected {
+                        parts.push("rejected");
+                    }
+                    if !parts.is_empty() {
+                        findings.push(Finding::RulesDiffer(parts));
+                    }
+                }
+            }
+            if pair.prompt.len() < whole.prompt.len() {
+                findings.push(Finding::PromptCut(whole.prompt.len() - pair.prompt.len()));
+            }
+            let cut_c = whole.chosen.len() - pair.chosen.len();
+            let cut_r = whole.rejected.len() - pair.rejected.len();
+            if cut_c > 0 || cut_r > 0 {
+                let (ids, keep) = if cut_c >= cut_r {
+                    (&whole.chosen, pair.chosen.len())
+                } else {
+                    (&whole.rejected, pair.rejected.len())
+                };
+                let end = ids.len().min(keep + 8);
+                let text = tok.decode(&ids[keep..end]).unwrap_or_default();
+                findings.push(Finding::ResponseCut(cut_c.max(cut_r), text));
+            }
+            let (c, rj) = (
+                whole.chosen.len().max(1) as f64,
+                whole.rejected.len().max(1) as f64,
+            );
+            let ratio = c / rj;
+            if !(1.0 / LENGTH_RATIO_NOTE..=LENGTH_RATIO_NOTE).contains(&ratio) {
+                findings.push(Finding::LengthRatio(ratio));
+            }
+            RowTokens::Pair(pair)
+        }
+        Example::Sft { data, .. } => {
+            let whole = tokenize_sft_example(data, tok, template, &full, &mut scratch)?;
+            let sft = tokenize_sft_example(data, tok, template, &opts.tokenize, report)?;
+            if sft.len() < 2 {
+                anyhow::bail!(
+                    "the row encodes to {} token(s); at least two are needed to train one",
+                    sft.len()
+                );
+            }
+            check_ids("prompt", &sft.prompt, vocab)?;
+            check_ids("completion", &sft.completion, vocab)?;
+            if tok.bos_id().is_some() && sft.sequence().first() != tok.bos_id().as_ref() {
+                findings.push(Finding::NoBos);
+            }
+            if tok.eos_id().is_some() && !tok.ends_with_eos(&whole.completion)? {
+                findings.push(Finding::NoEos("completion"));
+            }
+            if let Ok(r) = render_sft(data, template) {
+                if !r.prompt.is_empty() && merges_across(tok, &r.prompt, &r.completion)? {
+                    findings.push(Finding::BoundaryMerge("completion"));
+                }
+            }
+            let other = opts.compare.map(|o| {
+                tokenize_sft_example(data, tok, template, &full.with_rules(o), &mut scratch)
+            });
+            match other {
+                None => {}
+                Some(Err(e)) => findings.push(Finding::OtherRulesFail(format!("{e:#}"))),
+                Some(Ok(o)) => {
+                    let mut parts = Vec::new();
+                    if o.prompt != whole.prompt {
+                        parts.push("prompt");
+                    }
+                    if o.completion != whole.completion {
+                        parts.push("completion");
+                    }
+                    if !parts.is_empty() {
+                        findings.push(Finding::RulesDiffer(parts));
+                    }
+                }
+            }
+            if sft.prompt.len() < whole.prompt.len() {
+                findings.push(Finding::PromptCut(whole.prompt.len() - sft.prompt.len()));
+            }
+            let cut = whole.completion.len() - sft.completion.len();
+            if cut > 0 {
+                let keep = sft.completion.len();
+                let end = whole.completion.len().min(keep + 8);
+                let text = tok.decode(&whole.completion[keep..end]).unwrap_or_default();
+                findings.push(Finding::ResponseCut(cut, text));
+            }
+            RowTokens::Sft(sft)
+        }
+    };
+    Ok((tokens, findings))
+}

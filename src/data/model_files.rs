@@ -1,0 +1,66 @@
+//! A model's tokenizer, chat template and vocabulary size, read from its files without loading
+//! its weights: what `lorafit lint` needs to check a dataset against a model in seconds, however
+//! large the model. The rules are the ones training uses (`train::trainer::load_model_and_tokenizer`):
+//! a Hugging Face folder's `tokenizer.json` + `tokenizer_config.json` (EOS from `config.json` when
+//! the tokenizer config names none), or a GGUF file's embedded tokenizer and template.
+
+use std::path::Path;
+
+use anyhow::{Context, Result};
+
+use super::template::ChatTemplate;
+use super::tokenize::TextTokenizer;
+use crate::model::config::ModelSpec;
+use crate::model::gguf::GgufFile;
+
+/// What a dataset is checked against.
+pub struct ModelTokens {
+    pub tokenizer: TextTokenizer,
+    pub template: Option<ChatTemplate>,
+    /// Rows of the model's token embedding: every id must be below it.
+    pub vocab: usize,
+}
+
+/// Reads the tokenizer, template and vocabulary size of the model at `path`.
+pub fn load_model_tokens(path: &Path) -> Result<ModelTokens> {
+    if path.is_dir() {
+        let spec = ModelSpec::from_config_file(&path.join("config.json"))
+            .with_context(|| format!("reading {}", path.join("config.json").display()))?;
+        let tok = TextTokenizer::from_file(path.join("tokenizer.json"))?;
+        let tok = match (tok.eos_id(), spec.eos_token_id) {
+            (None, Some(e)) => tok.with_eos_id(Some(e)),
+            _ => tok,
+        };
+        let template = ChatTemplate::from_tokenizer_config(path.join("tokenizer_config.json"))?;
+        return Ok(ModelTokens {
+            tokenizer: tok,
+            template,
+            vocab: spec.vocab,
+        });
+    }
+    let g = GgufFile::open(path)?;
+    let (tok, info) = super::gguf_tokenizer::load_gguf_tokenizer(&g)?;
+    let name = |id: Option<u32>| id.and_then(|i| tok.id_to_token(i)).unwrap_or_default();
+    let template = match &info.chat_template {
+        Some(t) => Some(ChatTemplate::new(
+            t.clone(),
+            name(info.bos_id),
+            name(info.eos_id),
+        )?),
+        None => None,
+    };
+    // A GGUF's embedded vocabulary is its embedding's: one row per token.
+    let vocab = tok.get_vocab_size(true);
+    Ok(ModelTokens {
+        tokenizer: TextTokenizer::new(tok, info.bos_id, info.eos_id, info.add_bos)?,
+        template,
+        vocab,
+    })
+}
+
+/// The `chat_template` setting's template, with the tokenizer's BOS/EOS strings.
+pub fn template_from_setting(path: &str, tok: &TextTokenizer) -> Result<ChatTemplate> {
+    let name = |id: Option<u32>| id.and_then(|i| tok.id_to_token(i)).unwrap_or_default();
+    ChatTemplate::from_file(path, &name(tok.bos_id()), &name(tok.eos_id()))
+        .with_context(|| format!("chat_template = {path:?}"))
+}

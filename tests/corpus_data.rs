@@ -1,0 +1,373 @@
+//! The bad-input corpus of the data layer: malformed files and rows (JSONL and Parquet), wrong
+//! types, missing fields, empty strings, ids outside the model's vocabulary, templates that fail
+//! and chat-template files that cannot be used. Each must give an error that names the file and,
+//! where there is one, the line (the row for Parquet) and the field; rows that train but not as
+//! intended (chosen == rejected, duplicates, a prompt ending in an assistant turn) must be counted
+//! warnings. All go through `data::load_and_check`, the path `lorafit train` and `lorafit lint`
+//! take, and none may panic.
+
+mod common;
+use lorafit::data::dataset::DatasetKind;
+use lorafit::data::model_files::template_from_setting;
+use lorafit::data::{
+    load_and_check, ChatTemplate, CheckOptions, CheckReport, TextTokenizer, TokenRules,
+    TokenizeOptions,
+};
+use std::path::PathBuf;
+
+fn scratch() -> PathBuf {
+    let d = std::env::temp_dir().join(format!("lorafit-corpus-data-{}", std::process::id()));
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn tokenizer() -> TextTokenizer {
+    TextTokenizer::from_file(common::fixture("trl_ids/chatml/tokenizer.json")).unwrap()
+}
+
+fn chatml() -> ChatTemplate {
+    ChatTemplate::from_tokenizer_config(common::fixture("trl_ids/chatml/tokenizer_config.json"))
+        .unwrap()
+        .unwrap()
+}
+
+/// One corpus entry: a file, how it is read, and what must come of it.
+struct Case {
+    name: &'static str,
+    content: Vec<u8>,
+    kind: DatasetKind,
+    template: Option<&'static str>,
+    vocab: Option<usize>,
+    expect: Expect,
+}
+
+enum Expect {
+    /// An error naming the file, this location (`:N:` for a JSONL line, `row N` for Parquet),
+    /// this field, and containing this text.
+    Error(Option<&'static str>, Option<&'static str>, &'static str),
+    /// Loads, with this counted warning at 1.
+    Warning(fn(&CheckReport) -> usize),
+}
+
+fn jsonl(name: &'static str, kind: DatasetKind, text: &str, expect: Expect) -> Case {
+    Case {
+        name,
+        content: text.as_bytes().to_vec(),
+        kind,
+        template: None,
+        vocab: None,
+        expect,
+    }
+}
+
+use DatasetKind::{Preference as P, Sft as S};
+use Expect::{Error as E, Warning as W};
+
+const GOOD: &str = r#"{"prompt":"What is 2+2?","chosen":" 4","rejected":" 5"}"#;
+
+fn cases() -> Vec<Case> {
+    let mut v = vec![
+        jsonl("invalid-json", P, "{\"prompt\": ", E(Some(":1:"), None, "invalid JSON")),
+        jsonl("not-object", P, "[1,2]", E(Some(":1:"), None, "expected a JSON object, found a list")),
+        jsonl("string-row", P, "\"hello\"", E(Some(":1:"), None, "found a string")),
+        jsonl("missing-chosen", P, r#"{"prompt":"p","rejected":"b"}"#, E(Some(":1:"), Some("chosen"), "missing")),
+        jsonl("missing-rejected", P, r#"{"prompt":"p","chosen":"a"}"#, E(Some(":1:"), Some("rejected"), "missing")),
+        jsonl("chosen-number", P, r#"{"prompt":"p","chosen":5,"rejected":"b"}"#, E(Some(":1:"), Some("chosen"), "found a number")),
+        jsonl("chosen-null", P, r#"{"prompt":"p","chosen":null,"rejected":"b"}"#, E(Some(":1:"), Some("chosen"), "found null")),
+        jsonl("prompt-number", P, r#"{"prompt":3,"chosen":"a","rejected":"b"}"#, E(Some(":1:"), Some("prompt"), "found a number")),
+        jsonl("prompt-object", P, r#"{"prompt":{"x":1},"chosen":"a","rejected":"b"}"#, E(Some(":1:"), Some("prompt"), "found an object")),
+        jsonl("empty-chosen", P, r#"{"prompt":"p","chosen":"  ","rejected":"b"}"#, E(Some(":1:"), Some("chosen"), "empty response")),
+        jsonl("empty-rejected", P, r#"{"prompt":"p","chosen":"a","rejected":""}"#, E(Some(":1:"), Some("rejected"), "empty response")),
+        jsonl("empty-prompt", P, r#"{"prompt":"","chosen":"a","rejected":"b"}"#, E(Some(":1:"), Some("prompt"), "empty prompt")),
+        jsonl("mixed-types", P, r#"{"prompt":"p","chosen":[{"role":"assistant","content":"a"}],"rejected":"b"}"#, E(Some(":1:"), Some("chosen"), "cannot be mixed")),
+        jsonl("unknown-role", P, r#"{"prompt":[{"role":"user","content":"x"}],"chosen":[{"role":"bot","content":"a"}],"rejected":[{"role":"assistant","content":"b"}]}"#, E(Some(":1:"), Some("chosen[0].role"), "unknown role \"bot\"")),
+        jsonl("missing-content", P, r#"{"prompt":[{"role":"user"}],"chosen":[{"role":"assistant","content":"a"}],"rejected":[{"role":"assistant","content":"b"}]}"#, E(Some(":1:"), Some("prompt[0].content"), "missing")),
+        jsonl("content-number", P, r#"{"prompt":[{"role":"user","content":"x"}],"chosen":[{"role":"assistant","content":7}],"rejected":[{"role":"assistant","content":"b"}]}"#, E(Some(":1:"), Some("chosen[0].content"), "found a number")),
+        jsonl("message-not-object", P, r#"{"prompt":[{"role":"user","content":"x"}],"chosen":["a"],"rejected":[{"role":"assistant","content":"b"}]}"#, E(Some(":1:"), Some("chosen[0]"), "expected a message object")),
+        jsonl("response-ends-user", P, r#"{"prompt":[{"role":"user","content":"x"}],"chosen":[{"role":"user","content":"a"}],"rejected":[{"role":"assistant","content":"b"}]}"#, E(Some(":1:"), Some("chosen"), "must end with an assistant message")),
+        jsonl("empty-prompt-list", P, r#"{"prompt":[],"chosen":[{"role":"assistant","content":"a"}],"rejected":[{"role":"assistant","content":"b"}]}"#, E(Some(":1:"), Some("prompt"), "empty list of messages")),
+        jsonl("implicit-no-shared", P, r#"{"chosen":[{"role":"user","content":"a"},{"role":"assistant","content":"b"}],"rejected":[{"role":"user","content":"c"},{"role":"assistant","content":"d"}]}"#, E(Some(":1:"), Some("prompt"), "share no leading messages")),
+        jsonl("implicit-text", P, r#"{"chosen":"a","rejected":"b"}"#, E(Some(":1:"), Some("prompt"), "implicit prompt needs")),
+        jsonl("h4-prompt-mismatch", P, r#"{"prompt":"What is 2+2?","chosen":[{"role":"user","content":"What is 3+3?"},{"role":"assistant","content":"6"}],"rejected":[{"role":"user","content":"What is 3+3?"},{"role":"assistant","content":"7"}]}"#, E(Some(":1:"), Some("prompt"), "no user turn they share")),
+        jsonl("sharegpt-unknown-from", P, r#"{"conversations":[{"from":"bot","value":"x"}],"chosen":{"from":"gpt","value":"a"},"rejected":{"from":"gpt","value":"b"}}"#, E(Some(":1:"), Some("conversations[0].from"), "unknown role")),
+        jsonl("sharegpt-missing-chosen", P, r#"{"conversations":[{"from":"human","value":"x"}],"rejected":{"from":"gpt","value":"b"}}"#, E(Some(":1:"), Some("chosen"), "missing")),
+        jsonl("sharegpt-not-list", P, r#"{"conversations":"x","chosen":"a","rejected":"b"}"#, E(Some(":1:"), Some("conversations"), "expected a list of messages")),
+        jsonl("sharegpt-chosen-number", P, r#"{"conversations":[{"from":"human","value":"x"}],"chosen":3,"rejected":"b"}"#, E(Some(":1:"), Some("chosen"), "found a number")),
+        jsonl("error-on-line-4", P, &format!("{GOOD}\n\n{GOOD}\n{{\"prompt\":\"p\",\"chosen\":true,\"rejected\":\"b\"}}\n"), E(Some(":4:"), Some("chosen"), "found a boolean")),
+        Case {
+            name: "invalid-utf8",
+            content: [GOOD.as_bytes(), b"\n{\"prompt\":\"\xff\xfe\"}\n"].concat(),
+            kind: P,
+            template: None,
+            vocab: None,
+            expect: E(Some(":2:"), None, "not valid UTF-8"),
+        },
+        Case {
+            name: "ids-outside-vocabulary",
+            content: br#"{"prompt":"Q:","chosen":" Paris.","rejected":" Q"}"#.to_vec(),
+            kind: P,
+            template: None,
+            vocab: Some(250),
+            expect: E(Some(":1:"), Some("chosen"), "outside the model's vocabulary"),
+        },
+        Case {
+            name: "template-raises",
+            content: br#"{"prompt":[{"role":"system","content":"s"},{"role":"user","content":"x"}],"chosen":[{"role":"assistant","content":"a"}],"rejected":[{"role":"assistant","content":"b"}]}"#.to_vec(),
+            kind: P,
+            template: Some("{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}"),
+            vocab: None,
+            expect: E(Some(":1:"), None, "System role not supported"),
+        },
+        Case {
+            name: "template-drops-earlier-turns",
+            content: br#"{"prompt":[{"role":"user","content":"x"}],"chosen":[{"role":"assistant","content":"a"}],"rejected":[{"role":"assistant","content":"b"}]}"#.to_vec(),
+            kind: P,
+            template: Some("{{ messages[-1]['content'] }}{% if add_generation_prompt %}>{% endif %}"),
+            vocab: None,
+            expect: E(Some(":1:"), None, "chat template problem"),
+        },
+        jsonl("chat-without-template", P, r#"{"prompt":[{"role":"user","content":"x"}],"chosen":[{"role":"assistant","content":"a"}],"rejected":[{"role":"assistant","content":"b"}]}"#, E(Some(":1:"), None, "no chat template")),
+        jsonl("sft-unknown-layout", S, r#"{"foo":"bar"}"#, E(Some(":1:"), None, "expected an SFT row")),
+        jsonl("sft-messages-end-user", S, r#"{"messages":[{"role":"user","content":"U"}]}"#, E(Some(":1:"), Some("messages"), "must end with an assistant message")),
+        jsonl("sft-messages-only-assistant", S, r#"{"messages":[{"role":"assistant","content":"A"}]}"#, E(Some(":1:"), Some("messages"), "needs at least one message")),
+        jsonl("sft-messages-string", S, r#"{"messages":"hi"}"#, E(Some(":1:"), Some("messages"), "expected a list of messages")),
+        jsonl("sft-text-number", S, r#"{"text":3}"#, E(Some(":1:"), Some("text"), "found a number")),
+        jsonl("sft-text-empty", S, r#"{"text":" "}"#, E(Some(":1:"), Some("text"), "empty text")),
+        jsonl("sft-completion-missing", S, r#"{"prompt":"x"}"#, E(Some(":1:"), Some("completion"), "missing")),
+        jsonl("sft-completion-empty", S, r#"{"prompt":"x","completion":""}"#, E(Some(":1:"), Some("completion"), "empty response")),
+        jsonl("alpaca-missing-output", S, r#"{"instruction":"Do it","input":""}"#, E(Some(":1:"), Some("output"), "missing")),
+        jsonl("alpaca-instruction-number", S, r#"{"instruction":1,"output":"x"}"#, E(Some(":1:"), Some("instruction"), "found a number")),
+        jsonl("alpaca-empty-output", S, r#"{"instruction":"Do it","output":""}"#, E(Some(":1:"), Some("output"), "empty response")),
+        jsonl("alpaca-empty-instruction", S, r#"{"instruction":"","input":"","output":"x"}"#, E(Some(":1:"), Some("instruction"), "empty instruction")),
+        jsonl("alpaca-input-list", S, r#"{"instruction":"Do it","input":[1],"output":"x"}"#, E(Some(":1:"), Some("input"), "found a list")),
+        jsonl("sharegpt-missing-value", S, r#"{"conversations":[{"from":"human","value":"x"},{"from":"gpt"}]}"#, E(Some(":1:"), Some("conversations[1].value"), "missing")),
+        jsonl("sft-completion-number", S, r#"{"prompt":"x","completion":5}"#, E(Some(":1:"), Some("completion"), "found a number")),
+        jsonl("empty-file", P, "", E(None, None, "no preference examples found")),
+        jsonl("blank-lines-only", P, "\n  \n\n", E(None, None, "no preference examples found")),
+        Case {
+            name: "not-parquet.parquet",
+            content: b"this is not a parquet file".to_vec(),
+            kind: P,
+            template: None,
+            vocab: None,
+            expect: E(None, None, "not a readable Parquet file"),
+        },
+        Case {
+            name: "truncated.parquet",
+            content: {
+                let b = std::fs::read(common::fixture("data/h4_snappy.parquet")).unwrap();
+                b[..b.len() / 2].to_vec()
+            },
+            kind: P,
+            template: None,
+            vocab: None,
+            expect: E(None, None, "Parquet"),
+        },
+        Case {
+            name: "bad-rows.parquet",
+            content: std::fs::read(common::fixture("data/bad_rows.parquet")).unwrap(),
+            kind: P,
+            template: None,
+            vocab: None,
+            expect: E(Some("row 2"), Some("chosen"), "found null"),
+        },
+        Case {
+            name: "bad-types.parquet",
+            content: std::fs::read(common::fixture("data/bad_types.parquet")).unwrap(),
+            kind: P,
+            template: None,
+            vocab: None,
+            expect: E(Some("row 1"), Some("chosen"), "found a number"),
+        },
+        Case {
+            name: "sft-rows-in-preference.parquet",
+            content: std::fs::read(common::fixture("data/alpaca.parquet")).unwrap(),
+            kind: P,
+            template: None,
+            vocab: None,
+            expect: E(Some("row 1"), Some("chosen"), "missing"),
+        },
+        jsonl("warn-chosen-equals-rejected", P, r#"{"prompt":"What is 2+2?","chosen":" 4","rejected":" 4"}"#, W(|r| r.identical_responses)),
+        jsonl("warn-duplicate", P, &format!("{GOOD}\n{GOOD}\n"), W(|r| r.duplicates)),
+        jsonl("warn-prompt-ends-assistant", P, r#"{"prompt":[{"role":"user","content":"x"},{"role":"assistant","content":"The answer"}],"chosen":[{"role":"assistant","content":" is 4"}],"rejected":[{"role":"assistant","content":" is 5"}]}"#, W(|r| r.prompt_ends_with_assistant)),
+    ];
+    // Every case but the two that test a template (or its absence) gets ChatML.
+    for c in &mut v {
+        if c.template.is_none() && c.name != "chat-without-template" {
+            c.template = Some("chatml");
+        }
+    }
+    v
+}
+
+fn run(c: &Case, skip_bad: bool) -> Result<CheckReport, String> {
+    let dir = scratch();
+    let ext = if c.name.ends_with(".parquet") {
+        ""
+    } else {
+        ".jsonl"
+    };
+    let path = dir.join(format!("{}{ext}", c.name));
+    std::fs::write(&path, &c.content).unwrap();
+    let tok = tokenizer();
+    let template = match c.template {
+        None => None,
+        Some("chatml") => Some(chatml()),
+        Some(src) => Some(ChatTemplate::new(src, "<|im_start|>", "<|im_end|>").unwrap()),
+    };
+    let opts = CheckOptions {
+        kind: c.kind,
+        skip_bad,
+        tokenize: TokenizeOptions::new(256, 128),
+        compare: Some(TokenRules::TrlOrpo),
+        model_vocab: c.vocab.unwrap_or(tok.vocab_size()),
+    };
+    let p = path.display().to_string();
+    load_and_check(&p, None, &tok, template.as_ref(), &opts)
+        .map(|(_, r)| r)
+        .map_err(|e| format!("{e:#}"))
+}
+
+#[test]
+fn every_bad_data_input_is_named_or_counted() {
+    let cases = cases();
+    assert!(cases.len() >= 35, "{} cases", cases.len());
+    let mut failures = Vec::new();
+    for c in &cases {
+        match (&c.expect, run(c, false)) {
+            (Expect::Error(at, field, text), Err(e)) => {
+                let mut ok = e.contains(c.name) && e.contains(text);
+                if let Some(at) = at {
+                    ok &= e.contains(at);
+                }
+                if let Some(f) = field {
+                    ok &= e.contains(&format!("field \"{f}\""));
+                }
+                if !ok {
+                    failures.push(format!(
+                        "{}: error does not name what it should: {e}",
+                        c.name
+                    ));
+                }
+            }
+            (Expect::Error(..), Ok(_)) => failures.push(format!("{}: accepted", c.name)),
+            (Expect::Warning(count), Ok(r)) => {
+                if count(&r) != 1 || r.warnings() != 1 {
+                    failures.push(format!("{}: warning not counted once: {r}", c.name));
+                }
+            }
+            (Expect::Warning(_), Err(e)) => failures.push(format!("{}: refused: {e}", c.name)),
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+#[test]
+fn skip_bad_rows_skips_and_counts_each_bad_row() {
+    // Good rows around bad ones of each stage: a malformed row (parse), an id outside the
+    // vocabulary (check), a row with no template rendering (check).
+    let text = [
+        GOOD,
+        "not json",
+        r#"{"prompt":"What is 3+3?","chosen":" 6","rejected":" 7"}"#,
+        r#"{"prompt":"p","chosen":5,"rejected":"b"}"#,
+    ]
+    .join("\n");
+    let c = jsonl("skip-bad", P, &text, E(None, None, ""));
+    let r = run(
+        &Case {
+            template: Some("chatml"),
+            ..c
+        },
+        true,
+    )
+    .unwrap();
+    assert_eq!((r.tokenize.rows, r.load.skipped, r.errors()), (2, 2, 2));
+    let reasons = r.load.skip_reasons.join("\n");
+    assert!(
+        reasons.contains("skip-bad.jsonl:2: invalid JSON"),
+        "{reasons}"
+    );
+    assert!(
+        reasons.contains("skip-bad.jsonl:4: field \"chosen\""),
+        "{reasons}"
+    );
+    let shown = r.to_string();
+    assert!(
+        shown.contains("errors: 2 (2 malformed rows, 0 rows failing a check), skipped"),
+        "{shown}"
+    );
+
+    // A row failing a check after parsing is skipped and counted too: with 262 rows of
+    // embedding (the 259 specials and bytes, and a few more), single letters fit and the merged
+    // " Paris" (id 278) does not.
+    let text = format!(
+        "{}\n{}\n",
+        r#"{"prompt":"Q:","chosen":"a","rejected":"b"}"#,
+        r#"{"prompt":"Q:","chosen":" Paris.","rejected":"b"}"#
+    );
+    let c = jsonl("skip-vocab", P, &text, E(None, None, ""));
+    let r = run(
+        &Case {
+            vocab: Some(262),
+            template: Some("chatml"),
+            ..c
+        },
+        true,
+    )
+    .unwrap();
+    assert_eq!((r.tokenize.rows, r.bad_rows.len()), (1, 1));
+    assert!(
+        r.bad_rows[0].contains("skip-vocab.jsonl:2: field \"chosen\": token id 278"),
+        "{}",
+        r.bad_rows[0]
+    );
+}
+
+#[test]
+fn chat_template_setting_files_are_checked() {
+    let dir = scratch();
+    let tok = tokenizer();
+    let missing = dir.join("missing.jinja").display().to_string();
+    let e = format!("{:#}", template_from_setting(&missing, &tok).unwrap_err());
+    assert!(e.contains("missing.jinja"), "{e}");
+    let empty = dir.join("empty.jinja");
+    std::fs::write(&empty, "  \n").unwrap();
+    let e = format!(
+        "{:#}",
+        template_from_setting(&empty.display().to_string(), &tok).unwrap_err()
+    );
+    assert!(e.contains("empty.jinja") && e.contains("empty"), "{e}");
+    let broken = dir.join("broken.jinja");
+    std::fs::write(&broken, "{% for m in messages %}{{ m['content'] }").unwrap();
+    let e = format!(
+        "{:#}",
+        template_from_setting(&broken.display().to_string(), &tok).unwrap_err()
+    );
+    assert!(
+        e.contains("broken.jinja") && e.contains("does not compile"),
+        "{e}"
+    );
+    let no_template = dir.join("tokenizer_config.json");
+    std::fs::write(&no_template, r#"{"eos_token": "<|im_end|>"}"#).unwrap();
+    let e = format!(
+        "{:#}",
+        template_from_setting(&no_template.display().to_string(), &tok).unwrap_err()
+    );
+    assert!(
+        e.contains("tokenizer_config.json") && e.contains("no \"chat_template\""),
+        "{e}"
+    );
+    // A good one renders with the tokenizer's BOS/EOS strings.
+    let good = dir.join("good.jinja");
+    std::fs::write(
+        &good,
+        "{{ bos_token }}{% for m in messages %}{{ m['content'] + eos_token }}{% endfor %}",
+    )
+    .unwrap();
+    let t = template_from_setting(&good.display().to_string(), &tok).unwrap();
+    let text = t
+        .render(&[lorafit::data::Message::user("hi")], false)
+        .unwrap();
+    assert_eq!(text, "<|im_start|>hi<|im_end|>");
+}

@@ -1,0 +1,352 @@
+//! The data files people have, each read into the examples lorafit trains on: the H4
+//! UltraFeedback layout, ShareGPT, Alpaca, and local Parquet files (snappy, zstd, gzip pages) with
+//! the same layouts; and what `lorafit lint` (`data::check`) finds in a pair: BOS/EOS, a token
+//! merged across the boundary, where the two tokenizations differ, truncation and what it cut,
+//! length ratios, duplicates. Also: an SFT `{text}` row (no prompt) plans without a panic.
+
+mod common;
+use lorafit::data::dataset::{load_dataset, read_jsonl, DatasetKind, Example};
+use lorafit::data::{
+    load_and_check, ChatTemplate, CheckOptions, Finding, Message, PreferenceData, RowTokens,
+    SftData, TextTokenizer, TokenRules, TokenizeOptions,
+};
+
+fn read(kind: DatasetKind, text: &str) -> Vec<Example> {
+    read_jsonl(text.as_bytes(), "t.jsonl", kind, false)
+        .unwrap()
+        .0
+}
+
+fn chat_pair(ex: &Example) -> (&[Message], &[Message], &[Message]) {
+    match ex {
+        Example::Preference {
+            data:
+                PreferenceData::Chat {
+                    prompt,
+                    chosen,
+                    rejected,
+                },
+            ..
+        } => (prompt, chosen, rejected),
+        other => panic!("not a chat pair: {other:?}"),
+    }
+}
+
+fn h4_row(q: &str, good: &str, bad: &str) -> String {
+    serde_json::json!({
+        "prompt": q, "prompt_id": "abc",
+        "chosen": [{"role": "user", "content": q}, {"role": "assistant", "content": good}],
+        "rejected": [{"role": "user", "content": q}, {"role": "assistant", "content": bad}],
+        "messages": [{"role": "user", "content": q}, {"role": "assistant", "content": good}],
+        "score_chosen": 8.0, "score_rejected": 2.5
+    })
+    .to_string()
+}
+
+#[test]
+fn h4_ultrafeedback_rows() {
+    let ex = read(DatasetKind::Preference, &h4_row("What is 2+2?", "4", "5"));
+    let (prompt, chosen, rejected) = chat_pair(&ex[0]);
+    assert_eq!(prompt, [Message::user("What is 2+2?")]);
+    assert_eq!(chosen, [Message::assistant("4")]);
+    assert_eq!(rejected, [Message::assistant("5")]);
+}
+
+#[test]
+fn sharegpt_rows() {
+    let sft = read(
+        DatasetKind::Sft,
+        r#"{"conversations":[{"from":"system","value":"Be brief."},{"from":"human","value":"Hi"},{"from":"gpt","value":"Hello"}]}"#,
+    );
+    assert_eq!(
+        sft[0],
+        Example::Sft {
+            line: 1,
+            data: SftData::Chat {
+                prompt: vec![Message::system("Be brief."), Message::user("Hi")],
+                completion: vec![Message::assistant("Hello")],
+            }
+        }
+    );
+    // Preference: the conversation, then the chosen and rejected reply (a message, a list or a
+    // string).
+    let pref = read(
+        DatasetKind::Preference,
+        &[
+            r#"{"conversations":[{"from":"human","value":"2+2?"}],"chosen":{"from":"gpt","value":"4"},"rejected":{"from":"gpt","value":"5"}}"#,
+            r#"{"conversations":[{"from":"human","value":"2+2?"}],"chosen":[{"from":"gpt","value":"4"}],"rejected":"5"}"#,
+        ]
+        .join("\n"),
+    );
+    for ex in &pref {
+        let (prompt, chosen, rejected) = chat_pair(ex);
+        assert_eq!(prompt, [Message::user("2+2?")]);
+        assert_eq!(chosen, [Message::assistant("4")]);
+        assert_eq!(rejected, [Message::assistant("5")]);
+    }
+}
+
+#[test]
+fn alpaca_rows() {
+    let ex = read(
+        DatasetKind::Sft,
+        &[
+            r#"{"instruction":"Add the numbers.","input":"2 and 2","output":"4"}"#,
+            r#"{"instruction":"Name the capital of France.","input":"","output":"Paris."}"#,
+            r#"{"instruction":"Translate.","input":"hola","output":"hello","system":"You translate."}"#,
+        ]
+        .join("\n"),
+    );
+    let chat = |ex: &Example| match ex {
+        Example::Sft {
+            data: SftData::Chat { prompt, completion },
+            ..
+        } => (prompt.clone(), completion.clone()),
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(
+        chat(&ex[0]),
+        (
+            vec![Message::user("Add the numbers.\n\n2 and 2")],
+            vec![Message::assistant("4")]
+        )
+    );
+    assert_eq!(
+        chat(&ex[1]).0,
+        vec![Message::user("Name the capital of France.")]
+    );
+    assert_eq!(
+        chat(&ex[2]).0,
+        vec![
+            Message::system("You translate."),
+            Message::user("Translate.\n\nhola")
+        ]
+    );
+}
+
+#[test]
+fn parquet_files_in_the_hub_layouts() {
+    let h4 = read(
+        DatasetKind::Preference,
+        &[
+            h4_row("What is the capital of France?", "Paris.", "Rome."),
+            h4_row("What is 2+2?", "4", "5"),
+            h4_row("What is 7 plus 8?", "It is 15.", "It is 16."),
+        ]
+        .join("\n"),
+    );
+    for name in ["h4_snappy.parquet", "h4_zstd.parquet"] {
+        let (ex, rep) = load_dataset(
+            common::fixture(&format!("data/{name}")),
+            DatasetKind::Preference,
+            false,
+        )
+        .unwrap();
+        assert_eq!(
+            (rep.loaded, rep.chat_rows, rep.parquet),
+            (3, 3, true),
+            "{name}"
+        );
+        // The same examples as the JSONL rows (lines numbered as rows).
+        assert_eq!(ex, h4, "{name}");
+    }
+    let (ex, rep) = load_dataset(
+        common::fixture("data/text_gzip.parquet"),
+        DatasetKind::Preference,
+        false,
+    )
+    .unwrap();
+    assert_eq!((rep.loaded, rep.text_rows), (2, 2));
+    assert_eq!(
+        ex[1],
+        Example::Preference {
+            line: 2,
+            data: PreferenceData::Text {
+                prompt: "Q: What is 2+2?\nA:".into(),
+                chosen: " 4".into(),
+                rejected: " 5".into()
+            }
+        }
+    );
+    let (ex, _) = load_dataset(
+        common::fixture("data/alpaca.parquet"),
+        DatasetKind::Sft,
+        false,
+    )
+    .unwrap();
+    assert_eq!(ex.len(), 2);
+    assert!(ex.iter().all(|e| e.is_chat()));
+    // skip_bad_rows: rows 2 (null chosen) and 3 (empty prompt) skipped and counted, by row.
+    let (ex, rep) = load_dataset(
+        common::fixture("data/bad_rows.parquet"),
+        DatasetKind::Preference,
+        true,
+    )
+    .unwrap();
+    assert_eq!((ex.len(), rep.skipped), (1, 2));
+    assert!(rep.skip_reasons[0].ends_with(
+        "bad_rows.parquet: row 2: field \"chosen\": expected a string or a list of messages, found null"
+    ), "{}", rep.skip_reasons[0]);
+    assert!(
+        rep.skip_reasons[1].ends_with("row 3: field \"prompt\": empty prompt"),
+        "{}",
+        rep.skip_reasons[1]
+    );
+}
+
+fn chatml() -> (TextTokenizer, ChatTemplate) {
+    let dir = common::fixture("trl_ids/chatml");
+    (
+        TextTokenizer::from_file(dir.join("tokenizer.json")).unwrap(),
+        ChatTemplate::from_tokenizer_config(dir.join("tokenizer_config.json"))
+            .unwrap()
+            .unwrap(),
+    )
+}
+
+fn lint(
+    text: &str,
+    max_seq: usize,
+    max_prompt: usize,
+) -> (Vec<Vec<Finding>>, lorafit::data::CheckReport) {
+    let (tok, t) = chatml();
+    let path = std::env::temp_dir().join(format!(
+        "lorafit-lint-{}-{max_seq}.jsonl",
+        std::process::id()
+    ));
+    std::fs::write(&path, text).unwrap();
+    let opts = CheckOptions {
+        kind: DatasetKind::Preference,
+        skip_bad: false,
+        tokenize: TokenizeOptions::new(max_seq, max_prompt),
+        compare: Some(TokenRules::TrlOrpo),
+        model_vocab: tok.vocab_size(),
+    };
+    let (rows, rep) =
+        load_and_check(&path.display().to_string(), None, &tok, Some(&t), &opts).unwrap();
+    (rows.into_iter().map(|r| r.findings).collect(), rep)
+}
+
+#[test]
+fn lint_findings_per_pair_and_in_sum() {
+    let rows = [
+        // 1: text, the prompt ends with a space: " Paris" merges across the boundary; no BOS
+        // (ChatML's add_bos_token is false); TRL's ORPO rules would add BOS and move the space.
+        r#"{"prompt":"Q: What is the capital of France? A: ","chosen":"Paris.","rejected":"Rome."}"#,
+        // 2: chat: ends with <|im_end|>\n, so EOS is there; TRL's ORPO rules add a second one.
+        r#"{"prompt":[{"role":"user","content":"What is 2+2?"}],"chosen":[{"role":"assistant","content":"4"}],"rejected":[{"role":"assistant","content":"5"}]}"#,
+        // 3: a long chosen against a one-word rejected.
+        r#"{"prompt":"Q:","chosen":" Paris Paris Paris Paris Paris Paris Paris Paris Paris Paris Paris Paris","rejected":" Rome"}"#,
+        // 4: the same as 1.
+        r#"{"prompt":"Q: What is the capital of France? A: ","chosen":"Paris.","rejected":"Rome."}"#,
+    ]
+    .join("\n");
+    let (f, rep) = lint(&rows, 256, 128);
+    assert!(f[0].contains(&Finding::NoBos), "{:?}", f[0]);
+    assert!(
+        f[0].contains(&Finding::BoundaryMerge("chosen")),
+        "{:?}",
+        f[0]
+    );
+    assert!(
+        f[0].contains(&Finding::BoundaryMerge("rejected")),
+        "{:?}",
+        f[0]
+    );
+    assert!(
+        f[0].contains(&Finding::RulesDiffer(vec!["prompt", "chosen", "rejected"])),
+        "{:?}",
+        f[0]
+    );
+    assert!(
+        !f[0].iter().any(|x| matches!(x, Finding::NoEos(_))),
+        "EOS appended: {:?}",
+        f[0]
+    );
+    assert!(
+        f[1].contains(&Finding::RulesDiffer(vec!["chosen", "rejected"])),
+        "{:?}",
+        f[1]
+    );
+    assert!(
+        !f[1].iter().any(|x| matches!(x, Finding::BoundaryMerge(_))),
+        "{:?}",
+        f[1]
+    );
+    assert!(
+        f[2].iter()
+            .any(|x| matches!(x, Finding::LengthRatio(r) if *r > 4.0)),
+        "{:?}",
+        f[2]
+    );
+    assert_eq!(f[3].last(), Some(&Finding::Duplicate(1)));
+    assert_eq!(
+        (
+            rep.boundary_merges,
+            rep.duplicates,
+            rep.length_ratio,
+            rep.errors(),
+            rep.warnings()
+        ),
+        (4, 1, 1, 0, 1)
+    );
+    assert_eq!(rep.rules_differ, 4);
+    let shown = rep.to_string();
+    assert!(shown.contains("1 duplicate rows"), "{shown}");
+    assert!(
+        shown.contains("4 rows get other ids under tokenization trl (ORPOTrainer)"),
+        "{shown}"
+    );
+
+    // Truncation: what it cut, in tokens and text.
+    let (f, rep) = lint(&rows, 8, 4);
+    assert_eq!(rep.prompt_cut, 3);
+    let cut = f[2]
+        .iter()
+        .find_map(|x| match x {
+            Finding::ResponseCut(n, text) => Some((*n, text.clone())),
+            _ => None,
+        })
+        .expect("row 3's chosen is cut");
+    assert!(cut.0 > 0 && cut.1.starts_with(" Paris"), "{cut:?}");
+}
+
+#[test]
+fn lint_sums_a_trl_run_with_split_prompts() {
+    // A merge in chosen only: TRL's ORPOTrainer gives the two responses different prompts.
+    let row = r#"{"prompt":"Q: What is the capital of France? A: ","chosen":"Paris.","rejected":"\nRome."}"#;
+    let (tok, t) = chatml();
+    let path =
+        std::env::temp_dir().join(format!("lorafit-lint-split-{}.jsonl", std::process::id()));
+    std::fs::write(&path, row).unwrap();
+    let opts = CheckOptions {
+        kind: DatasetKind::Preference,
+        skip_bad: false,
+        tokenize: TokenizeOptions::new(256, 128).with_rules(TokenRules::TrlOrpo),
+        compare: Some(TokenRules::Separate),
+        model_vocab: tok.vocab_size(),
+    };
+    let (rows, rep) =
+        load_and_check(&path.display().to_string(), None, &tok, Some(&t), &opts).unwrap();
+    assert_eq!(rep.tokenize.split_prompts, 1);
+    assert!(rep
+        .to_string()
+        .contains("1 pairs whose responses split the prompt differently"));
+    let RowTokens::Pair(p) = &rows[0].tokens else {
+        panic!()
+    };
+    // BOS first (TRL adds it), the space token starts the rejected response.
+    assert_eq!(p.prompt[0], tok.bos_id().unwrap());
+    assert_eq!(p.rejected[0], tok.encode(" ").unwrap()[0]);
+}
+
+#[test]
+fn sft_text_rows_without_prompt_plan() {
+    // `{text}` rows have no prompt: the first token is not a target, the rest are, and nothing
+    // panics (the prompt's rows are empty).
+    let plan = lorafit::train::plan::Plan::sft(&[], &[5, 6, 7]).unwrap();
+    assert_eq!(plan.chosen.response.rows, [0, 1]);
+    assert_eq!(plan.chosen.response.targets, [6, 7]);
+    assert!(plan.chosen.prompt.rows.is_empty() && plan.chosen.prompt.targets.is_empty());
+    assert!(lorafit::train::plan::Plan::sft(&[], &[5]).is_err());
+}
