@@ -286,8 +286,7 @@ fn run_demo(a: DemoArgs) -> Result<()> {
     let base_scores =
         eval::preference::score_pairs(&loaded.model, None, &valid_items, None, &cfg, "base")?;
     let out = trainer::train(&cfg, None, &loaded, &train_items, &valid_items)?;
-    let mut lora =
-        lorafit::model::Lora::load_peft(&out.adapter_dir, &loaded.model.spec, &device)?;
+    let mut lora = lorafit::model::Lora::load_peft(&out.adapter_dir, &loaded.model.spec, &device)?;
     let after = gen(Some(&lora))?;
     let adapter_name = out.adapter_dir.display().to_string();
     let trained_scores = eval::preference::score_pairs(
@@ -399,10 +398,7 @@ fn run_eval(a: EvalArgs) -> Result<()> {
                     let c = eval::preference::compare(first, second)?;
                     print!("{}", eval::report::preference_comparison_table(&c));
                     write_output(&a.out, &serde_json::to_string_pretty(&c)?)?;
-                    write_output(
-                        &a.report,
-                        &eval::report::preference_comparison_markdown(&c),
-                    )?;
+                    write_output(&a.report, &eval::report::preference_comparison_markdown(&c))?;
                 }
             }
         }
@@ -420,7 +416,10 @@ fn run_eval(a: EvalArgs) -> Result<()> {
                 let run = eval::run_ifeval(&loaded, lora.as_ref(), prompts, a.max_new, name)?;
                 print!(
                     "{}",
-                    eval::report::ifeval_markdown(&format!("IFEval-style scores: {name}"), &run.scores)
+                    eval::report::ifeval_markdown(
+                        &format!("IFEval-style scores: {name}"),
+                        &run.scores
+                    )
                 );
                 runs.push(run);
             }

@@ -86,8 +86,8 @@ fn items(n: usize, seed: u64) -> Vec<Item> {
 }
 
 fn out_dir(name: &str) -> PathBuf {
-    let d = Path::new(env!("CARGO_TARGET_TMPDIR"))
-        .join(format!("eval-{name}-{}", std::process::id()));
+    let d =
+        Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("eval-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).unwrap();
     d
@@ -116,7 +116,8 @@ fn per_example_scores_average_to_the_trainers_metrics() {
     let out = train(&c, None, &loaded, &train_items, &valid_items).unwrap();
     let mut lora = Lora::load_peft(&out.adapter_dir, &loaded.model.spec, &Device::Cpu).unwrap();
 
-    let base = preference::score_pairs(&loaded.model, None, &valid_items, None, &c, "base").unwrap();
+    let base =
+        preference::score_pairs(&loaded.model, None, &valid_items, None, &c, "base").unwrap();
     let trained = preference::score_pairs(
         &loaded.model,
         Some(&mut lora),
@@ -180,7 +181,10 @@ fn dpo_base_scores_are_the_closed_form() {
     };
     let run = preference::score_pairs(&loaded.model, None, &items(4, 3), None, &c, "base").unwrap();
     for e in &run.examples {
-        assert!((e.metrics["loss"] - std::f64::consts::LN_2).abs() < 1e-6, "{e:?}");
+        assert!(
+            (e.metrics["loss"] - std::f64::consts::LN_2).abs() < 1e-6,
+            "{e:?}"
+        );
         assert!(e.metrics["margin"].abs() < 1e-6);
         assert_eq!(e.metrics["accuracy"], 0.0);
         // DPO has no NLL term: nll is the chosen response's mean NLL per token.
@@ -191,8 +195,8 @@ fn dpo_base_scores_are_the_closed_form() {
         method: Method::Sft,
         ..cfg(&out_dir("sft"), 1)
     };
-    let err = preference::score_pairs(&loaded.model, None, &items(1, 3), None, &sft, "base")
-        .unwrap_err();
+    let err =
+        preference::score_pairs(&loaded.model, None, &items(1, 3), None, &sft, "base").unwrap_err();
     assert!(err.to_string().contains("preference objective"), "{err}");
 }
 
@@ -210,8 +214,8 @@ fn pairs_from_a_file_keep_their_lines() {
     let c = cfg(&dir, 1);
     let p = preference::load_pairs(path.to_str().unwrap(), &loaded, &c).unwrap();
     assert_eq!(p.lines, vec![1, 3]);
-    let run = preference::score_pairs(&loaded.model, None, &p.items, Some(&p.lines), &c, "base")
-        .unwrap();
+    let run =
+        preference::score_pairs(&loaded.model, None, &p.items, Some(&p.lines), &c, "base").unwrap();
     assert_eq!(run.examples[1].line, Some(3));
     let json = serde_json::to_value(&run).unwrap();
     assert_eq!(json["examples"][1]["line"], 3);
@@ -244,7 +248,11 @@ fn instruction_run_scores_the_models_own_replies() {
     let again = eval::run_ifeval(&loaded, None, &ps, 6, "base").unwrap();
     assert_eq!(
         run.results.iter().map(|r| &r.response).collect::<Vec<_>>(),
-        again.results.iter().map(|r| &r.response).collect::<Vec<_>>()
+        again
+            .results
+            .iter()
+            .map(|r| &r.response)
+            .collect::<Vec<_>>()
     );
     let words = eval::ifeval::count_words(&run.results[1].response);
     assert_eq!(run.results[1].strict[0], words >= 3);

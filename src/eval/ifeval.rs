@@ -56,8 +56,11 @@ pub const INSTRUCTION_IDS: &[&str] = &[
 ];
 
 /// IFEval's `constrained_response` options.
-pub const CONSTRAINED_RESPONSES: [&str; 3] =
-    ["My answer is yes.", "My answer is no.", "My answer is maybe."];
+pub const CONSTRAINED_RESPONSES: [&str; 3] = [
+    "My answer is yes.",
+    "My answer is no.",
+    "My answer is maybe.",
+];
 
 /// IFEval's comparison of a count with a threshold.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -211,7 +214,9 @@ impl<'a> Args<'a> {
                 .enumerate()
                 .map(|(i, v)| match v.as_str().map(str::trim) {
                     Some(s) if !s.is_empty() => Ok(s.to_string()),
-                    _ => Err(format!("{name}[{i}]: expected a non-empty string, found {v}")),
+                    _ => Err(format!(
+                        "{name}[{i}]: expected a non-empty string, found {v}"
+                    )),
                 })
                 .collect(),
             Some(v) => Err(format!(
@@ -840,7 +845,10 @@ mod tests {
 
     #[test]
     fn keywords_existence() {
-        let i = inst("keywords:existence", json!({"keywords": ["river", "Stone"]}));
+        let i = inst(
+            "keywords:existence",
+            json!({"keywords": ["river", "Stone"]}),
+        );
         pos_neg(
             &i,
             "The RIVER carved the stone.",
@@ -916,7 +924,11 @@ mod tests {
             "length_constraints:number_sentences",
             json!({"num_sentences": 3, "relation": "at least"}),
         );
-        pos_neg(&at_least, "Is it? Yes! It is.", "Only one sentence here, e.g. this.");
+        pos_neg(
+            &at_least,
+            "Is it? Yes! It is.",
+            "Only one sentence here, e.g. this.",
+        );
         assert_eq!(count_sentences("1. Milk\n2. Eggs"), 1);
         assert_eq!(count_sentences("He said \"stop.\" Then he left."), 2);
         assert_eq!(count_sentences("   "), 0);
@@ -969,7 +981,11 @@ mod tests {
             "detectable_content:number_placeholders",
             json!({"num_placeholders": 2}),
         );
-        pos_neg(&i, "Dear [name], see you at [place].", "Dear [name], see you.");
+        pos_neg(
+            &i,
+            "Dear [name], see you at [place].",
+            "Dear [name], see you.",
+        );
         // A bracket closed on the next line is not a placeholder.
         assert!(!follows_strict(&i, "[a\n] and [b]"));
     }
@@ -980,7 +996,11 @@ mod tests {
             "detectable_content:postscript",
             json!({"postscript_marker": "P.S."}),
         );
-        pos_neg(&ps, "Thanks.\n\np. s. Bring snacks.", "Thanks. PS bring snacks.");
+        pos_neg(
+            &ps,
+            "Thanks.\n\np. s. Bring snacks.",
+            "Thanks. PS bring snacks.",
+        );
         let pps = inst(
             "detectable_content:postscript",
             json!({"postscript_marker": "P.P.S"}),
@@ -1059,7 +1079,11 @@ mod tests {
     #[test]
     fn two_responses_check() {
         let i = inst("combination:two_responses", json!({}));
-        pos_neg(&i, "Yes, gladly.\n******\nNo, thanks.", "Same.\n******\nSame.");
+        pos_neg(
+            &i,
+            "Yes, gladly.\n******\nNo, thanks.",
+            "Same.\n******\nSame.",
+        );
         assert!(!follows_strict(&i, "A\n******\n\n******\nB"));
     }
 
@@ -1113,10 +1137,16 @@ mod tests {
         let up = inst("change_case:english_capital", json!({}));
         pos_neg(&up, "THE SUN IS HOT AND IT IS BRIGHT.", "THE SUN is hot.");
         // All capitals but not English.
-        assert!(!follows_strict(&up, "LE SOLEIL EST CHAUD ET LA MER EST BLEUE."));
+        assert!(!follows_strict(
+            &up,
+            "LE SOLEIL EST CHAUD ET LA MER EST BLEUE."
+        ));
         let low = inst("change_case:english_lowercase", json!({}));
         pos_neg(&low, "the sun is hot and it is bright.", "The sun is hot.");
-        assert!(!follows_strict(&low, "le soleil est chaud et la mer est bleue."));
+        assert!(!follows_strict(
+            &low,
+            "le soleil est chaud et la mer est bleue."
+        ));
     }
 
     #[test]
@@ -1164,20 +1194,30 @@ mod tests {
 
     #[test]
     fn bad_arguments_are_named() {
-        let err = |id: &str, kw: Value| Instruction::parse(id, kw.as_object().unwrap()).unwrap_err();
-        assert!(err("keywords:frequency", json!({"keyword": "a", "frequency": 2}))
-            .starts_with("relation: missing"));
+        let err =
+            |id: &str, kw: Value| Instruction::parse(id, kw.as_object().unwrap()).unwrap_err();
+        assert!(err(
+            "keywords:frequency",
+            json!({"keyword": "a", "frequency": 2})
+        )
+        .starts_with("relation: missing"));
         assert!(err(
             "keywords:frequency",
             json!({"keyword": "a", "frequency": 2, "relation": "at most"})
         )
         .starts_with("relation: expected"));
-        assert!(err("length_constraints:number_words", json!({"num_words": -3, "relation": "at least"}))
-            .starts_with("num_words: expected an integer"));
+        assert!(err(
+            "length_constraints:number_words",
+            json!({"num_words": -3, "relation": "at least"})
+        )
+        .starts_with("num_words: expected an integer"));
         assert!(err("punctuation:no_comma", json!({"comma": true}))
             .starts_with("comma: not an argument"));
-        assert!(err("keywords:letter_frequency", json!({"letter": "ab", "let_frequency": 1, "let_relation": "at least"}))
-            .starts_with("letter: expected one letter"));
+        assert!(err(
+            "keywords:letter_frequency",
+            json!({"letter": "ab", "let_frequency": 1, "let_relation": "at least"})
+        )
+        .starts_with("letter: expected one letter"));
         assert!(err("language:response_language", json!({"language": "xx"}))
             .starts_with("language: \"xx\" is not"));
         assert!(err("nope:nothing", json!({})).starts_with("unknown instruction id"));

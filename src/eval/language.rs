@@ -291,17 +291,38 @@ mod tests {
     fn latin_languages_by_stopwords() {
         let cases = [
             ("en", "The cat is on the mat and it is happy with the sun."),
-            ("es", "El gato está en la casa y no quiere salir por la mañana."),
+            (
+                "es",
+                "El gato está en la casa y no quiere salir por la mañana.",
+            ),
             ("pt", "O gato está em casa e não quer sair com os amigos."),
             ("fr", "Le chat est dans la maison et il ne veut pas sortir."),
-            ("de", "Die Katze ist im Haus und will nicht nach draußen gehen."),
-            ("it", "Il gatto è nella casa e non vuole uscire con gli amici."),
+            (
+                "de",
+                "Die Katze ist im Haus und will nicht nach draußen gehen.",
+            ),
+            (
+                "it",
+                "Il gatto è nella casa e non vuole uscire con gli amici.",
+            ),
             ("nl", "De kat is in het huis en wil niet naar buiten gaan."),
             ("pl", "Kot jest w domu i nie chce wyjść na dwór, bo pada."),
-            ("fi", "Kissa on talossa ja se ei halua mennä ulos, koska sataa."),
-            ("sw", "Paka yuko ndani ya nyumba na hataki kutoka kwa sababu ni baridi."),
-            ("vi", "Con mèo ở trong nhà và không muốn ra ngoài khi trời mưa."),
-            ("tr", "Kedi evde ve dışarı çıkmak istemiyor çünkü bu gün çok soğuk."),
+            (
+                "fi",
+                "Kissa on talossa ja se ei halua mennä ulos, koska sataa.",
+            ),
+            (
+                "sw",
+                "Paka yuko ndani ya nyumba na hataki kutoka kwa sababu ni baridi.",
+            ),
+            (
+                "vi",
+                "Con mèo ở trong nhà và không muốn ra ngoài khi trời mưa.",
+            ),
+            (
+                "tr",
+                "Kedi evde ve dışarı çıkmak istemiyor çünkü bu gün çok soğuk.",
+            ),
         ];
         for (want, text) in cases {
             assert_eq!(detect(text), Detected::Language(want), "{text}");

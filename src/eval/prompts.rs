@@ -139,7 +139,11 @@ fn parse_row(raw: &str, line: usize) -> Result<InstructionPrompt, String> {
         let kw = match kw {
             Value::Object(m) => m,
             Value::Null => &empty,
-            v => return Err(format!("field \"kwargs[{i}]\": expected an object, found {v}")),
+            v => {
+                return Err(format!(
+                    "field \"kwargs[{i}]\": expected an object, found {v}"
+                ))
+            }
         };
         let inst = Instruction::parse(id, kw).map_err(|e| {
             if e.starts_with("unknown instruction id") {

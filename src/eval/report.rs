@@ -252,11 +252,7 @@ pub fn ifeval_comparison_markdown(
 
 /// The headline metrics of one preference run as a terminal table.
 pub fn preference_table(run: &PreferenceRun) -> String {
-    let mut out = format!(
-        "{} preference pairs, {}\n",
-        run.examples.len(),
-        run.subject
-    );
+    let mut out = format!("{} preference pairs, {}\n", run.examples.len(), run.subject);
     for k in HEADLINE {
         if let Some(v) = run.overall.get(k) {
             let _ = writeln!(out, "  {k:<10} {v:>10.4}");
@@ -373,8 +369,14 @@ mod tests {
 
     #[test]
     fn chart_rows_and_markdown_pair_kinds_across_runs() {
-        let before = aggregate(&ids(&[&["a"], &["b"]]), &[v(&[false], &[true]), v(&[true], &[true])]);
-        let after = aggregate(&ids(&[&["a"], &["c"]]), &[v(&[true], &[true]), v(&[true], &[true])]);
+        let before = aggregate(
+            &ids(&[&["a"], &["b"]]),
+            &[v(&[false], &[true]), v(&[true], &[true])],
+        );
+        let after = aggregate(
+            &ids(&[&["a"], &["c"]]),
+            &[v(&[true], &[true]), v(&[true], &[true])],
+        );
         let rows = ifeval_chart_rows(&before, &after);
         let labels: Vec<&str> = rows.iter().map(|r| r.label.as_str()).collect();
         assert_eq!(
@@ -398,8 +400,17 @@ mod tests {
         assert_eq!((rows[6].before, rows[6].after), (1.0, 0.0));
         assert_eq!((rows[8].before, rows[8].after), (0.0, 1.0));
         let md = ifeval_comparison_markdown("t", "base", "adapter", &before, &after);
-        assert!(md.contains("| prompt | 50.0% | 100.0% | +50.0 | 100.0% | 100.0% | +0.0 |"), "{md}");
-        assert!(md.contains("| `a` | 1 | 0.0% | 100.0% | 100.0% | 100.0% |"), "{md}");
-        assert!(md.contains("| `c` | 1 | 0.0% | 100.0% | 0.0% | 100.0% |"), "{md}");
+        assert!(
+            md.contains("| prompt | 50.0% | 100.0% | +50.0 | 100.0% | 100.0% | +0.0 |"),
+            "{md}"
+        );
+        assert!(
+            md.contains("| `a` | 1 | 0.0% | 100.0% | 100.0% | 100.0% |"),
+            "{md}"
+        );
+        assert!(
+            md.contains("| `c` | 1 | 0.0% | 100.0% | 0.0% | 100.0% |"),
+            "{md}"
+        );
     }
 }
