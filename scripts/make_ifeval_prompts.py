@@ -311,7 +311,8 @@ def build(iid, rng, task):
                 "is no.\", \"My answer is maybe.\")", {})
     if iid == "detectable_format:number_highlighted_sections":
         n = rng.randint(1, 3)
-        return (f"Highlight at least {n} sections in your answer with markdown, i.e. "
+        noun = "section" if n == 1 else "sections"
+        return (f"Highlight at least {n} {noun} in your answer with markdown, i.e. "
                 "*highlighted section*.", {"num_highlights": n})
     if iid == "detectable_format:multiple_sections":
         s, n = rng.choice(["Section", "SECTION"]), rng.randint(2, 4)
@@ -384,9 +385,13 @@ def main():
             text, kw = build(k, rng, task)
             parts.append(text)
             kwargs.append(kw)
+        # A description that shows a multi-line example ends its line.
+        prompt = task
+        for part in parts:
+            prompt += ("\n" if "\n" in prompt else " ") + part
         rows.append({
             "key": 1000 + i,
-            "prompt": task + " " + " ".join(parts),
+            "prompt": prompt,
             "instruction_id_list": order,
             "kwargs": kwargs,
         })
