@@ -8,6 +8,7 @@
 pub mod bench;
 pub mod config;
 pub mod data;
+pub mod eval;
 pub mod infer;
 pub mod model;
 pub mod tensor;

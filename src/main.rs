@@ -1,10 +1,11 @@
-//! The `lorafit` command line: `train`, `lint`, `demo`, `generate`, `bench` and `selftest`. Every
+//! The `lorafit` command line: `train`, `lint`, `demo`, `generate`, `eval`, `bench` and `selftest`. Every
 //! subcommand resolves its flags into library types and calls the library; nothing here computes.
 
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
 use lorafit::config::{Method, Tokenization, TrainConfig};
 use lorafit::data;
+use lorafit::eval;
 use lorafit::tensor::Device;
 use lorafit::train::trainer;
 use std::path::PathBuf;
@@ -44,6 +45,10 @@ enum Cmd {
         /// The user message.
         prompt: String,
     },
+    /// Score a model (optionally with an adapter, or two side by side with --compare):
+    /// preference pairs (accuracy, margin, lw, lr, nll, loss) or, with --scorer ifeval,
+    /// verifiable-instruction following of its generations.
+    Eval(EvalArgs),
     /// ORPO training steps on a random-weight model of a named shape; one JSON line per run.
     Bench(lorafit::bench::BenchArgs),
     /// CUDA-vs-CPU parity of every op on this machine's GPU.
@@ -141,6 +146,54 @@ struct DemoArgs {
     steps: usize,
     #[arg(long, default_value = "runs/demo")]
     output: String,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum Scorer {
+    /// Preference pairs through the training objective.
+    Preference,
+    /// Generate a reply per prompt and check its verifiable instructions.
+    Ifeval,
+}
+
+#[derive(clap::Args)]
+struct EvalArgs {
+    /// A Hugging Face folder, a GGUF file or "smollm2" (default: the config's model, else
+    /// smollm2).
+    #[arg(long)]
+    model: Option<String>,
+    /// A PEFT adapter folder to score with the model.
+    #[arg(long, conflicts_with = "compare")]
+    adapter: Option<PathBuf>,
+    /// Before/after: two adapter folders, or `base` and an adapter folder.
+    #[arg(long, num_args = 2, value_names = ["BEFORE", "AFTER"])]
+    compare: Vec<String>,
+    /// Preference pairs (JSONL), or with --scorer ifeval a prompt file in IFEval's format
+    /// (default there: the bundled data/ifeval_prompts.jsonl).
+    #[arg(long)]
+    data: Option<String>,
+    #[arg(long, value_enum, default_value = "preference")]
+    scorer: Scorer,
+    #[arg(long)]
+    device: Option<String>,
+    /// A TOML config (e.g. a run's plan.toml): the objective, its settings and the length
+    /// limits the pairs are scored with.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    #[arg(long, value_enum)]
+    method: Option<Method>,
+    /// Most new tokens per reply (--scorer ifeval).
+    #[arg(long, default_value_t = 256)]
+    max_new: usize,
+    /// Score only the first N pairs or prompts (0: all).
+    #[arg(long, default_value_t = 0)]
+    limit: usize,
+    /// Write every example's scores (and replies) as JSON here.
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Write a markdown report here.
+    #[arg(long)]
+    report: Option<PathBuf>,
 }
 
 fn apply_overrides(mut cfg: TrainConfig, a: &TrainArgs) -> Result<TrainConfig> {
@@ -322,23 +375,25 @@ fn run_demo(a: DemoArgs) -> Result<()> {
             .collect()
     };
     let before = gen(None)?;
+    let base_scores =
+        eval::preference::score_pairs(&loaded.model, None, &valid_items, None, &cfg, "base")?;
     let out = trainer::train(&cfg, None, &loaded, &train_items, &valid_items)?;
-    let lora = lorafit::model::Lora::load_peft(&out.adapter_dir, &loaded.model.spec, &device)?;
+    let mut lora = lorafit::model::Lora::load_peft(&out.adapter_dir, &loaded.model.spec, &device)?;
     let after = gen(Some(&lora))?;
-    let (b, f) = (
-        out.first_valid.unwrap_or_default(),
-        out.final_valid.unwrap_or_default(),
+    let adapter_name = out.adapter_dir.display().to_string();
+    let trained_scores = eval::preference::score_pairs(
+        &loaded.model,
+        Some(&mut lora),
+        &valid_items,
+        None,
+        &cfg,
+        &adapter_name,
+    )?;
+    let comparison = eval::preference::compare(base_scores, trained_scores)?;
+    println!(
+        "\nheld-out preference pairs (demo/valid.jsonl):\n{}",
+        eval::report::preference_comparison_table(&comparison)
     );
-    println!("\nheld-out preference pairs ({}):", valid_items.len());
-    println!("  {:<10} {:>10} {:>10}", "", "before", "after");
-    for k in ["accuracy", "margin", "lw", "lr", "loss"] {
-        println!(
-            "  {:<10} {:>10.4} {:>10.4}",
-            k,
-            b.get(k).copied().unwrap_or(f64::NAN),
-            f.get(k).copied().unwrap_or(f64::NAN)
-        );
-    }
     for (i, p) in DEMO_PROMPTS.iter().enumerate() {
         println!(
             "\nuser: {p}\n  before: {}\n  after:  {}",
@@ -347,6 +402,141 @@ fn run_demo(a: DemoArgs) -> Result<()> {
         );
     }
     println!("\nadapter (PEFT format): {}", out.adapter_dir.display());
+    Ok(())
+}
+
+/// What one eval run scores: the base model or an adapter folder.
+fn eval_subjects(a: &EvalArgs) -> Vec<Option<PathBuf>> {
+    let parse = |s: &str| (s != "base").then(|| PathBuf::from(s));
+    if !a.compare.is_empty() {
+        a.compare.iter().map(|s| parse(s)).collect()
+    } else {
+        vec![a.adapter.clone()]
+    }
+}
+
+fn subject_name(p: &Option<PathBuf>) -> String {
+    p.as_ref()
+        .map_or("base".to_string(), |p| p.display().to_string())
+}
+
+fn write_output(path: &Option<PathBuf>, text: &str) -> Result<()> {
+    if let Some(p) = path {
+        std::fs::write(p, text).with_context(|| format!("writing {}", p.display()))?;
+        eprintln!("wrote {}", p.display());
+    }
+    Ok(())
+}
+
+fn run_eval(a: EvalArgs) -> Result<()> {
+    let mut cfg = match &a.config {
+        Some(p) => TrainConfig::from_toml_file(p)?,
+        None => TrainConfig {
+            model: "smollm2".into(),
+            ..TrainConfig::default()
+        },
+    };
+    if let Some(m) = &a.model {
+        cfg.model = m.clone();
+    }
+    if let Some(d) = &a.device {
+        cfg.device = d.clone();
+    }
+    if let Some(m) = a.method {
+        cfg.method = m;
+    }
+    let device = Device::parse(&cfg.device)?;
+    let loaded = trainer::load_model_and_tokenizer(&cfg.model, &device)?;
+    let mut adapters = Vec::new();
+    for s in eval_subjects(&a) {
+        let lora = match &s {
+            Some(p) => Some(
+                lorafit::model::Lora::load_peft(p, &loaded.model.spec, &device)
+                    .with_context(|| format!("loading the adapter {}", p.display()))?,
+            ),
+            None => None,
+        };
+        adapters.push((subject_name(&s), lora));
+    }
+    let take = |n: usize| if a.limit > 0 { a.limit.min(n) } else { n };
+    match a.scorer {
+        Scorer::Preference => {
+            let data = a
+                .data
+                .as_deref()
+                .context("--data PAIRS.jsonl: the preference pairs to score")?;
+            let pairs = eval::preference::load_pairs(data, &loaded, &cfg)?;
+            let n = take(pairs.items.len());
+            let mut runs = Vec::new();
+            for (name, lora) in adapters.iter_mut() {
+                runs.push(eval::preference::score_pairs(
+                    &loaded.model,
+                    lora.as_mut(),
+                    &pairs.items[..n],
+                    Some(&pairs.lines[..n]),
+                    &cfg,
+                    name,
+                )?);
+            }
+            let mut runs = runs.into_iter();
+            let first = runs.next().context("nothing to score")?;
+            match runs.next() {
+                None => {
+                    print!("{}", eval::report::preference_table(&first));
+                    write_output(&a.out, &serde_json::to_string_pretty(&first)?)?;
+                    write_output(&a.report, &eval::report::preference_markdown(&first))?;
+                }
+                Some(second) => {
+                    let c = eval::preference::compare(first, second)?;
+                    print!("{}", eval::report::preference_comparison_table(&c));
+                    write_output(&a.out, &serde_json::to_string_pretty(&c)?)?;
+                    write_output(&a.report, &eval::report::preference_comparison_markdown(&c))?;
+                }
+            }
+        }
+        Scorer::Ifeval => {
+            let prompts = match &a.data {
+                Some(p) => eval::prompts::load_prompts(std::path::Path::new(p))?,
+                None => eval::prompts::parse_prompts(
+                    eval::prompts::BUNDLED,
+                    eval::prompts::BUNDLED_NAME,
+                )?,
+            };
+            let prompts = &prompts[..take(prompts.len())];
+            let mut runs = Vec::new();
+            for (name, lora) in &adapters {
+                let run = eval::run_ifeval(&loaded, lora.as_ref(), prompts, a.max_new, name)?;
+                print!(
+                    "{}",
+                    eval::report::ifeval_markdown(
+                        &format!("IFEval-style scores: {name}"),
+                        &run.scores
+                    )
+                );
+                runs.push(run);
+            }
+            write_output(&a.out, &serde_json::to_string_pretty(&runs)?)?;
+            let report = match runs.as_slice() {
+                [b, f] => {
+                    let md = eval::report::ifeval_comparison_markdown(
+                        "Verifiable-instruction following, before and after",
+                        &b.subject,
+                        &f.subject,
+                        &b.scores,
+                        &f.scores,
+                    );
+                    print!("\n{md}");
+                    md
+                }
+                [one] => eval::report::ifeval_markdown(
+                    &format!("IFEval-style scores: {}", one.subject),
+                    &one.scores,
+                ),
+                _ => String::new(),
+            };
+            write_output(&a.report, &report)?;
+        }
+    }
     Ok(())
 }
 
@@ -388,6 +578,7 @@ fn main() {
             println!("{text}");
             Ok(())
         })(),
+        Cmd::Eval(a) => run_eval(a),
         Cmd::Bench(a) => lorafit::bench::run(a),
         Cmd::Selftest { device, seed } => {
             (|| {

@@ -435,7 +435,7 @@ impl Model {
         // k and v: the donor's (a KV-sharing layer), kept from the forward, or projected here.
         let shared = env.shared_kv.is_some();
         anyhow::ensure!(
-            shared == !ls.owns_kv(),
+            shared != ls.owns_kv(),
             "layer {l}: a KV-sharing layer needs its donor's k and v, and only it takes them"
         );
         let (mut k, mut v) = match kept_kv {

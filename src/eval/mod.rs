@@ -1,0 +1,109 @@
+//! Scoring a model, with or without an adapter, and comparing it before and after training:
+//! preference accuracy and margins on held-out pairs ([`preference`], the trainer's own
+//! objective code), and judge-free verifiable-instruction following ([`ifeval`] checkers over
+//! [`prompts`] files, answered by the model through [`reply`]). [`report`] turns the numbers
+//! into tables and a markdown before/after report.
+
+pub mod ifeval;
+pub mod language;
+pub mod preference;
+pub mod prompts;
+pub mod report;
+
+use crate::model::Lora;
+use crate::train::trainer::Loaded;
+use anyhow::{Context, Result};
+use serde::Serialize;
+
+/// The model's reply to one user message, greedy, at most `max_new` tokens. Every generation
+/// the evaluation makes goes through here, so a change of generation API is one line.
+pub fn reply(loaded: &Loaded, lora: Option<&Lora>, user: &str, max_new: usize) -> Result<String> {
+    crate::infer::chat(
+        &loaded.model,
+        lora,
+        &loaded.tokenizer,
+        loaded.template.as_ref(),
+        user,
+        max_new,
+    )
+}
+
+/// One prompt's response and verdicts.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct PromptResult {
+    pub key: i64,
+    pub line: usize,
+    pub prompt: String,
+    pub response: String,
+    pub instruction_ids: Vec<String>,
+    pub strict: Vec<bool>,
+    pub loose: Vec<bool>,
+}
+
+/// A verifiable-instruction run: every prompt's result and the aggregate scores.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct IfevalRun {
+    pub subject: String,
+    pub max_new_tokens: usize,
+    pub scores: report::IfevalScores,
+    pub results: Vec<PromptResult>,
+}
+
+/// Scores given responses (one per prompt, in order) without a model.
+pub fn score_responses(
+    prompts: &[prompts::InstructionPrompt],
+    responses: Vec<String>,
+    subject: &str,
+    max_new_tokens: usize,
+) -> IfevalRun {
+    let results: Vec<PromptResult> = prompts
+        .iter()
+        .zip(responses)
+        .map(|(p, response)| {
+            let v = ifeval::score(&p.instructions, &response);
+            PromptResult {
+                key: p.key,
+                line: p.line,
+                prompt: p.prompt.clone(),
+                response,
+                instruction_ids: p.instructions.iter().map(|i| i.id.clone()).collect(),
+                strict: v.strict,
+                loose: v.loose,
+            }
+        })
+        .collect();
+    let ids: Vec<Vec<String>> = results.iter().map(|r| r.instruction_ids.clone()).collect();
+    let verdicts: Vec<ifeval::Verdicts> = results
+        .iter()
+        .map(|r| ifeval::Verdicts {
+            strict: r.strict.clone(),
+            loose: r.loose.clone(),
+        })
+        .collect();
+    IfevalRun {
+        subject: subject.to_string(),
+        max_new_tokens,
+        scores: report::aggregate(&ids, &verdicts),
+        results,
+    }
+}
+
+/// Generates a reply to every prompt with `lora` (None: the base model) and scores it.
+pub fn run_ifeval(
+    loaded: &Loaded,
+    lora: Option<&Lora>,
+    prompts: &[prompts::InstructionPrompt],
+    max_new: usize,
+    subject: &str,
+) -> Result<IfevalRun> {
+    let bar = indicatif::ProgressBar::new(prompts.len() as u64);
+    let mut responses = Vec::with_capacity(prompts.len());
+    for p in prompts {
+        let r = reply(loaded, lora, &p.prompt, max_new)
+            .with_context(|| format!("generating for the prompt on line {}", p.line))?;
+        responses.push(r);
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+    Ok(score_responses(prompts, responses, subject, max_new))
+}

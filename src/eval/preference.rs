@@ -1,0 +1,244 @@
+//! Preference scoring of a model (with or without an adapter) on held-out pairs: per example and
+//! overall accuracy, margin, lw, lr, nll and loss, and before/after comparisons with per-example
+//! deltas.
+//!
+//! The numbers are the trainer's own: each example goes through `train::step::queue_example`
+//! with the configured objective and `train = false`, exactly as `train::trainer::evaluate`
+//! does, so the overall means here equal the validation metrics a training run logs. This module
+//! only keeps the per-example values the trainer averages away.
+//!
+//! The base model is scored through a fresh LoRA whose B matrices are zero (rank 1 on one
+//! projection): its update is exactly zero, so the logits are the base model's.
+
+use crate::config::TrainConfig;
+use crate::data::{self, DatasetKind, TokenizeOptions};
+use crate::model::lora::{LoraConfig, Target};
+use crate::model::{Lora, Model};
+use crate::train::step::{queue_example, reference_logps, Objective};
+use crate::train::trainer::{pass_options, Item, Loaded};
+use anyhow::{bail, Context, Result};
+use serde::Serialize;
+use std::collections::BTreeMap;
+
+/// The metrics every summary and table shows first, in this order.
+pub const HEADLINE: [&str; 6] = ["accuracy", "margin", "lw", "lr", "nll", "loss"];
+
+/// One pair's metrics: the objective's (TRL's names and ours, see `Metrics::pairs`) plus `nll`.
+///
+/// `nll` is the objective's own NLL term where it has one (ORPO's `nll_loss`, SFT's `nll`);
+/// DPO and SimPO have none, and `nll` is then `-lw`, the chosen response's mean NLL per token.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ExampleScore {
+    /// 0-based position among the file's examples.
+    pub index: usize,
+    /// 1-based source line, when the pairs were read from a file.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub line: Option<usize>,
+    pub metrics: BTreeMap<String, f64>,
+}
+
+/// Every example's scores and their means.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct PreferenceRun {
+    /// What was scored: "base" or the adapter's folder.
+    pub subject: String,
+    pub examples: Vec<ExampleScore>,
+    /// Mean of each metric over the examples.
+    pub overall: BTreeMap<String, f64>,
+}
+
+/// Pairs read from a preference JSONL file with the trainer's tokenisation, and their lines.
+pub struct Pairs {
+    pub items: Vec<Item>,
+    pub lines: Vec<usize>,
+}
+
+/// Reads and tokenises `path` as the trainer would (its length limits and chat template). A bad
+/// row is an error naming its line; nothing is skipped.
+pub fn load_pairs(path: &str, loaded: &Loaded, cfg: &TrainConfig) -> Result<Pairs> {
+    let (examples, _) = data::load_jsonl(path, DatasetKind::Preference, false)?;
+    let opts = TokenizeOptions::new(cfg.max_seq_len, cfg.max_prompt_len);
+    let (pairs, report) = data::tokenize_preferences(
+        &examples,
+        &loaded.tokenizer,
+        loaded.template.as_ref(),
+        &opts,
+    )
+    .with_context(|| path.to_string())?;
+    if report.prompt_truncated > 0 || report.response_truncated > 0 {
+        eprintln!("{path}: {report}");
+    }
+    if pairs.is_empty() {
+        bail!("{path}: no preference pairs");
+    }
+    Ok(Pairs {
+        lines: examples.iter().map(|e| e.line()).collect(),
+        items: pairs.into_iter().map(Item::Pair).collect(),
+    })
+}
+
+/// A LoRA that leaves the model unchanged (B = 0), for scoring the base model.
+pub fn identity_lora(model: &Model) -> Result<Lora> {
+    let config = LoraConfig {
+        rank: 1,
+        alpha: 1.0,
+        targets: vec![Target::Q],
+        ..LoraConfig::default()
+    };
+    Lora::new(&model.spec, config, &model.device)
+}
+
+/// Scores every item with `lora` (None: the base model). `lines`, when given, has one entry per
+/// item. `subject` names what was scored in the output.
+pub fn score_pairs(
+    model: &Model,
+    lora: Option<&mut Lora>,
+    items: &[Item],
+    lines: Option<&[usize]>,
+    cfg: &TrainConfig,
+    subject: &str,
+) -> Result<PreferenceRun> {
+    let objective = cfg.objective();
+    if !objective.is_preference() {
+        bail!(
+            "preference scoring needs a preference objective (ORPO, DPO, SimPO), not {:?}",
+            cfg.method
+        );
+    }
+    if let Some(l) = lines {
+        if l.len() != items.len() {
+            bail!("{} lines given for {} items", l.len(), items.len());
+        }
+    }
+    let mut base;
+    let lora = match lora {
+        Some(l) => l,
+        None => {
+            base = identity_lora(model)?;
+            &mut base
+        }
+    };
+    // The same options as `trainer::evaluate`: no backward, so no memory plan is needed.
+    let opts = pass_options(cfg, model, 0, usize::MAX, None);
+    let bar = indicatif::ProgressBar::new(items.len() as u64);
+    let mut examples = Vec::with_capacity(items.len());
+    for (index, item) in items.iter().enumerate() {
+        let line = lines.map(|l| l[index]);
+        let at = || match line {
+            Some(l) => format!("example on line {l}"),
+            None => format!("example {index}"),
+        };
+        let plan = item.plan(cfg.prefix_shared).with_context(at)?;
+        let reference = match objective {
+            Objective::Dpo { .. } => Some(reference_logps(model, &plan, &opts).with_context(at)?),
+            _ => None,
+        };
+        let out = queue_example(
+            model,
+            lora,
+            &plan,
+            &objective,
+            reference.as_ref(),
+            &opts,
+            false,
+            1.0,
+        )
+        .and_then(|q| q.finish())
+        .with_context(at)?;
+        let mut metrics: BTreeMap<String, f64> = out
+            .metrics
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v))
+            .collect();
+        let nll = metrics
+            .get("nll_loss")
+            .or(metrics.get("nll"))
+            .copied()
+            .or(metrics.get("lw").map(|lw| -lw));
+        if let Some(nll) = nll {
+            metrics.insert("nll".into(), nll);
+        }
+        examples.push(ExampleScore {
+            index,
+            line,
+            metrics,
+        });
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+    Ok(PreferenceRun {
+        subject: subject.to_string(),
+        overall: mean_metrics(&examples),
+        examples,
+    })
+}
+
+fn mean_metrics(examples: &[ExampleScore]) -> BTreeMap<String, f64> {
+    let mut sums: BTreeMap<String, f64> = BTreeMap::new();
+    for e in examples {
+        for (k, v) in &e.metrics {
+            *sums.entry(k.clone()).or_default() += v;
+        }
+    }
+    if !examples.is_empty() {
+        sums.values_mut().for_each(|v| *v /= examples.len() as f64);
+    }
+    sums
+}
+
+/// One example before and after, with `after - before` per metric.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ExampleDelta {
+    pub index: usize,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub line: Option<usize>,
+    pub before: BTreeMap<String, f64>,
+    pub after: BTreeMap<String, f64>,
+    pub delta: BTreeMap<String, f64>,
+}
+
+/// Two runs over the same pairs.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct PreferenceComparison {
+    pub before: PreferenceRun,
+    pub after: PreferenceRun,
+    /// `after.overall - before.overall` per metric.
+    pub delta: BTreeMap<String, f64>,
+    pub per_example: Vec<ExampleDelta>,
+}
+
+fn delta(before: &BTreeMap<String, f64>, after: &BTreeMap<String, f64>) -> BTreeMap<String, f64> {
+    before
+        .iter()
+        .filter_map(|(k, b)| after.get(k).map(|a| (k.clone(), a - b)))
+        .collect()
+}
+
+/// Pairs the examples of two runs over the same items.
+pub fn compare(before: PreferenceRun, after: PreferenceRun) -> Result<PreferenceComparison> {
+    if before.examples.len() != after.examples.len() {
+        bail!(
+            "comparing runs over different data: {} and {} examples",
+            before.examples.len(),
+            after.examples.len()
+        );
+    }
+    let per_example = before
+        .examples
+        .iter()
+        .zip(&after.examples)
+        .map(|(b, a)| ExampleDelta {
+            index: b.index,
+            line: b.line,
+            before: b.metrics.clone(),
+            after: a.metrics.clone(),
+            delta: delta(&b.metrics, &a.metrics),
+        })
+        .collect();
+    Ok(PreferenceComparison {
+        delta: delta(&before.overall, &after.overall),
+        before,
+        after,
+        per_example,
+    })
+}
