@@ -7,7 +7,9 @@
 
 pub mod bench;
 pub mod config;
+pub mod curate;
 pub mod data;
+pub mod export;
 pub mod infer;
 pub mod model;
 pub mod tensor;
