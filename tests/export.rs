@@ -38,12 +38,18 @@ fn plan(model: &Path, adapter: &Path, out: &Path, formats: Vec<Format>) -> Expor
 }
 
 /// Every row passed, and the adapter moves the logits far more than the artefact's error (so a
-/// missing or misplaced delta could not pass).
+/// missing or misplaced delta could not pass). A 4-bit requantized GGUF is the exception: on
+/// these tiny random models its requantization moves the logits by a third of the adapter's
+/// effect (relative RMS error of the merged weights about 9%), so there the f16 merged GGUF of
+/// the same base, checked beside it, is what shows the delta in the right place.
 fn assert_rows(rows: &[CheckRow]) {
     assert!(!rows.is_empty());
     eprint!("{}", check::format_rows(rows));
     for r in rows {
         assert!(r.passed(), "{}: rel {} > bound {}", r.artefact, r.rel, r.bound);
+        if check::unit_error(r.stored) > 1.0 / 64.0 {
+            continue;
+        }
         assert!(
             r.adapter_effect > 5.0 * r.max_abs,
             "{}: the adapter's effect {} is not well above the error {}",
