@@ -21,8 +21,8 @@
 //! line and field (with `skip_bad_rows` it is counted instead).
 
 use crate::data::{
-    self, tokenize_pair, ChatTemplate, DatasetKind, Example, Message, PreferenceData, TextTokenizer,
-    TokenizeOptions, TokenizeReport,
+    self, tokenize_pair, ChatTemplate, DatasetKind, Example, Message, PreferenceData,
+    TextTokenizer, TokenizeOptions, TokenizeReport,
 };
 use anyhow::{bail, Context, Result};
 use serde_json::{json, Map, Value};
@@ -153,8 +153,11 @@ fn completion_score(c: &Map<String, Value>, i: usize, field: &str) -> Result<f64
     }
 }
 
+/// A pair row in binarized form with its (chosen, rejected) scores.
+type ScoredRow = (Value, (f64, f64));
+
 /// A raw row → `Ok(None)` when it has fewer than two completions.
-fn from_raw(obj: &Map<String, Value>, field: &str) -> Result<Option<(Value, (f64, f64))>, Bad> {
+fn from_raw(obj: &Map<String, Value>, field: &str) -> Result<Option<ScoredRow>, Bad> {
     let prompt_key = if obj.contains_key("instruction") {
         "instruction"
     } else {
@@ -253,7 +256,11 @@ fn scores(obj: &Map<String, Value>, required: bool) -> Result<Option<(f64, f64)>
 }
 
 /// One input line → a candidate, `Ok(None)` for a raw row with too few completions.
-fn parse_candidate(text: &str, line: usize, opts: &CurateOptions) -> Result<Option<Candidate>, Bad> {
+fn parse_candidate(
+    text: &str,
+    line: usize,
+    opts: &CurateOptions,
+) -> Result<Option<Candidate>, Bad> {
     let value: Value =
         serde_json::from_str(text).map_err(|e| Bad(None, format!("invalid JSON: {e}")))?;
     let obj = value
@@ -265,7 +272,10 @@ fn parse_candidate(text: &str, line: usize, opts: &CurateOptions) -> Result<Opti
             None => return Ok(None),
         }
     } else {
-        (normalise_binarized(obj), scores(obj, opts.min_score_gap > 0.0)?)
+        (
+            normalise_binarized(obj),
+            scores(obj, opts.min_score_gap > 0.0)?,
+        )
     };
     match data::dataset::parse_row(&row, DatasetKind::Preference, line) {
         Ok(Example::Preference { data, .. }) => Ok(Some(Candidate { data, scores })),
@@ -374,16 +384,19 @@ pub fn curate_reader(
     opts: &CurateOptions,
 ) -> Result<(Vec<Value>, Vec<Value>, CurateReport)> {
     if !(0.0..1.0).contains(&opts.valid_fraction) {
-        bail!(
-            "--valid-fraction {} must be in [0, 1)",
-            opts.valid_fraction
-        );
+        bail!("--valid-fraction {} must be in [0, 1)", opts.valid_fraction);
     }
     if opts.max_length_ratio < 1.0 || opts.max_length_ratio.is_nan() {
-        bail!("--max-length-ratio {} must be at least 1", opts.max_length_ratio);
+        bail!(
+            "--max-length-ratio {} must be at least 1",
+            opts.max_length_ratio
+        );
     }
     if opts.min_score_gap < 0.0 || opts.min_score_gap.is_nan() {
-        bail!("--min-score-gap {} must not be negative", opts.min_score_gap);
+        bail!(
+            "--min-score-gap {} must not be negative",
+            opts.min_score_gap
+        );
     }
     let mut report = CurateReport::default();
     let mut seen = HashSet::new();

@@ -10,7 +10,9 @@ use lorafit::data::{ChatTemplate, DatasetKind, TextTokenizer};
 use serde_json::{json, Value};
 
 fn tokenizer() -> TextTokenizer {
-    load_text_tokenizer(&fixture("gguf/spm_prefix.gguf")).unwrap().0
+    load_text_tokenizer(&fixture("gguf/spm_prefix.gguf"))
+        .unwrap()
+        .0
 }
 
 fn template() -> ChatTemplate {
@@ -18,7 +20,10 @@ fn template() -> ChatTemplate {
     ChatTemplate::new(src, "", "").unwrap()
 }
 
-fn run(lines: &[Value], opts: &CurateOptions) -> (Vec<Value>, Vec<Value>, lorafit::curate::CurateReport) {
+fn run(
+    lines: &[Value],
+    opts: &CurateOptions,
+) -> (Vec<Value>, Vec<Value>, lorafit::curate::CurateReport) {
     let text: String = lines.iter().map(|l| format!("{l}\n")).collect();
     curate_reader(
         std::io::Cursor::new(text),
@@ -41,11 +46,23 @@ fn each_filter_removes_and_counts_its_rows() {
     let rows = vec![
         bin("Name a colour.", "Blue is a colour.", "Maybe.", 8.0, 3.0), // kept
         bin("Name a fruit.", "An apple.", "A pear.", 5.0, 4.5),         // gap 0.5 < 1
-        bin("Name a tree.", "An oak.", "An oak.", 9.0, 2.0),             // identical
-        bin("  name a COLOUR. ", "Red.", "No idea at all.", 7.0, 1.0),   // duplicate prompt
-        bin("Write a lot.", &long, "Short answer here.", 9.0, 1.0),      // over the cap
-        bin("Say hi.", "Hi there, it is lovely to meet you today my friend.", "Hi.", 6.0, 2.0), // ratio
-        bin("Name a river.", "The Nile is a river.", "A lake is not.", 6.0, 4.0), // kept
+        bin("Name a tree.", "An oak.", "An oak.", 9.0, 2.0),            // identical
+        bin("  name a COLOUR. ", "Red.", "No idea at all.", 7.0, 1.0),  // duplicate prompt
+        bin("Write a lot.", &long, "Short answer here.", 9.0, 1.0),     // over the cap
+        bin(
+            "Say hi.",
+            "Hi there, it is lovely to meet you today my friend.",
+            "Hi.",
+            6.0,
+            2.0,
+        ), // ratio
+        bin(
+            "Name a river.",
+            "The Nile is a river.",
+            "A lake is not.",
+            6.0,
+            4.0,
+        ), // kept
     ];
     let opts = CurateOptions {
         max_tokens: 200,
@@ -54,7 +71,13 @@ fn each_filter_removes_and_counts_its_rows() {
     let (train, valid, r) = run(&rows, &opts);
     assert_eq!(r.rows, 7);
     assert_eq!(
-        (r.small_gap, r.identical, r.duplicate_prompt, r.too_long, r.length_ratio),
+        (
+            r.small_gap,
+            r.identical,
+            r.duplicate_prompt,
+            r.too_long,
+            r.length_ratio
+        ),
         (1, 1, 1, 1, 1),
         "{r}"
     );
@@ -77,7 +100,10 @@ fn each_filter_removes_and_counts_its_rows() {
     assert_eq!(train.len(), 6);
     // The report prints every count.
     let text = r.to_string();
-    assert!(text.contains("identical responses") && text.contains("kept"), "{text}");
+    assert!(
+        text.contains("identical responses") && text.contains("kept"),
+        "{text}"
+    );
 }
 
 #[test]
@@ -93,7 +119,8 @@ fn raw_rows_pick_best_and_worst_completion() {
              "annotations": {"helpfulness": {"Rating": "1"}, "honesty": {"Rating": "N/A"}}},
         ]
     });
-    let one = json!({"instruction": "Alone.", "completions": [{"response": "x", "overall_score": 1}]});
+    let one =
+        json!({"instruction": "Alone.", "completions": [{"response": "x", "overall_score": 1}]});
     let (train, _, r) = run(&[raw.clone(), one], &CurateOptions::default());
     assert_eq!(r.too_few_completions, 1);
     assert_eq!(train.len(), 1);
@@ -101,7 +128,10 @@ fn raw_rows_pick_best_and_worst_completion() {
     assert_eq!(train[0]["chosen"], "Clouds release droplets of water.");
     assert_eq!(train[0]["rejected"], "It just happens.");
     assert_eq!(
-        (train[0]["score_chosen"].as_f64(), train[0]["score_rejected"].as_f64()),
+        (
+            train[0]["score_chosen"].as_f64(),
+            train[0]["score_rejected"].as_f64()
+        ),
         (Some(9.0), Some(2.5))
     );
     // By annotations: means 4.0, 5.0 and 1.0 (N/A is not a rating).
@@ -130,8 +160,14 @@ fn binarized_message_rows_become_training_rows() {
     let (train, _, r) = run(&[row], &CurateOptions::default());
     assert_eq!(r.train, 1, "{r}");
     let out = &train[0];
-    assert_eq!(out["prompt"], json!([{"role": "user", "content": "What is 2+2?"}]));
-    assert_eq!(out["chosen"], json!([{"role": "assistant", "content": "2+2 is 4."}]));
+    assert_eq!(
+        out["prompt"],
+        json!([{"role": "user", "content": "What is 2+2?"}])
+    );
+    assert_eq!(
+        out["chosen"],
+        json!([{"role": "assistant", "content": "2+2 is 4."}])
+    );
     let line = out.to_string();
     let ex = lorafit::data::dataset::parse_line(&line, DatasetKind::Preference, 1).unwrap();
     assert!(ex.is_chat());
@@ -140,7 +176,15 @@ fn binarized_message_rows_become_training_rows() {
 #[test]
 fn validation_split_is_seeded_and_disjoint() {
     let rows: Vec<Value> = (0..40)
-        .map(|i| bin(&format!("Question number {i}?"), "A fine answer.", "A poor one.", 8.0, 2.0))
+        .map(|i| {
+            bin(
+                &format!("Question number {i}?"),
+                "A fine answer.",
+                "A poor one.",
+                8.0,
+                2.0,
+            )
+        })
         .collect();
     let opts = |seed| CurateOptions {
         valid_fraction: 0.25,
@@ -154,12 +198,19 @@ fn validation_split_is_seeded_and_disjoint() {
     let (_, v3, _) = run(&rows, &opts(4));
     assert_ne!(v1, v3, "another seed, another split");
     let prompts = |v: &[Value]| -> Vec<String> {
-        v.iter().map(|r| r["prompt"].as_str().unwrap().to_string()).collect()
+        v.iter()
+            .map(|r| r["prompt"].as_str().unwrap().to_string())
+            .collect()
     };
     let (pt, pv) = (prompts(&t1), prompts(&v1));
     assert!(pv.iter().all(|p| !pt.contains(p)), "disjoint");
     // Input order is kept inside each file.
-    let index = |p: &String| p.trim_start_matches("Question number ").trim_end_matches('?').parse::<usize>().unwrap();
+    let index = |p: &String| {
+        p.trim_start_matches("Question number ")
+            .trim_end_matches('?')
+            .parse::<usize>()
+            .unwrap()
+    };
     assert!(pt.windows(2).all(|w| index(&w[0]) < index(&w[1])));
 }
 
@@ -180,14 +231,28 @@ fn bad_rows_are_named_by_file_line_and_field() {
     .err()
     .unwrap()
     .to_string();
-    assert!(e.contains("in.jsonl:3") && e.contains("score_chosen"), "{e}");
+    assert!(
+        e.contains("in.jsonl:3") && e.contains("score_chosen"),
+        "{e}"
+    );
     let cases = [
-        (json!({"instruction": "x", "completions": [{"response": "a", "overall_score": 1},
-                {"response": "b"}]}), "completions[1].overall_score"),
-        (json!({"instruction": "x", "completions": [{"overall_score": 1}, {"response": "b", "overall_score": 2}]}),
-         "completions[0].response"),
-        (json!({"prompt": "p", "chosen": "a", "rejected": 3, "score_chosen": 2, "score_rejected": 1}), "rejected"),
-        (json!({"prompt": "p", "chosen": "a", "rejected": "b", "score_chosen": "high", "score_rejected": 1}), "score_chosen"),
+        (
+            json!({"instruction": "x", "completions": [{"response": "a", "overall_score": 1},
+                {"response": "b"}]}),
+            "completions[1].overall_score",
+        ),
+        (
+            json!({"instruction": "x", "completions": [{"overall_score": 1}, {"response": "b", "overall_score": 2}]}),
+            "completions[0].response",
+        ),
+        (
+            json!({"prompt": "p", "chosen": "a", "rejected": 3, "score_chosen": 2, "score_rejected": 1}),
+            "rejected",
+        ),
+        (
+            json!({"prompt": "p", "chosen": "a", "rejected": "b", "score_chosen": "high", "score_rejected": 1}),
+            "score_chosen",
+        ),
     ];
     for (row, field) in cases {
         let e = curate_reader(
@@ -200,7 +265,10 @@ fn bad_rows_are_named_by_file_line_and_field() {
         .err()
         .unwrap()
         .to_string();
-        assert!(e.contains("f.jsonl:1") && e.contains(&format!("\"{field}\"")), "{field}: {e}");
+        assert!(
+            e.contains("f.jsonl:1") && e.contains(&format!("\"{field}\"")),
+            "{field}: {e}"
+        );
     }
     let e = curate_reader(
         std::io::Cursor::new("{not json\n"),
@@ -228,7 +296,10 @@ fn bad_rows_are_named_by_file_line_and_field() {
     assert_eq!((r.bad_rows, r.blank_lines, train.len()), (1, 1, 1));
     // Scores become optional with a zero gap.
     let (train, _, _) = curate_reader(
-        std::io::Cursor::new(format!("{}\n", json!({"prompt": "p", "chosen": "a b", "rejected": "c d"}))),
+        std::io::Cursor::new(format!(
+            "{}\n",
+            json!({"prompt": "p", "chosen": "a b", "rejected": "c d"})
+        )),
         "in.jsonl",
         &tokenizer(),
         None,
@@ -248,7 +319,12 @@ fn curate_file_writes_both_files() {
     std::fs::create_dir_all(&dir).unwrap();
     let input = dir.join("in.jsonl");
     let rows: String = (0..10)
-        .map(|i| format!("{}\n", bin(&format!("Prompt {i}"), "Yes indeed.", "No way.", 7.0, 1.0)))
+        .map(|i| {
+            format!(
+                "{}\n",
+                bin(&format!("Prompt {i}"), "Yes indeed.", "No way.", 7.0, 1.0)
+            )
+        })
         .collect();
     std::fs::write(&input, rows).unwrap();
     let (out, valid) = (dir.join("train.jsonl"), dir.join("valid.jsonl"));
@@ -256,15 +332,28 @@ fn curate_file_writes_both_files() {
         valid_fraction: 0.2,
         ..CurateOptions::default()
     };
-    let r = curate_file(&input, &out, Some(&valid), &fixture("gguf/spm_prefix.gguf"), &opts).unwrap();
+    let r = curate_file(
+        &input,
+        &out,
+        Some(&valid),
+        &fixture("gguf/spm_prefix.gguf"),
+        &opts,
+    )
+    .unwrap();
     assert_eq!((r.train, r.valid), (8, 2));
     let (ex, _) = lorafit::data::load_jsonl(&out, DatasetKind::Preference, false).unwrap();
     assert_eq!(ex.len(), 8);
     let (ex, _) = lorafit::data::load_jsonl(&valid, DatasetKind::Preference, false).unwrap();
     assert_eq!(ex.len(), 2);
-    let e = curate_file(&dir.join("missing.jsonl"), &out, None, &fixture("gguf/spm_prefix.gguf"), &opts)
-        .err()
-        .unwrap();
+    let e = curate_file(
+        &dir.join("missing.jsonl"),
+        &out,
+        None,
+        &fixture("gguf/spm_prefix.gguf"),
+        &opts,
+    )
+    .err()
+    .unwrap();
     assert!(format!("{e:#}").contains("missing.jsonl"), "{e:#}");
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -46,7 +46,13 @@ fn assert_rows(rows: &[CheckRow]) {
     assert!(!rows.is_empty());
     eprint!("{}", check::format_rows(rows));
     for r in rows {
-        assert!(r.passed(), "{}: rel {} > bound {}", r.artefact, r.rel, r.bound);
+        assert!(
+            r.passed(),
+            "{}: rel {} > bound {}",
+            r.artefact,
+            r.rel,
+            r.bound
+        );
         if check::unit_error(r.stored) > 1.0 / 64.0 {
             continue;
         }
@@ -80,11 +86,17 @@ fn gguf_writer_round_trips_through_the_reader() {
         ("t.str", MetaValue::String("héllo".into())),
         (
             "t.arr",
-            MetaValue::Array(vec![MetaValue::String("a".into()), MetaValue::String("bc".into())]),
+            MetaValue::Array(vec![
+                MetaValue::String("a".into()),
+                MetaValue::String("bc".into()),
+            ]),
         ),
         (
             "t.nested",
-            MetaValue::Array(vec![MetaValue::Array(vec![MetaValue::I32(1), MetaValue::I32(2)])]),
+            MetaValue::Array(vec![MetaValue::Array(vec![
+                MetaValue::I32(1),
+                MetaValue::I32(2),
+            ])]),
         ),
     ];
     for (k, v) in &values {
@@ -93,7 +105,13 @@ fn gguf_writer_round_trips_through_the_reader() {
     // A later set of the same key replaces it in place.
     w.set("t.u8", MetaValue::U8(9));
     let x: Vec<f32> = (0..2 * 64).map(|i| (i as f32 * 0.37).sin()).collect();
-    let types = [GgmlType::F32, GgmlType::F16, GgmlType::BF16, GgmlType::Q8_0, GgmlType::Q4_1];
+    let types = [
+        GgmlType::F32,
+        GgmlType::F16,
+        GgmlType::BF16,
+        GgmlType::Q8_0,
+        GgmlType::Q4_1,
+    ];
     for ty in types {
         w.add_tensor(GgufTensor {
             name: format!("w.{ty}"),
@@ -103,18 +121,22 @@ fn gguf_writer_round_trips_through_the_reader() {
         })
         .unwrap();
     }
-    w.add_tensor(GgufTensor::f32("odd", &[3], &[1.0, -2.0, 3.5])).unwrap();
-    assert!(w
-        .add_tensor(GgufTensor::f32("odd", &[1], &[0.0]))
-        .is_err(), "a duplicate name is refused");
-    assert!(w
-        .add_tensor(GgufTensor {
+    w.add_tensor(GgufTensor::f32("odd", &[3], &[1.0, -2.0, 3.5]))
+        .unwrap();
+    assert!(
+        w.add_tensor(GgufTensor::f32("odd", &[1], &[0.0])).is_err(),
+        "a duplicate name is refused"
+    );
+    assert!(
+        w.add_tensor(GgufTensor {
             name: "short".into(),
             dims: vec![32],
             ggml_type: GgmlType::Q8_0,
             data: vec![0; 33],
         })
-        .is_err(), "a byte length that does not match is refused");
+        .is_err(),
+        "a byte length that does not match is refused"
+    );
     let dir = tmp("writer");
     let path = dir.join("t.gguf");
     w.write(&path).unwrap();
@@ -192,13 +214,21 @@ fn gguf_adapter_names_shapes_and_permutation() {
             assert_eq!(b.shape, vec![4, out], "{name}");
             let (_, pa) = &st[&peft_key(l, t, false)];
             let (_, pb) = &st[&peft_key(l, t, true)];
-            assert_eq!(&g.tensor_f32(&format!("{name}.lora_a")).unwrap(), pa, "{name} A");
+            assert_eq!(
+                &g.tensor_f32(&format!("{name}.lora_a")).unwrap(),
+                pa,
+                "{name} A"
+            );
             let want_b = match t {
                 Target::Q => numpy_permute(pb, out, 4, spec.n_heads),
                 Target::K => numpy_permute(pb, out, 4, spec.n_kv_heads),
                 _ => pb.clone(),
             };
-            assert_eq!(g.tensor_f32(&format!("{name}.lora_b")).unwrap(), want_b, "{name} B");
+            assert_eq!(
+                g.tensor_f32(&format!("{name}.lora_b")).unwrap(),
+                want_b,
+                "{name} B"
+            );
             if matches!(t, Target::Q | Target::K) {
                 assert_ne!(&want_b, pb, "{name}: the permutation moves rows");
             }
@@ -233,28 +263,41 @@ fn gguf_adapter_folds_rslora_scale_into_b() {
         let name = format!("{}.lora_b", gguf_out::projection_name(l, t));
         let got = g.tensor_f32(&name).unwrap();
         let ratio = p.scale / (alpha / p.rank as f32);
-        assert!((ratio - 1.0).abs() > 1e-3, "rsLoRA's scale differs from alpha / r");
+        assert!(
+            (ratio - 1.0).abs() > 1e-3,
+            "rsLoRA's scale differs from alpha / r"
+        );
         let want: Vec<f32> = p.b.to_vec().unwrap().iter().map(|x| x * ratio).collect();
         assert_eq!(got, want, "{name}");
         ranks.insert(p.rank);
     }
-    assert!(ranks.len() > 1, "the fixture's rank pattern gives several ranks");
+    assert!(
+        ranks.len() > 1,
+        "the fixture's rank pattern gives several ranks"
+    );
 }
 
 /// Every Hugging Face fixture family: merged folder (f32 and bf16) and GGUF adapter (f32, f16)
 /// through `export::run` with the check.
 #[test]
 fn hf_fixtures_export_within_bounds() {
-    for name in ["llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "minicpm"] {
+    for name in [
+        "llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "minicpm",
+    ] {
         let base = fixture(&format!("models/{name}"));
         let out = tmp(&format!("hf-{name}"));
         let mut p = plan(&base, &base.join("adapter"), &out, vec![]);
         let bf16 = run(&p).unwrap_or_else(|e| panic!("{name}: {e:#}"));
-        assert_eq!(bf16.written.len(), 2, "{name}: merged folder and adapter by default");
+        assert_eq!(
+            bf16.written.len(),
+            2,
+            "{name}: merged folder and adapter by default"
+        );
         assert_rows(&bf16.checks);
-        let cfg: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(out.join("merged-hf/config.json")).unwrap())
-                .unwrap();
+        let cfg: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(out.join("merged-hf/config.json")).unwrap(),
+        )
+        .unwrap();
         let dtype = cfg.get("dtype").or(cfg.get("torch_dtype"));
         assert_eq!(dtype, Some(&serde_json::json!("bfloat16")), "{name}");
         let st = common::read_safetensors(&out.join("merged-hf/model.safetensors"));
@@ -269,7 +312,11 @@ fn hf_fixtures_export_within_bounds() {
         let exact = run(&p).unwrap();
         assert_rows(&exact.checks);
         // f32 storage: the merge is exact up to reassociation.
-        assert!(exact.checks[0].rel < 1e-5, "{name}: {}", exact.checks[0].rel);
+        assert!(
+            exact.checks[0].rel < 1e-5,
+            "{name}: {}",
+            exact.checks[0].rel
+        );
         let _ = std::fs::remove_dir_all(&out);
     }
 }
@@ -290,7 +337,10 @@ fn quantized_llama_gguf(dir: &Path, ty: GgmlType) -> PathBuf {
     w.set("llama.feed_forward_length", u32v(spec.intermediate));
     w.set("llama.attention.head_count", u32v(spec.n_heads));
     w.set("llama.attention.head_count_kv", u32v(spec.n_kv_heads));
-    w.set("llama.attention.layer_norm_rms_epsilon", MetaValue::F32(1e-5));
+    w.set(
+        "llama.attention.layer_norm_rms_epsilon",
+        MetaValue::F32(1e-5),
+    );
     w.set("llama.rope.freq_base", MetaValue::F32(10000.0));
     w.set("llama.attention.key_length", u32v(spec.head_dim));
     let mut add = |name: &str, hf: &str, ty: GgmlType, perm: Option<usize>| {
@@ -306,21 +356,66 @@ fn quantized_llama_gguf(dir: &Path, ty: GgmlType) -> PathBuf {
         })
         .unwrap();
     };
-    add("token_embd.weight", "model.embed_tokens.weight", GgmlType::Q8_0, None);
-    add("output_norm.weight", "model.norm.weight", GgmlType::F32, None);
+    add(
+        "token_embd.weight",
+        "model.embed_tokens.weight",
+        GgmlType::Q8_0,
+        None,
+    );
+    add(
+        "output_norm.weight",
+        "model.norm.weight",
+        GgmlType::F32,
+        None,
+    );
     add("output.weight", "lm_head.weight", GgmlType::Q8_0, None);
     for l in 0..spec.n_layers {
         let hf = |leaf: &str| format!("model.layers.{l}.{leaf}");
         let g = |leaf: &str| format!("blk.{l}.{leaf}");
-        add(&g("attn_norm.weight"), &hf("input_layernorm.weight"), GgmlType::F32, None);
-        add(&g("ffn_norm.weight"), &hf("post_attention_layernorm.weight"), GgmlType::F32, None);
-        add(&g("attn_q.weight"), &hf("self_attn.q_proj.weight"), ty, Some(spec.n_heads));
-        add(&g("attn_k.weight"), &hf("self_attn.k_proj.weight"), ty, Some(spec.n_kv_heads));
-        add(&g("attn_v.weight"), &hf("self_attn.v_proj.weight"), ty, None);
-        add(&g("attn_output.weight"), &hf("self_attn.o_proj.weight"), ty, None);
+        add(
+            &g("attn_norm.weight"),
+            &hf("input_layernorm.weight"),
+            GgmlType::F32,
+            None,
+        );
+        add(
+            &g("ffn_norm.weight"),
+            &hf("post_attention_layernorm.weight"),
+            GgmlType::F32,
+            None,
+        );
+        add(
+            &g("attn_q.weight"),
+            &hf("self_attn.q_proj.weight"),
+            ty,
+            Some(spec.n_heads),
+        );
+        add(
+            &g("attn_k.weight"),
+            &hf("self_attn.k_proj.weight"),
+            ty,
+            Some(spec.n_kv_heads),
+        );
+        add(
+            &g("attn_v.weight"),
+            &hf("self_attn.v_proj.weight"),
+            ty,
+            None,
+        );
+        add(
+            &g("attn_output.weight"),
+            &hf("self_attn.o_proj.weight"),
+            ty,
+            None,
+        );
         add(&g("ffn_gate.weight"), &hf("mlp.gate_proj.weight"), ty, None);
         add(&g("ffn_up.weight"), &hf("mlp.up_proj.weight"), ty, None);
-        add(&g("ffn_down.weight"), &hf("mlp.down_proj.weight"), GgmlType::Q8_0, None);
+        add(
+            &g("ffn_down.weight"),
+            &hf("mlp.down_proj.weight"),
+            GgmlType::Q8_0,
+            None,
+        );
     }
     let path = dir.join(format!("llama-{ty}.gguf"));
     w.write(&path).unwrap();
@@ -384,7 +479,10 @@ fn quantized_gguf_base_exports_within_bounds() {
         assert_rows(&f16.checks);
         assert_eq!(f16.checks[0].stored, GgmlType::F16);
         let g = GgufFile::open(&out.join("merged.gguf")).unwrap();
-        assert_eq!(g.tensor_info("blk.1.attn_k.weight").unwrap().ggml_type, GgmlType::F16);
+        assert_eq!(
+            g.tensor_info("blk.1.attn_k.weight").unwrap().ggml_type,
+            GgmlType::F16
+        );
         let _ = std::fs::remove_dir_all(&dir);
     }
 }
@@ -418,9 +516,15 @@ fn zero_adapter_leaves_merged_gguf_bytes_alone() {
     let mut p = plan(&base, &adapter, &out, vec![Format::MergedGguf]);
     p.check = false;
     run(&p).unwrap();
-    let (a, b) = (GgufFile::open(&base).unwrap(), GgufFile::open(&out.join("merged.gguf")).unwrap());
+    let (a, b) = (
+        GgufFile::open(&base).unwrap(),
+        GgufFile::open(&out.join("merged.gguf")).unwrap(),
+    );
     for info in a.tensor_infos() {
-        assert_eq!(a.tensor_bytes(&info.name).unwrap(), b.tensor_bytes(&info.name).unwrap());
+        assert_eq!(
+            a.tensor_bytes(&info.name).unwrap(),
+            b.tensor_bytes(&info.name).unwrap()
+        );
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
@@ -429,16 +533,27 @@ fn zero_adapter_leaves_merged_gguf_bytes_alone() {
 fn export_refuses_bad_requests() {
     let base = fixture("models/llama");
     let out = tmp("refuse");
-    let e = run(&plan(&base, &base.join("adapter"), &out, vec![Format::MergedGguf]))
-        .err()
-        .expect("a merged GGUF needs a GGUF base");
+    let e = run(&plan(
+        &base,
+        &base.join("adapter"),
+        &out,
+        vec![Format::MergedGguf],
+    ))
+    .err()
+    .expect("a merged GGUF needs a GGUF base");
     assert!(e.to_string().contains("needs a GGUF base"), "{e}");
-    let e = run(&plan(&base, &out.join("nope"), &out, vec![])).err().unwrap();
+    let e = run(&plan(&base, &out.join("nope"), &out, vec![]))
+        .err()
+        .unwrap();
     assert!(format!("{e:#}").contains("adapter_config.json"), "{e:#}");
     // An adapter file of another kind is refused by the reader with its file named.
     let not_adapter = fixture("gguf/minicpm.gguf");
-    let spec = model::gguf_model::GgufSource::open(&not_adapter).unwrap().spec;
-    let e = gguf_out::read_adapter(&not_adapter, &spec, true).err().unwrap();
+    let spec = model::gguf_model::GgufSource::open(&not_adapter)
+        .unwrap()
+        .spec;
+    let e = gguf_out::read_adapter(&not_adapter, &spec, true)
+        .err()
+        .unwrap();
     assert!(format!("{e:#}").contains("general.type"), "{e:#}");
     let _ = std::fs::remove_dir_all(&out);
 }

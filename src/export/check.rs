@@ -171,7 +171,11 @@ pub fn write_reference(
             vec![ids.len()],
             ids.iter().map(|&t| t as f32).collect(),
         ));
-        tensors.push((format!("prompt.{i}.logits"), vec![ids.len(), vocab], rows.to_vec()));
+        tensors.push((
+            format!("prompt.{i}.logits"),
+            vec![ids.len(), vocab],
+            rows.to_vec(),
+        ));
         at += n;
     }
     crate::model::weights::write_f32_safetensors(path, &tensors)
@@ -197,7 +201,15 @@ pub fn row_json(r: &CheckRow) -> serde_json::Value {
 pub fn format_rows(rows: &[CheckRow]) -> String {
     let mut s = format!(
         "{:<34} {:>6} {:>7} {:>9} {:>11} {:>11} {:>10} {:>10} {:>11}  verdict\n",
-        "artefact", "type", "tensors", "positions", "max|Δ|", "max|logit|", "rel", "bound", "adapter Δ"
+        "artefact",
+        "type",
+        "tensors",
+        "positions",
+        "max|Δ|",
+        "max|logit|",
+        "rel",
+        "bound",
+        "adapter Δ"
     );
     for r in rows {
         s.push_str(&format!(

@@ -68,8 +68,11 @@ pub fn llama_cpp_arch(spec: &ModelSpec) -> (&'static str, bool) {
 
 /// GGUF name of a projection's weight (the same in every architecture lorafit reads).
 pub fn projection_name(layer: usize, t: Target) -> String {
-    gguf_name(GgufArch::Llama, &format!("model.layers.{layer}.{}.weight", t.path()))
-        .expect("every projection has a GGUF name")
+    gguf_name(
+        GgufArch::Llama,
+        &format!("model.layers.{layer}.{}.weight", t.path()),
+    )
+    .expect("every projection has a GGUF name")
 }
 
 fn encode(ty: GgmlType, x: &[f32]) -> Result<Vec<u8>> {
@@ -158,10 +161,15 @@ pub fn read_adapter(path: &Path, spec: &ModelSpec, permutes: bool) -> Result<Lor
     );
     let alpha = match g.get("adapter.lora.alpha") {
         Some(MetaValue::F32(a)) => *a as f64,
-        Some(v) => bail!("{p}: adapter.lora.alpha is {}, llama.cpp reads an f32", v.type_name()),
+        Some(v) => bail!(
+            "{p}: adapter.lora.alpha is {}, llama.cpp reads an f32",
+            v.type_name()
+        ),
         None => bail!("{p}: adapter.lora.alpha is missing"),
     };
-    let mut pairs: BTreeMap<(usize, Target), (Vec<f32>, Vec<f32>, usize)> = BTreeMap::new();
+    // (A, B, rank) per adapted projection, as the file stores them.
+    type FilePair = (Vec<f32>, Vec<f32>, usize);
+    let mut pairs: BTreeMap<(usize, Target), FilePair> = BTreeMap::new();
     for info in g.tensor_infos() {
         let (base, is_a) = if let Some(b) = info.name.strip_suffix(".lora_a") {
             (b, true)
@@ -171,7 +179,10 @@ pub fn read_adapter(path: &Path, spec: &ModelSpec, permutes: bool) -> Result<Lor
             bail!("{p}: tensor {} is neither .lora_a nor .lora_b", info.name);
         };
         let Some((l, t)) = parse_projection(base).filter(|(l, _)| *l < spec.n_layers) else {
-            bail!("{p}: tensor {} adapts no projection of this model", info.name);
+            bail!(
+                "{p}: tensor {} adapts no projection of this model",
+                info.name
+            );
         };
         ensure!(
             info.shape.len() == 2,
@@ -270,7 +281,11 @@ pub fn write_merged_gguf(
     merged_type: MergedType,
     path: &Path,
 ) -> Result<MergedGgufSummary> {
-    ensure!(base != path, "the output {} is the base model", path.display());
+    ensure!(
+        base != path,
+        "the output {} is the base model",
+        path.display()
+    );
     let src = GgufSource::open(base)?;
     let spec = &src.spec;
     let permutes = src.arch.permutes_qk();
@@ -320,10 +335,13 @@ pub fn write_merged_gguf(
         let bytes = quantize(ty, &values)?;
         let mut back = vec![0f32; values.len()];
         crate::model::gguf::dequantize(ty, &bytes, values.len(), &mut back)?;
-        let (num, den) = values.iter().zip(&back).fold((0f64, 0f64), |(n, d), (v, b)| {
-            let e = (*v - *b) as f64;
-            (n + e * e, d + (*v as f64) * (*v as f64))
-        });
+        let (num, den) = values
+            .iter()
+            .zip(&back)
+            .fold((0f64, 0f64), |(n, d), (v, b)| {
+                let e = (*v - *b) as f64;
+                (n + e * e, d + (*v as f64) * (*v as f64))
+            });
         merged.push((
             info.name.clone(),
             ty,

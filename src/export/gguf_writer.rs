@@ -138,8 +138,8 @@ impl GgufWriter {
     pub fn write(&self, path: &Path) -> Result<()> {
         let bytes = self.to_bytes()?;
         let tmp = path.with_extension("gguf.tmp");
-        let mut f = std::fs::File::create(&tmp)
-            .with_context(|| format!("creating {}", tmp.display()))?;
+        let mut f =
+            std::fs::File::create(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
         f.write_all(&bytes)
             .with_context(|| format!("writing {}", tmp.display()))?;
         drop(f);

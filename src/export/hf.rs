@@ -12,7 +12,9 @@
 
 use super::merge::{add_delta, lora_delta};
 use crate::model::gguf_model::{config_from_gguf, GgufArch, GgufSource};
-use crate::model::weights::{norm_names, resolve_prefixes, view_to_f32, SafetensorsFolder, TensorSource};
+use crate::model::weights::{
+    norm_names, resolve_prefixes, view_to_f32, SafetensorsFolder, TensorSource,
+};
 use crate::model::{Lora, ModelSpec, Target};
 use anyhow::{bail, ensure, Context, Result};
 use serde_json::{json, Value};
@@ -82,7 +84,10 @@ pub struct HfSummary {
 fn deltas(spec: &ModelSpec, lora: &Lora) -> Result<HashMap<String, (usize, Target)>> {
     let mut names = HashMap::new();
     for (l, t, _) in lora.pairs() {
-        names.insert(spec.layer_tensor(l, &format!("{}.weight", t.path())), (l, t));
+        names.insert(
+            spec.layer_tensor(l, &format!("{}.weight", t.path())),
+            (l, t),
+        );
     }
     Ok(names)
 }
@@ -173,7 +178,8 @@ fn folder_tensor_names(dir: &Path) -> Result<Vec<(PathBuf, Vec<String>)>> {
     };
     let mut out = Vec::new();
     for path in files {
-        let f = std::fs::File::open(&path).with_context(|| format!("opening {}", path.display()))?;
+        let f =
+            std::fs::File::open(&path).with_context(|| format!("opening {}", path.display()))?;
         // SAFETY: the file is opened read-only and not modified while mapped.
         let mmap = unsafe { memmap2::Mmap::map(&f) }
             .with_context(|| format!("mapping {}", path.display()))?;
@@ -255,8 +261,8 @@ pub fn merged_from_hf(
                 });
                 continue;
             }
-            let mut data = view_to_f32(&view)
-                .with_context(|| format!("{}: tensor {name}", path.display()))?;
+            let mut data =
+                view_to_f32(&view).with_context(|| format!("{}: tensor {name}", path.display()))?;
             if let Some(&(l, t)) = targets.get(&name) {
                 let pair = lora.get(l, t).expect("named from the adapter's pairs");
                 add_delta(&mut data, &lora_delta(pair)?, &name)?;
@@ -293,7 +299,10 @@ pub fn merged_from_hf(
     )
     .with_context(|| format!("parsing {}", config_path.display()))?;
     set_config_dtype(&mut config, dtype);
-    std::fs::write(out.join("config.json"), serde_json::to_string_pretty(&config)?)?;
+    std::fs::write(
+        out.join("config.json"),
+        serde_json::to_string_pretty(&config)?,
+    )?;
     merged.sort();
     Ok(HfSummary {
         merged,
@@ -340,17 +349,14 @@ fn hf_tensor_names(spec: &ModelSpec) -> Vec<String> {
 }
 
 /// Merged folder from a GGUF base.
-pub fn merged_from_gguf(
-    base: &Path,
-    lora: &Lora,
-    out: &Path,
-    dtype: HfDtype,
-) -> Result<HfSummary> {
+pub fn merged_from_gguf(base: &Path, lora: &Lora, out: &Path, dtype: HfDtype) -> Result<HfSummary> {
     let src = GgufSource::open(base)?;
     let spec = &src.spec;
     let (arch, mut config) = config_from_gguf(&src.file)?;
     let (architecture, model_type) = hf_names(arch);
-    let obj = config.as_object_mut().expect("config_from_gguf returns an object");
+    let obj = config
+        .as_object_mut()
+        .expect("config_from_gguf returns an object");
     obj.insert("architectures".into(), json!([architecture]));
     obj.insert("model_type".into(), json!(model_type));
     if matches!(arch, GgufArch::Llama | GgufArch::MiniCpm) {
@@ -402,7 +408,10 @@ pub fn merged_from_gguf(
         });
     }
     let count = write_shards(out, tensors)?;
-    std::fs::write(out.join("config.json"), serde_json::to_string_pretty(&config)?)?;
+    std::fs::write(
+        out.join("config.json"),
+        serde_json::to_string_pretty(&config)?,
+    )?;
     write_gguf_tokenizer(&src, out)?;
     merged.sort();
     Ok(HfSummary {
@@ -425,7 +434,10 @@ fn write_gguf_tokenizer(src: &GgufSource, out: &Path) -> Result<()> {
         return Ok(());
     }
     let tokenizer = tokenizer_json_from_gguf(g)?;
-    std::fs::write(out.join("tokenizer.json"), serde_json::to_string(&tokenizer)?)?;
+    std::fs::write(
+        out.join("tokenizer.json"),
+        serde_json::to_string(&tokenizer)?,
+    )?;
     let info = tokenizer_info_from_gguf(g)?;
     let tokens = g.get_str_array("tokenizer.ggml.tokens")?;
     let token = |id: Option<u32>, what: &str| -> Result<Value> {

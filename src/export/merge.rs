@@ -78,8 +78,12 @@ mod tests {
     #[test]
     fn delta_is_scale_b_a() {
         let (out, r, inp) = (5, 3, 7);
-        let a: Vec<f32> = (0..r * inp).map(|i| ((i * 7 % 11) as f32 - 5.0) * 0.1).collect();
-        let b: Vec<f32> = (0..out * r).map(|i| ((i * 5 % 13) as f32 - 6.0) * 0.05).collect();
+        let a: Vec<f32> = (0..r * inp)
+            .map(|i| ((i * 7 % 11) as f32 - 5.0) * 0.1)
+            .collect();
+        let b: Vec<f32> = (0..out * r)
+            .map(|i| ((i * 5 % 13) as f32 - 6.0) * 0.05)
+            .collect();
         let pair = LoraPair::from_host(&a, &b, r, out, inp, 1.75, &Device::Cpu).unwrap();
         let got = lora_delta(&pair).unwrap();
         for o in 0..out {
@@ -89,7 +93,10 @@ mod tests {
                     .sum::<f64>()
                     * 1.75;
                 let g = got[o * inp + i] as f64;
-                assert!((g - want).abs() <= 1e-6 * want.abs().max(1.0), "[{o},{i}] {g} vs {want}");
+                assert!(
+                    (g - want).abs() <= 1e-6 * want.abs().max(1.0),
+                    "[{o},{i}] {g} vs {want}"
+                );
             }
         }
         let mut w = vec![1.0f32; out * inp];

@@ -149,7 +149,11 @@ pub fn run(plan: &ExportPlan) -> Result<ExportReport> {
                 eprintln!(
                     "GGUF adapter {}: {n} LoRA pairs for architecture {arch}{}",
                     path.display(),
-                    if permutes { " (q/k rows in llama.cpp's order)" } else { "" }
+                    if permutes {
+                        " (q/k rows in llama.cpp's order)"
+                    } else {
+                        ""
+                    }
                 );
                 let ty = match plan.adapter_type {
                     gguf_out::AdapterType::F32 => GgmlType::F32,
@@ -187,7 +191,12 @@ pub fn run(plan: &ExportPlan) -> Result<ExportReport> {
         let prompts = check::check_prompts(tok.as_ref(), base.spec.vocab)?;
         let want = check::logits(&base, Some(&lora), &prompts)?;
         let plain = check::logits(&base, None, &prompts)?;
-        check::write_reference(&plan.output.join("check.safetensors"), &prompts, &want, base.spec.vocab)?;
+        check::write_reference(
+            &plan.output.join("check.safetensors"),
+            &prompts,
+            &want,
+            base.spec.vocab,
+        )?;
         for ((f, path), &(ty, rounded)) in written.iter().zip(&stored) {
             let got = artefact_logits(*f, path, &base, permutes, &prompts)?;
             checks.push(check::compare(

@@ -186,7 +186,11 @@ fn q4_k(x: &[f32], out: &mut Vec<u8>) {
     }
     let max_scale = scales.iter().fold(0f32, |a, &b| a.max(b));
     let max_min = mins.iter().fold(0f32, |a, &b| a.max(b));
-    let inv_scale = if max_scale > 0.0 { 63.0 / max_scale } else { 0.0 };
+    let inv_scale = if max_scale > 0.0 {
+        63.0 / max_scale
+    } else {
+        0.0
+    };
     let inv_min = if max_min > 0.0 { 63.0 / max_min } else { 0.0 };
     let mut packed = [0u8; 12];
     for j in 0..8 {
@@ -389,7 +393,10 @@ mod tests {
         let ramp: Vec<f32> = (0..32).map(|i| i as f32 - 16.0).collect();
         let b = quantize(GgmlType::Q8_0, &ramp).unwrap();
         // d = 16/127, q = round(x·127/16): -16 -> -127, 8 -> 64 (63.5 rounds away from 0).
-        assert_eq!(f16::from_le_bytes([b[0], b[1]]), f16::from_f32(16.0 / 127.0));
+        assert_eq!(
+            f16::from_le_bytes([b[0], b[1]]),
+            f16::from_f32(16.0 / 127.0)
+        );
         assert_eq!(b[2] as i8, -127);
         assert_eq!(b[2 + 24] as i8, 64);
         let b = quantize(GgmlType::Q4_0, &ramp).unwrap();
