@@ -83,7 +83,7 @@ pub struct CurateReport {
 
 impl fmt::Display for CurateReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        writeln!(f, "rows read                 {:>8}", self.rows)?;
+        writeln!(f, "{:<33} {:>8}", "rows read", self.rows)?;
         for (what, n) in [
             ("malformed (skipped)", self.bad_rows),
             ("fewer than 2 completions", self.too_few_completions),
@@ -93,11 +93,12 @@ impl fmt::Display for CurateReport {
             ("over the token cap", self.too_long),
             ("length ratio too large", self.length_ratio),
         ] {
-            writeln!(f, "removed: {what:<24} {n:>8}")?;
+            writeln!(f, "{:<33} {n:>8}", format!("removed: {what}"))?;
         }
         write!(
             f,
-            "kept                      {:>8} (train {}, validation {})",
+            "{:<33} {:>8} (train {}, validation {})",
+            "kept",
             self.train + self.valid,
             self.train,
             self.valid

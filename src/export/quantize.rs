@@ -405,7 +405,11 @@ mod tests {
         assert_eq!(b[2] & 0xF, 0);
         assert_eq!(b[2 + 15] >> 4, 15);
         let b = quantize(GgmlType::Q4_1, &ramp).unwrap();
-        assert_eq!(f16::from_le_bytes([b[0], b[1]]).to_f32(), 31.0f32 / 15.0);
+        // d = (15 − (−16))/15, stored as f16.
+        assert_eq!(
+            f16::from_le_bytes([b[0], b[1]]),
+            f16::from_f32(31.0f32 / 15.0)
+        );
         assert_eq!(f16::from_le_bytes([b[2], b[3]]).to_f32(), -16.0);
         let zeros = vec![0f32; 256];
         for ty in [GgmlType::Q4_K, GgmlType::Q6_K] {
