@@ -7,6 +7,8 @@ Usage:
     python3 scripts/make_model_fixtures.py [--out tests/fixtures/models] [--only llama,qwen2]
 
 Families: llama, llama_linear, qwen2, qwen3, mistral (Llama-like), gemma2, gemma3 (Gemma 2/3 text),
+gemma4 and gemma4_keqv (Gemma 4 text: KV sharing, per-layer inputs, proportional RoPE, 2x-wide
+global heads; the second with attention_k_eq_v and one global kv head),
 minicpm, minicpm_untied (MiniCPM 1/2/4 with muP scales; a plain-torch reference model, see
 MiniCPMForCausalLM below) and minicpm5 (a LlamaForCausalLM with MiniCPM5's explicit head_dim).
 
@@ -440,6 +442,58 @@ def gemma3_ref_extra(base):
     }
 
 
+def gemma4_ref_extra(base):
+    rot = base.model.rotary_emb
+    return {
+        # sliding layers (lorafit's main table), then full layers (proportional: zeros past the
+        # rotated pairs)
+        "rope_inv_freq": rot.sliding_attention_inv_freq.detach().to(torch.float32).clone().contiguous(),
+        "rope_inv_freq_global": rot.full_attention_inv_freq.detach().to(torch.float32).clone().contiguous(),
+        "embed_scale": gemma_embed_scale(base),
+    }
+
+
+def gemma4_config_kwargs(**over):
+    kw = dict(
+        vocab_size=V,
+        hidden_size=64,
+        intermediate_size=48,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        global_head_dim=32,
+        hidden_activation="gelu_pytorch_tanh",
+        max_position_embeddings=64,
+        rms_norm_eps=1e-6,
+        attention_bias=False,
+        attention_dropout=0.0,
+        sliding_window=6,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+        # layers 5, 6 (sliding) and 7 (full) share k/v: donors 3 (sliding) and 4 (full)
+        layer_types=[
+            "sliding_attention", "sliding_attention", "full_attention", "sliding_attention",
+            "full_attention", "sliding_attention", "sliding_attention", "full_attention",
+        ],
+        num_kv_shared_layers=3,
+        hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=V,
+        use_double_wide_mlp=True,
+        final_logit_softcapping=2.0,
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            # global head_dim 32: 0.25 * 32 // 2 = 4 of 16 frequency pairs rotate
+            "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                               "rope_theta": 1_000_000.0},
+        },
+    )
+    kw.update(over)
+    return kw
+
+
 def minicpm_ref_extra(base):
     rot = base.model.rotary_emb
     _, _, applied = rot.tables(T)
@@ -461,6 +515,8 @@ def families():
         Gemma2ForCausalLM,
         Gemma3ForCausalLM,
         Gemma3TextConfig,
+        Gemma4ForCausalLM,
+        Gemma4TextConfig,
         LlamaConfig,
         LlamaForCausalLM,
         MistralConfig,
@@ -592,6 +648,37 @@ def families():
             no_window=dict(sliding_window=64),
             head=gemma_head,
             ref_extra=gemma3_ref_extra,
+        ),
+        "gemma4": dict(
+            seed=1011,
+            config_cls=Gemma4TextConfig,
+            model_cls=Gemma4ForCausalLM,
+            config_kwargs=gemma4_config_kwargs(),
+            lora_extra={},
+            linear_std=0.15,
+            random_buffers=True,
+            check_sliding_window=True,
+            no_window=dict(sliding_window=64),
+            head=gemma_head,
+            ref_extra=gemma4_ref_extra,
+            # transformers itself is the oracle: spec_forward does not reimplement Gemma 4
+            skip_spec=True,
+        ),
+        "gemma4_keqv": dict(
+            seed=1012,
+            config_cls=Gemma4TextConfig,
+            model_cls=Gemma4ForCausalLM,
+            config_kwargs=gemma4_config_kwargs(
+                attention_k_eq_v=True,
+                num_global_key_value_heads=1,
+                use_double_wide_mlp=False,
+            ),
+            lora_extra={},
+            linear_std=0.15,
+            random_buffers=True,
+            head=gemma_head,
+            ref_extra=gemma4_ref_extra,
+            skip_spec=True,
         ),
         "minicpm": dict(
             seed=1008,
@@ -957,6 +1044,13 @@ def generate(name, fam, out_root):
     cfg = make_config(fam)
     model = build_model(fam, cfg)
     init_weights(model, seed + 1, fam.get("norm_init", "llama"), fam.get("linear_std", 0.08))
+    if fam.get("random_buffers"):
+        # Gemma 4's layer_scalar buffers (ones at init): values in [0.5, 1.5) so that they matter.
+        gbuf = torch.Generator().manual_seed(seed + 6)
+        with torch.no_grad():
+            for bname, b in model.named_buffers():
+                if bname.endswith("layer_scalar"):
+                    b.copy_(0.5 + torch.rand(b.shape, generator=gbuf))
     model.eval()
     if cfg.tie_word_embeddings:
         assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr(), "tie failed"
@@ -1053,7 +1147,11 @@ def generate(name, fam, out_root):
             assert p.shape[0] == r, (k, p.shape, r)
         else:
             assert p.shape[1] == r, (k, p.shape, r)
-    n_modules = cfg.num_hidden_layers * len(TARGETS)
+    # Every target of every layer, less the k/v projections KV-sharing layers do not have (and
+    # the v projections attention_k_eq_v's full layers do not have).
+    n_modules = sum(
+        1 for n, m in pm.named_modules() if n.rsplit(".", 1)[-1] in TARGETS and hasattr(m, "lora_A")
+    )
     assert len(params) == 2 * n_modules, (len(params), n_modules)
 
     adir = os.path.join(d, "adapter")
@@ -1169,6 +1267,10 @@ def generate(name, fam, out_root):
     if fam.get("custom"):
         check_native_minicpm(d, input_ids, logits)
 
+    if fam.get("skip_spec"):
+        report(name, logits, hidden, adapter_effect, ref, g_logits, g_hidden, d, adir)
+        return
+
     # ---- independent spec forward from the files on disk ----
     s_logits, s_hidden, s_inv, stats = spec_forward(d, input_ids)
     sd_l = (s_logits - logits).abs().max().item()
@@ -1191,7 +1293,10 @@ def generate(name, fam, out_root):
         assert stats["max_abs_score"] > 0.5 * ac, "attention softcap does not bite"
         assert stats["max_abs_raw_logit"] > 0.5 * fc and n_big > 0, "final softcap does not bite"
 
-    # ---- report ----
+    report(name, logits, hidden, adapter_effect, ref, g_logits, g_hidden, d, adir)
+
+
+def report(name, logits, hidden, adapter_effect, ref, g_logits, g_hidden, d, adir):
     print(f"  max|logits| = {logits.abs().max().item():.4f}  std(logits) = {logits.std().item():.4f}")
     print(f"  max|hidden| = {hidden.abs().max().item():.4f}")
     print(f"  max|logits - base_logits| (adapter effect) = {adapter_effect:.4f}")

@@ -89,8 +89,11 @@ pub fn named_shape(name: &str) -> Result<ModelSpec> {
         "minicpm5-1b" => r#"{"architectures":["LlamaForCausalLM"],"hidden_size":1536,"intermediate_size":4608,"num_hidden_layers":24,"num_attention_heads":16,"num_key_value_heads":2,"head_dim":128,"vocab_size":130560,"rope_theta":1000000.0,"tie_word_embeddings":false,"rms_norm_eps":1e-5}"#.to_string(),
         "gemma2-2b" => r#"{"architectures":["Gemma2ForCausalLM"],"hidden_size":2304,"intermediate_size":9216,"num_hidden_layers":26,"num_attention_heads":8,"num_key_value_heads":4,"head_dim":256,"vocab_size":256000,"query_pre_attn_scalar":256,"attn_logit_softcapping":50.0,"final_logit_softcapping":30.0,"sliding_window":4096,"rope_theta":10000.0,"rms_norm_eps":1e-6,"tie_word_embeddings":true}"#.to_string(),
         "gemma3-4b" => r#"{"architectures":["Gemma3ForCausalLM"],"model_type":"gemma3_text","hidden_size":2560,"intermediate_size":10240,"num_hidden_layers":34,"num_attention_heads":8,"num_key_value_heads":4,"head_dim":256,"vocab_size":262208,"query_pre_attn_scalar":256,"sliding_window":1024,"sliding_window_pattern":6,"rope_theta":1000000.0,"rope_local_base_freq":10000.0,"rope_scaling":{"rope_type":"linear","factor":8.0},"rms_norm_eps":1e-6,"tie_word_embeddings":true}"#.to_string(),
+        // The spec's e4b: Gemma 4 E4B's text model (42 layers, 5 sliding : 1 full, the last 18
+        // sharing the k/v of layers 22 and 23, per-layer inputs of 256 over the full vocabulary).
+        "gemma4-e4b" => r#"{"architectures":["Gemma4ForCausalLM"],"model_type":"gemma4_text","hidden_size":2560,"intermediate_size":10240,"num_hidden_layers":42,"num_attention_heads":8,"num_key_value_heads":2,"head_dim":256,"global_head_dim":512,"vocab_size":262144,"vocab_size_per_layer_input":262144,"hidden_size_per_layer_input":256,"num_kv_shared_layers":18,"sliding_window":512,"final_logit_softcapping":30.0,"rope_parameters":{"sliding_attention":{"rope_type":"default","rope_theta":10000.0},"full_attention":{"rope_type":"proportional","partial_rotary_factor":0.25,"rope_theta":1000000.0}},"rms_norm_eps":1e-6,"tie_word_embeddings":true}"#.to_string(),
         "tiny" => r#"{"architectures":["LlamaForCausalLM"],"hidden_size":128,"intermediate_size":256,"num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":2,"vocab_size":512,"tie_word_embeddings":false}"#.to_string(),
-        path => std::fs::read_to_string(path).with_context(|| format!("shape {path:?} is not a known name (qwen0.5b, qwen1.5b, llama8b, minicpm5-1b, gemma2-2b, gemma3-4b, tiny) nor a readable config.json"))?,
+        path => std::fs::read_to_string(path).with_context(|| format!("shape {path:?} is not a known name (qwen0.5b, qwen1.5b, llama8b, minicpm5-1b, gemma2-2b, gemma3-4b, gemma4-e4b, tiny) nor a readable config.json"))?,
     };
     ModelSpec::from_config_json(&json)
 }
@@ -98,21 +101,28 @@ pub fn named_shape(name: &str) -> Result<ModelSpec> {
 /// Model FLOPs of one ORPO step (see the module doc), layer by layer from the spec's layer
 /// descriptions (each layer's MLP width and sliding window).
 pub fn step_flops(spec: &ModelSpec, plan: &Plan, rank: usize, head_rows: usize) -> f64 {
-    let (h, q, kv) = (
-        spec.hidden as f64,
-        spec.q_dim() as f64,
-        spec.kv_dim() as f64,
-    );
+    let h = spec.hidden as f64;
+    let p = spec.per_layer_input as f64;
     let r = rank as f64;
     let mut total = 0.0;
     for s in &plan.seqs {
         let t = s.ids.len() as f64;
         // Visible (query, key) pairs per distinct window.
         let mut visible: Vec<(Option<u32>, f64)> = Vec::new();
-        for ls in &spec.layers {
+        for (l, ls) in spec.layers.iter().enumerate() {
             let i = ls.intermediate as f64;
-            let per_tok_linear = 2.0 * (h * (q + 2.0 * kv) + q * h + 3.0 * h * i);
-            let lora_in_out = (h + q) + (h + kv) * 2.0 + (q + h) + (h + i) * 2.0 + (i + h);
+            let q = spec.q_dim_of(l) as f64;
+            // A KV-sharing layer projects no k and v.
+            let kv = if ls.owns_kv() {
+                spec.kv_dim_of(l) as f64
+            } else {
+                0.0
+            };
+            // Gemma 4's per-layer input branch: gate (H→P) and projection (P→H).
+            let per_layer = 2.0 * h * p;
+            let per_tok_linear = 2.0 * (h * (q + 2.0 * kv) + q * h + 3.0 * h * i + per_layer);
+            let kv_lora = if kv > 0.0 { (h + kv) * 2.0 } else { 0.0 };
+            let lora_in_out = (h + q) + kv_lora + (q + h) + (h + i) * 2.0 + (i + h);
             let per_tok_lora = 2.0 * r * lora_in_out;
             let pairs = match visible.iter().find(|(w, _)| *w == ls.window) {
                 Some((_, v)) => *v,
@@ -125,7 +135,7 @@ pub fn step_flops(spec: &ModelSpec, plan: &Plan, rank: usize, head_rows: usize) 
                     v
                 }
             };
-            let attn = pairs * spec.n_heads as f64 * spec.head_dim as f64 * (4.0 + 10.0);
+            let attn = pairs * spec.n_heads as f64 * ls.head_dim as f64 * (4.0 + 10.0);
             total += t * (2.0 * per_tok_linear + 4.0 * per_tok_lora) + attn;
         }
     }

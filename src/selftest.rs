@@ -74,7 +74,7 @@ impl crate::model::weights::TensorSource for Bf16Rounded<'_> {
 /// One small random model per family, with what each family changes made to act on a random
 /// model: Gemma's softcaps small enough to bite and windows shorter than the 200-token pass, at
 /// head_dim 256.
-const FAMILIES: [(&str, &str); 7] = [
+const FAMILIES: [(&str, &str); 8] = [
     (
         "llama",
         r#"{"architectures":["LlamaForCausalLM"],"hidden_size":256,"intermediate_size":512,"num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":2,"vocab_size":1024,"tie_word_embeddings":false,"rope_theta":500000.0}"#,
@@ -102,6 +102,12 @@ const FAMILIES: [(&str, &str); 7] = [
     (
         "gemma3",
         r#"{"architectures":["Gemma3ForCausalLM"],"hidden_size":256,"intermediate_size":512,"num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":2,"head_dim":256,"vocab_size":1024,"query_pre_attn_scalar":256,"sliding_window":64,"layer_types":["sliding_attention","full_attention"],"rope_theta":1000000.0,"rope_local_base_freq":10000.0,"rope_scaling":{"rope_type":"linear","factor":8.0},"tie_word_embeddings":true}"#,
+    ),
+    (
+        // Gemma 4: head_dim 256 sliding and 512 global layers (proportional RoPE), the top two
+        // sharing the k/v of the bottom two, per-layer inputs, a double-wide MLP on the sharers.
+        "gemma4",
+        r#"{"architectures":["Gemma4ForCausalLM"],"model_type":"gemma4_text","hidden_size":256,"intermediate_size":256,"num_hidden_layers":4,"num_attention_heads":4,"num_key_value_heads":2,"head_dim":256,"global_head_dim":512,"vocab_size":1024,"sliding_window":64,"layer_types":["sliding_attention","full_attention","sliding_attention","full_attention"],"num_kv_shared_layers":2,"hidden_size_per_layer_input":64,"vocab_size_per_layer_input":1024,"use_double_wide_mlp":true,"final_logit_softcapping":0.5,"tie_word_embeddings":true}"#,
     ),
 ];
 

@@ -131,8 +131,8 @@ fn compare_weights(name: &str, g: &Model, h: &Model, tol: f64) {
         opt("k_norm", &a.k_norm, &b.k_norm);
         for (what, x, y) in [
             ("q", &a.q, &b.q),
-            ("k", &a.k, &b.k),
-            ("v", &a.v, &b.v),
+            ("k", a.k.as_ref().expect("k"), b.k.as_ref().expect("k")),
+            ("v", a.v.as_ref().expect("v"), b.v.as_ref().expect("v")),
             ("o", &a.o, &b.o),
             ("gate", &a.gate, &b.gate),
             ("up", &a.up, &b.up),

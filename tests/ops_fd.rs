@@ -29,6 +29,7 @@
 
 mod common;
 use common::*;
+use lorafit::model::config::{RopeScaling, RopeSpec};
 use lorafit::model::weights::{load_weights, RandomSource, Weight};
 use lorafit::model::{ForwardPlan, Lora, LoraConfig, Model, ModelSpec, PassCtx, Target};
 use lorafit::tensor::Rng;
@@ -292,6 +293,39 @@ fn rope_inverse_is_the_backward_scaled_freqs() {
     )
     .unwrap();
     rope_case("rope dx (llama3-scaled inv_freq)", &spec.inv_freq());
+}
+
+#[test]
+fn rope_inverse_is_the_backward_proportional_freqs() {
+    // Gemma 4's proportional RoPE: the first 2 of 6 pairs rotate, the others have frequency 0.
+    let spec = RopeSpec {
+        theta: 1e6,
+        scaling: RopeScaling::Proportional {
+            rotated_pairs: 2,
+            factor: 1.0,
+        },
+        dims: 12,
+    };
+    let inv = spec.inv_freq(0);
+    assert_eq!(inv.len(), 6);
+    assert!(inv[..2].iter().all(|&f| f > 0.0) && inv[2..].iter().all(|&f| f == 0.0));
+    assert_eq!(inv[1], (1.0 / 1e6f64.powf(2.0 / 12.0)) as f32);
+    rope_case("rope dx (proportional inv_freq)", &inv);
+    // The pairs that do not rotate pass through unchanged.
+    let positions = [5i32, 9];
+    let table = RopeTable::new(&positions, &inv, &Device::Cpu).unwrap();
+    let x = rv(2 * 12, 40, 1.0);
+    let y = ops::rope(&t(&x, &[2, 12]), &table, 1, false).unwrap();
+    let y = y.as_cpu().unwrap();
+    for row in 0..2 {
+        for i in (2..6).chain(8..12) {
+            assert_eq!(
+                y[row * 12 + i],
+                x[row * 12 + i],
+                "dim {i} of row {row} moved"
+            );
+        }
+    }
 }
 
 fn attention_case(what: &str, mask: &AttnMask, nh: usize, nkv: usize) {
@@ -834,6 +868,30 @@ const GEMMA3: &str = r#"{"architectures":["Gemma3ForCausalLM"],"hidden_size":32,
     "rope_local_base_freq":10000.0,"rope_scaling":{"rope_type":"linear","factor":8.0},
     "tie_word_embeddings":true,"max_position_embeddings":128}"#;
 
+/// Gemma 4: layers [sliding, full, sliding, full] with the last two sharing the k/v of layers 0
+/// and 1 (the donors' dK/dV sum over their sharer), head_dim 8 and global 16 with proportional
+/// RoPE (2 of 8 pairs rotate), q/k/v norms, scale 1, per-layer inputs of width 4, a double-wide
+/// MLP on the sharers, layer scalars, a small final softcap.
+const GEMMA4: &str = r#"{"architectures":["Gemma4ForCausalLM"],"model_type":"gemma4_text",
+    "hidden_size":32,"intermediate_size":24,"num_hidden_layers":4,"num_attention_heads":4,
+    "num_key_value_heads":2,"head_dim":8,"global_head_dim":16,"vocab_size":64,
+    "rms_norm_eps":1e-6,"sliding_window":4,
+    "layer_types":["sliding_attention","full_attention","sliding_attention","full_attention"],
+    "num_kv_shared_layers":2,"hidden_size_per_layer_input":4,"vocab_size_per_layer_input":64,
+    "use_double_wide_mlp":true,"final_logit_softcapping":0.05,
+    "rope_parameters":{"sliding_attention":{"rope_type":"default","rope_theta":10000.0},
+    "full_attention":{"rope_type":"proportional","partial_rotary_factor":0.25,
+    "rope_theta":1000000.0}},"tie_word_embeddings":true,"max_position_embeddings":128}"#;
+/// Gemma 4 with `attention_k_eq_v` (v from the k projection on full layers) and one global kv
+/// head, without KV sharing.
+const GEMMA4_KEQV: &str = r#"{"architectures":["Gemma4ForCausalLM"],"model_type":"gemma4_text",
+    "hidden_size":32,"intermediate_size":24,"num_hidden_layers":2,"num_attention_heads":4,
+    "num_key_value_heads":2,"head_dim":8,"global_head_dim":16,"vocab_size":64,
+    "rms_norm_eps":1e-6,"sliding_window":4,"attention_k_eq_v":true,
+    "num_global_key_value_heads":1,"layer_types":["sliding_attention","full_attention"],
+    "hidden_size_per_layer_input":4,"final_logit_softcapping":0.05,
+    "tie_word_embeddings":true,"max_position_embeddings":128}"#;
+
 /// Token ids of the T = 9 sequence (with repeats).
 const IDS: [u32; 9] = [1, 17, 5, 63, 17, 0, 42, 5, 9];
 
@@ -1128,6 +1186,44 @@ fn model_lora_grads_match_fd_gemma3_local_global() {
 }
 
 #[test]
+fn model_lora_grads_match_fd_gemma4_kv_sharing_per_layer_inputs() {
+    let mut m = tiny(GEMMA4, 9);
+    let spec = &m.model.spec;
+    assert_eq!(
+        spec.layers.iter().map(|l| l.kv_source).collect::<Vec<_>>(),
+        [None, None, Some(0), Some(1)]
+    );
+    assert_eq!((spec.layers[1].head_dim, spec.layers[0].head_dim), (16, 8));
+    assert!(matches!(
+        spec.ropes[1].scaling,
+        RopeScaling::Proportional {
+            rotated_pairs: 2,
+            ..
+        }
+    ));
+    assert_eq!(spec.layers[3].intermediate, 48);
+    assert!(m.model.weights.layers[2].k.is_none() && m.model.weights.layers[0].v_norm.is_some());
+    assert!(m.model.weights.layers.iter().all(|w| w.layer_scalar != 1.0));
+    // No adapters on the sharers' absent k and v.
+    assert!(m.lora.get(2, Target::K).is_none() && m.lora.get(3, Target::V).is_none());
+    check_lora_grads("gemma4", &mut m, None);
+}
+
+#[test]
+fn model_lora_grads_match_fd_gemma4_k_eq_v() {
+    let mut m = tiny(GEMMA4_KEQV, 10);
+    let spec = &m.model.spec;
+    assert!(spec.layers[1].k_eq_v && !spec.layers[0].k_eq_v);
+    assert_eq!(
+        (spec.layers[0].n_kv_heads, spec.layers[1].n_kv_heads),
+        (2, 1)
+    );
+    assert!(m.model.weights.layers[1].v.is_none());
+    assert!(m.lora.get(1, Target::V).is_none() && m.lora.get(1, Target::K).is_some());
+    check_lora_grads("gemma4_keqv", &mut m, None);
+}
+
+#[test]
 fn model_lora_grads_match_fd_with_dropout() {
     let mut m = tiny(LLAMA, 5);
     // Dropout must actually change the output, or this would re-test the plain path.
@@ -1247,6 +1343,9 @@ fn segmented_backward_is_bit_identical() {
         ("llama+dropout", LLAMA, Some((0.3f32, 1234u64))),
         ("qwen3", QWEN3, None),
         ("qwen2", QWEN2, Some((0.3, 99))),
+        ("gemma4", GEMMA4, None),
+        ("gemma4+dropout", GEMMA4, Some((0.3, 7))),
+        ("gemma4_keqv", GEMMA4_KEQV, None),
     ] {
         let mut m = tiny(cfg, 11);
         let (mask, rope) = ctx_parts(&m.model);
@@ -1262,7 +1361,7 @@ fn segmented_backward_is_bit_identical() {
         };
         let d0 = model_grads(&m.model, &mut m.lora, &ctx, &m.c, ForwardPlan::default());
         let g0 = grads(&m.lora);
-        assert_eq!(g0.len(), 28);
+        assert_eq!(g0.len(), 2 * m.lora.pairs().count());
         assert!(
             g0.iter().all(|g| max_abs(g) > 0.0),
             "{name}: some LoRA gradient is all zero"
@@ -1275,6 +1374,8 @@ fn segmented_backward_is_bit_identical() {
             (2, false, false, 1),
             (1, true, false, 2),
             (2, true, true, 0),
+            // Segments of three: a donor and its sharer in one segment, the other apart.
+            (3, false, true, 0),
         ] {
             let plan = ForwardPlan {
                 segment_size: seg,

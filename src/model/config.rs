@@ -18,13 +18,15 @@ pub enum Family {
     Qwen3,
     Gemma2,
     Gemma3,
+    Gemma4,
     MiniCpm,
 }
 
 /// The architectures `from_config_json` accepts, for error messages.
 pub const SUPPORTED_ARCHITECTURES: &str = "LlamaForCausalLM (also MiniCPM5), MistralForCausalLM, \
 Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM (and the text model of \
-Gemma3ForConditionalGeneration), MiniCPMForCausalLM";
+Gemma3ForConditionalGeneration), Gemma4ForCausalLM (and the text model of \
+Gemma4ForConditionalGeneration), MiniCPMForCausalLM";
 
 #[derive(Clone, Debug, PartialEq)]
 pub enum RopeScaling {
@@ -49,6 +51,13 @@ pub enum RopeScaling {
         original_max_position_embeddings: usize,
         attention_factor: f64,
     },
+    /// Gemma 4's proportional RoPE: the first `rotated_pairs` frequency pairs rotate with the
+    /// default frequencies `θ^(-2i/dims)` (divided by `factor`); the others do not rotate
+    /// (frequency 0: cos 1, sin 0).
+    Proportional {
+        rotated_pairs: usize,
+        factor: f64,
+    },
 }
 
 /// One rotary table: a layer names it by index into `ModelSpec::ropes`.
@@ -56,7 +65,7 @@ pub enum RopeScaling {
 pub struct RopeSpec {
     pub theta: f64,
     pub scaling: RopeScaling,
-    /// Rotated dimensions per head (the head dim for every family so far).
+    /// Dimensions per head the table covers (the head dim of the layers that read it).
     pub dims: usize,
 }
 
@@ -108,6 +117,14 @@ impl RopeSpec {
                 };
                 base.iter().zip(ext).map(|(f, e)| f / e).collect()
             }
+            RopeScaling::Proportional {
+                rotated_pairs,
+                factor,
+            } => base
+                .iter()
+                .enumerate()
+                .map(|(i, f)| if i < *rotated_pairs { f / factor } else { 0.0 })
+                .collect(),
         };
         scaled.into_iter().map(|f| f as f32).collect()
     }
@@ -150,6 +167,23 @@ pub struct LayerSpec {
     pub sandwich_norms: bool,
     /// Factor on both residual branches (MiniCPM's `scale_depth/√L`).
     pub residual_scale: f32,
+    /// Attention geometry of this layer (Gemma 4's full layers are wider than its sliding ones).
+    pub head_dim: usize,
+    pub n_kv_heads: usize,
+    /// KV sharing (Gemma 4): this layer has no k/v projections and attends over the rotated k
+    /// and normed v of the donor layer named here; the donor's dK and dV sum over its sharers.
+    pub kv_source: Option<usize>,
+    /// An unscaled per-head RMSNorm on v (Gemma 4).
+    pub v_norm: bool,
+    /// v is the k projection's output (before the k norm): Gemma 4's `attention_k_eq_v`.
+    pub k_eq_v: bool,
+}
+
+impl LayerSpec {
+    /// Whether this layer projects its own k and v (not a KV-sharing layer).
+    pub fn owns_kv(&self) -> bool {
+        self.kv_source.is_none()
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -198,6 +232,8 @@ pub struct ModelSpec {
     /// `language_model.model.` inside multimodal Gemma 3 checkpoints) and of the head's.
     pub tensor_prefix: String,
     pub head_prefix: String,
+    /// Gemma 4's per-layer inputs: width per layer (0: none). See `gemma4.rs`.
+    pub per_layer_input: usize,
 }
 
 /// The fields of `config.json` that every family reads.
@@ -275,6 +311,11 @@ impl HfConfig {
             intermediate: self.intermediate_size,
             sandwich_norms: false,
             residual_scale: 1.0,
+            head_dim,
+            n_kv_heads,
+            kv_source: None,
+            v_norm: false,
+            k_eq_v: false,
         };
         Ok(ModelSpec {
             family,
@@ -308,6 +349,7 @@ impl HfConfig {
             head_input_scale: None,
             tensor_prefix: "model.".into(),
             head_prefix: String::new(),
+            per_layer_input: 0,
         })
     }
 }
@@ -335,6 +377,14 @@ impl ModelSpec {
         // Multimodal Gemma 3 checkpoints keep the language model's config under text_config.
         if arch == "Gemma3ForConditionalGeneration" || model_type.as_deref() == Some("gemma3") {
             return super::gemma::spec_from_multimodal(&raw);
+        }
+        if arch == "Gemma4ForConditionalGeneration" || model_type.as_deref() == Some("gemma4") {
+            return super::gemma4::spec_from_multimodal(&raw);
+        }
+        if arch == "Gemma4ForCausalLM" || model_type.as_deref() == Some("gemma4_text") {
+            let spec = super::gemma4::spec_from_hf(&raw)?;
+            spec.validate()?;
+            return Ok(spec);
         }
         let c: HfConfig = serde_json::from_value(raw.clone())
             .context("config.json is not a valid model config")?;
@@ -406,6 +456,41 @@ impl ModelSpec {
             if ls.window == Some(0) {
                 bail!("layer {l}: sliding window 0");
             }
+            if ls.head_dim == 0 || !ls.head_dim.is_multiple_of(2) {
+                bail!(
+                    "layer {l}: head_dim {} must be positive and even",
+                    ls.head_dim
+                );
+            }
+            if ls.n_kv_heads == 0 || !self.n_heads.is_multiple_of(ls.n_kv_heads) {
+                bail!(
+                    "layer {l}: num_attention_heads {} is not a multiple of its {} key/value heads",
+                    self.n_heads,
+                    ls.n_kv_heads
+                );
+            }
+            if self.ropes[ls.rope].dims != ls.head_dim {
+                bail!(
+                    "layer {l}: rotary table {} covers {} dims, the layer's head_dim is {}",
+                    ls.rope,
+                    self.ropes[ls.rope].dims,
+                    ls.head_dim
+                );
+            }
+            if let Some(d) = ls.kv_source {
+                let donor = &self.layers[d.min(self.layers.len() - 1)];
+                if d >= l || !donor.owns_kv() {
+                    bail!(
+                        "layer {l}: its k/v donor {d} is not an earlier layer with k/v of its own"
+                    );
+                }
+                if donor.head_dim != ls.head_dim
+                    || donor.n_kv_heads != ls.n_kv_heads
+                    || donor.window != ls.window
+                {
+                    bail!("layer {l}: its k/v donor {d} has another attention geometry");
+                }
+            }
         }
         for (i, r) in self.ropes.iter().enumerate() {
             if matches!(r.scaling, RopeScaling::LongRope { .. }) && i > 0 {
@@ -431,6 +516,21 @@ impl ModelSpec {
     }
     pub fn kv_dim(&self) -> usize {
         self.n_kv_heads * self.head_dim
+    }
+    /// Width of layer `l`'s q (and of its attention output).
+    pub fn q_dim_of(&self, l: usize) -> usize {
+        self.n_heads * self.layers[l].head_dim
+    }
+    /// Width of layer `l`'s k and v.
+    pub fn kv_dim_of(&self, l: usize) -> usize {
+        self.layers[l].n_kv_heads * self.layers[l].head_dim
+    }
+    /// The layers whose k and v other layers read (KV-sharing donors), ascending.
+    pub fn kv_donors(&self) -> Vec<usize> {
+        let mut d: Vec<usize> = self.layers.iter().filter_map(|l| l.kv_source).collect();
+        d.sort_unstable();
+        d.dedup();
+        d
     }
 
     /// The main rotary table's inverse frequencies (`head_dim/2` of them) for short sequences.

@@ -29,10 +29,13 @@ pub struct LayerActs {
     q_rstd: Option<Tensor>, // (T*nh)
     k_pre: Option<Tensor>,  // (T*nkv, hd)
     k_rstd: Option<Tensor>, // (T*nkv)
-    /// After RoPE: q (T, nh*hd), k (T, nkv*hd); and v (T, nkv*hd).
+    v_pre: Option<Tensor>,  // (T*nkv, hd) v before its norm (Gemma 4)
+    v_rstd: Option<Tensor>, // (T*nkv)
+    /// After RoPE: q (T, nh*hd), k (T, nkv*hd); and v (T, nkv*hd). A KV-sharing layer holds
+    /// no k and v (they are its donor's, in `LayerEnv::shared_kv`).
     pub q: Tensor,
-    pub k: Tensor,
-    pub v: Tensor,
+    pub k: Option<Tensor>,
+    pub v: Option<Tensor>,
     /// The attention output (T, nh*hd) and its lse (nh, T) f32.
     pub attn: Tensor,
     pub lse: Tensor,
@@ -49,7 +52,26 @@ pub struct LayerActs {
     mlp: Option<MlpActs>,
     /// Sandwich norms: the MLP's output before its norm, and that norm's rstd.
     mlp_post: Option<(Tensor, Tensor)>,
+    /// The per-layer input branch's intermediates (Gemma 4).
+    per_layer: Option<PerLayerActs>,
     lora: [Option<LoraSaved>; 7],
+}
+
+/// What the per-layer input branch `h + norm(proj(gelu(gate(h)) · input))` keeps: the gate's
+/// output `(T - from, P)`, the layer's input slice for those rows, and the projection's output
+/// before its norm with the norm's rstd.
+struct PerLayerActs {
+    gate: Tensor,
+    input: Tensor,
+    proj: Tensor,
+    rstd: Tensor,
+}
+
+/// A KV donor's dK (rotated) and dV summed over its sharing layers, in f32: the sharers' backward
+/// adds into it and the donor's backward takes it (`Model::layer_backward`).
+pub struct KvGrad {
+    pub dk: Tensor,
+    pub dv: Tensor,
 }
 
 /// What the gated MLP keeps for its backward.
@@ -70,6 +92,10 @@ pub struct LayerEnv<'a> {
     pub from: usize,
     /// MLP token chunk (0: all rows at once; see `runner::ForwardPlan`).
     pub mlp_chunk: usize,
+    /// A KV-sharing layer's donor k (rotated) and v (normed), from the donor's forward.
+    pub shared_kv: Option<(&'a Tensor, &'a Tensor)>,
+    /// This layer's per-layer input `(T, P)` (Gemma 4; `Model::per_layer_inputs`).
+    pub per_layer_input: Option<&'a Tensor>,
 }
 
 /// How one layer's forward runs (`Model::layer_forward`).
@@ -346,8 +372,8 @@ impl Model {
         let ls = &s.layers[l];
         AttnShape {
             n_heads: s.n_heads,
-            n_kv_heads: s.n_kv_heads,
-            head_dim: s.head_dim,
+            n_kv_heads: ls.n_kv_heads,
+            head_dim: ls.head_dim,
             scale: ls.attn_scale,
             softcap: ls.attn_softcap,
         }
@@ -401,45 +427,86 @@ impl Model {
             Ok(y)
         };
 
+        let (nh, nkv, hd) = (s.n_heads, ls.n_kv_heads, ls.head_dim);
         let mut q = lin(&xn, &w.q, Target::Q)?;
-        let (mut k, mut v) = match kept_kv {
-            Some(kv) => kv,
-            None => (lin(&xn, &w.k, Target::K)?, lin(&xn, &w.v, Target::V)?),
-        };
-        if let (Some(qb), Some(kb), Some(vb)) = (&w.q_bias, &w.k_bias, &w.v_bias) {
+        if let Some(qb) = &w.q_bias {
             ops::add_bias(&mut q, qb)?;
+        }
+        // k and v: the donor's (a KV-sharing layer), kept from the forward, or projected here.
+        let shared = env.shared_kv.is_some();
+        anyhow::ensure!(
+            shared == !ls.owns_kv(),
+            "layer {l}: a KV-sharing layer needs its donor's k and v, and only it takes them"
+        );
+        let (mut k, mut v) = match kept_kv {
+            Some((k, v)) => (Some(k), Some(v)),
+            None if shared => (None, None),
+            None => {
+                let (Some(wk), wv) = (&w.k, &w.v) else {
+                    anyhow::bail!("layer {l}: no k projection");
+                };
+                let k = lin(&xn, wk, Target::K)?;
+                // attention_k_eq_v: v is the k projection's output, before the k norm.
+                let v = match wv {
+                    Some(wv) => lin(&xn, wv, Target::V)?,
+                    None => k.try_clone()?,
+                };
+                (Some(k), Some(v))
+            }
+        };
+        if let (Some(kb), Some(vb), Some(k), Some(v)) = (&w.k_bias, &w.v_bias, &mut k, &mut v) {
             if !kv_kept {
-                ops::add_bias(&mut k, kb)?;
-                ops::add_bias(&mut v, vb)?;
+                ops::add_bias(k, kb)?;
+                ops::add_bias(v, vb)?;
             }
         }
         let (mut q_pre, mut q_rstd, mut k_pre, mut k_rstd) = (None, None, None, None);
-        if let (Some(qn), Some(kn)) = (&w.q_norm, &w.k_norm) {
-            let qp = q.reshape(&[t * s.n_heads, s.head_dim])?;
-            let kp = k.reshape(&[t * s.n_kv_heads, s.head_dim])?;
+        if let Some(qn) = &w.q_norm {
+            let qp = q.reshape(&[t * nh, hd])?;
             let (qy, qr) = ops::rms_norm(&qp, qn, s.rms_eps)?;
-            let (ky, kr) = ops::rms_norm(&kp, kn, s.rms_eps)?;
-            q = qy.reshape(&[t, s.q_dim()])?;
-            k = ky.reshape(&[t, s.kv_dim()])?;
-            (q_pre, q_rstd, k_pre, k_rstd) = (Some(qp), Some(qr), Some(kp), Some(kr));
+            q = qy.reshape(&[t, nh * hd])?;
+            (q_pre, q_rstd) = (Some(qp), Some(qr));
+        }
+        if let (Some(kn), false) = (&w.k_norm, kv_kept) {
+            if let Some(kt) = k.take() {
+                let kp = kt.reshape(&[t * nkv, hd])?;
+                let (ky, kr) = ops::rms_norm(&kp, kn, s.rms_eps)?;
+                k = Some(ky.reshape(&[t, nkv * hd])?);
+                (k_pre, k_rstd) = (Some(kp), Some(kr));
+            }
+        }
+        let (mut v_pre, mut v_rstd) = (None, None);
+        if let (Some(vn), false) = (&w.v_norm, kv_kept) {
+            if let Some(vt) = v.take() {
+                let vp = vt.reshape(&[t * nkv, hd])?;
+                let (vy, vr) = ops::rms_norm(&vp, vn, s.rms_eps)?;
+                v = Some(vy.reshape(&[t, nkv * hd])?);
+                (v_pre, v_rstd) = (Some(vp), Some(vr));
+            }
         }
         // (Shadowing would keep the unrotated q and k alive to the end of the layer.)
         let q = {
-            let rotated = ops::rope(&q, env.rope, s.n_heads, false)?;
+            let rotated = ops::rope(&q, env.rope, nh, false)?;
             drop(q);
             rotated
         };
-        let k = if kv_kept {
-            k
-        } else {
-            let rotated = ops::rope(&k, env.rope, s.n_kv_heads, false)?;
-            drop(k);
-            rotated
+        let k = match k {
+            Some(k) if !kv_kept => {
+                let rotated = ops::rope(&k, env.rope, nkv, false)?;
+                drop(k);
+                Some(rotated)
+            }
+            k => k,
+        };
+        let (k_att, v_att) = match (&k, &v, env.shared_kv) {
+            (Some(k), Some(v), _) => (k, v),
+            (_, _, Some((k, v))) => (k, v),
+            _ => anyhow::bail!("layer {l}: no k and v to attend over"),
         };
         // A recomputation may bring this layer's attention output and lse from the forward.
         let (attn, lse) = match attention {
             Some(kept) => kept,
-            None => ops::attention(&q, &k, &v, env.mask, self.attn_shape(l))?,
+            None => ops::attention(&q, k_att, v_att, env.mask, self.attn_shape(l))?,
         };
         let from = env.from;
         let mut o = lin(&*rows_from(&attn, from)?, &w.o, Target::O)?;
@@ -458,7 +525,8 @@ impl Model {
         let rows = t - from;
         let chunked = env.mlp_chunk > 0 && rows > env.mlp_chunk;
         // The MLP's output is needed for the layer's output, and for its post norm's backward.
-        let need_out = want_output || w.post_mlp_norm.is_some();
+        // And for the per-layer input branch, which reads the layer's output before it.
+        let need_out = want_output || w.post_mlp_norm.is_some() || w.per_layer.is_some();
         let (mlp_out, mlp) = if (chunked || !keep_mlp) && !need_out {
             // The backward recomputes the MLP; nothing reads its output now.
             (None, None)
@@ -484,10 +552,42 @@ impl Model {
             }
             (m, _) => m,
         };
-        let out = match mlp_out.filter(|_| want_output) {
+        let mut out = match mlp_out.filter(|_| need_out) {
             Some(mlp_out) => Some(ops::add(&x1, &mlp_out, ls.residual_scale)?),
             None => None,
         };
+        let mut per_layer = None;
+        if let (Some(br), Some(h)) = (&w.per_layer, &mut out) {
+            let input = env
+                .per_layer_input
+                .ok_or_else(|| anyhow::anyhow!("layer {l}: no per-layer input"))?;
+            let input = rows_from(input, from)?.try_clone()?;
+            let gate = ops::matmul(
+                &*self.compute(h)?,
+                false,
+                &*br.gate.dense()?,
+                true,
+                1.0,
+                cdt,
+            )?;
+            let act = ops::gelu_tanh_mul(&gate, &input)?;
+            let proj = ops::matmul(&act, false, &*br.proj.dense()?, true, 1.0, cdt)?;
+            drop(act);
+            let (normed, rstd) = ops::rms_norm(&proj, &br.norm, s.rms_eps)?;
+            ops::add_assign(h, &normed, 1.0)?;
+            per_layer = Some(PerLayerActs {
+                gate,
+                input,
+                proj,
+                rstd,
+            });
+        }
+        if let Some(h) = &mut out {
+            if w.layer_scalar != 1.0 {
+                ops::scale(h, w.layer_scalar)?;
+            }
+        }
+        let out = out.filter(|_| want_output);
         let acts = LayerActs {
             x,
             xn,
@@ -496,6 +596,8 @@ impl Model {
             q_rstd,
             k_pre,
             k_rstd,
+            v_pre,
+            v_rstd,
             q,
             k,
             v,
@@ -508,6 +610,7 @@ impl Model {
             rstd2,
             mlp,
             mlp_post,
+            per_layer,
             lora: saved,
         };
         Ok((out, acts))
@@ -629,17 +732,56 @@ impl Model {
         l: usize,
         d_out: &Tensor,
         d_out_c: Option<Tensor>,
-        a: LayerActs,
+        mut a: LayerActs,
         mut lora: Option<&mut Lora>,
         ctx: &PassCtx,
         env: LayerEnv,
+        kv_grads: &mut [Option<KvGrad>],
     ) -> Result<(Tensor, Option<Tensor>)> {
         let s = &self.spec;
         let ls = &s.layers[l];
         let w = &self.weights.layers[l];
+        let (nh, nkv, hd) = (s.n_heads, ls.n_kv_heads, ls.head_dim);
         // Rows of d_out (all T unless the top layer is trimmed to the rows read).
         let t = d_out.dim(0);
         let t_full = a.x.dim(0);
+        // out = scalar · (h + norm(proj(gelu(gate(h)) · input))), h the MLP residual's output:
+        // d(h) replaces d(out) below.
+        let d_h;
+        let (d_out, d_out_c) = if w.layer_scalar != 1.0 || a.per_layer.is_some() {
+            let mut d = d_out.try_clone()?;
+            if w.layer_scalar != 1.0 {
+                ops::scale(&mut d, w.layer_scalar)?;
+            }
+            if let (Some(pa), Some(br)) = (a.per_layer.take(), &w.per_layer) {
+                let PerLayerActs {
+                    mut gate,
+                    mut input,
+                    proj,
+                    rstd,
+                } = pa;
+                let d_proj = ops::rms_norm_bwd(&*self.compute(&d)?, &proj, &br.norm, &rstd)?;
+                drop(proj);
+                let d_act = ops::matmul(
+                    &d_proj,
+                    false,
+                    &*br.proj.dense()?,
+                    false,
+                    1.0,
+                    d_proj.dtype(),
+                )?;
+                drop(d_proj);
+                ops::gelu_tanh_mul_bwd_in_place(&d_act, &mut gate, &mut input)?;
+                drop((d_act, input));
+                let d_gate_in =
+                    ops::matmul(&gate, false, &*br.gate.dense()?, false, 1.0, gate.dtype())?;
+                ops::add_assign(&mut d, &d_gate_in, 1.0)?;
+            }
+            d_h = d;
+            (&d_h, None)
+        } else {
+            (d_out, d_out_c)
+        };
         // MLP: out = x1 + s·post(down(act(gate(xn2)) * up(xn2)))
         let d_out_c = match d_out_c {
             Some(c) => Dense::Owned(c),
@@ -728,51 +870,107 @@ impl Model {
         // The rows before `a.from` get no gradient from above; they still have one through k, v.
         let d_attn = rows_into_full(d_attn, a.from, t_full)?;
         let d_x1 = rows_into_full(d_x1, a.from, t_full)?;
-        let (dq_rot, dk_rot, dv) = ops::attention_bwd(
+        let (k_att, v_att) = match (&a.k, &a.v, env.shared_kv) {
+            (Some(k), Some(v), _) => (k, v),
+            (_, _, Some((k, v))) => (k, v),
+            _ => anyhow::bail!("layer {l}: no k and v for the attention backward"),
+        };
+        let (dq_rot, mut dk_rot, mut dv) = ops::attention_bwd(
             &d_attn,
             &a.q,
-            &a.k,
-            &a.v,
+            k_att,
+            v_att,
             &a.attn,
             &a.lse,
             env.mask,
             self.attn_shape(l),
         )?;
-        drop((d_attn, a.q, a.k, a.v, a.attn, a.lse));
-        let mut dq = ops::rope(&dq_rot, env.rope, s.n_heads, true)?;
+        drop((d_attn, a.k, a.v, a.attn, a.lse));
+        let mut dq = ops::rope(&dq_rot, env.rope, nh, true)?;
         drop(dq_rot);
-        let mut dk = ops::rope(&dk_rot, env.rope, s.n_kv_heads, true)?;
-        drop(dk_rot);
-        if let (Some(qn), Some(kn)) = (&w.q_norm, &w.k_norm) {
-            let dqp = dq.reshape(&[t_full * s.n_heads, s.head_dim])?;
-            let dkp = dk.reshape(&[t_full * s.n_kv_heads, s.head_dim])?;
-            dq = ops::rms_norm_bwd(
-                &dqp,
-                a.q_pre.as_ref().unwrap(),
-                qn,
-                a.q_rstd.as_ref().unwrap(),
-            )?
-            .reshape(&[t_full, s.q_dim()])?;
-            dk = ops::rms_norm_bwd(
-                &dkp,
-                a.k_pre.as_ref().unwrap(),
-                kn,
-                a.k_rstd.as_ref().unwrap(),
-            )?
-            .reshape(&[t_full, s.kv_dim()])?;
+        drop(a.q);
+        if let (Some(qn), Some(qp), Some(qr)) = (&w.q_norm, &a.q_pre, &a.q_rstd) {
+            let dqp = dq.reshape(&[t_full * nh, hd])?;
+            dq = ops::rms_norm_bwd(&dqp, qp, qn, qr)?.reshape(&[t_full, nh * hd])?;
         }
-        let members = [
-            (dq, &w.q, Target::Q),
-            (dk, &w.k, Target::K),
-            (dv, &w.v, Target::V),
-        ]
-        .map(|(dy, w, target)| MemberBwd {
-            dy,
-            w,
-            target,
-            saved: a.lora[target.index()].as_ref(),
-        });
-        let d_xn = shared_input_bwd(members.into(), &a.xn, lora, l, GROUP_QKV, ctx)?;
+        let q_member = MemberBwd {
+            dy: dq,
+            w: &w.q,
+            target: Target::Q,
+            saved: a.lora[Target::Q.index()].as_ref(),
+        };
+        if let Some(donor) = ls.kv_source {
+            // A sharer: its dK and dV belong to the donor, whose backward comes later.
+            let slot = kv_grads
+                .get_mut(donor)
+                .ok_or_else(|| anyhow::anyhow!("layer {l}: no gradient slot for donor {donor}"))?;
+            match slot {
+                Some(g) => {
+                    ops::add_assign(&mut g.dk, &dk_rot, 1.0)?;
+                    ops::add_assign(&mut g.dv, &dv, 1.0)?;
+                }
+                None => {
+                    *slot = Some(KvGrad {
+                        dk: dk_rot.to_dtype(crate::tensor::DType::F32)?,
+                        dv: dv.to_dtype(crate::tensor::DType::F32)?,
+                    })
+                }
+            }
+            drop((dk_rot, dv));
+            let d_xn = shared_input_bwd(vec![q_member], &a.xn, lora, l, GROUP_QKV, ctx)?;
+            return ops::rms_norm_bwd_add_copy(&d_xn, &a.x, &w.attn_norm, &a.rstd1, &d_x1, cdt);
+        }
+        // A donor: its sharers' dK and dV join its own.
+        if let Some(g) = kv_grads.get_mut(l).and_then(Option::take) {
+            let mut dk = g.dk;
+            ops::add_assign(&mut dk, &dk_rot, 1.0)?;
+            dk_rot = dk.to_dtype(dk_rot.dtype())?;
+            let mut dvs = g.dv;
+            ops::add_assign(&mut dvs, &dv, 1.0)?;
+            dv = dvs.to_dtype(dv.dtype())?;
+        }
+        let mut dk = ops::rope(&dk_rot, env.rope, nkv, true)?;
+        drop(dk_rot);
+        if let (Some(kn), Some(kp), Some(kr)) = (&w.k_norm, &a.k_pre, &a.k_rstd) {
+            let dkp = dk.reshape(&[t_full * nkv, hd])?;
+            dk = ops::rms_norm_bwd(&dkp, kp, kn, kr)?.reshape(&[t_full, nkv * hd])?;
+        }
+        if let (Some(vn), Some(vp), Some(vr)) = (&w.v_norm, &a.v_pre, &a.v_rstd) {
+            let dvp = dv.reshape(&[t_full * nkv, hd])?;
+            dv = ops::rms_norm_bwd(&dvp, vp, vn, vr)?.reshape(&[t_full, nkv * hd])?;
+        }
+        let (Some(wk), wv) = (&w.k, &w.v) else {
+            anyhow::bail!("layer {l}: no k projection");
+        };
+        let mut members = vec![q_member];
+        match wv {
+            Some(wv) => {
+                members.push(MemberBwd {
+                    dy: dk,
+                    w: wk,
+                    target: Target::K,
+                    saved: a.lora[Target::K.index()].as_ref(),
+                });
+                members.push(MemberBwd {
+                    dy: dv,
+                    w: wv,
+                    target: Target::V,
+                    saved: a.lora[Target::V.index()].as_ref(),
+                });
+            }
+            // attention_k_eq_v: v was the k projection's output.
+            None => {
+                ops::add_assign(&mut dk, &dv, 1.0)?;
+                drop(dv);
+                members.push(MemberBwd {
+                    dy: dk,
+                    w: wk,
+                    target: Target::K,
+                    saved: a.lora[Target::K.index()].as_ref(),
+                });
+            }
+        }
+        let d_xn = shared_input_bwd(members, &a.xn, lora, l, GROUP_QKV, ctx)?;
         ops::rms_norm_bwd_add_copy(&d_xn, &a.x, &w.attn_norm, &a.rstd1, &d_x1, cdt)
     }
 }

@@ -74,15 +74,21 @@ impl Target {
             _ => bail!("unknown LoRA target {s:?}: expected q, k, v, o, gate, up or down (with or without _proj)"),
         })
     }
-    /// `(out_features, in_features)` of this projection.
-    pub fn dims(self, spec: &ModelSpec) -> (usize, usize) {
-        match self {
-            Target::Q => (spec.q_dim(), spec.hidden),
-            Target::K | Target::V => (spec.kv_dim(), spec.hidden),
-            Target::O => (spec.hidden, spec.q_dim()),
-            Target::Gate | Target::Up => (spec.intermediate, spec.hidden),
-            Target::Down => (spec.hidden, spec.intermediate),
-        }
+    /// `(out_features, in_features)` of this projection in layer `l`; `None` where the layer
+    /// has no such projection (a KV-sharing layer's k and v, v under `k_eq_v`), which then
+    /// carries no adapter, as PEFT finds no module to wrap there.
+    pub fn dims(self, spec: &ModelSpec, l: usize) -> Option<(usize, usize)> {
+        let ls = &spec.layers[l];
+        let (q, kv) = (spec.q_dim_of(l), spec.kv_dim_of(l));
+        Some(match self {
+            Target::Q => (q, spec.hidden),
+            Target::K if ls.owns_kv() => (kv, spec.hidden),
+            Target::V if ls.owns_kv() && !ls.k_eq_v => (kv, spec.hidden),
+            Target::K | Target::V => return None,
+            Target::O => (spec.hidden, q),
+            Target::Gate | Target::Up => (ls.intermediate, spec.hidden),
+            Target::Down => (spec.hidden, ls.intermediate),
+        })
     }
 }
 
@@ -220,7 +226,9 @@ impl Lora {
             let mut row: [Option<LoraPair>; 7] = Default::default();
             for &t in &config.targets {
                 let (r, scale) = config.resolve(l, t);
-                let (out, inp) = t.dims(spec);
+                let Some((out, inp)) = t.dims(spec, l) else {
+                    continue;
+                };
                 let bound = 1.0 / (inp as f64).sqrt();
                 let a: Vec<f32> = (0..r * inp)
                     .map(|_| ((rng.uniform() * 2.0 - 1.0) * bound) as f32)
@@ -455,7 +463,9 @@ impl Lora {
             let mut row: [Option<LoraPair>; 7] = Default::default();
             for &t in &config.targets {
                 let (r, scale) = config.resolve(l, t);
-                let (out, inp) = t.dims(spec);
+                let Some((out, inp)) = t.dims(spec, l) else {
+                    continue;
+                };
                 let read = |b: bool, want: [usize; 2]| -> Result<Vec<f32>> {
                     let key = peft_key(l, t, b);
                     let view = st.tensor(&key).with_context(|| {

@@ -3,6 +3,7 @@
 
 pub mod config;
 pub mod gemma;
+pub mod gemma4;
 pub mod layer;
 pub mod llama;
 pub mod lora;

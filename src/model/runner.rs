@@ -6,7 +6,7 @@
 //! base mask, which carries the prefix-shared layout. The maths of one layer is `layer.rs`.
 
 use super::config::ModelSpec;
-use super::layer::{LayerActs, LayerEnv, LayerRun};
+use super::layer::{KvGrad, LayerActs, LayerEnv, LayerRun};
 use super::lora::{Lora, Target};
 use super::weights::{Dense, ModelWeights};
 use crate::tensor::{self as ops, AttnMask, DType, Device, RopeTable, Tensor};
@@ -67,10 +67,23 @@ struct Kinds {
     ropes: Vec<RopeTable>,
     read: Option<ReadRows>,
     mlp_chunk: usize,
+    /// Per layer, Gemma 4's per-layer inputs `(T, P)` (`Model::per_layer_inputs`); empty
+    /// without them.
+    per_layer: Vec<Tensor>,
 }
 
+/// Per layer: a KV donor's rotated k and normed v from the forward, which its sharers read in the
+/// forward and in any recomputation; `None` for the other layers.
+type DonorKv = Vec<Option<(Tensor, Tensor)>>;
+
 impl Kinds {
-    fn env<'a>(&'a self, ctx: &'a PassCtx, model: &Model, l: usize) -> LayerEnv<'a> {
+    fn env<'a>(
+        &'a self,
+        ctx: &'a PassCtx,
+        model: &Model,
+        l: usize,
+        donors: &'a DonorKv,
+    ) -> LayerEnv<'a> {
         let top = l + 1 == model.spec.n_layers;
         let rope = match model.spec.layers[l].rope {
             0 => ctx.rope,
@@ -80,11 +93,18 @@ impl Kinds {
             Some(r) => (&r.mask, r.from),
             None => (self.masks[self.mask_of[l]].as_ref().unwrap_or(ctx.mask), 0),
         };
+        let shared_kv = model.spec.layers[l]
+            .kv_source
+            .and_then(|d| donors.get(d))
+            .and_then(Option::as_ref)
+            .map(|(k, v)| (k, v));
         LayerEnv {
             mask,
             rope,
             from,
             mlp_chunk: self.mlp_chunk,
+            shared_kv,
+            per_layer_input: self.per_layer.get(l),
         }
     }
 }
@@ -214,7 +234,38 @@ impl Model {
             ropes,
             read,
             mlp_chunk,
+            per_layer: Vec::new(),
         })
+    }
+
+    /// Gemma 4's per-layer inputs of one pass, per layer `(T, P)`: the per-layer token table's
+    /// rows × √P plus the RMS-normed projection of the scaled embeddings `x` × hidden^-½, the sum
+    /// × 2^-½. Constants of the pass (no LoRA reaches them): computed once by the forward.
+    pub fn per_layer_inputs(&self, ids: &[u32], x: &Tensor) -> Result<Vec<Tensor>> {
+        let (Some(pl), p) = (&self.weights.per_layer_inputs, self.spec.per_layer_input) else {
+            return Ok(Vec::new());
+        };
+        let cdt = self.device.compute_dtype();
+        let t = ids.len();
+        let n = self.spec.n_layers;
+        let mut tokens = ops::embedding(&*pl.embed.dense()?, ids)?;
+        // transformers scales in the table's dtype (√256 = 16 is exact in bf16).
+        ops::scale(&mut tokens, (p as f32).sqrt())?;
+        let proj = ops::matmul(
+            &*self.compute(x)?,
+            false,
+            &*pl.projection.dense()?,
+            true,
+            1.0 / (self.spec.hidden as f32).sqrt(),
+            cdt,
+        )?;
+        let (normed, _) = ops::rms_norm(&proj.reshape(&[t * n, p])?, &pl.norm, self.spec.rms_eps)?;
+        let mut sum = normed.reshape(&[t, n * p])?;
+        ops::add_assign(&mut sum, &tokens, 1.0)?;
+        ops::scale(&mut sum, std::f32::consts::FRAC_1_SQRT_2)?;
+        (0..n)
+            .map(|l| ops::slice_cols(&sum, l * p, (l + 1) * p))
+            .collect()
     }
 
     /// `t` in the compute dtype (borrowed when it already is).
@@ -284,9 +335,13 @@ impl Model {
             segment_size > 0
                 && l < keep_kv_layers
                 && l + 1 < self.spec.n_layers
+                && self.spec.layers[l].owns_kv()
                 && self.weights.layers[l].k_norm.is_none()
+                && self.weights.layers[l].v_norm.is_none()
         };
-        let kinds = self.kinds(ctx, read_from, mlp_chunk)?;
+        let mut kinds = self.kinds(ctx, read_from, mlp_chunk)?;
+        let donor_layers = self.spec.kv_donors();
+        let mut donor_kv: DonorKv = (0..self.spec.n_layers).map(|_| None).collect();
         let mut kept_kv = Vec::new();
         let n = self.spec.n_layers;
         let mut x = self.embed(ids)?;
@@ -296,6 +351,7 @@ impl Model {
         if let Some(s) = self.embed_scale() {
             ops::scale(&mut x, s)?;
         }
+        kinds.per_layer = self.per_layer_inputs(ids, &x)?;
         let mut acts = Vec::new();
         let mut boundaries = Vec::new();
         let mut kept_attention = Vec::new();
@@ -308,17 +364,26 @@ impl Model {
                 boundaries.push((l, x.try_clone()?));
             }
             let run = LayerRun {
-                env: kinds.env(ctx, self, l),
+                env: kinds.env(ctx, self, l, &donor_kv),
                 want_output: true,
                 attention: None,
                 kept_kv: None,
                 keep_mlp: segment_size == 0 || keep_top_mlp,
             };
             let (y, a) = self.layer_forward(l, x, lora, ctx, run)?;
+            if donor_layers.contains(&l) {
+                let (Some(k), Some(v)) = (&a.k, &a.v) else {
+                    anyhow::bail!("layer {l}: a KV donor without k and v");
+                };
+                donor_kv[l] = Some((k.try_clone()?, v.try_clone()?));
+            }
             if segment_size == 0 || top {
                 acts.push(a);
             } else {
-                kept_kv.push(keep_kv(l).then_some((a.k, a.v)));
+                kept_kv.push(match (keep_kv(l), a.k, a.v) {
+                    (true, Some(k), Some(v)) => Some((k, v)),
+                    _ => None,
+                });
                 if keep_attention {
                     kept_attention.push(Some((a.attn, a.lse)));
                 }
@@ -343,6 +408,7 @@ impl Model {
                 rstd,
                 segment_size,
                 kinds,
+                donor_kv,
             },
         ))
     }
@@ -357,6 +423,10 @@ impl Model {
         ctx: &PassCtx,
     ) -> Result<Tensor> {
         let kinds = state.kinds;
+        let donor_kv = state.donor_kv;
+        // Per donor: its sharers' dK and dV, summed as their backwards run (top down, so every
+        // sharer's is in before the donor's own backward takes it).
+        let mut kv_grads: Vec<Option<KvGrad>> = (0..self.spec.n_layers).map(|_| None).collect();
         let mut d = ops::rms_norm_bwd(&d_hidden, &state.last, &self.weights.norm, &state.rstd)?;
         drop(d_hidden);
         // The compute-dtype copy of d, where the residual stream is wider: written with it by
@@ -373,7 +443,8 @@ impl Model {
                     a,
                     lora.as_deref_mut(),
                     ctx,
-                    kinds.env(ctx, self, l),
+                    kinds.env(ctx, self, l, &donor_kv),
+                    &mut kv_grads,
                 )?;
             }
             return self.embed_bwd(d);
@@ -387,7 +458,8 @@ impl Model {
                 a,
                 lora.as_deref_mut(),
                 ctx,
-                kinds.env(ctx, self, n - 1),
+                kinds.env(ctx, self, n - 1, &donor_kv),
+                &mut kv_grads,
             )?;
             self.device.memtrace(|| format!("backward layer {}", n - 1));
         }
@@ -402,7 +474,7 @@ impl Model {
                 let input = x.take().expect("each recomputed layer's input");
                 let kept = kept_attention.get_mut(l).and_then(Option::take);
                 let run = LayerRun {
-                    env: kinds.env(ctx, self, l),
+                    env: kinds.env(ctx, self, l, &donor_kv),
                     want_output: l + 1 < end,
                     attention: kept,
                     kept_kv: kept_kv.get_mut(l).and_then(Option::take),
@@ -422,7 +494,8 @@ impl Model {
                     a,
                     lora.as_deref_mut(),
                     ctx,
-                    kinds.env(ctx, self, l),
+                    kinds.env(ctx, self, l, &donor_kv),
+                    &mut kv_grads,
                 )?;
                 self.device.memtrace(|| format!("backward layer {l}"));
             }
@@ -511,4 +584,6 @@ pub struct ForwardState {
     segment_size: usize,
     /// The forward's masks and tables per layer kind, its read rows and MLP chunk.
     kinds: Kinds,
+    /// The KV donors' k and v (`DonorKv`).
+    donor_kv: DonorKv,
 }

@@ -68,8 +68,10 @@ pub struct LayerWeights {
     pub post_attn_norm: Option<Tensor>,
     pub post_mlp_norm: Option<Tensor>,
     pub q: Weight,
-    pub k: Weight,
-    pub v: Weight,
+    /// `None` on a KV-sharing layer (Gemma 4), which reads its donor's k and v.
+    pub k: Option<Weight>,
+    /// `None` on a KV-sharing layer, and where v is the k projection (`LayerSpec::k_eq_v`).
+    pub v: Option<Weight>,
     pub o: Weight,
     pub gate: Weight,
     pub up: Weight,
@@ -79,6 +81,29 @@ pub struct LayerWeights {
     pub v_bias: Option<Tensor>,
     pub q_norm: Option<Tensor>,
     pub k_norm: Option<Tensor>,
+    /// Gemma 4's unscaled v norm, as a weight of ones `[head_dim]` (f32).
+    pub v_norm: Option<Tensor>,
+    /// Gemma 4's per-layer input branch: gate `[P, H]`, projection `[H, P]`, its norm `[H]`.
+    pub per_layer: Option<PerLayerBranch>,
+    /// Factor on the layer's output (Gemma 4's `layer_scalar`; 1 elsewhere).
+    pub layer_scalar: f32,
+}
+
+/// The frozen weights of a layer's per-layer input branch (Gemma 4):
+/// `h + norm(proj(gelu(gate(h)) · input_l))`.
+pub struct PerLayerBranch {
+    pub gate: Weight,
+    pub proj: Weight,
+    pub norm: Tensor,
+}
+
+/// The model-level weights that make Gemma 4's per-layer inputs (`Model::per_layer_inputs`):
+/// the per-layer token table `[V, L·P]`, the projection of the embeddings `[L·P, H]`, and the
+/// norm on each layer's `P`-wide slice of that projection.
+pub struct PerLayerInputs {
+    pub embed: Weight,
+    pub projection: Weight,
+    pub norm: Tensor,
 }
 
 /// Hugging Face leaf names of a layer's norms: (before attention, before the MLP, after
@@ -108,6 +133,7 @@ pub struct ModelWeights {
     pub norm: Tensor,
     /// `None` when the head is tied to the embedding.
     pub lm_head: Option<Weight>,
+    pub per_layer_inputs: Option<PerLayerInputs>,
 }
 
 impl ModelWeights {
@@ -297,7 +323,7 @@ pub fn load_weights(
     device: &Device,
 ) -> Result<ModelWeights> {
     let spec = &resolve_prefixes(spec, src);
-    let (h, q, kv, v) = (spec.hidden, spec.q_dim(), spec.kv_dim(), spec.vocab);
+    let (h, v) = (spec.hidden, spec.vocab);
     // A norm weight with the family's offset added (Gemma's `1 + w`), times `scale`. With an
     // offset it is kept in f32 on every device, as transformers computes `1 + w` in f32.
     let norm = |name: &str, want: &[usize], scale: f32| -> Result<Tensor> {
@@ -323,6 +349,7 @@ pub fn load_weights(
     let mut layers = Vec::with_capacity(spec.n_layers);
     for (l, ls) in spec.layers.iter().enumerate() {
         let i = ls.intermediate;
+        let (q, kv) = (spec.q_dim_of(l), spec.kv_dim_of(l));
         let p = |s: &str| spec.layer_tensor(l, s);
         let opt = |name: String, want: &[usize], on: bool| -> Result<Option<Tensor>> {
             if on {
@@ -335,26 +362,84 @@ pub fn load_weights(
             leaf.map(|leaf| norm(&p(leaf), want, 1.0)).transpose()
         };
         let [attn_norm, mlp_norm, post_attn, post_mlp] = norm_names(ls.sandwich_norms);
-        let hd = [spec.head_dim];
+        let hd = [ls.head_dim];
+        let owns_kv = ls.owns_kv();
+        let per_layer = if spec.per_layer_input > 0 {
+            let pl = spec.per_layer_input;
+            Some(PerLayerBranch {
+                gate: src.weight(&p("per_layer_input_gate.weight"), [pl, h], device)?,
+                proj: src.weight(&p("per_layer_projection.weight"), [h, pl], device)?,
+                norm: norm(&p("post_per_layer_input_norm.weight"), &[h], 1.0)?,
+            })
+        } else {
+            None
+        };
+        // A scalar buffer; checkpoints that leave it out mean 1.
+        let layer_scalar = if src.contains(&p("layer_scalar")) {
+            let (shape, data) = src.get(&p("layer_scalar"))?;
+            ensure!(
+                data.len() == 1,
+                "{}: tensor {} has shape {shape:?}, expected one value",
+                src.describe(),
+                p("layer_scalar")
+            );
+            data[0]
+        } else {
+            1.0
+        };
         layers.push(LayerWeights {
             attn_norm: norm(&p(attn_norm.expect("always named")), &[h], 1.0)?,
             mlp_norm: norm(&p(mlp_norm.expect("always named")), &[h], 1.0)?,
             post_attn_norm: opt_norm(post_attn, &[h])?,
             post_mlp_norm: opt_norm(post_mlp, &[h])?,
             q: src.weight(&p("self_attn.q_proj.weight"), [q, h], device)?,
-            k: src.weight(&p("self_attn.k_proj.weight"), [kv, h], device)?,
-            v: src.weight(&p("self_attn.v_proj.weight"), [kv, h], device)?,
+            k: owns_kv
+                .then(|| src.weight(&p("self_attn.k_proj.weight"), [kv, h], device))
+                .transpose()?,
+            v: (owns_kv && !ls.k_eq_v)
+                .then(|| src.weight(&p("self_attn.v_proj.weight"), [kv, h], device))
+                .transpose()?,
             o: src.weight(&p("self_attn.o_proj.weight"), [h, q], device)?,
             gate: src.weight(&p("mlp.gate_proj.weight"), [i, h], device)?,
             up: src.weight(&p("mlp.up_proj.weight"), [i, h], device)?,
             down: src.weight(&p("mlp.down_proj.weight"), [h, i], device)?,
             q_bias: opt(p("self_attn.q_proj.bias"), &[q], spec.qkv_bias)?,
-            k_bias: opt(p("self_attn.k_proj.bias"), &[kv], spec.qkv_bias)?,
-            v_bias: opt(p("self_attn.v_proj.bias"), &[kv], spec.qkv_bias)?,
+            k_bias: opt(p("self_attn.k_proj.bias"), &[kv], spec.qkv_bias && owns_kv)?,
+            v_bias: opt(p("self_attn.v_proj.bias"), &[kv], spec.qkv_bias && owns_kv)?,
             q_norm: opt_norm(spec.qk_norm.then_some("self_attn.q_norm.weight"), &hd)?,
-            k_norm: opt_norm(spec.qk_norm.then_some("self_attn.k_norm.weight"), &hd)?,
+            k_norm: opt_norm(
+                (spec.qk_norm && owns_kv).then_some("self_attn.k_norm.weight"),
+                &hd,
+            )?,
+            v_norm: (ls.v_norm && owns_kv)
+                .then(|| Tensor::from_f32(&vec![1.0; ls.head_dim], &hd, DType::F32, device))
+                .transpose()?,
+            per_layer,
+            layer_scalar,
         });
     }
+    let per_layer_inputs = if spec.per_layer_input > 0 {
+        let lp = spec.n_layers * spec.per_layer_input;
+        Some(PerLayerInputs {
+            embed: src.weight(
+                &spec.model_tensor("embed_tokens_per_layer.weight"),
+                [v, lp],
+                device,
+            )?,
+            projection: src.weight(
+                &spec.model_tensor("per_layer_model_projection.weight"),
+                [lp, h],
+                device,
+            )?,
+            norm: norm(
+                &spec.model_tensor("per_layer_projection_norm.weight"),
+                &[spec.per_layer_input],
+                1.0,
+            )?,
+        })
+    } else {
+        None
+    };
     let embed = src.weight(&spec.model_tensor("embed_tokens.weight"), [v, h], device)?;
     let head_name = spec.head_tensor();
     let lm_head = if spec.tie_embeddings || !src.contains(&head_name) {
@@ -374,6 +459,7 @@ pub fn load_weights(
         layers,
         norm: norm(&spec.model_tensor("norm.weight"), &[h], head_scale)?,
         lm_head,
+        per_layer_inputs,
     })
 }
 
@@ -390,7 +476,10 @@ impl TensorSource for RandomSource {
         let shape =
             random_shape(s, name).with_context(|| format!("random model: no tensor {name}"))?;
         let n: usize = shape.iter().product();
-        let data = if name.ends_with("norm.weight") || name.ends_with("layernorm.weight") {
+        let data = if name.ends_with("layer_scalar") {
+            // Gemma 4's per-layer output factor: away from 1, so that it is exercised.
+            vec![0.8]
+        } else if name.ends_with("norm.weight") || name.ends_with("layernorm.weight") {
             // Unit norms once the family's offset is added at load.
             vec![1.0 - s.norm_offset; n]
         } else {
@@ -411,30 +500,55 @@ impl TensorSource for RandomSource {
 }
 
 fn random_shape(s: &ModelSpec, name: &str) -> Option<Vec<usize>> {
-    let (h, q, kv, i, v) = (s.hidden, s.q_dim(), s.kv_dim(), s.intermediate, s.vocab);
-    let leaf = name
-        .rsplit_once("layers.")
-        .map(|(_, r)| r.split_once('.').map(|(_, x)| x).unwrap_or(r))
-        .unwrap_or(name);
-    Some(match leaf {
-        "model.embed_tokens.weight" => vec![v, h],
-        "lm_head.weight" if !s.tie_embeddings => vec![v, h],
-        "model.norm.weight" | "input_layernorm.weight" | "post_attention_layernorm.weight" => {
-            vec![h]
+    let (h, v) = (s.hidden, s.vocab);
+    // Layer tensors: `…layers.{l}.{leaf}`; model-level ones keep their whole name.
+    let (layer, leaf) = match name.rsplit_once("layers.") {
+        Some((_, r)) => {
+            let (l, leaf) = r.split_once('.')?;
+            (
+                Some(l.parse::<usize>().ok().filter(|&l| l < s.n_layers)?),
+                leaf,
+            )
         }
+        None => (None, name),
+    };
+    let Some(l) = layer else {
+        let lp = s.n_layers * s.per_layer_input;
+        return Some(match leaf {
+            "model.embed_tokens.weight" => vec![v, h],
+            "lm_head.weight" if !s.tie_embeddings => vec![v, h],
+            "model.norm.weight" => vec![h],
+            "model.embed_tokens_per_layer.weight" if lp > 0 => vec![v, lp],
+            "model.per_layer_model_projection.weight" if lp > 0 => vec![lp, h],
+            "model.per_layer_projection_norm.weight" if lp > 0 => vec![s.per_layer_input],
+            _ => return None,
+        });
+    };
+    let ls = &s.layers[l];
+    let (q, kv, i) = (s.q_dim_of(l), s.kv_dim_of(l), ls.intermediate);
+    let own = ls.owns_kv();
+    let pl = s.per_layer_input;
+    Some(match leaf {
+        "input_layernorm.weight" | "post_attention_layernorm.weight" => vec![h],
         "pre_feedforward_layernorm.weight" | "post_feedforward_layernorm.weight"
-            if s.layers.iter().any(|l| l.sandwich_norms) =>
+            if ls.sandwich_norms =>
         {
             vec![h]
         }
         "self_attn.q_proj.weight" => vec![q, h],
-        "self_attn.k_proj.weight" | "self_attn.v_proj.weight" => vec![kv, h],
+        "self_attn.k_proj.weight" if own => vec![kv, h],
+        "self_attn.v_proj.weight" if own && !ls.k_eq_v => vec![kv, h],
         "self_attn.o_proj.weight" => vec![h, q],
         "mlp.gate_proj.weight" | "mlp.up_proj.weight" => vec![i, h],
         "mlp.down_proj.weight" => vec![h, i],
         "self_attn.q_proj.bias" if s.qkv_bias => vec![q],
-        "self_attn.k_proj.bias" | "self_attn.v_proj.bias" if s.qkv_bias => vec![kv],
-        "self_attn.q_norm.weight" | "self_attn.k_norm.weight" if s.qk_norm => vec![s.head_dim],
+        "self_attn.k_proj.bias" | "self_attn.v_proj.bias" if s.qkv_bias && own => vec![kv],
+        "self_attn.q_norm.weight" if s.qk_norm => vec![ls.head_dim],
+        "self_attn.k_norm.weight" if s.qk_norm && own => vec![ls.head_dim],
+        "per_layer_input_gate.weight" if pl > 0 => vec![pl, h],
+        "per_layer_projection.weight" if pl > 0 => vec![h, pl],
+        "post_per_layer_input_norm.weight" if pl > 0 => vec![h],
+        "layer_scalar" if s.family == super::config::Family::Gemma4 => vec![1],
         _ => return None,
     })
 }

@@ -35,19 +35,41 @@ pub fn estimate_bytes(
     dtype_bytes: usize,
     head_chunk_rows: usize,
 ) -> usize {
-    let (h, q, kv) = (spec.hidden, spec.q_dim(), spec.kv_dim());
+    let h = spec.hidden;
     let c = dtype_bytes;
+    let p = spec.per_layer_input;
     // Bytes per token that layer `ls` keeps (its MLP width; sandwich norms keep the attention and
-    // MLP outputs before their norms).
+    // MLP outputs before their norms; a KV-sharing layer keeps no k and v of its own; the
+    // per-layer input branch keeps its gate, input slice and projection).
     let per_token = |ls: &crate::model::config::LayerSpec| {
+        let q = spec.n_heads * ls.head_dim;
+        let kv = if ls.owns_kv() {
+            ls.n_kv_heads * ls.head_dim
+        } else {
+            0
+        };
         let mlp = if mlp_chunked {
             0
         } else {
             3 * ls.intermediate * c
         };
         let sandwich = if ls.sandwich_norms { 2 * c * h + 8 } else { 0 };
-        2 * 4 * h + 2 * c * h + c * (2 * q + 2 * kv) + mlp + 4 * (spec.n_heads + 2) + sandwich
+        let per_layer = if p > 0 { c * (2 * p + h) + 4 } else { 0 };
+        2 * 4 * h
+            + 2 * c * h
+            + c * (2 * q + 2 * kv)
+            + mlp
+            + 4 * (spec.n_heads + 2)
+            + sandwich
+            + per_layer
     };
+    // Kept for the whole pass: the per-layer inputs and the KV donors' k and v.
+    let pass_constants = tokens * spec.n_layers * p * c
+        + spec
+            .kv_donors()
+            .iter()
+            .map(|&d| tokens * 2 * spec.kv_dim_of(d) * c)
+            .sum::<usize>();
     let widest = spec.layers.iter().map(per_token).max().unwrap_or(0);
     let layer = tokens * widest;
     let all_layers: usize = spec.layers.iter().map(|ls| tokens * per_token(ls)).sum();
@@ -57,7 +79,9 @@ pub fn estimate_bytes(
     } else {
         let boundaries = l.div_ceil(segment_size) * tokens * h * 4;
         let attention = if keep_attention {
-            l * tokens * (c * q + 4 * spec.n_heads)
+            (0..l)
+                .map(|i| tokens * (c * spec.q_dim_of(i) + 4 * spec.n_heads))
+                .sum()
         } else {
             0
         };
@@ -65,7 +89,7 @@ pub fn estimate_bytes(
     };
     let transients = layer + tokens * h * 4 * 2;
     let head = head_chunk_rows * spec.vocab * (4 + c) + tokens * h * c;
-    kept + transients + head
+    kept + transients + head + pass_constants
 }
 
 /// With segments, whether the top layer keeps its MLP intermediates (`3·T·I` values) from the

@@ -1,7 +1,9 @@
 //! Training: objectives, the logp head, the optimiser and the loop.
 
 pub mod device_loss;
+pub mod events;
 pub mod head;
+pub mod listeners;
 pub mod memory;
 pub mod objectives;
 pub mod optim;

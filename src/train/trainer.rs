@@ -3,6 +3,8 @@
 //! by validation margin kept) and exact resume.
 
 use super::device_loss::Reference;
+use super::events::{Fanout, PassRecord, RunStart, StepRecord, TrainEvent, TrainEvents};
+use super::listeners::{Console, MetricsFile};
 use super::optim::{apply_update, AdamState, OptimOptions, Schedule};
 use super::plan::Plan;
 use super::step::{queue_example, reference_logps, Objective, PassOptions};
@@ -14,7 +16,6 @@ use crate::tensor::{DType, Device, Tensor};
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
-use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -168,7 +169,10 @@ pub struct TrainOutcome {
     pub final_valid: Option<BTreeMap<String, f64>>,
     pub first_valid: Option<BTreeMap<String, f64>>,
     pub losses: Vec<f64>,
+    /// The final adapter, or for a stopped run the adapter of its last checkpoint.
     pub adapter_dir: PathBuf,
+    /// A listener asked the run to stop before its last step.
+    pub stopped: bool,
 }
 
 /// Pass options for one example of `tokens` tokens; an unset segment size is chosen against
@@ -260,19 +264,27 @@ pub fn evaluate(
     Ok(sums)
 }
 
-fn write_json_line(f: &mut std::fs::File, v: &serde_json::Value) -> Result<()> {
-    writeln!(f, "{v}")?;
-    f.flush()?;
-    Ok(())
-}
-
-/// Runs training as configured. `resume` continues from a checkpoint folder.
+/// Runs training as configured, reporting to the console. `resume` continues from a checkpoint
+/// folder.
 pub fn train(
     cfg: &TrainConfig,
     resume: Option<&Path>,
     loaded: &Loaded,
     train_items: &[Item],
     valid_items: &[Item],
+) -> Result<TrainOutcome> {
+    let mut console = Console::new(loaded.model.device.is_cuda());
+    train_with(cfg, resume, loaded, train_items, valid_items, &mut console)
+}
+
+/// Runs training as configured; every record goes to metrics.jsonl and to `listener`.
+pub fn train_with(
+    cfg: &TrainConfig,
+    resume: Option<&Path>,
+    loaded: &Loaded,
+    train_items: &[Item],
+    valid_items: &[Item],
+    listener: &mut dyn TrainEvents,
 ) -> Result<TrainOutcome> {
     let model = &loaded.model;
     let device = model.device.clone();
@@ -315,7 +327,6 @@ pub fn train(
     if let Some(dir) = resume {
         (lora, adam, state) = load_checkpoint(dir, model, &device)?;
         lora.config.dropout = cfg.lora_dropout;
-        eprintln!("resumed from {} at step {}", dir.display(), state.step);
     }
 
     let objective = cfg.objective();
@@ -323,57 +334,69 @@ pub fn train(
     super::head::set_filter_eps(cfg.cce_filter_eps);
     let memory_budget = super::memory::budget(&device)?;
     let mut ref_cache: Vec<Option<Reference>> = vec![None; n];
-    let mut metrics_file = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(out_dir.join("metrics.jsonl"))?;
+    let mut metrics_file = MetricsFile::append(&out_dir.join("metrics.jsonl"))?;
+    let mut events = Fanout(vec![&mut metrics_file, listener]);
 
-    eprintln!(
-        "plan: {:?} on {} | {} train / {} valid examples | {} steps × {} micro-steps | lr {:.2e} (warmup {}) | LoRA r{} α{} on {} params | segment {} (keep attention {}, k/v of {} layers) | head {:?} | prefix-shared {}",
-        cfg.method,
-        device.name(),
-        n,
-        valid_items.len(),
+    let auto = |v: Option<String>| v.unwrap_or_else(|| "auto".to_string());
+    events.event(&TrainEvent::Started(&RunStart {
+        method: format!("{:?}", cfg.method),
+        device: device.name(),
+        train_examples: n,
+        valid_examples: valid_items.len(),
         total_steps,
-        cfg.grad_accum,
-        schedule.peak_lr,
-        schedule.warmup_steps,
-        lora.config.rank,
-        lora.config.alpha,
-        lora.num_params(),
-        cfg.segment_size.map_or("auto".to_string(), |s| s.to_string()),
-        cfg.keep_attention.map_or("auto".to_string(), |k| k.to_string()),
-        cfg.keep_kv_layers.map_or("auto".to_string(), |k| k.to_string()),
-        cfg.head,
-        cfg.prefix_shared
-    );
+        start_step: state.step,
+        grad_accum: cfg.grad_accum,
+        peak_lr: schedule.peak_lr,
+        warmup_steps: schedule.warmup_steps,
+        lora_rank: lora.config.rank,
+        lora_alpha: lora.config.alpha,
+        lora_params: lora.num_params(),
+        output: out_dir.clone(),
+        resumed_from: resume.map(Path::to_path_buf),
+        segment_size: auto(cfg.segment_size.map(|s| s.to_string())),
+        keep_attention: auto(cfg.keep_attention.map(|k| k.to_string())),
+        keep_kv_layers: auto(cfg.keep_kv_layers.map(|k| k.to_string())),
+        head: format!("{:?}", cfg.head),
+        prefix_shared: cfg.prefix_shared,
+    }))?;
 
     let mut first_valid = None;
     if !valid_items.is_empty() && state.step == 0 {
         let m = evaluate(model, &mut lora, valid_items, cfg)?;
-        write_json_line(
-            &mut metrics_file,
-            &serde_json::json!({"step": 0, "split": "valid", "metrics": m}),
-        )?;
-        eprintln!("valid @0: {}", fmt_metrics(&m));
+        events.event(&TrainEvent::Valid {
+            step: 0,
+            metrics: &m,
+        })?;
         first_valid = Some(m);
     }
 
-    let bar = indicatif::ProgressBar::new(total_steps as u64);
-    bar.set_style(
-        indicatif::ProgressStyle::with_template(
-            "{bar:30} {pos}/{len} {msg} [{elapsed_precise} < {eta_precise}]",
-        )
-        .unwrap(),
-    );
-    bar.set_position(state.step as u64);
     let mut losses = Vec::new();
     let mut final_valid = None;
     let started = Instant::now();
     while state.step < total_steps {
+        if events.stop_requested() {
+            let dir = out_dir.join(format!("checkpoint-{:06}", state.step));
+            save_checkpoint(&dir, &lora, &adam, &state, &loaded.model_path)?;
+            events.event(&TrainEvent::Checkpoint {
+                step: state.step,
+                path: &dir,
+                best: false,
+            })?;
+            events.event(&TrainEvent::Stopped {
+                step: state.step,
+                checkpoint: &dir,
+            })?;
+            return Ok(TrainOutcome {
+                final_valid,
+                first_valid,
+                losses,
+                adapter_dir: dir.clone(),
+                stopped: true,
+            });
+        }
         let t0 = Instant::now();
         device.reset_peak();
-        let mut sums: BTreeMap<&'static str, f64> = BTreeMap::new();
+        let mut sums: BTreeMap<String, f64> = BTreeMap::new();
         let mut tokens = 0;
         let mut loss = 0.0;
         let mut queued_examples = Vec::with_capacity(cfg.grad_accum);
@@ -429,102 +452,90 @@ pub fn train(
             loss += out.loss / cfg.grad_accum as f64;
             tokens += out.tokens;
             for (k, v) in out.metrics {
-                *sums.entry(k).or_default() += v / cfg.grad_accum as f64;
+                *sums.entry(k.to_string()).or_default() += v / cfg.grad_accum as f64;
             }
         }
         let grad_norm = grad_norm.get()?;
         device.synchronize()?;
         state.step += 1;
         losses.push(loss);
-        let dt = t0.elapsed().as_secs_f64();
         let mem = device.memory();
-        let margin = sums.get("margin").copied();
-        bar.set_message(format!(
-            "loss {loss:.4}{} | {:.0} tok/s{}",
-            margin
-                .map(|m| format!(" margin {m:+.3}"))
-                .unwrap_or_default(),
-            tokens as f64 / dt,
-            if device.is_cuda() {
-                format!(
-                    " | peak {:.2} GiB",
-                    mem.peak_bytes as f64 / (1u64 << 30) as f64
-                )
-            } else {
-                String::new()
-            }
-        ));
-        bar.set_position(state.step as u64);
-        let (estimate, pass_tokens, pass) = widest.context("a step with no micro-steps")?;
-        write_json_line(
-            &mut metrics_file,
-            &serde_json::json!({
-                "step": state.step, "split": "train", "loss": loss, "lr": lr, "grad_norm": grad_norm,
-                "tokens": tokens, "tokens_per_s": tokens as f64 / dt, "step_s": dt,
-                "live_bytes": mem.live_bytes, "peak_bytes": mem.peak_bytes, "metrics": sums,
-                "pass": {
-                    "tokens": pass_tokens, "segment_size": pass.segment_size,
-                    "keep_attention": pass.keep_attention, "keep_kv_layers": pass.keep_kv_layers,
-                    "mlp_chunk": pass.mlp_chunk, "estimated_bytes": estimate,
-                },
-            }),
-        )?;
+        let (estimated_bytes, pass_tokens, pass) = widest.context("a step with no micro-steps")?;
+        events.event(&TrainEvent::Step(&StepRecord {
+            step: state.step,
+            total_steps,
+            loss,
+            learning_rate: lr,
+            grad_norm,
+            tokens,
+            step_seconds: t0.elapsed().as_secs_f64(),
+            elapsed_seconds: started.elapsed().as_secs_f64(),
+            live_bytes: mem.live_bytes,
+            peak_bytes: mem.peak_bytes,
+            metrics: sums,
+            pass: PassRecord {
+                tokens: pass_tokens,
+                segment_size: pass.segment_size,
+                keep_attention: pass.keep_attention,
+                keep_kv_layers: pass.keep_kv_layers,
+                mlp_chunk: pass.mlp_chunk,
+                estimated_bytes,
+            },
+        }))?;
 
         let last = state.step == total_steps;
         if !valid_items.is_empty()
             && (last || (cfg.eval_every > 0 && state.step.is_multiple_of(cfg.eval_every)))
         {
             let m = evaluate(model, &mut lora, valid_items, cfg)?;
-            write_json_line(
-                &mut metrics_file,
-                &serde_json::json!({"step": state.step, "split": "valid", "metrics": m}),
-            )?;
-            bar.println(format!("valid @{}: {}", state.step, fmt_metrics(&m)));
+            events.event(&TrainEvent::Valid {
+                step: state.step,
+                metrics: &m,
+            })?;
             if let Some(&mg) = m.get("margin") {
                 if state.best_margin.is_none_or(|b| mg > b) {
                     state.best_margin = Some(mg);
-                    save_checkpoint(
-                        &out_dir.join("best"),
-                        &lora,
-                        &adam,
-                        &state,
-                        &loaded.model_path,
-                    )?;
+                    let dir = out_dir.join("best");
+                    save_checkpoint(&dir, &lora, &adam, &state, &loaded.model_path)?;
+                    events.event(&TrainEvent::Checkpoint {
+                        step: state.step,
+                        path: &dir,
+                        best: true,
+                    })?;
                 }
             }
             final_valid = Some(m);
         }
         if cfg.save_every > 0 && state.step.is_multiple_of(cfg.save_every) && !last {
-            save_checkpoint(
-                &out_dir.join(format!("checkpoint-{:06}", state.step)),
-                &lora,
-                &adam,
-                &state,
-                &loaded.model_path,
-            )?;
+            let dir = out_dir.join(format!("checkpoint-{:06}", state.step));
+            save_checkpoint(&dir, &lora, &adam, &state, &loaded.model_path)?;
+            events.event(&TrainEvent::Checkpoint {
+                step: state.step,
+                path: &dir,
+                best: false,
+            })?;
         }
     }
-    bar.finish();
     let adapter_dir = out_dir.join("adapter");
     lora.save_peft(&adapter_dir, &loaded.model_path.display().to_string())?;
-    save_checkpoint(
-        &out_dir.join(format!("checkpoint-{:06}", state.step)),
-        &lora,
-        &adam,
-        &state,
-        &loaded.model_path,
-    )?;
-    eprintln!(
-        "trained {} steps in {:.1}s; adapter in {}",
-        state.step,
-        started.elapsed().as_secs_f64(),
-        adapter_dir.display()
-    );
+    let dir = out_dir.join(format!("checkpoint-{:06}", state.step));
+    save_checkpoint(&dir, &lora, &adam, &state, &loaded.model_path)?;
+    events.event(&TrainEvent::Checkpoint {
+        step: state.step,
+        path: &dir,
+        best: false,
+    })?;
+    events.event(&TrainEvent::Finished {
+        step: state.step,
+        seconds: started.elapsed().as_secs_f64(),
+        adapter_dir: &adapter_dir,
+    })?;
     Ok(TrainOutcome {
         final_valid,
         first_valid,
         losses,
         adapter_dir,
+        stopped: false,
     })
 }
 
