@@ -204,7 +204,7 @@ fn gguf_adapter_names_shapes_and_permutation() {
     };
     for l in 0..spec.n_layers {
         for t in Target::ALL {
-            let (out, inp) = t.dims(&spec);
+            let (out, inp) = t.dims(&spec, l).unwrap();
             let name = format!("blk.{l}.{}.weight", leaf(t));
             let a = g.tensor_info(&format!("{name}.lora_a")).unwrap();
             let b = g.tensor_info(&format!("{name}.lora_b")).unwrap();
@@ -252,7 +252,7 @@ fn gguf_adapter_folds_rslora_scale_into_b() {
     let spec = model::ModelSpec::from_config_file(&base.join("config.json")).unwrap();
     let lora = Lora::load_peft(&base.join("adapter"), &spec, &Device::Cpu).unwrap();
     assert!(lora.config.rslora);
-    let (arch, permutes) = gguf_out::llama_cpp_arch(&spec);
+    let (arch, permutes) = gguf_out::llama_cpp_arch(&spec).unwrap();
     assert_eq!((arch, permutes), ("qwen2", false));
     let path = tmp("adapter-rslora").join("adapter.gguf");
     gguf_out::write_adapter(&lora, &spec, arch, permutes, AdapterType::F32, &path).unwrap();
@@ -317,6 +317,24 @@ fn hf_fixtures_export_within_bounds() {
             "{name}: {}",
             exact.checks[0].rel
         );
+        let _ = std::fs::remove_dir_all(&out);
+    }
+}
+
+/// Gemma 4 (KV-sharing layers without k/v, per-layer inputs): the merged folder is checked; the
+/// GGUF adapter is refused with a message naming the merged folder instead.
+#[test]
+fn gemma4_merged_folder_within_bounds() {
+    for name in ["gemma4", "gemma4_keqv"] {
+        let base = fixture(&format!("models/{name}"));
+        let out = tmp(&format!("hf-{name}"));
+        let r = run(&plan(&base, &base.join("adapter"), &out, vec![Format::Hf]))
+            .unwrap_or_else(|e| panic!("{name}: {e:#}"));
+        assert_rows(&r.checks);
+        let e = run(&plan(&base, &base.join("adapter"), &out, vec![Format::GgufAdapter]))
+            .err()
+            .expect("no GGUF adapter for Gemma 4");
+        assert!(e.to_string().contains("--format hf"), "{e}");
         let _ = std::fs::remove_dir_all(&out);
     }
 }

@@ -54,16 +54,21 @@ pub enum MergedType {
 
 /// llama.cpp's architecture name for a model of `spec`, and whether its converter permutes
 /// q/k rows (`LlamaModel.permute`). Mistral and SmolLM are `llama` to llama.cpp; Qwen 2/3 and
-/// Gemma rotate NeoX-style and are not permuted.
-pub fn llama_cpp_arch(spec: &ModelSpec) -> (&'static str, bool) {
-    match spec.family {
+/// Gemma rotate NeoX-style and are not permuted. Gemma 4 is refused: its llama.cpp tensor
+/// layout (KV-sharing layers, per-layer inputs) has not been checked here.
+pub fn llama_cpp_arch(spec: &ModelSpec) -> Result<(&'static str, bool)> {
+    Ok(match spec.family {
         Family::Llama | Family::Mistral => ("llama", true),
         Family::MiniCpm => ("minicpm", true),
         Family::Qwen2 => ("qwen2", false),
         Family::Qwen3 => ("qwen3", false),
         Family::Gemma2 => ("gemma2", false),
         Family::Gemma3 => ("gemma3", false),
-    }
+        Family::Gemma4 => bail!(
+            "a GGUF adapter for Gemma 4 is not written: its llama.cpp layout is not checked \
+             here (export --format hf writes the merged folder)"
+        ),
+    })
 }
 
 /// GGUF name of a projection's weight (the same in every architecture lorafit reads).
@@ -101,7 +106,7 @@ pub fn write_adapter(
     w.set("adapter.lora.alpha", MetaValue::F32(alpha));
     let mut n = 0;
     for (l, t, pair) in lora.pairs() {
-        let (out, inp) = t.dims(spec);
+        let (out, inp) = (pair.b.shape()[0], pair.a.shape()[1]);
         let r = pair.rank;
         let a = pair.a.to_vec()?;
         let mut b = pair.b.to_vec()?;
@@ -190,7 +195,13 @@ pub fn read_adapter(path: &Path, spec: &ModelSpec, permutes: bool) -> Result<Lor
             info.name,
             info.shape
         );
-        let (out, inp) = t.dims(spec);
+        let Some((out, inp)) = t.dims(spec, l) else {
+            bail!(
+                "{p}: tensor {}: layer {l} of this model has no {} projection",
+                info.name,
+                t.module()
+            );
+        };
         let data = g.tensor_f32(&info.name)?;
         let entry = pairs.entry((l, t)).or_insert((Vec::new(), Vec::new(), 0));
         if is_a {
@@ -222,7 +233,7 @@ pub fn read_adapter(path: &Path, spec: &ModelSpec, permutes: bool) -> Result<Lor
             projection_name(l, t)
         );
         ensure!(
-            *r > 0 && b.len() == t.dims(spec).0 * r,
+            *r > 0 && Some(b.len()) == t.dims(spec, l).map(|d| d.0 * r),
             "{p}: {}: lora_a's rank {r} does not match lora_b (llama.cpp: \"lora_a tensor is \
              not transposed\")",
             projection_name(l, t)
@@ -248,7 +259,9 @@ pub fn read_adapter(path: &Path, spec: &ModelSpec, permutes: bool) -> Result<Lor
             let Some(slot) = lora.get_mut(l, t) else {
                 continue;
             };
-            let (out, inp) = t.dims(spec);
+            let Some((out, inp)) = t.dims(spec, l) else {
+                continue;
+            };
             let (r, scale) = (slot.rank, slot.scale);
             let (a, mut b) = match pairs.get(&(l, t)) {
                 Some((a, b, _)) => (a.clone(), b.clone()),

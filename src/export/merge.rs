@@ -63,7 +63,7 @@ pub fn gguf_delta(
 ) -> Result<Vec<f32>> {
     let mut delta = lora_delta(pair)?;
     if let (true, Some(n_head)) = (permutes, permuted_heads(spec, target)) {
-        let (rows, cols) = target.dims(spec);
+        let (rows, cols) = (pair.b.shape()[0], pair.a.shape()[1]);
         permute_qk_rows(&mut delta, rows, cols, n_head)
             .with_context(|| format!("permuting the {} delta", target.module()))?;
     }

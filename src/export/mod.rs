@@ -111,8 +111,11 @@ pub fn run(plan: &ExportPlan) -> Result<ExportReport> {
     let (arch, permutes) = if base_is_gguf {
         let src = model::gguf_model::GgufSource::open(&plan.model)?;
         (src.arch.name(), src.arch.permutes_qk())
+    } else if formats.contains(&Format::GgufAdapter) {
+        gguf_out::llama_cpp_arch(&base.spec)?
     } else {
-        gguf_out::llama_cpp_arch(&base.spec)
+        // Only the GGUF adapter needs llama.cpp's architecture.
+        ("", false)
     };
 
     let mut written = Vec::new();
