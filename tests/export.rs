@@ -333,9 +333,14 @@ fn gemma4_merged_folder_within_bounds() {
         let r = run(&plan(&base, &base.join("adapter"), &out, vec![Format::Hf]))
             .unwrap_or_else(|e| panic!("{name}: {e:#}"));
         assert_rows(&r.checks);
-        let e = run(&plan(&base, &base.join("adapter"), &out, vec![Format::GgufAdapter]))
-            .err()
-            .expect("no GGUF adapter for Gemma 4");
+        let e = run(&plan(
+            &base,
+            &base.join("adapter"),
+            &out,
+            vec![Format::GgufAdapter],
+        ))
+        .err()
+        .expect("no GGUF adapter for Gemma 4");
         assert!(e.to_string().contains("--format hf"), "{e}");
         let _ = std::fs::remove_dir_all(&out);
     }
