@@ -1,5 +1,5 @@
 //! lorafit: LoRA fine-tuning (ORPO, SFT, DPO, SimPO) of decoder language models (the Llama family,
-//! Gemma 2 and 3, MiniCPM) on one NVIDIA GPU or the CPU.
+//! Gemma 2, 3 and 4, MiniCPM) on one NVIDIA GPU or the CPU.
 //!
 //! Data flows one way: config → data → model → train → outputs. `tensor` is the engine under all
 //! of it: a CPU reference backend and a CUDA backend with the same ops. A model family is one file
@@ -7,8 +7,10 @@
 
 pub mod bench;
 pub mod config;
+pub mod curate;
 pub mod data;
 pub mod eval;
+pub mod export;
 pub mod infer;
 pub mod model;
 pub mod tensor;

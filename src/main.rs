@@ -1,4 +1,5 @@
-//! The `lorafit` command line: `train`, `lint`, `demo`, `generate`, `eval`, `bench` and `selftest`. Every
+//! The `lorafit` command line: `train`, `lint`, `demo`, `generate`, `chat`, `eval`, `curate`, `export`,
+//! `serve`, `bench` and `selftest`. Every
 //! subcommand resolves its flags into library types and calls the library; nothing here computes.
 
 use anyhow::{bail, Context, Result};
@@ -58,6 +59,135 @@ enum Cmd {
         #[arg(long, default_value_t = 0)]
         seed: u64,
     },
+    /// UltraFeedback-style ratings (binarized or raw) -> preference JSONL: score gap, length
+    /// ratio, prompt dedupe, token cap, seeded validation split; prints what each filter removed.
+    Curate(CurateArgs),
+    /// A trained adapter as a merged Hugging Face folder, a llama.cpp GGUF adapter and (for a
+    /// GGUF base) a merged GGUF; --check compares each against the trainer's logits.
+    Export(ExportArgs),
+}
+
+#[derive(clap::Args)]
+struct CurateArgs {
+    /// Input JSONL (binarized {prompt, chosen, rejected, score_chosen, score_rejected} or raw
+    /// {instruction, completions[...]} rows).
+    #[arg(long)]
+    input: PathBuf,
+    /// Preference JSONL to write (the training rows).
+    #[arg(long)]
+    output: PathBuf,
+    /// Preference JSONL of the held-out validation rows.
+    #[arg(long)]
+    valid_output: Option<PathBuf>,
+    /// Model whose tokenizer and chat template measure the token cap and length ratio.
+    #[arg(long, default_value = "smollm2")]
+    model: String,
+    /// Least score_chosen - score_rejected a pair keeps (0: scores optional).
+    #[arg(long, default_value_t = 1.0)]
+    min_score_gap: f64,
+    /// Largest ratio between the two responses' token counts.
+    #[arg(long, default_value_t = 3.0)]
+    max_length_ratio: f64,
+    /// Most tokens of prompt + longer response.
+    #[arg(long, default_value_t = 2048)]
+    max_tokens: usize,
+    /// Keep rows whose prompt was seen before.
+    #[arg(long)]
+    keep_duplicates: bool,
+    /// Share of the kept rows held out (with --valid-output).
+    #[arg(long, default_value_t = 0.05)]
+    valid_fraction: f64,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// A raw row's completion score: a numeric field (overall_score, fine-grained_score) or
+    /// `annotations` (the mean of each aspect's Rating).
+    #[arg(long, default_value = "overall_score")]
+    score_field: String,
+    /// Skip and count malformed rows instead of stopping at the first.
+    #[arg(long)]
+    skip_bad_rows: bool,
+}
+
+#[derive(clap::Args)]
+struct ExportArgs {
+    /// Base model: Hugging Face folder, GGUF file or "smollm2".
+    #[arg(long)]
+    model: String,
+    /// PEFT adapter folder (a run's adapter/, best/ or checkpoint).
+    #[arg(long)]
+    adapter: PathBuf,
+    /// Folder for the artefacts: merged-hf/, adapter.gguf, merged.gguf.
+    #[arg(long)]
+    output: PathBuf,
+    /// What to write (repeatable); default: hf and gguf-adapter, and merged-gguf for a GGUF base.
+    #[arg(long = "format", value_enum)]
+    formats: Vec<lorafit::export::Format>,
+    /// Float type of the merged folder's safetensors.
+    #[arg(long, value_enum, default_value = "bf16")]
+    dtype: lorafit::export::hf::HfDtype,
+    /// Element type of the GGUF adapter's tensors.
+    #[arg(long, value_enum, default_value = "f32")]
+    adapter_type: lorafit::export::gguf_out::AdapterType,
+    /// The merged GGUF's adapted tensors: requantized to their own type, or f16.
+    #[arg(long, value_enum, default_value = "keep")]
+    merged_type: lorafit::export::gguf_out::MergedType,
+    /// Read each artefact back and compare its logits on a fixed prompt set with the
+    /// trainer's (base + adapter); fails when one is outside its bound.
+    #[arg(long)]
+    check: bool,
+}
+
+fn run_curate(a: CurateArgs) -> Result<()> {
+    let model = trainer::resolve_model_path(&a.model)?;
+    let opts = lorafit::curate::CurateOptions {
+        min_score_gap: a.min_score_gap,
+        max_length_ratio: a.max_length_ratio,
+        max_tokens: a.max_tokens,
+        dedupe: !a.keep_duplicates,
+        valid_fraction: a.valid_fraction,
+        seed: a.seed,
+        score_field: a.score_field,
+        skip_bad_rows: a.skip_bad_rows,
+    };
+    let report = lorafit::curate::curate_file(
+        &a.input,
+        &a.output,
+        a.valid_output.as_deref(),
+        &model,
+        &opts,
+    )?;
+    println!("{report}");
+    Ok(())
+}
+
+fn run_export(a: ExportArgs) -> Result<()> {
+    let plan = lorafit::export::ExportPlan {
+        model: trainer::resolve_model_path(&a.model)?,
+        adapter: a.adapter,
+        output: a.output,
+        formats: a.formats,
+        hf_dtype: a.dtype,
+        adapter_type: a.adapter_type,
+        merged_type: a.merged_type,
+        check: a.check,
+    };
+    let report = lorafit::export::run(&plan)?;
+    for (f, path) in &report.written {
+        println!("{f:?}: {}", path.display());
+    }
+    if plan.check {
+        print!("{}", lorafit::export::check::format_rows(&report.checks));
+        let failed: Vec<&str> = report
+            .checks
+            .iter()
+            .filter(|r| !r.passed())
+            .map(|r| r.artefact.as_str())
+            .collect();
+        if !failed.is_empty() {
+            bail!("export check: outside the bound: {}", failed.join(", "));
+        }
+    }
+    Ok(())
 }
 
 #[derive(clap::Args)]
@@ -580,6 +710,8 @@ fn main() {
         })(),
         Cmd::Eval(a) => run_eval(a),
         Cmd::Bench(a) => lorafit::bench::run(a),
+        Cmd::Curate(a) => run_curate(a),
+        Cmd::Export(a) => run_export(a),
         Cmd::Selftest { device, seed } => {
             (|| {
                 let device = Device::parse(&device)?;

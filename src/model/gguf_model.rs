@@ -62,7 +62,7 @@ impl GgufArch {
     }
 
     /// llama.cpp's converter permuted the q/k rows (`LlamaModel.permute`).
-    fn permutes_qk(self) -> bool {
+    pub fn permutes_qk(self) -> bool {
         matches!(self, GgufArch::Llama | GgufArch::MiniCpm)
     }
 
@@ -73,7 +73,7 @@ impl GgufArch {
 }
 
 /// GGUF tensor name for a Hugging Face name.
-fn gguf_name(arch: GgufArch, hf: &str) -> Option<String> {
+pub fn gguf_name(arch: GgufArch, hf: &str) -> Option<String> {
     if let Some(rest) = hf.strip_prefix("model.layers.") {
         let (layer, leaf) = rest.split_once('.')?;
         let sandwich = arch.sandwich_norms();

@@ -304,7 +304,7 @@ impl TensorSource for SafetensorsFolder {
 
 /// The tensor-name prefixes under which `src` holds the model: the spec's, or for a multimodal
 /// Gemma 3 checkpoint whichever of its two layouts the files use.
-fn resolve_prefixes(spec: &ModelSpec, src: &dyn TensorSource) -> ModelSpec {
+pub fn resolve_prefixes(spec: &ModelSpec, src: &dyn TensorSource) -> ModelSpec {
     let mut spec = spec.clone();
     if !src.contains(&spec.model_tensor("embed_tokens.weight"))
         && spec.tensor_prefix == "language_model.model."

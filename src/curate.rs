@@ -1,0 +1,531 @@
+//! `lorafit curate`: UltraFeedback-style ratings → preference JSONL that `lorafit train`
+//! reads, with the filters a preference set needs and a count of what each one removed.
+//!
+//! Input rows, one JSON object a line:
+//! * binarized: `{prompt, chosen, rejected, score_chosen, score_rejected}`, with `chosen` and
+//!   `rejected` as strings or as message lists (HuggingFaceH4/ultrafeedback_binarized repeats
+//!   the user turn at the head of each list; it is taken as the prompt);
+//! * raw: `{instruction, completions: [{response, overall_score, annotations, ...}]}` as in
+//!   openbmb/UltraFeedback. The completion with the highest score becomes `chosen` and the one
+//!   with the lowest `rejected` (the first of equals), so the pair has the largest gap the row
+//!   offers. The score is `--score-field` of each completion (`overall_score` by default;
+//!   `fine-grained_score`; or `annotations`, the mean of the numeric `Rating` of each aspect).
+//!
+//! Filters, in this order (each row is counted by the first that removes it): fewer than two
+//! completions, a score gap below `min_score_gap`, identical responses, a prompt already seen
+//! (whitespace- and case-normalised; the first row is kept), more than `max_tokens` tokens for
+//! prompt + longer response under the model's tokenizer and chat template (as training
+//! tokenises them, without truncation), and a chosen/rejected token-length ratio above
+//! `max_length_ratio`. The survivors are split into train and validation rows by a seeded
+//! permutation; both files keep the input order. A malformed row is an error naming file,
+//! line and field (with `skip_bad_rows` it is counted instead).
+
+use crate::data::{
+    self, tokenize_pair, ChatTemplate, DatasetKind, Example, Message, PreferenceData,
+    TextTokenizer, TokenizeOptions, TokenizeReport,
+};
+use anyhow::{bail, Context, Result};
+use serde_json::{json, Map, Value};
+use std::collections::HashSet;
+use std::fmt;
+use std::io::{BufRead, BufReader, Write};
+use std::path::Path;
+
+/// The filters' settings.
+#[derive(Clone, Debug)]
+pub struct CurateOptions {
+    /// Least `score_chosen − score_rejected` a pair keeps (0: scores are optional).
+    pub min_score_gap: f64,
+    /// Largest ratio of the longer response's tokens to the shorter's.
+    pub max_length_ratio: f64,
+    /// Most tokens of prompt + longer response.
+    pub max_tokens: usize,
+    /// Whether a prompt seen before removes the row.
+    pub dedupe: bool,
+    /// Share of the kept rows held out for validation (0 when there is no validation file).
+    pub valid_fraction: f64,
+    pub seed: u64,
+    /// Score of a raw row's completions: a numeric field, or `annotations`.
+    pub score_field: String,
+    pub skip_bad_rows: bool,
+}
+
+impl Default for CurateOptions {
+    fn default() -> Self {
+        CurateOptions {
+            min_score_gap: 1.0,
+            max_length_ratio: 3.0,
+            max_tokens: 2048,
+            dedupe: true,
+            valid_fraction: 0.0,
+            seed: 0,
+            score_field: "overall_score".into(),
+            skip_bad_rows: false,
+        }
+    }
+}
+
+/// How many rows each step removed.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct CurateReport {
+    pub rows: usize,
+    pub blank_lines: usize,
+    pub bad_rows: usize,
+    pub too_few_completions: usize,
+    pub small_gap: usize,
+    pub identical: usize,
+    pub duplicate_prompt: usize,
+    pub too_long: usize,
+    pub length_ratio: usize,
+    pub train: usize,
+    pub valid: usize,
+}
+
+impl fmt::Display for CurateReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(f, "{:<33} {:>8}", "rows read", self.rows)?;
+        for (what, n) in [
+            ("malformed (skipped)", self.bad_rows),
+            ("fewer than 2 completions", self.too_few_completions),
+            ("score gap too small", self.small_gap),
+            ("identical responses", self.identical),
+            ("duplicate prompt", self.duplicate_prompt),
+            ("over the token cap", self.too_long),
+            ("length ratio too large", self.length_ratio),
+        ] {
+            writeln!(f, "{:<33} {n:>8}", format!("removed: {what}"))?;
+        }
+        write!(
+            f,
+            "{:<33} {:>8} (train {}, validation {})",
+            "kept",
+            self.train + self.valid,
+            self.train,
+            self.valid
+        )
+    }
+}
+
+/// A row that survived parsing: the pair and its scores.
+struct Candidate {
+    data: PreferenceData,
+    scores: Option<(f64, f64)>,
+}
+
+/// Why a row is malformed: field and message (the caller adds file and line).
+struct Bad(Option<String>, String);
+
+impl Bad {
+    fn field(f: impl Into<String>, m: impl Into<String>) -> Bad {
+        Bad(Some(f.into()), m.into())
+    }
+}
+
+fn number(v: &Value) -> Option<f64> {
+    match v {
+        Value::Number(n) => n.as_f64(),
+        Value::String(s) => s.trim().parse().ok(),
+        _ => None,
+    }
+}
+
+/// The score of completion `i` of a raw row.
+fn completion_score(c: &Map<String, Value>, i: usize, field: &str) -> Result<f64, Bad> {
+    let at = format!("completions[{i}].{field}");
+    if field == "annotations" {
+        let ann = c
+            .get("annotations")
+            .and_then(|a| a.as_object())
+            .ok_or_else(|| Bad::field(&at, "missing or not an object"))?;
+        let ratings: Vec<f64> = ann
+            .values()
+            .filter_map(|aspect| aspect.get("Rating").and_then(number))
+            .collect();
+        if ratings.is_empty() {
+            return Err(Bad::field(&at, "no aspect has a numeric \"Rating\""));
+        }
+        return Ok(ratings.iter().sum::<f64>() / ratings.len() as f64);
+    }
+    match c.get(field) {
+        None => Err(Bad::field(at, "missing")),
+        Some(v) => number(v)
+            .filter(|x| x.is_finite())
+            .ok_or_else(|| Bad::field(at, format!("expected a number, found {v}"))),
+    }
+}
+
+/// A pair row in binarized form with its (chosen, rejected) scores.
+type ScoredRow = (Value, (f64, f64));
+
+/// A raw row → `Ok(None)` when it has fewer than two completions.
+fn from_raw(obj: &Map<String, Value>, field: &str) -> Result<Option<ScoredRow>, Bad> {
+    let prompt_key = if obj.contains_key("instruction") {
+        "instruction"
+    } else {
+        "prompt"
+    };
+    let prompt = match obj.get(prompt_key) {
+        Some(Value::String(s)) => s.clone(),
+        Some(_) => return Err(Bad::field(prompt_key, "expected a string")),
+        None => return Err(Bad::field("instruction", "missing")),
+    };
+    let completions = obj
+        .get("completions")
+        .and_then(|c| c.as_array())
+        .ok_or_else(|| Bad::field("completions", "expected a list"))?;
+    let mut scored = Vec::with_capacity(completions.len());
+    for (i, c) in completions.iter().enumerate() {
+        let c = c
+            .as_object()
+            .ok_or_else(|| Bad::field(format!("completions[{i}]"), "expected an object"))?;
+        let response = match c.get("response") {
+            Some(Value::String(s)) => s.clone(),
+            _ => {
+                return Err(Bad::field(
+                    format!("completions[{i}].response"),
+                    "missing or not a string",
+                ))
+            }
+        };
+        scored.push((response, completion_score(c, i, field)?));
+    }
+    if scored.len() < 2 {
+        return Ok(None);
+    }
+    let (mut best, mut worst) = (0, 0);
+    for (i, (_, s)) in scored.iter().enumerate() {
+        if *s > scored[best].1 {
+            best = i;
+        }
+        if *s < scored[worst].1 {
+            worst = i;
+        }
+    }
+    if best == worst {
+        // All scores equal: any two completions, a zero gap.
+        worst = usize::from(best == 0);
+    }
+    let row = json!({
+        "prompt": prompt,
+        "chosen": scored[best].0,
+        "rejected": scored[worst].0,
+    });
+    Ok(Some((row, (scored[best].1, scored[worst].1))))
+}
+
+/// A binarized row in the form `data::parse_row` reads: with a string prompt and message-list
+/// responses, the prompt becomes a user message and a copy of it at the head of each list is
+/// dropped.
+fn normalise_binarized(obj: &Map<String, Value>) -> Value {
+    let mut row = Value::Object(obj.clone());
+    let (Some(Value::String(p)), Some(Value::Array(c)), Some(Value::Array(r))) =
+        (obj.get("prompt"), obj.get("chosen"), obj.get("rejected"))
+    else {
+        return row;
+    };
+    let user = json!({"role": "user", "content": p});
+    let strip = |list: &Vec<Value>| -> Vec<Value> {
+        match list.first() {
+            Some(first) if first == &user => list[1..].to_vec(),
+            _ => list.clone(),
+        }
+    };
+    row["prompt"] = json!([user]);
+    row["chosen"] = Value::Array(strip(c));
+    row["rejected"] = Value::Array(strip(r));
+    row
+}
+
+fn scores(obj: &Map<String, Value>, required: bool) -> Result<Option<(f64, f64)>, Bad> {
+    let get = |k: &str| -> Result<Option<f64>, Bad> {
+        match obj.get(k) {
+            None | Some(Value::Null) if !required => Ok(None),
+            None | Some(Value::Null) => Err(Bad::field(
+                k,
+                "missing (the score gap filter needs it; --min-score-gap 0 makes scores optional)",
+            )),
+            Some(v) => number(v)
+                .filter(|x| x.is_finite())
+                .map(Some)
+                .ok_or_else(|| Bad::field(k, format!("expected a number, found {v}"))),
+        }
+    };
+    Ok(match (get("score_chosen")?, get("score_rejected")?) {
+        (Some(c), Some(r)) => Some((c, r)),
+        _ => None,
+    })
+}
+
+/// One input line → a candidate, `Ok(None)` for a raw row with too few completions.
+fn parse_candidate(
+    text: &str,
+    line: usize,
+    opts: &CurateOptions,
+) -> Result<Option<Candidate>, Bad> {
+    let value: Value =
+        serde_json::from_str(text).map_err(|e| Bad(None, format!("invalid JSON: {e}")))?;
+    let obj = value
+        .as_object()
+        .ok_or_else(|| Bad(None, "expected a JSON object".into()))?;
+    let (row, scores) = if obj.contains_key("completions") {
+        match from_raw(obj, &opts.score_field)? {
+            Some((row, s)) => (row, Some(s)),
+            None => return Ok(None),
+        }
+    } else {
+        (
+            normalise_binarized(obj),
+            scores(obj, opts.min_score_gap > 0.0)?,
+        )
+    };
+    match data::dataset::parse_row(&row, DatasetKind::Preference, line) {
+        Ok(Example::Preference { data, .. }) => Ok(Some(Candidate { data, scores })),
+        Ok(_) => unreachable!("a preference row parses as a preference example"),
+        Err(e) => Err(Bad(e.field, e.message)),
+    }
+}
+
+/// The dedupe key of a prompt: its text (every message's role and content) with whitespace
+/// runs collapsed and letters lower-cased.
+fn prompt_key(data: &PreferenceData) -> String {
+    let raw = match data {
+        PreferenceData::Text { prompt, .. } => prompt.clone(),
+        PreferenceData::Chat { prompt, .. } => prompt
+            .iter()
+            .map(|m| format!("{}: {}", m.role, m.content))
+            .collect::<Vec<_>>()
+            .join("\n"),
+    };
+    raw.split_whitespace()
+        .collect::<Vec<_>>()
+        .join(" ")
+        .to_lowercase()
+}
+
+fn responses_identical(data: &PreferenceData) -> bool {
+    match data {
+        PreferenceData::Text {
+            chosen, rejected, ..
+        } => chosen.trim() == rejected.trim(),
+        PreferenceData::Chat {
+            chosen, rejected, ..
+        } => chosen == rejected,
+    }
+}
+
+fn messages_json(m: &[Message]) -> Value {
+    Value::Array(
+        m.iter()
+            .map(|m| json!({"role": m.role.as_str(), "content": m.content}))
+            .collect(),
+    )
+}
+
+/// The output row: what `lorafit train` reads, with the scores kept beside it.
+fn output_row(c: &Candidate) -> Value {
+    let mut row = match &c.data {
+        PreferenceData::Text {
+            prompt,
+            chosen,
+            rejected,
+        } => json!({"prompt": prompt, "chosen": chosen, "rejected": rejected}),
+        PreferenceData::Chat {
+            prompt,
+            chosen,
+            rejected,
+        } => json!({
+            "prompt": messages_json(prompt),
+            "chosen": messages_json(chosen),
+            "rejected": messages_json(rejected),
+        }),
+    };
+    if let Some((sc, sr)) = c.scores {
+        row["score_chosen"] = json!(sc);
+        row["score_rejected"] = json!(sr);
+    }
+    row
+}
+
+/// The tokenizer and chat template of a model folder or GGUF file, without its weights.
+pub fn load_text_tokenizer(model: &Path) -> Result<(TextTokenizer, Option<ChatTemplate>)> {
+    if model.is_dir() {
+        let tok = TextTokenizer::from_file(model.join("tokenizer.json"))?;
+        let tok = if tok.eos_id().is_none() {
+            let spec = crate::model::ModelSpec::from_config_file(&model.join("config.json"))?;
+            tok.with_eos_id(spec.eos_token_id)
+        } else {
+            tok
+        };
+        let template = ChatTemplate::from_tokenizer_config(model.join("tokenizer_config.json"))?;
+        return Ok((tok, template));
+    }
+    let g = crate::model::gguf::GgufFile::open(model)?;
+    let (tok, info) = data::gguf_tokenizer::load_gguf_tokenizer(&g)?;
+    let name = |id: Option<u32>| id.and_then(|i| tok.id_to_token(i)).unwrap_or_default();
+    let template = match &info.chat_template {
+        Some(t) => Some(ChatTemplate::new(
+            t.clone(),
+            name(info.bos_id),
+            name(info.eos_id),
+        )?),
+        None => None,
+    };
+    Ok((
+        TextTokenizer::new(tok, info.bos_id, info.eos_id, info.add_bos)?,
+        template,
+    ))
+}
+
+/// Reads `input`, filters, splits, and returns `(train rows, validation rows, report)`.
+pub fn curate_reader(
+    input: impl BufRead,
+    name: &str,
+    tok: &TextTokenizer,
+    template: Option<&ChatTemplate>,
+    opts: &CurateOptions,
+) -> Result<(Vec<Value>, Vec<Value>, CurateReport)> {
+    if !(0.0..1.0).contains(&opts.valid_fraction) {
+        bail!("--valid-fraction {} must be in [0, 1)", opts.valid_fraction);
+    }
+    if opts.max_length_ratio < 1.0 || opts.max_length_ratio.is_nan() {
+        bail!(
+            "--max-length-ratio {} must be at least 1",
+            opts.max_length_ratio
+        );
+    }
+    if opts.min_score_gap < 0.0 || opts.min_score_gap.is_nan() {
+        bail!(
+            "--min-score-gap {} must not be negative",
+            opts.min_score_gap
+        );
+    }
+    let mut report = CurateReport::default();
+    let mut seen = HashSet::new();
+    let mut kept = Vec::new();
+    // No truncation: the cap is applied to the whole pair, as training would see it before
+    // cutting.
+    let no_cut = TokenizeOptions::new(usize::MAX, usize::MAX - 1);
+    let mut tok_report = TokenizeReport::default();
+    for (i, line) in input.lines().enumerate() {
+        let line_no = i + 1;
+        let text = line.with_context(|| format!("{name}:{line_no}: reading"))?;
+        if text.trim().is_empty() {
+            report.blank_lines += 1;
+            continue;
+        }
+        report.rows += 1;
+        let cand = match parse_candidate(&text, line_no, opts) {
+            Ok(Some(c)) => c,
+            Ok(None) => {
+                report.too_few_completions += 1;
+                continue;
+            }
+            Err(Bad(field, msg)) => {
+                let at = match field {
+                    Some(f) => format!("{name}:{line_no}: field \"{f}\": {msg}"),
+                    None => format!("{name}:{line_no}: {msg}"),
+                };
+                if opts.skip_bad_rows {
+                    report.bad_rows += 1;
+                    eprintln!("skipped {at}");
+                    continue;
+                }
+                bail!("{at}");
+            }
+        };
+        if let Some((sc, sr)) = cand.scores {
+            if sc - sr < opts.min_score_gap {
+                report.small_gap += 1;
+                continue;
+            }
+        }
+        if responses_identical(&cand.data) {
+            report.identical += 1;
+            continue;
+        }
+        if opts.dedupe && !seen.insert(prompt_key(&cand.data)) {
+            report.duplicate_prompt += 1;
+            continue;
+        }
+        let pair = tokenize_pair(&cand.data, tok, template, &no_cut, &mut tok_report)
+            .with_context(|| format!("{name}:{line_no}: tokenizing"))?;
+        if pair.max_len() > opts.max_tokens {
+            report.too_long += 1;
+            continue;
+        }
+        let (c, r) = (pair.chosen.len().max(1), pair.rejected.len().max(1));
+        if c.max(r) as f64 / c.min(r) as f64 > opts.max_length_ratio {
+            report.length_ratio += 1;
+            continue;
+        }
+        kept.push(cand);
+    }
+    let n_valid = if opts.valid_fraction > 0.0 && kept.len() >= 2 {
+        ((kept.len() as f64 * opts.valid_fraction).round() as usize).clamp(1, kept.len() - 1)
+    } else {
+        0
+    };
+    let mut order: Vec<usize> = (0..kept.len()).collect();
+    let mut rng = crate::tensor::Rng(opts.seed ^ 0xC0_2A7E);
+    for i in (1..order.len()).rev() {
+        let j = (rng.next_u64() % (i as u64 + 1)) as usize;
+        order.swap(i, j);
+    }
+    let mut is_valid = vec![false; kept.len()];
+    for &i in &order[..n_valid] {
+        is_valid[i] = true;
+    }
+    let (mut train, mut valid) = (Vec::new(), Vec::new());
+    for (c, v) in kept.iter().zip(is_valid) {
+        if v {
+            valid.push(output_row(c));
+        } else {
+            train.push(output_row(c));
+        }
+    }
+    report.train = train.len();
+    report.valid = valid.len();
+    Ok((train, valid, report))
+}
+
+fn write_jsonl(path: &Path, rows: &[Value]) -> Result<()> {
+    let mut f = std::io::BufWriter::new(
+        std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?,
+    );
+    for r in rows {
+        serde_json::to_writer(&mut f, r)?;
+        f.write_all(b"\n")?;
+    }
+    f.flush()
+        .with_context(|| format!("writing {}", path.display()))?;
+    Ok(())
+}
+
+/// The `curate` command: reads `input`, writes `output` (and `valid_output`), returns the
+/// report.
+pub fn curate_file(
+    input: &Path,
+    output: &Path,
+    valid_output: Option<&Path>,
+    model: &Path,
+    opts: &CurateOptions,
+) -> Result<CurateReport> {
+    let (tok, template) = load_text_tokenizer(model)
+        .with_context(|| format!("loading the tokenizer of {}", model.display()))?;
+    let mut opts = opts.clone();
+    if valid_output.is_none() {
+        opts.valid_fraction = 0.0;
+    }
+    let name = input.display().to_string();
+    let f = std::fs::File::open(input).with_context(|| format!("opening {name}"))?;
+    let (train, valid, report) =
+        curate_reader(BufReader::new(f), &name, &tok, template.as_ref(), &opts)?;
+    if train.is_empty() {
+        bail!("{name}: no row survived the filters\n{report}");
+    }
+    write_jsonl(output, &train)?;
+    if let Some(v) = valid_output {
+        write_jsonl(v, &valid)?;
+    }
+    Ok(report)
+}

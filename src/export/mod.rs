@@ -1,0 +1,249 @@
+//! `lorafit export`: what a trained adapter becomes outside lorafit.
+//!
+//! * a merged Hugging Face folder (`hf`): base + adapter merged into bf16 safetensors, with
+//!   config and tokenizer files, from a Hugging Face or a GGUF base;
+//! * a GGUF LoRA adapter in llama.cpp's format (`gguf_out::write_adapter`);
+//! * for a GGUF base, a merged GGUF (`gguf_out::write_merged_gguf`): the adapted tensors
+//!   dequantized, merged and requantized to their type, or written as f16;
+//! * `--check` (`check`): each artefact read back through lorafit's loaders, its logits on a
+//!   fixed prompt set against the trainer's own, within a bound derived from its storage type.
+//!
+//! The merge maths live in `merge`, the GGUF container in `gguf_writer`, the ggml encoders in
+//! `quantize`. Everything runs on the CPU reference backend in f32.
+
+pub mod check;
+pub mod gguf_out;
+pub mod gguf_writer;
+pub mod hf;
+pub mod merge;
+pub mod quantize;
+
+use crate::data::TextTokenizer;
+use crate::model::gguf::{GgmlType, GgufFile};
+use crate::model::{self, Lora, Model};
+use crate::tensor::Device;
+use anyhow::{ensure, Context, Result};
+use check::CheckRow;
+use std::path::{Path, PathBuf};
+
+/// An artefact `lorafit export` can write.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Format {
+    /// Merged Hugging Face folder (`OUTPUT/merged-hf/`).
+    Hf,
+    /// llama.cpp LoRA adapter (`OUTPUT/adapter.gguf`).
+    GgufAdapter,
+    /// Merged GGUF of a GGUF base (`OUTPUT/merged.gguf`).
+    MergedGguf,
+}
+
+/// A resolved export request.
+pub struct ExportPlan {
+    pub model: PathBuf,
+    pub adapter: PathBuf,
+    pub output: PathBuf,
+    /// Empty: the merged folder and the GGUF adapter, plus the merged GGUF for a GGUF base.
+    pub formats: Vec<Format>,
+    pub hf_dtype: hf::HfDtype,
+    pub adapter_type: gguf_out::AdapterType,
+    pub merged_type: gguf_out::MergedType,
+    pub check: bool,
+}
+
+/// Where each artefact went, and the check's rows when asked for.
+pub struct ExportReport {
+    pub written: Vec<(Format, PathBuf)>,
+    pub checks: Vec<CheckRow>,
+}
+
+fn is_gguf(path: &Path) -> bool {
+    path.is_file() && path.extension().is_some_and(|e| e == "gguf")
+}
+
+/// The tokenizer of a model folder or GGUF file, when it has one (the check's text prompts).
+fn load_tokenizer(path: &Path) -> Result<Option<TextTokenizer>> {
+    if path.is_dir() {
+        let file = path.join("tokenizer.json");
+        if !file.is_file() {
+            return Ok(None);
+        }
+        return TextTokenizer::from_file(file).map(Some);
+    }
+    let g = GgufFile::open(path)?;
+    if g.get("tokenizer.ggml.model").is_none() {
+        return Ok(None);
+    }
+    let (tok, info) = crate::data::gguf_tokenizer::load_gguf_tokenizer(&g)?;
+    TextTokenizer::new(tok, info.bos_id, info.eos_id, info.add_bos).map(Some)
+}
+
+fn hf_ggml(d: hf::HfDtype) -> GgmlType {
+    match d {
+        hf::HfDtype::Bf16 => GgmlType::BF16,
+        hf::HfDtype::F16 => GgmlType::F16,
+        hf::HfDtype::F32 => GgmlType::F32,
+    }
+}
+
+/// Writes the requested artefacts and, with `check`, compares each against the trainer.
+pub fn run(plan: &ExportPlan) -> Result<ExportReport> {
+    let device = Device::Cpu;
+    let base_is_gguf = is_gguf(&plan.model);
+    let mut formats = plan.formats.clone();
+    if formats.is_empty() {
+        formats = vec![Format::Hf, Format::GgufAdapter];
+        if base_is_gguf {
+            formats.push(Format::MergedGguf);
+        }
+    }
+    formats.dedup();
+    ensure!(
+        base_is_gguf || !formats.contains(&Format::MergedGguf),
+        "--format merged-gguf needs a GGUF base; {} is a Hugging Face folder (its merged model \
+         is --format hf)",
+        plan.model.display()
+    );
+    let base = model::load(&plan.model, &device)?;
+    let lora = Lora::load_peft(&plan.adapter, &base.spec, &device)
+        .with_context(|| format!("adapter {}", plan.adapter.display()))?;
+    std::fs::create_dir_all(&plan.output)
+        .with_context(|| format!("creating {}", plan.output.display()))?;
+    let (arch, permutes) = if base_is_gguf {
+        let src = model::gguf_model::GgufSource::open(&plan.model)?;
+        (src.arch.name(), src.arch.permutes_qk())
+    } else if formats.contains(&Format::GgufAdapter) {
+        gguf_out::llama_cpp_arch(&base.spec)?
+    } else {
+        // Only the GGUF adapter needs llama.cpp's architecture.
+        ("", false)
+    };
+
+    let mut written = Vec::new();
+    let mut stored = Vec::new();
+    for &f in &formats {
+        match f {
+            Format::Hf => {
+                let dir = plan.output.join("merged-hf");
+                let s = if base_is_gguf {
+                    hf::merged_from_gguf(&plan.model, &lora, &dir, plan.hf_dtype)?
+                } else {
+                    hf::merged_from_hf(&plan.model, &base.spec, &lora, &dir, plan.hf_dtype)?
+                };
+                eprintln!(
+                    "merged folder {}: {} tensors, {} with the adapter merged, {}",
+                    dir.display(),
+                    s.tensors,
+                    s.merged.len(),
+                    plan.hf_dtype.torch_name()
+                );
+                stored.push((hf_ggml(plan.hf_dtype), s.tensors));
+                written.push((f, dir));
+            }
+            Format::GgufAdapter => {
+                let path = plan.output.join("adapter.gguf");
+                let n = gguf_out::write_adapter(
+                    &lora,
+                    &base.spec,
+                    arch,
+                    permutes,
+                    plan.adapter_type,
+                    &path,
+                )?;
+                eprintln!(
+                    "GGUF adapter {}: {n} LoRA pairs for architecture {arch}{}",
+                    path.display(),
+                    if permutes {
+                        " (q/k rows in llama.cpp's order)"
+                    } else {
+                        ""
+                    }
+                );
+                let ty = match plan.adapter_type {
+                    gguf_out::AdapterType::F32 => GgmlType::F32,
+                    gguf_out::AdapterType::F16 => GgmlType::F16,
+                };
+                stored.push((ty, 2 * n));
+                written.push((f, path));
+            }
+            Format::MergedGguf => {
+                let path = plan.output.join("merged.gguf");
+                let s = gguf_out::write_merged_gguf(&plan.model, &lora, plan.merged_type, &path)?;
+                let coarsest = s
+                    .merged
+                    .iter()
+                    .map(|m| m.1)
+                    .max_by(|a, b| check::unit_error(*a).total_cmp(&check::unit_error(*b)))
+                    .unwrap_or(GgmlType::F32);
+                let worst = s.merged.iter().map(|m| m.2).fold(0f64, f64::max);
+                eprintln!(
+                    "merged GGUF {}: {} tensors, {} merged (coarsest {coarsest}, largest relative \
+                     RMS encoding error {worst:.3e})",
+                    path.display(),
+                    s.tensors,
+                    s.merged.len()
+                );
+                stored.push((coarsest, s.merged.len()));
+                written.push((f, path));
+            }
+        }
+    }
+
+    let mut checks = Vec::new();
+    if plan.check {
+        let tok = load_tokenizer(&plan.model)?;
+        let prompts = check::check_prompts(tok.as_ref(), base.spec.vocab)?;
+        let want = check::logits(&base, Some(&lora), &prompts)?;
+        let plain = check::logits(&base, None, &prompts)?;
+        check::write_reference(
+            &plan.output.join("check.safetensors"),
+            &prompts,
+            &want,
+            base.spec.vocab,
+        )?;
+        for ((f, path), &(ty, rounded)) in written.iter().zip(&stored) {
+            let got = artefact_logits(*f, path, &base, permutes, &prompts)?;
+            checks.push(check::compare(
+                &path.display().to_string(),
+                ty,
+                rounded,
+                &want,
+                &got,
+                &plain,
+                base.spec.vocab,
+            ));
+        }
+    }
+    if plan.check {
+        let rows: Vec<serde_json::Value> = checks.iter().map(check::row_json).collect();
+        std::fs::write(
+            plan.output.join("check.json"),
+            serde_json::to_string_pretty(&rows)?,
+        )?;
+    }
+    Ok(ExportReport { written, checks })
+}
+
+/// An artefact's logits on `prompts`, read back through lorafit's loaders.
+fn artefact_logits(
+    f: Format,
+    path: &Path,
+    base: &Model,
+    permutes: bool,
+    prompts: &[Vec<u32>],
+) -> Result<Vec<f32>> {
+    match f {
+        Format::Hf | Format::MergedGguf => {
+            let merged = model::load(path, &Device::Cpu)?;
+            ensure!(
+                merged.spec.vocab == base.spec.vocab && merged.spec.n_layers == base.spec.n_layers,
+                "{}: read back with a different geometry than the base",
+                path.display()
+            );
+            check::logits(&merged, None, prompts)
+        }
+        Format::GgufAdapter => {
+            let lora = gguf_out::read_adapter(path, &base.spec, permutes)?;
+            check::logits(base, Some(&lora), prompts)
+        }
+    }
+}

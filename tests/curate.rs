@@ -1,0 +1,359 @@
+//! `lorafit curate`: each filter removes exactly the rows it should and counts them, raw
+//! UltraFeedback rows become their best/worst pair, binarized message rows become training
+//! rows, the validation split is seeded, and bad rows are named by file, line and field.
+
+mod common;
+
+use common::fixture;
+use lorafit::curate::{curate_file, curate_reader, load_text_tokenizer, CurateOptions};
+use lorafit::data::{ChatTemplate, DatasetKind, TextTokenizer};
+use serde_json::{json, Value};
+
+fn tokenizer() -> TextTokenizer {
+    load_text_tokenizer(&fixture("gguf/spm_prefix.gguf"))
+        .unwrap()
+        .0
+}
+
+fn template() -> ChatTemplate {
+    let src = std::fs::read_to_string(fixture("smollm2_chat_template.jinja")).unwrap();
+    ChatTemplate::new(src, "", "").unwrap()
+}
+
+fn run(
+    lines: &[Value],
+    opts: &CurateOptions,
+) -> (Vec<Value>, Vec<Value>, lorafit::curate::CurateReport) {
+    let text: String = lines.iter().map(|l| format!("{l}\n")).collect();
+    curate_reader(
+        std::io::Cursor::new(text),
+        "in.jsonl",
+        &tokenizer(),
+        Some(&template()),
+        opts,
+    )
+    .unwrap()
+}
+
+fn bin(prompt: &str, chosen: &str, rejected: &str, sc: f64, sr: f64) -> Value {
+    json!({"prompt": prompt, "chosen": chosen, "rejected": rejected,
+           "score_chosen": sc, "score_rejected": sr})
+}
+
+#[test]
+fn each_filter_removes_and_counts_its_rows() {
+    let long = "word ".repeat(400);
+    let rows = vec![
+        bin("Name a colour.", "Blue is a colour.", "Maybe.", 8.0, 3.0), // kept
+        bin("Name a fruit.", "An apple.", "A pear.", 5.0, 4.5),         // gap 0.5 < 1
+        bin("Name a tree.", "An oak.", "An oak.", 9.0, 2.0),            // identical
+        bin("  name a COLOUR. ", "Red.", "No idea at all.", 7.0, 1.0),  // duplicate prompt
+        bin("Write a lot.", &long, "Short answer here.", 9.0, 1.0),     // over the cap
+        bin(
+            "Say hi.",
+            "Hi there, it is lovely to meet you today my friend.",
+            "Hi.",
+            6.0,
+            2.0,
+        ), // ratio
+        bin(
+            "Name a river.",
+            "The Nile is a river.",
+            "A lake is not.",
+            6.0,
+            4.0,
+        ), // kept
+    ];
+    let opts = CurateOptions {
+        max_tokens: 200,
+        ..CurateOptions::default()
+    };
+    let (train, valid, r) = run(&rows, &opts);
+    assert_eq!(r.rows, 7);
+    assert_eq!(
+        (
+            r.small_gap,
+            r.identical,
+            r.duplicate_prompt,
+            r.too_long,
+            r.length_ratio
+        ),
+        (1, 1, 1, 1, 1),
+        "{r}"
+    );
+    assert_eq!((r.train, r.valid), (2, 0));
+    assert!(valid.is_empty());
+    assert_eq!(train[0]["prompt"], "Name a colour.");
+    assert_eq!(train[0]["score_chosen"], 8.0);
+    assert_eq!(train[1]["chosen"], "The Nile is a river.");
+    // Each filter off: its row comes back.
+    let loose = CurateOptions {
+        min_score_gap: 0.5,
+        max_length_ratio: 1000.0,
+        max_tokens: 100_000,
+        dedupe: false,
+        ..CurateOptions::default()
+    };
+    let (train, _, r) = run(&rows, &loose);
+    assert_eq!(r.train, 6, "{r}");
+    assert_eq!(r.identical, 1, "identical responses are never a pair");
+    assert_eq!(train.len(), 6);
+    // The report prints every count.
+    let text = r.to_string();
+    assert!(
+        text.contains("identical responses") && text.contains("kept"),
+        "{text}"
+    );
+}
+
+#[test]
+fn raw_rows_pick_best_and_worst_completion() {
+    let raw = json!({
+        "instruction": "Explain rain.",
+        "completions": [
+            {"response": "Water falls.", "overall_score": 6.0,
+             "annotations": {"helpfulness": {"Rating": "3"}, "honesty": {"Rating": "5"}}},
+            {"response": "Clouds release droplets of water.", "overall_score": 9.0,
+             "annotations": {"helpfulness": {"Rating": "5"}, "honesty": {"Rating": "5"}}},
+            {"response": "It just happens.", "overall_score": 2.5,
+             "annotations": {"helpfulness": {"Rating": "1"}, "honesty": {"Rating": "N/A"}}},
+        ]
+    });
+    let one =
+        json!({"instruction": "Alone.", "completions": [{"response": "x", "overall_score": 1}]});
+    let (train, _, r) = run(&[raw.clone(), one], &CurateOptions::default());
+    assert_eq!(r.too_few_completions, 1);
+    assert_eq!(train.len(), 1);
+    assert_eq!(train[0]["prompt"], "Explain rain.");
+    assert_eq!(train[0]["chosen"], "Clouds release droplets of water.");
+    assert_eq!(train[0]["rejected"], "It just happens.");
+    assert_eq!(
+        (
+            train[0]["score_chosen"].as_f64(),
+            train[0]["score_rejected"].as_f64()
+        ),
+        (Some(9.0), Some(2.5))
+    );
+    // By annotations: means 4.0, 5.0 and 1.0 (N/A is not a rating).
+    let opts = CurateOptions {
+        score_field: "annotations".into(),
+        ..CurateOptions::default()
+    };
+    let (train, _, _) = run(&[raw], &opts);
+    assert_eq!(train[0]["score_chosen"].as_f64(), Some(5.0));
+    assert_eq!(train[0]["score_rejected"].as_f64(), Some(1.0));
+}
+
+/// HuggingFaceH4/ultrafeedback_binarized's layout: a string prompt and message lists that
+/// repeat the user turn. The output is conversational and `lorafit train` reads it.
+#[test]
+fn binarized_message_rows_become_training_rows() {
+    let row = json!({
+        "prompt": "What is 2+2?",
+        "prompt_id": "abc",
+        "chosen": [{"role": "user", "content": "What is 2+2?"},
+                   {"role": "assistant", "content": "2+2 is 4."}],
+        "rejected": [{"role": "user", "content": "What is 2+2?"},
+                     {"role": "assistant", "content": "It is 5."}],
+        "score_chosen": 9.0, "score_rejected": 2.0,
+    });
+    let (train, _, r) = run(&[row], &CurateOptions::default());
+    assert_eq!(r.train, 1, "{r}");
+    let out = &train[0];
+    assert_eq!(
+        out["prompt"],
+        json!([{"role": "user", "content": "What is 2+2?"}])
+    );
+    assert_eq!(
+        out["chosen"],
+        json!([{"role": "assistant", "content": "2+2 is 4."}])
+    );
+    let line = out.to_string();
+    let ex = lorafit::data::dataset::parse_line(&line, DatasetKind::Preference, 1).unwrap();
+    assert!(ex.is_chat());
+}
+
+#[test]
+fn validation_split_is_seeded_and_disjoint() {
+    let rows: Vec<Value> = (0..40)
+        .map(|i| {
+            bin(
+                &format!("Question number {i}?"),
+                "A fine answer.",
+                "A poor one.",
+                8.0,
+                2.0,
+            )
+        })
+        .collect();
+    let opts = |seed| CurateOptions {
+        valid_fraction: 0.25,
+        seed,
+        ..CurateOptions::default()
+    };
+    let (t1, v1, r) = run(&rows, &opts(3));
+    assert_eq!((r.train, r.valid), (30, 10));
+    let (t2, v2, _) = run(&rows, &opts(3));
+    assert_eq!((&t1, &v1), (&t2, &v2), "same seed, same split");
+    let (_, v3, _) = run(&rows, &opts(4));
+    assert_ne!(v1, v3, "another seed, another split");
+    let prompts = |v: &[Value]| -> Vec<String> {
+        v.iter()
+            .map(|r| r["prompt"].as_str().unwrap().to_string())
+            .collect()
+    };
+    let (pt, pv) = (prompts(&t1), prompts(&v1));
+    assert!(pv.iter().all(|p| !pt.contains(p)), "disjoint");
+    // Input order is kept inside each file.
+    let index = |p: &String| {
+        p.trim_start_matches("Question number ")
+            .trim_end_matches('?')
+            .parse::<usize>()
+            .unwrap()
+    };
+    assert!(pt.windows(2).all(|w| index(&w[0]) < index(&w[1])));
+}
+
+#[test]
+fn bad_rows_are_named_by_file_line_and_field() {
+    let text = format!(
+        "{}\n\n{}\n",
+        bin("Fine.", "Good answer.", "Bad answer.", 5.0, 1.0),
+        json!({"prompt": "No scores.", "chosen": "a", "rejected": "b"})
+    );
+    let e = curate_reader(
+        std::io::Cursor::new(text.clone()),
+        "in.jsonl",
+        &tokenizer(),
+        None,
+        &CurateOptions::default(),
+    )
+    .err()
+    .unwrap()
+    .to_string();
+    assert!(
+        e.contains("in.jsonl:3") && e.contains("score_chosen"),
+        "{e}"
+    );
+    let cases = [
+        (
+            json!({"instruction": "x", "completions": [{"response": "a", "overall_score": 1},
+                {"response": "b"}]}),
+            "completions[1].overall_score",
+        ),
+        (
+            json!({"instruction": "x", "completions": [{"overall_score": 1}, {"response": "b", "overall_score": 2}]}),
+            "completions[0].response",
+        ),
+        (
+            json!({"prompt": "p", "chosen": "a", "rejected": 3, "score_chosen": 2, "score_rejected": 1}),
+            "rejected",
+        ),
+        (
+            json!({"prompt": "p", "chosen": "a", "rejected": "b", "score_chosen": "high", "score_rejected": 1}),
+            "score_chosen",
+        ),
+    ];
+    for (row, field) in cases {
+        let e = curate_reader(
+            std::io::Cursor::new(format!("{row}\n")),
+            "f.jsonl",
+            &tokenizer(),
+            None,
+            &CurateOptions::default(),
+        )
+        .err()
+        .unwrap()
+        .to_string();
+        assert!(
+            e.contains("f.jsonl:1") && e.contains(&format!("\"{field}\"")),
+            "{field}: {e}"
+        );
+    }
+    let e = curate_reader(
+        std::io::Cursor::new("{not json\n"),
+        "f.jsonl",
+        &tokenizer(),
+        None,
+        &CurateOptions::default(),
+    )
+    .err()
+    .unwrap()
+    .to_string();
+    assert!(e.contains("f.jsonl:1: invalid JSON"), "{e}");
+    // With skip_bad_rows the bad row is counted, the rest kept.
+    let (train, _, r) = curate_reader(
+        std::io::Cursor::new(text),
+        "in.jsonl",
+        &tokenizer(),
+        None,
+        &CurateOptions {
+            skip_bad_rows: true,
+            ..CurateOptions::default()
+        },
+    )
+    .unwrap();
+    assert_eq!((r.bad_rows, r.blank_lines, train.len()), (1, 1, 1));
+    // Scores become optional with a zero gap.
+    let (train, _, _) = curate_reader(
+        std::io::Cursor::new(format!(
+            "{}\n",
+            json!({"prompt": "p", "chosen": "a b", "rejected": "c d"})
+        )),
+        "in.jsonl",
+        &tokenizer(),
+        None,
+        &CurateOptions {
+            min_score_gap: 0.0,
+            ..CurateOptions::default()
+        },
+    )
+    .unwrap();
+    assert_eq!(train.len(), 1);
+    assert!(train[0].get("score_chosen").is_none());
+}
+
+#[test]
+fn curate_file_writes_both_files() {
+    let dir = std::env::temp_dir().join(format!("lorafit-curate-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let input = dir.join("in.jsonl");
+    let rows: String = (0..10)
+        .map(|i| {
+            format!(
+                "{}\n",
+                bin(&format!("Prompt {i}"), "Yes indeed.", "No way.", 7.0, 1.0)
+            )
+        })
+        .collect();
+    std::fs::write(&input, rows).unwrap();
+    let (out, valid) = (dir.join("train.jsonl"), dir.join("valid.jsonl"));
+    let opts = CurateOptions {
+        valid_fraction: 0.2,
+        ..CurateOptions::default()
+    };
+    let r = curate_file(
+        &input,
+        &out,
+        Some(&valid),
+        &fixture("gguf/spm_prefix.gguf"),
+        &opts,
+    )
+    .unwrap();
+    assert_eq!((r.train, r.valid), (8, 2));
+    let (ex, _) = lorafit::data::load_jsonl(&out, DatasetKind::Preference, false).unwrap();
+    assert_eq!(ex.len(), 8);
+    let (ex, _) = lorafit::data::load_jsonl(&valid, DatasetKind::Preference, false).unwrap();
+    assert_eq!(ex.len(), 2);
+    let e = curate_file(
+        &dir.join("missing.jsonl"),
+        &out,
+        None,
+        &fixture("gguf/spm_prefix.gguf"),
+        &opts,
+    )
+    .err()
+    .unwrap();
+    assert!(format!("{e:#}").contains("missing.jsonl"), "{e:#}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
