@@ -1,4 +1,4 @@
-//! The `lorafit` command line: `train`, `demo`, `generate`, `bench` and `selftest`. Every
+//! The `lorafit` command line: `train`, `demo`, `generate`, `bench`, `selftest` and `serve`. Every
 //! subcommand resolves its flags into library types and calls the library; nothing here computes.
 
 use anyhow::{bail, Context, Result};
@@ -48,6 +48,45 @@ enum Cmd {
         #[arg(long, default_value_t = 0)]
         seed: u64,
     },
+    /// The job runner: an HTTP API and web page that queue, run and report training jobs.
+    Serve(ServeArgs),
+}
+
+#[derive(clap::Args)]
+struct ServeArgs {
+    /// Address to listen on (port 0 picks a free port; the first stdout line names it). A
+    /// non-loopback address needs --token-file.
+    #[arg(long, default_value = "127.0.0.1:8420")]
+    listen: std::net::SocketAddr,
+    /// The SQLite file holding jobs, events, metrics and checkpoints.
+    #[arg(long, default_value = "lorafit-jobs.sqlite")]
+    db: PathBuf,
+    /// A file whose first line is the bearer token every API request must carry.
+    #[arg(long)]
+    token_file: Option<PathBuf>,
+    /// A folder that jobs may read models and data from and write outputs into (repeatable;
+    /// relative paths in a job resolve against the first). Default: the current folder.
+    #[arg(long = "root")]
+    roots: Vec<PathBuf>,
+}
+
+fn run_serve(a: ServeArgs) -> Result<()> {
+    let token = a
+        .token_file
+        .as_deref()
+        .map(lorafit::serve::read_token_file)
+        .transpose()?;
+    let roots = if a.roots.is_empty() {
+        vec![std::env::current_dir()?]
+    } else {
+        a.roots
+    };
+    lorafit::serve::run(lorafit::serve::ServeOptions {
+        listen: a.listen,
+        db: a.db,
+        token,
+        roots,
+    })
 }
 
 #[derive(clap::Args)]
@@ -292,6 +331,7 @@ fn main() {
             Ok(())
         })(),
         Cmd::Bench(a) => lorafit::bench::run(a),
+        Cmd::Serve(a) => run_serve(a),
         Cmd::Selftest { device, seed } => {
             (|| {
                 let device = Device::parse(&device)?;
