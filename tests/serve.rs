@@ -60,7 +60,10 @@ fn submit_follow_events_and_download_the_adapter() {
         .collect();
     assert_eq!(ckpts, BTreeSet::from([3, 6, 8]));
     let ids: Vec<i64> = events.iter().map(|e| e.id).collect();
-    assert!(ids.windows(2).all(|w| w[0] < w[1]), "event ids increase: {ids:?}");
+    assert!(
+        ids.windows(2).all(|w| w[0] < w[1]),
+        "event ids increase: {ids:?}"
+    );
     for e in events.iter().filter(|e| e.kind == "step") {
         let loss = e.data["loss"].as_f64().unwrap();
         assert!(loss.is_finite() && loss > 0.0, "{}", e.data);
@@ -70,7 +73,10 @@ fn submit_follow_events_and_download_the_adapter() {
 
     let job = server.job(id);
     assert_eq!(job["state"], "done");
-    assert_eq!((job["step"].as_i64(), job["total_steps"].as_i64()), (Some(8), Some(8)));
+    assert_eq!(
+        (job["step"].as_i64(), job["total_steps"].as_i64()),
+        (Some(8), Some(8))
+    );
     assert_eq!(job["plan"]["total_steps"], 8);
     assert_eq!(job["plan"]["lora_rank"], 4);
     assert_eq!(job["config"]["rank"], 4);
@@ -78,7 +84,10 @@ fn submit_follow_events_and_download_the_adapter() {
     assert_eq!(job["latest"]["valid"]["step"], 8);
     let output = std::path::PathBuf::from(job["output"].as_str().unwrap());
     assert_eq!(output, ws.root.canonicalize().unwrap().join("runs/job-1"));
-    assert_eq!(metric_steps(&server, id, "train"), (1..=8).collect::<Vec<_>>());
+    assert_eq!(
+        metric_steps(&server, id, "train"),
+        (1..=8).collect::<Vec<_>>()
+    );
     assert_eq!(metric_steps(&server, id, "valid"), vec![0, 4, 8]);
 
     // A replay from the start sends the same events again, and one after the last id nothing.
@@ -98,14 +107,29 @@ fn submit_follow_events_and_download_the_adapter() {
     assert_eq!(r.header("content-type"), Some("application/x-tar"));
     let files = lorafit::serve::tar::read_tar(&r.body).unwrap();
     let names: Vec<&str> = files.iter().map(|f| f.0.as_str()).collect();
-    assert!(names.contains(&"job-1-adapter/adapter_model.safetensors"), "{names:?}");
-    assert!(names.contains(&"job-1-adapter/adapter_config.json"), "{names:?}");
+    assert!(
+        names.contains(&"job-1-adapter/adapter_model.safetensors"),
+        "{names:?}"
+    );
+    assert!(
+        names.contains(&"job-1-adapter/adapter_config.json"),
+        "{names:?}"
+    );
     for (name, bytes) in &files {
-        let on_disk = std::fs::read(output.join("adapter").join(name.rsplit('/').next().unwrap())).unwrap();
+        let on_disk = std::fs::read(
+            output
+                .join("adapter")
+                .join(name.rsplit('/').next().unwrap()),
+        )
+        .unwrap();
         assert!(bytes == &on_disk, "{name} differs from the adapter on disk");
     }
     let adapter_config: Value = serde_json::from_slice(
-        &files.iter().find(|f| f.0.ends_with("adapter_config.json")).unwrap().1,
+        &files
+            .iter()
+            .find(|f| f.0.ends_with("adapter_config.json"))
+            .unwrap()
+            .1,
     )
     .unwrap();
     assert_eq!(adapter_config["r"], 4);
@@ -116,7 +140,10 @@ fn submit_follow_events_and_download_the_adapter() {
     let r = server.delete(&format!("/jobs/{id}"));
     assert_eq!(r.status, 200, "{}", r.text());
     assert_eq!(server.get(&format!("/jobs/{id}")).status, 404);
-    assert!(output.join("adapter/adapter_model.safetensors").is_file(), "files stay");
+    assert!(
+        output.join("adapter/adapter_model.safetensors").is_file(),
+        "files stay"
+    );
 }
 
 #[test]
@@ -132,7 +159,11 @@ fn cancel_a_running_job_resume_it_and_cancel_a_queued_one() {
     stream.until("step");
     // One job at a time: the second waits in the queue.
     assert_eq!(server.job(second)["state"], "queued");
-    assert_eq!(server.delete(&format!("/jobs/{id}")).status, 409, "a running job is not deleted");
+    assert_eq!(
+        server.delete(&format!("/jobs/{id}")).status,
+        409,
+        "a running job is not deleted"
+    );
     assert_eq!(server.get(&format!("/jobs/{id}/adapter")).status, 409);
 
     let r = server.post(&format!("/jobs/{second}/cancel"), &json!({}));
@@ -151,11 +182,17 @@ fn cancel_a_running_job_resume_it_and_cancel_a_queued_one() {
     let ckpt = std::path::PathBuf::from(job["checkpoint"]["path"].as_str().unwrap());
     assert!(ckpt.join("trainer_state.json").is_file());
     let state: Value =
-        serde_json::from_str(&std::fs::read_to_string(ckpt.join("trainer_state.json")).unwrap()).unwrap();
+        serde_json::from_str(&std::fs::read_to_string(ckpt.join("trainer_state.json")).unwrap())
+            .unwrap();
     assert_eq!(state["step"], stopped_at);
     // The second job never ran.
     assert_eq!(server.job(second)["step"], 0);
-    assert_eq!(server.post(&format!("/jobs/{second}/cancel"), &json!({})).status, 409);
+    assert_eq!(
+        server
+            .post(&format!("/jobs/{second}/cancel"), &json!({}))
+            .status,
+        409
+    );
 
     // Resume: it continues from the checkpoint; steps stay continuous.
     let r = server.post(&format!("/jobs/{id}/resume"), &json!({}));
@@ -168,14 +205,23 @@ fn cancel_a_running_job_resume_it_and_cancel_a_queued_one() {
             break;
         }
     }
-    assert_eq!(server.post(&format!("/jobs/{id}/cancel"), &json!({})).status, 200);
+    assert_eq!(
+        server
+            .post(&format!("/jobs/{id}/cancel"), &json!({}))
+            .status,
+        200
+    );
     stream.until("cancelled");
     let job = server.job(id);
     assert_eq!(job["plan"]["start_step"], stopped_at);
     let steps = metric_steps(&server, id, "train");
     let n = job["step"].as_i64().unwrap();
     assert!(n >= target);
-    assert_eq!(steps, (1..=n).collect::<Vec<_>>(), "train rows: each step once");
+    assert_eq!(
+        steps,
+        (1..=n).collect::<Vec<_>>(),
+        "train rows: each step once"
+    );
 }
 
 #[test]
@@ -183,20 +229,35 @@ fn a_bad_config_is_a_400_that_names_the_field() {
     let ws = Workspace::new("badcfg");
     let server = Server::start(&ws, &[]);
     let cases: &[(Value, &str)] = &[
-        (json!({"data": "train.jsonl", "lerning_rate": 1e-4}), "lerning_rate"),
+        (
+            json!({"data": "train.jsonl", "lerning_rate": 1e-4}),
+            "lerning_rate",
+        ),
         (json!({"data": "train.jsonl", "steps": "ten"}), "steps"),
         (json!({"data": "train.jsonl", "lr": -1.0}), "lr"),
-        (json!({"data": "train.jsonl", "warmup_ratio": 2.0}), "warmup_ratio"),
+        (
+            json!({"data": "train.jsonl", "warmup_ratio": 2.0}),
+            "warmup_ratio",
+        ),
         (json!({"data": "train.jsonl", "method": "ppo"}), "method"),
-        (json!({"data": "train.jsonl", "max_prompt_len": 64, "max_seq_len": 64}), "max_prompt_len"),
+        (
+            json!({"data": "train.jsonl", "max_prompt_len": 64, "max_seq_len": 64}),
+            "max_prompt_len",
+        ),
         (json!({"model": "model"}), "data"),
-        (json!({"data": "train.jsonl", "model": "no-such-model"}), "model"),
+        (
+            json!({"data": "train.jsonl", "model": "no-such-model"}),
+            "model",
+        ),
     ];
     for (body, field) in cases {
         let r = server.post("/jobs", body);
         assert_eq!(r.status, 400, "{body}: {}", r.text());
         let msg = r.json()["error"].as_str().unwrap().to_string();
-        assert!(msg.contains(field), "{body}: the error {msg:?} does not name {field}");
+        assert!(
+            msg.contains(field),
+            "{body}: the error {msg:?} does not name {field}"
+        );
     }
     // Not JSON, not an object, not declared JSON, too large.
     let h = vec![("Content-Type".to_string(), "application/json".to_string())];
@@ -210,8 +271,25 @@ fn a_bad_config_is_a_400_that_names_the_field() {
     let big = format!("{{\"data\": \"{}\"}}", "x".repeat(100_000));
     let r = request(server.port, "POST", "/jobs", &h, Some(big.as_bytes()));
     assert_eq!(r.status, 413, "{}", r.text());
-    assert!(server.get("/jobs").json()["jobs"].as_array().unwrap().is_empty());
+    assert!(server.get("/jobs").json()["jobs"]
+        .as_array()
+        .unwrap()
+        .is_empty());
     assert_eq!(server.get("/jobs/99").status, 404);
+    // A token-less server answers only requests addressed to a loopback name.
+    let rebound = vec![("Host".to_string(), "evil.example:80".to_string())];
+    let mut stream = std::net::TcpStream::connect(("127.0.0.1", server.port)).unwrap();
+    use std::io::{Read, Write};
+    write!(
+        stream,
+        "GET /jobs HTTP/1.1\r\nHost: {}\r\nConnection: close\r\n\r\n",
+        rebound[0].1
+    )
+    .unwrap();
+    let mut answer = String::new();
+    stream.read_to_string(&mut answer).unwrap();
+    assert!(answer.starts_with("HTTP/1.1 403"), "{answer}");
+    assert!(answer.contains("not a loopback name"), "{answer}");
 }
 
 #[test]
@@ -222,14 +300,32 @@ fn a_path_outside_the_roots_is_a_403() {
     let server = Server::start(&ws, &[]);
     let outside = ws.dir.join("outside.jsonl").display().to_string();
     let cases: Vec<(Value, &str)> = vec![
-        (json!({"model": "model", "data": "../outside.jsonl"}), "data"),
+        (
+            json!({"model": "model", "data": "../outside.jsonl"}),
+            "data",
+        ),
         (json!({"model": "model", "data": outside}), "data"),
-        (json!({"model": "model", "data": "up/outside.jsonl"}), "data"),
-        (json!({"model": "model", "data": "train.jsonl", "valid": "/etc/hostname"}), "valid"),
+        (
+            json!({"model": "model", "data": "up/outside.jsonl"}),
+            "data",
+        ),
+        (
+            json!({"model": "model", "data": "train.jsonl", "valid": "/etc/hostname"}),
+            "valid",
+        ),
         (json!({"model": "/", "data": "train.jsonl"}), "model"),
-        (json!({"model": "model", "data": "train.jsonl", "output": "/tmp/lorafit-escape"}), "output"),
-        (json!({"model": "model", "data": "train.jsonl", "output": "up/run"}), "output"),
-        (json!({"model": "model", "data": "train.jsonl", "output": "runs/../../x"}), "output"),
+        (
+            json!({"model": "model", "data": "train.jsonl", "output": "/tmp/lorafit-escape"}),
+            "output",
+        ),
+        (
+            json!({"model": "model", "data": "train.jsonl", "output": "up/run"}),
+            "output",
+        ),
+        (
+            json!({"model": "model", "data": "train.jsonl", "output": "runs/../../x"}),
+            "output",
+        ),
     ];
     for (body, field) in &cases {
         let r = server.post("/jobs", body);
@@ -237,7 +333,10 @@ fn a_path_outside_the_roots_is_a_403() {
         let msg = r.json()["error"].as_str().unwrap().to_string();
         assert!(msg.starts_with(&format!("{field}:")), "{body}: {msg}");
     }
-    assert!(server.get("/jobs").json()["jobs"].as_array().unwrap().is_empty());
+    assert!(server.get("/jobs").json()["jobs"]
+        .as_array()
+        .unwrap()
+        .is_empty());
     // Two jobs may not share an output folder.
     let mut cfg = tiny_job(1);
     cfg["output"] = json!("runs/shared");
@@ -257,11 +356,24 @@ fn a_token_is_required_when_configured_and_off_loopback() {
     let r = server.get("/jobs");
     assert_eq!(r.status, 401);
     assert_eq!(r.header("www-authenticate"), Some("Bearer"));
-    let wrong = vec![("Authorization".to_string(), "Bearer s3cret-token-0123456780".to_string())];
-    assert_eq!(request(server.port, "GET", "/jobs", &wrong, None).status, 401);
+    let wrong = vec![(
+        "Authorization".to_string(),
+        "Bearer s3cret-token-0123456780".to_string(),
+    )];
+    assert_eq!(
+        request(server.port, "GET", "/jobs", &wrong, None).status,
+        401
+    );
     let h = vec![("Content-Type".to_string(), "application/json".to_string())];
     assert_eq!(
-        request(server.port, "POST", "/jobs", &h, Some(tiny_job(1).to_string().as_bytes())).status,
+        request(
+            server.port,
+            "POST",
+            "/jobs",
+            &h,
+            Some(tiny_job(1).to_string().as_bytes())
+        )
+        .status,
         401
     );
     assert_eq!(server.get("/jobs/1/events").status, 401);
@@ -306,7 +418,11 @@ fn fifty_concurrent_status_requests_during_a_run_are_all_answered() {
         let handles: Vec<_> = (0..50)
             .map(|i| {
                 s.spawn(move || {
-                    let path = if i % 5 == 4 { "/jobs".to_string() } else { format!("/jobs/{id}") };
+                    let path = if i % 5 == 4 {
+                        "/jobs".to_string()
+                    } else {
+                        format!("/jobs/{id}")
+                    };
                     let r = request(port, "GET", &path, &[], None);
                     (r.status, r.json())
                 })
@@ -327,7 +443,12 @@ fn fifty_concurrent_status_requests_during_a_run_are_all_answered() {
     }
     assert_eq!(steps.len(), 40);
     assert!(steps.iter().all(|&s| s >= 1));
-    assert_eq!(server.post(&format!("/jobs/{id}/cancel"), &json!({})).status, 200);
+    assert_eq!(
+        server
+            .post(&format!("/jobs/{id}/cancel"), &json!({}))
+            .status,
+        200
+    );
     server.events(id).until("cancelled");
 }
 
@@ -345,8 +466,14 @@ fn a_failing_job_is_marked_failed_and_the_queue_goes_on() {
     let bad_id = server.submit(&bad);
     let good_id = server.submit(&tiny_job(2));
     let events = server.events(bad_id).until("failed");
-    let reason = events.last().unwrap().data["reason"].as_str().unwrap().to_string();
-    assert!(reason.contains("bad.jsonl") && reason.contains("line 2") && reason.contains("rejected"), "{reason}");
+    let reason = events.last().unwrap().data["reason"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(
+        reason.contains("bad.jsonl:2") && reason.contains("\"rejected\": missing"),
+        "{reason}"
+    );
     let job = server.job(bad_id);
     assert_eq!(job["state"], "failed");
     assert_eq!(job["message"], reason);
@@ -391,14 +518,23 @@ fn kill_9_mid_run_then_restart_resumes_to_a_bit_identical_adapter() {
     let events = server.events(id).until("done");
     assert!(
         events.iter().any(|e| e.kind == "state"
-            && e.data["message"].as_str().unwrap_or("").contains("interrupted at step")),
+            && e.data["message"]
+                .as_str()
+                .unwrap_or("")
+                .contains("interrupted at step")),
         "the restart says the job was interrupted"
     );
     let job = server.job(id);
     assert_eq!(job["state"], "done");
-    assert_eq!(job["plan"]["start_step"], 20, "resumed from the step-20 checkpoint");
+    assert_eq!(
+        job["plan"]["start_step"], 20,
+        "resumed from the step-20 checkpoint"
+    );
     assert_eq!(job["step"], steps as i64);
-    assert_eq!(metric_steps(&server, id, "train"), (1..=steps as i64).collect::<Vec<_>>());
+    assert_eq!(
+        metric_steps(&server, id, "train"),
+        (1..=steps as i64).collect::<Vec<_>>()
+    );
     assert_eq!(metric_steps(&server, id, "valid"), vec![0, 40, 80, 120]);
     // The record is the uninterrupted run's, step for step.
     let losses = |id: i64| -> Vec<f64> {
@@ -416,14 +552,24 @@ fn kill_9_mid_run_then_restart_resumes_to_a_bit_identical_adapter() {
     for f in ["adapter_model.safetensors", "adapter_config.json"] {
         let a = std::fs::read(out("uninterrupted").join(f)).unwrap();
         let b = std::fs::read(out("interrupted").join(f)).unwrap();
-        assert!(a == b, "{f}: the resumed run's differs from the uninterrupted run's");
+        assert!(
+            a == b,
+            "{f}: the resumed run's differs from the uninterrupted run's"
+        );
     }
     let a = server.get(&format!("/jobs/{ref_id}/adapter"));
     let b = server.get(&format!("/jobs/{id}/adapter"));
     let fa = lorafit::serve::tar::read_tar(&a.body).unwrap();
     let fb = lorafit::serve::tar::read_tar(&b.body).unwrap();
     let weights = |f: &[(String, Vec<u8>)]| {
-        f.iter().find(|e| e.0.ends_with("adapter_model.safetensors")).unwrap().1.clone()
+        f.iter()
+            .find(|e| e.0.ends_with("adapter_model.safetensors"))
+            .unwrap()
+            .1
+            .clone()
     };
-    assert!(weights(&fa) == weights(&fb), "the downloads' weights are bit-identical");
+    assert!(
+        weights(&fa) == weights(&fb),
+        "the downloads' weights are bit-identical"
+    );
 }

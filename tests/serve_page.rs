@@ -43,7 +43,10 @@ fn base64_decode(text: &str) -> Vec<u8> {
             _ => panic!("not base64: {c}"),
         }
     };
-    let bytes: Vec<u8> = text.bytes().filter(|&c| c != b'=' && !c.is_ascii_whitespace()).collect();
+    let bytes: Vec<u8> = text
+        .bytes()
+        .filter(|&c| c != b'=' && !c.is_ascii_whitespace())
+        .collect();
     let mut out = Vec::with_capacity(bytes.len() * 3 / 4);
     for chunk in bytes.chunks(4) {
         let mut acc = 0u32;
@@ -87,7 +90,9 @@ impl Browser {
             .args(["-c", &script])
             .stdin(Stdio::null())
             .stdout(Stdio::null())
-            .stderr(Stdio::from(std::fs::File::create(dir.join("chromium.log")).unwrap()))
+            .stderr(Stdio::from(
+                std::fs::File::create(dir.join("chromium.log")).unwrap(),
+            ))
             .spawn()
             .unwrap();
         let to_browser = std::fs::OpenOptions::new().write(true).open(&to).unwrap();
@@ -150,7 +155,11 @@ impl Browser {
             "Runtime.evaluate",
             json!({"expression": expr, "returnByValue": true, "awaitPromise": true}),
         );
-        assert!(r.get("exceptionDetails").is_none(), "{expr}: {}", r["exceptionDetails"]);
+        assert!(
+            r.get("exceptionDetails").is_none(),
+            "{expr}: {}",
+            r["exceptionDetails"]
+        );
         r["result"]["value"].clone()
     }
 
@@ -161,7 +170,10 @@ impl Browser {
             if v.as_bool() == Some(true) {
                 return v;
             }
-            assert!(t0.elapsed() < Duration::from_secs(secs), "the page never showed {what}");
+            assert!(
+                t0.elapsed() < Duration::from_secs(secs),
+                "the page never showed {what}"
+            );
             std::thread::sleep(Duration::from_millis(100));
         }
     }
@@ -181,7 +193,10 @@ fn page_submits_a_job_and_charts_it_live() {
             std::env::var("LORAFIT_REQUIRE_CHROMIUM").as_deref() != Ok("1"),
             "LORAFIT_REQUIRE_CHROMIUM=1 but no chromium on PATH"
         );
-        skip::skip_note("page_submits_a_job_and_charts_it_live", "no chromium on PATH (apt-get install chromium)");
+        skip::skip_note(
+            "page_submits_a_job_and_charts_it_live",
+            "no chromium on PATH (apt-get install chromium)",
+        );
         return;
     };
     let ws = Workspace::new("page");
@@ -198,7 +213,10 @@ fn page_submits_a_job_and_charts_it_live() {
         json!({"width": 1400, "height": 900, "deviceScaleFactor": 1, "mobile": false}),
     );
     b.call("Page.enable", json!({}));
-    b.call("Page.navigate", json!({"url": format!("http://127.0.0.1:{}/", server.port)}));
+    b.call(
+        "Page.navigate",
+        json!({"url": format!("http://127.0.0.1:{}/", server.port)}),
+    );
     b.wait_until(
         "the form",
         30,
@@ -228,14 +246,20 @@ fn page_submits_a_job_and_charts_it_live() {
     let t0 = Instant::now();
     let mut seen = Vec::new();
     loop {
-        let n = b.eval("Number(document.getElementById('chart').dataset.points)").as_i64().unwrap();
+        let n = b
+            .eval("Number(document.getElementById('chart').dataset.points)")
+            .as_i64()
+            .unwrap();
         if seen.last() != Some(&n) {
             seen.push(n);
         }
         if n == steps {
             break;
         }
-        assert!(t0.elapsed() < Duration::from_secs(300), "chart points so far: {seen:?}");
+        assert!(
+            t0.elapsed() < Duration::from_secs(300),
+            "chart points so far: {seen:?}"
+        );
         std::thread::sleep(Duration::from_millis(40));
     }
     let nonzero: Vec<i64> = seen.iter().copied().filter(|&n| n > 0).collect();
@@ -259,17 +283,26 @@ fn page_submits_a_job_and_charts_it_live() {
                     if (Math.abs(d[i] - 10) < 40 && Math.abs(d[i+1] - 107) < 40 && Math.abs(d[i+2] - 209) < 40) n++;
                   return n; })()",
     );
-    assert!(loss_pixels.as_i64().unwrap() > 100, "loss line pixels: {loss_pixels}");
+    assert!(
+        loss_pixels.as_i64().unwrap() > 100,
+        "loss line pixels: {loss_pixels}"
+    );
     let log = b.eval("document.getElementById('log').textContent");
     assert!(log.as_str().unwrap().contains("done: 300 steps"), "{log}");
-    assert_eq!(b.eval("document.getElementById('resume-button').disabled"), json!(true));
+    assert_eq!(
+        b.eval("document.getElementById('resume-button').disabled"),
+        json!(true)
+    );
 
     // What the page submitted is what the server ran.
     let job = server.job(1);
     assert_eq!(job["state"], "done");
     assert_eq!(job["config"]["rank"], 4);
     assert_eq!(job["config"]["eval_every"], 100);
-    assert!(job["config"]["data"].as_str().unwrap().ends_with("/train.jsonl"));
+    assert!(job["config"]["data"]
+        .as_str()
+        .unwrap()
+        .ends_with("/train.jsonl"));
 
     let shot = b.call("Page.captureScreenshot", json!({"format": "png"}));
     let png = base64_decode(shot["data"].as_str().unwrap());

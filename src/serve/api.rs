@@ -108,7 +108,10 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/jobs/{id}/adapter", get(adapter))
         .layer(axum::middleware::from_fn_with_state(app.clone(), guard));
     Router::new()
-        .route("/", get(|| async { page(PAGE_HTML, "text/html; charset=utf-8") }))
+        .route(
+            "/",
+            get(|| async { page(PAGE_HTML, "text/html; charset=utf-8") }),
+        )
         .route(
             "/page.js",
             get(|| async { page(PAGE_JS, "text/javascript; charset=utf-8") }),
@@ -134,8 +137,38 @@ fn same_token(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
-/// Authentication (bearer token) and the JSON content type on changing requests.
+/// Whether a `Host` header names this machine's loopback ("localhost", 127.x.x.x, [::1]).
+fn loopback_host(host: &str) -> bool {
+    let name = match host.strip_prefix('[') {
+        Some(rest) => rest.split(']').next().unwrap_or(""),
+        None => host.rsplit_once(':').map_or(host, |(h, _)| h),
+    };
+    name.eq_ignore_ascii_case("localhost")
+        || name
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
+}
+
+/// Authentication (bearer token), the Host check of a token-less server, and the JSON content
+/// type on changing requests.
 async fn guard(State(app): State<Arc<App>>, req: Request, next: Next) -> Response {
+    if app.token.is_none() {
+        // Without a token the server listens on loopback only, and answers only requests that
+        // were sent to a loopback name: a page whose own host name was re-pointed at 127.0.0.1
+        // (DNS rebinding) sends its own name in Host and is refused.
+        let host = req
+            .headers()
+            .get(header::HOST)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("");
+        if !loopback_host(host) {
+            return ApiError::new(
+                StatusCode::FORBIDDEN,
+                format!("Host {host:?} is not a loopback name; a server without a token answers only to localhost"),
+            )
+            .into_response();
+        }
+    }
     if let Some(token) = &app.token {
         let given = req
             .headers()
@@ -229,7 +262,8 @@ pub fn parse_config(body: &Value) -> ApiResult<(TrainConfig, bool)> {
             table.insert(k.clone(), v);
         }
     }
-    let table = TrainConfig::normalize(table).map_err(|e| ApiError::bad_request(format!("{e:#}")))?;
+    let table =
+        TrainConfig::normalize(table).map_err(|e| ApiError::bad_request(format!("{e:#}")))?;
     let named_output = table.contains_key("output");
     let cfg: TrainConfig = table
         .try_into()
@@ -348,7 +382,9 @@ async fn submit(
 async fn list_jobs(State(app): State<Arc<App>>) -> ApiResult<Json<Value>> {
     blocking(&app, |app| {
         let jobs = app.db().jobs()?;
-        Ok(Json(json!({"jobs": jobs.iter().map(summary).collect::<Vec<_>>()})))
+        Ok(Json(
+            json!({"jobs": jobs.iter().map(summary).collect::<Vec<_>>()}),
+        ))
     })
     .await
 }
@@ -372,7 +408,10 @@ async fn cancel(State(app): State<Arc<App>>, Path(id): Path<i64>) -> ApiResult<J
         let job = load_job(app, id)?;
         match job.state {
             JobState::Queued => {
-                if app.db().transition(id, &[JobState::Queued], JobState::Cancelled)? {
+                if app
+                    .db()
+                    .transition(id, &[JobState::Queued], JobState::Cancelled)?
+                {
                     app.set_state(id, JobState::Cancelled, "cancelled before it started")?;
                     app.emit(
                         id,
@@ -391,7 +430,10 @@ async fn cancel(State(app): State<Arc<App>>, Path(id): Path<i64>) -> ApiResult<J
                     .cloned();
                 if let Some(flag) = flag {
                     flag.store(true, Ordering::SeqCst);
-                    if app.db().transition(id, &[JobState::Running], JobState::Cancelling)? {
+                    if app
+                        .db()
+                        .transition(id, &[JobState::Running], JobState::Cancelling)?
+                    {
                         app.set_state(
                             id,
                             JobState::Cancelling,
@@ -437,7 +479,9 @@ async fn resume(State(app): State<Arc<App>>, Path(id): Path<i64>) -> ApiResult<J
             }
         };
         if !app.db().transition(id, &[job.state], JobState::Queued)? {
-            return Err(ApiError::conflict(format!("job {id} changed state; try again")));
+            return Err(ApiError::conflict(format!(
+                "job {id} changed state; try again"
+            )));
         }
         app.set_state(id, JobState::Queued, &message)?;
         app.wake_worker();
@@ -538,8 +582,7 @@ impl EventStream {
             }
             if let Some(ev) = self.backlog.pop_front() {
                 self.last_seq = ev.seq;
-                if is_terminal_kind(&ev.kind) && self.backlog.is_empty() && self.finished().await
-                {
+                if is_terminal_kind(&ev.kind) && self.backlog.is_empty() && self.finished().await {
                     self.ended = true;
                 }
                 let event = to_sse(&ev);
@@ -618,7 +661,11 @@ mod tests {
         let err = |body: Value| parse_config(&body).unwrap_err();
         let e = err(json!({"data": "d", "lerning_rate": 1e-4}));
         assert_eq!(e.status, StatusCode::BAD_REQUEST);
-        assert!(e.message.contains("lerning_rate") && e.message.contains("learning_rate"), "{}", e.message);
+        assert!(
+            e.message.contains("lerning_rate") && e.message.contains("learning_rate"),
+            "{}",
+            e.message
+        );
         let e = err(json!({"data": "d", "lr": -1.0}));
         assert!(e.message.contains("lr = -1"), "{}", e.message);
         let e = err(json!({"data": "d", "steps": "ten"}));
@@ -628,9 +675,37 @@ mod tests {
         let e = err(json!(["data"]));
         assert!(e.message.contains("JSON object"), "{}", e.message);
         let e = err(json!({"data": "d", "steps": 18446744073709551615u64}));
-        assert!(e.message.contains("steps") && e.message.contains("too large"), "{}", e.message);
+        assert!(
+            e.message.contains("steps") && e.message.contains("too large"),
+            "{}",
+            e.message
+        );
         let e = err(json!({}));
         assert!(e.message.contains("data"), "{}", e.message);
+    }
+
+    #[test]
+    fn only_loopback_host_names_pass() {
+        for ok in [
+            "localhost",
+            "localhost:8420",
+            "127.0.0.1:1",
+            "127.3.4.5",
+            "[::1]:80",
+            "[::1]",
+        ] {
+            assert!(loopback_host(ok), "{ok}");
+        }
+        for bad in [
+            "",
+            "evil.example",
+            "evil.example:8420",
+            "10.0.0.1:80",
+            "[::2]:80",
+            "localhost.evil",
+        ] {
+            assert!(!loopback_host(bad), "{bad}");
+        }
     }
 
     #[test]

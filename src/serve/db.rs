@@ -48,7 +48,10 @@ impl JobState {
     }
 
     pub fn is_terminal(self) -> bool {
-        matches!(self, JobState::Done | JobState::Failed | JobState::Cancelled)
+        matches!(
+            self,
+            JobState::Done | JobState::Failed | JobState::Cancelled
+        )
     }
 }
 
@@ -163,7 +166,8 @@ impl Db {
     pub fn open(path: &Path) -> Result<Db> {
         let conn = Connection::open(path)
             .with_context(|| format!("opening the job database {}", path.display()))?;
-        conn.pragma_update(None, "journal_mode", "WAL")?;
+        // journal_mode answers with the mode now in force; WAL is what we asked for.
+        conn.pragma_update_and_check(None, "journal_mode", "WAL", |_| Ok(()))?;
         conn.pragma_update(None, "synchronous", "NORMAL")?;
         conn.pragma_update(None, "foreign_keys", "ON")?;
         conn.busy_timeout(std::time::Duration::from_secs(10))?;
@@ -214,7 +218,9 @@ impl Db {
         let row = self
             .conn
             .query_row(
-                &format!("SELECT {JOB_COLUMNS} FROM jobs WHERE state = 'queued' ORDER BY id LIMIT 1"),
+                &format!(
+                    "SELECT {JOB_COLUMNS} FROM jobs WHERE state = 'queued' ORDER BY id LIMIT 1"
+                ),
                 [],
                 job_from_row,
             )

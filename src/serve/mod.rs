@@ -68,6 +68,26 @@ pub struct App {
 }
 
 impl App {
+    /// The shared state over an open database, and the receiver that wakes the worker.
+    pub fn new(
+        db: Db,
+        roots: paths::Roots,
+        token: Option<String>,
+    ) -> (Arc<App>, mpsc::Receiver<()>) {
+        let (wake_tx, wake_rx) = mpsc::channel();
+        let (events, _) = tokio::sync::broadcast::channel(1024);
+        let app = Arc::new(App {
+            db: Mutex::new(db),
+            roots,
+            token,
+            events,
+            running: Mutex::new(HashMap::new()),
+            shutdown: AtomicBool::new(false),
+            wake: Mutex::new(wake_tx),
+        });
+        (app, wake_rx)
+    }
+
     /// The database; a poisoned lock (a panic while it was held) is taken over, since every
     /// write is a single statement or a transaction and leaves the file consistent.
     pub fn db(&self) -> MutexGuard<'_, Db> {
@@ -118,7 +138,11 @@ fn recover(app: &App) -> Result<()> {
     // (Each list is read into a variable first: a guard in a `for` head lives for the loop.)
     let cancelling = app.db().jobs_in_state(JobState::Cancelling)?;
     for job in cancelling {
-        app.db().set_state(job.id, JobState::Cancelled, Some("cancelled (the server stopped before the job did)"))?;
+        app.db().set_state(
+            job.id,
+            JobState::Cancelled,
+            Some("cancelled (the server stopped before the job did)"),
+        )?;
     }
     let interrupted = app.db().jobs_in_state(JobState::Running)?;
     for job in interrupted {
@@ -127,12 +151,18 @@ fn recover(app: &App) -> Result<()> {
             Some((step, path)) => {
                 app.db().rewind_to(job.id, *step)?;
                 app.db().set_resume_from(job.id, Some(path))?;
-                format!("interrupted at step {}; resuming from the checkpoint of step {step}", job.step)
+                format!(
+                    "interrupted at step {}; resuming from the checkpoint of step {step}",
+                    job.step
+                )
             }
             None => {
                 app.db().rewind_to(job.id, 0)?;
                 app.db().set_resume_from(job.id, None)?;
-                format!("interrupted at step {} before any checkpoint; starting over", job.step)
+                format!(
+                    "interrupted at step {} before any checkpoint; starting over",
+                    job.step
+                )
             }
         };
         eprintln!("job {}: {message}", job.id);
@@ -155,17 +185,7 @@ pub fn run(opts: ServeOptions) -> Result<()> {
             .with_context(|| format!("creating {}", parent.display()))?;
     }
     let db = Db::open(&opts.db)?;
-    let (wake_tx, wake_rx) = mpsc::channel();
-    let (events, _) = tokio::sync::broadcast::channel(1024);
-    let app = Arc::new(App {
-        db: Mutex::new(db),
-        roots,
-        token: opts.token.clone(),
-        events,
-        running: Mutex::new(HashMap::new()),
-        shutdown: AtomicBool::new(false),
-        wake: Mutex::new(wake_tx),
-    });
+    let (app, wake_rx) = App::new(db, roots, opts.token.clone());
     recover(&app)?;
 
     let worker = {
@@ -181,7 +201,7 @@ pub fn run(opts: ServeOptions) -> Result<()> {
         .enable_all()
         .build()
         .context("starting the async runtime")?;
-    let served = runtime.block_on(async {
+    let served: Result<()> = runtime.block_on(async {
         let listener = tokio::net::TcpListener::bind(opts.listen)
             .await
             .with_context(|| format!("listening on {}", opts.listen))?;
@@ -202,7 +222,9 @@ pub fn run(opts: ServeOptions) -> Result<()> {
         // On a signal the server stops at once rather than draining connections: SSE streams
         // would hold a graceful shutdown open for as long as their clients stay.
         tokio::select! {
-            served = axum::serve(listener, api::router(app.clone())) => served.context("serving HTTP"),
+            served = std::future::IntoFuture::into_future(axum::serve(listener, api::router(app.clone()))) => {
+                served.context("serving HTTP")
+            }
             _ = shutdown_signal() => Ok(()),
         }
     });

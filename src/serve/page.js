@@ -250,10 +250,24 @@ function draw() {
     ctx.fillText("0", x0, y1 + 15);
     ctx.fillText(String(maxStep), x1 - 24, y1 + 15);
     if (pts.length) {
-      ctx.strokeStyle = p.color; ctx.lineWidth = 1.6;
-      ctx.beginPath();
-      pts.forEach(([s, v], k) => (k ? ctx.lineTo(X(s), Y(v)) : ctx.moveTo(X(s), Y(v))));
-      ctx.stroke();
+      // Each step is one batch (accuracy of one pair is 0 or 1): the raw values are drawn
+      // faint, their running mean over a window of about a 30th of the run solid.
+      const line = (series, alpha, width) => {
+        ctx.globalAlpha = alpha; ctx.strokeStyle = p.color; ctx.lineWidth = width;
+        ctx.beginPath();
+        series.forEach(([s, v], k) => (k ? ctx.lineTo(X(s), Y(v)) : ctx.moveTo(X(s), Y(v))));
+        ctx.stroke();
+        ctx.globalAlpha = 1;
+      };
+      const win = Math.max(1, Math.round(maxStep / 30));
+      let sum = 0;
+      const mean = pts.map(([s, v], k) => {
+        sum += v;
+        if (k >= win) sum -= pts[k - win][1];
+        return [s, sum / Math.min(k + 1, win)];
+      });
+      line(pts, win > 1 ? 0.3 : 1, 1);
+      if (win > 1) line(mean, 1, 2);
     }
     ctx.fillStyle = "#e67e22";
     for (const [s, v] of vpts) {

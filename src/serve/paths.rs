@@ -30,7 +30,10 @@ impl Roots {
         let mut roots = Vec::new();
         for d in dirs {
             let c = d.canonicalize().map_err(|e| {
-                anyhow::anyhow!("--root {}: {e} (a root must be an existing folder)", d.display())
+                anyhow::anyhow!(
+                    "--root {}: {e} (a root must be an existing folder)",
+                    d.display()
+                )
             })?;
             if !c.is_dir() {
                 anyhow::bail!("--root {}: not a folder", d.display());
@@ -155,8 +158,7 @@ mod tests {
 
     #[test]
     fn escapes_by_dotdot_absolute_path_and_symlink_are_refused() {
-        let base =
-            std::env::temp_dir().join(format!("lorafit-roots-{}", std::process::id()));
+        let base = std::env::temp_dir().join(format!("lorafit-roots-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&base);
         let root = base.join("root");
         let outside = base.join("outside");
@@ -172,8 +174,13 @@ mod tests {
             roots.existing("data", "data/train.jsonl").unwrap(),
             root_c.join("data/train.jsonl")
         );
-        let e = roots.existing("data", "data/../../outside/secret.jsonl").unwrap_err();
-        assert!(e.forbidden && e.field == "data" && e.message.contains(".."), "{e}");
+        let e = roots
+            .existing("data", "data/../../outside/secret.jsonl")
+            .unwrap_err();
+        assert!(
+            e.forbidden && e.field == "data" && e.message.contains(".."),
+            "{e}"
+        );
         let e = roots
             .existing("data", outside.join("secret.jsonl").to_str().unwrap())
             .unwrap_err();

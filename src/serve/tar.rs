@@ -62,7 +62,8 @@ pub fn tar_folder(dir: &Path, prefix: &str) -> Result<Vec<u8>> {
         let name = name
             .to_str()
             .with_context(|| format!("{}: a file name that is not UTF-8", dir.display()))?;
-        let bytes = std::fs::read(e.path()).with_context(|| format!("reading {}", e.path().display()))?;
+        let bytes =
+            std::fs::read(e.path()).with_context(|| format!("reading {}", e.path().display()))?;
         out.extend_from_slice(&header(
             &format!("{prefix}/{name}"),
             bytes.len() as u64,
@@ -100,7 +101,13 @@ pub fn read_tar(bytes: &[u8]) -> Result<Vec<(String, Vec<u8>)>> {
         let sum: u64 = h
             .iter()
             .enumerate()
-            .map(|(i, &b)| if (148..156).contains(&i) { 32 } else { b as u64 })
+            .map(|(i, &b)| {
+                if (148..156).contains(&i) {
+                    32
+                } else {
+                    b as u64
+                }
+            })
             .sum();
         if sum != stored {
             bail!("tar entry {name:?}: checksum {stored} but the header sums to {sum}");

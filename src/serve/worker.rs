@@ -54,8 +54,20 @@ fn run_job(app: &App, job: JobRow) {
 }
 
 fn run_job_inner(app: &App, job: JobRow) -> Result<()> {
+    run_job_with(app, job, train_job)
+}
+
+/// Runs `job` through `train` (the trainer, or a stand-in in tests) and records the outcome.
+fn run_job_with(
+    app: &App,
+    job: JobRow,
+    train: impl FnOnce(&App, &JobRow, &AtomicBool) -> Result<TrainOutcome>,
+) -> Result<()> {
     let id = job.id;
-    if !app.db().transition(id, &[JobState::Queued], JobState::Running)? {
+    if !app
+        .db()
+        .transition(id, &[JobState::Queued], JobState::Running)?
+    {
         return Ok(()); // cancelled or deleted between the queue read and now
     }
     let cancel = Arc::new(AtomicBool::new(false));
@@ -69,9 +81,8 @@ fn run_job_inner(app: &App, job: JobRow) -> Result<()> {
     };
     app.set_state(id, JobState::Running, &message)?;
 
-    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        train_job(app, &job, &cancel)
-    }));
+    let result =
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| train(app, &job, &cancel)));
     app.running
         .lock()
         .unwrap_or_else(|p| p.into_inner())
@@ -95,7 +106,11 @@ fn run_job_inner(app: &App, job: JobRow) -> Result<()> {
             let checkpoint = outcome.adapter_dir.display().to_string();
             app.db().set_resume_from(id, Some(&checkpoint))?;
             if cancel.load(Ordering::SeqCst) {
-                app.set_state(id, JobState::Cancelled, &format!("cancelled at step {step}"))?;
+                app.set_state(
+                    id,
+                    JobState::Cancelled,
+                    &format!("cancelled at step {step}"),
+                )?;
                 app.emit(
                     id,
                     "cancelled",
@@ -146,8 +161,7 @@ fn fail(app: &App, id: i64, step: i64, reason: &str) -> Result<()> {
 
 /// Loads the job's model and data as `lorafit train` does and trains.
 fn train_job(app: &App, job: &JobRow, cancel: &AtomicBool) -> Result<TrainOutcome> {
-    let cfg: TrainConfig =
-        serde_json::from_str(&job.config).context("the job's stored config")?;
+    let cfg: TrainConfig = serde_json::from_str(&job.config).context("the job's stored config")?;
     let device = Device::parse(&cfg.device)?;
     let loaded = trainer::load_model_and_tokenizer(&cfg.model, &device)?;
     let train_items = trainer::load_items(&cfg.data, None, cfg.method, &loaded, &cfg)?;
@@ -229,23 +243,20 @@ impl TrainEvents for JobListener<'_> {
                 });
                 app.db().add_step(id, s.step as i64, &row.to_string())?;
                 let mut data = row;
-                data["message"] = json!(format!(
-                    "step {}/{} | loss {:.4} | {}",
-                    s.step,
-                    s.total_steps,
-                    s.loss,
-                    trainer::fmt_metrics(&s.metrics)
-                ));
+                // The objective's metrics carry the loss; a step without them still shows it.
+                let metrics = match trainer::fmt_metrics(&s.metrics) {
+                    m if s.metrics.contains_key("loss") => m,
+                    m => format!("loss {:.4} | {m}", s.loss),
+                };
+                data["message"] = json!(format!("step {}/{} | {metrics}", s.step, s.total_steps));
                 app.emit(id, "step", Some(s.step as i64), data)?;
             }
             TrainEvent::Valid { step, metrics } => {
                 let row = json!({"step": step, "split": "valid", "metrics": metrics_json(metrics)});
                 app.db().add_valid(id, *step as i64, &row.to_string())?;
                 let mut data = row;
-                data["message"] = json!(format!(
-                    "valid @{step}: {}",
-                    trainer::fmt_metrics(metrics)
-                ));
+                data["message"] =
+                    json!(format!("valid @{step}: {}", trainer::fmt_metrics(metrics)));
                 app.emit(id, "valid", Some(*step as i64), data)?;
             }
             TrainEvent::Checkpoint { step, path, best } => {
@@ -268,5 +279,59 @@ impl TrainEvents for JobListener<'_> {
 
     fn stop_requested(&self) -> bool {
         self.cancel.load(Ordering::SeqCst) || self.app.shutdown.load(Ordering::SeqCst)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::serve::db::Db;
+    use crate::serve::paths::Roots;
+
+    fn app(name: &str) -> std::sync::Arc<App> {
+        let dir =
+            std::env::temp_dir().join(format!("lorafit-worker-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let db = Db::open(&dir.join("jobs.sqlite")).unwrap();
+        App::new(db, Roots::new(&[dir]).unwrap(), None).0
+    }
+
+    fn outcome_of(app: &App, id: i64) -> (JobState, String, Vec<String>) {
+        let job = app.db().job(id).unwrap().unwrap();
+        let kinds = app
+            .db()
+            .events_after(id, 0)
+            .unwrap()
+            .into_iter()
+            .map(|e| e.kind)
+            .collect();
+        (job.state, job.error.unwrap_or_default(), kinds)
+    }
+
+    #[test]
+    fn a_panic_or_an_error_inside_training_fails_the_job_and_nothing_else() {
+        let app = app("panic");
+        let a = app.db().insert_job("{}", "/out/a").unwrap();
+        let b = app.db().insert_job("{}", "/out/b").unwrap();
+        let job = app.db().next_queued().unwrap().unwrap();
+        assert_eq!(job.id, a);
+        run_job_with(&app, job, |_, _, _| panic!("boom at step 3")).unwrap();
+        let (state, reason, kinds) = outcome_of(&app, a);
+        assert_eq!(state, JobState::Failed);
+        assert_eq!(reason, "panic inside training: boom at step 3");
+        assert_eq!(kinds, ["state", "state", "failed"]);
+        // The running table is left empty and the next job runs.
+        assert!(app.running.lock().unwrap().is_empty());
+        let job = app.db().next_queued().unwrap().unwrap();
+        assert_eq!(job.id, b);
+        run_job_with(&app, job, |_, _, _| {
+            Err(anyhow::anyhow!("out of memory").context("training example 4"))
+        })
+        .unwrap();
+        let (state, reason, _) = outcome_of(&app, b);
+        assert_eq!(state, JobState::Failed);
+        assert_eq!(reason, "training example 4: out of memory");
+        assert!(app.db().next_queued().unwrap().is_none());
     }
 }

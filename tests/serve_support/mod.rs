@@ -31,7 +31,7 @@ fn lcg(state: &mut u64) -> u64 {
 /// the vocabulary, rejected ones from the upper half (a learnable preference).
 pub fn pairs_jsonl(n: usize, seed: u64) -> String {
     let mut s = seed.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    let mut words = |count: usize, lo: u64, hi: u64, s: &mut u64| -> String {
+    let words = |count: usize, lo: u64, hi: u64, s: &mut u64| -> String {
         (0..count)
             .map(|_| format!("w{}", lo + lcg(s) % (hi - lo)))
             .collect::<Vec<_>>()
@@ -74,7 +74,11 @@ impl Workspace {
             "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "w0"}
         });
         std::fs::write(model.join("tokenizer.json"), tokenizer.to_string()).unwrap();
-        std::fs::write(model.join("tokenizer_config.json"), r#"{"eos_token": "w1"}"#).unwrap();
+        std::fs::write(
+            model.join("tokenizer_config.json"),
+            r#"{"eos_token": "w1"}"#,
+        )
+        .unwrap();
         std::fs::write(root.join("train.jsonl"), pairs_jsonl(24, 1)).unwrap();
         std::fs::write(root.join("valid.jsonl"), pairs_jsonl(6, 2)).unwrap();
         Workspace { dir, root }
@@ -160,7 +164,13 @@ impl Server {
     pub fn post(&self, path: &str, body: &Value) -> Response {
         let mut h = self.auth();
         h.push(("Content-Type".into(), "application/json".into()));
-        request(self.port, "POST", path, &h, Some(body.to_string().as_bytes()))
+        request(
+            self.port,
+            "POST",
+            path,
+            &h,
+            Some(body.to_string().as_bytes()),
+        )
     }
 
     pub fn delete(&self, path: &str) -> Response {
@@ -239,7 +249,8 @@ fn send_head(
     headers: &[(String, String)],
     body: Option<&[u8]>,
 ) {
-    let mut head = format!("{method} {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nConnection: close\r\n");
+    let mut head =
+        format!("{method} {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nConnection: close\r\n");
     for (k, v) in headers {
         head.push_str(&format!("{k}: {v}\r\n"));
     }
@@ -292,7 +303,9 @@ pub fn request(
     body: Option<&[u8]>,
 ) -> Response {
     let mut stream = TcpStream::connect(("127.0.0.1", port)).unwrap();
-    stream.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(60)))
+        .unwrap();
     send_head(&mut stream, port, method, path, headers, body);
     let mut reader = BufReader::new(stream);
     let (status, headers) = read_head(&mut reader);
@@ -317,7 +330,8 @@ fn dechunk(mut raw: &[u8]) -> Vec<u8> {
             return out;
         };
         let size_text = String::from_utf8_lossy(&raw[..eol]);
-        let size = usize::from_str_radix(size_text.split(';').next().unwrap().trim(), 16).unwrap_or(0);
+        let size =
+            usize::from_str_radix(size_text.split(';').next().unwrap().trim(), 16).unwrap_or(0);
         raw = &raw[eol + 2..];
         if size == 0 || raw.len() < size {
             return out;
@@ -346,7 +360,9 @@ pub struct EventReader {
 impl EventReader {
     pub fn open(port: u16, path: &str, headers: &[(String, String)]) -> EventReader {
         let mut stream = TcpStream::connect(("127.0.0.1", port)).unwrap();
-        stream.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
+        stream
+            .set_read_timeout(Some(Duration::from_secs(120)))
+            .unwrap();
         send_head(&mut stream, port, "GET", path, headers, None);
         let mut reader = BufReader::new(stream);
         let (status, headers) = read_head(&mut reader);
@@ -375,7 +391,8 @@ impl EventReader {
                 self.ended = true;
                 return false;
             }
-            let size = usize::from_str_radix(line.trim().split(';').next().unwrap_or("0"), 16).unwrap_or(0);
+            let size = usize::from_str_radix(line.trim().split(';').next().unwrap_or("0"), 16)
+                .unwrap_or(0);
             if size == 0 {
                 self.ended = true;
                 return false;
@@ -385,7 +402,8 @@ impl EventReader {
                 self.ended = true;
                 return false;
             }
-            self.pending.push_str(&String::from_utf8_lossy(&buf[..size]));
+            self.pending
+                .push_str(&String::from_utf8_lossy(&buf[..size]));
         } else {
             let mut buf = [0u8; 4096];
             match self.reader.read(&mut buf) {
