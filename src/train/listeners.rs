@@ -62,10 +62,7 @@ impl TrainEvents for Console {
                             .unwrap_or_default(),
                         s.tokens_per_second(),
                         if self.cuda {
-                            format!(
-                                " | peak {:.2} GiB",
-                                s.peak_bytes as f64 / (1u64 << 30) as f64
-                            )
+                            format!(" | peak {:.2} GiB", s.peak_bytes as f64 / (1u64 << 30) as f64)
                         } else {
                             String::new()
                         }
