@@ -174,7 +174,7 @@ fn cancel_a_running_job_resume_it_and_cancel_a_queued_one() {
     assert_eq!(r.status, 200, "{}", r.text());
     let rest = stream.until("cancelled");
     let stopped_at = rest.last().unwrap().data["step"].as_i64().unwrap();
-    assert!(stopped_at >= 1 && stopped_at < 100_000, "{stopped_at}");
+    assert!((1..100_000).contains(&stopped_at), "{stopped_at}");
     let job = server.job(id);
     assert_eq!(job["state"], "cancelled");
     assert_eq!(job["step"], stopped_at);
@@ -277,15 +277,11 @@ fn a_bad_config_is_a_400_that_names_the_field() {
         .is_empty());
     assert_eq!(server.get("/jobs/99").status, 404);
     // A token-less server answers only requests addressed to a loopback name.
-    let rebound = vec![("Host".to_string(), "evil.example:80".to_string())];
     let mut stream = std::net::TcpStream::connect(("127.0.0.1", server.port)).unwrap();
     use std::io::{Read, Write};
-    write!(
-        stream,
-        "GET /jobs HTTP/1.1\r\nHost: {}\r\nConnection: close\r\n\r\n",
-        rebound[0].1
-    )
-    .unwrap();
+    stream
+        .write_all(b"GET /jobs HTTP/1.1\r\nHost: evil.example:80\r\nConnection: close\r\n\r\n")
+        .unwrap();
     let mut answer = String::new();
     stream.read_to_string(&mut answer).unwrap();
     assert!(answer.starts_with("HTTP/1.1 403"), "{answer}");
@@ -571,5 +567,55 @@ fn kill_9_mid_run_then_restart_resumes_to_a_bit_identical_adapter() {
     assert!(
         weights(&fa) == weights(&fb),
         "the downloads' weights are bit-identical"
+    );
+}
+
+#[test]
+fn sigterm_checkpoints_the_running_job_and_the_next_server_resumes_it() {
+    let ws = Workspace::new("sigterm");
+    let mut server = Server::start(&ws, &[]);
+    let id = server.submit(&tiny_job(100_000));
+    server.events(id).until("step");
+    let pid = server.child.id().to_string();
+    assert!(std::process::Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .unwrap()
+        .success());
+    let t0 = std::time::Instant::now();
+    let status = loop {
+        if let Some(s) = server.child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            t0.elapsed().as_secs() < 60,
+            "the server did not stop on SIGTERM"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    assert!(status.success(), "{status:?}");
+
+    let server = Server::start(&ws, &[]);
+    let job = server.wait_for(id, 60, |j| {
+        j["state"] == "running"
+            && !j["plan"]["start_step"].is_null()
+            && j["plan"]["start_step"] != 0
+    });
+    let stopped_at = job["plan"]["start_step"].as_i64().unwrap();
+    assert!(job["plan"]["resumed_from"]
+        .as_str()
+        .unwrap()
+        .ends_with(&format!("checkpoint-{stopped_at:06}")));
+    assert_eq!(
+        server
+            .post(&format!("/jobs/{id}/cancel"), &json!({}))
+            .status,
+        200
+    );
+    server.events(id).until("cancelled");
+    let n = server.job(id)["step"].as_i64().unwrap();
+    assert_eq!(
+        metric_steps(&server, id, "train"),
+        (1..=n).collect::<Vec<_>>()
     );
 }
