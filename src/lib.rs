@@ -13,6 +13,7 @@ pub mod eval;
 pub mod export;
 pub mod infer;
 pub mod model;
+pub mod serve;
 pub mod tensor;
 pub mod train;
 

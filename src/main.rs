@@ -65,6 +65,8 @@ enum Cmd {
     /// A trained adapter as a merged Hugging Face folder, a llama.cpp GGUF adapter and (for a
     /// GGUF base) a merged GGUF; --check compares each against the trainer's logits.
     Export(ExportArgs),
+    /// The job runner: an HTTP API and web page that queue, run and report training jobs.
+    Serve(ServeArgs),
 }
 
 #[derive(clap::Args)]
@@ -188,6 +190,43 @@ fn run_export(a: ExportArgs) -> Result<()> {
         }
     }
     Ok(())
+}
+
+#[derive(clap::Args)]
+struct ServeArgs {
+    /// Address to listen on (port 0 picks a free port; the first stdout line names it). A
+    /// non-loopback address needs --token-file.
+    #[arg(long, default_value = "127.0.0.1:8420")]
+    listen: std::net::SocketAddr,
+    /// The SQLite file holding jobs, events, metrics and checkpoints.
+    #[arg(long, default_value = "lorafit-jobs.sqlite")]
+    db: PathBuf,
+    /// A file whose first line is the bearer token every API request must carry.
+    #[arg(long)]
+    token_file: Option<PathBuf>,
+    /// A folder that jobs may read models and data from and write outputs into (repeatable;
+    /// relative paths in a job resolve against the first). Default: the current folder.
+    #[arg(long = "root")]
+    roots: Vec<PathBuf>,
+}
+
+fn run_serve(a: ServeArgs) -> Result<()> {
+    let token = a
+        .token_file
+        .as_deref()
+        .map(lorafit::serve::read_token_file)
+        .transpose()?;
+    let roots = if a.roots.is_empty() {
+        vec![std::env::current_dir()?]
+    } else {
+        a.roots
+    };
+    lorafit::serve::run(lorafit::serve::ServeOptions {
+        listen: a.listen,
+        db: a.db,
+        token,
+        roots,
+    })
 }
 
 #[derive(clap::Args)]
@@ -712,6 +751,7 @@ fn main() {
         Cmd::Bench(a) => lorafit::bench::run(a),
         Cmd::Curate(a) => run_curate(a),
         Cmd::Export(a) => run_export(a),
+        Cmd::Serve(a) => run_serve(a),
         Cmd::Selftest { device, seed } => {
             (|| {
                 let device = Device::parse(&device)?;

@@ -1,0 +1,337 @@
+//! The job worker: one blocking thread (training never runs on the async runtime) that takes the
+//! oldest queued job, loads its model and data with the same functions as `lorafit train`, and
+//! runs `trainer::train_with` with a listener that stores and publishes what the trainer reports.
+//! One job runs at a time: a device trains one run. A job that fails (bad data, out of memory, a
+//! panic inside training) is marked failed with its reason and the queue goes on.
+
+use super::db::{JobRow, JobState};
+use super::App;
+use crate::config::TrainConfig;
+use crate::tensor::Device;
+use crate::train::events::{TrainEvent, TrainEvents};
+use crate::train::trainer::{self, TrainOutcome};
+use anyhow::{Context, Result};
+use serde_json::json;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc};
+use std::time::Duration;
+
+/// Runs queued jobs until the server shuts down.
+pub fn run_queue(app: &App, wake: mpsc::Receiver<()>) {
+    while !app.shutdown.load(Ordering::SeqCst) {
+        let next = app.db().next_queued();
+        match next {
+            Ok(Some(job)) => run_job(app, job),
+            Ok(None) => {
+                // Woken by a submit or a resume; the timeout is only a safety net.
+                let _ = wake.recv_timeout(Duration::from_secs(2));
+            }
+            Err(e) => {
+                eprintln!("job worker: reading the queue: {e:#}");
+                std::thread::sleep(Duration::from_secs(1));
+            }
+        }
+    }
+}
+
+fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = payload.downcast_ref::<&str>() {
+        s.to_string()
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "a panic with no message".to_string()
+    }
+}
+
+fn run_job(app: &App, job: JobRow) {
+    let id = job.id;
+    if let Err(e) = run_job_inner(app, job) {
+        // Only the database itself failing brings us here; say so where the operator looks.
+        eprintln!("job {id}: recording its outcome failed: {e:#}");
+    }
+}
+
+fn run_job_inner(app: &App, job: JobRow) -> Result<()> {
+    run_job_with(app, job, train_job)
+}
+
+/// Runs `job` through `train` (the trainer, or a stand-in in tests) and records the outcome.
+fn run_job_with(
+    app: &App,
+    job: JobRow,
+    train: impl FnOnce(&App, &JobRow, &AtomicBool) -> Result<TrainOutcome>,
+) -> Result<()> {
+    let id = job.id;
+    if !app
+        .db()
+        .transition(id, &[JobState::Queued], JobState::Running)?
+    {
+        return Ok(()); // cancelled or deleted between the queue read and now
+    }
+    let cancel = Arc::new(AtomicBool::new(false));
+    app.running
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .insert(id, cancel.clone());
+    let message = match &job.resume_from {
+        Some(dir) => format!("running (resuming from {dir})"),
+        None => "running".to_string(),
+    };
+    app.set_state(id, JobState::Running, &message)?;
+
+    let result =
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| train(app, &job, &cancel)));
+    app.running
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .remove(&id);
+
+    let step = app.db().job(id)?.map(|j| j.step).unwrap_or(0);
+    match result {
+        Ok(Ok(outcome)) if !outcome.stopped => {
+            app.db().set_resume_from(id, None)?;
+            let adapter = outcome.adapter_dir.display().to_string();
+            app.set_state(id, JobState::Done, &format!("done at step {step}"))?;
+            app.emit(
+                id,
+                "done",
+                None,
+                json!({"step": step, "adapter": adapter,
+                       "message": format!("done: {step} steps; adapter in {adapter}")}),
+            )?;
+        }
+        Ok(Ok(outcome)) => {
+            let checkpoint = outcome.adapter_dir.display().to_string();
+            app.db().set_resume_from(id, Some(&checkpoint))?;
+            if cancel.load(Ordering::SeqCst) {
+                app.set_state(
+                    id,
+                    JobState::Cancelled,
+                    &format!("cancelled at step {step}"),
+                )?;
+                app.emit(
+                    id,
+                    "cancelled",
+                    None,
+                    json!({"step": step, "checkpoint": checkpoint,
+                           "message": format!("cancelled at step {step}; checkpoint in {checkpoint}")}),
+                )?;
+            } else {
+                // The server is shutting down: the job goes back into the queue.
+                app.set_state(
+                    id,
+                    JobState::Queued,
+                    &format!("server stopped at step {step}; resumes from {checkpoint}"),
+                )?;
+            }
+        }
+        Ok(Err(e)) => fail(app, id, step, &format!("{e:#}"))?,
+        Err(payload) => fail(
+            app,
+            id,
+            step,
+            &format!("panic inside training: {}", panic_message(payload.as_ref())),
+        )?,
+    }
+    Ok(())
+}
+
+fn fail(app: &App, id: i64, step: i64, reason: &str) -> Result<()> {
+    // A failed job resumes, if asked, from its last complete checkpoint.
+    let checkpoint = app.db().last_checkpoint(id)?;
+    app.db()
+        .set_resume_from(id, checkpoint.as_ref().map(|c| c.1.as_str()))?;
+    eprintln!("job {id}: failed at step {step}: {reason}");
+    app.db().set_state(id, JobState::Failed, Some(reason))?;
+    app.emit(
+        id,
+        "state",
+        None,
+        json!({"state": "failed", "message": format!("failed: {reason}")}),
+    )?;
+    app.emit(
+        id,
+        "failed",
+        None,
+        json!({"step": step, "reason": reason, "message": format!("failed at step {step}: {reason}")}),
+    )
+}
+
+/// Loads the job's model and data as `lorafit train` does and trains.
+fn train_job(app: &App, job: &JobRow, cancel: &AtomicBool) -> Result<TrainOutcome> {
+    let cfg: TrainConfig = serde_json::from_str(&job.config).context("the job's stored config")?;
+    let device = Device::parse(&cfg.device)?;
+    let loaded = trainer::load_model_and_tokenizer(&cfg.model, &device)?;
+    let train_items = trainer::load_items(&cfg.data, None, cfg.method, &loaded, &cfg)?;
+    let valid_items = match &cfg.valid {
+        Some(v) => trainer::load_items(v, None, cfg.method, &loaded, &cfg)?,
+        None => vec![],
+    };
+    let resume = job.resume_from.as_ref().map(PathBuf::from);
+    let mut listener = JobListener {
+        app,
+        id: job.id,
+        cancel,
+    };
+    trainer::train_with(
+        &cfg,
+        resume.as_deref(),
+        &loaded,
+        &train_items,
+        &valid_items,
+        &mut listener,
+    )
+}
+
+/// Stores what the trainer reports (events, metric rows, checkpoints, progress) and publishes
+/// it; asks the trainer to stop when the job is cancelled or the server shuts down.
+struct JobListener<'a> {
+    app: &'a App,
+    id: i64,
+    cancel: &'a AtomicBool,
+}
+
+fn finite(v: f64) -> serde_json::Value {
+    // JSON has no NaN or infinity: a non-finite value is sent as null, not dropped.
+    if v.is_finite() {
+        json!(v)
+    } else {
+        serde_json::Value::Null
+    }
+}
+
+fn metrics_json(m: &std::collections::BTreeMap<String, f64>) -> serde_json::Value {
+    serde_json::Value::Object(m.iter().map(|(k, v)| (k.clone(), finite(*v))).collect())
+}
+
+impl TrainEvents for JobListener<'_> {
+    fn event(&mut self, event: &TrainEvent<'_>) -> Result<()> {
+        let (app, id) = (self.app, self.id);
+        match event {
+            TrainEvent::Started(r) => {
+                let plan = json!({
+                    "method": r.method, "device": r.device,
+                    "train_examples": r.train_examples, "valid_examples": r.valid_examples,
+                    "total_steps": r.total_steps, "start_step": r.start_step,
+                    "grad_accum": r.grad_accum, "peak_lr": r.peak_lr,
+                    "warmup_steps": r.warmup_steps, "lora_rank": r.lora_rank,
+                    "lora_alpha": r.lora_alpha, "lora_params": r.lora_params,
+                    "output": r.output, "resumed_from": r.resumed_from,
+                    "segment_size": r.segment_size, "keep_attention": r.keep_attention,
+                    "keep_kv_layers": r.keep_kv_layers, "head": r.head,
+                    "prefix_shared": r.prefix_shared,
+                });
+                app.db()
+                    .set_plan(id, &plan.to_string(), r.total_steps as i64)?;
+                let mut data = plan;
+                data["message"] = json!(format!(
+                    "plan: {} on {} | {} train / {} valid examples | {} steps from step {} | lr {:.2e} | LoRA r{} on {} params",
+                    r.method, r.device, r.train_examples, r.valid_examples, r.total_steps,
+                    r.start_step, r.peak_lr, r.lora_rank, r.lora_params
+                ));
+                app.emit(id, "started", None, data)?;
+            }
+            TrainEvent::Step(s) => {
+                let row = json!({
+                    "step": s.step, "total_steps": s.total_steps, "split": "train",
+                    "loss": finite(s.loss), "lr": s.learning_rate, "grad_norm": finite(s.grad_norm),
+                    "tokens": s.tokens, "tokens_per_s": s.tokens_per_second(),
+                    "step_s": s.step_seconds, "peak_bytes": s.peak_bytes,
+                    "metrics": metrics_json(&s.metrics),
+                });
+                app.db().add_step(id, s.step as i64, &row.to_string())?;
+                let mut data = row;
+                // The objective's metrics carry the loss; a step without them still shows it.
+                let metrics = match trainer::fmt_metrics(&s.metrics) {
+                    m if s.metrics.contains_key("loss") => m,
+                    m => format!("loss {:.4} | {m}", s.loss),
+                };
+                data["message"] = json!(format!("step {}/{} | {metrics}", s.step, s.total_steps));
+                app.emit(id, "step", Some(s.step as i64), data)?;
+            }
+            TrainEvent::Valid { step, metrics } => {
+                let row = json!({"step": step, "split": "valid", "metrics": metrics_json(metrics)});
+                app.db().add_valid(id, *step as i64, &row.to_string())?;
+                let mut data = row;
+                data["message"] =
+                    json!(format!("valid @{step}: {}", trainer::fmt_metrics(metrics)));
+                app.emit(id, "valid", Some(*step as i64), data)?;
+            }
+            TrainEvent::Checkpoint { step, path, best } => {
+                let path = path.display().to_string();
+                app.db().add_checkpoint(id, *step as i64, &path, *best)?;
+                app.emit(
+                    id,
+                    "checkpoint",
+                    Some(*step as i64),
+                    json!({"step": step, "path": path, "best": best,
+                           "message": format!("checkpoint of step {step}{} in {path}",
+                                              if *best { " (best margin)" } else { "" })}),
+                )?;
+            }
+            // The worker reports the outcome once `train_with` returns.
+            TrainEvent::Stopped { .. } | TrainEvent::Finished { .. } => {}
+        }
+        Ok(())
+    }
+
+    fn stop_requested(&self) -> bool {
+        self.cancel.load(Ordering::SeqCst) || self.app.shutdown.load(Ordering::SeqCst)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::serve::db::Db;
+    use crate::serve::paths::Roots;
+
+    fn app(name: &str) -> std::sync::Arc<App> {
+        let dir =
+            std::env::temp_dir().join(format!("lorafit-worker-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let db = Db::open(&dir.join("jobs.sqlite")).unwrap();
+        App::new(db, Roots::new(&[dir]).unwrap(), None).0
+    }
+
+    fn outcome_of(app: &App, id: i64) -> (JobState, String, Vec<String>) {
+        let job = app.db().job(id).unwrap().unwrap();
+        let kinds = app
+            .db()
+            .events_after(id, 0)
+            .unwrap()
+            .into_iter()
+            .map(|e| e.kind)
+            .collect();
+        (job.state, job.error.unwrap_or_default(), kinds)
+    }
+
+    #[test]
+    fn a_panic_or_an_error_inside_training_fails_the_job_and_nothing_else() {
+        let app = app("panic");
+        let a = app.db().insert_job("{}", "/out/a").unwrap();
+        let b = app.db().insert_job("{}", "/out/b").unwrap();
+        let job = app.db().next_queued().unwrap().unwrap();
+        assert_eq!(job.id, a);
+        run_job_with(&app, job, |_, _, _| panic!("boom at step 3")).unwrap();
+        let (state, reason, kinds) = outcome_of(&app, a);
+        assert_eq!(state, JobState::Failed);
+        assert_eq!(reason, "panic inside training: boom at step 3");
+        assert_eq!(kinds, ["state", "state", "failed"]);
+        // The running table is left empty and the next job runs.
+        assert!(app.running.lock().unwrap().is_empty());
+        let job = app.db().next_queued().unwrap().unwrap();
+        assert_eq!(job.id, b);
+        run_job_with(&app, job, |_, _, _| {
+            Err(anyhow::anyhow!("out of memory").context("training example 4"))
+        })
+        .unwrap();
+        let (state, reason, _) = outcome_of(&app, b);
+        assert_eq!(state, JobState::Failed);
+        assert_eq!(reason, "training example 4: out of memory");
+        assert!(app.db().next_queued().unwrap().is_none());
+    }
+}

@@ -1,0 +1,621 @@
+//! `lorafit serve` end to end on the CPU: each test starts its own server (the real binary, on an
+//! ephemeral loopback port, with its own database and root) and drives it over HTTP with a tiny
+//! model: submit → events → done → adapter download; cancel and resume; the queue; a bad config
+//! (400 naming the field); a path escape (403); a missing token (401); 50 concurrent status
+//! requests during a run; a failing job; and a kill -9 mid-run after which the restarted server
+//! resumes the job to an adapter bit-identical to an uninterrupted run's.
+
+mod serve_support;
+use serde_json::{json, Value};
+use serve_support::*;
+use std::collections::BTreeSet;
+
+fn kinds(events: &[Sse]) -> Vec<&str> {
+    events.iter().map(|e| e.kind.as_str()).collect()
+}
+
+fn steps_of(events: &[Sse], kind: &str) -> Vec<i64> {
+    events
+        .iter()
+        .filter(|e| e.kind == kind)
+        .map(|e| e.data["step"].as_i64().unwrap())
+        .collect()
+}
+
+fn metric_steps(server: &Server, id: i64, split: &str) -> Vec<i64> {
+    let m = server.get(&format!("/jobs/{id}/metrics"));
+    assert_eq!(m.status, 200, "{}", m.text());
+    m.json()["rows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|r| r["split"] == split)
+        .map(|r| r["step"].as_i64().unwrap())
+        .collect()
+}
+
+#[test]
+fn submit_follow_events_and_download_the_adapter() {
+    let ws = Workspace::new("submit");
+    let server = Server::start(&ws, &[]);
+    let mut cfg = tiny_job(8);
+    cfg["eval_every"] = json!(4);
+    cfg["save_every"] = json!(3);
+    let id = server.submit(&cfg);
+    let mut stream = server.events(id);
+    let events = stream.until("done");
+    assert!(stream.rest().is_empty(), "the stream ends after `done`");
+
+    let k = kinds(&events);
+    assert_eq!(k[0], "state");
+    assert_eq!(events[0].data["state"], "queued");
+    assert!(k.contains(&"started"), "{k:?}");
+    assert_eq!(steps_of(&events, "step"), (1..=8).collect::<Vec<_>>());
+    assert_eq!(steps_of(&events, "valid"), vec![0, 4, 8]);
+    // Periodic checkpoints at 3 and 6, the final one at 8, plus best-margin copies.
+    let ckpts: BTreeSet<i64> = events
+        .iter()
+        .filter(|e| e.kind == "checkpoint" && e.data["best"] == false)
+        .map(|e| e.data["step"].as_i64().unwrap())
+        .collect();
+    assert_eq!(ckpts, BTreeSet::from([3, 6, 8]));
+    let ids: Vec<i64> = events.iter().map(|e| e.id).collect();
+    assert!(
+        ids.windows(2).all(|w| w[0] < w[1]),
+        "event ids increase: {ids:?}"
+    );
+    for e in events.iter().filter(|e| e.kind == "step") {
+        let loss = e.data["loss"].as_f64().unwrap();
+        assert!(loss.is_finite() && loss > 0.0, "{}", e.data);
+        assert_eq!(e.data["total_steps"], 8);
+        assert!(e.data["metrics"]["margin"].is_number(), "{}", e.data);
+    }
+
+    let job = server.job(id);
+    assert_eq!(job["state"], "done");
+    assert_eq!(
+        (job["step"].as_i64(), job["total_steps"].as_i64()),
+        (Some(8), Some(8))
+    );
+    assert_eq!(job["plan"]["total_steps"], 8);
+    assert_eq!(job["plan"]["lora_rank"], 4);
+    assert_eq!(job["config"]["rank"], 4);
+    assert_eq!(job["latest"]["train"]["step"], 8);
+    assert_eq!(job["latest"]["valid"]["step"], 8);
+    let output = std::path::PathBuf::from(job["output"].as_str().unwrap());
+    assert_eq!(output, ws.root.canonicalize().unwrap().join("runs/job-1"));
+    assert_eq!(
+        metric_steps(&server, id, "train"),
+        (1..=8).collect::<Vec<_>>()
+    );
+    assert_eq!(metric_steps(&server, id, "valid"), vec![0, 4, 8]);
+
+    // A replay from the start sends the same events again, and one after the last id nothing.
+    let replay = server.events(id).rest();
+    assert_eq!(kinds(&replay), k);
+    let last = events.last().unwrap().id;
+    let after = EventReader::open(
+        server.port,
+        &format!("/jobs/{id}/events"),
+        &[("Last-Event-ID".into(), last.to_string())],
+    )
+    .rest();
+    assert!(after.is_empty(), "{after:?}");
+
+    let r = server.get(&format!("/jobs/{id}/adapter"));
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.header("content-type"), Some("application/x-tar"));
+    let files = lorafit::serve::tar::read_tar(&r.body).unwrap();
+    let names: Vec<&str> = files.iter().map(|f| f.0.as_str()).collect();
+    assert!(
+        names.contains(&"job-1-adapter/adapter_model.safetensors"),
+        "{names:?}"
+    );
+    assert!(
+        names.contains(&"job-1-adapter/adapter_config.json"),
+        "{names:?}"
+    );
+    for (name, bytes) in &files {
+        let on_disk = std::fs::read(
+            output
+                .join("adapter")
+                .join(name.rsplit('/').next().unwrap()),
+        )
+        .unwrap();
+        assert!(bytes == &on_disk, "{name} differs from the adapter on disk");
+    }
+    let adapter_config: Value = serde_json::from_slice(
+        &files
+            .iter()
+            .find(|f| f.0.ends_with("adapter_config.json"))
+            .unwrap()
+            .1,
+    )
+    .unwrap();
+    assert_eq!(adapter_config["r"], 4);
+
+    let listed = server.get("/jobs").json();
+    assert_eq!(listed["jobs"][0]["id"], id);
+    assert_eq!(listed["jobs"][0]["state"], "done");
+    let r = server.delete(&format!("/jobs/{id}"));
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(server.get(&format!("/jobs/{id}")).status, 404);
+    assert!(
+        output.join("adapter/adapter_model.safetensors").is_file(),
+        "files stay"
+    );
+}
+
+#[test]
+fn cancel_a_running_job_resume_it_and_cancel_a_queued_one() {
+    let ws = Workspace::new("cancel");
+    let server = Server::start(&ws, &[]);
+    let long = tiny_job(100_000);
+    let id = server.submit(&long);
+    let mut queued_cfg = tiny_job(5);
+    queued_cfg["output"] = json!("runs/second");
+    let second = server.submit(&queued_cfg);
+    let mut stream = server.events(id);
+    stream.until("step");
+    // One job at a time: the second waits in the queue.
+    assert_eq!(server.job(second)["state"], "queued");
+    assert_eq!(
+        server.delete(&format!("/jobs/{id}")).status,
+        409,
+        "a running job is not deleted"
+    );
+    assert_eq!(server.get(&format!("/jobs/{id}/adapter")).status, 409);
+
+    let r = server.post(&format!("/jobs/{second}/cancel"), &json!({}));
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.json()["state"], "cancelled");
+
+    let r = server.post(&format!("/jobs/{id}/cancel"), &json!({}));
+    assert_eq!(r.status, 200, "{}", r.text());
+    let rest = stream.until("cancelled");
+    let stopped_at = rest.last().unwrap().data["step"].as_i64().unwrap();
+    assert!((1..100_000).contains(&stopped_at), "{stopped_at}");
+    let job = server.job(id);
+    assert_eq!(job["state"], "cancelled");
+    assert_eq!(job["step"], stopped_at);
+    assert_eq!(job["checkpoint"]["step"], stopped_at);
+    let ckpt = std::path::PathBuf::from(job["checkpoint"]["path"].as_str().unwrap());
+    assert!(ckpt.join("trainer_state.json").is_file());
+    let state: Value =
+        serde_json::from_str(&std::fs::read_to_string(ckpt.join("trainer_state.json")).unwrap())
+            .unwrap();
+    assert_eq!(state["step"], stopped_at);
+    // The second job never ran.
+    assert_eq!(server.job(second)["step"], 0);
+    assert_eq!(
+        server
+            .post(&format!("/jobs/{second}/cancel"), &json!({}))
+            .status,
+        409
+    );
+
+    // Resume: it continues from the checkpoint; steps stay continuous.
+    let r = server.post(&format!("/jobs/{id}/resume"), &json!({}));
+    assert_eq!(r.status, 200, "{}", r.text());
+    let mut stream = server.events(id);
+    let target = stopped_at + 3;
+    loop {
+        let e = stream.next_event().expect("events after resume");
+        if e.kind == "step" && e.data["step"].as_i64().unwrap() >= target {
+            break;
+        }
+    }
+    assert_eq!(
+        server
+            .post(&format!("/jobs/{id}/cancel"), &json!({}))
+            .status,
+        200
+    );
+    stream.until("cancelled");
+    let job = server.job(id);
+    assert_eq!(job["plan"]["start_step"], stopped_at);
+    let steps = metric_steps(&server, id, "train");
+    let n = job["step"].as_i64().unwrap();
+    assert!(n >= target);
+    assert_eq!(
+        steps,
+        (1..=n).collect::<Vec<_>>(),
+        "train rows: each step once"
+    );
+}
+
+#[test]
+fn a_bad_config_is_a_400_that_names_the_field() {
+    let ws = Workspace::new("badcfg");
+    let server = Server::start(&ws, &[]);
+    let cases: &[(Value, &str)] = &[
+        (
+            json!({"data": "train.jsonl", "lerning_rate": 1e-4}),
+            "lerning_rate",
+        ),
+        (json!({"data": "train.jsonl", "steps": "ten"}), "steps"),
+        (json!({"data": "train.jsonl", "lr": -1.0}), "lr"),
+        (
+            json!({"data": "train.jsonl", "warmup_ratio": 2.0}),
+            "warmup_ratio",
+        ),
+        (json!({"data": "train.jsonl", "method": "ppo"}), "method"),
+        (
+            json!({"data": "train.jsonl", "max_prompt_len": 64, "max_seq_len": 64}),
+            "max_prompt_len",
+        ),
+        (json!({"model": "model"}), "data"),
+        (
+            json!({"data": "train.jsonl", "model": "no-such-model"}),
+            "model",
+        ),
+    ];
+    for (body, field) in cases {
+        let r = server.post("/jobs", body);
+        assert_eq!(r.status, 400, "{body}: {}", r.text());
+        let msg = r.json()["error"].as_str().unwrap().to_string();
+        assert!(
+            msg.contains(field),
+            "{body}: the error {msg:?} does not name {field}"
+        );
+    }
+    // Not JSON, not an object, not declared JSON, too large.
+    let h = vec![("Content-Type".to_string(), "application/json".to_string())];
+    let r = request(server.port, "POST", "/jobs", &h, Some(b"{not json"));
+    assert_eq!(r.status, 400, "{}", r.text());
+    let r = server.post("/jobs", &json!([1, 2]));
+    assert_eq!(r.status, 400);
+    assert!(r.json()["error"].as_str().unwrap().contains("JSON object"));
+    let r = request(server.port, "POST", "/jobs", &[], Some(b"{}"));
+    assert_eq!(r.status, 415, "{}", r.text());
+    let big = format!("{{\"data\": \"{}\"}}", "x".repeat(100_000));
+    let r = request(server.port, "POST", "/jobs", &h, Some(big.as_bytes()));
+    assert_eq!(r.status, 413, "{}", r.text());
+    assert!(server.get("/jobs").json()["jobs"]
+        .as_array()
+        .unwrap()
+        .is_empty());
+    assert_eq!(server.get("/jobs/99").status, 404);
+    // A token-less server answers only requests addressed to a loopback name.
+    let mut stream = std::net::TcpStream::connect(("127.0.0.1", server.port)).unwrap();
+    use std::io::{Read, Write};
+    stream
+        .write_all(b"GET /jobs HTTP/1.1\r\nHost: evil.example:80\r\nConnection: close\r\n\r\n")
+        .unwrap();
+    let mut answer = String::new();
+    stream.read_to_string(&mut answer).unwrap();
+    assert!(answer.starts_with("HTTP/1.1 403"), "{answer}");
+    assert!(answer.contains("not a loopback name"), "{answer}");
+}
+
+#[test]
+fn a_path_outside_the_roots_is_a_403() {
+    let ws = Workspace::new("escape");
+    std::fs::write(ws.dir.join("outside.jsonl"), pairs_jsonl(4, 9)).unwrap();
+    std::os::unix::fs::symlink(&ws.dir, ws.root.join("up")).unwrap();
+    let server = Server::start(&ws, &[]);
+    let outside = ws.dir.join("outside.jsonl").display().to_string();
+    let cases: Vec<(Value, &str)> = vec![
+        (
+            json!({"model": "model", "data": "../outside.jsonl"}),
+            "data",
+        ),
+        (json!({"model": "model", "data": outside}), "data"),
+        (
+            json!({"model": "model", "data": "up/outside.jsonl"}),
+            "data",
+        ),
+        (
+            json!({"model": "model", "data": "train.jsonl", "valid": "/etc/hostname"}),
+            "valid",
+        ),
+        (json!({"model": "/", "data": "train.jsonl"}), "model"),
+        (
+            json!({"model": "model", "data": "train.jsonl", "output": "/tmp/lorafit-escape"}),
+            "output",
+        ),
+        (
+            json!({"model": "model", "data": "train.jsonl", "output": "up/run"}),
+            "output",
+        ),
+        (
+            json!({"model": "model", "data": "train.jsonl", "output": "runs/../../x"}),
+            "output",
+        ),
+    ];
+    for (body, field) in &cases {
+        let r = server.post("/jobs", body);
+        assert_eq!(r.status, 403, "{body}: {}", r.text());
+        let msg = r.json()["error"].as_str().unwrap().to_string();
+        assert!(msg.starts_with(&format!("{field}:")), "{body}: {msg}");
+    }
+    assert!(server.get("/jobs").json()["jobs"]
+        .as_array()
+        .unwrap()
+        .is_empty());
+    // Two jobs may not share an output folder.
+    let mut cfg = tiny_job(1);
+    cfg["output"] = json!("runs/shared");
+    server.submit(&cfg);
+    let r = server.post("/jobs", &cfg);
+    assert_eq!(r.status, 409, "{}", r.text());
+    assert!(r.json()["error"].as_str().unwrap().starts_with("output:"));
+}
+
+#[test]
+fn a_token_is_required_when_configured_and_off_loopback() {
+    let ws = Workspace::new("token");
+    let token = "s3cret-token-0123456789";
+    std::fs::write(ws.dir.join("token"), format!("{token}\n")).unwrap();
+    let token_file = ws.dir.join("token").display().to_string();
+    let mut server = Server::start(&ws, &["--token-file", &token_file]);
+    let r = server.get("/jobs");
+    assert_eq!(r.status, 401);
+    assert_eq!(r.header("www-authenticate"), Some("Bearer"));
+    let wrong = vec![(
+        "Authorization".to_string(),
+        "Bearer s3cret-token-0123456780".to_string(),
+    )];
+    assert_eq!(
+        request(server.port, "GET", "/jobs", &wrong, None).status,
+        401
+    );
+    let h = vec![("Content-Type".to_string(), "application/json".to_string())];
+    assert_eq!(
+        request(
+            server.port,
+            "POST",
+            "/jobs",
+            &h,
+            Some(tiny_job(1).to_string().as_bytes())
+        )
+        .status,
+        401
+    );
+    assert_eq!(server.get("/jobs/1/events").status, 401);
+    // The page itself holds no data and loads without the token.
+    assert_eq!(server.get("/").status, 200);
+    server.token = Some(token.to_string());
+    assert_eq!(server.get("/jobs").status, 200);
+    server.kill();
+
+    // Off loopback without a token the server refuses to start (it exits before binding).
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_lorafit"))
+        .args(["serve", "--listen", "0.0.0.0:0", "--db"])
+        .arg(ws.dir.join("other.sqlite"))
+        .arg("--root")
+        .arg(&ws.root)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("token"), "{err}");
+    // A short token is refused too.
+    std::fs::write(ws.dir.join("short"), "abc\n").unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_lorafit"))
+        .args(["serve", "--listen", "127.0.0.1:0", "--token-file"])
+        .arg(ws.dir.join("short"))
+        .arg("--db")
+        .arg(ws.dir.join("other.sqlite"))
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("16 characters"));
+}
+
+#[test]
+fn fifty_concurrent_status_requests_during_a_run_are_all_answered() {
+    let ws = Workspace::new("concurrent");
+    let server = Server::start(&ws, &[]);
+    let id = server.submit(&tiny_job(100_000));
+    server.events(id).until("step");
+    let port = server.port;
+    let answers: Vec<(u16, Value)> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..50)
+            .map(|i| {
+                s.spawn(move || {
+                    let path = if i % 5 == 4 {
+                        "/jobs".to_string()
+                    } else {
+                        format!("/jobs/{id}")
+                    };
+                    let r = request(port, "GET", &path, &[], None);
+                    (r.status, r.json())
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert_eq!(answers.len(), 50);
+    let mut steps = Vec::new();
+    for (status, body) in &answers {
+        assert_eq!(*status, 200, "{body}");
+        if let Some(state) = body.get("state") {
+            assert_eq!(state, "running", "{body}");
+            steps.push(body["step"].as_i64().unwrap());
+        } else {
+            assert_eq!(body["jobs"][0]["state"], "running");
+        }
+    }
+    assert_eq!(steps.len(), 40);
+    assert!(steps.iter().all(|&s| s >= 1));
+    assert_eq!(
+        server
+            .post(&format!("/jobs/{id}/cancel"), &json!({}))
+            .status,
+        200
+    );
+    server.events(id).until("cancelled");
+}
+
+#[test]
+fn a_failing_job_is_marked_failed_and_the_queue_goes_on() {
+    let ws = Workspace::new("failing");
+    std::fs::write(
+        ws.root.join("bad.jsonl"),
+        "{\"prompt\": \"w3 w4\", \"chosen\": \"w5\", \"rejected\": \"w200\"}\n{\"prompt\": \"w3\", \"chosen\": \"w5\"}\n",
+    )
+    .unwrap();
+    let server = Server::start(&ws, &[]);
+    let mut bad = tiny_job(3);
+    bad["data"] = json!("bad.jsonl");
+    let bad_id = server.submit(&bad);
+    let good_id = server.submit(&tiny_job(2));
+    let events = server.events(bad_id).until("failed");
+    let reason = events.last().unwrap().data["reason"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(
+        reason.contains("bad.jsonl:2") && reason.contains("\"rejected\": missing"),
+        "{reason}"
+    );
+    let job = server.job(bad_id);
+    assert_eq!(job["state"], "failed");
+    assert_eq!(job["message"], reason);
+    server.events(good_id).until("done");
+    assert_eq!(server.job(good_id)["state"], "done");
+}
+
+#[test]
+fn kill_9_mid_run_then_restart_resumes_to_a_bit_identical_adapter() {
+    let ws = Workspace::new("kill9");
+    let steps = 120;
+    let mut cfg = tiny_job(steps);
+    cfg["save_every"] = json!(10);
+    cfg["eval_every"] = json!(40);
+
+    let mut server = Server::start(&ws, &[]);
+    let mut reference = cfg.clone();
+    reference["output"] = json!("runs/uninterrupted");
+    let ref_id = server.submit(&reference);
+    server.events(ref_id).until("done");
+
+    let mut interrupted = cfg.clone();
+    interrupted["output"] = json!("runs/interrupted");
+    let id = server.submit(&interrupted);
+    let mut stream = server.events(id);
+    loop {
+        let e = stream.next_event().expect("events before the kill");
+        if e.kind == "checkpoint" && e.data["best"] == false && e.data["step"] == 20 {
+            break;
+        }
+    }
+    server.kill(); // SIGKILL: no chance to checkpoint or record anything more
+    drop(stream);
+
+    let server = Server::start(&ws, &[]);
+    let job = server.job(id);
+    let msg = job["message"].as_str().unwrap_or_default().to_string();
+    assert!(
+        msg.contains("resuming from the checkpoint of step 20") || job["state"] != "queued",
+        "{job}"
+    );
+    let events = server.events(id).until("done");
+    assert!(
+        events.iter().any(|e| e.kind == "state"
+            && e.data["message"]
+                .as_str()
+                .unwrap_or("")
+                .contains("interrupted at step")),
+        "the restart says the job was interrupted"
+    );
+    let job = server.job(id);
+    assert_eq!(job["state"], "done");
+    assert_eq!(
+        job["plan"]["start_step"], 20,
+        "resumed from the step-20 checkpoint"
+    );
+    assert_eq!(job["step"], steps as i64);
+    assert_eq!(
+        metric_steps(&server, id, "train"),
+        (1..=steps as i64).collect::<Vec<_>>()
+    );
+    assert_eq!(metric_steps(&server, id, "valid"), vec![0, 40, 80, 120]);
+    // The record is the uninterrupted run's, step for step.
+    let losses = |id: i64| -> Vec<f64> {
+        server.get(&format!("/jobs/{id}/metrics")).json()["rows"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|r| r["split"] == "train")
+            .map(|r| r["loss"].as_f64().unwrap())
+            .collect()
+    };
+    assert_eq!(losses(id), losses(ref_id));
+
+    let out = |name: &str| ws.root.join("runs").join(name).join("adapter");
+    for f in ["adapter_model.safetensors", "adapter_config.json"] {
+        let a = std::fs::read(out("uninterrupted").join(f)).unwrap();
+        let b = std::fs::read(out("interrupted").join(f)).unwrap();
+        assert!(
+            a == b,
+            "{f}: the resumed run's differs from the uninterrupted run's"
+        );
+    }
+    let a = server.get(&format!("/jobs/{ref_id}/adapter"));
+    let b = server.get(&format!("/jobs/{id}/adapter"));
+    let fa = lorafit::serve::tar::read_tar(&a.body).unwrap();
+    let fb = lorafit::serve::tar::read_tar(&b.body).unwrap();
+    let weights = |f: &[(String, Vec<u8>)]| {
+        f.iter()
+            .find(|e| e.0.ends_with("adapter_model.safetensors"))
+            .unwrap()
+            .1
+            .clone()
+    };
+    assert!(
+        weights(&fa) == weights(&fb),
+        "the downloads' weights are bit-identical"
+    );
+}
+
+#[test]
+fn sigterm_checkpoints_the_running_job_and_the_next_server_resumes_it() {
+    let ws = Workspace::new("sigterm");
+    let mut server = Server::start(&ws, &[]);
+    let id = server.submit(&tiny_job(100_000));
+    server.events(id).until("step");
+    let pid = server.child.id().to_string();
+    assert!(std::process::Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .unwrap()
+        .success());
+    let t0 = std::time::Instant::now();
+    let status = loop {
+        if let Some(s) = server.child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            t0.elapsed().as_secs() < 60,
+            "the server did not stop on SIGTERM"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    assert!(status.success(), "{status:?}");
+
+    let server = Server::start(&ws, &[]);
+    let job = server.wait_for(id, 60, |j| {
+        j["state"] == "running"
+            && !j["plan"]["start_step"].is_null()
+            && j["plan"]["start_step"] != 0
+    });
+    let stopped_at = job["plan"]["start_step"].as_i64().unwrap();
+    assert!(job["plan"]["resumed_from"]
+        .as_str()
+        .unwrap()
+        .ends_with(&format!("checkpoint-{stopped_at:06}")));
+    assert_eq!(
+        server
+            .post(&format!("/jobs/{id}/cancel"), &json!({}))
+            .status,
+        200
+    );
+    server.events(id).until("cancelled");
+    let n = server.job(id)["step"].as_i64().unwrap();
+    assert_eq!(
+        metric_steps(&server, id, "train"),
+        (1..=n).collect::<Vec<_>>()
+    );
+}
