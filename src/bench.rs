@@ -437,7 +437,8 @@ impl crate::model::weights::TensorSource for RandomQ4Source {
         use crate::tensor::cuda::QuantKind;
         use rayon::prelude::*;
         let projection = name.contains(".self_attn.") || name.contains(".mlp.");
-        let (Device::Cuda(backend), true) = (device, projection && want[1] % 32 == 0) else {
+        let (Device::Cuda(backend), true) = (device, projection && want[1].is_multiple_of(32))
+        else {
             return Ok(Weight::Dense(self.tensor(name, &want, device)?));
         };
         let [rows, cols] = want;
@@ -453,7 +454,8 @@ impl crate::model::weights::TensorSource for RandomQ4Source {
             .par_chunks_mut(18 * 1024)
             .enumerate()
             .for_each(|(c, chunk)| {
-                let mut rng = crate::tensor::Rng(h ^ (c as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+                let mut rng =
+                    crate::tensor::Rng(h ^ (c as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
                 for block in chunk.chunks_mut(18) {
                     block[..2].copy_from_slice(&d);
                     let (a, b) = (rng.next_u64(), rng.next_u64());

@@ -1900,88 +1900,6 @@ pub fn format_parity(rows: &[ParityRow]) -> String {
     s
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// The full CUDA parity suite (needs a GPU): `--ignored --nocapture cuda_parity_suite`.
-    #[test]
-    #[ignore]
-    fn cuda_parity_suite() {
-        let dev = Device::cuda(0).expect("a CUDA device");
-        println!("device: {}", dev.name());
-        let rows = run_op_parity(&dev, 42).expect("parity run");
-        print_parity(&rows);
-        let m = dev.memory();
-        println!("memory: live {} B, peak {} B", m.live_bytes, m.peak_bytes);
-        assert!(rows.iter().all(|r| r.pass), "parity failures");
-    }
-
-    /// The harness itself: a difference planted in one element of a real op's output is
-    /// reported at its index with its size, fails its bound and is counted in the table; the
-    /// same difference ten times smaller passes; NaN and a length mismatch never pass. Then the
-    /// elementwise group runs with the CPU as the device (every row passes).
-    #[test]
-    fn parity_harness_cpu_self_check() {
-        let mut cx = Ctx {
-            dev: &Device::Cpu,
-            rows: Vec::new(),
-        };
-        let mut r = Rng(1);
-        let (rows, h) = (16, 64);
-        let x = r.bnormals(rows * h, 1.0);
-        let w = r.bnormals(h, 1.0);
-        let (want, _) = rms_norm(
-            &cx.c(&x, &[rows, h]).unwrap(),
-            &cx.c(&w, &[h]).unwrap(),
-            1e-6,
-        )
-        .unwrap();
-        let want = want.to_vec().unwrap();
-        let norm = want.iter().map(|&v| (v as f64).powi(2)).sum::<f64>().sqrt();
-        let at = 617;
-        for (scale, pass) in [(1.0, false), (0.1, true)] {
-            // A difference of 2x the bound (relative norm), or a fifth of it.
-            let delta = scale * 2.0 * BF16_FWD * norm;
-            let mut got = want.clone();
-            got[at] += delta as f32;
-            let d = (got[at] as f64 - want[at] as f64).abs();
-            let row = cmp_t(
-                "planted",
-                &cx.c(&got, &[rows, h]).unwrap(),
-                &cx.c(&want, &[rows, h]).unwrap(),
-                BF16_FWD,
-            )
-            .unwrap();
-            assert_eq!(row.worst, at, "{row:?}");
-            assert_eq!(row.max_abs, d, "{row:?}");
-            assert!((row.rel - d / norm).abs() <= 1e-9 * row.rel, "{row:?}");
-            assert_eq!(row.pass, pass, "{row:?}");
-            cx.push(row);
-        }
-        let table = format_parity(&cx.rows);
-        let line = table.lines().nth(1).unwrap();
-        let fields: Vec<&str> = line.split_whitespace().collect();
-        assert_eq!(
-            (fields[0], fields[3], fields[5]),
-            ("planted", "617", "FAIL"),
-            "{table}"
-        );
-        assert!(table.ends_with("parity: 2 rows, 1 failed\n"), "{table}");
-
-        let mut nan = want.clone();
-        nan[3] = f32::NAN;
-        let row = compare("nan", &nan, &want, f64::INFINITY);
-        assert!(!row.pass && row.worst == 3, "{row:?}");
-        let row = compare("short", &want[1..], &want, f64::INFINITY);
-        assert!(!row.pass && row.note == "length 1023 vs 1024", "{row:?}");
-
-        cx.rows.clear();
-        elementwise(&mut cx, &mut r).unwrap();
-        assert!(cx.rows.iter().all(|r| r.pass), "{:?}", cx.rows);
-    }
-}
-
 /// Incremental decoding's ops: `decode_attention` (query rows over ranges of a KV cache: one
 /// query per sequence slot of a batched cache, a window, a chat turn's several queries, softcap,
 /// head dims 64 to 256, an empty range) and `copy_rows_into` (exact).
@@ -2077,4 +1995,103 @@ fn decode_suite(cx: &mut Ctx, r: &mut Rng) -> Result<()> {
     let row = cmp_t("copy_rows_into (bf16, exact)", &got, &want, 0.0)?;
     cx.push(row);
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The full CUDA parity suite (needs a GPU): `--ignored --nocapture cuda_parity_suite`.
+    #[test]
+    #[ignore]
+    fn cuda_parity_suite() {
+        let dev = Device::cuda(0).expect("a CUDA device");
+        println!("device: {}", dev.name());
+        let rows = run_op_parity(&dev, 42).expect("parity run");
+        print_parity(&rows);
+        let m = dev.memory();
+        println!("memory: live {} B, peak {} B", m.live_bytes, m.peak_bytes);
+        assert!(rows.iter().all(|r| r.pass), "parity failures");
+    }
+
+    /// The decode ops' group with the CPU as the device: every row passes (the bf16 rounding of
+    /// the inputs is the same on both sides there, so only a broken row could fail).
+    #[test]
+    fn decode_suite_cpu_self_check() {
+        let mut cx = Ctx {
+            dev: &Device::Cpu,
+            rows: Vec::new(),
+        };
+        decode_suite(&mut cx, &mut Rng(3)).unwrap();
+        assert_eq!(cx.rows.len(), 7);
+        assert!(
+            cx.rows.iter().all(|r| r.pass && r.rel == 0.0),
+            "{:?}",
+            cx.rows
+        );
+    }
+
+    /// The harness itself: a difference planted in one element of a real op's output is
+    /// reported at its index with its size, fails its bound and is counted in the table; the
+    /// same difference ten times smaller passes; NaN and a length mismatch never pass. Then the
+    /// elementwise group runs with the CPU as the device (every row passes).
+    #[test]
+    fn parity_harness_cpu_self_check() {
+        let mut cx = Ctx {
+            dev: &Device::Cpu,
+            rows: Vec::new(),
+        };
+        let mut r = Rng(1);
+        let (rows, h) = (16, 64);
+        let x = r.bnormals(rows * h, 1.0);
+        let w = r.bnormals(h, 1.0);
+        let (want, _) = rms_norm(
+            &cx.c(&x, &[rows, h]).unwrap(),
+            &cx.c(&w, &[h]).unwrap(),
+            1e-6,
+        )
+        .unwrap();
+        let want = want.to_vec().unwrap();
+        let norm = want.iter().map(|&v| (v as f64).powi(2)).sum::<f64>().sqrt();
+        let at = 617;
+        for (scale, pass) in [(1.0, false), (0.1, true)] {
+            // A difference of 2x the bound (relative norm), or a fifth of it.
+            let delta = scale * 2.0 * BF16_FWD * norm;
+            let mut got = want.clone();
+            got[at] += delta as f32;
+            let d = (got[at] as f64 - want[at] as f64).abs();
+            let row = cmp_t(
+                "planted",
+                &cx.c(&got, &[rows, h]).unwrap(),
+                &cx.c(&want, &[rows, h]).unwrap(),
+                BF16_FWD,
+            )
+            .unwrap();
+            assert_eq!(row.worst, at, "{row:?}");
+            assert_eq!(row.max_abs, d, "{row:?}");
+            assert!((row.rel - d / norm).abs() <= 1e-9 * row.rel, "{row:?}");
+            assert_eq!(row.pass, pass, "{row:?}");
+            cx.push(row);
+        }
+        let table = format_parity(&cx.rows);
+        let line = table.lines().nth(1).unwrap();
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        assert_eq!(
+            (fields[0], fields[3], fields[5]),
+            ("planted", "617", "FAIL"),
+            "{table}"
+        );
+        assert!(table.ends_with("parity: 2 rows, 1 failed\n"), "{table}");
+
+        let mut nan = want.clone();
+        nan[3] = f32::NAN;
+        let row = compare("nan", &nan, &want, f64::INFINITY);
+        assert!(!row.pass && row.worst == 3, "{row:?}");
+        let row = compare("short", &want[1..], &want, f64::INFINITY);
+        assert!(!row.pass && row.note == "length 1023 vs 1024", "{row:?}");
+
+        cx.rows.clear();
+        elementwise(&mut cx, &mut r).unwrap();
+        assert!(cx.rows.iter().all(|r| r.pass), "{:?}", cx.rows);
+    }
 }
