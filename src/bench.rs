@@ -78,6 +78,27 @@ pub struct BenchArgs {
     pub cce_filter_eps: f32,
     #[arg(long)]
     pub also: Vec<String>,
+    /// Decoding instead of training: tokens/s of generation with the KV cache (greedy, no stop
+    /// token) at each `--batch` and `--base`, one JSON line each (`lorafit bench --decode
+    /// --shape llama8b`).
+    #[arg(long)]
+    pub decode: bool,
+    /// Decoding: prompt tokens per sequence.
+    #[arg(long, default_value_t = 128)]
+    pub decode_prompt_len: usize,
+    /// Decoding: tokens generated per sequence.
+    #[arg(long, default_value_t = 128)]
+    pub new_tokens: usize,
+    /// Decoding: batch sizes (sequences decoded together).
+    #[arg(long, value_delimiter = ',', default_values_t = [1usize, 8])]
+    pub batch: Vec<usize>,
+    /// Decoding: base weights, `bf16` and/or `q4_0` (the seven projections of every layer as
+    /// random Q4_0 blocks, dequantized per use as for a GGUF base; embedding and head bf16).
+    #[arg(long, value_delimiter = ',', default_values_t = ["bf16".to_string(), "q4_0".to_string()])]
+    pub base: Vec<String>,
+    /// Decoding: with a LoRA adapter of `--rank` on all seven projections (unmerged).
+    #[arg(long)]
+    pub with_adapter: bool,
 }
 
 /// The anchor shapes (shared/anchors/torch_orpo_bench.py), as Hugging Face configs.
@@ -173,6 +194,9 @@ pub fn measure_gemm_peak(device: &Device) -> Result<f64> {
 }
 
 pub fn run(a: BenchArgs) -> Result<()> {
+    if a.decode {
+        return run_decode(&a);
+    }
     let device = Device::parse(&a.device)?;
     // The training knobs the benchmark shares with `lorafit train`, as a `TrainConfig`, so that
     // each workload's pass options are resolved exactly as the trainer resolves them.
@@ -391,4 +415,152 @@ impl Workload {
             keep_kv_layers: None,
         })
     }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Decoding (`--decode`)
+
+/// A random model (`RandomSource`) whose seven projections per layer are random Q4_0 blocks kept
+/// quantized on the GPU (scales set so the weights have the dense model's spread, ~0.02), as a
+/// Q4_0 GGUF's would be; embedding, norms and head stay dense.
+struct RandomQ4Source {
+    dense: RandomSource,
+}
+
+impl crate::model::weights::TensorSource for RandomQ4Source {
+    fn get(&self, name: &str) -> Result<(Vec<usize>, Vec<f32>)> {
+        self.dense.get(name)
+    }
+    fn contains(&self, name: &str) -> bool {
+        self.dense.contains(name)
+    }
+    fn describe(&self) -> String {
+        "random Q4_0 model".into()
+    }
+    fn weight(
+        &self,
+        name: &str,
+        want: [usize; 2],
+        device: &Device,
+    ) -> Result<crate::model::weights::Weight> {
+        use crate::model::weights::{QuantWeight, Weight};
+        use crate::tensor::cuda::QuantKind;
+        use rayon::prelude::*;
+        let projection = name.contains(".self_attn.") || name.contains(".mlp.");
+        let (Device::Cuda(backend), true) = (device, projection && want[1].is_multiple_of(32))
+        else {
+            return Ok(Weight::Dense(self.tensor(name, &want, device)?));
+        };
+        let [rows, cols] = want;
+        // Q4_0 block: an f16 scale d, then 32 4-bit values q, weight d·(q − 8); q uniform on
+        // 0..16 has standard deviation 4.61.
+        let d = half::f16::from_f32(0.02 / 4.61).to_bits().to_le_bytes();
+        let mut h = 0xcbf29ce484222325u64 ^ self.dense.seed;
+        for b in name.bytes() {
+            h = (h ^ b as u64).wrapping_mul(0x100000001b3);
+        }
+        let mut bytes = vec![0u8; rows * cols / 32 * 18];
+        bytes
+            .par_chunks_mut(18 * 1024)
+            .enumerate()
+            .for_each(|(c, chunk)| {
+                let mut rng =
+                    crate::tensor::Rng(h ^ (c as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+                for block in chunk.chunks_mut(18) {
+                    block[..2].copy_from_slice(&d);
+                    let (a, b) = (rng.next_u64(), rng.next_u64());
+                    block[2..10].copy_from_slice(&a.to_le_bytes());
+                    block[10..18].copy_from_slice(&b.to_le_bytes());
+                }
+            });
+        Ok(Weight::Quant(QuantWeight {
+            backend: backend.clone(),
+            bytes: backend.upload_bytes(&bytes)?,
+            kind: QuantKind::Q4_0,
+            rows,
+            cols,
+        }))
+    }
+}
+
+/// `lorafit bench --decode`: per base format and batch size, the prefill of `decode_prompt_len`
+/// random tokens per sequence and `new_tokens` greedy tokens per sequence with the KV cache
+/// (after a short warm-up generation that compiles kernels and tunes each GEMM shape); one
+/// `RESULT` JSON line each with decode tokens/s over the batch and per sequence.
+fn run_decode(a: &BenchArgs) -> Result<()> {
+    use crate::infer::{generate_stream, GenerateOptions};
+    let device = Device::parse(&a.device)?;
+    device.set_numerics(false, a.gemm_tuning)?;
+    let spec = named_shape(&a.shape)?;
+    ensure!(
+        a.new_tokens >= 2 && a.decode_prompt_len >= 1,
+        "--decode needs --new-tokens of at least 2 and a prompt"
+    );
+    for base in &a.base {
+        let random = RandomSource {
+            spec: spec.clone(),
+            seed: 0,
+        };
+        let t_load = Instant::now();
+        let weights = match base.as_str() {
+            "bf16" => load_weights(&spec, &random, &device)?,
+            "q4_0" => {
+                ensure!(
+                    device.is_cuda(),
+                    "--base q4_0 keeps the projections quantized on a CUDA device; on the CPU use bf16"
+                );
+                load_weights(&spec, &RandomQ4Source { dense: random }, &device)?
+            }
+            other => anyhow::bail!("--base {other:?}: expected bf16 or q4_0"),
+        };
+        let model = Model::new(spec.clone(), weights, device.clone());
+        eprintln!(
+            "random {} ({base}) on {} in {:.1}s",
+            a.shape,
+            device.name(),
+            t_load.elapsed().as_secs_f64()
+        );
+        let lora = if a.with_adapter {
+            let cfg = LoraConfig {
+                rank: a.rank,
+                alpha: 2.0 * a.rank as f64,
+                ..Default::default()
+            };
+            Some(Lora::new(&spec, cfg, &device)?)
+        } else {
+            None
+        };
+        for &batch in &a.batch {
+            ensure!(batch > 0, "--batch sizes must be positive");
+            let mut rng = crate::tensor::Rng(1 + batch as u64);
+            let prompts: Vec<Vec<u32>> = (0..batch)
+                .map(|_| {
+                    (0..a.decode_prompt_len)
+                        .map(|_| 3 + (rng.next_u64() % (spec.vocab as u64 - 3)) as u32)
+                        .collect()
+                })
+                .collect();
+            let warm = GenerateOptions::greedy(4, None);
+            generate_stream(&model, lora.as_ref(), &prompts, &warm, None, &mut |_, _| {})?;
+            device.synchronize()?;
+            device.reset_peak();
+            let opts = GenerateOptions::greedy(a.new_tokens, None);
+            let r = generate_stream(&model, lora.as_ref(), &prompts, &opts, None, &mut |_, _| {})?;
+            let st = &r.stats;
+            let steps = a.new_tokens - 1;
+            eprintln!("batch {batch}: {}", st.summary());
+            let line = serde_json::json!({
+                "tool": "lorafit", "mode": "decode", "shape": a.shape, "base": base,
+                "adapter": a.with_adapter, "batch": batch, "prompt_len": a.decode_prompt_len,
+                "new_tokens": a.new_tokens, "device": device.name(),
+                "decode_tokens_per_s": st.decode_tokens_per_s(),
+                "per_sequence_tokens_per_s": st.decode_tokens_per_s() / batch as f64,
+                "ms_per_step": 1e3 * st.decode_s / steps as f64,
+                "prefill_s": st.prefill_s,
+                "peak_gib": device.memory().peak_bytes as f64 / (1u64 << 30) as f64,
+            });
+            println!("RESULT {line}");
+        }
+    }
+    Ok(())
 }

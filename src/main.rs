@@ -33,19 +33,12 @@ enum Cmd {
     /// ORPO on SmolLM2-135M-Instruct with the bundled preference set; before/after accuracy,
     /// margin and generations.
     Demo(DemoArgs),
-    /// Greedy generation from a model, optionally with an adapter.
-    Generate {
-        #[arg(long, default_value = "smollm2")]
-        model: String,
-        #[arg(long)]
-        adapter: Option<PathBuf>,
-        #[arg(long, default_value = "cpu")]
-        device: String,
-        #[arg(long, default_value_t = 48)]
-        max_new: usize,
-        /// The user message.
-        prompt: String,
-    },
+    /// Generation from a model, optionally with an adapter: the prompt rendered with the model's
+    /// chat template (or `--raw`), decoded with a KV cache, streamed, tokens/s on stderr.
+    Generate(GenerateArgs),
+    /// Interactive chat with a model, optionally with an adapter; `/reset` forgets the
+    /// conversation, `/system TEXT` sets the system message, `/quit` ends.
+    Chat(ChatArgs),
     /// Score a model (optionally with an adapter, or two side by side with --compare):
     /// preference pairs (accuracy, margin, lw, lr, nll, loss) or, with --scorer ifeval,
     /// verifiable-instruction following of its generations.
@@ -275,6 +268,188 @@ struct TrainArgs {
     /// Any TrainConfig field as KEY=VALUE (VALUE in TOML syntax), e.g. --set orpo_lambda=0.2.
     #[arg(long = "set", value_name = "KEY=VALUE")]
     set: Vec<String>,
+}
+
+/// Model, adapter, device and decoding flags shared by `generate` and `chat`.
+#[derive(clap::Args)]
+struct DecodeArgs {
+    /// Hugging Face folder, .gguf file, or "smollm2".
+    #[arg(long, default_value = "smollm2")]
+    model: String,
+    /// A PEFT adapter folder, applied unmerged.
+    #[arg(long)]
+    adapter: Option<PathBuf>,
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// The most tokens generated per reply.
+    #[arg(long, alias = "max-new", default_value_t = 256)]
+    max_new_tokens: usize,
+    /// Sampling temperature (0: greedy).
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    /// Keep the k most likely tokens (0: off).
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
+    /// Keep the most likely tokens whose probabilities sum to p (1: off).
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    /// Keep the tokens at least this fraction as likely as the most likely one (0: off).
+    #[arg(long, default_value_t = 0.0)]
+    min_p: f32,
+    /// Penalty on tokens already in the sequence (1: off).
+    #[arg(long, default_value_t = 1.0)]
+    repetition_penalty: f32,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// A string that ends the reply (repeatable); the reply ends before it.
+    #[arg(long = "stop")]
+    stop: Vec<String>,
+}
+
+impl DecodeArgs {
+    fn options(&self, stop_tokens: Vec<u32>) -> lorafit::infer::GenerateOptions {
+        lorafit::infer::GenerateOptions {
+            max_new_tokens: self.max_new_tokens,
+            sampling: lorafit::infer::Sampling {
+                temperature: self.temperature,
+                top_k: self.top_k,
+                top_p: self.top_p,
+                min_p: self.min_p,
+                repetition_penalty: self.repetition_penalty,
+                seed: self.seed,
+            },
+            stop_tokens,
+            stop_strings: self.stop.clone(),
+        }
+    }
+
+    fn load(&self) -> Result<(trainer::Loaded, Option<lorafit::model::Lora>)> {
+        let device = Device::parse(&self.device)?;
+        let loaded = trainer::load_model_and_tokenizer(&self.model, &device)?;
+        let lora = match &self.adapter {
+            Some(p) => Some(lorafit::model::Lora::load_peft(
+                p,
+                &loaded.model.spec,
+                &device,
+            )?),
+            None => None,
+        };
+        Ok((loaded, lora))
+    }
+}
+
+#[derive(clap::Args)]
+struct GenerateArgs {
+    #[command(flatten)]
+    decode: DecodeArgs,
+    /// A system message before the prompt.
+    #[arg(long)]
+    system: Option<String>,
+    /// Use the prompt as raw text (no chat template).
+    #[arg(long)]
+    raw: bool,
+    /// The user message (or, with --raw, the text to continue).
+    prompt: String,
+}
+
+#[derive(clap::Args)]
+struct ChatArgs {
+    #[command(flatten)]
+    decode: DecodeArgs,
+    /// The system message to start with (`/system` changes it).
+    #[arg(long)]
+    system: Option<String>,
+}
+
+fn run_generate(a: GenerateArgs) -> Result<()> {
+    use lorafit::data::Message;
+    use std::io::Write;
+    let (loaded, lora) = a.decode.load()?;
+    let tok = &loaded.tokenizer;
+    let ids = if a.raw {
+        lorafit::infer::chat_prompt_ids(tok, None, &[Message::user(a.prompt.as_str())])?
+    } else {
+        let mut messages: Vec<Message> = a.system.iter().map(Message::system).collect();
+        messages.push(Message::user(a.prompt.as_str()));
+        lorafit::infer::chat_prompt_ids(tok, loaded.template.as_ref(), &messages)?
+    };
+    let stops = lorafit::infer::default_stop_tokens(tok, loaded.template.as_ref(), &loaded.model);
+    let opts = a.decode.options(stops);
+    let mut stdout = std::io::stdout();
+    let report = lorafit::infer::generate_stream(
+        &loaded.model,
+        lora.as_ref(),
+        &[ids],
+        &opts,
+        Some(tok),
+        &mut |_, delta| {
+            let _ = write!(stdout, "{delta}");
+            let _ = stdout.flush();
+        },
+    )?;
+    println!();
+    eprintln!("{}", report.stats.summary());
+    Ok(())
+}
+
+fn run_chat(a: ChatArgs) -> Result<()> {
+    use std::io::{BufRead, Write};
+    let (loaded, lora) = a.decode.load()?;
+    let tok = &loaded.tokenizer;
+    let stops = lorafit::infer::default_stop_tokens(tok, loaded.template.as_ref(), &loaded.model);
+    if loaded.template.is_none() {
+        eprintln!("note: the model has no chat template; messages are joined as plain text");
+    }
+    let mut session = lorafit::infer::ChatSession::new(
+        &loaded.model,
+        lora.as_ref(),
+        tok,
+        loaded.template.as_ref(),
+        a.decode.options(stops),
+    )?;
+    session.set_system(a.system.clone());
+    eprintln!("chat with {} (/reset, /system TEXT, /quit)", a.decode.model);
+    let stdin = std::io::stdin();
+    let mut stdout = std::io::stdout();
+    loop {
+        print!("> ");
+        stdout.flush()?;
+        let mut line = String::new();
+        if stdin.lock().read_line(&mut line)? == 0 {
+            break;
+        }
+        let line = line.trim_end_matches(['\n', '\r']);
+        match line.trim() {
+            "" => continue,
+            "/quit" | "/exit" => break,
+            "/reset" => {
+                session.reset();
+                eprintln!("(conversation cleared)");
+                continue;
+            }
+            l if l == "/system" || l.starts_with("/system ") => {
+                let text = l.strip_prefix("/system").unwrap_or("").trim().to_string();
+                eprintln!(
+                    "{}",
+                    if text.is_empty() {
+                        "(system message removed; conversation cleared)"
+                    } else {
+                        "(system message set; conversation cleared)"
+                    }
+                );
+                session.set_system(Some(text));
+                continue;
+            }
+            _ => {}
+        }
+        let (_, stats) = session.reply(line, &mut |delta| {
+            let _ = write!(stdout, "{delta}");
+            let _ = stdout.flush();
+        })?;
+        println!();
+        eprintln!("[{}]", stats.summary());
+    }
+    Ok(())
 }
 
 #[derive(clap::Args)]
@@ -719,34 +894,8 @@ fn main() {
             Err(e) => Err(e),
         },
         Cmd::Demo(a) => run_demo(a),
-        Cmd::Generate {
-            model,
-            adapter,
-            device,
-            max_new,
-            prompt,
-        } => (|| {
-            let device = Device::parse(&device)?;
-            let loaded = trainer::load_model_and_tokenizer(&model, &device)?;
-            let lora = match adapter {
-                Some(p) => Some(lorafit::model::Lora::load_peft(
-                    &p,
-                    &loaded.model.spec,
-                    &device,
-                )?),
-                None => None,
-            };
-            let text = lorafit::infer::chat(
-                &loaded.model,
-                lora.as_ref(),
-                &loaded.tokenizer,
-                loaded.template.as_ref(),
-                &prompt,
-                max_new,
-            )?;
-            println!("{text}");
-            Ok(())
-        })(),
+        Cmd::Generate(a) => run_generate(a),
+        Cmd::Chat(a) => run_chat(a),
         Cmd::Eval(a) => run_eval(a),
         Cmd::Bench(a) => lorafit::bench::run(a),
         Cmd::Curate(a) => run_curate(a),

@@ -279,6 +279,95 @@ pub fn model_parity(device: &Device) -> Result<usize> {
     Ok(failed)
 }
 
+/// Cached against uncached decoding on the device, one small random model per family (LoRA with
+/// non-zero B on all seven projections): along the uncached greedy path from a 100-token prompt
+/// (past the Gemma windows of 64; MiniCPM crosses LongRoPE's original 128 on the way), 40 steps
+/// of the KV cache's next-token logits against the whole-sequence forward's, within the bf16
+/// logits bound 1e-2; each step's greedy token must agree unless the uncached top two are a
+/// near tie (gap within twice the step's max|diff|). Free-running greedy generation with and
+/// without the cache is printed beside (token for token up to the first near tie).
+pub fn decode_parity(device: &Device) -> Result<usize> {
+    use crate::infer::{self, sample::argmax, Decoder};
+    let mut failed = 0;
+    for (name, json) in FAMILIES {
+        let spec = ModelSpec::from_config_json(json)?;
+        let src = RandomSource {
+            spec: spec.clone(),
+            seed: 11,
+        };
+        let model = Model::new(
+            spec.clone(),
+            load_weights(&spec, &src, device)?,
+            device.clone(),
+        );
+        let cfg = LoraConfig {
+            rank: 8,
+            alpha: 16.0,
+            ..Default::default()
+        };
+        let mut lc = Lora::new(&spec, cfg, &Device::Cpu)?;
+        let mut rng = crate::tensor::Rng(5);
+        for (_, _, p) in lc.pairs_mut() {
+            for x in p.b.as_cpu_mut()? {
+                *x = (rng.normal() * 0.05) as f32;
+            }
+        }
+        lc.refresh_compute_copies()?;
+        let dir = std::env::temp_dir().join(format!("lorafit-selftest-decode-{name}"));
+        lc.save_peft(&dir, "random")?;
+        let lora = Lora::load_peft(&dir, &spec, device)?;
+        let mut ids: Vec<u32> = (0..100)
+            .map(|i| ((i * 7919 + 13) % spec.vocab) as u32)
+            .collect();
+        let prompt = ids.clone();
+        let full = |ids: &[u32]| -> Result<Vec<f32>> {
+            let h = model.hidden_states(ids, Some(&lora))?;
+            let last = crate::tensor::slice_rows(&h, ids.len() - 1, ids.len())?;
+            model.logits(&last, DType::F32)?.to_vec()
+        };
+        let mut dec = Decoder::new(&model, Some(&lora), 1, 160)?;
+        let mut cached = dec.extend(&[(0, &ids)])?.remove(0);
+        let (mut worst, mut worst_step, mut flips, mut bad_flips) = (0f64, 0, 0, 0);
+        for step in 0..40 {
+            let want = full(&ids)?;
+            let row = parity::compare("", &cached, &want, 1e-2);
+            // Non-finite logits fail `pass` with a small rel: they count as infinitely far.
+            let rel = if row.pass || row.rel > 1e-2 {
+                row.rel
+            } else {
+                f64::INFINITY
+            };
+            if rel > worst {
+                (worst, worst_step) = (rel, step);
+            }
+            let next = argmax(&want);
+            if argmax(&cached) != next {
+                flips += 1;
+                let mut sorted = want.clone();
+                sorted.sort_by(|a, b| b.total_cmp(a));
+                if ((sorted[0] - sorted[1]) as f64) > 2.0 * row.max_abs {
+                    bad_flips += 1;
+                }
+            }
+            ids.push(next);
+            cached = dec.extend(&[(0, &ids[ids.len() - 1..])])?.remove(0);
+        }
+        let ok = worst <= 1e-2 && bad_flips == 0;
+        failed += !ok as usize;
+        println!(
+            "decode {name:<8} cached vs uncached logits, 40 steps: worst rel-norm {worst:.3e} (step {worst_step})  bound 1e-2; greedy tokens differ at {flips} steps ({bad_flips} not near ties)  {}",
+            if ok { "ok" } else { "FAIL" }
+        );
+        let a = infer::generate_ids(&model, Some(&lora), &prompt, 40, None)?;
+        let b = infer::generate_ids_uncached(&model, Some(&lora), &prompt, 40, None)?;
+        let same = a.iter().zip(&b).take_while(|(x, y)| x == y).count();
+        println!(
+            "decode {name:<8} (info) free-running greedy: {same} of 40 tokens equal before the paths part"
+        );
+    }
+    Ok(failed)
+}
+
 /// Writes one model-parity case as a Hugging Face folder (bf16-rounded weights stored as f32),
 /// its PEFT adapter, the input ids, the upstream d(logits) and both devices' LoRA gradients, for
 /// `scripts/bf16_calibration.py` to set PyTorch's own bf16 error beside ours.
@@ -423,7 +512,8 @@ pub fn run(device: &Device, seed: u64) -> Result<()> {
     rows.extend(crate::train::device_loss::parity_rows(device)?);
     parity::print_parity(&rows);
     let op_failed = rows.iter().filter(|r| !r.pass).count();
-    let model_failed = model_parity(device)? + (!train_parity(device)?) as usize;
+    let model_failed =
+        model_parity(device)? + (!train_parity(device)?) as usize + decode_parity(device)?;
     println!(
         "selftest: {} op rows ({op_failed} failed), model rows ({model_failed} failed)",
         rows.len()

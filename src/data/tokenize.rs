@@ -508,7 +508,10 @@ pub fn render_sft(data: &SftData, template: Option<&ChatTemplate>) -> Result<Ren
     }
 }
 
-fn encode_prompt(tok: &TextTokenizer, text: &str) -> Result<Vec<u32>> {
+/// Token ids of a rendered prompt: the text's own ids, with bos in front when the tokenizer adds
+/// one and the text does not already begin with it (one bos whether or not the template writes
+/// it). Generation's chat path (`infer::chat_prompt_ids`) tokenises through this too.
+pub(crate) fn encode_prompt(tok: &TextTokenizer, text: &str) -> Result<Vec<u32>> {
     let mut ids = tok.encode(text)?;
     if let (true, Some(bos)) = (tok.add_bos, tok.bos_id) {
         if ids.first() != Some(&bos) {

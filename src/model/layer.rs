@@ -171,7 +171,7 @@ fn token_chunks(t: usize, c: usize) -> Vec<(usize, usize)> {
 
 /// `y = x Wᵀ (+ scale · dropout(x) Aᵀ Bᵀ)`; `xa`, when given, is `dropout(x) Aᵀ` already
 /// computed (by `stacked_lora_inputs`).
-fn linear_fwd(
+pub(crate) fn linear_fwd(
     x: &Tensor,
     w: &Weight,
     lora: Option<&LoraPair>,
@@ -210,7 +210,7 @@ fn lora_input(x: &Tensor, p: &LoraPair, dropout: Option<(f32, u64)>) -> Result<L
 /// `x Aᵢᵀ` of every adapter of shared-input group `group` (`lora::SHARED_INPUT`) from one GEMM
 /// with the layer's stacked A, by target index; all None when the layer has no stacked A for the
 /// group or LoRA dropout is on (each projection then draws its own mask).
-fn stacked_lora_inputs(
+pub(crate) fn stacked_lora_inputs(
     x: &Tensor,
     lora: Option<&Lora>,
     l: usize,
@@ -617,7 +617,7 @@ impl Model {
     }
 
     /// The gated MLP on normed inputs `xn2` (any token range); its output only with `want_output`.
-    fn mlp_forward(
+    pub(crate) fn mlp_forward(
         &self,
         l: usize,
         xn2: &Tensor,

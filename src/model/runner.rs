@@ -285,7 +285,7 @@ impl Model {
 
     /// The factor on the embeddings as this device applies it (`spec.embed_scale`, rounded to
     /// the compute dtype where the family asks).
-    fn embed_scale(&self) -> Option<f32> {
+    pub(crate) fn embed_scale(&self) -> Option<f32> {
         let s = self.spec.embed_scale?;
         Some(
             if self.spec.embed_scale_in_weight_dtype && self.device.compute_dtype() == DType::BF16 {

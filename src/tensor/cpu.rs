@@ -204,6 +204,51 @@ pub fn attention(
     Ok((out(o, q.shape())?, out(lse, &[nh, t])?))
 }
 
+/// `tensor::decode_attention`: per (query, head), the arithmetic of `attention` over the keys of
+/// the query's range, in order (max, f64 sum of exponentials, lse, then the weighted values).
+pub fn decode_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    ranges: &[[u32; 2]],
+    s: AttnShape,
+) -> Result<Tensor> {
+    let n = q.dim(0);
+    let (nh, nkv, hd) = (s.n_heads, s.n_kv_heads, s.head_dim);
+    let group = nh / nkv;
+    let (qs, ks, vs) = (q.as_cpu()?, k.as_cpu()?, v.as_cpu()?);
+    let (qw, kw) = (nh * hd, nkv * hd);
+    let mut o = vec![0f32; n * qw];
+    o.par_chunks_mut(hd).enumerate().for_each(|(job, oi)| {
+        let (i, h) = (job / nh, job % nh);
+        let kvh = h / group;
+        let qi = &qs[i * qw + h * hd..i * qw + (h + 1) * hd];
+        let [start, end] = ranges[i];
+        let keys = start as usize..end as usize;
+        if keys.is_empty() {
+            return;
+        }
+        let scores: Vec<f32> = keys
+            .clone()
+            .map(|j| {
+                s.cap(s.scale * dot(qi, &ks[j * kw + kvh * hd..j * kw + (kvh + 1) * hd]))
+                    .0
+            })
+            .collect();
+        let m = scores.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+        let l: f64 = scores.iter().map(|&sc| ((sc - m) as f64).exp()).sum();
+        let lse = m + l.ln() as f32;
+        for (j, &sc) in keys.zip(&scores) {
+            let p = (sc - lse).exp();
+            let vj = &vs[j * kw + kvh * hd..j * kw + (kvh + 1) * hd];
+            for d in 0..hd {
+                oi[d] += p * vj[d];
+            }
+        }
+    });
+    out(o, &[n, qw])
+}
+
 #[allow(clippy::too_many_arguments)]
 pub fn attention_bwd(
     d_o: &Tensor,
@@ -511,6 +556,16 @@ pub fn gather_rows(x: &Tensor, idx: &[u32]) -> Result<Tensor> {
         row.copy_from_slice(&xs[i as usize * c..(i as usize + 1) * c]);
     }
     out(y, &[idx.len(), c])
+}
+
+pub fn copy_rows_into(dst: &mut Tensor, idx: &[u32], src: &Tensor) -> Result<()> {
+    let (_, c) = dst.rows_cols();
+    let s = src.as_cpu()?;
+    let d = dst.as_cpu_mut()?;
+    for (k, &i) in idx.iter().enumerate() {
+        d[i as usize * c..(i as usize + 1) * c].copy_from_slice(&s[k * c..(k + 1) * c]);
+    }
+    Ok(())
 }
 
 pub fn scatter_add_rows(dst: &mut Tensor, idx: &[u32], src: &Tensor) -> Result<()> {

@@ -983,6 +983,71 @@ pub fn scatter_add_rows(dst: &mut Tensor, idx: &[u32], src: &Tensor) -> Result<(
     dispatch!(&dev, cpu::scatter_add_rows(dst, idx, src), c => c.scatter_add_rows(dst, idx, src))
 }
 
+/// `dst[idx[i]] = src[i]` over rows: new keys and values written into a KV cache. The indices
+/// must be distinct (a repeated one would leave which write wins unspecified on the device).
+pub fn copy_rows_into(dst: &mut Tensor, idx: &[u32], src: &Tensor) -> Result<()> {
+    let (r, c) = dst.rows_cols();
+    ensure!(
+        idx.iter().all(|&i| (i as usize) < r),
+        "copy_rows_into: index out of {r} rows"
+    );
+    ensure!(
+        src.numel() == idx.len() * c,
+        "copy_rows_into: src {:?} is not {} rows of {c}",
+        src.shape(),
+        idx.len()
+    );
+    same_device(dst, src, "copy_rows_into")?;
+    let dev = dst.device().clone();
+    dispatch!(&dev, cpu::copy_rows_into(dst, idx, src), cu => cu.copy_rows_into(dst, idx, src))
+}
+
+/// Attention of each query row over its own contiguous range of key rows (incremental decoding
+/// over a KV cache): query `i` sees the keys `[ranges[i][0], ranges[i][1])` of `k` and `v`, so a
+/// sliding window or a sequence's slot in a batched cache is just a narrower range. q
+/// `[n, nh*hd]`, k and v `[m, nkv*hd]`; returns o `[n, nh*hd]` in q's dtype (zero for an empty
+/// range). Per (query, head) the CPU computes exactly what `attention` computes for the same
+/// visible keys, in the same order.
+pub fn decode_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    ranges: &[[u32; 2]],
+    s: AttnShape,
+) -> Result<Tensor> {
+    ensure!(
+        ranges.len() == q.dim(0),
+        "decode_attention: {} key ranges for {} query rows",
+        ranges.len(),
+        q.dim(0)
+    );
+    ensure!(
+        s.n_kv_heads > 0 && s.n_heads.is_multiple_of(s.n_kv_heads),
+        "decode_attention: {} heads not a multiple of {} kv heads",
+        s.n_heads,
+        s.n_kv_heads
+    );
+    ensure!(
+        q.dim(-1) == s.n_heads * s.head_dim && k.dim(-1) == s.n_kv_heads * s.head_dim,
+        "decode_attention: q {:?} / k {:?} do not match {s:?}",
+        q.shape(),
+        k.shape()
+    );
+    ensure!(
+        k.shape() == v.shape(),
+        "decode_attention: k {:?} and v {:?} differ",
+        k.shape(),
+        v.shape()
+    );
+    let m = k.rows_cols().0 as u32;
+    if let Some(r) = ranges.iter().find(|r| r[0] > r[1] || r[1] > m) {
+        bail!("decode_attention: key range {r:?} is not within the {m} key rows");
+    }
+    same_device(q, k, "decode_attention")?;
+    same_device(q, v, "decode_attention")?;
+    dispatch!(q.device(), cpu::decode_attention(q, k, v, ranges, s), c => c.decode_attention(q, k, v, ranges, s))
+}
+
 /// Row-wise log-softmax gathered at `targets`: returns `(logp [T], lse [T])`, both f32. Rows whose
 /// target is `u32::MAX` give logp 0 (ignored positions).
 pub fn logsoftmax_gather(logits: &Tensor, targets: &[u32]) -> Result<(Tensor, Tensor)> {

@@ -206,6 +206,9 @@ pub fn run_op_parity(device: &Device, seed: u64) -> Result<Vec<ParityRow>> {
     if want("cce") {
         cce_suite(&mut cx)?;
     }
+    if want("decode") {
+        decode_suite(&mut cx, &mut r)?;
+    }
     Ok(cx.rows)
 }
 
@@ -1955,6 +1958,103 @@ pub fn format_parity(rows: &[ParityRow]) -> String {
     s
 }
 
+/// Incremental decoding's ops: `decode_attention` (query rows over ranges of a KV cache: one
+/// query per sequence slot of a batched cache, a window, a chat turn's several queries, softcap,
+/// head dims 64 to 256, an empty range) and `copy_rows_into` (exact).
+fn decode_suite(cx: &mut Ctx, r: &mut Rng) -> Result<()> {
+    let bf = DType::BF16;
+    // (label, heads, kv heads, head_dim, key rows, ranges, softcap)
+    type Case = (
+        &'static str,
+        usize,
+        usize,
+        usize,
+        usize,
+        Vec<[u32; 2]>,
+        Option<f32>,
+    );
+    let slots = |n: u32, cap: u32, len: u32| -> Vec<[u32; 2]> {
+        (0..n).map(|b| [b * cap, b * cap + len - b * 7]).collect()
+    };
+    let cases: Vec<Case> = vec![
+        ("1 query", 32, 8, 128, 1000, vec![[0, 1000]], None),
+        ("8 slots", 32, 8, 128, 8 * 512, slots(8, 512, 500), None),
+        (
+            "window 64",
+            8,
+            2,
+            64,
+            700,
+            vec![[636, 700], [300, 364]],
+            None,
+        ),
+        (
+            "turn of 5 queries",
+            4,
+            4,
+            96,
+            300,
+            (0..5).map(|i| [0, 296 + i]).collect(),
+            None,
+        ),
+        (
+            "softcap 5",
+            8,
+            4,
+            256,
+            900,
+            vec![[0, 900], [100, 800]],
+            Some(5.0),
+        ),
+        ("empty range", 4, 2, 64, 50, vec![[0, 50], [20, 20]], None),
+    ];
+    for (label, nh, nkv, hd, m, ranges, softcap) in cases {
+        let n = ranges.len();
+        let q = r.bnormals(n * nh * hd, if softcap.is_some() { 3.0 } else { 1.0 });
+        let k = r.bnormals(m * nkv * hd, 1.0);
+        let v = r.bnormals(m * nkv * hd, 1.0);
+        let s = AttnShape {
+            n_heads: nh,
+            n_kv_heads: nkv,
+            head_dim: hd,
+            scale: 1.0 / (hd as f32).sqrt(),
+            softcap,
+        };
+        let want = decode_attention(
+            &cx.c(&q, &[n, nh * hd])?,
+            &cx.c(&k, &[m, nkv * hd])?,
+            &cx.c(&v, &[m, nkv * hd])?,
+            &ranges,
+            s,
+        )?;
+        let (gq, gk, gv) = (
+            cx.g(&q, &[n, nh * hd], bf)?,
+            cx.g(&k, &[m, nkv * hd], bf)?,
+            cx.g(&v, &[m, nkv * hd], bf)?,
+        );
+        let got = decode_attention(&gq, &gk, &gv, &ranges, s)?;
+        let row = cmp_t(
+            &format!("decode_attention {label} ({nh}/{nkv} heads, d {hd})"),
+            &got,
+            &want,
+            BF16_FWD,
+        )?;
+        cx.push(row);
+    }
+    // Writes into a cache: rows scattered, the rest untouched.
+    let (rows, cols) = (40, 48);
+    let base = r.bnormals(rows * cols, 1.0);
+    let src = r.bnormals(5 * cols, 1.0);
+    let idx = [3u32, 17, 4, 39, 0];
+    let mut want = cx.c(&base, &[rows, cols])?;
+    copy_rows_into(&mut want, &idx, &cx.c(&src, &[5, cols])?)?;
+    let mut got = cx.g(&base, &[rows, cols], bf)?;
+    copy_rows_into(&mut got, &idx, &cx.g(&src, &[5, cols], bf)?)?;
+    let row = cmp_t("copy_rows_into (bf16, exact)", &got, &want, 0.0)?;
+    cx.push(row);
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1970,6 +2070,23 @@ mod tests {
         let m = dev.memory();
         println!("memory: live {} B, peak {} B", m.live_bytes, m.peak_bytes);
         assert!(rows.iter().all(|r| r.pass), "parity failures");
+    }
+
+    /// The decode ops' group with the CPU as the device: every row passes (the bf16 rounding of
+    /// the inputs is the same on both sides there, so only a broken row could fail).
+    #[test]
+    fn decode_suite_cpu_self_check() {
+        let mut cx = Ctx {
+            dev: &Device::Cpu,
+            rows: Vec::new(),
+        };
+        decode_suite(&mut cx, &mut Rng(3)).unwrap();
+        assert_eq!(cx.rows.len(), 7);
+        assert!(
+            cx.rows.iter().all(|r| r.pass && r.rel == 0.0),
+            "{:?}",
+            cx.rows
+        );
     }
 
     /// The harness itself: a difference planted in one element of a real op's output is

@@ -18,6 +18,7 @@ pub const MODULES: &[(&str, &str)] = &[
     ("dequant", include_str!("kernels/dequant.cu")),
     ("cce", include_str!("kernels/cce.cu")),
     ("objective", include_str!("kernels/objective.cu")),
+    ("decode", include_str!("kernels/decode.cu")),
 ];
 
 /// The architecture a module is compiled for on a device of `arch`: the attention module takes

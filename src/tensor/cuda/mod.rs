@@ -16,6 +16,7 @@
 mod attention;
 mod cce;
 pub mod compile;
+mod decode;
 mod dequant;
 mod elementwise;
 mod gemm;
@@ -489,6 +490,8 @@ fn module_of(func: &str) -> &'static str {
         "dequant"
     } else if func.starts_with("lf_obj") {
         "objective"
+    } else if func.starts_with("lf_dec_") {
+        "decode"
     } else {
         "elementwise"
     }
