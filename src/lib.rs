@@ -10,6 +10,7 @@ pub mod config;
 pub mod data;
 pub mod infer;
 pub mod model;
+pub mod plot;
 pub mod tensor;
 pub mod train;
 

@@ -83,9 +83,23 @@ struct TrainArgs {
     segment_size: Option<usize>,
     #[arg(long)]
     seed: Option<u64>,
-    /// Continue a run from a checkpoint folder (adapter, optimiser, step, data position).
+    /// Continue a run: a checkpoint folder, or a run folder (its latest checkpoint). The
+    /// settings must keep the checkpoint's adapter shape and data; without --output the run
+    /// continues in the checkpoint's run folder.
     #[arg(long)]
     resume: Option<PathBuf>,
+    /// Start again in an output folder that holds a run, deleting that run's outputs first.
+    #[arg(long)]
+    overwrite: bool,
+    /// Start from this PEFT adapter's weights (fresh optimiser and schedule; its shape is kept).
+    #[arg(long)]
+    warm_start: Option<String>,
+    /// Without a terminal, one plain log line every this many steps.
+    #[arg(long)]
+    log_every: Option<usize>,
+    /// Also write TensorBoard event files beside metrics.jsonl.
+    #[arg(long)]
+    tensorboard: bool,
     /// Any TrainConfig field as KEY=VALUE (VALUE in TOML syntax), e.g. --set orpo_lambda=0.2.
     #[arg(long = "set", value_name = "KEY=VALUE")]
     set: Vec<String>,
@@ -128,6 +142,14 @@ fn apply_overrides(mut cfg: TrainConfig, a: &TrainArgs) -> Result<TrainConfig> {
     if let Some(m) = a.method {
         cfg.method = m;
     }
+    if let Some(w) = &a.warm_start {
+        cfg.warm_start = Some(w.clone());
+    }
+    if let Some(n) = a.log_every {
+        cfg.log_every = n;
+    }
+    cfg.overwrite |= a.overwrite;
+    cfg.tensorboard |= a.tensorboard;
     if !a.set.is_empty() {
         let mut table: toml::Table = toml::from_str(&cfg.to_toml()?)?;
         for kv in &a.set {
@@ -151,12 +173,40 @@ fn apply_overrides(mut cfg: TrainConfig, a: &TrainArgs) -> Result<TrainConfig> {
     Ok(cfg)
 }
 
+/// Whether the output folder was named (flag, `--set`, or the config file), as opposed to left
+/// at its default.
+fn output_named(a: &TrainArgs) -> Result<bool> {
+    if a.output.is_some() {
+        return Ok(true);
+    }
+    let set_names_output = a.set.iter().any(|kv| {
+        kv.split_once('=')
+            .is_some_and(|(k, _)| matches!(k.trim(), "output" | "output_dir"))
+    });
+    let file_names_output = match &a.config {
+        Some(p) => std::fs::read_to_string(p)
+            .ok()
+            .and_then(|t| toml::from_str::<toml::Table>(&t).ok())
+            .is_some_and(|t| t.contains_key("output") || t.contains_key("output_dir")),
+        None => false,
+    };
+    Ok(set_names_output || file_names_output)
+}
+
 fn run_train(a: TrainArgs) -> Result<()> {
     let base = match &a.config {
         Some(p) => TrainConfig::from_toml_file(p)?,
         None => TrainConfig::default(),
     };
-    let cfg = apply_overrides(base, &a)?;
+    let mut cfg = apply_overrides(base, &a)?;
+    if let Some(r) = &a.resume {
+        // Resuming without naming an output continues in the checkpoint's own run folder.
+        if !output_named(&a)? {
+            let checkpoint = lorafit::train::run_folder::find_checkpoint(r)?;
+            let run_dir = checkpoint.parent().unwrap_or(std::path::Path::new("."));
+            cfg.output = run_dir.display().to_string();
+        }
+    }
     cfg.validate()?;
     let device = Device::parse(&cfg.device)?;
     let loaded = trainer::load_model_and_tokenizer(&cfg.model, &device)?;
@@ -197,6 +247,8 @@ fn run_demo(a: DemoArgs) -> Result<()> {
         max_prompt_len: 128,
         eval_every: 40,
         save_every: 0,
+        // The demo is one fixed run: running it again replaces the last one.
+        overwrite: true,
         ..TrainConfig::default()
     };
     let loaded = trainer::load_model_and_tokenizer(&cfg.model, &device)?;
@@ -238,10 +290,16 @@ fn run_demo(a: DemoArgs) -> Result<()> {
         out.final_valid.unwrap_or_default(),
     );
     println!("\nheld-out preference pairs ({}):", valid_items.len());
-    println!("  {:<10} {:>10} {:>10}", "", "before", "after");
-    for k in ["accuracy", "margin", "lw", "lr", "loss"] {
+    println!("  {:<14} {:>10} {:>10}", "", "before", "after");
+    for k in [
+        "accuracy",
+        "margin",
+        "logps/chosen",
+        "logps/rejected",
+        "loss",
+    ] {
         println!(
-            "  {:<10} {:>10.4} {:>10.4}",
+            "  {:<14} {:>10.4} {:>10.4}",
             k,
             b.get(k).copied().unwrap_or(f64::NAN),
             f.get(k).copied().unwrap_or(f64::NAN)
@@ -273,11 +331,11 @@ fn main() {
             let device = Device::parse(&device)?;
             let loaded = trainer::load_model_and_tokenizer(&model, &device)?;
             let lora = match adapter {
-                Some(p) => Some(lorafit::model::Lora::load_peft(
-                    &p,
-                    &loaded.model.spec,
-                    &device,
-                )?),
+                Some(p) => {
+                    let lora = lorafit::model::Lora::load_peft(&p, &loaded.model.spec, &device)?;
+                    trainer::check_finite_adapter(&lora, &p.display().to_string())?;
+                    Some(lora)
+                }
                 None => None,
             };
             let text = lorafit::infer::chat(

@@ -160,6 +160,18 @@ pub fn write_f32_safetensors(
     Ok(())
 }
 
+/// Every value of tensor `name` (from `source`) is finite, or an error naming the tensor, the
+/// first bad value and its index.
+pub fn check_finite(data: &[f32], name: &str, source: &str) -> Result<()> {
+    match data.iter().position(|v| !v.is_finite()) {
+        None => Ok(()),
+        Some(i) => bail!(
+            "{source}: tensor {name} holds a non-finite value ({} at index {i})",
+            data[i]
+        ),
+    }
+}
+
 /// Anything that hands out named host tensors in f32: safetensors folders, GGUF files, random
 /// initialisers.
 pub trait TensorSource {
@@ -178,6 +190,7 @@ pub trait TensorSource {
             "{}: tensor {name} has shape {shape:?}, but config.json implies {want:?}",
             self.describe()
         );
+        check_finite(&data, name, &self.describe())?;
         Tensor::from_f32(&data, &shape, device.compute_dtype(), device)
     }
     fn describe(&self) -> String;
@@ -310,6 +323,7 @@ pub fn load_weights(
             "{}: tensor {name} has shape {shape:?}, but config.json implies {want:?}",
             src.describe()
         );
+        check_finite(&data, name, &src.describe())?;
         for x in &mut data {
             *x = (*x + spec.norm_offset) * scale;
         }
