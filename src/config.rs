@@ -448,9 +448,8 @@ impl TrainConfig {
         };
         let inf = f64::INFINITY;
         range("lr", self.lr, 0.0, inf, false, true)?;
-        if self.steps == 0 {
-            range("epochs", self.epochs, 0.0, inf, true, true)?;
-        }
+        // Checked even when `steps` overrides it: a bad value is never taken silently.
+        range("epochs", self.epochs, 0.0, inf, true, true)?;
         range("warmup_ratio", self.warmup_ratio, 0.0, 1.0, false, false)?;
         range("weight_decay", self.weight_decay, 0.0, inf, false, true)?;
         range("grad_clip", self.grad_clip, 0.0, inf, false, true)?;

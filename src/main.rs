@@ -207,7 +207,10 @@ fn run_train(a: TrainArgs) -> Result<()> {
             cfg.output = run_dir.display().to_string();
         }
     }
-    cfg.validate()?;
+    cfg.validate().with_context(|| match &a.config {
+        Some(p) => format!("settings ({} and flags)", p.display()),
+        None => "settings (flags)".to_string(),
+    })?;
     let device = Device::parse(&cfg.device)?;
     let loaded = trainer::load_model_and_tokenizer(&cfg.model, &device)?;
     let train_items = trainer::load_items(&cfg.data, None, cfg.method, &loaded, &cfg)?;

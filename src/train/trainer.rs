@@ -443,6 +443,16 @@ pub fn train_with(
                 stopped: true,
             });
         }
+        // A step that fails names itself, the example, and the checkpoint left whole on disk.
+        let step_no = state.step + 1;
+        let failed = |what: String| -> String {
+            let kept = match &last_checkpoint {
+                Some(c) => format!("the last checkpoint, {}, is intact", c.display()),
+                None => "no checkpoint was written yet".to_string(),
+            };
+            format!("step {step_no}: {what}; the run stopped and {kept}")
+        };
+        let example = |idx: usize| format!("training example {idx} of {} (0-based)", cfg.data);
         let t0 = Instant::now();
         device.reset_peak();
         let mut sums: BTreeMap<String, f64> = BTreeMap::new();
@@ -481,7 +491,7 @@ pub fn train_with(
             let queued = queue_example(
                 model, &mut lora, &plan, &objective, reference, &opts, true, 1.0,
             )
-            .with_context(|| format!("training example {idx}"))?;
+            .with_context(|| failed(example(idx)))?;
             queued_examples.push((idx, queued));
         }
         let lr = schedule.lr(state.step);
@@ -493,23 +503,14 @@ pub fn train_with(
             1.0 / cfg.grad_accum as f64,
             &optim,
         )?;
-        let step_no = state.step + 1;
-        let intact = |what: String| -> anyhow::Error {
-            let kept = match &last_checkpoint {
-                Some(c) => format!("the last checkpoint, {}, is intact", c.display()),
-                None => "no checkpoint was written yet".to_string(),
-            };
-            anyhow::anyhow!("step {step_no}: {what}; the run stopped and {kept}")
-        };
         // The step is queued whole; its losses and norm are read back once it has run.
         for (idx, queued) in queued_examples.drain(..) {
-            let out = queued
-                .finish()
-                .with_context(|| format!("training example {idx}"))?;
+            let out = queued.finish().with_context(|| failed(example(idx)))?;
             if !out.loss.is_finite() {
-                return Err(intact(format!(
-                    "training example {idx} of {} (0-based, in file order) gave a non-finite loss ({})",
-                    cfg.data, out.loss
+                bail!(failed(format!(
+                    "{} gave a non-finite loss ({})",
+                    example(idx),
+                    out.loss
                 )));
             }
             loss += out.loss / cfg.grad_accum as f64;
@@ -520,7 +521,7 @@ pub fn train_with(
         }
         let grad_norm = grad_norm.get()?;
         if !grad_norm.is_finite() {
-            return Err(intact(format!(
+            bail!(failed(format!(
                 "the gradient norm is not finite ({grad_norm})"
             )));
         }
