@@ -11,10 +11,8 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 fn scratch(name: &str) -> PathBuf {
-    let d = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!(
-        "corpus_runs-{name}-{}",
-        std::process::id()
-    ));
+    let d = Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("corpus_runs-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).unwrap();
     d
@@ -122,22 +120,54 @@ fn bad_runs_are_errors_that_name_file_and_setting() {
     };
     // Settings files: each value out of range, misspelt, of the wrong type, or in conflict.
     for (name, toml, expect) in [
-        ("lr_negative", "lr = -1e-4", vec!["lr = -0.0001", "expected a number in [0"]),
+        (
+            "lr_negative",
+            "lr = -1e-4",
+            vec!["lr = -0.0001", "expected a number in [0"],
+        ),
         ("lr_nan", "learning_rate = nan", vec!["lr = NaN"]),
-        ("epochs_negative", "epochs = -3.0\nsteps = 0", vec!["epochs = -3"]),
-        ("warmup_ratio", "warmup_ratio = 1.5", vec!["warmup_ratio = 1.5"]),
+        (
+            "epochs_negative",
+            "epochs = -3.0\nsteps = 0",
+            vec!["epochs = -3"],
+        ),
+        (
+            "warmup_ratio",
+            "warmup_ratio = 1.5",
+            vec!["warmup_ratio = 1.5"],
+        ),
         ("grad_clip", "grad_clip = -1.0", vec!["grad_clip = -1"]),
         ("adam_beta1", "adam_beta1 = 1.5", vec!["adam_beta1 = 1.5"]),
         ("targets_empty", "targets = []", vec!["targets is empty"]),
         ("log_every", "log_every = 0", vec!["log_every = 0"]),
-        ("warmup_steps", "warmup_steps = 50", vec!["warmup_steps = 50", "steps (4)"]),
-        ("typo", "learnig_rate = 1e-4", vec!["learnig_rate", "did you mean `learning_rate`"]),
+        (
+            "warmup_steps",
+            "warmup_steps = 50",
+            vec!["warmup_steps = 50", "steps (4)"],
+        ),
+        (
+            "typo",
+            "learnig_rate = 1e-4",
+            vec!["learnig_rate", "did you mean `learning_rate`"],
+        ),
         ("rank_zero", "rank = 1\nlora_r = 0", vec!["rank"]),
         ("dropout", "lora_dropout = 1.0", vec!["lora_dropout"]),
-        ("schedule", "schedule = \"linear\"", vec!["schedule", "linear"]),
-        ("rank_pattern", "[rank_pattern]\ndown_proj = 0", vec!["rank_pattern.down_proj = 0"]),
+        (
+            "schedule",
+            "schedule = \"linear\"",
+            vec!["schedule", "linear"],
+        ),
+        (
+            "rank_pattern",
+            "[rank_pattern]\ndown_proj = 0",
+            vec!["rank_pattern.down_proj = 0"],
+        ),
         ("wrong_type", "save_every = \"often\"", vec!["save_every"]),
-        ("twice", "lr = 1e-4\nlearning_rate = 2e-4", vec!["`lr` is given twice"]),
+        (
+            "twice",
+            "lr = 1e-4\nlearning_rate = 2e-4",
+            vec!["`lr` is given twice"],
+        ),
     ] {
         let (path, expect) = setting(name, toml, &expect);
         cases.push(Case {
@@ -152,12 +182,19 @@ fn bad_runs_are_errors_that_name_file_and_setting() {
         name: "prompt_longer_than_sequence",
         out: fresh("prompt_longer"),
         args: vec![s("--set"), s("max_prompt_len=64")],
-        expect: vec![s("max_prompt_len (64)"), s("max_seq_len (48)"), s("settings (flags)")],
+        expect: vec![
+            s("max_prompt_len (64)"),
+            s("max_seq_len (48)"),
+            s("settings (flags)"),
+        ],
     });
     cases.push(Case {
         name: "yaml_file",
         out: fresh("yaml"),
-        args: vec![s("--config"), file(&cfgs, "run.yaml", "learning_rate: 1e-4\n")],
+        args: vec![
+            s("--config"),
+            file(&cfgs, "run.yaml", "learning_rate: 1e-4\n"),
+        ],
         expect: vec![s("run.yaml"), s("YAML")],
     });
     cases.push(Case {
@@ -175,7 +212,10 @@ fn bad_runs_are_errors_that_name_file_and_setting() {
     cases.push(Case {
         name: "data_missing",
         out: fresh("data_missing"),
-        args: vec![s("--set"), format!("data={}", root.join("nope.jsonl").display())],
+        args: vec![
+            s("--set"),
+            format!("data={}", root.join("nope.jsonl").display()),
+        ],
         expect: vec![s("nope.jsonl")],
     });
 
@@ -184,12 +224,19 @@ fn bad_runs_are_errors_that_name_file_and_setting() {
         name: "existing_run_folder",
         out: done.clone(),
         args: vec![],
-        expect: vec![done.display().to_string(), s("already holds a run"), s("--overwrite")],
+        expect: vec![
+            done.display().to_string(),
+            s("already holds a run"),
+            s("--overwrite"),
+        ],
     });
     cases.push(Case {
         name: "resume_missing",
         out: fresh("resume_missing"),
-        args: vec![s("--resume"), root.join("no-such-run").display().to_string()],
+        args: vec![
+            s("--resume"),
+            root.join("no-such-run").display().to_string(),
+        ],
         expect: vec![s("no-such-run"), s("no such checkpoint")],
     });
     let empty = fresh("empty_run");
@@ -210,7 +257,11 @@ fn bad_runs_are_errors_that_name_file_and_setting() {
         name: "resume_other_rank",
         out: done.clone(),
         args: resume_done(&["--set", "rank=8", "--set", "steps=6"]),
-        expect: vec![s("checkpoint-000004"), s("rank: checkpoint 4, now 8"), s("alpha")],
+        expect: vec![
+            s("checkpoint-000004"),
+            s("rank: checkpoint 4, now 8"),
+            s("alpha"),
+        ],
     });
     cases.push(Case {
         name: "resume_other_targets",
@@ -222,7 +273,10 @@ fn bad_runs_are_errors_that_name_file_and_setting() {
         name: "resume_other_tokenization",
         out: done.clone(),
         args: resume_done(&["--set", "max_seq_len=40", "--set", "steps=6"]),
-        expect: vec![s("checkpoint-000004"), s("max_seq_len: checkpoint 48, now 40")],
+        expect: vec![
+            s("checkpoint-000004"),
+            s("max_seq_len: checkpoint 48, now 40"),
+        ],
     });
     data_file(&root.join("other.jsonl"), 8, 99);
     cases.push(Case {
@@ -234,19 +288,31 @@ fn bad_runs_are_errors_that_name_file_and_setting() {
             "--set",
             "steps=6",
         ]),
-        expect: vec![s("checkpoint-000004"), s("data: the training examples differ"), s("other.jsonl")],
+        expect: vec![
+            s("checkpoint-000004"),
+            s("data: the training examples differ"),
+            s("other.jsonl"),
+        ],
     });
     cases.push(Case {
         name: "resume_finished",
         out: done.clone(),
         args: resume_done(&[]),
-        expect: vec![s("checkpoint-000004"), s("finished at step 4"), s("steps to more than 4")],
+        expect: vec![
+            s("checkpoint-000004"),
+            s("finished at step 4"),
+            s("steps to more than 4"),
+        ],
     });
     cases.push(Case {
         name: "resume_shorter",
         out: done.clone(),
         args: resume_done(&["--set", "steps=3"]),
-        expect: vec![s("checkpoint-000004"), s("planned to 4 steps"), s("the settings ask for 3")],
+        expect: vec![
+            s("checkpoint-000004"),
+            s("planned to 4 steps"),
+            s("the settings ask for 3"),
+        ],
     });
     let nan_ckpt = copy_of_done("nan_checkpoint");
     poison_tensor(
@@ -256,11 +322,24 @@ fn bad_runs_are_errors_that_name_file_and_setting() {
     cases.push(Case {
         name: "resume_nan_adapter",
         out: nan_ckpt.clone(),
-        args: vec![s("--resume"), nan_ckpt.display().to_string(), s("--set"), s("steps=6")],
-        expect: vec![s("checkpoint-000004"), s("layers.1.mlp.down_proj.lora_B"), s("non-finite")],
+        args: vec![
+            s("--resume"),
+            nan_ckpt.display().to_string(),
+            s("--set"),
+            s("steps=6"),
+        ],
+        expect: vec![
+            s("checkpoint-000004"),
+            s("layers.1.mlp.down_proj.lora_B"),
+            s("non-finite"),
+        ],
     });
     let bad_state = copy_of_done("bad_state");
-    std::fs::write(bad_state.join("checkpoint-000004/trainer_state.json"), "{\"step\": ").unwrap();
+    std::fs::write(
+        bad_state.join("checkpoint-000004/trainer_state.json"),
+        "{\"step\": ",
+    )
+    .unwrap();
     cases.push(Case {
         name: "resume_corrupt_state",
         out: bad_state.clone(),
@@ -277,7 +356,12 @@ fn bad_runs_are_errors_that_name_file_and_setting() {
     cases.push(Case {
         name: "resume_missing_optimizer",
         out: no_opt.clone(),
-        args: vec![s("--resume"), no_opt.display().to_string(), s("--set"), s("steps=6")],
+        args: vec![
+            s("--resume"),
+            no_opt.display().to_string(),
+            s("--set"),
+            s("steps=6"),
+        ],
         expect: vec![s("checkpoint-000004/optimizer.safetensors")],
     });
     let adapter = done.join("adapter").display().to_string();
@@ -296,7 +380,11 @@ fn bad_runs_are_errors_that_name_file_and_setting() {
         name: "warm_start_nan_adapter",
         out: fresh("warm_nan"),
         args: vec![s("--warm-start"), nan_adapter.display().to_string()],
-        expect: vec![s("nan_adapter/adapter"), s("layers.0.self_attn.q_proj.lora_A"), s("non-finite")],
+        expect: vec![
+            s("nan_adapter/adapter"),
+            s("layers.0.self_attn.q_proj.lora_A"),
+            s("non-finite"),
+        ],
     });
 
     // Model files.
@@ -316,13 +404,20 @@ fn bad_runs_are_errors_that_name_file_and_setting() {
         expect: vec![s("config.json"), s("num_attention_heads")],
     });
     let m = model_case("nan_weight", &|m| {
-        poison_tensor(&m.join("model.safetensors"), "model.layers.1.mlp.up_proj.weight")
+        poison_tensor(
+            &m.join("model.safetensors"),
+            "model.layers.1.mlp.up_proj.weight",
+        )
     });
     cases.push(Case {
         name: "nan_weight",
         out: fresh("nan_weight"),
         args: vec![s("--set"), format!("model={m}")],
-        expect: vec![s("model-nan_weight"), s("model.layers.1.mlp.up_proj.weight"), s("non-finite")],
+        expect: vec![
+            s("model-nan_weight"),
+            s("model.layers.1.mlp.up_proj.weight"),
+            s("non-finite"),
+        ],
     });
     let m = model_case("no_tokenizer", &|m| {
         std::fs::remove_file(m.join("tokenizer.json")).unwrap()
@@ -357,8 +452,20 @@ fn bad_runs_are_errors_that_name_file_and_setting() {
     cases.push(Case {
         name: "non_finite_step",
         out: blowup.clone(),
-        args: vec![s("--set"), s("lr=1e30"), s("--set"), s("save_every=1"), s("--set"), s("grad_clip=0")],
-        expect: vec![s("step "), s("non-finite"), s("checkpoint-000001"), s("is intact")],
+        args: vec![
+            s("--set"),
+            s("lr=1e30"),
+            s("--set"),
+            s("save_every=1"),
+            s("--set"),
+            s("grad_clip=0"),
+        ],
+        expect: vec![
+            s("step "),
+            s("non-finite"),
+            s("checkpoint-000001"),
+            s("is intact"),
+        ],
     });
 
     assert!(cases.len() >= 25, "{} cases", cases.len());
@@ -374,9 +481,16 @@ fn bad_runs_are_errors_that_name_file_and_setting() {
             ));
             continue;
         }
-        let missing: Vec<&String> = case.expect.iter().filter(|x| !err.contains(x.as_str())).collect();
+        let missing: Vec<&String> = case
+            .expect
+            .iter()
+            .filter(|x| !err.contains(x.as_str()))
+            .collect();
         if !missing.is_empty() {
-            failures.push(format!("{}: the error lacks {missing:?}:\n{err}", case.name));
+            failures.push(format!(
+                "{}: the error lacks {missing:?}:\n{err}",
+                case.name
+            ));
         }
     }
     eprintln!("{} cases, {} failed", cases.len(), failures.len());
@@ -389,7 +503,9 @@ fn bad_runs_are_errors_that_name_file_and_setting() {
             .unwrap();
     assert_eq!(state["step"], 1);
     let adapter = common::read_safetensors(&ckpt.join("adapter_model.safetensors"));
-    assert!(adapter.values().all(|(_, v)| v.iter().all(|x| x.is_finite())));
+    assert!(adapter
+        .values()
+        .all(|(_, v)| v.iter().all(|x| x.is_finite())));
     // The refused resumes left the finished run as it was.
     assert!(done.join("checkpoint-000004/trainer_state.json").is_file());
     let _ = std::fs::remove_dir_all(&root);
@@ -473,7 +589,10 @@ fn gguf_count_fields(b: &[u8]) -> Vec<(String, usize, usize)> {
 }
 
 /// Calls `f`, turning a panic into a failure message naming `what`.
-fn no_panic<T>(what: &str, f: impl FnOnce() -> anyhow::Result<T>) -> Result<anyhow::Result<T>, String> {
+fn no_panic<T>(
+    what: &str,
+    f: impl FnOnce() -> anyhow::Result<T>,
+) -> Result<anyhow::Result<T>, String> {
     std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).map_err(|p| {
         let msg = p
             .downcast_ref::<String>()
@@ -509,7 +628,11 @@ fn gguf_zero_counts_and_truncation_never_panic() {
     for fixture in ["minicpm.gguf", "gemma2.gguf", "spm_prefix.gguf"] {
         let bytes = std::fs::read(common::fixture(&format!("gguf/{fixture}"))).unwrap();
         let fields = gguf_count_fields(&bytes);
-        assert!(fields.len() > 20, "{fixture}: {} count fields", fields.len());
+        assert!(
+            fields.len() > 20,
+            "{fixture}: {} count fields",
+            fields.len()
+        );
         let path = d.join(fixture);
         let load = |path: &Path| -> anyhow::Result<()> {
             let g = lorafit::model::gguf::GgufFile::open(path)?;
@@ -534,7 +657,9 @@ fn gguf_zero_counts_and_truncation_never_panic() {
                 Ok(Err(e)) => {
                     let e = format!("{e:#}");
                     if !e.contains(fixture) {
-                        failures.push(format!("{fixture}: {field} = 0: error without the file: {e}"));
+                        failures.push(format!(
+                            "{fixture}: {field} = 0: error without the file: {e}"
+                        ));
                     }
                     refused += 1;
                 }
@@ -542,7 +667,11 @@ fn gguf_zero_counts_and_truncation_never_panic() {
         }
         // Truncated at 40 points, the header's first bytes included.
         for k in 0..40 {
-            let len = if k < 8 { k * 13 } else { bytes.len() * (k - 7) / 33 };
+            let len = if k < 8 {
+                k * 13
+            } else {
+                bytes.len() * (k - 7) / 33
+            };
             std::fs::write(&path, &bytes[..len.min(bytes.len() - 1)]).unwrap();
             match no_panic(&format!("{fixture} cut to {len} bytes"), || load(&path)) {
                 Err(panic) => failures.push(panic),
@@ -572,7 +701,9 @@ fn config_json_zero_counts_never_panic() {
         "vocab_size",
         "head_dim",
     ];
-    for family in ["llama", "qwen2", "qwen3", "gemma2", "gemma3", "minicpm", "minicpm5", "mistral"] {
+    for family in [
+        "llama", "qwen2", "qwen3", "gemma2", "gemma3", "minicpm", "minicpm5", "mistral",
+    ] {
         let src = common::fixture(&format!("models/{family}"));
         let text = std::fs::read_to_string(src.join("config.json")).unwrap();
         let v: serde_json::Value = serde_json::from_str(&text).unwrap();
@@ -606,9 +737,15 @@ fn config_json_zero_counts_never_panic() {
             cases += 1;
             std::fs::write(m.join("config.json"), w.to_string()).unwrap();
             let what = format!("{family}: {field} = 0");
-            match no_panic(&what, || lorafit::model::load(&m, &lorafit::tensor::Device::Cpu)) {
+            match no_panic(&what, || {
+                lorafit::model::load(&m, &lorafit::tensor::Device::Cpu)
+            }) {
                 Err(p) => failures.push(p),
-                Ok(Ok(_)) if needed.iter().any(|n| field == *n || field.ends_with(&format!(".{n}"))) => {
+                Ok(Ok(_))
+                    if needed
+                        .iter()
+                        .any(|n| field == *n || field.ends_with(&format!(".{n}"))) =>
+                {
                     failures.push(format!("{what} was accepted"))
                 }
                 Ok(Ok(_)) => {}
@@ -641,7 +778,9 @@ fn config_json_zero_counts_never_panic() {
                 lorafit::model::load(&m, &lorafit::tensor::Device::Cpu)
             }) {
                 Err(p) => failures.push(p),
-                Ok(Ok(_)) => failures.push(format!("{family}: model.safetensors cut to {cut} accepted")),
+                Ok(Ok(_)) => {
+                    failures.push(format!("{family}: model.safetensors cut to {cut} accepted"))
+                }
                 Ok(Err(_)) => {}
             }
         }

@@ -16,10 +16,8 @@ use std::time::Instant;
 const STEPS: usize = 12;
 
 fn scratch(name: &str) -> PathBuf {
-    let d = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!(
-        "kill_resume-{name}-{}",
-        std::process::id()
-    ));
+    let d = Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("kill_resume-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).unwrap();
     d
@@ -42,7 +40,14 @@ fn train_command(s: &Setup, out: &Path, extra: &[&str]) -> Command {
         .arg("--output")
         .arg(out)
         .args(["--steps", &STEPS.to_string(), "--rank", "4", "--seed", "3"])
-        .args(["--set", "lr=1e-2", "--set", "save_every=1", "--set", "eval_every=3"])
+        .args([
+            "--set",
+            "lr=1e-2",
+            "--set",
+            "save_every=1",
+            "--set",
+            "eval_every=3",
+        ])
         .args(["--set", "max_seq_len=48", "--set", "max_prompt_len=24"])
         .args(extra)
         .stdout(Stdio::null())
@@ -128,7 +133,10 @@ fn kill_at_random_points_then_resume_equals_uninterrupted() {
     ] {
         assert!(want.contains_key(f), "the reference run wrote no {f}");
     }
-    assert_eq!(timing_steps(&reference), (1..=STEPS as u64).collect::<Vec<_>>());
+    assert_eq!(
+        timing_steps(&reference),
+        (1..=STEPS as u64).collect::<Vec<_>>()
+    );
 
     // Random delays over the whole run (start-up, steps, validation, checkpoint writes); the
     // seed is printed so that a failure can be replayed with LORAFIT_KILL_SEED.

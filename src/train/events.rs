@@ -98,7 +98,10 @@ pub enum TrainEvent<'a> {
         best: bool,
     },
     /// The run stopped because a listener asked it to; a checkpoint of `step` was written first.
-    Stopped { step: usize, checkpoint: &'a Path },
+    Stopped {
+        step: usize,
+        checkpoint: &'a Path,
+    },
     /// The run reached its last step; the adapter is in `adapter_dir`.
     Finished {
         step: usize,

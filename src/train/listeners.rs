@@ -45,7 +45,10 @@ impl Console {
 
     fn peak(&self, s: &StepRecord) -> String {
         if self.cuda {
-            format!(" | peak {:.2} GiB", s.peak_bytes as f64 / (1u64 << 30) as f64)
+            format!(
+                " | peak {:.2} GiB",
+                s.peak_bytes as f64 / (1u64 << 30) as f64
+            )
         } else {
             String::new()
         }
@@ -252,8 +255,18 @@ pub fn read_series(path: &Path) -> Result<Series> {
 /// The plots a run writes, as `(file, title, y label, [(metric, legend label)])`.
 const PLOTS: &[(&str, &str, &str, &[(&str, &str)])] = &[
     ("loss.png", "Loss", "loss", &[("loss", "loss")]),
-    ("margin.png", "Margin", "logps/chosen - logps/rejected", &[("margin", "margin")]),
-    ("accuracy.png", "Preference accuracy", "accuracy", &[("accuracy", "accuracy")]),
+    (
+        "margin.png",
+        "Margin",
+        "logps/chosen - logps/rejected",
+        &[("margin", "margin")],
+    ),
+    (
+        "accuracy.png",
+        "Preference accuracy",
+        "accuracy",
+        &[("accuracy", "accuracy")],
+    ),
     (
         "logps.png",
         "Mean log-probabilities",

@@ -47,8 +47,7 @@ pub fn find_checkpoint(path: &Path) -> Result<PathBuf> {
         else {
             continue;
         };
-        if entry.path().join(TRAINER_STATE).is_file() && best.as_ref().is_none_or(|b| step > b.0)
-        {
+        if entry.path().join(TRAINER_STATE).is_file() && best.as_ref().is_none_or(|b| step > b.0) {
             best = Some((step, entry.path()));
         }
     }
@@ -68,7 +67,6 @@ fn is_run_output(name: &str) -> bool {
         "adapter" | "best" | "plan.toml" | "metrics.jsonl" | "timing.jsonl" | "plots"
     ) || name.starts_with("checkpoint-")
         || name.starts_with(".tmp-")
-        || name.starts_with(".old-")
         || name.starts_with("events.out.tfevents.")
 }
 
@@ -76,8 +74,7 @@ fn is_run_output(name: &str) -> bool {
 /// resumes into it or `overwrite` is set, in which case that run's outputs (and only those) are
 /// deleted first. Leftovers of a write that a kill interrupted (`.tmp-*`) are removed.
 pub fn prepare(out_dir: &Path, resuming: bool, overwrite: bool) -> Result<()> {
-    std::fs::create_dir_all(out_dir)
-        .with_context(|| format!("creating {}", out_dir.display()))?;
+    std::fs::create_dir_all(out_dir).with_context(|| format!("creating {}", out_dir.display()))?;
     let mut outputs = Vec::new();
     for entry in
         std::fs::read_dir(out_dir).with_context(|| format!("reading {}", out_dir.display()))?
@@ -88,9 +85,7 @@ pub fn prepare(out_dir: &Path, resuming: bool, overwrite: bool) -> Result<()> {
             outputs.push((name, entry.path()));
         }
     }
-    let holds_run = outputs
-        .iter()
-        .any(|(n, _)| !n.starts_with(".tmp-") && !n.starts_with(".old-"));
+    let holds_run = outputs.iter().any(|(n, _)| !n.starts_with(".tmp-"));
     if holds_run && !resuming && !overwrite {
         bail!(
             "output {} already holds a run ({}); pass --resume {} to continue it, or --overwrite (overwrite = true) to delete it and start again",

@@ -103,8 +103,8 @@ impl EventWriter {
             "events.out.tfevents.{}.lorafit.{start_step}",
             now() as u64
         ));
-        let file = std::fs::File::create(&path)
-            .with_context(|| format!("creating {}", path.display()))?;
+        let file =
+            std::fs::File::create(&path).with_context(|| format!("creating {}", path.display()))?;
         let mut w = EventWriter { file, path };
         let mut rest = Vec::new();
         bytes_field(&mut rest, 3, b"brain.Event:2");

@@ -6,8 +6,8 @@ use super::device_loss::Reference;
 use super::events::{Fanout, PassRecord, RunStart, StepRecord, TrainEvent, TrainEvents};
 use super::listeners::{Console, MetricsFile, Plots, TensorBoard};
 use super::optim::{apply_update, AdamState, OptimOptions};
-use super::run_folder::{self, Cycle, CycleSchedule};
 use super::plan::Plan;
+use super::run_folder::{self, Cycle, CycleSchedule};
 use super::step::{queue_example, reference_logps, Objective, PassOptions};
 use crate::config::{Method, TrainConfig};
 use crate::data::{self, ChatTemplate, DatasetKind, TextTokenizer, TokenizeOptions};
@@ -683,7 +683,10 @@ fn resumed_state(
 fn check_warm_start_shape(path: &str, adapter: &LoraConfig, asked: &LoraConfig) -> Result<()> {
     let mut diffs = Vec::new();
     if adapter.rank != asked.rank {
-        diffs.push(format!("rank: adapter {}, settings {}", adapter.rank, asked.rank));
+        diffs.push(format!(
+            "rank: adapter {}, settings {}",
+            adapter.rank, asked.rank
+        ));
     }
     if adapter.alpha != asked.alpha {
         diffs.push(format!(
@@ -735,7 +738,9 @@ pub fn check_finite_adapter(lora: &Lora, source: &str) -> Result<()> {
 /// plan.toml: the resolved settings (readable back with `--config`), headed by the schedule's
 /// cycles and the memory plan as comments.
 fn plan_toml(settings: &TrainConfig, cycles: &[Cycle]) -> Result<String> {
-    let mut head = String::from("# The run as resolved; `lorafit train --config plan.toml` trains it again.\n");
+    let mut head = String::from(
+        "# The run as resolved; `lorafit train --config plan.toml` trains it again.\n",
+    );
     let mut start = 0;
     for (i, c) in cycles.iter().enumerate() {
         head.push_str(&format!(
@@ -749,7 +754,8 @@ fn plan_toml(settings: &TrainConfig, cycles: &[Cycle]) -> Result<String> {
         ));
         start = c.end;
     }
-    let auto = |v: Option<String>| v.unwrap_or_else(|| "chosen per example from free memory".into());
+    let auto =
+        |v: Option<String>| v.unwrap_or_else(|| "chosen per example from free memory".into());
     head.push_str(&format!(
         "# memory plan: segment_size {}, keep_attention {}, keep_kv_layers {}, head {:?}\n\n",
         auto(settings.segment_size.map(|s| s.to_string())),

@@ -54,4 +54,3 @@ pub fn data_file(path: &Path, n: usize, seed: u64) {
     }
     std::fs::write(path, text).unwrap();
 }
-
