@@ -252,8 +252,16 @@ pub fn read_series(path: &Path) -> Result<Series> {
     Ok(series)
 }
 
-/// The plots a run writes, as `(file, title, y label, [(metric, legend label)])`.
-const PLOTS: &[(&str, &str, &str, &[(&str, &str)])] = &[
+/// One plot a run writes: `(file, title, y label, [(metric, legend label)])`.
+type PlotSpec = (
+    &'static str,
+    &'static str,
+    &'static str,
+    &'static [(&'static str, &'static str)],
+);
+
+/// The plots a run writes.
+const PLOTS: &[PlotSpec] = &[
     ("loss.png", "Loss", "loss", &[("loss", "loss")]),
     (
         "margin.png",
