@@ -411,10 +411,10 @@ pub fn train_with(
         first_valid = Some(m);
     }
 
+    let settings_toml = run_settings.to_toml()?;
     let save = |dir: &Path, lora: &Lora, adam: &AdamState, state: &TrainerState| {
-        save_checkpoint(dir, lora, adam, state, &loaded.model_path)?;
-        std::fs::write(dir.join(run_folder::RUN_SETTINGS), run_settings.to_toml()?)
-            .with_context(|| format!("writing {}", dir.display()))
+        let extra = [(run_folder::RUN_SETTINGS, settings_toml.as_str())];
+        save_checkpoint(dir, lora, adam, state, &loaded.model_path, &extra)
     };
     // The newest whole checkpoint on disk, named when a step fails.
     let mut last_checkpoint = checkpoint.clone();
@@ -783,14 +783,16 @@ pub fn fmt_metrics(m: &BTreeMap<String, f64>) -> String {
     .join(" | ")
 }
 
-/// Writes adapter + optimiser + trainer state into `dir` atomically (a temporary folder renamed
-/// into place).
+/// Writes adapter + optimiser + trainer state, and `extra` files `(name, text)`, into `dir`
+/// atomically (a temporary folder renamed into place): a kill leaves the whole checkpoint or
+/// none of it.
 pub fn save_checkpoint(
     dir: &Path,
     lora: &Lora,
     adam: &AdamState,
     state: &TrainerState,
     model_path: &Path,
+    extra: &[(&str, &str)],
 ) -> Result<()> {
     let parent = dir.parent().unwrap_or(Path::new("."));
     let tmp = parent.join(format!(
@@ -809,6 +811,10 @@ pub fn save_checkpoint(
         tmp.join("trainer_state.json"),
         serde_json::to_string_pretty(state)?,
     )?;
+    for (name, text) in extra {
+        std::fs::write(tmp.join(name), text)
+            .with_context(|| format!("writing {}", tmp.join(name).display()))?;
+    }
     let _ = std::fs::remove_dir_all(dir);
     std::fs::rename(&tmp, dir)
         .with_context(|| format!("moving checkpoint into {}", dir.display()))?;
