@@ -76,6 +76,9 @@ pub struct TrainConfig {
     /// Peak learning rate; 0 picks the method's default (ORPO 1e-5, SFT 2e-4, DPO 5e-6, SimPO 1e-6·…).
     pub lr: f64,
     pub warmup_ratio: f64,
+    /// Warm-up steps; unset derives them from `warmup_ratio` (TRL's `warmup_steps`). plan.toml
+    /// records the number the run used.
+    pub warmup_steps: Option<usize>,
     /// Learning-rate schedule: "cosine" or "constant" (both after linear warmup).
     pub schedule: String,
     pub weight_decay: f64,
@@ -146,6 +149,15 @@ pub struct TrainConfig {
     pub gemm_tuning: bool,
     /// Fused head tier: drop softmax-gradient terms below this in the backward (0: keep all).
     pub cce_filter_eps: f32,
+    /// Without a terminal (stderr is a file, nohup, a job server): one plain log line every this
+    /// many optimiser steps (at least 1). On a terminal the progress bar shows every step.
+    pub log_every: usize,
+    /// Also write TensorBoard event files (`events.out.tfevents.*`) beside metrics.jsonl.
+    pub tensorboard: bool,
+    /// Start the run again in an output folder that already holds one, deleting that run's
+    /// outputs first (adapter, checkpoints, metrics, plots); without it such a folder is refused
+    /// unless the run resumes from it.
+    pub overwrite: bool,
 }
 
 impl Default for TrainConfig {
@@ -163,6 +175,7 @@ impl Default for TrainConfig {
             grad_accum: 1,
             lr: 0.0,
             warmup_ratio: 0.03,
+            warmup_steps: None,
             schedule: "cosine".into(),
             weight_decay: 0.0,
             grad_clip: 1.0,
@@ -206,6 +219,9 @@ impl Default for TrainConfig {
             deterministic_attention: false,
             gemm_tuning: true,
             cce_filter_eps: crate::tensor::cce::DEFAULT_FILTER_EPS,
+            log_every: 10,
+            tensorboard: false,
+            overwrite: false,
         }
     }
 }
@@ -245,6 +261,9 @@ const TRL_NAMES: &[(&str, &str)] = &[
     ("num_train_epochs", "epochs"),
     ("output_dir", "output"),
     ("chat_template_path", "chat_template"),
+    ("logging_steps", "log_every"),
+    ("save_steps", "save_every"),
+    ("eval_steps", "eval_every"),
 ];
 
 /// Edit distance between two short names (for "did you mean").
@@ -279,6 +298,7 @@ impl TrainConfig {
             "keep_attention",
             "keep_kv_layers",
             "warm_start",
+            "warmup_steps",
         ] {
             if !names.iter().any(|n| n == extra) {
                 names.push(extra.to_string());
@@ -374,6 +394,29 @@ impl TrainConfig {
         }
     }
 
+    /// Warm-up steps of a run of `total_steps`: `warmup_steps` if set, else `warmup_ratio` of
+    /// the steps, rounded; never more than the run.
+    pub fn resolved_warmup(&self, total_steps: usize) -> usize {
+        self.warmup_steps
+            .unwrap_or((self.warmup_ratio * total_steps as f64).round() as usize)
+            .min(total_steps)
+    }
+
+    /// The settings as the run uses them, for plan.toml and checkpoints: the learning rate after
+    /// method defaults, the step and warm-up counts, alpha after its `2 × rank` default. Read
+    /// back as a config it trains the same run (`overwrite` is not recorded).
+    pub fn resolved(&self, total_steps: usize, warmup_steps: usize) -> TrainConfig {
+        let mut c = self.clone();
+        c.lr = self.learning_rate();
+        c.steps = total_steps;
+        c.warmup_steps = Some(warmup_steps);
+        if c.alpha == 0.0 {
+            c.alpha = 2.0 * self.rank as f64;
+        }
+        c.overwrite = false;
+        c
+    }
+
     pub fn lora_config(&self) -> Result<LoraConfig> {
         let targets = self
             .targets
@@ -429,9 +472,8 @@ impl TrainConfig {
         };
         let inf = f64::INFINITY;
         range("lr", self.lr, 0.0, inf, false, true)?;
-        if self.steps == 0 {
-            range("epochs", self.epochs, 0.0, inf, true, true)?;
-        }
+        // Checked even when `steps` overrides it: a bad value is never taken silently.
+        range("epochs", self.epochs, 0.0, inf, true, true)?;
         range("warmup_ratio", self.warmup_ratio, 0.0, 1.0, false, false)?;
         range("weight_decay", self.weight_decay, 0.0, inf, false, true)?;
         range("grad_clip", self.grad_clip, 0.0, inf, false, true)?;
@@ -467,6 +509,23 @@ impl TrainConfig {
             false,
             true,
         )?;
+        if self.log_every == 0 {
+            bail!("log_every = 0: expected a whole number of steps, at least 1");
+        }
+        if self.steps > 0 {
+            if let Some(w) = self.warmup_steps.filter(|&w| w > self.steps) {
+                bail!(
+                    "warmup_steps = {w}: expected at most steps ({})",
+                    self.steps
+                );
+            }
+        }
+        if self.max_seq_len == 0 {
+            bail!("max_seq_len = 0: expected a whole number of tokens, at least 2");
+        }
+        if let Some((k, _)) = self.rank_pattern.iter().find(|(_, &r)| r == 0) {
+            bail!("rank_pattern.{k} = 0: expected a rank of at least 1");
+        }
         if self.targets.is_empty() {
             bail!("targets is empty: name at least one projection (q, k, v, o, gate, up, down)");
         }

@@ -14,6 +14,7 @@ pub mod export;
 pub mod infer;
 pub mod model;
 pub mod serve;
+pub mod plot;
 pub mod tensor;
 pub mod train;
 

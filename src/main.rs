@@ -262,9 +262,23 @@ struct TrainArgs {
     /// A Jinja chat template file (or a tokenizer_config.json) to use instead of the model's.
     #[arg(long)]
     chat_template: Option<String>,
-    /// Continue a run from a checkpoint folder (adapter, optimiser, step, data position).
+    /// Continue a run: a checkpoint folder, or a run folder (its latest checkpoint). The
+    /// settings must keep the checkpoint's adapter shape and data; without --output the run
+    /// continues in the checkpoint's run folder.
     #[arg(long)]
     resume: Option<PathBuf>,
+    /// Start again in an output folder that holds a run, deleting that run's outputs first.
+    #[arg(long)]
+    overwrite: bool,
+    /// Start from this PEFT adapter's weights (fresh optimiser and schedule; its shape is kept).
+    #[arg(long)]
+    warm_start: Option<String>,
+    /// Without a terminal, one plain log line every this many steps.
+    #[arg(long)]
+    log_every: Option<usize>,
+    /// Also write TensorBoard event files beside metrics.jsonl.
+    #[arg(long)]
+    tensorboard: bool,
     /// Any TrainConfig field as KEY=VALUE (VALUE in TOML syntax), e.g. --set orpo_lambda=0.2.
     #[arg(long = "set", value_name = "KEY=VALUE")]
     set: Vec<String>,
@@ -570,6 +584,14 @@ fn apply_overrides(mut cfg: TrainConfig, a: &TrainArgs) -> Result<TrainConfig> {
     if let Some(t) = &a.chat_template {
         cfg.chat_template = Some(t.clone());
     }
+    if let Some(w) = &a.warm_start {
+        cfg.warm_start = Some(w.clone());
+    }
+    if let Some(n) = a.log_every {
+        cfg.log_every = n;
+    }
+    cfg.overwrite |= a.overwrite;
+    cfg.tensorboard |= a.tensorboard;
     if !a.set.is_empty() {
         let mut table: toml::Table = toml::from_str(&cfg.to_toml()?)?;
         for kv in &a.set {
@@ -593,13 +615,44 @@ fn apply_overrides(mut cfg: TrainConfig, a: &TrainArgs) -> Result<TrainConfig> {
     Ok(cfg)
 }
 
+/// Whether the output folder was named (flag, `--set`, or the config file), as opposed to left
+/// at its default.
+fn output_named(a: &TrainArgs) -> Result<bool> {
+    if a.output.is_some() {
+        return Ok(true);
+    }
+    let set_names_output = a.set.iter().any(|kv| {
+        kv.split_once('=')
+            .is_some_and(|(k, _)| matches!(k.trim(), "output" | "output_dir"))
+    });
+    let file_names_output = match &a.config {
+        Some(p) => std::fs::read_to_string(p)
+            .ok()
+            .and_then(|t| toml::from_str::<toml::Table>(&t).ok())
+            .is_some_and(|t| t.contains_key("output") || t.contains_key("output_dir")),
+        None => false,
+    };
+    Ok(set_names_output || file_names_output)
+}
+
 fn run_train(a: TrainArgs) -> Result<()> {
     let base = match &a.config {
         Some(p) => TrainConfig::from_toml_file(p)?,
         None => TrainConfig::default(),
     };
-    let cfg = apply_overrides(base, &a)?;
-    cfg.validate()?;
+    let mut cfg = apply_overrides(base, &a)?;
+    if let Some(r) = &a.resume {
+        // Resuming without naming an output continues in the checkpoint's own run folder.
+        if !output_named(&a)? {
+            let checkpoint = lorafit::train::run_folder::find_checkpoint(r)?;
+            let run_dir = checkpoint.parent().unwrap_or(std::path::Path::new("."));
+            cfg.output = run_dir.display().to_string();
+        }
+    }
+    cfg.validate().with_context(|| match &a.config {
+        Some(p) => format!("settings ({} and flags)", p.display()),
+        None => "settings (flags)".to_string(),
+    })?;
     let device = Device::parse(&cfg.device)?;
     let mut loaded = trainer::load_model_and_tokenizer(&cfg.model, &device)?;
     if let Some(t) = &cfg.chat_template {
@@ -686,6 +739,8 @@ fn run_demo(a: DemoArgs) -> Result<()> {
         max_prompt_len: 128,
         eval_every: 40,
         save_every: 0,
+        // The demo is one fixed run: running it again replaces the last one.
+        overwrite: true,
         ..TrainConfig::default()
     };
     let loaded = trainer::load_model_and_tokenizer(&cfg.model, &device)?;

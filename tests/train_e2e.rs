@@ -602,7 +602,7 @@ fn checkpoint_files() {
     for l in lines.iter().filter(|l| l["split"] == "train") {
         assert!(l["loss"].as_f64().unwrap().is_finite(), "{l}");
         assert!(l["grad_norm"].as_f64().unwrap() > 0.0, "{l}");
-        assert!(l["lr"].as_f64().unwrap() > 0.0, "{l}");
+        assert!(l["learning_rate"].as_f64().unwrap() > 0.0, "{l}");
     }
     let valid_steps: Vec<u64> = lines
         .iter()
@@ -661,13 +661,12 @@ fn segment_and_prefix_modes_agree() {
 // 7. The MLP chunk reaches the plan from the config alone
 // ---------------------------------------------------------------------------------------------
 
-/// The train lines of a run's metrics.jsonl.
+/// The step lines of a run's timing.jsonl (each with the pass the step ran).
 fn train_lines(dir: &Path) -> Vec<serde_json::Value> {
-    std::fs::read_to_string(dir.join("metrics.jsonl"))
+    std::fs::read_to_string(dir.join("timing.jsonl"))
         .unwrap()
         .lines()
         .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
-        .filter(|l| l["split"] == "train")
         .collect()
 }
 

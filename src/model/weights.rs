@@ -186,6 +186,18 @@ pub fn write_f32_safetensors(
     Ok(())
 }
 
+/// Every value of tensor `name` (from `source`) is finite, or an error naming the tensor, the
+/// first bad value and its index.
+pub fn check_finite(data: &[f32], name: &str, source: &str) -> Result<()> {
+    match data.iter().position(|v| !v.is_finite()) {
+        None => Ok(()),
+        Some(i) => bail!(
+            "{source}: tensor {name} holds a non-finite value ({} at index {i})",
+            data[i]
+        ),
+    }
+}
+
 /// Anything that hands out named host tensors in f32: safetensors folders, GGUF files, random
 /// initialisers.
 pub trait TensorSource {
@@ -204,6 +216,7 @@ pub trait TensorSource {
             "{}: tensor {name} has shape {shape:?}, but config.json implies {want:?}",
             self.describe()
         );
+        check_finite(&data, name, &self.describe())?;
         Tensor::from_f32(&data, &shape, device.compute_dtype(), device)
     }
     fn describe(&self) -> String;
@@ -336,6 +349,7 @@ pub fn load_weights(
             "{}: tensor {name} has shape {shape:?}, but config.json implies {want:?}",
             src.describe()
         );
+        check_finite(&data, name, &src.describe())?;
         for x in &mut data {
             *x = (*x + spec.norm_offset) * scale;
         }
@@ -479,6 +493,15 @@ impl TensorSource for RandomSource {
         let data = if name.ends_with("layer_scalar") {
             // Gemma 4's per-layer output factor: away from 1, so that it is exercised.
             vec![0.8]
+        } else if s.family == super::config::Family::Gemma4
+            && (name.ends_with("q_norm.weight") || name.ends_with("k_norm.weight"))
+        {
+            // Gemma 4 scores with scale 1: trained q/k norm weights carry the score scale. Unit
+            // weights would give a random model's head_dim-wide softmax scores of ±head_dim,
+            // sharper than any trained model's; hd^-¼ on each makes them a standard
+            // `q·k/√hd` attention.
+            let hd = shape.iter().product::<usize>() as f32;
+            vec![hd.powf(-0.25); n]
         } else if name.ends_with("norm.weight") || name.ends_with("layernorm.weight") {
             // Unit norms once the family's offset is added at load.
             vec![1.0 - s.norm_offset; n]

@@ -33,6 +33,8 @@ pub struct RunStart {
     pub keep_kv_layers: String,
     pub head: String,
     pub prefix_shared: bool,
+    /// Steps between plain log lines when no terminal shows the progress bar.
+    pub log_every: usize,
 }
 
 /// The largest pass of a step as it ran.
@@ -65,6 +67,8 @@ pub struct StepRecord {
     /// The objective's metrics, averaged over the step's micro-steps.
     pub metrics: BTreeMap<String, f64>,
     pub pass: PassRecord,
+    /// Seconds to the last step at this process's mean step time so far.
+    pub eta_seconds: f64,
 }
 
 impl StepRecord {

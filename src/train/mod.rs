@@ -8,5 +8,7 @@ pub mod memory;
 pub mod objectives;
 pub mod optim;
 pub mod plan;
+pub mod run_folder;
 pub mod step;
+pub mod tfevents;
 pub mod trainer;

@@ -4,16 +4,17 @@
 
 use super::device_loss::Reference;
 use super::events::{Fanout, PassRecord, RunStart, StepRecord, TrainEvent, TrainEvents};
-use super::listeners::{Console, MetricsFile};
-use super::optim::{apply_update, AdamState, OptimOptions, Schedule};
+use super::listeners::{Console, MetricsFile, Plots, TensorBoard};
+use super::optim::{apply_update, AdamState, OptimOptions};
 use super::plan::Plan;
+use super::run_folder::{self, Cycle, CycleSchedule};
 use super::step::{queue_example, reference_logps, Objective, PassOptions};
 use crate::config::{Method, TrainConfig};
 use crate::data::{self, ChatTemplate, DatasetKind, TextTokenizer, TokenRules, TokenizeOptions};
-use crate::model::{self, Lora, Model};
+use crate::model::{self, Lora, LoraConfig, Model};
 use crate::tensor::Rng;
 use crate::tensor::{DType, Device, Tensor};
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -140,6 +141,13 @@ pub struct TrainerState {
     pub position: usize,
     pub best_margin: Option<f64>,
     pub total_steps: usize,
+    /// `run_folder::items_hash` of the training examples (absent in older checkpoints).
+    #[serde(default)]
+    pub data_hash: Option<String>,
+    /// The schedule's cycles: one, plus one per continuation past the planned end (absent in
+    /// older checkpoints: one cycle of `total_steps`).
+    #[serde(default)]
+    pub cycles: Vec<Cycle>,
 }
 
 /// Example index at data position `pos`: a fresh seeded permutation per epoch.
@@ -246,7 +254,7 @@ pub fn evaluate(
         )?
         .finish()?;
         for (k, v) in out.metrics {
-            *sums.entry(k.to_string()).or_default() += v;
+            *sums.entry(metric_name(k).to_string()).or_default() += v;
         }
     }
     sums.values_mut().for_each(|v| *v /= n as f64);
@@ -278,29 +286,26 @@ pub fn train_with(
     let model = &loaded.model;
     let device = model.device.clone();
     let out_dir = PathBuf::from(&cfg.output);
-    std::fs::create_dir_all(&out_dir).with_context(|| format!("creating {}", out_dir.display()))?;
-    std::fs::write(out_dir.join("plan.toml"), cfg.to_toml()?)?;
+    let checkpoint = resume.map(run_folder::find_checkpoint).transpose()?;
+    run_folder::prepare(&out_dir, checkpoint.is_some(), cfg.overwrite)?;
 
     let n = train_items.len();
-    let total_steps = if cfg.steps > 0 {
+    let planned_steps = if cfg.steps > 0 {
         cfg.steps
     } else {
         ((cfg.epochs * n as f64) / cfg.grad_accum as f64)
             .ceil()
             .max(1.0) as usize
     };
-    let schedule = Schedule {
-        peak_lr: cfg.learning_rate(),
-        warmup_steps: ((cfg.warmup_ratio * total_steps as f64).round() as usize).min(total_steps),
-        total_steps,
-        cosine: cfg.schedule == "cosine",
-    };
+    let data_hash = run_folder::items_hash(train_items);
     let optim = OptimOptions::from_config(cfg);
 
     let mut lora = match &cfg.warm_start {
         Some(p) => {
             let mut l = Lora::load_peft(Path::new(p), &model.spec, &device)
                 .with_context(|| format!("warm start from {p}"))?;
+            check_warm_start_shape(p, &l.config, &cfg.lora_config()?)?;
+            check_finite_adapter(&l, p)?;
             l.config.dropout = cfg.lora_dropout;
             l
         }
@@ -311,11 +316,35 @@ pub fn train_with(
         step: 0,
         position: 0,
         best_margin: None,
-        total_steps,
+        total_steps: planned_steps,
+        data_hash: Some(data_hash.clone()),
+        cycles: vec![Cycle {
+            end: planned_steps,
+            warmup: cfg.resolved_warmup(planned_steps),
+        }],
     };
-    if let Some(dir) = resume {
-        (lora, adam, state) = load_checkpoint(dir, model, &device)?;
+    if let Some(dir) = &checkpoint {
+        let (l, a, saved) = load_checkpoint(dir, model, &device)?;
+        check_finite_adapter(&l, &dir.display().to_string())?;
+        (lora, adam) = (l, a);
         lora.config.dropout = cfg.lora_dropout;
+        state = resumed_state(dir, saved, cfg, planned_steps, &data_hash)?;
+    }
+    let schedule = CycleSchedule {
+        peak_lr: cfg.learning_rate(),
+        cosine: cfg.schedule == "cosine",
+        cycles: state.cycles.clone(),
+    };
+    let total_steps = schedule.total_steps();
+    let first_warmup = state.cycles.first().map_or(0, |c| c.warmup);
+    let run_settings = cfg.resolved(total_steps, first_warmup);
+    std::fs::write(
+        out_dir.join("plan.toml"),
+        plan_toml(&run_settings, &state.cycles)?,
+    )
+    .with_context(|| format!("writing {}", out_dir.join("plan.toml").display()))?;
+    for log in run_folder::LINE_LOGS {
+        run_folder::truncate_lines_after(&out_dir.join(log), state.step)?;
     }
 
     let objective = cfg.objective();
@@ -323,8 +352,19 @@ pub fn train_with(
     super::head::set_filter_eps(cfg.cce_filter_eps);
     let memory_budget = super::memory::budget(&device)?;
     let mut ref_cache: Vec<Option<Reference>> = vec![None; n];
-    let mut metrics_file = MetricsFile::append(&out_dir.join("metrics.jsonl"))?;
-    let mut events = Fanout(vec![&mut metrics_file, listener]);
+    let mut metrics_file = MetricsFile::append(&out_dir)?;
+    let mut plots = Plots::new(&out_dir);
+    let mut tensorboard = if cfg.tensorboard {
+        Some(TensorBoard::create(&out_dir, state.step)?)
+    } else {
+        None
+    };
+    let mut listeners: Vec<&mut dyn TrainEvents> = vec![&mut metrics_file, &mut plots];
+    if let Some(tb) = tensorboard.as_mut() {
+        listeners.push(tb);
+    }
+    listeners.push(listener);
+    let mut events = Fanout(listeners);
 
     let auto = |v: Option<String>| v.unwrap_or_else(|| "auto".to_string());
     events.event(&TrainEvent::Started(&RunStart {
@@ -336,17 +376,18 @@ pub fn train_with(
         start_step: state.step,
         grad_accum: cfg.grad_accum,
         peak_lr: schedule.peak_lr,
-        warmup_steps: schedule.warmup_steps,
+        warmup_steps: first_warmup,
         lora_rank: lora.config.rank,
         lora_alpha: lora.config.alpha,
         lora_params: lora.num_params(),
         output: out_dir.clone(),
-        resumed_from: resume.map(Path::to_path_buf),
+        resumed_from: checkpoint.clone(),
         segment_size: auto(cfg.segment_size.map(|s| s.to_string())),
         keep_attention: auto(cfg.keep_attention.map(|k| k.to_string())),
         keep_kv_layers: auto(cfg.keep_kv_layers.map(|k| k.to_string())),
         head: format!("{:?}", cfg.head),
         prefix_shared: cfg.prefix_shared,
+        log_every: cfg.log_every,
     }))?;
 
     let mut first_valid = None;
@@ -359,13 +400,21 @@ pub fn train_with(
         first_valid = Some(m);
     }
 
+    let settings_toml = run_settings.to_toml()?;
+    let save = |dir: &Path, lora: &Lora, adam: &AdamState, state: &TrainerState| {
+        let extra = [(run_folder::RUN_SETTINGS, settings_toml.as_str())];
+        save_checkpoint(dir, lora, adam, state, &loaded.model_path, &extra)
+    };
+    // The newest whole checkpoint on disk, named when a step fails.
+    let mut last_checkpoint = checkpoint.clone();
+    let start_step = state.step;
     let mut losses = Vec::new();
     let mut final_valid = None;
     let started = Instant::now();
     while state.step < total_steps {
         if events.stop_requested() {
-            let dir = out_dir.join(format!("checkpoint-{:06}", state.step));
-            save_checkpoint(&dir, &lora, &adam, &state, &loaded.model_path)?;
+            let dir = out_dir.join(run_folder::checkpoint_name(state.step));
+            save(&dir, &lora, &adam, &state)?;
             events.event(&TrainEvent::Checkpoint {
                 step: state.step,
                 path: &dir,
@@ -383,13 +432,23 @@ pub fn train_with(
                 stopped: true,
             });
         }
+        // A step that fails names itself, the example, and the checkpoint left whole on disk.
+        let step_no = state.step + 1;
+        let failed = |what: String| -> String {
+            let kept = match &last_checkpoint {
+                Some(c) => format!("the last checkpoint, {}, is intact", c.display()),
+                None => "no checkpoint was written yet".to_string(),
+            };
+            format!("step {step_no}: {what}; the run stopped and {kept}")
+        };
+        let example = |idx: usize| format!("training example {idx} of {} (0-based)", cfg.data);
         let t0 = Instant::now();
         device.reset_peak();
         let mut sums: BTreeMap<String, f64> = BTreeMap::new();
         let mut tokens = 0;
         let mut loss = 0.0;
         let mut queued_examples = Vec::with_capacity(cfg.grad_accum);
-        // The step's largest pass: its estimated bytes, tokens and options (metrics.jsonl).
+        // The step's largest pass: its estimated bytes, tokens and options (timing.jsonl).
         let mut widest: Option<(usize, usize, PassOptions)> = None;
         for micro in 0..cfg.grad_accum {
             let idx = example_index(state.position, n, cfg.seed);
@@ -421,7 +480,7 @@ pub fn train_with(
             let queued = queue_example(
                 model, &mut lora, &plan, &objective, reference, &opts, true, 1.0,
             )
-            .with_context(|| format!("training example {idx}"))?;
+            .with_context(|| failed(example(idx)))?;
             queued_examples.push((idx, queued));
         }
         let lr = schedule.lr(state.step);
@@ -435,21 +494,33 @@ pub fn train_with(
         )?;
         // The step is queued whole; its losses and norm are read back once it has run.
         for (idx, queued) in queued_examples.drain(..) {
-            let out = queued
-                .finish()
-                .with_context(|| format!("training example {idx}"))?;
+            let out = queued.finish().with_context(|| failed(example(idx)))?;
+            if !out.loss.is_finite() {
+                bail!(failed(format!(
+                    "{} gave a non-finite loss ({})",
+                    example(idx),
+                    out.loss
+                )));
+            }
             loss += out.loss / cfg.grad_accum as f64;
             tokens += out.tokens;
             for (k, v) in out.metrics {
-                *sums.entry(k.to_string()).or_default() += v / cfg.grad_accum as f64;
+                *sums.entry(metric_name(k).to_string()).or_default() += v / cfg.grad_accum as f64;
             }
         }
         let grad_norm = grad_norm.get()?;
+        if !grad_norm.is_finite() {
+            bail!(failed(format!(
+                "the gradient norm is not finite ({grad_norm})"
+            )));
+        }
         device.synchronize()?;
         state.step += 1;
         losses.push(loss);
         let mem = device.memory();
         let (estimated_bytes, pass_tokens, pass) = widest.context("a step with no micro-steps")?;
+        let elapsed = started.elapsed().as_secs_f64();
+        let done = state.step - start_step;
         events.event(&TrainEvent::Step(&StepRecord {
             step: state.step,
             total_steps,
@@ -458,7 +529,7 @@ pub fn train_with(
             grad_norm,
             tokens,
             step_seconds: t0.elapsed().as_secs_f64(),
-            elapsed_seconds: started.elapsed().as_secs_f64(),
+            elapsed_seconds: elapsed,
             live_bytes: mem.live_bytes,
             peak_bytes: mem.peak_bytes,
             metrics: sums,
@@ -470,6 +541,7 @@ pub fn train_with(
                 mlp_chunk: pass.mlp_chunk,
                 estimated_bytes,
             },
+            eta_seconds: elapsed / done as f64 * (total_steps - state.step) as f64,
         }))?;
 
         let last = state.step == total_steps;
@@ -485,7 +557,7 @@ pub fn train_with(
                 if state.best_margin.is_none_or(|b| mg > b) {
                     state.best_margin = Some(mg);
                     let dir = out_dir.join("best");
-                    save_checkpoint(&dir, &lora, &adam, &state, &loaded.model_path)?;
+                    save(&dir, &lora, &adam, &state)?;
                     events.event(&TrainEvent::Checkpoint {
                         step: state.step,
                         path: &dir,
@@ -496,19 +568,20 @@ pub fn train_with(
             final_valid = Some(m);
         }
         if cfg.save_every > 0 && state.step.is_multiple_of(cfg.save_every) && !last {
-            let dir = out_dir.join(format!("checkpoint-{:06}", state.step));
-            save_checkpoint(&dir, &lora, &adam, &state, &loaded.model_path)?;
+            let dir = out_dir.join(run_folder::checkpoint_name(state.step));
+            save(&dir, &lora, &adam, &state)?;
             events.event(&TrainEvent::Checkpoint {
                 step: state.step,
                 path: &dir,
                 best: false,
             })?;
+            last_checkpoint = Some(dir);
         }
     }
     let adapter_dir = out_dir.join("adapter");
     lora.save_peft(&adapter_dir, &loaded.model_path.display().to_string())?;
-    let dir = out_dir.join(format!("checkpoint-{:06}", state.step));
-    save_checkpoint(&dir, &lora, &adam, &state, &loaded.model_path)?;
+    let dir = out_dir.join(run_folder::checkpoint_name(state.step));
+    save(&dir, &lora, &adam, &state)?;
     events.event(&TrainEvent::Checkpoint {
         step: state.step,
         path: &dir,
@@ -528,9 +601,170 @@ pub fn train_with(
     })
 }
 
+/// The objective's metric names as metrics.jsonl and the console write them: the mean logps
+/// under TRL's names (the objectives call them `lw` and `lr`, which read as a learning rate).
+pub fn metric_name(k: &str) -> &str {
+    match k {
+        "lw" => "logps/chosen",
+        "lr" => "logps/rejected",
+        other => other,
+    }
+}
+
+/// The trainer state to continue from checkpoint `dir`: its settings must keep the adapter
+/// shape and data (`run_folder::check_resume`), and `planned_steps` may only extend the run
+/// (past its end, a new schedule cycle).
+fn resumed_state(
+    dir: &Path,
+    mut saved: TrainerState,
+    cfg: &TrainConfig,
+    planned_steps: usize,
+    data_hash: &str,
+) -> Result<TrainerState> {
+    if saved.cycles.is_empty() {
+        // A checkpoint from before schedule cycles were recorded: one cycle as it was planned.
+        saved.cycles = vec![Cycle {
+            end: saved.total_steps,
+            warmup: cfg.resolved_warmup(saved.total_steps),
+        }];
+    }
+    let settings_path = dir.join(run_folder::RUN_SETTINGS);
+    if settings_path.is_file() {
+        let saved_cfg = TrainConfig::from_toml_file(&settings_path)?;
+        let now = cfg.resolved(planned_steps, cfg.resolved_warmup(planned_steps));
+        run_folder::check_resume(dir, &saved_cfg, saved.data_hash.as_deref(), &now, data_hash)?;
+        if saved_cfg.data != cfg.data {
+            eprintln!(
+                "note: the training data moved ({} -> {}); its examples are the same",
+                saved_cfg.data, cfg.data
+            );
+        }
+    }
+    let end = saved.cycles.last().map_or(saved.total_steps, |c| c.end);
+    if planned_steps < end {
+        bail!(
+            "--resume {}: the run is planned to {end} steps, the settings ask for {planned_steps}; a resumed run keeps its plan or extends it (steps > {end})",
+            dir.display()
+        );
+    }
+    if planned_steps == end && saved.step >= end {
+        bail!(
+            "--resume {}: the run finished at step {end}; set steps to more than {end} to train further (the new steps get a schedule cycle of their own: warm-up, then the decay)",
+            dir.display()
+        );
+    }
+    if planned_steps > end {
+        let added = planned_steps - end;
+        saved.cycles.push(Cycle {
+            end: planned_steps,
+            warmup: cfg.resolved_warmup(added),
+        });
+    }
+    saved.total_steps = planned_steps;
+    if saved.data_hash.is_none() {
+        saved.data_hash = Some(data_hash.to_string());
+    }
+    Ok(saved)
+}
+
+/// A warm start keeps the adapter's shape: settings that ask for another one are refused rather
+/// than silently ignored.
+fn check_warm_start_shape(path: &str, adapter: &LoraConfig, asked: &LoraConfig) -> Result<()> {
+    let mut diffs = Vec::new();
+    if adapter.rank != asked.rank {
+        diffs.push(format!(
+            "rank: adapter {}, settings {}",
+            adapter.rank, asked.rank
+        ));
+    }
+    if adapter.alpha != asked.alpha {
+        diffs.push(format!(
+            "alpha: adapter {}, settings {}",
+            adapter.alpha, asked.alpha
+        ));
+    }
+    if adapter.targets != asked.targets {
+        let names = |t: &[crate::model::Target]| {
+            t.iter().map(|t| t.module()).collect::<Vec<_>>().join(", ")
+        };
+        diffs.push(format!(
+            "targets: adapter [{}], settings [{}]",
+            names(&adapter.targets),
+            names(&asked.targets)
+        ));
+    }
+    if adapter.rslora != asked.rslora {
+        diffs.push(format!(
+            "rslora: adapter {}, settings {}",
+            adapter.rslora, asked.rslora
+        ));
+    }
+    if !diffs.is_empty() {
+        bail!(
+            "warm_start {path}: the adapter's shape differs from the settings:\n  {}\n(a warm start continues the adapter as it is: set these to the adapter's values)",
+            diffs.join("\n  ")
+        );
+    }
+    Ok(())
+}
+
+/// Every LoRA matrix of `lora` is finite, or an error naming the first tensor that is not.
+pub fn check_finite_adapter(lora: &Lora, source: &str) -> Result<()> {
+    for (l, t, p) in lora.pairs() {
+        for (is_b, tensor) in [(false, &p.a), (true, &p.b)] {
+            let values = tensor.to_vec()?;
+            if let Some(bad) = values.iter().find(|v| !v.is_finite()) {
+                bail!(
+                    "{source}: tensor {} holds a non-finite value ({bad})",
+                    crate::model::lora::peft_key(l, t, is_b)
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+/// plan.toml: the resolved settings (readable back with `--config`), headed by the schedule's
+/// cycles and the memory plan as comments.
+fn plan_toml(settings: &TrainConfig, cycles: &[Cycle]) -> Result<String> {
+    let mut head = String::from(
+        "# The run as resolved; `lorafit train --config plan.toml` trains it again.\n",
+    );
+    let mut start = 0;
+    for (i, c) in cycles.iter().enumerate() {
+        head.push_str(&format!(
+            "# schedule cycle {}: steps {}..{} (warm-up {}), peak learning rate {:e}, {}\n",
+            i + 1,
+            start + 1,
+            c.end,
+            c.warmup,
+            settings.lr,
+            settings.schedule
+        ));
+        start = c.end;
+    }
+    let auto =
+        |v: Option<String>| v.unwrap_or_else(|| "chosen per example from free memory".into());
+    head.push_str(&format!(
+        "# memory plan: segment_size {}, keep_attention {}, keep_kv_layers {}, head {:?}\n\n",
+        auto(settings.segment_size.map(|s| s.to_string())),
+        auto(settings.keep_attention.map(|s| s.to_string())),
+        auto(settings.keep_kv_layers.map(|s| s.to_string())),
+        settings.head
+    ));
+    Ok(head + &settings.to_toml()?)
+}
+
 pub fn fmt_metrics(m: &BTreeMap<String, f64>) -> String {
     [
-        "loss", "nll", "nll_loss", "or", "accuracy", "margin", "lw", "lr",
+        "loss",
+        "nll",
+        "nll_loss",
+        "or",
+        "accuracy",
+        "margin",
+        "logps/chosen",
+        "logps/rejected",
     ]
     .iter()
     .filter_map(|k| m.get(*k).map(|v| format!("{k} {v:.4}")))
@@ -538,14 +772,16 @@ pub fn fmt_metrics(m: &BTreeMap<String, f64>) -> String {
     .join(" | ")
 }
 
-/// Writes adapter + optimiser + trainer state into `dir` atomically (a temporary folder renamed
-/// into place).
+/// Writes adapter + optimiser + trainer state, and `extra` files `(name, text)`, into `dir`
+/// atomically (a temporary folder renamed into place): a kill leaves the whole checkpoint or
+/// none of it.
 pub fn save_checkpoint(
     dir: &Path,
     lora: &Lora,
     adam: &AdamState,
     state: &TrainerState,
     model_path: &Path,
+    extra: &[(&str, &str)],
 ) -> Result<()> {
     let parent = dir.parent().unwrap_or(Path::new("."));
     let tmp = parent.join(format!(
@@ -564,6 +800,10 @@ pub fn save_checkpoint(
         tmp.join("trainer_state.json"),
         serde_json::to_string_pretty(state)?,
     )?;
+    for (name, text) in extra {
+        std::fs::write(tmp.join(name), text)
+            .with_context(|| format!("writing {}", tmp.join(name).display()))?;
+    }
     let _ = std::fs::remove_dir_all(dir);
     std::fs::rename(&tmp, dir)
         .with_context(|| format!("moving checkpoint into {}", dir.display()))?;

@@ -6,6 +6,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 mod skip;
+pub mod tiny_run;
 pub use skip::skip_note;
 
 /// The SmolLM2 GGUF (`lorafit::model::smollm2::find`: `LORAFIT_SMOLLM2_GGUF` or the cache), or

@@ -1,0 +1,338 @@
+//! A run's output folder and what may happen to it: a new run refuses a folder that already
+//! holds one (unless told to overwrite it), a resumed run checks that its settings keep the
+//! checkpoint's adapter shape and data, and cuts its line logs back to the checkpoint's step so
+//! that a run killed at any moment and resumed writes the same bytes as one never interrupted.
+//! The learning-rate schedule of a run continued past its planned end lives here too
+//! (`CycleSchedule`), since only resuming can create it.
+
+use super::optim::Schedule;
+use super::trainer::Item;
+use crate::config::TrainConfig;
+use anyhow::{bail, Context, Result};
+use serde::{Deserialize, Serialize};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+/// The resolved settings saved in every checkpoint (`TrainConfig::resolved`).
+pub const RUN_SETTINGS: &str = "run.toml";
+/// The trainer state saved in every checkpoint.
+pub const TRAINER_STATE: &str = "trainer_state.json";
+/// Line logs of a run, cut back to the checkpoint's step on resume.
+pub const LINE_LOGS: [&str; 2] = ["metrics.jsonl", "timing.jsonl"];
+
+/// `checkpoint-NNNNNN` folder name of step `step`.
+pub fn checkpoint_name(step: usize) -> String {
+    format!("checkpoint-{step:06}")
+}
+
+/// The checkpoint `path` names: a checkpoint folder itself, or a run folder, whose latest whole
+/// checkpoint (the highest step with a trainer state) is taken.
+pub fn find_checkpoint(path: &Path) -> Result<PathBuf> {
+    if path.join(TRAINER_STATE).is_file() {
+        return Ok(path.to_path_buf());
+    }
+    if !path.is_dir() {
+        bail!(
+            "--resume {}: no such checkpoint or run folder",
+            path.display()
+        );
+    }
+    let mut best: Option<(usize, PathBuf)> = None;
+    for entry in std::fs::read_dir(path).with_context(|| format!("reading {}", path.display()))? {
+        let entry = entry?;
+        let name = entry.file_name().to_string_lossy().to_string();
+        let Some(step) = name
+            .strip_prefix("checkpoint-")
+            .and_then(|n| n.parse::<usize>().ok())
+        else {
+            continue;
+        };
+        if entry.path().join(TRAINER_STATE).is_file() && best.as_ref().is_none_or(|b| step > b.0) {
+            best = Some((step, entry.path()));
+        }
+    }
+    match best {
+        Some((_, p)) => Ok(p),
+        None => bail!(
+            "--resume {}: no checkpoint in this folder (no checkpoint-NNNNNN/{TRAINER_STATE}); start it again with --overwrite",
+            path.display()
+        ),
+    }
+}
+
+/// Whether `name`, an entry of an output folder, is something a run writes there.
+fn is_run_output(name: &str) -> bool {
+    matches!(
+        name,
+        "adapter" | "best" | "plan.toml" | "metrics.jsonl" | "timing.jsonl" | "plots"
+    ) || name.starts_with("checkpoint-")
+        || name.starts_with(".tmp-")
+        || name.starts_with("events.out.tfevents.")
+}
+
+/// Makes `out_dir` ready for a run. A folder that already holds a run is refused unless the run
+/// resumes into it or `overwrite` is set, in which case that run's outputs (and only those) are
+/// deleted first. Leftovers of a write that a kill interrupted (`.tmp-*`) are removed.
+pub fn prepare(out_dir: &Path, resuming: bool, overwrite: bool) -> Result<()> {
+    std::fs::create_dir_all(out_dir).with_context(|| format!("creating {}", out_dir.display()))?;
+    let mut outputs = Vec::new();
+    for entry in
+        std::fs::read_dir(out_dir).with_context(|| format!("reading {}", out_dir.display()))?
+    {
+        let entry = entry?;
+        let name = entry.file_name().to_string_lossy().to_string();
+        if is_run_output(&name) {
+            outputs.push((name, entry.path()));
+        }
+    }
+    let holds_run = outputs.iter().any(|(n, _)| !n.starts_with(".tmp-"));
+    if holds_run && !resuming && !overwrite {
+        bail!(
+            "output {} already holds a run ({}); pass --resume {} to continue it, or --overwrite (overwrite = true) to delete it and start again",
+            out_dir.display(),
+            outputs
+                .iter()
+                .map(|(n, _)| n.as_str())
+                .filter(|n| !n.starts_with('.'))
+                .collect::<Vec<_>>()
+                .join(", "),
+            out_dir.display()
+        );
+    }
+    for (name, path) in outputs {
+        if (overwrite && !resuming) || name.starts_with(".tmp-") {
+            let removed = if path.is_dir() {
+                std::fs::remove_dir_all(&path)
+            } else {
+                std::fs::remove_file(&path)
+            };
+            removed.with_context(|| format!("removing {}", path.display()))?;
+        }
+    }
+    Ok(())
+}
+
+/// Cuts a line log back to the lines of steps up to `step`: later lines (the steps a resumed run
+/// redoes) and a last line that a kill left without its newline are dropped. A missing file is
+/// left missing.
+pub fn truncate_lines_after(path: &Path, step: usize) -> Result<()> {
+    let text = match std::fs::read(path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(e).with_context(|| format!("reading {}", path.display())),
+    };
+    let mut keep = 0;
+    for line in text.split_inclusive(|&b| b == b'\n') {
+        if line.last() != Some(&b'\n') {
+            break;
+        }
+        let value: serde_json::Value = match serde_json::from_slice(line) {
+            Ok(v) => v,
+            Err(_) => break,
+        };
+        match value.get("step").and_then(|s| s.as_u64()) {
+            Some(s) if s as usize <= step => keep += line.len(),
+            _ => break,
+        }
+    }
+    if keep < text.len() {
+        let file = std::fs::OpenOptions::new()
+            .write(true)
+            .open(path)
+            .with_context(|| format!("opening {}", path.display()))?;
+        file.set_len(keep as u64)
+            .with_context(|| format!("truncating {}", path.display()))?;
+    }
+    Ok(())
+}
+
+/// An append-only JSON-lines file in which every line reaches the file with one write, so a kill
+/// can cut at most the last line short (and `truncate_lines_after` drops that line).
+pub struct LineLog {
+    file: std::fs::File,
+    path: PathBuf,
+}
+
+impl LineLog {
+    pub fn append(path: &Path) -> Result<LineLog> {
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)
+            .with_context(|| format!("opening {}", path.display()))?;
+        Ok(LineLog {
+            file,
+            path: path.to_path_buf(),
+        })
+    }
+
+    pub fn write(&mut self, v: &serde_json::Value) -> Result<()> {
+        let mut line = v.to_string();
+        line.push('\n');
+        self.file
+            .write_all(line.as_bytes())
+            .with_context(|| format!("writing {}", self.path.display()))
+    }
+}
+
+/// FNV-1a over the token ids of every example, in order: the identity of a run's data as
+/// trained (file content, row format and tokenization together).
+pub fn items_hash(items: &[Item]) -> String {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut eat = |x: u64| {
+        for b in x.to_le_bytes() {
+            h = (h ^ b as u64).wrapping_mul(0x0100_0000_01b3);
+        }
+    };
+    for item in items {
+        let parts: Vec<&[u32]> = match item {
+            Item::Pair(p) => vec![&p.prompt, &p.chosen, &p.rejected],
+            Item::Sft(s) => vec![&s.prompt, &s.completion],
+        };
+        eat(parts.len() as u64);
+        for part in parts {
+            eat(part.len() as u64);
+            part.iter().for_each(|&t| eat(t as u64));
+        }
+    }
+    format!("{h:016x}")
+}
+
+/// Settings that fix the adapter's shape: a resumed run must keep them.
+const SHAPE_SETTINGS: &[&str] = &["rank", "alpha", "targets", "rslora", "rank_pattern"];
+/// Settings that fix which tokens the run reads and in which order.
+const DATA_SETTINGS: &[&str] = &[
+    "method",
+    "max_seq_len",
+    "max_prompt_len",
+    "tokenization",
+    "chat_template",
+    "skip_bad_rows",
+    "seed",
+    "grad_accum",
+];
+
+/// Refuses a resume whose settings change the checkpoint's adapter shape or its data, naming
+/// every difference. `saved` and `now` are resolved settings (`TrainConfig::resolved`); the
+/// hashes are `items_hash` of the training examples.
+pub fn check_resume(
+    checkpoint: &Path,
+    saved: &TrainConfig,
+    saved_hash: Option<&str>,
+    now: &TrainConfig,
+    now_hash: &str,
+) -> Result<()> {
+    let table = |c: &TrainConfig| -> Result<toml::Table> { Ok(toml::from_str(&c.to_toml()?)?) };
+    let (a, b) = (table(saved)?, table(now)?);
+    let show = |v: Option<&toml::Value>| v.map_or("unset".to_string(), |v| v.to_string());
+    let mut diffs = Vec::new();
+    for key in SHAPE_SETTINGS.iter().chain(DATA_SETTINGS) {
+        if a.get(*key) != b.get(*key) {
+            diffs.push(format!(
+                "{key}: checkpoint {}, now {}",
+                show(a.get(*key)),
+                show(b.get(*key))
+            ));
+        }
+    }
+    if let Some(h) = saved_hash.filter(|h| *h != now_hash) {
+        diffs.push(format!(
+            "data: the training examples differ (checkpoint {:?}, token hash {h}; now {:?}, token hash {now_hash})",
+            saved.data, now.data
+        ));
+    }
+    if !diffs.is_empty() {
+        bail!(
+            "--resume {}: the settings change the checkpoint's adapter or data:\n  {}\n(resume with the checkpoint's settings, in {}/{RUN_SETTINGS}, or start a new run with --warm-start {} for a new optimiser and schedule)",
+            checkpoint.display(),
+            diffs.join("\n  "),
+            checkpoint.display(),
+            checkpoint.display()
+        );
+    }
+    Ok(())
+}
+
+/// One warm-up + decay cycle of the schedule, ending at step `end` (exclusive, 0-based steps).
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq)]
+pub struct Cycle {
+    pub end: usize,
+    pub warmup: usize,
+}
+
+/// The learning rate over a run's cycles. A run has one cycle; continuing a run past its planned
+/// end appends a second cycle from the old end to the new one (warm-up again, then the same
+/// decay), so the steps already planned keep their rates and the new ones have a schedule of
+/// their own (a warm restart) rather than the flat end of a finished cosine.
+pub struct CycleSchedule {
+    pub peak_lr: f64,
+    pub cosine: bool,
+    pub cycles: Vec<Cycle>,
+}
+
+impl CycleSchedule {
+    pub fn total_steps(&self) -> usize {
+        self.cycles.last().map_or(0, |c| c.end)
+    }
+
+    /// Learning rate of optimiser step `step` (0-based).
+    pub fn lr(&self, step: usize) -> f64 {
+        let mut start = 0;
+        for c in &self.cycles {
+            if step < c.end || c.end == self.total_steps() {
+                let s = Schedule {
+                    peak_lr: self.peak_lr,
+                    warmup_steps: c.warmup,
+                    total_steps: c.end.saturating_sub(start),
+                    cosine: self.cosine,
+                };
+                return s.lr(step.saturating_sub(start));
+            }
+            start = c.end;
+        }
+        self.peak_lr
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_second_cycle_restarts_the_schedule_at_the_old_end() {
+        let one = CycleSchedule {
+            peak_lr: 1.0,
+            cosine: true,
+            cycles: vec![Cycle { end: 10, warmup: 2 }],
+        };
+        let two = CycleSchedule {
+            peak_lr: 1.0,
+            cosine: true,
+            cycles: vec![Cycle { end: 10, warmup: 2 }, Cycle { end: 20, warmup: 2 }],
+        };
+        for s in 0..10 {
+            assert_eq!(one.lr(s).to_bits(), two.lr(s).to_bits(), "step {s}");
+        }
+        // Warm-up of the second cycle: 1/2 then the peak, then the cosine down to step 19.
+        assert_eq!(two.lr(10), 0.5);
+        assert_eq!(two.lr(11), 1.0);
+        assert_eq!(two.lr(12), 1.0);
+        let expect = 0.5 * (1.0 + (std::f64::consts::PI * 7.0 / 8.0).cos());
+        assert!((two.lr(19) - expect).abs() < 1e-15, "{}", two.lr(19));
+    }
+
+    #[test]
+    fn truncation_drops_later_steps_and_a_partial_line() {
+        let d = std::env::temp_dir().join(format!("lorafit-trunc-{}", std::process::id()));
+        std::fs::create_dir_all(&d).unwrap();
+        let p = d.join("metrics.jsonl");
+        let kept = "{\"step\":0,\"split\":\"valid\"}\n{\"step\":1}\n{\"step\":2}\n";
+        std::fs::write(&p, format!("{kept}{{\"step\":3}}\n{{\"step\":4,\"lo")).unwrap();
+        truncate_lines_after(&p, 2).unwrap();
+        assert_eq!(std::fs::read_to_string(&p).unwrap(), kept);
+        std::fs::write(&p, format!("{kept}{{\"step\":3,")).unwrap();
+        truncate_lines_after(&p, 9).unwrap();
+        assert_eq!(std::fs::read_to_string(&p).unwrap(), kept);
+        let _ = std::fs::remove_dir_all(&d);
+    }
+}

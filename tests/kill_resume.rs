@@ -1,0 +1,224 @@
+//! A run killed with SIGKILL at any moment and resumed ends exactly as if it had never been
+//! interrupted: the `lorafit` binary trains a tiny model (tests/fixtures/models/qwen2 with a
+//! word-level tokenizer) once uninterrupted, then 20 times killed after a random delay and
+//! resumed (`--resume OUT`, or `--overwrite` when the kill came before the first checkpoint);
+//! each time metrics.jsonl, the plots drawn from it, the adapter, `best/` and every checkpoint
+//! must equal the uninterrupted run's byte for byte, and timing.jsonl must hold one line per
+//! step, in order (its values are wall-clock and memory, which no two runs share).
+
+mod common;
+use common::tiny_run::{data_file, model_folder};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::Instant;
+
+const STEPS: usize = 12;
+
+fn scratch(name: &str) -> PathBuf {
+    let d = Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("kill_resume-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+struct Setup {
+    model: PathBuf,
+    train: PathBuf,
+    valid: PathBuf,
+}
+
+fn train_command(s: &Setup, out: &Path, extra: &[&str]) -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_lorafit"));
+    c.args(["train", "--model"])
+        .arg(&s.model)
+        .arg("--data")
+        .arg(&s.train)
+        .arg("--valid")
+        .arg(&s.valid)
+        .arg("--output")
+        .arg(out)
+        .args(["--steps", &STEPS.to_string(), "--rank", "4", "--seed", "3"])
+        .args([
+            "--set",
+            "lr=1e-2",
+            "--set",
+            "save_every=1",
+            "--set",
+            "eval_every=3",
+        ])
+        .args(["--set", "max_seq_len=48", "--set", "max_prompt_len=24"])
+        .args(extra)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped());
+    c
+}
+
+fn run_to_end(s: &Setup, out: &Path, extra: &[&str]) {
+    let o = train_command(s, out, extra).output().unwrap();
+    assert!(
+        o.status.success(),
+        "lorafit train {extra:?} failed: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+}
+
+/// Every file under `dir` that must be deterministic, by relative path, with its bytes.
+fn deterministic_files(dir: &Path) -> BTreeMap<String, Vec<u8>> {
+    let mut out = BTreeMap::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).unwrap() {
+            let p = e.unwrap().path();
+            let rel = p.strip_prefix(dir).unwrap().display().to_string();
+            if p.is_dir() {
+                stack.push(p);
+            } else if rel != "timing.jsonl" && rel != "plan.toml" {
+                out.insert(rel, std::fs::read(&p).unwrap());
+            }
+        }
+    }
+    out
+}
+
+fn timing_steps(dir: &Path) -> Vec<u64> {
+    std::fs::read_to_string(dir.join("timing.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).unwrap()["step"]
+                .as_u64()
+                .unwrap()
+        })
+        .collect()
+}
+
+fn has_checkpoint(dir: &Path) -> bool {
+    std::fs::read_dir(dir).is_ok_and(|rd| {
+        rd.flatten().any(|e| {
+            e.file_name().to_string_lossy().starts_with("checkpoint-")
+                && e.path().join("trainer_state.json").is_file()
+        })
+    })
+}
+
+#[test]
+fn kill_at_random_points_then_resume_equals_uninterrupted() {
+    let root = scratch("run");
+    let setup = Setup {
+        model: model_folder(&root),
+        train: root.join("train.jsonl"),
+        valid: root.join("valid.jsonl"),
+    };
+    data_file(&setup.train, 12, 1);
+    data_file(&setup.valid, 3, 2);
+
+    // Every run writes into the same folder (its path is part of the saved settings); the
+    // uninterrupted run's outputs are moved aside once done.
+    let out = root.join("run");
+    let reference = root.join("reference");
+    let t0 = Instant::now();
+    run_to_end(&setup, &out, &[]);
+    let run_time = t0.elapsed();
+    std::fs::rename(&out, &reference).unwrap();
+    let want = deterministic_files(&reference);
+    for f in [
+        "metrics.jsonl",
+        "adapter/adapter_model.safetensors",
+        "best/trainer_state.json",
+        "checkpoint-000001/optimizer.safetensors",
+        "checkpoint-000012/adapter_model.safetensors",
+        "plots/loss.png",
+    ] {
+        assert!(want.contains_key(f), "the reference run wrote no {f}");
+    }
+    assert_eq!(
+        timing_steps(&reference),
+        (1..=STEPS as u64).collect::<Vec<_>>()
+    );
+
+    // Random delays over the whole run (start-up, steps, validation, checkpoint writes); the
+    // seed is printed so that a failure can be replayed with LORAFIT_KILL_SEED.
+    let seed = std::env::var("LORAFIT_KILL_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_nanos() as u64
+        });
+    eprintln!(
+        "uninterrupted run: {:.2}s; kill seed {seed}",
+        run_time.as_secs_f64()
+    );
+    let mut x = seed | 1;
+    let mut mid_run = 0;
+    for trial in 0..20 {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let delay = run_time.mul_f64((x % 10_000) as f64 / 10_000.0);
+        let mut child = train_command(&setup, &out, &[]).spawn().unwrap();
+        std::thread::sleep(delay);
+        let finished_first = child.try_wait().unwrap().is_some();
+        child.kill().ok(); // SIGKILL
+        child.wait().unwrap();
+        let resumable = has_checkpoint(&out);
+        let steps_before = if out.join("metrics.jsonl").is_file() {
+            timing_steps(&out).len()
+        } else {
+            0
+        };
+        if resumable && !finished_first && steps_before < STEPS {
+            mid_run += 1;
+        }
+        eprintln!(
+            "trial {trial}: killed after {:.3}s, {steps_before} steps logged, {}",
+            delay.as_secs_f64(),
+            if !resumable {
+                "no checkpoint yet: starting again"
+            } else if steps_before == STEPS {
+                "after the last step"
+            } else {
+                "resuming"
+            }
+        );
+        let final_checkpoint = out.join(format!("checkpoint-{STEPS:06}/trainer_state.json"));
+        if final_checkpoint.is_file() {
+            // The kill came after the last checkpoint: a resume is refused as finished.
+            let e = train_command(&setup, &out, &["--resume", out.to_str().unwrap()])
+                .output()
+                .unwrap();
+            let msg = String::from_utf8_lossy(&e.stderr);
+            assert!(!e.status.success() && msg.contains("finished"), "{msg}");
+        } else if resumable {
+            run_to_end(&setup, &out, &["--resume", out.to_str().unwrap()]);
+        } else {
+            run_to_end(&setup, &out, &["--overwrite"]);
+        }
+        let got = deterministic_files(&out);
+        let names = |m: &BTreeMap<String, Vec<u8>>| m.keys().cloned().collect::<Vec<_>>();
+        assert_eq!(names(&got), names(&want), "trial {trial}: files differ");
+        for (name, bytes) in &want {
+            assert!(
+                got[name] == *bytes,
+                "trial {trial} (killed after {:.3}s): {name} differs from the uninterrupted run's",
+                delay.as_secs_f64()
+            );
+        }
+        assert_eq!(
+            timing_steps(&out),
+            (1..=STEPS as u64).collect::<Vec<_>>(),
+            "trial {trial}: timing.jsonl"
+        );
+        let _ = std::fs::remove_dir_all(&out);
+    }
+    eprintln!("{mid_run} of 20 kills came mid-run, after a checkpoint");
+    assert!(
+        mid_run >= 5,
+        "only {mid_run} of 20 kills landed between the first checkpoint and the end"
+    );
+    let _ = std::fs::remove_dir_all(&root);
+}
