@@ -277,8 +277,8 @@ const PLOTS: &[PlotSpec] = &[
     ),
     (
         "logps.png",
-        "Mean log-probabilities",
-        "mean logp per token",
+        "Log-probabilities",
+        "logp (TRL: mean per token for ORPO/SimPO, sum for DPO)",
         &[
             ("logps/chosen", "logps/chosen"),
             ("logps/rejected", "logps/rejected"),

@@ -601,14 +601,12 @@ pub fn train_with(
     })
 }
 
-/// The objective's metric names as metrics.jsonl and the console write them: the mean logps
-/// under TRL's names (the objectives call them `lw` and `lr`, which read as a learning rate).
+/// The objective's metric names as metrics.jsonl and the console write them. The objectives
+/// already report TRL's `logps/chosen` and `logps/rejected` (means for ORPO and SimPO, sums for
+/// DPO, as TRL logs them) beside lorafit's own mean logps `lw` and `lr`; renaming `lw`/`lr` onto
+/// those names would add two different quantities into one key, so every name passes through.
 pub fn metric_name(k: &str) -> &str {
-    match k {
-        "lw" => "logps/chosen",
-        "lr" => "logps/rejected",
-        other => other,
-    }
+    k
 }
 
 /// The trainer state to continue from checkpoint `dir`: its settings must keep the adapter
