@@ -13,8 +13,8 @@ pub mod eval;
 pub mod export;
 pub mod infer;
 pub mod model;
-pub mod serve;
 pub mod plot;
+pub mod serve;
 pub mod tensor;
 pub mod train;
 

@@ -982,6 +982,10 @@ const MODEL_H: f32 = 1e-2;
 /// A 2.5× finer step shrinks the O(h⁴) remainder by ~40× and keeps the O(1e-6/h) rounding noise
 /// under `MODEL_ABS`.
 const GEMMA4_H: f32 = 4e-3;
+/// The `k_eq_v` model's layer-0 v adapter is curved more still: its unscaled v norm divides by the
+/// rms of an 8-wide v dominated by the random adapter's own term; at `GEMMA4_H` the extrapolated
+/// difference was 1.6% off (the same backward matches autograd to 1e-4 on `gemma4_keqv`).
+const GEMMA4_KEQV_H: f32 = 2e-3;
 
 /// Rel-norm over the whole sample of one model (224 entries): observed 3e-5..1e-4, so 1e-3 is
 /// a 10× margin while a wrong term in any large gradient would give ≳1e-2.
@@ -1235,7 +1239,7 @@ fn model_lora_grads_match_fd_gemma4_kv_sharing_per_layer_inputs() {
 #[test]
 fn model_lora_grads_match_fd_gemma4_k_eq_v() {
     let mut m = tiny(GEMMA4_KEQV, 10);
-    m.fd_step = GEMMA4_H;
+    m.fd_step = GEMMA4_KEQV_H;
     let spec = &m.model.spec;
     assert!(spec.layers[1].k_eq_v && !spec.layers[0].k_eq_v);
     assert_eq!(
