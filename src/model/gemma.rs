@@ -53,25 +53,7 @@ pub fn spec_from_hf(c: &HfConfig, raw: &serde_json::Value, family: Family) -> Re
     // Which layers slide: explicit layer_types, else Gemma 2 alternates (even layers slide) and
     // Gemma 3 makes every `pattern`-th layer global.
     let sliding: Vec<bool> = match &g.layer_types {
-        Some(types) => {
-            if types.len() != n {
-                bail!(
-                    "layer_types has {} entries, num_hidden_layers is {n}",
-                    types.len()
-                );
-            }
-            types
-                .iter()
-                .enumerate()
-                .map(|(l, t)| match t.as_str() {
-                    "sliding_attention" => Ok(true),
-                    "full_attention" => Ok(false),
-                    other => bail!(
-                        "layer_types[{l}] {other:?} is not sliding_attention or full_attention"
-                    ),
-                })
-                .collect::<Result<_>>()?
-        }
+        Some(types) => sliding_layers(types, n)?,
         None => match family {
             Family::Gemma2 => (0..n).map(|l| l % 2 == 0).collect(),
             _ => {
@@ -137,6 +119,25 @@ pub fn spec_from_hf(c: &HfConfig, raw: &serde_json::Value, family: Family) -> Re
         layer.sandwich_norms = true;
     }
     Ok(spec)
+}
+
+/// `layer_types` (one entry per layer) as "does layer l slide" (Gemma 2, 3 and 4).
+pub(super) fn sliding_layers(types: &[String], n: usize) -> Result<Vec<bool>> {
+    if types.len() != n {
+        bail!(
+            "layer_types has {} entries, num_hidden_layers is {n}",
+            types.len()
+        );
+    }
+    types
+        .iter()
+        .enumerate()
+        .map(|(l, t)| match t.as_str() {
+            "sliding_attention" => Ok(true),
+            "full_attention" => Ok(false),
+            other => bail!("layer_types[{l}] {other:?} is not sliding_attention or full_attention"),
+        })
+        .collect()
 }
 
 /// A `Gemma3ForConditionalGeneration` config: its `text_config` is a Gemma 3 text model whose

@@ -130,25 +130,7 @@ pub fn spec_from_hf(raw: &serde_json::Value) -> Result<ModelSpec> {
         .map(|c| c as f32);
     // transformers' default layer pattern: five sliding layers to one full, the last full.
     let mut sliding: Vec<bool> = match &g.layer_types {
-        Some(types) => {
-            if types.len() != n {
-                bail!(
-                    "layer_types has {} entries, num_hidden_layers is {n}",
-                    types.len()
-                );
-            }
-            types
-                .iter()
-                .enumerate()
-                .map(|(l, t)| match t.as_str() {
-                    "sliding_attention" => Ok(true),
-                    "full_attention" => Ok(false),
-                    other => bail!(
-                        "layer_types[{l}] {other:?} is not sliding_attention or full_attention"
-                    ),
-                })
-                .collect::<Result<_>>()?
-        }
+        Some(types) => super::gemma::sliding_layers(types, n)?,
         None => (0..n).map(|l| (l + 1) % 6 != 0).collect(),
     };
     // As transformers: the last layer is always full attention.
