@@ -28,6 +28,8 @@ CLASSES = {
     "Gemma2ForCausalLM": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
     "Gemma3ForCausalLM": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
 }
+if hasattr(transformers, "Gemma4ForCausalLM"):
+    CLASSES["Gemma4ForCausalLM"] = (transformers.Gemma4TextConfig, transformers.Gemma4ForCausalLM)
 TF_MAJOR = int(transformers.__version__.split(".")[0])
 
 
@@ -59,18 +61,23 @@ def lora_grads(case_dir, dtype, ids, dlogits):
     # Gemma 2's softcap needs eager attention in training; eager everywhere keeps one kernel.
     cfg._attn_implementation = "eager"
     model = model_cls(cfg)
-    model.load_state_dict(load_file(os.path.join(case_dir, "model.safetensors")), strict=False)
+    res = model.load_state_dict(load_file(os.path.join(case_dir, "model.safetensors")), strict=False)
+    # Only tied heads may be absent; anything else left at its initial value would void the case.
+    missing = [k for k in res.missing_keys if k != "lm_head.weight"]
+    if missing or res.unexpected_keys:
+        sys.exit(f"{case_dir}: missing {missing}, unexpected {res.unexpected_keys}")
     if cfg.tie_word_embeddings:
         model.tie_weights()
     model = PeftModel.from_pretrained(model, os.path.join(case_dir, "adapter"), is_trainable=True)
     model = model.to("cuda", dtype)
     out = model(input_ids=ids[None].cuda()).logits[0]
     out.backward(dlogits.cuda().to(out.dtype))
-    return {
+    grads = {
         n.replace(".default", ""): p.grad.float().cpu()
         for n, p in model.named_parameters()
         if p.requires_grad
     }
+    return out.detach().float().cpu(), grads
 
 
 def main():
@@ -85,8 +92,9 @@ def main():
         case = load_file(os.path.join(case_dir, "case.safetensors"))
         ids = case["ids"].long()
         dlogits = case["dlogits"]
-        ref = lora_grads(case_dir, torch.float32, ids, dlogits)
-        b16 = lora_grads(case_dir, torch.bfloat16, ids, dlogits)
+        ref_logits, ref = lora_grads(case_dir, torch.float32, ids, dlogits)
+        b16_logits, b16 = lora_grads(case_dir, torch.bfloat16, ids, dlogits)
+        print(f"{name}: torch bf16 logits rel-norm vs torch float32 {rel_norm(b16_logits, ref_logits):.3e}")
         rows = {"lorafit-cpu": [], "lorafit-cuda": [], "torch-bf16": []}
         for key, g in ref.items():
             rows["lorafit-cpu"].append(rel_norm(case["cpu." + key], g))
