@@ -227,6 +227,17 @@ fn lint(
     (rows.into_iter().map(|r| r.findings).collect(), rep)
 }
 
+/// The parts a `RulesDiffer` finding names, in order (empty when there is none).
+fn differing_parts(findings: &[Finding]) -> Vec<&'static str> {
+    findings
+        .iter()
+        .find_map(|f| match f {
+            Finding::RulesDiffer(parts) => Some(parts.iter().map(|p| p.part).collect()),
+            _ => None,
+        })
+        .unwrap_or_default()
+}
+
 #[test]
 fn lint_findings_per_pair_and_in_sum() {
     let rows = [
@@ -254,7 +265,7 @@ fn lint_findings_per_pair_and_in_sum() {
         f[0]
     );
     assert!(
-        f[0].contains(&Finding::RulesDiffer(vec!["prompt", "chosen", "rejected"])),
+        differing_parts(&f[0]) == ["prompt", "chosen", "rejected"],
         "{:?}",
         f[0]
     );
@@ -264,9 +275,19 @@ fn lint_findings_per_pair_and_in_sum() {
         f[0]
     );
     assert!(
-        f[1].contains(&Finding::RulesDiffer(vec!["chosen", "rejected"])),
+        differing_parts(&f[1]) == ["chosen", "rejected"],
         "{:?}",
         f[1]
+    );
+    // Where they differ, shown as text: TRL's second <|im_end|> after ChatML's own.
+    let shown = f[1]
+        .iter()
+        .find(|x| matches!(x, Finding::RulesDiffer(_)))
+        .unwrap()
+        .to_string();
+    assert!(
+        shown.contains(r#"chosen from token 3: (its end) here, ["<|im_end|>"] there"#),
+        "{shown}"
     );
     assert!(
         !f[1].iter().any(|x| matches!(x, Finding::BoundaryMerge(_))),

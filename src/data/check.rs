@@ -66,8 +66,8 @@ pub enum Finding {
     /// Encoding prompt+response as one string merges a token across the
     /// boundary (the response named).
     BoundaryMerge(&'static str),
-    /// The compared rule set gives other ids for these parts.
-    RulesDiffer(Vec<&'static str>),
+    /// The compared rule set gives other ids for these parts (where each first differs).
+    RulesDiffer(Vec<PartDiff>),
     /// The compared rule set cannot encode this row (why).
     OtherRulesFail(String),
     /// The prompt lost this many leading tokens to `max_prompt_len`.
@@ -95,11 +95,14 @@ impl fmt::Display for Finding {
                 "a token merges across the prompt/{field} boundary when encoded as one string"
             ),
             Finding::RulesDiffer(parts) => {
-                write!(
-                    f,
-                    "the other tokenization gives other ids for {}",
-                    parts.join(", ")
-                )
+                f.write_str("the other tokenization gives other ids: ")?;
+                for (i, p) in parts.iter().enumerate() {
+                    if i > 0 {
+                        f.write_str("; ")?;
+                    }
+                    write!(f, "{p}")?;
+                }
+                Ok(())
             }
             Finding::OtherRulesFail(why) => {
                 write!(f, "the other tokenization cannot encode this row: {why}")
@@ -120,6 +123,70 @@ impl fmt::Display for Finding {
                 f.write_str("the prompt ends with an assistant turn (the response continues it)")
             }
         }
+    }
+}
+
+/// Where one part's ids differ between the checked tokenization and the compared one: the first
+/// differing position and the tokens from there (a few, as text) under each.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PartDiff {
+    pub part: &'static str,
+    pub at: usize,
+    pub ours: Vec<String>,
+    pub other: Vec<String>,
+}
+
+/// Tokens shown on each side of a [`PartDiff`].
+const DIFF_TOKENS: usize = 3;
+
+impl PartDiff {
+    /// `None` when the two id lists are equal.
+    fn new(
+        tok: &TextTokenizer,
+        part: &'static str,
+        ours: &[u32],
+        other: &[u32],
+    ) -> Option<PartDiff> {
+        if ours == other {
+            return None;
+        }
+        let at = ours.iter().zip(other).take_while(|(a, b)| a == b).count();
+        let show = |ids: &[u32]| -> Vec<String> {
+            ids.iter()
+                .skip(at)
+                .take(DIFF_TOKENS)
+                .map(|&id| match tok.decode(&[id]) {
+                    Ok(t) if !t.is_empty() => t,
+                    _ => tok.id_to_token(id).unwrap_or_else(|| format!("<id {id}>")),
+                })
+                .collect()
+        };
+        Some(PartDiff {
+            part,
+            at,
+            ours: show(ours),
+            other: show(other),
+        })
+    }
+}
+
+impl fmt::Display for PartDiff {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let side = |t: &[String]| {
+            if t.is_empty() {
+                "(its end)".to_string()
+            } else {
+                format!("{t:?}")
+            }
+        };
+        write!(
+            f,
+            "{} from token {}: {} here, {} there",
+            self.part,
+            self.at,
+            side(&self.ours),
+            side(&self.other)
+        )
     }
 }
 
@@ -415,16 +482,14 @@ fn check_row(
                 None => {}
                 Some(Err(e)) => findings.push(Finding::OtherRulesFail(format!("{e:#}"))),
                 Some(Ok(o)) => {
-                    let mut parts = Vec::new();
-                    if o.prompt != whole.prompt {
-                        parts.push("prompt");
-                    }
-                    if o.chosen != whole.chosen {
-                        parts.push("chosen");
-                    }
-                    if o.rejected != whole.rejected {
-                        parts.push("rejected");
-                    }
+                    let parts: Vec<PartDiff> = [
+                        PartDiff::new(tok, "prompt", &whole.prompt, &o.prompt),
+                        PartDiff::new(tok, "chosen", &whole.chosen, &o.chosen),
+                        PartDiff::new(tok, "rejected", &whole.rejected, &o.rejected),
+                    ]
+                    .into_iter()
+                    .flatten()
+                    .collect();
                     if !parts.is_empty() {
                         findings.push(Finding::RulesDiffer(parts));
                     }
@@ -484,13 +549,13 @@ fn check_row(
                 None => {}
                 Some(Err(e)) => findings.push(Finding::OtherRulesFail(format!("{e:#}"))),
                 Some(Ok(o)) => {
-                    let mut parts = Vec::new();
-                    if o.prompt != whole.prompt {
-                        parts.push("prompt");
-                    }
-                    if o.completion != whole.completion {
-                        parts.push("completion");
-                    }
+                    let parts: Vec<PartDiff> = [
+                        PartDiff::new(tok, "prompt", &whole.prompt, &o.prompt),
+                        PartDiff::new(tok, "completion", &whole.completion, &o.completion),
+                    ]
+                    .into_iter()
+                    .flatten()
+                    .collect();
                     if !parts.is_empty() {
                         findings.push(Finding::RulesDiffer(parts));
                     }

@@ -72,7 +72,8 @@ fn is_run_output(name: &str) -> bool {
 
 /// Makes `out_dir` ready for a run. A folder that already holds a run is refused unless the run
 /// resumes into it or `overwrite` is set, in which case that run's outputs (and only those) are
-/// deleted first. Leftovers of a write that a kill interrupted (`.tmp-*`) are removed.
+/// deleted first. Leftovers of a write that a kill interrupted (`.tmp-*`, `plots/*.tmp`) are
+/// removed.
 pub fn prepare(out_dir: &Path, resuming: bool, overwrite: bool) -> Result<()> {
     std::fs::create_dir_all(out_dir).with_context(|| format!("creating {}", out_dir.display()))?;
     let mut outputs = Vec::new();
@@ -98,6 +99,15 @@ pub fn prepare(out_dir: &Path, resuming: bool, overwrite: bool) -> Result<()> {
                 .join(", "),
             out_dir.display()
         );
+    }
+    // A plot whose write a kill interrupted leaves `plots/NAME.png.tmp` (`plot::write_png`).
+    if let Ok(plots) = std::fs::read_dir(out_dir.join("plots")) {
+        for entry in plots.flatten() {
+            if entry.file_name().to_string_lossy().ends_with(".tmp") {
+                std::fs::remove_file(entry.path())
+                    .with_context(|| format!("removing {}", entry.path().display()))?;
+            }
+        }
     }
     for (name, path) in outputs {
         if (overwrite && !resuming) || name.starts_with(".tmp-") {
