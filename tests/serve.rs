@@ -514,7 +514,8 @@ fn kill_9_mid_run_then_restart_resumes_to_a_bit_identical_adapter() {
         .find_map(|e| {
             let msg = e.data["message"].as_str().unwrap_or("");
             let (_, after) = msg.split_once("resuming from the checkpoint of step ")?;
-            msg.contains("interrupted at step").then(|| after.trim().parse().unwrap())
+            msg.contains("interrupted at step")
+                .then(|| after.trim().parse().unwrap())
         })
         .expect("the restart says the job was interrupted and where it resumes");
     assert!(
