@@ -58,7 +58,8 @@ enum Cmd {
     /// A trained adapter as a merged Hugging Face folder, a llama.cpp GGUF adapter and (for a
     /// GGUF base) a merged GGUF; --check compares each against the trainer's logits.
     Export(ExportArgs),
-    /// The job runner: an HTTP API and web page that queue, run and report training jobs.
+    /// The job runner: an HTTP API and web page that queue, run and report training, eval and
+    /// export jobs.
     Serve(ServeArgs),
 }
 

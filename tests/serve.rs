@@ -2,8 +2,10 @@
 //! ephemeral loopback port, with its own database and root) and drives it over HTTP with a tiny
 //! model: submit → events → done → adapter download; cancel and resume; the queue; a bad config
 //! (400 naming the field); a path escape (403); a missing token (401); 50 concurrent status
-//! requests during a run; a failing job; and a kill -9 mid-run after which the restarted server
-//! resumes the job to an adapter bit-identical to an uninterrupted run's.
+//! requests during a run; a failing job; a kill -9 mid-run after which the restarted server
+//! resumes the job to an adapter bit-identical to an uninterrupted run's; an eval job whose
+//! scores, report and chart are `lorafit eval`'s on the same inputs; an export job whose merged
+//! folder lorafit loads; and bad or escaping eval and export jobs (400 naming the field, 403).
 
 mod serve_support;
 use serde_json::{json, Value};

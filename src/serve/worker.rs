@@ -256,7 +256,7 @@ fn report_progress(
     }
     app.db().set_progress(id, done as i64, total as i64)?;
     let every = total.div_ceil(100).max(1);
-    if done % every == 0 || done == total {
+    if done.is_multiple_of(every) || done == total {
         app.emit(
             id,
             "progress",
@@ -507,5 +507,41 @@ mod tests {
         assert_eq!(state, JobState::Failed);
         assert_eq!(reason, "training example 4: out of memory");
         assert!(app.db().next_queued().unwrap().is_none());
+    }
+
+    #[test]
+    fn a_stopped_eval_is_cancelled_or_requeued_to_rerun_from_the_start() {
+        let app = app("stopped");
+        let a = app.db().insert_job(JobKind::Eval, "{}", "/out/a").unwrap();
+        app.db().add_event(a, "progress", Some(3), "{}").unwrap();
+        let job = app.db().next_queued().unwrap().unwrap();
+        run_job_with(&app, job, |_, _, cancel| {
+            cancel.store(true, Ordering::SeqCst);
+            stopped_or(StopRequested.into())
+        })
+        .unwrap();
+        let (state, _, kinds) = outcome_of(&app, a);
+        assert_eq!(state, JobState::Cancelled);
+        assert_eq!(kinds.last().map(String::as_str), Some("cancelled"));
+        assert!(!kinds.contains(&"progress".to_string()), "{kinds:?}");
+
+        let b = app
+            .db()
+            .insert_job(JobKind::Export, "{}", "/out/b")
+            .unwrap();
+        let job = app.db().next_queued().unwrap().unwrap();
+        app.shutdown.store(true, Ordering::SeqCst);
+        run_job_with(&app, job, |app, _, cancel| {
+            assert!(stop_requested(app, cancel));
+            stopped_or(StopRequested.into())
+        })
+        .unwrap();
+        let (state, message, _) = outcome_of(&app, b);
+        assert_eq!(state, JobState::Queued);
+        assert!(message.contains("reruns from the start"), "{message}");
+        assert_eq!(app.db().job(b).unwrap().unwrap().resume_from, None);
+        // Any other error fails the job.
+        let err = stopped_or(anyhow::anyhow!("disk full")).err().unwrap();
+        assert_eq!(err.to_string(), "disk full");
     }
 }
