@@ -58,7 +58,8 @@ enum Cmd {
     /// A trained adapter as a merged Hugging Face folder, a llama.cpp GGUF adapter and (for a
     /// GGUF base) a merged GGUF; --check compares each against the trainer's logits.
     Export(ExportArgs),
-    /// The job runner: an HTTP API and web page that queue, run and report training jobs.
+    /// The job runner: an HTTP API and web page that queue, run and report training, eval and
+    /// export jobs.
     Serve(ServeArgs),
 }
 
@@ -167,22 +168,8 @@ fn run_export(a: ExportArgs) -> Result<()> {
         check: a.check,
     };
     let report = lorafit::export::run(&plan)?;
-    for (f, path) in &report.written {
-        println!("{f:?}: {}", path.display());
-    }
-    if plan.check {
-        print!("{}", lorafit::export::check::format_rows(&report.checks));
-        let failed: Vec<&str> = report
-            .checks
-            .iter()
-            .filter(|r| !r.passed())
-            .map(|r| r.artefact.as_str())
-            .collect();
-        if !failed.is_empty() {
-            bail!("export check: outside the bound: {}", failed.join(", "));
-        }
-    }
-    Ok(())
+    print!("{}", report.text(&plan));
+    report.check_passed()
 }
 
 #[derive(clap::Args)]
@@ -562,14 +549,6 @@ struct DemoArgs {
     output: String,
 }
 
-#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-enum Scorer {
-    /// Preference pairs through the training objective.
-    Preference,
-    /// Generate a reply per prompt and check its verifiable instructions.
-    Ifeval,
-}
-
 #[derive(clap::Args)]
 struct EvalArgs {
     /// A Hugging Face folder, a GGUF file or "smollm2" (default: the config's model, else
@@ -587,7 +566,7 @@ struct EvalArgs {
     #[arg(long)]
     data: Option<String>,
     #[arg(long, value_enum, default_value = "preference")]
-    scorer: Scorer,
+    scorer: eval::Scorer,
     #[arg(long)]
     device: Option<String>,
     /// A TOML config (e.g. a run's plan.toml): the objective, its settings and the length
@@ -605,7 +584,8 @@ struct EvalArgs {
     /// Write every example's scores (and replies) as JSON here.
     #[arg(long)]
     out: Option<PathBuf>,
-    /// Write a markdown report here.
+    /// Write a markdown report here; with --compare also the before/after bar chart beside it,
+    /// as the same path with the extension .png (FILE.md -> FILE.png).
     #[arg(long)]
     report: Option<PathBuf>,
 }
@@ -860,138 +840,23 @@ fn run_demo(a: DemoArgs) -> Result<()> {
     Ok(())
 }
 
-/// What one eval run scores: the base model or an adapter folder.
-fn eval_subjects(a: &EvalArgs) -> Vec<Option<PathBuf>> {
-    let parse = |s: &str| (s != "base").then(|| PathBuf::from(s));
-    if !a.compare.is_empty() {
-        a.compare.iter().map(|s| parse(s)).collect()
-    } else {
-        vec![a.adapter.clone()]
-    }
-}
-
-fn subject_name(p: &Option<PathBuf>) -> String {
-    p.as_ref()
-        .map_or("base".to_string(), |p| p.display().to_string())
-}
-
-fn write_output(path: &Option<PathBuf>, text: &str) -> Result<()> {
-    if let Some(p) = path {
-        std::fs::write(p, text).with_context(|| format!("writing {}", p.display()))?;
-        eprintln!("wrote {}", p.display());
-    }
-    Ok(())
-}
-
 fn run_eval(a: EvalArgs) -> Result<()> {
-    let mut cfg = match &a.config {
-        Some(p) => TrainConfig::from_toml_file(p)?,
-        None => TrainConfig {
-            model: "smollm2".into(),
-            ..TrainConfig::default()
-        },
+    let opts = eval::EvalOptions {
+        model: a.model,
+        adapter: a.adapter,
+        compare: a.compare,
+        data: a.data,
+        scorer: a.scorer,
+        device: a.device,
+        config: a.config,
+        method: a.method,
+        max_new: a.max_new,
+        limit: a.limit,
+        out: a.out,
+        report: a.report,
     };
-    if let Some(m) = &a.model {
-        cfg.model = m.clone();
-    }
-    if let Some(d) = &a.device {
-        cfg.device = d.clone();
-    }
-    if let Some(m) = a.method {
-        cfg.method = m;
-    }
-    let device = Device::parse(&cfg.device)?;
-    let loaded = trainer::load_model_and_tokenizer(&cfg.model, &device)?;
-    let mut adapters = Vec::new();
-    for s in eval_subjects(&a) {
-        let lora = match &s {
-            Some(p) => Some(
-                lorafit::model::Lora::load_peft(p, &loaded.model.spec, &device)
-                    .with_context(|| format!("loading the adapter {}", p.display()))?,
-            ),
-            None => None,
-        };
-        adapters.push((subject_name(&s), lora));
-    }
-    let take = |n: usize| if a.limit > 0 { a.limit.min(n) } else { n };
-    match a.scorer {
-        Scorer::Preference => {
-            let data = a
-                .data
-                .as_deref()
-                .context("--data PAIRS.jsonl: the preference pairs to score")?;
-            let pairs = eval::preference::load_pairs(data, &loaded, &cfg)?;
-            let n = take(pairs.items.len());
-            let mut runs = Vec::new();
-            for (name, lora) in adapters.iter_mut() {
-                runs.push(eval::preference::score_pairs(
-                    &loaded.model,
-                    lora.as_mut(),
-                    &pairs.items[..n],
-                    Some(&pairs.lines[..n]),
-                    &cfg,
-                    name,
-                )?);
-            }
-            let mut runs = runs.into_iter();
-            let first = runs.next().context("nothing to score")?;
-            match runs.next() {
-                None => {
-                    print!("{}", eval::report::preference_table(&first));
-                    write_output(&a.out, &serde_json::to_string_pretty(&first)?)?;
-                    write_output(&a.report, &eval::report::preference_markdown(&first))?;
-                }
-                Some(second) => {
-                    let c = eval::preference::compare(first, second)?;
-                    print!("{}", eval::report::preference_comparison_table(&c));
-                    write_output(&a.out, &serde_json::to_string_pretty(&c)?)?;
-                    write_output(&a.report, &eval::report::preference_comparison_markdown(&c))?;
-                }
-            }
-        }
-        Scorer::Ifeval => {
-            let prompts = match &a.data {
-                Some(p) => eval::prompts::load_prompts(std::path::Path::new(p))?,
-                None => eval::prompts::parse_prompts(
-                    eval::prompts::BUNDLED,
-                    eval::prompts::BUNDLED_NAME,
-                )?,
-            };
-            let prompts = &prompts[..take(prompts.len())];
-            let mut runs = Vec::new();
-            for (name, lora) in &adapters {
-                let run = eval::run_ifeval(&loaded, lora.as_ref(), prompts, a.max_new, name)?;
-                print!(
-                    "{}",
-                    eval::report::ifeval_markdown(
-                        &format!("IFEval-style scores: {name}"),
-                        &run.scores
-                    )
-                );
-                runs.push(run);
-            }
-            write_output(&a.out, &serde_json::to_string_pretty(&runs)?)?;
-            let report = match runs.as_slice() {
-                [b, f] => {
-                    let md = eval::report::ifeval_comparison_markdown(
-                        "Verifiable-instruction following, before and after",
-                        &b.subject,
-                        &f.subject,
-                        &b.scores,
-                        &f.scores,
-                    );
-                    print!("\n{md}");
-                    md
-                }
-                [one] => eval::report::ifeval_markdown(
-                    &format!("IFEval-style scores: {}", one.subject),
-                    &one.scores,
-                ),
-                _ => String::new(),
-            };
-            write_output(&a.report, &report)?;
-        }
-    }
+    let outcome = eval::run(&opts, &mut |_| Ok(()))?;
+    print!("{}", outcome.text);
     Ok(())
 }
 

@@ -101,6 +101,16 @@ impl Canvas {
         }
     }
 
+    /// Copies `src` into this canvas with its top-left corner at `(x, y)` (clipped).
+    pub fn blit(&mut self, src: &Canvas, x: usize, y: usize) {
+        for sy in 0..src.height.min(self.height.saturating_sub(y)) {
+            let w = src.width.min(self.width.saturating_sub(x));
+            let from = &src.pixels[sy * src.width..sy * src.width + w];
+            let at = (y + sy) * self.width + x;
+            self.pixels[at..at + w].copy_from_slice(from);
+        }
+    }
+
     /// Text with its top-left corner at `(x, y)`.
     pub fn text(&mut self, x: i64, y: i64, s: &str, c: u8) {
         for (i, ch) in s.chars().enumerate() {

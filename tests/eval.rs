@@ -281,3 +281,88 @@ fn instruction_run_scores_the_models_own_replies() {
     let md = eval::report::ifeval_comparison_markdown("t", "bad", "canned", &bad.scores, s);
     assert!(md.contains("| prompt | 0.0% | 100.0% | +100.0 |"), "{md}");
 }
+
+/// The width and height a PNG's IHDR states, after checking its signature.
+fn png_size(png: &[u8]) -> (usize, usize) {
+    assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n", "PNG signature");
+    assert_eq!(&png[8..16], b"\x00\x00\x00\x0dIHDR", "IHDR first, 13 bytes");
+    let be = |at: usize| u32::from_be_bytes(png[at..at + 4].try_into().unwrap()) as usize;
+    (be(16), be(20))
+}
+
+/// Writes `chart` as `name`.png and checks the file: a PNG of the chart's size whose bytes are
+/// the chart's encoding; returns the pixel counts of the before and after colours.
+fn written_chart(chart: &lorafit::plot::Canvas, name: &str) -> (usize, usize) {
+    let path = out_dir(name).join("report.png");
+    lorafit::plot::write_png(&path, chart).unwrap();
+    let png = std::fs::read(&path).unwrap();
+    assert_eq!(png_size(&png), eval::run::CHART_SIZE);
+    assert_eq!((chart.width, chart.height), eval::run::CHART_SIZE);
+    assert!(png == lorafit::plot::encode_png(chart));
+    let count = |c: u8| chart.pixels.iter().filter(|&&p| p == c).count();
+    (
+        count(lorafit::plot::series_colour(0)),
+        count(lorafit::plot::series_colour(1)),
+    )
+}
+
+#[test]
+fn before_after_charts_are_pngs_with_their_bars() {
+    let run = |subject: &str, accuracy: f64, margin: f64| preference::PreferenceRun {
+        subject: subject.into(),
+        examples: vec![preference::ExampleScore {
+            index: 0,
+            line: Some(1),
+            metrics: [
+                ("accuracy".to_string(), accuracy),
+                ("margin".into(), margin),
+            ]
+            .into(),
+        }],
+        overall: [
+            ("accuracy".to_string(), accuracy),
+            ("margin".into(), margin),
+        ]
+        .into(),
+    };
+    let c = preference::compare(
+        run("base", 0.5, -0.25),
+        run("runs/a-long-run-name/checkpoint-000120/adapter", 1.0, 0.75),
+    )
+    .unwrap();
+    let chart = eval::report::preference_chart(&c, eval::run::CHART_SIZE);
+    let (before, after) = written_chart(&chart, "pref-chart");
+    // Two panels (accuracy, margin), each with a before and an after bar: the after bars are
+    // the larger ones, and each panel holds both colours.
+    assert!(before > 2000 && after > before, "{before} {after}");
+    let half = chart.width / 2;
+    for panel in 0..2 {
+        let has = |colour: usize| {
+            (0..chart.height).any(|y| {
+                (panel * half..(panel + 1) * half)
+                    .any(|x| chart.get(x, y) == Some(lorafit::plot::series_colour(colour)))
+            })
+        };
+        assert!(has(0) && has(1), "panel {panel}");
+    }
+
+    let file = r#"{"key": 1, "prompt": "w5", "instruction_id_list": ["punctuation:no_comma"], "kwargs": [{}]}
+{"key": 2, "prompt": "w6", "instruction_id_list": ["punctuation:no_comma"], "kwargs": [{}]}"#;
+    let ps = prompts::parse_prompts(file, "t.jsonl").unwrap();
+    let half_right = eval::score_responses(&ps, vec!["w1, w2".into(), "w3".into()], "base", 0);
+    let all_right = eval::score_responses(&ps, vec!["w1".into(), "w3".into()], "adapter", 0);
+    let chart = eval::report::ifeval_chart(
+        "base",
+        "adapter",
+        &half_right.scores,
+        &all_right.scores,
+        eval::run::CHART_SIZE,
+    );
+    let (before, after) = written_chart(&chart, "ifeval-chart");
+    // Four bar pairs: before at 50% on every level, after at 100%.
+    assert!(before > 4000, "{before}");
+    assert!(
+        (after as f64) > 1.7 * before as f64,
+        "before {before} px, after {after} px"
+    );
+}

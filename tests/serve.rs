@@ -2,8 +2,10 @@
 //! ephemeral loopback port, with its own database and root) and drives it over HTTP with a tiny
 //! model: submit → events → done → adapter download; cancel and resume; the queue; a bad config
 //! (400 naming the field); a path escape (403); a missing token (401); 50 concurrent status
-//! requests during a run; a failing job; and a kill -9 mid-run after which the restarted server
-//! resumes the job to an adapter bit-identical to an uninterrupted run's.
+//! requests during a run; a failing job; a kill -9 mid-run after which the restarted server
+//! resumes the job to an adapter bit-identical to an uninterrupted run's; an eval job whose
+//! scores, report and chart are `lorafit eval`'s on the same inputs; an export job whose merged
+//! folder lorafit loads; and bad or escaping eval and export jobs (400 naming the field, 403).
 
 mod serve_support;
 use serde_json::{json, Value};
@@ -620,4 +622,245 @@ fn sigterm_checkpoints_the_running_job_and_the_next_server_resumes_it() {
         metric_steps(&server, id, "train"),
         (1..=n).collect::<Vec<_>>()
     );
+}
+
+/// Trains the workspace's tiny model for a few steps through the server; the adapter's folder
+/// (canonical) and the job's id.
+fn trained_adapter(server: &Server, ws: &Workspace) -> (std::path::PathBuf, i64) {
+    let mut cfg = tiny_job(4);
+    cfg["output"] = json!("runs/trained");
+    let id = server.submit(&cfg);
+    server.events(id).until("done");
+    let dir = ws.root.canonicalize().unwrap().join("runs/trained/adapter");
+    assert!(dir.join("adapter_model.safetensors").is_file());
+    (dir, id)
+}
+
+fn png_size(png: &[u8]) -> (u32, u32) {
+    assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n", "PNG signature");
+    assert_eq!(&png[12..16], b"IHDR");
+    let be = |at: usize| u32::from_be_bytes(png[at..at + 4].try_into().unwrap());
+    (be(16), be(20))
+}
+
+#[test]
+fn an_eval_job_gives_the_clis_scores_report_and_chart() {
+    let ws = Workspace::new("evaljob");
+    let server = Server::start(&ws, &[]);
+    let (adapter, train_id) = trained_adapter(&server, &ws);
+    let id = server.submit(&json!({
+        "kind": "eval", "model": "model", "data": "valid.jsonl",
+        "compare": ["base", "runs/trained/adapter"], "output": "evals/before-after"
+    }));
+    let events = server.events(id).until("done");
+    let k = kinds(&events);
+    assert!(k.contains(&"started"), "{k:?}");
+    // Six pairs, two subjects: progress up to 12 of 12.
+    assert_eq!(steps_of(&events, "progress").last(), Some(&12), "{k:?}");
+    let job = server.job(id);
+    assert_eq!(job["kind"], "eval");
+    assert_eq!(job["state"], "done");
+    assert_eq!(
+        (job["step"].as_i64(), job["total_steps"].as_i64()),
+        (Some(12), Some(12))
+    );
+    let listed = server.get("/jobs").json();
+    let kinds_listed: Vec<&str> = listed["jobs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|j| j["kind"].as_str().unwrap())
+        .collect();
+    assert_eq!(kinds_listed, ["train", "eval"]);
+    let done = events.last().unwrap();
+    assert!(
+        done.data["summary"].as_str().unwrap().contains("6 pairs"),
+        "{}",
+        done.data
+    );
+
+    let r = server.get(&format!("/jobs/{id}/result"));
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.header("content-type"), Some("application/json"));
+    let served = r.json();
+    let md = server.get(&format!("/jobs/{id}/result?format=markdown"));
+    assert_eq!(md.status, 200, "{}", md.text());
+    let png = server.get(&format!("/jobs/{id}/result?format=png"));
+    assert_eq!(png.status, 200, "{}", png.text());
+    assert_eq!(png.header("content-type"), Some("image/png"));
+    assert_eq!(png_size(&png.body), (960, 480));
+    assert_eq!(
+        server.get(&format!("/jobs/{id}/result?format=pdf")).status,
+        400
+    );
+    assert_eq!(server.get(&format!("/jobs/{id}/adapter")).status, 409);
+    // A training job's result is its adapter.
+    let r = server.get(&format!("/jobs/{train_id}/result"));
+    assert_eq!(r.header("content-type"), Some("application/x-tar"));
+
+    // `lorafit eval` on the same inputs writes the same scores, report and chart.
+    let root = ws.root.canonicalize().unwrap();
+    let out = ws.dir.join("cli.json");
+    let report = ws.dir.join("cli.md");
+    let cli = std::process::Command::new(env!("CARGO_BIN_EXE_lorafit"))
+        .arg("eval")
+        .arg("--model")
+        .arg(root.join("model"))
+        .arg("--data")
+        .arg(root.join("valid.jsonl"))
+        .arg("--compare")
+        .arg("base")
+        .arg(&adapter)
+        .arg("--out")
+        .arg(&out)
+        .arg("--report")
+        .arg(&report)
+        .output()
+        .unwrap();
+    assert!(
+        cli.status.success(),
+        "{}",
+        String::from_utf8_lossy(&cli.stderr)
+    );
+    let cli_json: Value = serde_json::from_slice(&std::fs::read(&out).unwrap()).unwrap();
+    assert_eq!(cli_json, served, "the job's scores are the CLI's");
+    assert_eq!(cli_json["after"]["subject"], adapter.display().to_string());
+    assert_eq!(cli_json["per_example"].as_array().unwrap().len(), 6);
+    assert_eq!(std::fs::read_to_string(&report).unwrap(), md.text());
+    let cli_png = std::fs::read(ws.dir.join("cli.png")).expect("--report FILE.md writes FILE.png");
+    assert!(cli_png == png.body, "the job's chart is the CLI's");
+    let stdout = String::from_utf8_lossy(&cli.stdout);
+    assert!(stdout.contains("margin grew on"), "{stdout}");
+}
+
+#[test]
+fn an_export_job_writes_a_merged_folder_that_lorafit_loads() {
+    let ws = Workspace::new("exportjob");
+    let server = Server::start(&ws, &[]);
+    trained_adapter(&server, &ws);
+    let id = server.submit(&json!({
+        "kind": "export", "model": "model", "adapter": "runs/trained/adapter",
+        "format": ["merged"], "dtype": "f32", "check": true, "output": "exports/merged"
+    }));
+    let events = server.events(id).until("done");
+    // One artefact written, then checked.
+    assert_eq!(steps_of(&events, "progress"), vec![1, 2]);
+    let done = events.last().unwrap();
+    assert_eq!(done.data["written"][0]["format"], "hf", "{}", done.data);
+    assert_eq!(done.data["checks"].as_array().unwrap().len(), 1);
+    let job = server.job(id);
+    assert_eq!(
+        (job["kind"].as_str(), job["state"].as_str()),
+        (Some("export"), Some("done"))
+    );
+
+    let out = ws.root.canonicalize().unwrap().join("exports/merged");
+    let merged = lorafit::model::load(&out.join("merged-hf"), &lorafit::tensor::Device::Cpu)
+        .expect("lorafit's loader reads the merged folder");
+    let base = lorafit::model::load(&ws.root.join("model"), &lorafit::tensor::Device::Cpu).unwrap();
+    assert_eq!(
+        (merged.spec.vocab, merged.spec.n_layers),
+        (base.spec.vocab, base.spec.n_layers)
+    );
+    assert!(out.join("check.json").is_file());
+
+    let r = server.get(&format!("/jobs/{id}/result"));
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.header("content-type"), Some("application/x-tar"));
+    let files = lorafit::serve::tar::read_tar(&r.body).unwrap();
+    let names: Vec<&str> = files.iter().map(|f| f.0.as_str()).collect();
+    for want in [
+        "job-2-export/check.json",
+        "job-2-export/merged-hf/config.json",
+        "job-2-export/merged-hf/model.safetensors",
+    ] {
+        assert!(names.contains(&want), "{want} not in {names:?}");
+    }
+    let on_disk = std::fs::read(out.join("merged-hf/model.safetensors")).unwrap();
+    let tarred = &files
+        .iter()
+        .find(|f| f.0.ends_with("merged-hf/model.safetensors"))
+        .unwrap()
+        .1;
+    assert!(tarred == &on_disk);
+}
+
+#[test]
+fn bad_eval_and_export_jobs_are_refused_naming_the_field() {
+    let ws = Workspace::new("badjobs");
+    std::fs::create_dir_all(ws.root.join("some-adapter")).unwrap();
+    std::os::unix::fs::symlink(&ws.dir, ws.root.join("up")).unwrap();
+    std::fs::write(ws.dir.join("outside.jsonl"), pairs_jsonl(2, 5)).unwrap();
+    let server = Server::start(&ws, &[]);
+    let eval = |extra: Value| {
+        let mut body = json!({"kind": "eval", "model": "model", "data": "valid.jsonl"});
+        for (k, v) in extra.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        body
+    };
+    let export = |extra: Value| {
+        let mut body = json!({"kind": "export", "model": "model", "adapter": "some-adapter"});
+        for (k, v) in extra.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        body
+    };
+    let bad: Vec<(Value, &str)> = vec![
+        (json!({"kind": "evaluate", "data": "valid.jsonl"}), "kind"),
+        (json!({"kind": 3}), "kind"),
+        (eval(json!({"scorer": "bleu"})), "scorer"),
+        (eval(json!({"limit": -1})), "limit"),
+        (eval(json!({"max_new": "many"})), "max_new"),
+        (eval(json!({"lerning_rate": 1e-4})), "lerning_rate"),
+        (eval(json!({"compare": ["base"]})), "compare"),
+        (eval(json!({"compare": "base"})), "compare"),
+        (
+            eval(json!({"compare": ["base", "some-adapter"], "adapter": "some-adapter"})),
+            "adapter",
+        ),
+        (eval(json!({"method": "ppo"})), "method"),
+        (eval(json!({"method": "sft"})), "method"),
+        (eval(json!({"device": "tpu"})), "device"),
+        (eval(json!({"data": null})), "data"),
+        (eval(json!({"data": "missing.jsonl"})), "data"),
+        (export(json!({"adapter": null})), "adapter"),
+        (export(json!({"model": null})), "model"),
+        (export(json!({"format": "zip"})), "format"),
+        (export(json!({"format": "merged-gguf"})), "format"),
+        (export(json!({"check": "yes"})), "check"),
+        (export(json!({"dtype": "f8"})), "dtype"),
+        (export(json!({"quantize": true})), "quantize"),
+    ];
+    for (body, field) in &bad {
+        let r = server.post("/jobs", body);
+        assert_eq!(r.status, 400, "{body}: {}", r.text());
+        let msg = r.json()["error"].as_str().unwrap().to_string();
+        assert!(
+            msg.contains(field),
+            "{body}: the error {msg:?} does not name {field}"
+        );
+    }
+    let outside = ws.dir.join("outside.jsonl").display().to_string();
+    let forbidden: Vec<(Value, &str)> = vec![
+        (export(json!({"output": "/tmp/lorafit-escape"})), "output"),
+        (export(json!({"output": "up/export"})), "output"),
+        (export(json!({"output": "exports/../../x"})), "output"),
+        (export(json!({"adapter": "up"})), "adapter"),
+        (export(json!({"model": "/"})), "model"),
+        (eval(json!({"output": "/tmp/lorafit-escape"})), "output"),
+        (eval(json!({"data": outside})), "data"),
+        (eval(json!({"compare": ["base", "up"]})), "compare"),
+        (eval(json!({"config": "up/jobs.sqlite"})), "config"),
+    ];
+    for (body, field) in &forbidden {
+        let r = server.post("/jobs", body);
+        assert_eq!(r.status, 403, "{body}: {}", r.text());
+        let msg = r.json()["error"].as_str().unwrap().to_string();
+        assert!(msg.starts_with(&format!("{field}:")), "{body}: {msg}");
+    }
+    assert!(server.get("/jobs").json()["jobs"]
+        .as_array()
+        .unwrap()
+        .is_empty());
 }

@@ -2,13 +2,17 @@
 //! preference accuracy and margins on held-out pairs ([`preference`], the trainer's own
 //! objective code), and judge-free verifiable-instruction following ([`ifeval`] checkers over
 //! [`prompts`] files, answered by the model through [`reply`]). [`report`] turns the numbers
-//! into tables and a markdown before/after report.
+//! into tables, a markdown before/after report and its bar chart. [`run`] is one whole
+//! evaluation from its settings, what `lorafit eval` and the job server's `eval` jobs call.
 
 pub mod ifeval;
 pub mod language;
 pub mod preference;
 pub mod prompts;
 pub mod report;
+pub mod run;
+
+pub use run::{run, EvalOptions, EvalOutcome, EvalProgress, Scorer};
 
 use crate::model::Lora;
 use crate::train::trainer::Loaded;
@@ -96,6 +100,19 @@ pub fn run_ifeval(
     max_new: usize,
     subject: &str,
 ) -> Result<IfevalRun> {
+    run_ifeval_with(loaded, lora, prompts, max_new, subject, &mut |_| Ok(()))
+}
+
+/// [`run_ifeval`], calling `tick` with the number of prompts answered after each one (an error
+/// from it ends the run).
+pub fn run_ifeval_with(
+    loaded: &Loaded,
+    lora: Option<&Lora>,
+    prompts: &[prompts::InstructionPrompt],
+    max_new: usize,
+    subject: &str,
+    tick: &mut dyn FnMut(usize) -> Result<()>,
+) -> Result<IfevalRun> {
     let bar = indicatif::ProgressBar::new(prompts.len() as u64);
     let mut responses = Vec::with_capacity(prompts.len());
     for p in prompts {
@@ -103,6 +120,7 @@ pub fn run_ifeval(
             .with_context(|| format!("generating for the prompt on line {}", p.line))?;
         responses.push(r);
         bar.inc(1);
+        tick(responses.len())?;
     }
     bar.finish_and_clear();
     Ok(score_responses(prompts, responses, subject, max_new))

@@ -98,6 +98,20 @@ pub fn score_pairs(
     cfg: &TrainConfig,
     subject: &str,
 ) -> Result<PreferenceRun> {
+    score_pairs_with(model, lora, items, lines, cfg, subject, &mut |_| Ok(()))
+}
+
+/// [`score_pairs`], calling `tick` with the number of items scored after each one (an error from
+/// it ends the run).
+pub fn score_pairs_with(
+    model: &Model,
+    lora: Option<&mut Lora>,
+    items: &[Item],
+    lines: Option<&[usize]>,
+    cfg: &TrainConfig,
+    subject: &str,
+    tick: &mut dyn FnMut(usize) -> Result<()>,
+) -> Result<PreferenceRun> {
     let objective = cfg.objective();
     if !objective.is_preference() {
         bail!(
@@ -164,6 +178,7 @@ pub fn score_pairs(
             metrics,
         });
         bar.inc(1);
+        tick(examples.len())?;
     }
     bar.finish_and_clear();
     Ok(PreferenceRun {

@@ -3,10 +3,12 @@
 //! person reads: plain-text tables for the terminal and a markdown before/after report.
 //!
 //! [`IfevalScores`] and [`ChartRow`] hold plain numbers so that a chart can be drawn from them
-//! without parsing text.
+//! without parsing text; [`preference_chart`] and [`ifeval_chart`] draw the before/after bar
+//! charts (`crate::plot`) that `lorafit eval --compare --report FILE.md` writes as `FILE.png`.
 
 use super::ifeval::Verdicts;
 use super::preference::{PreferenceComparison, PreferenceRun, HEADLINE};
+use crate::plot::{BarChart, Canvas};
 use serde::Serialize;
 use std::collections::BTreeMap;
 use std::fmt::Write;
@@ -323,6 +325,73 @@ pub fn preference_comparison_markdown(c: &PreferenceComparison) -> String {
         let _ = writeln!(out, "| {k} | {b:.4} | {a:.4} | {:+.4} |", a - b);
     }
     out
+}
+
+/// A subject's name short enough for a legend: a path's last two components.
+fn legend_name(subject: &str) -> String {
+    let parts: Vec<&str> = subject.trim_end_matches('/').rsplit('/').take(3).collect();
+    if parts.len() <= 2 {
+        return subject.to_string();
+    }
+    format!(".../{}/{}", parts[1], parts[0])
+}
+
+/// The legend entries of a before/after chart.
+fn legend(before: &str, after: &str) -> [String; 2] {
+    [
+        format!("before: {}", legend_name(before)),
+        format!("after: {}", legend_name(after)),
+    ]
+}
+
+/// The before/after chart of a preference comparison: accuracy and mean margin, each in its own
+/// panel with its own scale (accuracy is a fraction, the margin a log-odds difference).
+pub fn preference_chart(c: &PreferenceComparison, (width, height): (usize, usize)) -> Canvas {
+    let [b, a] = legend(&c.before.subject, &c.after.subject);
+    let value = |run: &PreferenceRun, k: &str| run.overall.get(k).copied().unwrap_or(f64::NAN);
+    let mut canvas = Canvas::new(width, height);
+    let panel_w = width / 2;
+    for (i, (key, title, label)) in [
+        ("accuracy", "Preference accuracy", "accuracy"),
+        ("margin", "Mean margin", "margin"),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let mut chart = BarChart::new(title, label, &[label]);
+        chart.series(&b, vec![value(&c.before, key)]);
+        chart.series(&a, vec![value(&c.after, key)]);
+        canvas.blit(&chart.render(panel_w, height), i * panel_w, 0);
+    }
+    canvas
+}
+
+/// The before/after chart of two IFEval runs: strict and loose accuracy at prompt and
+/// instruction level.
+pub fn ifeval_chart(
+    before_name: &str,
+    after_name: &str,
+    before: &IfevalScores,
+    after: &IfevalScores,
+    (width, height): (usize, usize),
+) -> Canvas {
+    let rows = ifeval_chart_rows(before, after);
+    let rows = &rows[..4];
+    let labels = [
+        "prompt strict",
+        "prompt loose",
+        "instr. strict",
+        "instr. loose",
+    ];
+    let [b, a] = legend(before_name, after_name);
+    let mut chart = BarChart::new(
+        "Verifiable-instruction following, before and after",
+        "accuracy",
+        &labels,
+    );
+    chart.series(&b, rows.iter().map(|r| r.before).collect());
+    chart.series(&a, rows.iter().map(|r| r.after).collect());
+    chart.render(width, height)
 }
 
 #[cfg(test)]

@@ -28,7 +28,10 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 
 /// Element type of the adapter's tensors (`convert_lora_to_gguf.py --outtype`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize, clap::ValueEnum,
+)]
+#[serde(rename_all = "kebab-case")]
 pub enum AdapterType {
     F32,
     F16,
@@ -44,7 +47,10 @@ impl AdapterType {
 }
 
 /// How the merged GGUF stores the tensors the adapter changed.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize, clap::ValueEnum,
+)]
+#[serde(rename_all = "kebab-case")]
 pub enum MergedType {
     /// Requantized to each tensor's own type.
     Keep,

@@ -24,20 +24,26 @@ use crate::model::{self, Lora, Model};
 use crate::tensor::Device;
 use anyhow::{ensure, Context, Result};
 use check::CheckRow;
+use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
 /// An artefact `lorafit export` can write.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
 pub enum Format {
     /// Merged Hugging Face folder (`OUTPUT/merged-hf/`).
+    #[value(alias = "merged")]
     Hf,
     /// llama.cpp LoRA adapter (`OUTPUT/adapter.gguf`).
     GgufAdapter,
     /// Merged GGUF of a GGUF base (`OUTPUT/merged.gguf`).
+    #[value(alias = "gguf-merged")]
     MergedGguf,
 }
 
-/// A resolved export request.
+/// A resolved export request: the flags of `lorafit export`, and the settings of an `export`
+/// job of `lorafit serve`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ExportPlan {
     pub model: PathBuf,
     pub adapter: PathBuf,
@@ -54,6 +60,68 @@ pub struct ExportPlan {
 pub struct ExportReport {
     pub written: Vec<(Format, PathBuf)>,
     pub checks: Vec<CheckRow>,
+}
+
+impl ExportReport {
+    /// What the terminal shows: each artefact's path, then the check's table.
+    pub fn text(&self, plan: &ExportPlan) -> String {
+        let mut out = String::new();
+        for (f, path) in &self.written {
+            out.push_str(&format!("{f:?}: {}\n", path.display()));
+        }
+        if plan.check {
+            out.push_str(&check::format_rows(&self.checks));
+        }
+        out
+    }
+
+    /// An error naming every artefact outside its bound (none checked: Ok).
+    pub fn check_passed(&self) -> Result<()> {
+        let failed: Vec<&str> = self
+            .checks
+            .iter()
+            .filter(|r| !r.passed())
+            .map(|r| r.artefact.as_str())
+            .collect();
+        ensure!(
+            failed.is_empty(),
+            "export check: outside the bound: {}",
+            failed.join(", ")
+        );
+        Ok(())
+    }
+}
+
+/// Progress of an export: `done` of `total` steps (each artefact written, each one checked).
+#[derive(Debug, Clone)]
+pub struct ExportProgress {
+    pub done: usize,
+    pub total: usize,
+    /// What was just finished, e.g. `wrote OUTPUT/adapter.gguf`.
+    pub what: String,
+}
+
+impl ExportPlan {
+    /// The artefacts to write: the ones asked for, or the defaults for the base; an error for
+    /// one the base cannot give.
+    pub fn resolved_formats(&self) -> Result<Vec<Format>> {
+        let base_is_gguf = is_gguf(&self.model);
+        let mut formats = self.formats.clone();
+        if formats.is_empty() {
+            formats = vec![Format::Hf, Format::GgufAdapter];
+            if base_is_gguf {
+                formats.push(Format::MergedGguf);
+            }
+        }
+        formats.dedup();
+        ensure!(
+            base_is_gguf || !formats.contains(&Format::MergedGguf),
+            "--format merged-gguf needs a GGUF base; {} is a Hugging Face folder (its merged \
+             model is --format hf)",
+            self.model.display()
+        );
+        Ok(formats)
+    }
 }
 
 fn is_gguf(path: &Path) -> bool {
@@ -87,22 +155,24 @@ fn hf_ggml(d: hf::HfDtype) -> GgmlType {
 
 /// Writes the requested artefacts and, with `check`, compares each against the trainer.
 pub fn run(plan: &ExportPlan) -> Result<ExportReport> {
+    run_with(plan, &mut |_| Ok(()))
+}
+
+/// [`run`], calling `progress` after each artefact written and each one checked (an error from
+/// it, such as a stop request, ends the export).
+pub fn run_with(
+    plan: &ExportPlan,
+    progress: &mut dyn FnMut(&ExportProgress) -> Result<()>,
+) -> Result<ExportReport> {
     let device = Device::Cpu;
     let base_is_gguf = is_gguf(&plan.model);
-    let mut formats = plan.formats.clone();
-    if formats.is_empty() {
-        formats = vec![Format::Hf, Format::GgufAdapter];
-        if base_is_gguf {
-            formats.push(Format::MergedGguf);
-        }
-    }
-    formats.dedup();
-    ensure!(
-        base_is_gguf || !formats.contains(&Format::MergedGguf),
-        "--format merged-gguf needs a GGUF base; {} is a Hugging Face folder (its merged model \
-         is --format hf)",
-        plan.model.display()
-    );
+    let formats = plan.resolved_formats()?;
+    let total = formats.len() * if plan.check { 2 } else { 1 };
+    let mut done = 0;
+    let mut step = |what: String| {
+        done += 1;
+        progress(&ExportProgress { done, total, what })
+    };
     let base = model::load(&plan.model, &device)?;
     let lora = Lora::load_peft(&plan.adapter, &base.spec, &device)
         .with_context(|| format!("adapter {}", plan.adapter.display()))?;
@@ -137,6 +207,7 @@ pub fn run(plan: &ExportPlan) -> Result<ExportReport> {
                     plan.hf_dtype.torch_name()
                 );
                 stored.push((hf_ggml(plan.hf_dtype), s.tensors));
+                step(format!("wrote {}", dir.display()))?;
                 written.push((f, dir));
             }
             Format::GgufAdapter => {
@@ -163,6 +234,7 @@ pub fn run(plan: &ExportPlan) -> Result<ExportReport> {
                     gguf_out::AdapterType::F16 => GgmlType::F16,
                 };
                 stored.push((ty, 2 * n));
+                step(format!("wrote {}", path.display()))?;
                 written.push((f, path));
             }
             Format::MergedGguf => {
@@ -183,6 +255,7 @@ pub fn run(plan: &ExportPlan) -> Result<ExportReport> {
                     s.merged.len()
                 );
                 stored.push((coarsest, s.merged.len()));
+                step(format!("wrote {}", path.display()))?;
                 written.push((f, path));
             }
         }
@@ -202,7 +275,7 @@ pub fn run(plan: &ExportPlan) -> Result<ExportReport> {
         )?;
         for ((f, path), &(ty, rounded)) in written.iter().zip(&stored) {
             let got = artefact_logits(*f, path, &base, permutes, &prompts)?;
-            checks.push(check::compare(
+            let row = check::compare(
                 &path.display().to_string(),
                 ty,
                 rounded,
@@ -210,7 +283,17 @@ pub fn run(plan: &ExportPlan) -> Result<ExportReport> {
                 &got,
                 &plain,
                 base.spec.vocab,
-            ));
+            );
+            step(format!(
+                "checked {}: {}",
+                path.display(),
+                if row.passed() {
+                    "within its bound"
+                } else {
+                    "OUTSIDE its bound"
+                }
+            ))?;
+            checks.push(row);
         }
     }
     if plan.check {

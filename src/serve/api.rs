@@ -1,17 +1,25 @@
 //! The HTTP routes of `lorafit serve` (axum), their authentication and limits, and the web page.
 //!
+//! `POST /jobs` takes a job of one of three kinds, named by `"kind"`: `train` (the default: the
+//! body is a `TrainConfig`), `eval` (the settings of `lorafit eval`, `eval::EvalOptions`) or
+//! `export` (those of `lorafit export`, `export::ExportPlan`). Each is checked by the library's
+//! own validation, its paths confined to the roots, and queued; `GET /jobs/{id}/result` serves
+//! what a done job made (the adapter, the eval report, the export's folder).
+//!
 //! Every `/jobs` route needs `Authorization: Bearer <token>` when the server has a token. A
 //! request that changes something (POST, DELETE) must say `Content-Type: application/json`: a
 //! cross-site HTML form cannot send that, and a cross-site script cannot without a CORS
 //! preflight this server never grants, so a page elsewhere cannot drive a server on localhost.
 //! Bodies are limited to `MAX_BODY` bytes. Database work runs on tokio's blocking pool.
 
-use super::db::{EventRow, JobRow, JobState};
+use super::db::{EventRow, JobKind, JobRow, JobState};
 use super::paths::PathRefused;
 use super::App;
 use crate::config::TrainConfig;
+use crate::eval::{EvalOptions, Scorer};
+use crate::export::ExportPlan;
 use axum::extract::rejection::JsonRejection;
-use axum::extract::{DefaultBodyLimit, Path, Request, State};
+use axum::extract::{DefaultBodyLimit, Path, RawQuery, Request, State};
 use axum::http::{header, HeaderMap, Method, StatusCode};
 use axum::middleware::Next;
 use axum::response::sse::{Event, KeepAlive, Sse};
@@ -106,6 +114,7 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/jobs/{id}/cancel", post(cancel))
         .route("/jobs/{id}/resume", post(resume))
         .route("/jobs/{id}/adapter", get(adapter))
+        .route("/jobs/{id}/result", get(result))
         .layer(axum::middleware::from_fn_with_state(app.clone(), guard));
     Router::new()
         .route(
@@ -273,8 +282,8 @@ pub fn parse_config(body: &Value) -> ApiResult<(TrainConfig, bool)> {
     Ok((cfg, named_output))
 }
 
-/// Confines every path the config names to the roots and makes it canonical.
-fn confine(app: &App, cfg: &mut TrainConfig, named_output: bool) -> ApiResult<()> {
+/// Confines every path the config reads to the roots and makes it canonical.
+fn confine(app: &App, cfg: &mut TrainConfig) -> ApiResult<()> {
     let roots = &app.roots;
     if cfg.model != "smollm2" {
         cfg.model = roots.existing("model", &cfg.model)?.display().to_string();
@@ -286,10 +295,296 @@ fn confine(app: &App, cfg: &mut TrainConfig, named_output: bool) -> ApiResult<()
     if let Some(w) = &cfg.warm_start {
         cfg.warm_start = Some(roots.existing("warm_start", w)?.display().to_string());
     }
-    if named_output {
-        cfg.output = roots.writable("output", &cfg.output)?.display().to_string();
-    }
     Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// Eval and export jobs: JSON → the library's options, field by field
+// ---------------------------------------------------------------------------------------------
+
+/// The files an eval job writes into its output folder: every example's scores, the markdown
+/// report, and for a comparison the chart (`report.png`, beside the report).
+pub const EVAL_JSON: &str = "eval.json";
+pub const EVAL_REPORT: &str = "report.md";
+
+const EVAL_FIELDS: &str =
+    "kind, model, adapter, compare, data, scorer, device, config, method, max_new, limit, output";
+const EXPORT_FIELDS: &str =
+    "kind, model, adapter, output, format, dtype, adapter_type, merged_type, check";
+
+fn want_str(field: &str, v: &Value) -> ApiResult<String> {
+    match v {
+        Value::String(s) if !s.trim().is_empty() => Ok(s.clone()),
+        Value::String(_) => Err(ApiError::bad_request(format!("{field}: empty"))),
+        other => Err(ApiError::bad_request(format!(
+            "{field}: expected a string, got {other}"
+        ))),
+    }
+}
+
+fn want_usize(field: &str, v: &Value) -> ApiResult<usize> {
+    v.as_u64()
+        .and_then(|n| usize::try_from(n).ok())
+        .ok_or_else(|| {
+            ApiError::bad_request(format!("{field}: expected a whole number >= 0, got {v}"))
+        })
+}
+
+fn want_bool(field: &str, v: &Value) -> ApiResult<bool> {
+    v.as_bool()
+        .ok_or_else(|| ApiError::bad_request(format!("{field}: expected true or false, got {v}")))
+}
+
+/// A value of one of the command line's choices (the same names as its flag takes).
+fn want_choice<T: clap::ValueEnum>(field: &str, v: &Value) -> ApiResult<T> {
+    let s = want_str(field, v)?;
+    T::from_str(&s, true).map_err(|_| {
+        let names: Vec<String> = T::value_variants()
+            .iter()
+            .filter_map(|x| x.to_possible_value())
+            .map(|p| p.get_name().to_string())
+            .collect();
+        ApiError::bad_request(format!("{field}: {s:?} is not one of {}", names.join(", ")))
+    })
+}
+
+fn unknown_field(kind: &str, field: &str, fields: &str) -> ApiError {
+    ApiError::bad_request(format!(
+        "{field}: not a setting of an {kind} job (they take {fields})"
+    ))
+}
+
+/// An eval job's settings, and the output folder it names.
+fn parse_eval(map: &serde_json::Map<String, Value>) -> ApiResult<(EvalOptions, Option<String>)> {
+    let mut o = EvalOptions::default();
+    let mut output = None;
+    for (k, v) in map {
+        if v.is_null() {
+            continue;
+        }
+        match k.as_str() {
+            "kind" => {}
+            "model" => o.model = Some(want_str(k, v)?),
+            "adapter" => o.adapter = Some(want_str(k, v)?.into()),
+            "compare" => {
+                let items = v.as_array().ok_or_else(|| {
+                    ApiError::bad_request(format!(
+                        "compare: expected a list of two subjects (`base` or an adapter folder), got {v}"
+                    ))
+                })?;
+                o.compare = items
+                    .iter()
+                    .map(|s| want_str("compare", s))
+                    .collect::<ApiResult<_>>()?;
+            }
+            "data" => o.data = Some(want_str(k, v)?),
+            "scorer" => o.scorer = want_choice::<Scorer>(k, v)?,
+            "device" => o.device = Some(want_str(k, v)?),
+            "config" => o.config = Some(want_str(k, v)?.into()),
+            "method" => o.method = Some(want_choice::<crate::config::Method>(k, v)?),
+            "max_new" => o.max_new = want_usize(k, v)?,
+            "limit" => o.limit = want_usize(k, v)?,
+            "output" => output = Some(want_str(k, v)?),
+            _ => return Err(unknown_field("eval", k, EVAL_FIELDS)),
+        }
+    }
+    o.validate()
+        .map_err(|e| ApiError::bad_request(e.to_string()))?;
+    Ok((o, output))
+}
+
+/// An export job's plan (its output resolved later), and the output folder it names.
+fn parse_export(map: &serde_json::Map<String, Value>) -> ApiResult<(ExportPlan, Option<String>)> {
+    let mut plan = ExportPlan {
+        model: Default::default(),
+        adapter: Default::default(),
+        output: Default::default(),
+        formats: vec![],
+        hf_dtype: crate::export::hf::HfDtype::Bf16,
+        adapter_type: crate::export::gguf_out::AdapterType::F32,
+        merged_type: crate::export::gguf_out::MergedType::Keep,
+        check: false,
+    };
+    let mut output = None;
+    for (k, v) in map {
+        if v.is_null() {
+            continue;
+        }
+        match k.as_str() {
+            "kind" => {}
+            "model" => plan.model = want_str(k, v)?.into(),
+            "adapter" => plan.adapter = want_str(k, v)?.into(),
+            "output" => output = Some(want_str(k, v)?),
+            "format" | "formats" => {
+                plan.formats = match v {
+                    Value::Array(items) => items
+                        .iter()
+                        .map(|f| want_choice(k, f))
+                        .collect::<ApiResult<_>>()?,
+                    one => vec![want_choice(k, one)?],
+                }
+            }
+            "dtype" => plan.hf_dtype = want_choice(k, v)?,
+            "adapter_type" => plan.adapter_type = want_choice(k, v)?,
+            "merged_type" => plan.merged_type = want_choice(k, v)?,
+            "check" => plan.check = want_bool(k, v)?,
+            _ => return Err(unknown_field("export", k, EXPORT_FIELDS)),
+        }
+    }
+    if plan.model.as_os_str().is_empty() {
+        return Err(ApiError::bad_request(
+            "model: an export job needs the base model (a folder, a .gguf file or smollm2)",
+        ));
+    }
+    if plan.adapter.as_os_str().is_empty() {
+        return Err(ApiError::bad_request(
+            "adapter: an export job needs the PEFT adapter folder to export",
+        ));
+    }
+    Ok((plan, output))
+}
+
+/// A submitted job, parsed and validated.
+enum Submission {
+    Train(Box<TrainConfig>),
+    Eval(EvalOptions),
+    Export(ExportPlan),
+}
+
+impl Submission {
+    fn kind(&self) -> JobKind {
+        match self {
+            Submission::Train(_) => JobKind::Train,
+            Submission::Eval(_) => JobKind::Eval,
+            Submission::Export(_) => JobKind::Export,
+        }
+    }
+
+    /// The body as a job of its kind (`"kind"`, default `train`), and the output it names.
+    fn parse(body: &Value) -> ApiResult<(Submission, Option<String>)> {
+        let Value::Object(map) = body else {
+            return Err(ApiError::bad_request(
+                "the body must be a JSON object: a TrainConfig, or an eval or export job",
+            ));
+        };
+        let kind = match map.get("kind") {
+            None | Some(Value::Null) => JobKind::Train,
+            Some(Value::String(s)) => JobKind::parse(s).ok_or_else(|| {
+                ApiError::bad_request(format!(
+                    "kind: {s:?} is not a job kind (train, eval, export)"
+                ))
+            })?,
+            Some(other) => {
+                return Err(ApiError::bad_request(format!(
+                    "kind: expected a string (train, eval, export), got {other}"
+                )))
+            }
+        };
+        Ok(match kind {
+            JobKind::Train => {
+                let mut map = map.clone();
+                map.remove("kind");
+                let (cfg, named) = parse_config(&Value::Object(map))?;
+                let output = named.then(|| cfg.output.clone());
+                (Submission::Train(Box::new(cfg)), output)
+            }
+            JobKind::Eval => {
+                let (o, output) = parse_eval(map)?;
+                (Submission::Eval(o), output)
+            }
+            JobKind::Export => {
+                let (p, output) = parse_export(map)?;
+                (Submission::Export(p), output)
+            }
+        })
+    }
+
+    /// Confines every path the job reads to the roots and makes it canonical (the output is
+    /// confined by the caller).
+    fn confine(&mut self, app: &App) -> ApiResult<()> {
+        let roots = &app.roots;
+        let model = |m: &str| -> ApiResult<String> {
+            Ok(if m == "smollm2" {
+                m.to_string()
+            } else {
+                roots.existing("model", m)?.display().to_string()
+            })
+        };
+        match self {
+            Submission::Train(cfg) => confine(app, cfg),
+            Submission::Eval(o) => {
+                if let Some(c) = &o.config {
+                    let c = roots.existing("config", &c.display().to_string())?;
+                    if o.model.is_none() {
+                        // The config file's model is as confined as one named here.
+                        let cfg = TrainConfig::from_toml_file(&c)
+                            .map_err(|e| ApiError::bad_request(format!("config: {e:#}")))?;
+                        o.model = Some(cfg.model);
+                    }
+                    o.config = Some(c);
+                }
+                o.model = Some(model(o.model.as_deref().unwrap_or("smollm2"))?);
+                if let Some(a) = &o.adapter {
+                    o.adapter = Some(roots.existing("adapter", &a.display().to_string())?);
+                }
+                for s in o.compare.iter_mut() {
+                    if s != "base" {
+                        *s = roots.existing("compare", s)?.display().to_string();
+                    }
+                }
+                if let Some(d) = &o.data {
+                    o.data = Some(roots.existing("data", d)?.display().to_string());
+                }
+                Ok(())
+            }
+            Submission::Export(p) => {
+                p.model = model(&p.model.display().to_string())?.into();
+                p.adapter = roots.existing("adapter", &p.adapter.display().to_string())?;
+                if p.model.as_os_str() != "smollm2" {
+                    p.resolved_formats()
+                        .map_err(|e| ApiError::bad_request(format!("format: {e:#}")))?;
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// Points the job's outputs into `dir`.
+    fn set_output(&mut self, dir: &std::path::Path) {
+        match self {
+            Submission::Train(cfg) => cfg.output = dir.display().to_string(),
+            Submission::Eval(o) => {
+                o.out = Some(dir.join(EVAL_JSON));
+                o.report = Some(dir.join(EVAL_REPORT));
+            }
+            Submission::Export(p) => p.output = dir.to_path_buf(),
+        }
+    }
+
+    fn to_json(&self) -> ApiResult<String> {
+        Ok(match self {
+            Submission::Train(cfg) => serde_json::to_string(cfg),
+            Submission::Eval(o) => serde_json::to_string(o),
+            Submission::Export(p) => serde_json::to_string(p),
+        }
+        .map_err(anyhow::Error::from)?)
+    }
+
+    fn queued_message(&self) -> String {
+        match self {
+            Submission::Train(cfg) => format!("queued: {:?} on {}", cfg.method, cfg.model),
+            Submission::Eval(o) => format!(
+                "queued: eval ({}) on {}",
+                json!(o.scorer).as_str().unwrap_or(""),
+                o.model.as_deref().unwrap_or("smollm2")
+            ),
+            Submission::Export(p) => format!(
+                "queued: export of {} onto {}",
+                p.adapter.display(),
+                p.model.display()
+            ),
+        }
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -304,9 +599,10 @@ fn parse_json(s: Option<&str>) -> Value {
 fn summary(job: &JobRow) -> Value {
     let cfg = parse_json(Some(&job.config));
     json!({
-        "id": job.id, "state": job.state.as_str(), "step": job.step,
-        "total_steps": job.total_steps, "method": cfg["method"], "model": cfg["model"],
-        "data": cfg["data"], "output": job.output, "message": job.error,
+        "id": job.id, "kind": job.kind.as_str(), "state": job.state.as_str(), "step": job.step,
+        "total_steps": job.total_steps, "method": cfg["method"], "scorer": cfg["scorer"],
+        "model": cfg["model"], "data": cfg["data"], "adapter": cfg["adapter"],
+        "output": job.output, "message": job.error,
         "created": job.created, "updated": job.updated,
     })
 }
@@ -337,22 +633,28 @@ async fn submit(
     body: Result<Json<Value>, JsonRejection>,
 ) -> ApiResult<(StatusCode, Json<Value>)> {
     let Json(body) = body.map_err(|e| ApiError::new(e.status(), e.body_text()))?;
-    let (mut cfg, named_output) = parse_config(&body)?;
+    let (mut sub, named_output) = Submission::parse(&body)?;
     blocking(&app, move |app| {
-        confine(app, &mut cfg, named_output)?;
-        let config = serde_json::to_string(&cfg).map_err(anyhow::Error::from)?;
+        sub.confine(app)?;
+        let output = match &named_output {
+            Some(o) => {
+                let dir = app.roots.writable("output", o)?;
+                sub.set_output(&dir);
+                Some(dir.display().to_string())
+            }
+            None => None,
+        };
         let id = {
             let db = app.db();
-            if named_output {
-                if let Some(other) = db.output_in_use(&cfg.output, None)? {
+            if let Some(output) = &output {
+                if let Some(other) = db.output_in_use(output, None)? {
                     return Err(ApiError::conflict(format!(
-                        "output: {} is the output folder of job {other}; name another",
-                        cfg.output
+                        "output: {output} is the output folder of job {other}; name another"
                     )));
                 }
             }
-            let id = db.insert_job(&config, &cfg.output)?;
-            if !named_output {
+            let id = db.insert_job(sub.kind(), &sub.to_json()?, output.as_deref().unwrap_or(""))?;
+            if output.is_none() {
                 // The default output is the job's own folder under the first root.
                 let dir = app
                     .roots
@@ -360,9 +662,8 @@ async fn submit(
                     .inspect_err(|_| {
                         let _ = db.delete_job(id);
                     })?;
-                cfg.output = dir.display().to_string();
-                let config = serde_json::to_string(&cfg).map_err(anyhow::Error::from)?;
-                db.set_config(id, &config, &cfg.output)?;
+                sub.set_output(&dir);
+                db.set_config(id, &sub.to_json()?, &dir.display().to_string())?;
             }
             id
         };
@@ -370,7 +671,7 @@ async fn submit(
             id,
             "state",
             None,
-            json!({"state": "queued", "message": format!("queued: {:?} on {}", cfg.method, cfg.model)}),
+            json!({"state": "queued", "message": sub.queued_message()}),
         )?;
         app.wake_worker();
         let job = load_job(app, id)?;
@@ -434,10 +735,15 @@ async fn cancel(State(app): State<Arc<App>>, Path(id): Path<i64>) -> ApiResult<J
                         .db()
                         .transition(id, &[JobState::Running], JobState::Cancelling)?
                     {
+                        let how = match job.kind {
+                            JobKind::Train => "after checkpointing its current step",
+                            JobKind::Eval => "after its current example",
+                            JobKind::Export => "after its current artefact",
+                        };
                         app.set_state(
                             id,
                             JobState::Cancelling,
-                            "cancelling: the job stops after checkpointing its current step",
+                            &format!("cancelling: the job stops {how}"),
                         )?;
                     }
                 }
@@ -506,29 +812,121 @@ async fn delete_job(State(app): State<Arc<App>>, Path(id): Path<i64>) -> ApiResu
     .await
 }
 
+fn done_job(app: &App, id: i64, what: &str) -> ApiResult<JobRow> {
+    let job = load_job(app, id)?;
+    if job.state != JobState::Done {
+        return Err(ApiError::conflict(format!(
+            "job {id} is {}; its {what} is ready when it is done",
+            job.state.as_str()
+        )));
+    }
+    Ok(job)
+}
+
+fn download(content_type: &str, filename: &str, bytes: Vec<u8>) -> Response {
+    (
+        [
+            (header::CONTENT_TYPE, content_type.to_string()),
+            (
+                header::CONTENT_DISPOSITION,
+                format!("attachment; filename=\"{filename}\""),
+            ),
+        ],
+        bytes,
+    )
+        .into_response()
+}
+
+fn adapter_tar(job: &JobRow) -> ApiResult<Response> {
+    let dir = std::path::Path::new(&job.output).join("adapter");
+    let prefix = format!("job-{}-adapter", job.id);
+    let bytes = super::tar::tar_folder(&dir, &prefix)?;
+    Ok(download(
+        "application/x-tar",
+        &format!("{prefix}.tar"),
+        bytes,
+    ))
+}
+
 async fn adapter(State(app): State<Arc<App>>, Path(id): Path<i64>) -> ApiResult<Response> {
     blocking(&app, move |app| {
-        let job = load_job(app, id)?;
-        if job.state != JobState::Done {
+        let job = done_job(app, id, "adapter")?;
+        if job.kind != JobKind::Train {
             return Err(ApiError::conflict(format!(
-                "job {id} is {}; its adapter is ready when it is done",
-                job.state.as_str()
+                "job {id} is an {} job and has no adapter; its result is GET /jobs/{id}/result",
+                job.kind.as_str()
             )));
         }
-        let dir = std::path::Path::new(&job.output).join("adapter");
-        let prefix = format!("job-{id}-adapter");
-        let bytes = super::tar::tar_folder(&dir, &prefix)?;
-        Ok((
-            [
-                (header::CONTENT_TYPE, "application/x-tar".to_string()),
-                (
-                    header::CONTENT_DISPOSITION,
-                    format!("attachment; filename=\"{prefix}.tar\""),
-                ),
-            ],
-            bytes,
-        )
-            .into_response())
+        adapter_tar(&job)
+    })
+    .await
+}
+
+/// `format=VALUE` of a query string, if any.
+fn query_format(query: Option<&str>) -> Option<String> {
+    query?
+        .split('&')
+        .find_map(|kv| kv.strip_prefix("format="))
+        .map(|v| v.to_string())
+}
+
+/// What a done job made: a training run's adapter (tar), an eval's scores (JSON; with
+/// `?format=markdown` the report, `?format=png` a comparison's chart), an export's folder (tar).
+async fn result(
+    State(app): State<Arc<App>>,
+    Path(id): Path<i64>,
+    RawQuery(query): RawQuery,
+) -> ApiResult<Response> {
+    blocking(&app, move |app| {
+        let job = done_job(app, id, "result")?;
+        let out = std::path::Path::new(&job.output);
+        match job.kind {
+            JobKind::Train => adapter_tar(&job),
+            JobKind::Export => {
+                let prefix = format!("job-{id}-export");
+                let bytes = super::tar::tar_tree(out, &prefix)?;
+                Ok(download(
+                    "application/x-tar",
+                    &format!("{prefix}.tar"),
+                    bytes,
+                ))
+            }
+            JobKind::Eval => {
+                let format = query_format(query.as_deref()).unwrap_or_else(|| "json".into());
+                let report = out.join(EVAL_REPORT);
+                let (path, content_type) = match format.as_str() {
+                    "json" => (out.join(EVAL_JSON), "application/json"),
+                    "markdown" | "md" => (report, "text/markdown; charset=utf-8"),
+                    "png" => (crate::eval::run::chart_path(&report), "image/png"),
+                    other => {
+                        return Err(ApiError::bad_request(format!(
+                            "format: {other:?} is not one of json, markdown, png"
+                        )))
+                    }
+                };
+                if !path.is_file() {
+                    return Err(ApiError::new(
+                        StatusCode::NOT_FOUND,
+                        format!(
+                            "job {id} has no {}{}",
+                            path.display(),
+                            if format == "png" {
+                                " (a chart is drawn for a before/after comparison)"
+                            } else {
+                                ""
+                            }
+                        ),
+                    ));
+                }
+                let bytes = std::fs::read(&path)
+                    .map_err(|e| anyhow::anyhow!("reading {}: {e}", path.display()))?;
+                let name = path
+                    .file_name()
+                    .and_then(|n| n.to_str())
+                    .unwrap_or("result");
+                Ok(download(content_type, &format!("job-{id}-{name}"), bytes))
+            }
+        }
     })
     .await
 }

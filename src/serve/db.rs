@@ -1,5 +1,5 @@
-//! The job server's memory: one SQLite file (rusqlite, with SQLite compiled in) holding jobs and
-//! their states, every event a job reported (the SSE stream and the log are replays of it),
+//! The job server's memory: one SQLite file (rusqlite, with SQLite compiled in) holding jobs
+//! (their kind, `train`, `eval` or `export`, and resolved settings) and their states, every event a job reported (the SSE stream and the log are replays of it),
 //! metric rows and checkpoints. Everything the server knows about a job survives a crash or a
 //! restart here; nothing lives only in memory except which job is running right now.
 //!
@@ -55,12 +55,41 @@ impl JobState {
     }
 }
 
+/// What a job does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum JobKind {
+    /// A training run (`TrainConfig`), resumable from its checkpoints.
+    Train,
+    /// `lorafit eval` (`eval::EvalOptions`); rerun from the start when interrupted.
+    Eval,
+    /// `lorafit export` (`export::ExportPlan`); rerun from the start when interrupted.
+    Export,
+}
+
+impl JobKind {
+    pub const ALL: [JobKind; 3] = [JobKind::Train, JobKind::Eval, JobKind::Export];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            JobKind::Train => "train",
+            JobKind::Eval => "eval",
+            JobKind::Export => "export",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<JobKind> {
+        JobKind::ALL.into_iter().find(|k| k.as_str() == s)
+    }
+}
+
 /// One row of `jobs`.
 #[derive(Clone, Debug)]
 pub struct JobRow {
     pub id: i64,
+    pub kind: JobKind,
     pub state: JobState,
-    /// The resolved `TrainConfig` as JSON (paths canonical, defaults filled in).
+    /// The resolved settings as JSON (paths canonical, defaults filled in): a `TrainConfig`, an
+    /// `EvalOptions` or an `ExportPlan`, by `kind`.
     pub config: String,
     pub output: String,
     /// The run as the trainer resolved it (`RunStart` as JSON), once it has started.
@@ -92,6 +121,7 @@ pub struct Db {
 const SCHEMA: &str = "
 CREATE TABLE IF NOT EXISTS jobs (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
+    kind TEXT NOT NULL DEFAULT 'train',
     state TEXT NOT NULL,
     config TEXT NOT NULL,
     output TEXT NOT NULL,
@@ -135,13 +165,16 @@ pub fn now() -> f64 {
 }
 
 const JOB_COLUMNS: &str =
-    "id, state, config, output, plan, step, total_steps, error, resume_from, created, updated";
+    "id, state, config, output, plan, step, total_steps, error, resume_from, created, updated, kind";
 
 fn job_from_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<(JobRow, String)> {
     let state: String = r.get(1)?;
+    let kind: String = r.get(11)?;
     Ok((
         JobRow {
             id: r.get(0)?,
+            // An unknown kind (a newer server's) is not run as training: it fails on start.
+            kind: JobKind::parse(&kind).unwrap_or(JobKind::Eval),
             state: JobState::Queued,
             config: r.get(2)?,
             output: r.get(3)?,
@@ -173,16 +206,33 @@ impl Db {
         conn.busy_timeout(std::time::Duration::from_secs(10))?;
         conn.execute_batch(SCHEMA)
             .with_context(|| format!("creating the tables of {}", path.display()))?;
+        // A database from before job kinds: every job in it was a training run.
+        let has_kind = conn
+            .prepare("SELECT 1 FROM pragma_table_info('jobs') WHERE name = 'kind'")?
+            .exists([])?;
+        if !has_kind {
+            conn.execute_batch("ALTER TABLE jobs ADD COLUMN kind TEXT NOT NULL DEFAULT 'train'")
+                .with_context(|| format!("adding job kinds to {}", path.display()))?;
+        }
         Ok(Db { conn })
     }
 
-    pub fn insert_job(&self, config: &str, output: &str) -> Result<i64> {
+    pub fn insert_job(&self, kind: JobKind, config: &str, output: &str) -> Result<i64> {
         let t = now();
         self.conn.execute(
-            "INSERT INTO jobs (state, config, output, created, updated) VALUES (?1, ?2, ?3, ?4, ?4)",
-            params![JobState::Queued.as_str(), config, output, t],
+            "INSERT INTO jobs (kind, state, config, output, created, updated) VALUES (?1, ?2, ?3, ?4, ?5, ?5)",
+            params![kind.as_str(), JobState::Queued.as_str(), config, output, t],
         )?;
         Ok(self.conn.last_insert_rowid())
+    }
+
+    /// Records how far a job without training steps (eval, export) got: `step` of `total`.
+    pub fn set_progress(&self, id: i64, step: i64, total: i64) -> Result<()> {
+        self.conn.execute(
+            "UPDATE jobs SET step = ?2, total_steps = ?3, updated = ?4 WHERE id = ?1",
+            params![id, step, total, now()],
+        )?;
+        Ok(())
     }
 
     pub fn set_config(&self, id: i64, config: &str, output: &str) -> Result<()> {
@@ -436,7 +486,9 @@ mod tests {
         std::fs::write(ckpt.join("trainer_state.json"), "{}").unwrap();
         {
             let db = Db::open(&path).unwrap();
-            let id = db.insert_job("{\"steps\":4}", "/out/a").unwrap();
+            let id = db
+                .insert_job(JobKind::Train, "{\"steps\":4}", "/out/a")
+                .unwrap();
             assert_eq!(id, 1);
             assert!(db
                 .transition(id, &[JobState::Queued], JobState::Running)
@@ -457,6 +509,7 @@ mod tests {
         }
         let db = Db::open(&path).unwrap();
         let job = db.job(1).unwrap().unwrap();
+        assert_eq!(job.kind, JobKind::Train);
         assert_eq!(job.state, JobState::Running);
         assert_eq!(job.step, 3);
         assert_eq!(job.output, "/out/a");
@@ -485,5 +538,35 @@ mod tests {
         assert!(db.job(1).unwrap().is_none());
         assert!(db.events_after(1, 0).unwrap().is_empty());
         assert!(db.metrics(1).unwrap().is_empty());
+    }
+
+    #[test]
+    fn a_database_from_before_job_kinds_reads_its_jobs_as_training() {
+        let dir = scratch("kinds");
+        let path = dir.join("jobs.sqlite");
+        {
+            let conn = Connection::open(&path).unwrap();
+            conn.execute_batch(
+                "CREATE TABLE jobs (id INTEGER PRIMARY KEY AUTOINCREMENT, state TEXT NOT NULL,
+                 config TEXT NOT NULL, output TEXT NOT NULL, plan TEXT,
+                 step INTEGER NOT NULL DEFAULT 0, total_steps INTEGER, error TEXT,
+                 resume_from TEXT, created REAL NOT NULL, updated REAL NOT NULL);
+                 INSERT INTO jobs (state, config, output, created, updated)
+                 VALUES ('done', '{}', '/out/old', 1, 1);",
+            )
+            .unwrap();
+        }
+        let db = Db::open(&path).unwrap();
+        assert_eq!(db.job(1).unwrap().unwrap().kind, JobKind::Train);
+        let id = db.insert_job(JobKind::Export, "{}", "/out/new").unwrap();
+        db.set_progress(id, 2, 4).unwrap();
+        let job = db.job(id).unwrap().unwrap();
+        assert_eq!(
+            (job.kind, job.step, job.total_steps),
+            (JobKind::Export, 2, Some(4))
+        );
+        drop(db);
+        // Opening again leaves the column as it is.
+        assert_eq!(Db::open(&path).unwrap().jobs().unwrap().len(), 2);
     }
 }

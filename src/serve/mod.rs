@@ -1,7 +1,8 @@
 //! `lorafit serve`: a job runner over HTTP. People submit training runs (a `TrainConfig` as
-//! JSON, validated by the same code as the CLI) and watch them from a script or the embedded web
-//! page; the server keeps every job in SQLite and resumes an interrupted one from its last
-//! checkpoint when it starts again.
+//! JSON, validated by the same code as the CLI), evaluations (`lorafit eval`'s settings) and
+//! exports (`lorafit export`'s) and watch them from a script or the embedded web page; the
+//! server keeps every job in SQLite and, when it starts again, resumes an interrupted training
+//! run from its last checkpoint and reruns an interrupted eval or export.
 //!
 //! Roles:
 //! - `api`: the HTTP routes (axum on tokio), authentication, request limits, the page.
@@ -132,8 +133,8 @@ impl App {
 }
 
 /// Puts back into the queue every job that was running when the server last stopped (a crash,
-/// a kill), to resume from its last checkpoint with its record rewound to that step; a job
-/// whose cancel was pending is cancelled.
+/// a kill), to resume from its last checkpoint with its record rewound to that step (an eval or
+/// export has none and reruns); a job whose cancel was pending is cancelled.
 fn recover(app: &App) -> Result<()> {
     // (Each list is read into a variable first: a guard in a `for` head lives for the loop.)
     let cancelling = app.db().jobs_in_state(JobState::Cancelling)?;
@@ -159,10 +160,18 @@ fn recover(app: &App) -> Result<()> {
             None => {
                 app.db().rewind_to(job.id, 0)?;
                 app.db().set_resume_from(job.id, None)?;
-                format!(
-                    "interrupted at step {} before any checkpoint; starting over",
-                    job.step
-                )
+                match job.kind {
+                    db::JobKind::Train => format!(
+                        "interrupted at step {} before any checkpoint; starting over",
+                        job.step
+                    ),
+                    kind => format!(
+                        "interrupted at {} of {}; an {} job reruns from the start",
+                        job.step,
+                        job.total_steps.unwrap_or(0),
+                        kind.as_str()
+                    ),
+                }
             }
         };
         eprintln!("job {}: {message}", job.id);

@@ -1,11 +1,18 @@
-// The job runner page's script: lists jobs, submits the form as a TrainConfig, and follows the
-// selected job's server-sent events (read with fetch, so that the bearer token can go in a
+// The job runner page's script: lists jobs (train, eval, export), submits the form as a
+// TrainConfig, and follows the selected job's server-sent events (read with fetch, so that the bearer token can go in a
 // header) into a chart of loss, margin and accuracy and a log tail.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
 const LOG_LINES = 200;
-let selected = null; // { id, abort, train: Map(step -> row), valid: Map, log: [], state, lastSeq }
+let selected = null; // { id, kind, abort, train: Map(step -> row), valid: Map, log: [], state, lastSeq }
+const kinds = new Map(); // job id -> "train" | "eval" | "export"
+// What a done job's download is, by kind: the link's text and the file's name.
+const RESULTS = {
+  train: { text: "adapter (.tar)", path: "/adapter", file: (id) => "job-" + id + "-adapter.tar" },
+  eval: { text: "scores (.json)", path: "/result", file: (id) => "job-" + id + "-eval.json" },
+  export: { text: "export (.tar)", path: "/result", file: (id) => "job-" + id + "-export.tar" },
+};
 
 $("token").value = localStorage.getItem("lorafit-token") || "";
 $("token").addEventListener("change", () => {
@@ -60,10 +67,13 @@ async function refreshJobs() {
     tr.className = "job" + (selected && selected.id === job.id ? " selected" : "");
     tr.dataset.id = job.id;
     tr.dataset.state = job.state;
+    tr.dataset.kind = job.kind || "train";
+    kinds.set(job.id, job.kind || "train");
     cell(tr, job.id);
+    cell(tr, job.kind || "train");
     cell(tr, job.state, "state-" + job.state);
     cell(tr, job.step + (job.total_steps ? " / " + job.total_steps : ""));
-    cell(tr, job.method || "");
+    cell(tr, job.method || job.scorer || "");
     cell(tr, String(job.model || "").split("/").pop());
     tr.title = job.message || "";
     tr.addEventListener("click", () => select(job.id));
@@ -107,14 +117,18 @@ $("submit-form").addEventListener("submit", async (ev) => {
 function setButtons(state) {
   $("cancel-button").disabled = !(state === "queued" || state === "running");
   $("resume-button").disabled = !(state === "cancelled" || state === "failed");
+  const kind = (selected && selected.kind) || "train";
   const link = $("adapter-link");
+  link.textContent = RESULTS[kind].text;
   link.hidden = state !== "done";
+  $("report-link").hidden = !(state === "done" && kind === "eval");
 }
 
 function select(id) {
   if (selected && selected.abort) selected.abort.abort();
-  selected = { id, abort: null, train: new Map(), valid: new Map(), log: [], state: "", lastSeq: 0 };
-  $("detail-title").textContent = "Job " + id;
+  const kind = kinds.get(id) || "train";
+  selected = { id, kind, abort: null, train: new Map(), valid: new Map(), log: [], state: "", lastSeq: 0 };
+  $("detail-title").textContent = (kind === "train" ? "Job " : kind + " job ") + id;
   $("detail-status").textContent = "";
   $("log").textContent = "";
   $("adapter-link").href = "#";
@@ -171,7 +185,9 @@ function handleBlock(job, block) {
   let d;
   try { d = JSON.parse(data); } catch (_) { return; }
   if (selected !== job) return;
-  if (kind === "step") {
+  if (kind === "progress") {
+    $("detail-status").textContent = d.message || "";
+  } else if (kind === "step") {
     job.train.set(d.step, d);
     $("detail-status").textContent = "step " + d.step + " / " + d.total_steps +
       " · loss " + (d.loss == null ? "–" : d.loss.toFixed(4));
@@ -184,7 +200,10 @@ function handleBlock(job, block) {
   } else if (kind === "done" || kind === "failed" || kind === "cancelled") {
     job.state = kind;
     setButtons(kind);
-    if (kind === "done") $("adapter-link").href = "/jobs/" + job.id + "/adapter";
+    if (kind === "done") {
+      $("adapter-link").href = "/jobs/" + job.id + RESULTS[job.kind || "train"].path;
+      $("report-link").href = "/jobs/" + job.id + "/result?format=markdown";
+    }
     $("detail-status").textContent = d.message || kind;
     refreshJobs();
   }
@@ -290,17 +309,28 @@ $("resume-button").addEventListener("click", async () => {
   select(id);
 });
 
-// The download carries the token as a header, so it goes through fetch and a blob.
-$("adapter-link").addEventListener("click", async (ev) => {
-  ev.preventDefault();
-  if (!selected) return;
-  const r = await fetch("/jobs/" + selected.id + "/adapter", { headers: headers(false) });
+// A download carries the token as a header, so it goes through fetch and a blob.
+async function downloadResult(path, name) {
+  const r = await fetch(path, { headers: headers(false) });
   if (!r.ok) { $("detail-status").textContent = await r.text(); return; }
   const url = URL.createObjectURL(await r.blob());
   const a = document.createElement("a");
-  a.href = url; a.download = "job-" + selected.id + "-adapter.tar";
+  a.href = url; a.download = name;
   a.click();
   URL.revokeObjectURL(url);
+}
+
+$("adapter-link").addEventListener("click", async (ev) => {
+  ev.preventDefault();
+  if (!selected) return;
+  const res = RESULTS[selected.kind || "train"];
+  await downloadResult("/jobs/" + selected.id + res.path, res.file(selected.id));
+});
+
+$("report-link").addEventListener("click", async (ev) => {
+  ev.preventDefault();
+  if (!selected) return;
+  await downloadResult("/jobs/" + selected.id + "/result?format=markdown", "job-" + selected.id + "-report.md");
 });
 
 refreshJobs();

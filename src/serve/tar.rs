@@ -1,7 +1,8 @@
-//! A minimal tar (POSIX ustar) writer for adapter downloads: the regular files of one folder,
-//! sorted by name, under one top-level folder name. An adapter folder holds a handful of files
-//! (adapter_config.json, adapter_model.safetensors), so a crate for the format would not pay for
-//! its compile time.
+//! A minimal tar (POSIX ustar) writer for downloads: the regular files of one folder (an
+//! adapter), or of a folder and its subfolders (an export's artefacts), sorted by name, under one
+//! top-level folder name. Such a folder holds a handful of files (adapter_config.json,
+//! adapter_model.safetensors, merged-hf/…), so a crate for the format would not pay for its
+//! compile time.
 
 use anyhow::{bail, Context, Result};
 use std::path::Path;
@@ -44,24 +45,51 @@ fn header(name: &str, size: u64, mode: u32, typeflag: u8, mtime: u64) -> Result<
 
 /// A tar archive of the regular files directly inside `dir`, as `prefix/<file>`.
 pub fn tar_folder(dir: &Path, prefix: &str) -> Result<Vec<u8>> {
-    let mut entries: Vec<_> = std::fs::read_dir(dir)
-        .with_context(|| format!("reading {}", dir.display()))?
-        .collect::<std::io::Result<_>>()?;
-    entries.sort_by_key(|e| e.file_name());
+    archive(dir, prefix, false)
+}
+
+/// A tar archive of `dir` with its subfolders, as `prefix/<path>`.
+pub fn tar_tree(dir: &Path, prefix: &str) -> Result<Vec<u8>> {
+    archive(dir, prefix, true)
+}
+
+fn archive(dir: &Path, prefix: &str, recursive: bool) -> Result<Vec<u8>> {
     let mtime = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_secs())
         .unwrap_or(0);
     let mut out = Vec::new();
+    append_folder(&mut out, dir, prefix, recursive, mtime)?;
+    // End of archive: two zero blocks.
+    out.resize(out.len() + 2 * BLOCK, 0);
+    Ok(out)
+}
+
+fn append_folder(
+    out: &mut Vec<u8>,
+    dir: &Path,
+    prefix: &str,
+    recursive: bool,
+    mtime: u64,
+) -> Result<()> {
+    let mut entries: Vec<_> = std::fs::read_dir(dir)
+        .with_context(|| format!("reading {}", dir.display()))?
+        .collect::<std::io::Result<_>>()?;
+    entries.sort_by_key(|e| e.file_name());
     out.extend_from_slice(&header(&format!("{prefix}/"), 0, 0o755, b'5', mtime)?);
     for e in entries {
-        if !e.file_type()?.is_file() {
-            continue;
-        }
+        let kind = e.file_type()?;
         let name = e.file_name();
         let name = name
             .to_str()
             .with_context(|| format!("{}: a file name that is not UTF-8", dir.display()))?;
+        if kind.is_dir() && recursive {
+            append_folder(out, &e.path(), &format!("{prefix}/{name}"), true, mtime)?;
+            continue;
+        }
+        if !kind.is_file() {
+            continue;
+        }
         let bytes =
             std::fs::read(e.path()).with_context(|| format!("reading {}", e.path().display()))?;
         out.extend_from_slice(&header(
@@ -74,9 +102,7 @@ pub fn tar_folder(dir: &Path, prefix: &str) -> Result<Vec<u8>> {
         out.extend_from_slice(&bytes);
         out.resize(out.len().div_ceil(BLOCK) * BLOCK, 0);
     }
-    // End of archive: two zero blocks.
-    out.resize(out.len() + 2 * BLOCK, 0);
-    Ok(out)
+    Ok(())
 }
 
 /// Reads an archive written by [`tar_folder`] back as (name, contents) of its regular files.
@@ -151,6 +177,18 @@ mod tests {
         assert!(files[2].1.is_empty());
         // Sizes are octal: 1300 bytes is 2424.
         assert_eq!(&tar[3 * BLOCK + 124..3 * BLOCK + 136], b"00000002424\0");
+        std::fs::write(dir.join("sub/c.txt"), b"c").unwrap();
+        let tree = read_tar(&tar_tree(&dir, "export").unwrap()).unwrap();
+        let names: Vec<&str> = tree.iter().map(|f| f.0.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                "export/a.json",
+                "export/b.bin",
+                "export/empty",
+                "export/sub/c.txt"
+            ]
+        );
         let mut bad = tar.clone();
         bad[BLOCK] ^= 1;
         assert!(read_tar(&bad).unwrap_err().to_string().contains("checksum"));

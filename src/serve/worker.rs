@@ -1,17 +1,21 @@
 //! The job worker: one blocking thread (training never runs on the async runtime) that takes the
-//! oldest queued job, loads its model and data with the same functions as `lorafit train`, and
-//! runs `trainer::train_with` with a listener that stores and publishes what the trainer reports.
-//! One job runs at a time: a device trains one run. A job that fails (bad data, out of memory, a
-//! panic inside training) is marked failed with its reason and the queue goes on.
+//! oldest queued job and runs it by its kind, through the same library calls as the command
+//! line: a `train` job loads its model and data as `lorafit train` does and runs
+//! `trainer::train_with` with a listener that stores and publishes what the trainer reports; an
+//! `eval` job runs `eval::run` and an `export` job `export::run_with`, their progress stored and
+//! published the same way. One job runs at a time: one device. A job that fails (bad data, out of
+//! memory, a panic) is marked failed with its reason and the queue goes on. A cancel or a
+//! shutdown stops a training run after checkpointing its step, and an eval or export after its
+//! current example or artefact (they have no checkpoints: they rerun from the start).
 
-use super::db::{JobRow, JobState};
+use super::db::{JobKind, JobRow, JobState};
 use super::App;
 use crate::config::TrainConfig;
 use crate::tensor::Device;
 use crate::train::events::{TrainEvent, TrainEvents};
-use crate::train::trainer::{self, TrainOutcome};
+use crate::train::trainer;
 use anyhow::{Context, Result};
-use serde_json::json;
+use serde_json::{json, Value};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc};
@@ -54,14 +58,44 @@ fn run_job(app: &App, job: JobRow) {
 }
 
 fn run_job_inner(app: &App, job: JobRow) -> Result<()> {
-    run_job_with(app, job, train_job)
+    match job.kind {
+        JobKind::Train => run_job_with(app, job, train_job),
+        JobKind::Eval => run_job_with(app, job, eval_job),
+        JobKind::Export => run_job_with(app, job, export_job),
+    }
 }
 
-/// Runs `job` through `train` (the trainer, or a stand-in in tests) and records the outcome.
+/// How a job's run ended.
+pub(crate) enum Outcome {
+    /// It finished: the data of its `done` event (with a `message`).
+    Done(Value),
+    /// It stopped on request (a cancel or the server shutting down), leaving this checkpoint
+    /// to resume from (None: the job reruns from the start).
+    Stopped { checkpoint: Option<String> },
+}
+
+/// The error an eval's or export's progress callback ends the run with on a stop request.
+#[derive(Debug)]
+struct StopRequested;
+
+impl std::fmt::Display for StopRequested {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("stopped on request")
+    }
+}
+
+impl std::error::Error for StopRequested {}
+
+fn stop_requested(app: &App, cancel: &AtomicBool) -> bool {
+    cancel.load(Ordering::SeqCst) || app.shutdown.load(Ordering::SeqCst)
+}
+
+/// Runs `job` through `work` (the trainer, eval, export, or a stand-in in tests) and records the
+/// outcome.
 fn run_job_with(
     app: &App,
     job: JobRow,
-    train: impl FnOnce(&App, &JobRow, &AtomicBool) -> Result<TrainOutcome>,
+    work: impl FnOnce(&App, &JobRow, &AtomicBool) -> Result<Outcome>,
 ) -> Result<()> {
     let id = job.id;
     if !app
@@ -82,7 +116,7 @@ fn run_job_with(
     app.set_state(id, JobState::Running, &message)?;
 
     let result =
-        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| train(app, &job, &cancel)));
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| work(app, &job, &cancel)));
     app.running
         .lock()
         .unwrap_or_else(|p| p.into_inner())
@@ -90,22 +124,26 @@ fn run_job_with(
 
     let step = app.db().job(id)?.map(|j| j.step).unwrap_or(0);
     match result {
-        Ok(Ok(outcome)) if !outcome.stopped => {
+        Ok(Ok(Outcome::Done(data))) => {
             app.db().set_resume_from(id, None)?;
-            let adapter = outcome.adapter_dir.display().to_string();
-            app.set_state(id, JobState::Done, &format!("done at step {step}"))?;
-            app.emit(
-                id,
-                "done",
-                None,
-                json!({"step": step, "adapter": adapter,
-                       "message": format!("done: {step} steps; adapter in {adapter}")}),
-            )?;
+            let state_message = match job.kind {
+                JobKind::Train => format!("done at step {step}"),
+                _ => "done".to_string(),
+            };
+            app.set_state(id, JobState::Done, &state_message)?;
+            app.emit(id, "done", None, data)?;
         }
-        Ok(Ok(outcome)) => {
-            let checkpoint = outcome.adapter_dir.display().to_string();
-            app.db().set_resume_from(id, Some(&checkpoint))?;
+        Ok(Ok(Outcome::Stopped { checkpoint })) => {
+            app.db().set_resume_from(id, checkpoint.as_deref())?;
+            if checkpoint.is_none() {
+                // Nothing to resume from: the next run starts over, its record with it.
+                app.db().rewind_to(id, 0)?;
+            }
             if cancel.load(Ordering::SeqCst) {
+                let message = match &checkpoint {
+                    Some(c) => format!("cancelled at step {step}; checkpoint in {c}"),
+                    None => format!("cancelled at step {step}"),
+                };
                 app.set_state(
                     id,
                     JobState::Cancelled,
@@ -115,16 +153,15 @@ fn run_job_with(
                     id,
                     "cancelled",
                     None,
-                    json!({"step": step, "checkpoint": checkpoint,
-                           "message": format!("cancelled at step {step}; checkpoint in {checkpoint}")}),
+                    json!({"step": step, "checkpoint": checkpoint, "message": message}),
                 )?;
             } else {
                 // The server is shutting down: the job goes back into the queue.
-                app.set_state(
-                    id,
-                    JobState::Queued,
-                    &format!("server stopped at step {step}; resumes from {checkpoint}"),
-                )?;
+                let message = match &checkpoint {
+                    Some(c) => format!("server stopped at step {step}; resumes from {c}"),
+                    None => "server stopped; the job reruns from the start".to_string(),
+                };
+                app.set_state(id, JobState::Queued, &message)?;
             }
         }
         Ok(Err(e)) => fail(app, id, step, &format!("{e:#}"))?,
@@ -132,7 +169,15 @@ fn run_job_with(
             app,
             id,
             step,
-            &format!("panic inside training: {}", panic_message(payload.as_ref())),
+            &format!(
+                "panic inside {}: {}",
+                match job.kind {
+                    JobKind::Train => "training",
+                    JobKind::Eval => "the evaluation",
+                    JobKind::Export => "the export",
+                },
+                panic_message(payload.as_ref())
+            ),
         )?,
     }
     Ok(())
@@ -160,7 +205,7 @@ fn fail(app: &App, id: i64, step: i64, reason: &str) -> Result<()> {
 }
 
 /// Loads the job's model and data as `lorafit train` does and trains.
-fn train_job(app: &App, job: &JobRow, cancel: &AtomicBool) -> Result<TrainOutcome> {
+fn train_job(app: &App, job: &JobRow, cancel: &AtomicBool) -> Result<Outcome> {
     let cfg: TrainConfig = serde_json::from_str(&job.config).context("the job's stored config")?;
     let device = Device::parse(&cfg.device)?;
     let loaded = trainer::load_model_and_tokenizer(&cfg.model, &device)?;
@@ -175,14 +220,143 @@ fn train_job(app: &App, job: &JobRow, cancel: &AtomicBool) -> Result<TrainOutcom
         id: job.id,
         cancel,
     };
-    trainer::train_with(
+    let outcome = trainer::train_with(
         &cfg,
         resume.as_deref(),
         &loaded,
         &train_items,
         &valid_items,
         &mut listener,
-    )
+    )?;
+    let adapter = outcome.adapter_dir.display().to_string();
+    if outcome.stopped {
+        return Ok(Outcome::Stopped {
+            checkpoint: Some(adapter),
+        });
+    }
+    let step = app.db().job(job.id)?.map(|j| j.step).unwrap_or(0);
+    Ok(Outcome::Done(json!({
+        "step": step, "adapter": adapter,
+        "message": format!("done: {step} steps; adapter in {adapter}"),
+    })))
+}
+
+/// Stores and publishes the progress of an eval or export (`done` of `total`): the job's step
+/// every time, a `progress` event about a hundred times a run; a stop request ends the run.
+fn report_progress(
+    app: &App,
+    id: i64,
+    cancel: &AtomicBool,
+    done: usize,
+    total: usize,
+    message: String,
+) -> Result<()> {
+    if stop_requested(app, cancel) {
+        return Err(StopRequested.into());
+    }
+    app.db().set_progress(id, done as i64, total as i64)?;
+    let every = total.div_ceil(100).max(1);
+    if done.is_multiple_of(every) || done == total {
+        app.emit(
+            id,
+            "progress",
+            Some(done as i64),
+            json!({"step": done, "total_steps": total, "message": message}),
+        )?;
+    }
+    Ok(())
+}
+
+/// A stop request ends an eval or export as `Stopped` (no checkpoint); anything else is an error.
+fn stopped_or(e: anyhow::Error) -> Result<Outcome> {
+    if e.downcast_ref::<StopRequested>().is_some() {
+        Ok(Outcome::Stopped { checkpoint: None })
+    } else {
+        Err(e)
+    }
+}
+
+/// Runs `lorafit eval` with the job's settings; its files go into the job's output folder.
+fn eval_job(app: &App, job: &JobRow, cancel: &AtomicBool) -> Result<Outcome> {
+    let opts: crate::eval::EvalOptions =
+        serde_json::from_str(&job.config).context("the job's stored settings")?;
+    std::fs::create_dir_all(&job.output).with_context(|| format!("creating {}", job.output))?;
+    let subjects: Vec<String> = opts
+        .subjects()
+        .iter()
+        .map(|s| {
+            s.as_ref()
+                .map_or("base".into(), |p| p.display().to_string())
+        })
+        .collect();
+    app.emit(
+        job.id,
+        "started",
+        None,
+        json!({"kind": "eval", "scorer": opts.scorer, "model": opts.model, "data": opts.data,
+               "subjects": subjects,
+               "message": format!("eval: {} scorer on {}", json!(opts.scorer).as_str().unwrap_or(""),
+                                  subjects.join(" vs "))}),
+    )?;
+    let outcome = crate::eval::run(&opts, &mut |p| {
+        report_progress(
+            app,
+            job.id,
+            cancel,
+            p.done,
+            p.total,
+            format!("{}/{} scored ({})", p.done, p.total, p.subject),
+        )
+    });
+    let outcome = match outcome {
+        Ok(o) => o,
+        Err(e) => return stopped_or(e),
+    };
+    Ok(Outcome::Done(json!({
+        "result": job.output, "summary": outcome.summary, "chart": outcome.chart.is_some(),
+        "message": format!("done: {}; results in {}", outcome.summary, job.output),
+    })))
+}
+
+/// Runs `lorafit export` with the job's plan; a check outside its bound fails the job.
+fn export_job(app: &App, job: &JobRow, cancel: &AtomicBool) -> Result<Outcome> {
+    let mut plan: crate::export::ExportPlan =
+        serde_json::from_str(&job.config).context("the job's stored settings")?;
+    plan.model = trainer::resolve_model_path(&plan.model.display().to_string())?;
+    let formats = plan.resolved_formats()?;
+    app.emit(
+        job.id,
+        "started",
+        None,
+        json!({"kind": "export", "formats": formats, "check": plan.check,
+               "message": format!("export: {} of {} with {}{}",
+                   formats.iter().map(|f| json!(f).as_str().unwrap_or("").to_string())
+                       .collect::<Vec<_>>().join(", "),
+                   plan.model.display(), plan.adapter.display(),
+                   if plan.check { ", checked" } else { "" })}),
+    )?;
+    let report = crate::export::run_with(&plan, &mut |p| {
+        report_progress(app, job.id, cancel, p.done, p.total, p.what.clone())
+    });
+    let report = match report {
+        Ok(r) => r,
+        Err(e) => return stopped_or(e),
+    };
+    report.check_passed()?;
+    let written: Vec<Value> = report
+        .written
+        .iter()
+        .map(|(f, p)| json!({"format": f, "path": p.display().to_string()}))
+        .collect();
+    let checks: Vec<Value> = report
+        .checks
+        .iter()
+        .map(crate::export::check::row_json)
+        .collect();
+    Ok(Outcome::Done(json!({
+        "result": job.output, "written": written, "checks": checks,
+        "message": format!("done: {} artefact(s) in {}", written.len(), job.output),
+    })))
 }
 
 /// Stores what the trainer reports (events, metric rows, checkpoints, progress) and publishes
@@ -278,7 +452,7 @@ impl TrainEvents for JobListener<'_> {
     }
 
     fn stop_requested(&self) -> bool {
-        self.cancel.load(Ordering::SeqCst) || self.app.shutdown.load(Ordering::SeqCst)
+        stop_requested(self.app, self.cancel)
     }
 }
 
@@ -312,8 +486,8 @@ mod tests {
     #[test]
     fn a_panic_or_an_error_inside_training_fails_the_job_and_nothing_else() {
         let app = app("panic");
-        let a = app.db().insert_job("{}", "/out/a").unwrap();
-        let b = app.db().insert_job("{}", "/out/b").unwrap();
+        let a = app.db().insert_job(JobKind::Train, "{}", "/out/a").unwrap();
+        let b = app.db().insert_job(JobKind::Eval, "{}", "/out/b").unwrap();
         let job = app.db().next_queued().unwrap().unwrap();
         assert_eq!(job.id, a);
         run_job_with(&app, job, |_, _, _| panic!("boom at step 3")).unwrap();
@@ -333,5 +507,41 @@ mod tests {
         assert_eq!(state, JobState::Failed);
         assert_eq!(reason, "training example 4: out of memory");
         assert!(app.db().next_queued().unwrap().is_none());
+    }
+
+    #[test]
+    fn a_stopped_eval_is_cancelled_or_requeued_to_rerun_from_the_start() {
+        let app = app("stopped");
+        let a = app.db().insert_job(JobKind::Eval, "{}", "/out/a").unwrap();
+        app.db().add_event(a, "progress", Some(3), "{}").unwrap();
+        let job = app.db().next_queued().unwrap().unwrap();
+        run_job_with(&app, job, |_, _, cancel| {
+            cancel.store(true, Ordering::SeqCst);
+            stopped_or(StopRequested.into())
+        })
+        .unwrap();
+        let (state, _, kinds) = outcome_of(&app, a);
+        assert_eq!(state, JobState::Cancelled);
+        assert_eq!(kinds.last().map(String::as_str), Some("cancelled"));
+        assert!(!kinds.contains(&"progress".to_string()), "{kinds:?}");
+
+        let b = app
+            .db()
+            .insert_job(JobKind::Export, "{}", "/out/b")
+            .unwrap();
+        let job = app.db().next_queued().unwrap().unwrap();
+        app.shutdown.store(true, Ordering::SeqCst);
+        run_job_with(&app, job, |app, _, cancel| {
+            assert!(stop_requested(app, cancel));
+            stopped_or(StopRequested.into())
+        })
+        .unwrap();
+        let (state, message, _) = outcome_of(&app, b);
+        assert_eq!(state, JobState::Queued);
+        assert!(message.contains("reruns from the start"), "{message}");
+        assert_eq!(app.db().job(b).unwrap().unwrap().resume_from, None);
+        // Any other error fails the job.
+        let err = stopped_or(anyhow::anyhow!("disk full")).err().unwrap();
+        assert_eq!(err.to_string(), "disk full");
     }
 }
