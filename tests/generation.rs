@@ -5,9 +5,9 @@
 //! greedy generation matches token for token, alone, batched, and after a chat turn extends a
 //! cached sequence; SmolLM2 the same where it is cached. Gemma 4 (per-layer head_dim and kv
 //! heads, KV-sharing layers reading their donor's cache, v norm, k = v, proportional RoPE,
-//! per-layer inputs and layer scalars) is among the families. The chat path's ids are the template's
-//! own rendering with one bos; the decode-attention op equals the full attention's rows; sampling
-//! is reproducible from its seed and its filters keep what they should.
+//! per-layer inputs and layer scalars) is among the families. The chat path's ids are the
+//! template's own rendering with one bos; the decode-attention op equals the full attention's
+//! rows; sampling is reproducible from its seed and its filters keep what they should.
 
 mod common;
 use common::*;
