@@ -2099,7 +2099,7 @@ mod tests {
             rows: Vec::new(),
         };
         decode_suite(&mut cx, &mut Rng(3)).unwrap();
-        assert_eq!(cx.rows.len(), 7);
+        assert_eq!(cx.rows.len(), 9);
         assert!(
             cx.rows.iter().all(|r| r.pass && r.rel == 0.0),
             "{:?}",
