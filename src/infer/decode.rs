@@ -16,8 +16,7 @@
 //! (`kv_cache::cache_layer`), and the per-layer inputs (`Model::per_layer_inputs`, a function of
 //! each token's id and embedding alone) are computed for the new tokens of each call.
 
-use super::kv_cache::cache_layer;
-use super::kv_cache::KvCache;
+use super::kv_cache::{cache_layer, KvCache};
 use crate::model::layer::{linear_fwd, Qkv};
 use crate::model::lora::Target;
 use crate::model::{Lora, Model, PassCtx};
