@@ -284,7 +284,7 @@ pub fn model_parity(device: &Device) -> Result<usize> {
 fn bf16_bounds(family: &str) -> (f64, f64) {
     match family {
         "gemma3" => (1.5e-2, 3e-2),
-        "gemma4" => (2.7e-2, 6.3e-2),
+        "gemma4" | "gemma4kv" => (2.7e-2, 6.3e-2),
         _ => (1e-2, 2e-2),
     }
 }
@@ -360,8 +360,17 @@ pub fn decode_check(
     Ok(check)
 }
 
-/// Cached against uncached decoding on the device, one small random model per family (LoRA with
-/// non-zero B on all seven projections): along the uncached greedy path from a 100-token prompt
+/// Gemma 4 with `attention_k_eq_v` (v from the k projection on the full layers, one global kv
+/// head), beside `FAMILIES`' Gemma 4 in the decode rows: the same shape otherwise.
+const GEMMA4_K_EQ_V: (&str, &str) = (
+    "gemma4kv",
+    r#"{"architectures":["Gemma4ForCausalLM"],"model_type":"gemma4_text","hidden_size":256,"intermediate_size":256,"num_hidden_layers":4,"num_attention_heads":4,"num_key_value_heads":2,"head_dim":256,"global_head_dim":512,"attention_k_eq_v":true,"num_global_key_value_heads":1,"vocab_size":1024,"sliding_window":64,"layer_types":["sliding_attention","full_attention","sliding_attention","full_attention"],"num_kv_shared_layers":2,"hidden_size_per_layer_input":64,"vocab_size_per_layer_input":1024,"final_logit_softcapping":0.5,"tie_word_embeddings":true}"#,
+);
+
+/// Cached against uncached decoding on the device, one small random model per family and a
+/// Gemma 4 with k = v (`GEMMA4_K_EQ_V`), LoRA with non-zero B on all seven projections. The
+/// Gemma 4 rows hold head_dim 256 and 512 cache slots, KV-sharing layers reading their donor's
+/// cache, per-layer inputs and layer scalars. Along the uncached greedy path from a 100-token prompt
 /// (past the Gemma windows of 64; MiniCPM crosses LongRoPE's original 128 on the way), 40 steps
 /// of the KV cache's next-token logits against the whole-sequence forward's, within the family's
 /// bf16 logits bound (`bf16_bounds`: two bf16 paths of one model, each within it of f32); each
@@ -371,7 +380,7 @@ pub fn decode_check(
 pub fn decode_parity(device: &Device) -> Result<usize> {
     use crate::infer;
     let mut failed = 0;
-    for (name, json) in FAMILIES {
+    for (name, json) in FAMILIES.into_iter().chain([GEMMA4_K_EQ_V]) {
         let spec = ModelSpec::from_config_json(json)?;
         let src = RandomSource {
             spec: spec.clone(),

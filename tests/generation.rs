@@ -3,9 +3,11 @@
 //! whole-sequence forward's at every step (max|diff| ≤ 1e-4·max|logit|, the model-parity bound)
 //! through windows shorter than the sequence and MiniCPM's switch to LongRoPE's long factors, and
 //! greedy generation matches token for token, alone, batched, and after a chat turn extends a
-//! cached sequence; SmolLM2 the same where it is cached. The chat path's ids are the template's
-//! own rendering with one bos; the decode-attention op equals the full attention's rows; sampling
-//! is reproducible from its seed and its filters keep what they should.
+//! cached sequence; SmolLM2 the same where it is cached. Gemma 4 (per-layer head_dim and kv
+//! heads, KV-sharing layers reading their donor's cache, v norm, k = v, proportional RoPE,
+//! per-layer inputs and layer scalars) is among the families. The chat path's ids are the
+//! template's own rendering with one bos; the decode-attention op equals the full attention's
+//! rows; sampling is reproducible from its seed and its filters keep what they should.
 
 mod common;
 use common::*;
@@ -16,7 +18,7 @@ use lorafit::model::weights::{load_weights, SafetensorsFolder};
 use lorafit::model::{Lora, Model, ModelSpec};
 use lorafit::tensor::{self as ops, AttnMask, AttnShape, DType, Device, Tensor};
 
-const FAMILIES: [&str; 10] = [
+const FAMILIES: [&str; 12] = [
     "llama",
     "llama_linear",
     "mistral",
@@ -27,6 +29,8 @@ const FAMILIES: [&str; 10] = [
     "minicpm_untied",
     "gemma2",
     "gemma3",
+    "gemma4",
+    "gemma4_keqv",
 ];
 
 fn load_family(name: &str) -> (Model, Lora) {

@@ -4,15 +4,21 @@
 //! runs the layers over those tokens only, and returns the next-token logits of each sequence.
 //!
 //! One layer here is the op list of `Model::layer_forward` (`model/layer.rs`, the one statement
-//! of each family's maths: norms, LoRA projections, biases, q/k norms, RoPE, softcap, sandwich
+//! of each family's maths: norms, LoRA projections, biases, q/k/v norms, RoPE, softcap, sandwich
 //! norms, residual scales) with the attention reading the cache: the flash kernel over a fresh
-//! prompt, `tensor::decode_attention` over cached rows otherwise. The LoRA projections and the MLP
-//! are `layer.rs`'s own functions.
+//! prompt, `tensor::decode_attention` over cached rows otherwise. q, k and v
+//! (`Model::qkv_forward`), the LoRA projections, the MLP and the end of the layer's output (Gemma
+//! 4's per-layer input branch and `layer_scalar`, `Model::layer_output_tail`) are `layer.rs`'s
+//! own functions.
+//!
+//! Gemma 4: each layer has its own head_dim and kv heads (cache slots sized per layer), a
+//! KV-sharing layer projects q alone and attends over its donor's cached rows
+//! (`kv_cache::cache_layer`), and the per-layer inputs (`Model::per_layer_inputs`, a function of
+//! each token's id and embedding alone) are computed for the new tokens of each call.
 
-use super::kv_cache::KvCache;
-use crate::model::layer::{linear_fwd, stacked_lora_inputs};
-use crate::model::lora::{Target, GROUP_QKV};
-use crate::model::weights::Weight;
+use super::kv_cache::{cache_layer, KvCache};
+use crate::model::layer::{linear_fwd, Qkv};
+use crate::model::lora::Target;
 use crate::model::{Lora, Model, PassCtx};
 use crate::tensor::{self as ops, AttnMask, DType, Device, RopeTable, Tensor};
 use anyhow::{ensure, Context, Result};
@@ -42,13 +48,6 @@ impl<'m> Decoder<'m> {
         seqs: usize,
         capacity: usize,
     ) -> Result<Decoder<'m>> {
-        // Gemma 4's layer features (per-layer geometry, KV sharing, v norm, k = v, per-layer
-        // inputs) are not in the decode path yet: `infer::generate` falls back to the uncached
-        // forward for such a model (`supports`).
-        anyhow::ensure!(
-            Self::supports(model),
-            "the KV-cache decoder does not run Gemma 4's layers yet"
-        );
         let ctx_mask = AttnMask::causal(1);
         let ctx_rope = model.rope_table(&ctx_mask.positions)?;
         Ok(Decoder {
@@ -58,20 +57,6 @@ impl<'m> Decoder<'m> {
             ctx_mask,
             ctx_rope,
         })
-    }
-
-    /// Whether the decoder runs this model's layers (every family but Gemma 4 so far).
-    pub fn supports(model: &Model) -> bool {
-        let s = &model.spec;
-        s.per_layer_input == 0
-            && s.layers.iter().all(|l| {
-                l.owns_kv()
-                    && !l.v_norm
-                    && !l.k_eq_v
-                    && l.head_dim == s.head_dim
-                    && l.n_kv_heads == s.n_kv_heads
-            })
-            && model.weights.layers.iter().all(|w| w.layer_scalar == 1.0)
     }
 
     pub fn model(&self) -> &Model {
@@ -161,6 +146,13 @@ impl<'m> Decoder<'m> {
         if let Some(s) = model.embed_scale() {
             ops::scale(&mut x, s)?;
         }
+        // Gemma 4's per-layer inputs of the new tokens (each row depends on its own id and
+        // embedding alone), one `(n, P)` tensor per layer; none for the other families.
+        let mut per_layer: Vec<Option<Tensor>> = model
+            .per_layer_inputs(&ids, &x)?
+            .into_iter()
+            .map(Some)
+            .collect();
         let ropes = self.rope_tables(&entries)?;
         let mut windows: Vec<(Option<u32>, Vec<[u32; 2]>)> = Vec::new();
         for ls in &spec.layers {
@@ -180,8 +172,9 @@ impl<'m> Decoder<'m> {
             } else {
                 Attend::Cache(ranges)
             };
+            let input = per_layer.get_mut(l).and_then(Option::take);
             x = self
-                .layer(l, x, &rows, &ropes[spec.layers[l].rope], attend)
+                .layer(l, x, input, &rows, &ropes[spec.layers[l].rope], attend)
                 .with_context(|| format!("decoding layer {l}"))?;
         }
         for e in &entries {
@@ -253,12 +246,15 @@ impl<'m> Decoder<'m> {
         ranges
     }
 
-    /// One decoder layer over the new rows `x` (`(n, H)`, residual dtype): `layer_forward`'s op
-    /// list, its k and v written into the cache at `rows` before the attention reads it.
+    /// One decoder layer over the new rows `x` (`(n, H)`, residual dtype; `per_layer_input`
+    /// their per-layer input, Gemma 4): `layer_forward`'s op list, its k and v written into the
+    /// cache at `rows` before the attention reads it (a KV-sharing layer writes nothing and reads
+    /// its donor's rows).
     fn layer(
         &mut self,
         l: usize,
         x: Tensor,
+        per_layer_input: Option<Tensor>,
         rows: &[u32],
         rope: &RopeTable,
         attend: Attend,
@@ -268,7 +264,6 @@ impl<'m> Decoder<'m> {
         let s = &model.spec;
         let ls = &s.layers[l];
         let w = &model.weights.layers[l];
-        let n = x.dim(0);
         let cdt = model.device.compute_dtype();
         let ctx = PassCtx {
             mask: &self.ctx_mask,
@@ -277,48 +272,30 @@ impl<'m> Decoder<'m> {
         };
         let pair = |tg: Target| lora.and_then(|lo| lo.get(l, tg));
         let (xn, _) = ops::rms_norm_to(&x, &w.attn_norm, s.rms_eps, cdt)?;
-        let mut xa = stacked_lora_inputs(&xn, lora, l, GROUP_QKV, &ctx)?;
-        let mut lin = |inp: &Tensor, wt: &Weight, tg: Target| -> Result<Tensor> {
-            Ok(linear_fwd(inp, wt, pair(tg), None, xa[tg.index()].take())?.0)
-        };
-        let mut q = lin(&xn, &w.q, Target::Q)?;
-        let (Some(wk), Some(wv)) = (&w.k, &w.v) else {
-            anyhow::bail!("layer {l}: the decoder needs the layer's own k and v projections");
-        };
-        let mut k = lin(&xn, wk, Target::K)?;
-        let mut v = lin(&xn, wv, Target::V)?;
-        drop(xn);
-        if let (Some(qb), Some(kb), Some(vb)) = (&w.q_bias, &w.k_bias, &w.v_bias) {
-            ops::add_bias(&mut q, qb)?;
-            ops::add_bias(&mut k, kb)?;
-            ops::add_bias(&mut v, vb)?;
+        // The LoRA inputs `qkv_forward` keeps for a backward are not needed here.
+        let mut saved = Default::default();
+        let shared = !ls.owns_kv();
+        let Qkv { q, k, v, .. } =
+            model.qkv_forward(l, &xn, lora, &ctx, rope, shared, None, &mut saved)?;
+        drop((xn, saved));
+        if let (Some(k), Some(v)) = (&k, &v) {
+            self.cache.write(l, rows, k, v)?;
         }
-        if let (Some(qn), Some(kn)) = (&w.q_norm, &w.k_norm) {
-            let qp = q.reshape(&[n * s.n_heads, s.head_dim])?;
-            let kp = k.reshape(&[n * s.n_kv_heads, s.head_dim])?;
-            q = ops::rms_norm(&qp, qn, s.rms_eps)?
-                .0
-                .reshape(&[n, s.q_dim()])?;
-            k = ops::rms_norm(&kp, kn, s.rms_eps)?
-                .0
-                .reshape(&[n, s.kv_dim()])?;
-        }
-        let q = ops::rope(&q, rope, s.n_heads, false)?;
-        let k = ops::rope(&k, rope, s.n_kv_heads, false)?;
-        self.cache.write(l, rows, &k, &v)?;
         let shape = model.attn_shape(l);
         let attn = match attend {
             Attend::Prompt(mask) => {
-                // A layer that reads another's cache takes that layer's rows of this prompt.
-                let (kc, vc) = self.cache.layer(l);
-                let (first, end) = (rows[0] as usize, rows[rows.len() - 1] as usize + 1);
-                let (k, v) = if crate::infer::kv_cache::cache_layer(s, l) == l {
-                    (k, v)
-                } else {
-                    (
-                        ops::slice_rows(kc, first, end)?,
-                        ops::slice_rows(vc, first, end)?,
-                    )
+                let (k, v) = match (k, v) {
+                    (Some(k), Some(v)) if cache_layer(s, l) == l => (k, v),
+                    // A layer that reads another's cache takes that layer's rows of this prompt
+                    // (written by the donor, an earlier layer, in this call).
+                    _ => {
+                        let (kc, vc) = self.cache.layer(l);
+                        let (first, end) = (rows[0] as usize, rows[rows.len() - 1] as usize + 1);
+                        (
+                            ops::slice_rows(kc, first, end)?,
+                            ops::slice_rows(vc, first, end)?,
+                        )
+                    }
                 };
                 ops::attention(&q, &k, &v, &mask, shape)?.0
             }
@@ -329,7 +306,7 @@ impl<'m> Decoder<'m> {
             }
         };
         drop(q);
-        let mut o = lin(&attn, &w.o, Target::O)?;
+        let mut o = linear_fwd(&attn, &w.o, pair(Target::O), None, None)?.0;
         drop(attn);
         if let Some(pn) = &w.post_attn_norm {
             o = ops::rms_norm(&o, pn, s.rms_eps)?.0;
@@ -340,11 +317,15 @@ impl<'m> Decoder<'m> {
         let (x1, xn2, _) = ops::add_rms_norm_to(&x, &o, &w.mlp_norm, s.rms_eps, cdt)?;
         drop((x, o));
         let (mlp_out, _) = model.mlp_forward(l, &xn2, lora, &ctx, true)?;
+        drop(xn2);
         let mut mlp_out = mlp_out.context("the MLP output was asked for")?;
         if let Some(pn) = &w.post_mlp_norm {
             mlp_out = ops::rms_norm(&mlp_out, pn, s.rms_eps)?.0;
         }
-        ops::add(&x1, &mlp_out, ls.residual_scale)
+        let mut h = ops::add(&x1, &mlp_out, ls.residual_scale)?;
+        drop((x1, mlp_out));
+        model.layer_output_tail(l, &mut h, per_layer_input)?;
+        Ok(h)
     }
 }
 

@@ -1,20 +1,23 @@
 //! The KV cache of incremental decoding: per cache layer, the rotated keys and the values of
 //! every token a sequence holds, so that each new token runs the layers over itself alone.
 //!
-//! Layout: one `[seqs * capacity, kv_dim]` tensor for k and one for v per cache layer, sequence
-//! `b`'s token at position `p` in row `b * capacity + p`. A decoding step's attention then reads,
-//! per query, one contiguous range of rows (`tensor::decode_attention`), a sliding window being
-//! a shorter range. Layer `l` reads the cache of layer `cache_layer(spec, l)`: itself in every
-//! family so far; a family whose shared layers read a donor layer's k and v (Gemma 4) points them
-//! at the donor, and only a layer that is its own cache layer writes.
+//! Layout: one `[seqs * capacity, kv_dim]` tensor for k and one for v per cache layer (`kv_dim`
+//! that layer's own: Gemma 4's full layers are wider than its sliding ones), sequence `b`'s token
+//! at position `p` in row `b * capacity + p`. A decoding step's attention then reads, per query,
+//! one contiguous range of rows (`tensor::decode_attention`), a sliding window being a shorter
+//! range. Layer `l` reads the cache of layer `cache_layer(spec, l)`: itself, or for a KV-sharing
+//! layer (Gemma 4's last `num_kv_shared_layers`) its donor, whose rotated k and normed v it
+//! attends over in the uncached forward too. Only a layer that is its own cache layer writes, and
+//! a sharer keeps no slot.
 
 use crate::model::{Model, ModelSpec};
 use crate::tensor::{self as ops, Tensor};
 use anyhow::{ensure, Result};
 
-/// The layer whose cache layer `layer` reads (and writes when it is `layer` itself).
-pub fn cache_layer(_spec: &ModelSpec, layer: usize) -> usize {
-    layer
+/// The layer whose cache layer `layer` reads (and writes when it is `layer` itself): its KV
+/// donor (`LayerSpec::kv_source`), else itself.
+pub fn cache_layer(spec: &ModelSpec, layer: usize) -> usize {
+    spec.layers[layer].kv_source.unwrap_or(layer)
 }
 
 /// The cached keys and values of a batch of sequences, with what each sequence holds.
@@ -22,6 +25,8 @@ pub struct KvCache {
     /// Per cache slot: k (rotated) and v rows `[seqs * capacity, kv_dim]`, compute dtype.
     k: Vec<Tensor>,
     v: Vec<Tensor>,
+    /// Per cache slot: its k and v width (its layer's `kv_dim_of`).
+    widths: Vec<usize>,
     /// Per layer: index into `k` / `v`.
     slot_of: Vec<usize>,
     /// Per layer: whether it writes its slot (it is its own cache layer).
@@ -63,10 +68,12 @@ impl KvCache {
             writes.push(c == l);
         }
         let capacity = capacity.max(1);
-        let (k, v) = alloc_slots(model, owners.len(), seqs * capacity)?;
+        let widths: Vec<usize> = owners.iter().map(|&o| spec.kv_dim_of(o)).collect();
+        let (k, v) = alloc_slots(model, &widths, seqs * capacity)?;
         Ok(KvCache {
             k,
             v,
+            widths,
             slot_of,
             writes,
             capacity,
@@ -137,7 +144,7 @@ impl KvCache {
         }
         let new_cap = need.max(2 * self.capacity);
         let seqs = self.seqs();
-        let (mut k, mut v) = alloc_slots(model, self.k.len(), seqs * new_cap)?;
+        let (mut k, mut v) = alloc_slots(model, &self.widths, seqs * new_cap)?;
         let (src, dst): (Vec<u32>, Vec<u32>) = (0..seqs)
             .flat_map(|b| {
                 let old = self.capacity;
@@ -166,17 +173,14 @@ impl KvCache {
     }
 }
 
-fn alloc_slots(model: &Model, slots: usize, rows: usize) -> Result<(Vec<Tensor>, Vec<Tensor>)> {
-    let (kvd, dt, dev) = (
-        model.spec.kv_dim(),
-        model.device.compute_dtype(),
-        &model.device,
-    );
-    let mut k = Vec::with_capacity(slots);
-    let mut v = Vec::with_capacity(slots);
-    for _ in 0..slots {
-        k.push(Tensor::zeros(&[rows, kvd], dt, dev)?);
-        v.push(Tensor::zeros(&[rows, kvd], dt, dev)?);
+/// Zeroed k and v tensors of `rows` rows, one pair per slot of the given widths.
+fn alloc_slots(model: &Model, widths: &[usize], rows: usize) -> Result<(Vec<Tensor>, Vec<Tensor>)> {
+    let (dt, dev) = (model.device.compute_dtype(), &model.device);
+    let mut k = Vec::with_capacity(widths.len());
+    let mut v = Vec::with_capacity(widths.len());
+    for &w in widths {
+        k.push(Tensor::zeros(&[rows, w], dt, dev)?);
+        v.push(Tensor::zeros(&[rows, w], dt, dev)?);
     }
     Ok((k, v))
 }

@@ -57,10 +57,26 @@ pub struct LayerActs {
     lora: [Option<LoraSaved>; 7],
 }
 
+/// One layer's q, k and v as its attention reads them (`Model::qkv_forward`), with what their
+/// norms' backward needs: q, k and v before their per-head norms, and the norms' rstd.
+pub(crate) struct Qkv {
+    /// q `(T, nh·hd)` and k `(T, nkv·hd)` rotated; v `(T, nkv·hd)`. No k and v for a KV-sharing
+    /// layer.
+    pub q: Tensor,
+    pub k: Option<Tensor>,
+    pub v: Option<Tensor>,
+    q_pre: Option<Tensor>,
+    q_rstd: Option<Tensor>,
+    k_pre: Option<Tensor>,
+    k_rstd: Option<Tensor>,
+    v_pre: Option<Tensor>,
+    v_rstd: Option<Tensor>,
+}
+
 /// What the per-layer input branch `h + norm(proj(gelu(gate(h)) · input))` keeps: the gate's
 /// output `(T - from, P)`, the layer's input slice for those rows, and the projection's output
 /// before its norm with the norm's rstd.
-struct PerLayerActs {
+pub(crate) struct PerLayerActs {
     gate: Tensor,
     input: Tensor,
     proj: Tensor,
@@ -404,100 +420,18 @@ impl Model {
         let mut saved: [Option<LoraSaved>; 7] = Default::default();
         let cdt = self.device.compute_dtype();
         let (xn, rstd1) = ops::rms_norm_to(&x, &w.attn_norm, s.rms_eps, cdt)?;
-        let mut xa = stacked_lora_inputs(&xn, lora, l, GROUP_QKV, ctx)?;
-        anyhow::ensure!(
-            kept_kv.is_none() || w.k_norm.is_none(),
-            "layer {l}: k and v are kept only without a k norm"
-        );
-        // k (rotated) and v kept from the forward: only their LoRA inputs are rebuilt.
-        let kv_kept = kept_kv.is_some();
-        if kv_kept {
-            for tg in [Target::K, Target::V] {
-                saved[tg.index()] = match (xa[tg.index()].take(), pair(tg)) {
-                    (Some(xa), _) => Some(LoraSaved { xa }),
-                    (None, Some(p)) => Some(lora_input(&xn, p, ctx.dropout_for(l, tg))?),
-                    (None, None) => None,
-                };
-            }
-        }
-        let mut lin = |inp: &Tensor, wt: &Weight, tg: Target| -> Result<Tensor> {
-            let pre = xa[tg.index()].take();
-            let (y, sv) = linear_fwd(inp, wt, pair(tg), ctx.dropout_for(l, tg), pre)?;
-            saved[tg.index()] = sv;
-            Ok(y)
-        };
-
-        let (nh, nkv, hd) = (s.n_heads, ls.n_kv_heads, ls.head_dim);
-        let mut q = lin(&xn, &w.q, Target::Q)?;
-        if let Some(qb) = &w.q_bias {
-            ops::add_bias(&mut q, qb)?;
-        }
-        // k and v: the donor's (a KV-sharing layer), kept from the forward, or projected here.
         let shared = env.shared_kv.is_some();
-        anyhow::ensure!(
-            shared != ls.owns_kv(),
-            "layer {l}: a KV-sharing layer needs its donor's k and v, and only it takes them"
-        );
-        let (mut k, mut v) = match kept_kv {
-            Some((k, v)) => (Some(k), Some(v)),
-            None if shared => (None, None),
-            None => {
-                let (Some(wk), wv) = (&w.k, &w.v) else {
-                    anyhow::bail!("layer {l}: no k projection");
-                };
-                let k = lin(&xn, wk, Target::K)?;
-                // attention_k_eq_v: v is the k projection's output, before the k norm.
-                let v = match wv {
-                    Some(wv) => lin(&xn, wv, Target::V)?,
-                    None => k.try_clone()?,
-                };
-                (Some(k), Some(v))
-            }
-        };
-        if let (Some(kb), Some(vb), Some(k), Some(v)) = (&w.k_bias, &w.v_bias, &mut k, &mut v) {
-            if !kv_kept {
-                ops::add_bias(k, kb)?;
-                ops::add_bias(v, vb)?;
-            }
-        }
-        let (mut q_pre, mut q_rstd, mut k_pre, mut k_rstd) = (None, None, None, None);
-        if let Some(qn) = &w.q_norm {
-            let qp = q.reshape(&[t * nh, hd])?;
-            let (qy, qr) = ops::rms_norm(&qp, qn, s.rms_eps)?;
-            q = qy.reshape(&[t, nh * hd])?;
-            (q_pre, q_rstd) = (Some(qp), Some(qr));
-        }
-        if let (Some(kn), false) = (&w.k_norm, kv_kept) {
-            if let Some(kt) = k.take() {
-                let kp = kt.reshape(&[t * nkv, hd])?;
-                let (ky, kr) = ops::rms_norm(&kp, kn, s.rms_eps)?;
-                k = Some(ky.reshape(&[t, nkv * hd])?);
-                (k_pre, k_rstd) = (Some(kp), Some(kr));
-            }
-        }
-        let (mut v_pre, mut v_rstd) = (None, None);
-        if let (Some(vn), false) = (&w.v_norm, kv_kept) {
-            if let Some(vt) = v.take() {
-                let vp = vt.reshape(&[t * nkv, hd])?;
-                let (vy, vr) = ops::rms_norm(&vp, vn, s.rms_eps)?;
-                v = Some(vy.reshape(&[t, nkv * hd])?);
-                (v_pre, v_rstd) = (Some(vp), Some(vr));
-            }
-        }
-        // (Shadowing would keep the unrotated q and k alive to the end of the layer.)
-        let q = {
-            let rotated = ops::rope(&q, env.rope, nh, false)?;
-            drop(q);
-            rotated
-        };
-        let k = match k {
-            Some(k) if !kv_kept => {
-                let rotated = ops::rope(&k, env.rope, nkv, false)?;
-                drop(k);
-                Some(rotated)
-            }
-            k => k,
-        };
+        let Qkv {
+            q,
+            k,
+            v,
+            q_pre,
+            q_rstd,
+            k_pre,
+            k_rstd,
+            v_pre,
+            v_rstd,
+        } = self.qkv_forward(l, &xn, lora, ctx, env.rope, shared, kept_kv, &mut saved)?;
         let (k_att, v_att) = match (&k, &v, env.shared_kv) {
             (Some(k), Some(v), _) => (k, v),
             (_, _, Some((k, v))) => (k, v),
@@ -509,7 +443,14 @@ impl Model {
             None => ops::attention(&q, k_att, v_att, env.mask, self.attn_shape(l))?,
         };
         let from = env.from;
-        let mut o = lin(&*rows_from(&attn, from)?, &w.o, Target::O)?;
+        let (mut o, o_saved) = linear_fwd(
+            &*rows_from(&attn, from)?,
+            &w.o,
+            pair(Target::O),
+            ctx.dropout_for(l, Target::O),
+            None,
+        )?;
+        saved[Target::O.index()] = o_saved;
         let mut o_post = None;
         if let Some(pn) = &w.post_attn_norm {
             let (y, r) = ops::rms_norm(&o, pn, s.rms_eps)?;
@@ -557,35 +498,12 @@ impl Model {
             None => None,
         };
         let mut per_layer = None;
-        if let (Some(br), Some(h)) = (&w.per_layer, &mut out) {
-            let input = env
-                .per_layer_input
-                .ok_or_else(|| anyhow::anyhow!("layer {l}: no per-layer input"))?;
-            let input = rows_from(input, from)?.try_clone()?;
-            let gate = ops::matmul(
-                &*self.compute(h)?,
-                false,
-                &*br.gate.dense()?,
-                true,
-                1.0,
-                cdt,
-            )?;
-            let act = ops::gelu_tanh_mul(&gate, &input)?;
-            let proj = ops::matmul(&act, false, &*br.proj.dense()?, true, 1.0, cdt)?;
-            drop(act);
-            let (normed, rstd) = ops::rms_norm(&proj, &br.norm, s.rms_eps)?;
-            ops::add_assign(h, &normed, 1.0)?;
-            per_layer = Some(PerLayerActs {
-                gate,
-                input,
-                proj,
-                rstd,
-            });
-        }
         if let Some(h) = &mut out {
-            if w.layer_scalar != 1.0 {
-                ops::scale(h, w.layer_scalar)?;
-            }
+            let input = match (&w.per_layer, env.per_layer_input) {
+                (Some(_), Some(input)) => Some(rows_from(input, from)?.try_clone()?),
+                _ => None,
+            };
+            per_layer = self.layer_output_tail(l, h, input)?;
         }
         let out = out.filter(|_| want_output);
         let acts = LayerActs {
@@ -614,6 +532,175 @@ impl Model {
             lora: saved,
         };
         Ok((out, acts))
+    }
+
+    /// Layer `l`'s q, k and v as its attention reads them, from the normed layer input `xn`
+    /// `(T, H)`: the projections (LoRA, biases), the per-head q, k and v norms, and RoPE (`rope`,
+    /// the layer kind's table) on q and k. A KV-sharing layer (`shared`: it reads its donor's k
+    /// and v) projects q alone; k (rotated) and v kept from the forward (`kept_kv`) come back as
+    /// they are, with only their LoRA inputs rebuilt. The LoRA inputs go to `saved`.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn qkv_forward(
+        &self,
+        l: usize,
+        xn: &Tensor,
+        lora: Option<&Lora>,
+        ctx: &PassCtx,
+        rope: &RopeTable,
+        shared: bool,
+        kept_kv: Option<(Tensor, Tensor)>,
+        saved: &mut [Option<LoraSaved>; 7],
+    ) -> Result<Qkv> {
+        let s = &self.spec;
+        let ls = &s.layers[l];
+        let w = &self.weights.layers[l];
+        let t = xn.dim(0);
+        let pair = |tg: Target| lora.and_then(|lo| lo.get(l, tg));
+        let mut xa = stacked_lora_inputs(xn, lora, l, GROUP_QKV, ctx)?;
+        anyhow::ensure!(
+            kept_kv.is_none() || w.k_norm.is_none(),
+            "layer {l}: k and v are kept only without a k norm"
+        );
+        // k (rotated) and v kept from the forward: only their LoRA inputs are rebuilt.
+        let kv_kept = kept_kv.is_some();
+        if kv_kept {
+            for tg in [Target::K, Target::V] {
+                saved[tg.index()] = match (xa[tg.index()].take(), pair(tg)) {
+                    (Some(xa), _) => Some(LoraSaved { xa }),
+                    (None, Some(p)) => Some(lora_input(xn, p, ctx.dropout_for(l, tg))?),
+                    (None, None) => None,
+                };
+            }
+        }
+        let mut lin = |inp: &Tensor, wt: &Weight, tg: Target| -> Result<Tensor> {
+            let pre = xa[tg.index()].take();
+            let (y, sv) = linear_fwd(inp, wt, pair(tg), ctx.dropout_for(l, tg), pre)?;
+            saved[tg.index()] = sv;
+            Ok(y)
+        };
+
+        let (nh, nkv, hd) = (s.n_heads, ls.n_kv_heads, ls.head_dim);
+        let mut q = lin(xn, &w.q, Target::Q)?;
+        if let Some(qb) = &w.q_bias {
+            ops::add_bias(&mut q, qb)?;
+        }
+        // k and v: the donor's (a KV-sharing layer), kept from the forward, or projected here.
+        anyhow::ensure!(
+            shared != ls.owns_kv(),
+            "layer {l}: a KV-sharing layer needs its donor's k and v, and only it takes them"
+        );
+        let (mut k, mut v) = match kept_kv {
+            Some((k, v)) => (Some(k), Some(v)),
+            None if shared => (None, None),
+            None => {
+                let (Some(wk), wv) = (&w.k, &w.v) else {
+                    anyhow::bail!("layer {l}: no k projection");
+                };
+                let k = lin(xn, wk, Target::K)?;
+                // attention_k_eq_v: v is the k projection's output, before the k norm.
+                let v = match wv {
+                    Some(wv) => lin(xn, wv, Target::V)?,
+                    None => k.try_clone()?,
+                };
+                (Some(k), Some(v))
+            }
+        };
+        if let (Some(kb), Some(vb), Some(k), Some(v)) = (&w.k_bias, &w.v_bias, &mut k, &mut v) {
+            if !kv_kept {
+                ops::add_bias(k, kb)?;
+                ops::add_bias(v, vb)?;
+            }
+        }
+        let (mut q_pre, mut q_rstd, mut k_pre, mut k_rstd) = (None, None, None, None);
+        if let Some(qn) = &w.q_norm {
+            let qp = q.reshape(&[t * nh, hd])?;
+            let (qy, qr) = ops::rms_norm(&qp, qn, s.rms_eps)?;
+            q = qy.reshape(&[t, nh * hd])?;
+            (q_pre, q_rstd) = (Some(qp), Some(qr));
+        }
+        if let (Some(kn), false) = (&w.k_norm, kv_kept) {
+            if let Some(kt) = k.take() {
+                let kp = kt.reshape(&[t * nkv, hd])?;
+                let (ky, kr) = ops::rms_norm(&kp, kn, s.rms_eps)?;
+                k = Some(ky.reshape(&[t, nkv * hd])?);
+                (k_pre, k_rstd) = (Some(kp), Some(kr));
+            }
+        }
+        let (mut v_pre, mut v_rstd) = (None, None);
+        if let (Some(vn), false) = (&w.v_norm, kv_kept) {
+            if let Some(vt) = v.take() {
+                let vp = vt.reshape(&[t * nkv, hd])?;
+                let (vy, vr) = ops::rms_norm(&vp, vn, s.rms_eps)?;
+                v = Some(vy.reshape(&[t, nkv * hd])?);
+                (v_pre, v_rstd) = (Some(vp), Some(vr));
+            }
+        }
+        // (Shadowing would keep the unrotated q and k alive to the end of the layer.)
+        let q = {
+            let rotated = ops::rope(&q, rope, nh, false)?;
+            drop(q);
+            rotated
+        };
+        let k = match k {
+            Some(k) if !kv_kept => {
+                let rotated = ops::rope(&k, rope, nkv, false)?;
+                drop(k);
+                Some(rotated)
+            }
+            k => k,
+        };
+        Ok(Qkv {
+            q,
+            k,
+            v,
+            q_pre,
+            q_rstd,
+            k_pre,
+            k_rstd,
+            v_pre,
+            v_rstd,
+        })
+    }
+
+    /// The end of layer `l`'s output `h` (after the MLP's residual add): Gemma 4's per-layer
+    /// input branch `h + norm(proj(gelu(gate(h)) · input))`, `input` being the layer's per-layer
+    /// input for `h`'s rows, then `h` × the layer's `layer_scalar`. Returns the branch's
+    /// intermediates for the backward (None without the branch).
+    pub(crate) fn layer_output_tail(
+        &self,
+        l: usize,
+        h: &mut Tensor,
+        input: Option<Tensor>,
+    ) -> Result<Option<PerLayerActs>> {
+        let w = &self.weights.layers[l];
+        let cdt = self.device.compute_dtype();
+        let mut per_layer = None;
+        if let Some(br) = &w.per_layer {
+            let input = input.ok_or_else(|| anyhow::anyhow!("layer {l}: no per-layer input"))?;
+            let gate = ops::matmul(
+                &*self.compute(h)?,
+                false,
+                &*br.gate.dense()?,
+                true,
+                1.0,
+                cdt,
+            )?;
+            let act = ops::gelu_tanh_mul(&gate, &input)?;
+            let proj = ops::matmul(&act, false, &*br.proj.dense()?, true, 1.0, cdt)?;
+            drop(act);
+            let (normed, rstd) = ops::rms_norm(&proj, &br.norm, self.spec.rms_eps)?;
+            ops::add_assign(h, &normed, 1.0)?;
+            per_layer = Some(PerLayerActs {
+                gate,
+                input,
+                proj,
+                rstd,
+            });
+        }
+        if w.layer_scalar != 1.0 {
+            ops::scale(h, w.layer_scalar)?;
+        }
+        Ok(per_layer)
     }
 
     /// The gated MLP on normed inputs `xn2` (any token range); its output only with `want_output`.

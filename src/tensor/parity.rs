@@ -1960,7 +1960,7 @@ pub fn format_parity(rows: &[ParityRow]) -> String {
 
 /// Incremental decoding's ops: `decode_attention` (query rows over ranges of a KV cache: one
 /// query per sequence slot of a batched cache, a window, a chat turn's several queries, softcap,
-/// head dims 64 to 256, an empty range) and `copy_rows_into` (exact).
+/// head dims 64 to 512 (Gemma 4's full layers), an empty range) and `copy_rows_into` (exact).
 fn decode_suite(cx: &mut Ctx, r: &mut Rng) -> Result<()> {
     let bf = DType::BF16;
     // (label, heads, kv heads, head_dim, key rows, ranges, softcap)
@@ -2007,6 +2007,24 @@ fn decode_suite(cx: &mut Ctx, r: &mut Rng) -> Result<()> {
             Some(5.0),
         ),
         ("empty range", 4, 2, 64, 50, vec![[0, 50], [20, 20]], None),
+        (
+            "head_dim 512",
+            8,
+            2,
+            512,
+            600,
+            vec![[0, 600], [50, 550], [599, 600]],
+            None,
+        ),
+        (
+            "head_dim 320, 1 kv head",
+            4,
+            1,
+            320,
+            200,
+            vec![[0, 200]],
+            None,
+        ),
     ];
     for (label, nh, nkv, hd, m, ranges, softcap) in cases {
         let n = ranges.len();
@@ -2081,7 +2099,7 @@ mod tests {
             rows: Vec::new(),
         };
         decode_suite(&mut cx, &mut Rng(3)).unwrap();
-        assert_eq!(cx.rows.len(), 7);
+        assert_eq!(cx.rows.len(), 9);
         assert!(
             cx.rows.iter().all(|r| r.pass && r.rel == 0.0),
             "{:?}",

@@ -18,12 +18,17 @@ impl CudaBackend {
             k.dtype(),
             v.dtype()
         );
-        // The kernel keeps DEC_MAXD = 8 dims per lane.
+        // The kernel keeps 8 dims per lane up to head_dim 256, 16 up to 512.
         ensure!(
-            s.head_dim > 0 && s.head_dim <= 256,
-            "decode_attention: head_dim {} (supported: up to 256)",
+            s.head_dim > 0 && s.head_dim <= 512,
+            "decode_attention: head_dim {} (supported: up to 512)",
             s.head_dim
         );
+        let kernel = if s.head_dim <= 256 {
+            "lf_dec_attention"
+        } else {
+            "lf_dec_attention_512"
+        };
         ensure!(
             s.softcap.is_none_or(|c| c.is_finite() && c > 0.0),
             "decode_attention: softcap {:?} must be positive",
@@ -37,7 +42,7 @@ impl CudaBackend {
         let flat: Vec<u32> = ranges.iter().flatten().copied().collect();
         let rb = self.upload_u32(&flat)?;
         self.launch(
-            "lf_dec_attention",
+            kernel,
             (n as u32, s.n_heads as u32, 1),
             128,
             0,

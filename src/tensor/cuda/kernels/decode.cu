@@ -5,36 +5,36 @@
 #define GRID_STRIDE(i, n) for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (i64)gridDim.x * blockDim.x)
 
 #define DEC_WARPS 4
-// Dims per lane: head_dim up to 32 * DEC_MAXD = 256.
-#define DEC_MAXD 8
 
 // One block per (query row, head), DEC_WARPS warps splitting the query's keys; each warp keeps
-// an online softmax over its keys (a lane holds dims lane, lane+32, ...), then the warps merge.
-// q [nq, nh*hd], k and v [nk, nkv*hd] in dtype `dt`; ranges [nq][2]: the query's keys
-// [start, end); o [nq, nh*hd] in dtype `odt` (zero for an empty range). softcap <= 0: none.
-extern "C" __global__ void lf_dec_attention(const void* q, const void* k, const void* v, int dt,
-                                            const u32* ranges, void* o, int odt, int nh, int nkv,
-                                            int hd, float scale, float softcap) {
+// an online softmax over its keys (a lane holds dims lane, lane+32, ..., MAXD of them: head_dim
+// up to 32 * MAXD), then the warps merge. q [nq, nh*hd], k and v [nk, nkv*hd] in dtype `dt`;
+// ranges [nq][2]: the query's keys [start, end); o [nq, nh*hd] in dtype `odt` (zero for an empty
+// range). softcap <= 0: none.
+template <int MAXD>
+__device__ void dec_attention(const void* q, const void* k, const void* v, int dt,
+                              const u32* ranges, void* o, int odt, int nh, int nkv, int hd,
+                              float scale, float softcap) {
     int qi = blockIdx.x, h = blockIdx.y;
     int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
     int kvh = h / (nh / nkv);
     i64 qw = (i64)nh * hd, kw = (i64)nkv * hd;
-    float qr[DEC_MAXD];
+    float qr[MAXD];
     #pragma unroll
-    for (int i = 0; i < DEC_MAXD; i++) {
+    for (int i = 0; i < MAXD; i++) {
         int d = lane + 32 * i;
         qr[i] = d < hd ? ldf(q, dt, qi * qw + (i64)h * hd + d) : 0.f;
     }
     u32 start = ranges[2 * qi], end = ranges[2 * qi + 1];
     float m = -LF_INF, l = 0.f;
-    float acc[DEC_MAXD];
+    float acc[MAXD];
     #pragma unroll
-    for (int i = 0; i < DEC_MAXD; i++) acc[i] = 0.f;
+    for (int i = 0; i < MAXD; i++) acc[i] = 0.f;
     for (u32 j = start + w; j < end; j += DEC_WARPS) {
         i64 base = (i64)j * kw + (i64)kvh * hd;
         float s = 0.f;
         #pragma unroll
-        for (int i = 0; i < DEC_MAXD; i++) {
+        for (int i = 0; i < MAXD; i++) {
             int d = lane + 32 * i;
             if (d < hd) s += qr[i] * ldf(k, dt, base + d);
         }
@@ -45,20 +45,20 @@ extern "C" __global__ void lf_dec_attention(const void* q, const void* k, const 
         float corr = expf(m - mn), p = expf(s - mn);
         l = l * corr + p;
         #pragma unroll
-        for (int i = 0; i < DEC_MAXD; i++) {
+        for (int i = 0; i < MAXD; i++) {
             int d = lane + 32 * i;
             if (d < hd) acc[i] = acc[i] * corr + p * ldf(v, dt, base + d);
         }
         m = mn;
     }
     __shared__ float sm[DEC_WARPS], sl[DEC_WARPS];
-    __shared__ float sacc[DEC_WARPS][32 * DEC_MAXD];
+    __shared__ float sacc[DEC_WARPS][32 * MAXD];
     if (lane == 0) {
         sm[w] = m;
         sl[w] = l;
     }
     #pragma unroll
-    for (int i = 0; i < DEC_MAXD; i++) sacc[w][lane + 32 * i] = acc[i];
+    for (int i = 0; i < MAXD; i++) sacc[w][lane + 32 * i] = acc[i];
     __syncthreads();
     float mx = -LF_INF;
     for (int ww = 0; ww < DEC_WARPS; ww++) mx = fmaxf(mx, sm[ww]);
@@ -73,6 +73,21 @@ extern "C" __global__ void lf_dec_attention(const void* q, const void* k, const 
         }
         stf(o, odt, qi * qw + (i64)h * hd + d, ls > 0.f ? a / ls : 0.f);
     }
+}
+
+// head_dim up to 256.
+extern "C" __global__ void lf_dec_attention(const void* q, const void* k, const void* v, int dt,
+                                            const u32* ranges, void* o, int odt, int nh, int nkv,
+                                            int hd, float scale, float softcap) {
+    dec_attention<8>(q, k, v, dt, ranges, o, odt, nh, nkv, hd, scale, softcap);
+}
+
+// head_dim up to 512 (Gemma 4's full layers).
+extern "C" __global__ void lf_dec_attention_512(const void* q, const void* k, const void* v,
+                                                int dt, const u32* ranges, void* o, int odt,
+                                                int nh, int nkv, int hd, float scale,
+                                                float softcap) {
+    dec_attention<16>(q, k, v, dt, ranges, o, odt, nh, nkv, hd, scale, softcap);
 }
 
 // dst[idx[r], :] = src[r, :] (distinct indices).
