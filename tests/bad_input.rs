@@ -194,3 +194,85 @@ fn settings_files_take_trl_names_and_name_mistakes() {
     let e = err(&write("run.yaml", "learning_rate: 1e-4\n"));
     assert!(e.contains("run.yaml") && e.contains("YAML"), "{e}");
 }
+
+/// Gemma 4's own config fields (per-layer geometry, KV sharing, layer types): each bad value is
+/// an error naming the field, never a panic or a division by zero.
+#[test]
+fn gemma4_config_errors_name_their_field() {
+    use serde_json::json;
+    let cases: Vec<(&str, serde_json::Value, &str)> = vec![
+        ("global_head_dim", json!(0), "global_head_dim"),
+        ("global_head_dim", json!(33), "global_head_dim"),
+        ("num_kv_shared_layers", json!(8), "num_kv_shared_layers"),
+        ("num_kv_shared_layers", json!(7), "num_kv_shared_layers"),
+        (
+            "layer_types",
+            json!(["sliding_attention", "full_attention"]),
+            "layer_types",
+        ),
+        (
+            "layer_types",
+            json!([
+                "sliding_attention",
+                "sliding_attention",
+                "full_attention",
+                "sliding_attention",
+                "full_attention",
+                "sliding_attention",
+                "sliding_attention",
+                "diagonal_attention"
+            ]),
+            "layer_types",
+        ),
+        (
+            "per_layer_config",
+            json!({"2": {"head_dim": 0}}),
+            "per_layer_config.2.head_dim",
+        ),
+        (
+            "per_layer_config",
+            json!({"2": {"num_key_value_heads": 0}}),
+            "per_layer_config.2.num_key_value_heads",
+        ),
+        (
+            "per_layer_config",
+            json!({"2": {"num_key_value_heads": 3}}),
+            "per_layer_config.2.num_key_value_heads",
+        ),
+        (
+            "per_layer_config",
+            json!({"99": {"head_dim": 32}}),
+            "per_layer_config",
+        ),
+        ("sliding_window", json!(0), "sliding_window"),
+        (
+            "vocab_size_per_layer_input",
+            json!(7),
+            "vocab_size_per_layer_input",
+        ),
+        ("enable_moe_block", json!(true), "enable_moe_block"),
+    ];
+    let src = common::fixture("models/gemma4");
+    for (i, (key, value, named)) in cases.into_iter().enumerate() {
+        let d = scratch(&format!("gemma4-{i}"));
+        for f in ["config.json", "model.safetensors"] {
+            std::fs::copy(src.join(f), d.join(f)).unwrap();
+        }
+        let mut v: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(d.join("config.json")).unwrap()).unwrap();
+        if key == "global_head_dim" {
+            // Written by the geometry's own field rather than transformers' per-layer form.
+            v.as_object_mut().unwrap().remove("per_layer_config");
+        }
+        v[key] = value.clone();
+        std::fs::write(d.join("config.json"), v.to_string()).unwrap();
+        let loaded = std::panic::catch_unwind(|| lorafit::model::load(&d, &Device::Cpu));
+        let e = match loaded {
+            Err(_) => panic!("{key} = {value}: panicked"),
+            Ok(Ok(_)) => panic!("{key} = {value}: loaded"),
+            Ok(Err(e)) => format!("{e:#}"),
+        };
+        assert!(e.contains(named), "{key} = {value}: {e}");
+        let _ = std::fs::remove_dir_all(&d);
+    }
+}

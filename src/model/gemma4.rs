@@ -178,6 +178,39 @@ pub fn spec_from_hf(raw: &serde_json::Value) -> Result<ModelSpec> {
                 .collect()
         }
     };
+    // Where each layer's geometry comes from, for errors that name the field.
+    let source = |l: usize, what: &str| -> String {
+        match &g.per_layer_config {
+            Some(over) if over.contains_key(&l.to_string()) => {
+                format!("per_layer_config.{l}.{what}")
+            }
+            _ if !sliding[l] && what == "head_dim" && g.global_head_dim.is_some() => {
+                "global_head_dim".into()
+            }
+            _ if !sliding[l] && what == "num_key_value_heads" && k_eq_v => {
+                "num_global_key_value_heads".into()
+            }
+            _ => what.into(),
+        }
+    };
+    for (l, &(hd, kv)) in geometry.iter().enumerate() {
+        if hd == 0 || hd % 2 != 0 {
+            bail!(
+                "{} {hd} (layer {l}) must be a positive even number (RoPE rotates pairs)",
+                source(l, "head_dim")
+            );
+        }
+        if kv == 0 || spec.n_heads % kv != 0 {
+            bail!(
+                "{} {kv} (layer {l}) must be positive and divide num_attention_heads {}",
+                source(l, "num_key_value_heads"),
+                spec.n_heads
+            );
+        }
+    }
+    if spec.sliding_window == Some(0) {
+        bail!("sliding_window 0: a sliding layer would attend to nothing");
+    }
     let dims_of = |slides: bool| -> Result<usize> {
         let mut d = geometry
             .iter()
