@@ -597,6 +597,13 @@ fn gemma4_config(
         .tensor_info("per_layer_token_embd.weight")
         .ok()
         .and_then(|t| t.torch_shape().first().copied());
+    // llama.cpp loads the per-layer tensors only with a width, and refuses a file with tensors
+    // it did not load.
+    ensure!(
+        per_layer_input > 0 || per_layer_vocab.is_none(),
+        "{path}: {arch}.embedding_length_per_layer_input is 0, but the file has the per-layer \
+         input tensors (per_layer_token_embd.weight)"
+    );
     let moe = m.usize_or("expert_count", 0)? > 0
         || (0..n_layers).any(|l| f.tensor_info(&format!("blk.{l}.ffn_gate_inp.weight")).is_ok());
     let mut out = vec![
