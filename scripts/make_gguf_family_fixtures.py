@@ -1,14 +1,15 @@
 #!/usr/bin/env python3
-"""GGUF fixtures of the Gemma 2, Gemma 3 and MiniCPM test models, and a small SentencePiece
-vocabulary with reference token ids.
+"""GGUF fixtures of the Gemma 2, Gemma 3, Gemma 4 and MiniCPM test models, and a small
+SentencePiece vocabulary with reference token ids.
 
     pip install gguf numpy safetensors sentencepiece
     python3 scripts/make_gguf_family_fixtures.py            # writes tests/fixtures/gguf/
 
-Models: each Hugging Face folder tests/fixtures/models/{gemma2,gemma3,minicpm,minicpm_untied}
-(config.json + model.safetensors, made by scripts/make_model_fixtures.py) becomes
+Models: each Hugging Face folder
+tests/fixtures/models/{gemma2,gemma3,gemma4,gemma4_keqv,minicpm,minicpm_untied} (config.json +
+model.safetensors, made by scripts/make_model_fixtures.py) becomes
 tests/fixtures/gguf/<name>.gguf, written the way llama.cpp's convert_hf_to_gguf.py writes that
-architecture (Gemma2Model, Gemma3Model, MiniCPMModel):
+architecture (Gemma2Model, Gemma3Model, Gemma4Model, MiniCPMModel):
 
 * metadata keys and values as the converter derives them (`gemma2`: no rope.freq_base, the
   softcaps and sliding_window; `gemma3`: the full-attention rope theta and linear scaling,
@@ -20,7 +21,17 @@ architecture (Gemma2Model, Gemma3Model, MiniCPMModel):
   to the tokenizer's size (250 of 256 rows here);
 * MiniCPM: q/k rows permuted as LlamaModel.permute does, LongRoPE factors as the tensors
   rope_factors_long/short;
-* F32 files, except minicpm_untied: F16 for matrices, F32 for vectors (--outtype f16).
+* Gemma 4: `gemma4` keys as Gemma4Model.set_gguf_parameters leaves them (key_length = the full
+  layers' head_dim, key_length_swa the sliding ones', sliding_window_pattern one flag per
+  layer, shared_kv_layers, embedding_length_per_layer_input, feed_forward_length per layer
+  with use_double_wide_mlp, head_count_kv per layer with num_global_key_value_heads,
+  rope.dimension_count[_swa], both rope thetas); norms as stored (no 1 + w); layer_scalar as
+  blk.N.layer_output_scale.weight; the full layers' proportional RoPE as the tensor rope_freqs
+  (1 for the rotated pairs, 1e30 for the others). The folders' config.json (as save_pretrained
+  writes it) has per_layer_config where Google's has global_head_dim and
+  num_global_key_value_heads: those are read from it;
+* F32 files, except minicpm_untied and gemma4_keqv: F16 for matrices, F32 for vectors
+  (--outtype f16).
 
 Where the converter would lose something these small models need, the file carries one more
 key, named here so nobody mistakes it for converter output:
@@ -32,7 +43,9 @@ key, named here so nobody mistakes it for converter output:
   the converter writes them for Phi-3's LongRoPE: MiniCPMModel writes neither.
 
 Each model file carries a synthetic 256-entry (Gemma 3: 250) SentencePiece-style vocabulary:
-the converter requires one, and the models' ids index it.
+the converter requires one, and the models' ids index it. (For Gemma 4 the converter writes its
+tokenizer.json as tokenizer.ggml.model "gemma4"; these files carry the same SentencePiece-style
+vocab as the Gemma 2/3 ones.)
 
 Tokenizer: two SentencePiece BPE models trained here on a fixed corpus (byte fallback,
 identity normalization, whitespace kept), one with the dummy-prefix space (Llama/MiniCPM

@@ -560,7 +560,8 @@ fn gguf_count_fields(b: &[u8]) -> Vec<(String, usize, usize)> {
                 p += 12;
                 // The model's per-layer counts (Gemma 4's head_count_kv, feed_forward_length),
                 // element by element; not the tokenizer's arrays.
-                let per_layer = !key.starts_with("tokenizer.") && matches!(et, 0 | 2 | 4 | 5 | 10 | 11);
+                let per_layer =
+                    !key.starts_with("tokenizer.") && matches!(et, 0 | 2 | 4 | 5 | 10 | 11);
                 for i in 0..n {
                     if et == 8 {
                         read_str(&mut p);
@@ -631,7 +632,12 @@ fn gguf_zero_counts_and_truncation_never_panic() {
     let d = scratch("gguf");
     let mut failures = Vec::new();
     let mut refused = 0;
-    for fixture in ["minicpm.gguf", "gemma2.gguf", "gemma4.gguf", "spm_prefix.gguf"] {
+    for fixture in [
+        "minicpm.gguf",
+        "gemma2.gguf",
+        "gemma4.gguf",
+        "spm_prefix.gguf",
+    ] {
         let bytes = std::fs::read(common::fixture(&format!("gguf/{fixture}"))).unwrap();
         let fields = gguf_count_fields(&bytes);
         assert!(

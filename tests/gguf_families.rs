@@ -158,13 +158,28 @@ fn compare_weights(name: &str, g: &Model, h: &Model, tol: f64) {
                 _ => panic!("{name}: layer {l} {what} present in one model only"),
             }
         }
-        assert_eq!(a.layer_scalar, b.layer_scalar, "{name}: layer {l} layer_scalar");
+        assert_eq!(
+            a.layer_scalar, b.layer_scalar,
+            "{name}: layer {l} layer_scalar"
+        );
         match (&a.per_layer, &b.per_layer) {
             (None, None) => {}
             (Some(x), Some(y)) => {
-                close(&format!("layer {l} per_layer gate"), &w(&x.gate), &w(&y.gate));
-                close(&format!("layer {l} per_layer proj"), &w(&x.proj), &w(&y.proj));
-                close(&format!("layer {l} per_layer norm"), &t(&x.norm), &t(&y.norm));
+                close(
+                    &format!("layer {l} per_layer gate"),
+                    &w(&x.gate),
+                    &w(&y.gate),
+                );
+                close(
+                    &format!("layer {l} per_layer proj"),
+                    &w(&x.proj),
+                    &w(&y.proj),
+                );
+                close(
+                    &format!("layer {l} per_layer norm"),
+                    &t(&x.norm),
+                    &t(&y.norm),
+                );
             }
             _ => panic!("{name}: layer {l} per-layer branch in one model only"),
         }
@@ -359,7 +374,10 @@ fn minicpm_untied_f16_gguf_matches_hf_folder() {
 /// folder's within relative-norm error `tol`, from one d(logits) on the fixture's ids; the
 /// logits with the adapter on within `tol`·max|logit|.
 fn compare_lora_grads(name: &str, g: &Model, h: &Model, tol: f64) {
-    assert_eq!(g.spec.vocab, h.spec.vocab, "{name}: gradients need one vocab");
+    assert_eq!(
+        g.spec.vocab, h.spec.vocab,
+        "{name}: gradients need one vocab"
+    );
     let dir = fixture(&format!("models/{name}/adapter"));
     let r = common::read_safetensors(&fixture(&format!("models/{name}/reference.safetensors")));
     let ids: Vec<u32> = r["input_ids"].1.iter().map(|&x| x as u32).collect();
@@ -398,7 +416,10 @@ fn compare_lora_grads(name: &str, g: &Model, h: &Model, tol: f64) {
     assert!(!gg.is_empty(), "{name}: no adapter pairs");
     let mut worst = 0f64;
     for (i, (a, b)) in gg.iter().zip(&hg).enumerate() {
-        assert!(b.iter().any(|&x| x != 0.0), "{name}: gradient {i} is all zero");
+        assert!(
+            b.iter().any(|&x| x != 0.0),
+            "{name}: gradient {i} is all zero"
+        );
         let e = rel_norm(a, b);
         assert!(
             e <= tol,
@@ -436,7 +457,11 @@ fn gemma4_gguf_matches_hf_folder() {
             factor: 1.0
         }
     );
-    assert!(g.spec.layers.iter().all(|l| l.attn_scale == 1.0 && !l.k_eq_v));
+    assert!(g
+        .spec
+        .layers
+        .iter()
+        .all(|l| l.attn_scale == 1.0 && !l.k_eq_v));
     let f = GgufFile::open(&fixture("gguf/gemma4.gguf")).unwrap();
     assert_eq!(
         f.tensor_info("blk.0.attn_q.weight").unwrap().ggml_type,
@@ -523,11 +548,19 @@ enum Val {
 /// (zeros).
 fn write_gguf(tag: &str, meta: &[(&str, Val)], vocab: usize, hidden: usize) -> PathBuf {
     let zeros = vec![0f32; vocab * hidden];
-    write_gguf_tensors(tag, meta, &[("token_embd.weight", &[hidden, vocab], &zeros)])
+    write_gguf_tensors(
+        tag,
+        meta,
+        &[("token_embd.weight", &[hidden, vocab], &zeros)],
+    )
 }
 
 /// A GGUF v3 file with the given metadata and F32 tensors `(name, ggml dims, values)`.
-fn write_gguf_tensors(tag: &str, meta: &[(&str, Val)], tensors: &[(&str, &[usize], &[f32])]) -> PathBuf {
+fn write_gguf_tensors(
+    tag: &str,
+    meta: &[(&str, Val)],
+    tensors: &[(&str, &[usize], &[f32])],
+) -> PathBuf {
     fn s(v: &mut Vec<u8>, x: &str) {
         v.extend((x.len() as u64).to_le_bytes());
         v.extend(x.as_bytes());
@@ -718,7 +751,11 @@ fn gemma4_meta(over: Vec<(&str, Option<Val>)>) -> Vec<(String, Val)> {
 
 /// The spec of a gemma4 file with `meta` and `rope_freqs` (if given), or its error message
 /// (which must name the file).
-fn gemma4_spec(tag: &str, meta: Vec<(String, Val)>, rope_freqs: Option<&[f32]>) -> Result<ModelSpec, String> {
+fn gemma4_spec(
+    tag: &str,
+    meta: Vec<(String, Val)>,
+    rope_freqs: Option<&[f32]>,
+) -> Result<ModelSpec, String> {
     let meta: Vec<(&str, Val)> = meta.iter().map(|(k, v)| (k.as_str(), clone(v))).collect();
     let embd = vec![0f32; 8 * 64];
     let mut tensors: Vec<(&str, &[usize], &[f32])> = vec![("token_embd.weight", &[64, 8], &embd)];
@@ -732,7 +769,10 @@ fn gemma4_spec(tag: &str, meta: Vec<(String, Val)>, rope_freqs: Option<&[f32]>) 
     let _ = std::fs::remove_file(&p);
     r.map_err(|e| {
         let e = format!("{e:#}");
-        assert!(e.contains(p.file_name().unwrap().to_str().unwrap()), "{tag}: {e}");
+        assert!(
+            e.contains(p.file_name().unwrap().to_str().unwrap()),
+            "{tag}: {e}"
+        );
         e
     })
 }
@@ -744,7 +784,10 @@ fn gemma4_metadata_follows_llama_cpp() {
         "gemma4-arrays",
         gemma4_meta(vec![
             ("attention.head_count_kv", Some(Val::U32s(vec![2, 2, 2, 1]))),
-            ("feed_forward_length", Some(Val::U32s(vec![96, 96, 64, 128]))),
+            (
+                "feed_forward_length",
+                Some(Val::U32s(vec![96, 96, 64, 128])),
+            ),
         ]),
         None,
     )
@@ -815,7 +858,14 @@ fn gemma4_inconsistent_metadata_is_refused_by_key() {
     let ff = "gemma4.feed_forward_length";
     let heads = "gemma4.attention.head_count";
     let swa = "gemma4.attention.sliding_window_pattern";
-    let cases: Vec<(&str, Vec<(&str, Option<Val>)>, Option<Vec<f32>>, Vec<&str>)> = vec![
+    // (tag, keys replaced or removed, rope_freqs, what the error must name)
+    type Case<'a> = (
+        &'a str,
+        Vec<(&'a str, Option<Val>)>,
+        Option<Vec<f32>>,
+        Vec<&'a str>,
+    );
+    let cases: Vec<Case> = vec![
         (
             "kv-length",
             vec![("attention.head_count_kv", Some(Val::U32s(vec![2, 2, 1])))],
@@ -1067,7 +1117,14 @@ fn spm_tokenizer_matches_sentencepiece() {
 
 #[test]
 fn model_fixtures_carry_a_usable_vocab() {
-    for name in ["gemma2", "gemma3", "gemma4", "gemma4_keqv", "minicpm", "minicpm_untied"] {
+    for name in [
+        "gemma2",
+        "gemma3",
+        "gemma4",
+        "gemma4_keqv",
+        "minicpm",
+        "minicpm_untied",
+    ] {
         let f = GgufFile::open(&fixture(&format!("gguf/{name}.gguf"))).unwrap();
         let tok = tokenizer_from_gguf(&f).unwrap_or_else(|e| panic!("{name}: {e:#}"));
         let spec = spec_from_gguf(&f).unwrap();

@@ -17,9 +17,31 @@
 //!   its `token_embd` may hold fewer rows than the checkpoint's vocab (trimmed to the
 //!   tokenizer), so the vocab is read from the tensor.
 //!
-//! An `{arch}.attention.scale` key, where present, sets every layer's score scale (llama.cpp's
-//! Gemma graphs do not read it; `scripts/make_gguf_family_fixtures.py` writes it when a
-//! checkpoint's `query_pre_attn_scalar` is not the one llama.cpp would infer).
+//! * `gemma4` (`Gemma4Model` in the converter, `llama_model_gemma4` in llama.cpp): plain `w`
+//!   norms (the converter's norm shift is 0, as in Hugging Face's checkpoints), no q/k
+//!   permutation, tied embeddings, score scale 1 (`attention.scale` is not read). Full layers
+//!   have `attention.key_length` (= value_length), sliding ones `attention.key_length_swa`;
+//!   `attention.head_count_kv` and `feed_forward_length` are a scalar or one entry per layer
+//!   (`head_count` too, but lorafit needs one value); `attention.sliding_window_pattern` is one
+//!   flag per layer (no period), the last layer full. The last `attention.shared_kv_layers`
+//!   layers have no k/v and read those of layer `n_kv − 2` (sliding) or `n_kv − 1` (full),
+//!   `n_kv` = block_count − shared_kv_layers; the file is refused where that is not the last
+//!   earlier layer of the same type (lorafit's and transformers' donor). Full layers without
+//!   `attn_v` take v from the k projection (`attention_k_eq_v`). Per-layer inputs of width
+//!   `embedding_length_per_layer_input`: `per_layer_token_embd`, `per_layer_model_proj`,
+//!   `per_layer_proj_norm`, and per layer `inp_gate`, `proj`, `post_norm`; the layer scalar is
+//!   `layer_output_scale`. RoPE: base `rope.freq_base` for full layers, `rope.freq_base_swa`
+//!   for sliding ones, every dim rotated NeoX-style (`rope.dimension_count[_swa]` must equal
+//!   the head size); proportional RoPE is the tensor `rope_freqs.weight`, per-pair frequency
+//!   divisors of the full layers: a run of one factor (1 from the converter) for the first
+//!   `partial_rotary_factor·key_length/2` pairs, 1e30 for the rest, read as
+//!   `RopeScaling::Proportional`; any other pattern is refused. `final_logit_softcapping` as
+//!   for Gemma 3.
+//!
+//! An `{arch}.attention.scale` key, where present, sets every layer's score scale for the
+//! other architectures (llama.cpp's Gemma graphs do not read it;
+//! `scripts/make_gguf_family_fixtures.py` writes it when a checkpoint's `query_pre_attn_scalar`
+//! is not the one llama.cpp would infer).
 
 use super::config::{Family, HfConfig, ModelSpec, RopeScaling};
 use super::gguf::{unpermute_qk_rows, GgmlType, GgufFile, MetaValue};
@@ -460,7 +482,9 @@ fn proportional_rope(f: &GgufFile, path: &str, dims: usize) -> Result<Option<(us
     );
     let rotated = v.iter().take_while(|&&x| x < ROPE_PAIR_OFF).count();
     let factor = v.first().copied().unwrap_or(1.0);
-    let consistent = v[..rotated].iter().all(|&x| x == factor && x > 0.0 && x.is_finite())
+    let consistent = v[..rotated]
+        .iter()
+        .all(|&x| x == factor && x > 0.0 && x.is_finite())
         && v[rotated..].iter().all(|&x| x >= ROPE_PAIR_OFF);
     ensure!(
         consistent,
@@ -468,7 +492,10 @@ fn proportional_rope(f: &GgufFile, path: &str, dims: usize) -> Result<Option<(us
          rotated pairs, then factors ≥ {ROPE_PAIR_OFF:e} for the pairs that do not rotate): \
          other per-pair factors are not supported for gemma4"
     );
-    Ok(Some((rotated, if rotated > 0 { factor as f64 } else { 1.0 })))
+    Ok(Some((
+        rotated,
+        if rotated > 0 { factor as f64 } else { 1.0 },
+    )))
 }
 
 /// The Gemma 4 fields of the config.json of a `gemma4` GGUF (llama.cpp's `Gemma4Model`
@@ -503,7 +530,10 @@ fn gemma4_config(
         ("attention.key_length", full_dim),
         ("attention.key_length_swa", swa_dim),
     ] {
-        ensure!(d > 0 && d % 2 == 0, "{path}: {arch}.{k} {d} must be positive and even");
+        ensure!(
+            d > 0 && d % 2 == 0,
+            "{path}: {arch}.{k} {d} must be positive and even"
+        );
     }
     for (k, d) in [
         ("attention.value_length", full_dim),
@@ -579,19 +609,28 @@ fn gemma4_config(
     let per_layer_config: serde_json::Map<String, Value> = (0..n_layers)
         .map(|l| {
             let d = if sliding[l] { swa_dim } else { full_dim };
-            (l.to_string(), json!({"head_dim": d, "num_key_value_heads": kv.v[l]}))
+            (
+                l.to_string(),
+                json!({"head_dim": d, "num_key_value_heads": kv.v[l]}),
+            )
         })
         .collect();
-    let kv_of = |slides: bool| (0..n_layers).find(|&l| sliding[l] == slides).map(|l| kv.v[l]);
+    let kv_of = |slides: bool| {
+        (0..n_layers)
+            .find(|&l| sliding[l] == slides)
+            .map(|l| kv.v[l])
+    };
     // The MLP widths are set per layer from the array (spec_from_gguf); the flag says whether
     // they are Gemma 4's double-wide pattern.
     let base_ff = ff.v.first().copied().unwrap_or(0);
     let double_wide = shared > 0
-        && ff
-            .v
-            .iter()
-            .enumerate()
-            .all(|(l, &x)| x == if l < first_shared { base_ff } else { 2 * base_ff });
+        && ff.v.iter().enumerate().all(|(l, &x)| {
+            x == if l < first_shared {
+                base_ff
+            } else {
+                2 * base_ff
+            }
+        });
     let per_layer_input = m.usize("embedding_length_per_layer_input")?;
     let per_layer_vocab = f
         .tensor_info("per_layer_token_embd.weight")
@@ -605,7 +644,10 @@ fn gemma4_config(
          input tensors (per_layer_token_embd.weight)"
     );
     let moe = m.usize_or("expert_count", 0)? > 0
-        || (0..n_layers).any(|l| f.tensor_info(&format!("blk.{l}.ffn_gate_inp.weight")).is_ok());
+        || (0..n_layers).any(|l| {
+            f.tensor_info(&format!("blk.{l}.ffn_gate_inp.weight"))
+                .is_ok()
+        });
     let mut out = vec![
         ("hidden_activation", json!("gelu_pytorch_tanh")),
         ("head_dim", json!(swa_dim)),
@@ -657,9 +699,7 @@ pub fn config_from_gguf(f: &GgufFile) -> Result<(GgufArch, Value)> {
     let m = Meta { f, arch: arch_name };
     let hidden = m.usize("embedding_length")?;
     let n_layers = m.usize("block_count")?;
-    let required = |k: &str| {
-        format!("GGUF {path}: metadata key '{arch_name}.{k}' is missing")
-    };
+    let required = |k: &str| format!("GGUF {path}: metadata key '{arch_name}.{k}' is missing");
     // Scalars or per-layer arrays (llama.cpp reads all three with get_key_or_arr). lorafit has
     // one head count for every layer; Gemma 4's kv heads and MLP widths may vary by layer.
     let n_heads = m
@@ -681,7 +721,10 @@ pub fn config_from_gguf(f: &GgufFile) -> Result<(GgufArch, Value)> {
         .with_context(|| required("feed_forward_length"))?
         .positive(&path)?;
     let (n_kv_heads, intermediate) = if arch == GgufArch::Gemma4 {
-        (kv_heads.v.first().copied().unwrap_or(n_heads), ff.v.first().copied().unwrap_or(0))
+        (
+            kv_heads.v.first().copied().unwrap_or(n_heads),
+            ff.v.first().copied().unwrap_or(0),
+        )
     } else {
         (
             kv_heads.uniform(&path, arch_name)?,
@@ -786,7 +829,7 @@ pub fn config_from_gguf(f: &GgufFile) -> Result<(GgufArch, Value)> {
         }
         GgufArch::Gemma4 => {
             for (k, v) in gemma4_config(&m, &path, n_layers, &kv_heads, &ff)? {
-                set(&k, v);
+                set(k, v);
             }
         }
         GgufArch::MiniCpm => {
@@ -852,7 +895,12 @@ fn gemma4_spec(m: &Meta, path: &str, spec: &mut ModelSpec) -> Result<()> {
         layer.intermediate = w;
     }
     spec.intermediate = ff.v.iter().copied().max().unwrap_or(0);
-    if let Some(full) = spec.layers.iter().find(|l| l.window.is_none()).map(|l| l.rope) {
+    if let Some(full) = spec
+        .layers
+        .iter()
+        .find(|l| l.window.is_none())
+        .map(|l| l.rope)
+    {
         let dims = spec.ropes[full].dims;
         if let Some((rotated_pairs, factor)) = proportional_rope(m.f, path, dims)? {
             spec.ropes[full].scaling = RopeScaling::Proportional {
