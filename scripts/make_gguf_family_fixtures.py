@@ -1,14 +1,15 @@
 #!/usr/bin/env python3
-"""GGUF fixtures of the Gemma 2, Gemma 3 and MiniCPM test models, and a small SentencePiece
-vocabulary with reference token ids.
+"""GGUF fixtures of the Gemma 2, Gemma 3, Gemma 4 and MiniCPM test models, and a small
+SentencePiece vocabulary with reference token ids.
 
     pip install gguf numpy safetensors sentencepiece
     python3 scripts/make_gguf_family_fixtures.py            # writes tests/fixtures/gguf/
 
-Models: each Hugging Face folder tests/fixtures/models/{gemma2,gemma3,minicpm,minicpm_untied}
-(config.json + model.safetensors, made by scripts/make_model_fixtures.py) becomes
+Models: each Hugging Face folder
+tests/fixtures/models/{gemma2,gemma3,gemma4,gemma4_keqv,minicpm,minicpm_untied} (config.json +
+model.safetensors, made by scripts/make_model_fixtures.py) becomes
 tests/fixtures/gguf/<name>.gguf, written the way llama.cpp's convert_hf_to_gguf.py writes that
-architecture (Gemma2Model, Gemma3Model, MiniCPMModel):
+architecture (Gemma2Model, Gemma3Model, Gemma4Model, MiniCPMModel):
 
 * metadata keys and values as the converter derives them (`gemma2`: no rope.freq_base, the
   softcaps and sliding_window; `gemma3`: the full-attention rope theta and linear scaling,
@@ -20,7 +21,17 @@ architecture (Gemma2Model, Gemma3Model, MiniCPMModel):
   to the tokenizer's size (250 of 256 rows here);
 * MiniCPM: q/k rows permuted as LlamaModel.permute does, LongRoPE factors as the tensors
   rope_factors_long/short;
-* F32 files, except minicpm_untied: F16 for matrices, F32 for vectors (--outtype f16).
+* Gemma 4: `gemma4` keys as Gemma4Model.set_gguf_parameters leaves them (key_length = the full
+  layers' head_dim, key_length_swa the sliding ones', sliding_window_pattern one flag per
+  layer, shared_kv_layers, embedding_length_per_layer_input, feed_forward_length per layer
+  with use_double_wide_mlp, head_count_kv per layer with num_global_key_value_heads,
+  rope.dimension_count[_swa], both rope thetas); norms as stored (no 1 + w); layer_scalar as
+  blk.N.layer_output_scale.weight; the full layers' proportional RoPE as the tensor rope_freqs
+  (1 for the rotated pairs, 1e30 for the others). The folders' config.json (as save_pretrained
+  writes it) has per_layer_config where Google's has global_head_dim and
+  num_global_key_value_heads: those are read from it;
+* F32 files, except minicpm_untied and gemma4_keqv: F16 for matrices, F32 for vectors
+  (--outtype f16).
 
 Where the converter would lose something these small models need, the file carries one more
 key, named here so nobody mistakes it for converter output:
@@ -32,7 +43,9 @@ key, named here so nobody mistakes it for converter output:
   the converter writes them for Phi-3's LongRoPE: MiniCPMModel writes neither.
 
 Each model file carries a synthetic 256-entry (Gemma 3: 250) SentencePiece-style vocabulary:
-the converter requires one, and the models' ids index it.
+the converter requires one, and the models' ids index it. (For Gemma 4 the converter writes its
+tokenizer.json as tokenizer.ggml.model "gemma4"; these files carry the same SentencePiece-style
+vocab as the Gemma 2/3 ones.)
 
 Tokenizer: two SentencePiece BPE models trained here on a fixed corpus (byte fallback,
 identity normalization, whitespace kept), one with the dummy-prefix space (Llama/MiniCPM
@@ -130,8 +143,12 @@ def write_tensors(w: gguf.GGUFWriter, arch, n_layers: int, tensors: dict, f16: b
     names = gguf.get_tensor_name_map(arch, n_layers)
     for hf in sorted(tensors):
         data = tensors[hf]
-        # Model-level tensors the converter names itself (MiniCPM's LongRoPE factors).
-        name = hf if hf.startswith("rope_factors") else names.get_name(hf, try_suffixes=(".weight", ".bias"))
+        # Model-level tensors the converter names itself (MiniCPM's LongRoPE factors, Gemma 4's
+        # rope_freqs).
+        if hf.startswith(("rope_factors", "rope_freqs")):
+            name = hf
+        else:
+            name = names.get_name(hf, try_suffixes=(".weight", ".bias"))
         if name is None:
             raise SystemExit(f"no GGUF name for {hf}")
         data = np.ascontiguousarray(data.astype(np.float16 if f16 and data.ndim >= 2 else np.float32))
@@ -240,6 +257,76 @@ def minicpm(name: str, out: Path, f16: bool):
         elif k.endswith("k_proj.weight"):
             v = permute(v, n_kv)
         tensors[k] = v
+    write_tensors(w, arch, n_layers, tensors, f16)
+    finish(w)
+
+
+def gemma4(name: str, out: Path, f16: bool):
+    """Gemma4Model (on top of Gemma3Model and TextModel): the keys as set_gguf_parameters leaves
+    them (a key written twice keeps its last value), the tensors as modify_tensors and
+    generate_extra_tensors yield them."""
+    d = MODELS / name
+    c = json.loads((d / "config.json").read_text())
+    t = load_file(str(d / "model.safetensors"))
+    arch = gguf.MODEL_ARCH.GEMMA4
+    w = gguf.GGUFWriter(str(out / f"{name}.gguf"), gguf.MODEL_ARCH_NAMES[arch])
+    n_layers = c["num_hidden_layers"]
+    types = c["layer_types"]
+    swa = [lt == "sliding_attention" for lt in types]
+    # save_pretrained writes the full layers' geometry as per_layer_config; Google's
+    # config.json (what the converter reads) has global_head_dim and, with attention_k_eq_v,
+    # num_global_key_value_heads.
+    plc = c.get("per_layer_config") or {}
+    full = [str(l) for l in range(n_layers) if not swa[l]]
+    head_dim_full = c.get("global_head_dim") or plc[full[0]]["head_dim"]
+    n_kv_full = c.get("num_global_key_value_heads") or plc[full[0]].get("num_key_value_heads")
+    head_dim_swa = c["head_dim"]
+    common(w, c, name, f16)
+    rp = c["rope_parameters"]
+    # TextModel: rope_parameters["full_attention"] has rope_type "proportional", which it does
+    # not know (no scaling keys); both thetas.
+    w.add_rope_freq_base(rp["full_attention"]["rope_theta"])
+    w.add_rope_freq_base_swa(rp["sliding_attention"]["rope_theta"])
+    # Gemma3Model.
+    assert c.get("attn_logit_softcapping") is None
+    if c.get("final_logit_softcapping"):
+        w.add_final_logit_softcapping(c["final_logit_softcapping"])
+    w.add_sliding_window(c["sliding_window"])
+    # Gemma4Model.
+    shared = c["num_kv_shared_layers"]
+    w.add_shared_kv_layers(shared)
+    w.add_embedding_length_per_layer_input(c.get("hidden_size_per_layer_input") or 0)
+    w.add_sliding_window_pattern(swa)
+    w.add_key_length(head_dim_full)
+    w.add_value_length(head_dim_full)
+    w.add_key_length_swa(head_dim_swa)
+    w.add_value_length_swa(head_dim_swa)
+    first_shared = n_layers - shared
+    if c.get("use_double_wide_mlp"):
+        n_ff = c["intermediate_size"]
+        w.add_feed_forward_length([n_ff if l < first_shared else 2 * n_ff for l in range(n_layers)])
+    if n_kv_full is not None:
+        n_kv_swa = c["num_key_value_heads"]
+        w.add_head_count_kv([n_kv_swa if s else n_kv_full for s in swa])
+    w.add_rope_dimension_count(head_dim_full)
+    w.add_rope_dimension_count_swa(int(head_dim_swa * c.get("partial_rotary_factor", 1.0)))
+    tokens, scores, types_, ids = model_vocab(c["vocab_size"], gemma=True)
+    add_vocab(w, tokens, scores, types_, ids, add_space_prefix=False)
+    tensors = {}
+    for k, v in t.items():
+        if k == "lm_head.weight":
+            continue
+        # filter_tensors: the scalar buffer becomes a weight; norm_shift 0 (plain w norms).
+        if k.endswith("layer_scalar"):
+            k += ".weight"
+        tensors[k] = v
+    # generate_extra_tensors: proportional RoPE as frequency divisors of the full layers.
+    full_rp = rp["full_attention"]
+    assert full_rp["rope_type"] == "proportional"
+    n_rot = int(head_dim_full * full_rp["partial_rotary_factor"] / 2)
+    tensors["rope_freqs.weight"] = np.array(
+        [1.0] * n_rot + [1e30] * (head_dim_full // 2 - n_rot), dtype=np.float32
+    )
     write_tensors(w, arch, n_layers, tensors, f16)
     finish(w)
 
@@ -399,10 +486,13 @@ def main():
     gemma("gemma3", out, 3)
     minicpm("minicpm", out, f16=False)
     minicpm("minicpm_untied", out, f16=True)
+    gemma4("gemma4", out, f16=False)
+    gemma4("gemma4_keqv", out, f16=True)
     spm_fixtures(out)
     for f in sorted(out.glob("*")):
         if f.name.startswith(("gemma", "minicpm", "spm")):
-            print(f"{f.relative_to(ROOT)}  {os.path.getsize(f)} bytes")
+            shown = f.relative_to(ROOT) if f.is_relative_to(ROOT) else f
+            print(f"{shown}  {os.path.getsize(f)} bytes")
 
 
 if __name__ == "__main__":

@@ -516,8 +516,8 @@ fn bad_runs_are_errors_that_name_file_and_setting() {
 // ---------------------------------------------------------------------------------------------
 
 /// Where a GGUF header keeps its counts: `(what, byte offset, width)` for the tensor and
-/// metadata counts, every integer metadata value, every string and array length, and each
-/// tensor's dimension count and dimensions.
+/// metadata counts, every integer metadata value (each entry of a model key's integer array),
+/// every string and array length, and each tensor's dimension count and dimensions.
 fn gguf_count_fields(b: &[u8]) -> Vec<(String, usize, usize)> {
     let u32_at = |p: usize| u32::from_le_bytes(b[p..p + 4].try_into().unwrap());
     let u64_at = |p: usize| u64::from_le_bytes(b[p..p + 8].try_into().unwrap());
@@ -558,10 +558,17 @@ fn gguf_count_fields(b: &[u8]) -> Vec<(String, usize, usize)> {
                 let n = u64_at(p + 4) as usize;
                 fields.push((format!("{key}: array length"), p + 4, 8));
                 p += 12;
-                for _ in 0..n {
+                // The model's per-layer counts (Gemma 4's head_count_kv, feed_forward_length),
+                // element by element; not the tokenizer's arrays.
+                let per_layer =
+                    !key.starts_with("tokenizer.") && matches!(et, 0 | 2 | 4 | 5 | 10 | 11);
+                for i in 0..n {
                     if et == 8 {
                         read_str(&mut p);
                     } else {
+                        if per_layer {
+                            fields.push((format!("{key}[{i}] (integer)"), p, width(et)));
+                        }
                         p += width(et);
                     }
                 }
@@ -625,7 +632,12 @@ fn gguf_zero_counts_and_truncation_never_panic() {
     let d = scratch("gguf");
     let mut failures = Vec::new();
     let mut refused = 0;
-    for fixture in ["minicpm.gguf", "gemma2.gguf", "spm_prefix.gguf"] {
+    for fixture in [
+        "minicpm.gguf",
+        "gemma2.gguf",
+        "gemma4.gguf",
+        "spm_prefix.gguf",
+    ] {
         let bytes = std::fs::read(common::fixture(&format!("gguf/{fixture}"))).unwrap();
         let fields = gguf_count_fields(&bytes);
         assert!(

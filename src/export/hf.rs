@@ -320,6 +320,7 @@ fn hf_names(arch: GgufArch) -> (&'static str, &'static str) {
         GgufArch::Llama => ("LlamaForCausalLM", "llama"),
         GgufArch::Gemma2 => ("Gemma2ForCausalLM", "gemma2"),
         GgufArch::Gemma3 => ("Gemma3ForCausalLM", "gemma3_text"),
+        GgufArch::Gemma4 => ("Gemma4ForCausalLM", "gemma4_text"),
         GgufArch::MiniCpm => ("MiniCPMForCausalLM", "minicpm"),
     }
 }
@@ -356,6 +357,13 @@ pub fn merged_from_gguf(base: &Path, lora: &Lora, out: &Path, dtype: HfDtype) ->
     let src = GgufSource::open(base)?;
     let spec = &src.spec;
     let (arch, mut config) = config_from_gguf(&src.file)?;
+    // The tensor list below has no per-layer inputs, layer scalars or KV-sharing layers.
+    ensure!(
+        arch != GgufArch::Gemma4,
+        "{}: a merged Hugging Face folder from a gemma4 GGUF is not written (--format \
+         merged-gguf writes the merged GGUF)",
+        base.display()
+    );
     let (architecture, model_type) = hf_names(arch);
     let obj = config
         .as_object_mut()

@@ -180,6 +180,14 @@ pub fn run_with(
         .with_context(|| format!("creating {}", plan.output.display()))?;
     let (arch, permutes) = if base_is_gguf {
         let src = model::gguf_model::GgufSource::open(&plan.model)?;
+        // As for a Hugging Face Gemma 4 base (gguf_out::llama_cpp_arch).
+        ensure!(
+            !(formats.contains(&Format::GgufAdapter)
+                && src.arch == model::gguf_model::GgufArch::Gemma4),
+            "a GGUF adapter for the gemma4 base {} is not written: its llama.cpp layout is not \
+             checked here (--format merged-gguf writes the merged GGUF)",
+            plan.model.display()
+        );
         (src.arch.name(), src.arch.permutes_qk())
     } else if formats.contains(&Format::GgufAdapter) {
         gguf_out::llama_cpp_arch(&base.spec)?

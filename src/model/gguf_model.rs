@@ -17,11 +17,33 @@
 //!   its `token_embd` may hold fewer rows than the checkpoint's vocab (trimmed to the
 //!   tokenizer), so the vocab is read from the tensor.
 //!
-//! An `{arch}.attention.scale` key, where present, sets every layer's score scale (llama.cpp's
-//! Gemma graphs do not read it; `scripts/make_gguf_family_fixtures.py` writes it when a
-//! checkpoint's `query_pre_attn_scalar` is not the one llama.cpp would infer).
+//! * `gemma4` (`Gemma4Model` in the converter, `llama_model_gemma4` in llama.cpp): plain `w`
+//!   norms (the converter's norm shift is 0, as in Hugging Face's checkpoints), no q/k
+//!   permutation, tied embeddings, score scale 1 (`attention.scale` is not read). Full layers
+//!   have `attention.key_length` (= value_length), sliding ones `attention.key_length_swa`;
+//!   `attention.head_count_kv` and `feed_forward_length` are a scalar or one entry per layer
+//!   (`head_count` too, but lorafit needs one value); `attention.sliding_window_pattern` is one
+//!   flag per layer (no period), the last layer full. The last `attention.shared_kv_layers`
+//!   layers have no k/v and read those of layer `n_kv − 2` (sliding) or `n_kv − 1` (full),
+//!   `n_kv` = block_count − shared_kv_layers; the file is refused where that is not the last
+//!   earlier layer of the same type (lorafit's and transformers' donor). Full layers without
+//!   `attn_v` take v from the k projection (`attention_k_eq_v`). Per-layer inputs of width
+//!   `embedding_length_per_layer_input`: `per_layer_token_embd`, `per_layer_model_proj`,
+//!   `per_layer_proj_norm`, and per layer `inp_gate`, `proj`, `post_norm`; the layer scalar is
+//!   `layer_output_scale`. RoPE: base `rope.freq_base` for full layers, `rope.freq_base_swa`
+//!   for sliding ones, every dim rotated NeoX-style (`rope.dimension_count[_swa]` must equal
+//!   the head size); proportional RoPE is the tensor `rope_freqs.weight`, per-pair frequency
+//!   divisors of the full layers: a run of one factor (1 from the converter) for the first
+//!   `partial_rotary_factor·key_length/2` pairs, 1e30 for the rest, read as
+//!   `RopeScaling::Proportional`; any other pattern is refused. `final_logit_softcapping` as
+//!   for Gemma 3.
+//!
+//! An `{arch}.attention.scale` key, where present, sets every layer's score scale for the
+//! other architectures (llama.cpp's Gemma graphs do not read it;
+//! `scripts/make_gguf_family_fixtures.py` writes it when a checkpoint's `query_pre_attn_scalar`
+//! is not the one llama.cpp would infer).
 
-use super::config::{Family, HfConfig, ModelSpec};
+use super::config::{Family, HfConfig, ModelSpec, RopeScaling};
 use super::gguf::{unpermute_qk_rows, GgmlType, GgufFile, MetaValue};
 use super::weights::{QuantWeight, TensorSource, Weight};
 use crate::tensor::cuda::QuantKind;
@@ -30,7 +52,8 @@ use anyhow::{bail, ensure, Context, Result};
 use serde_json::{json, Value};
 
 /// The GGUF architectures lorafit reads, for error messages.
-pub const SUPPORTED_GGUF_ARCHITECTURES: &[&str] = &["llama", "gemma2", "gemma3", "minicpm"];
+pub const SUPPORTED_GGUF_ARCHITECTURES: &[&str] =
+    &["llama", "gemma2", "gemma3", "gemma4", "minicpm"];
 
 /// A GGUF `general.architecture` that lorafit reads.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -38,6 +61,7 @@ pub enum GgufArch {
     Llama,
     Gemma2,
     Gemma3,
+    Gemma4,
     MiniCpm,
 }
 
@@ -47,6 +71,7 @@ impl GgufArch {
             "llama" => GgufArch::Llama,
             "gemma2" => GgufArch::Gemma2,
             "gemma3" => GgufArch::Gemma3,
+            "gemma4" => GgufArch::Gemma4,
             "minicpm" => GgufArch::MiniCpm,
             _ => return None,
         })
@@ -57,6 +82,7 @@ impl GgufArch {
             GgufArch::Llama => "llama",
             GgufArch::Gemma2 => "gemma2",
             GgufArch::Gemma3 => "gemma3",
+            GgufArch::Gemma4 => "gemma4",
             GgufArch::MiniCpm => "minicpm",
         }
     }
@@ -68,6 +94,12 @@ impl GgufArch {
 
     /// Gemma's four norms per layer.
     fn sandwich_norms(self) -> bool {
+        matches!(self, GgufArch::Gemma2 | GgufArch::Gemma3 | GgufArch::Gemma4)
+    }
+
+    /// The converter stored every norm weight as `1 + w` (Gemma 2 and 3; Gemma 4's norms are
+    /// plain `w` in both forms).
+    pub fn shifted_norms(self) -> bool {
         matches!(self, GgufArch::Gemma2 | GgufArch::Gemma3)
     }
 }
@@ -97,6 +129,11 @@ pub fn gguf_name(arch: GgufArch, hf: &str) -> Option<String> {
             "mlp.gate_proj.weight" => "ffn_gate.weight",
             "mlp.up_proj.weight" => "ffn_up.weight",
             "mlp.down_proj.weight" => "ffn_down.weight",
+            // Gemma 4's per-layer input branch and output scale.
+            "per_layer_input_gate.weight" => "inp_gate.weight",
+            "per_layer_projection.weight" => "proj.weight",
+            "post_per_layer_input_norm.weight" => "post_norm.weight",
+            "layer_scalar" => "layer_output_scale.weight",
             _ => return None,
         };
         return Some(format!("blk.{layer}.{g}"));
@@ -106,6 +143,9 @@ pub fn gguf_name(arch: GgufArch, hf: &str) -> Option<String> {
             "model.embed_tokens.weight" => "token_embd.weight",
             "model.norm.weight" => "output_norm.weight",
             "lm_head.weight" => "output.weight",
+            "model.embed_tokens_per_layer.weight" => "per_layer_token_embd.weight",
+            "model.per_layer_model_projection.weight" => "per_layer_model_proj.weight",
+            "model.per_layer_projection_norm.weight" => "per_layer_proj_norm.weight",
             _ => return None,
         }
         .to_string(),
@@ -266,6 +306,80 @@ impl Meta<'_> {
             Ok(None)
         }
     }
+    /// A count llama.cpp reads with `get_key_or_arr`: one value for every layer, or an array
+    /// of one value per layer (`n_layers` entries). `None` when absent.
+    fn per_layer(&self, k: &str, n_layers: usize) -> Result<Option<PerLayer>> {
+        let key = self.key(k);
+        let path = self.f.path().display();
+        Ok(match self.f.get(&key) {
+            None => None,
+            Some(MetaValue::Array(a)) => {
+                ensure!(
+                    a.len() == n_layers,
+                    "{path}: {key} has {} entries, block_count is {n_layers}",
+                    a.len()
+                );
+                let v = a
+                    .iter()
+                    .enumerate()
+                    .map(|(l, v)| {
+                        v.as_usize().with_context(|| {
+                            format!(
+                                "{path}: {key}[{l}] is {} (expected an unsigned integer)",
+                                v.type_name()
+                            )
+                        })
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                Some(PerLayer { key, v, one: None })
+            }
+            Some(_) => {
+                let x = self.usize(k)?;
+                Some(PerLayer {
+                    v: vec![x; n_layers],
+                    key,
+                    one: Some(x),
+                })
+            }
+        })
+    }
+}
+
+/// One count per layer, from a scalar key or a per-layer array (`Meta::per_layer`).
+struct PerLayer {
+    key: String,
+    v: Vec<usize>,
+    /// The scalar, where the key is one.
+    one: Option<usize>,
+}
+
+impl PerLayer {
+    /// Refuses a zero entry, naming the key and the layer.
+    fn positive(self, path: &str) -> Result<PerLayer> {
+        if self.one == Some(0) {
+            bail!("{path}: {} is 0", self.key);
+        }
+        if let Some(l) = self.v.iter().position(|&x| x == 0) {
+            bail!("{path}: {}[{l}] is 0 (layer {l})", self.key);
+        }
+        Ok(self)
+    }
+    /// The one value every layer has; an error naming the key when the layers differ.
+    fn uniform(&self, path: &str, arch: &str) -> Result<usize> {
+        if let Some(x) = self.one {
+            return Ok(x);
+        }
+        let first = self.v.first().copied().unwrap_or(0);
+        if let Some(l) = self.v.iter().position(|&x| x != first) {
+            bail!(
+                "{path}: {} differs between layers (layer 0: {first}, layer {l}: {}): not \
+                 supported for architecture {arch}",
+                self.key,
+                self.v[l]
+            );
+        }
+        Ok(first)
+    }
 }
 
 fn token_id(f: &GgufFile, key: &str) -> Result<Option<u32>> {
@@ -345,6 +459,232 @@ fn layer_types(sliding: &[bool]) -> Value {
     )
 }
 
+/// Factors of the full layers' frequency pairs at or above this switch a pair off (its angle
+/// is 0 at every position a model reaches); llama.cpp's converter writes 1e30.
+const ROPE_PAIR_OFF: f32 = 1e20;
+
+/// Gemma 4's proportional RoPE as llama.cpp expresses it: the full layers rotate all
+/// `key_length` dims NeoX-style with per-pair frequency divisors `rope_freqs.weight`, 1 for the
+/// first `partial_rotary_factor·key_length/2` pairs and 1e30 for the rest. As
+/// `(rotated_pairs, factor)`: a run of equal finite divisors, then only switched-off pairs.
+/// `None` without the tensor (every pair rotates).
+fn proportional_rope(f: &GgufFile, path: &str, dims: usize) -> Result<Option<(usize, f64)>> {
+    const NAME: &str = "rope_freqs.weight";
+    if f.tensor_info(NAME).is_err() {
+        return Ok(None);
+    }
+    let v = f.tensor_f32(NAME)?;
+    ensure!(
+        v.len() == dims / 2,
+        "{path}: {NAME} has {} factors; the full layers' key_length {dims} has {} frequency pairs",
+        v.len(),
+        dims / 2
+    );
+    let rotated = v.iter().take_while(|&&x| x < ROPE_PAIR_OFF).count();
+    let factor = v.first().copied().unwrap_or(1.0);
+    let consistent = v[..rotated]
+        .iter()
+        .all(|&x| x == factor && x > 0.0 && x.is_finite())
+        && v[rotated..].iter().all(|&x| x >= ROPE_PAIR_OFF);
+    ensure!(
+        consistent,
+        "{path}: {NAME} {v:?} is not proportional RoPE (a run of one positive factor for the \
+         rotated pairs, then factors ≥ {ROPE_PAIR_OFF:e} for the pairs that do not rotate): \
+         other per-pair factors are not supported for gemma4"
+    );
+    Ok(Some((
+        rotated,
+        if rotated > 0 { factor as f64 } else { 1.0 },
+    )))
+}
+
+/// The Gemma 4 fields of the config.json of a `gemma4` GGUF (llama.cpp's `Gemma4Model`
+/// converter and its loader, `llama_model_gemma4::load_arch_hparams`).
+fn gemma4_config(
+    m: &Meta,
+    path: &str,
+    n_layers: usize,
+    kv: &PerLayer,
+    ff: &PerLayer,
+) -> Result<Vec<(&'static str, Value)>> {
+    let f = m.f;
+    let arch = m.arch;
+    // One flag per layer: llama.cpp's gemma4 reads no period here.
+    let key = m.key("attention.sliding_window_pattern");
+    let sliding = match f.get(&key) {
+        Some(MetaValue::Array(_)) => sliding_layers(m, n_layers, 0, path)?,
+        Some(v) => bail!(
+            "{path}: {key} is a {}; llama.cpp's gemma4 reads it as one flag per layer",
+            v.type_name()
+        ),
+        None => bail!("GGUF {path}: metadata key '{key}' is missing (one flag per layer)"),
+    };
+    if sliding.last() == Some(&true) {
+        bail!("{path}: {key} makes the last layer sliding; Gemma 4's last layer is full attention");
+    }
+    let window = m.usize("attention.sliding_window")?;
+    ensure!(window > 0, "{path}: {arch}.attention.sliding_window is 0");
+    let full_dim = m.usize("attention.key_length")?;
+    let swa_dim = m.usize("attention.key_length_swa")?;
+    for (k, d) in [
+        ("attention.key_length", full_dim),
+        ("attention.key_length_swa", swa_dim),
+    ] {
+        ensure!(
+            d > 0 && d % 2 == 0,
+            "{path}: {arch}.{k} {d} must be positive and even"
+        );
+    }
+    for (k, d) in [
+        ("attention.value_length", full_dim),
+        ("attention.value_length_swa", swa_dim),
+    ] {
+        if m.has(k) {
+            let x = m.usize(k)?;
+            ensure!(
+                x == d,
+                "{path}: {arch}.{k} {x} differs from the key length {d} (Gemma 4's v and k \
+                 heads have one size)"
+            );
+        }
+    }
+
+    // RoPE: the full layers' theta, the sliding layers' (the full one's when absent, as
+    // llama.cpp), every dim rotated NeoX-style, proportional RoPE as rope_freqs.weight.
+    match m.str_opt("rope.scaling.type")? {
+        None | Some("none") => {}
+        Some(other) => bail!(
+            "{path}: {arch}.rope.scaling.type {other:?} is not supported for gemma4 (its \
+             converter writes none)"
+        ),
+    }
+    for (k, d) in [
+        ("rope.dimension_count", full_dim),
+        ("rope.dimension_count_swa", swa_dim),
+    ] {
+        if m.has(k) {
+            let n = m.usize(k)?;
+            ensure!(
+                n == d,
+                "{path}: {arch}.{k} {n} is not the head size {d}: a partial NeoX rotation is not \
+                 supported (Gemma 4's proportional RoPE is the rope_freqs.weight factors)"
+            );
+        }
+    }
+    let theta = m.f64_or("rope.freq_base", 10000.0)?;
+    let theta_swa = m.f64_or("rope.freq_base_swa", theta)?;
+    let full_rope = match proportional_rope(f, path, full_dim)? {
+        Some((pairs, factor)) => json!({
+            "rope_type": "proportional",
+            "partial_rotary_factor": 2.0 * pairs as f64 / full_dim as f64,
+            "factor": factor,
+            "rope_theta": theta,
+        }),
+        None => json!({"rope_type": "default", "rope_theta": theta}),
+    };
+
+    // KV sharing from layer n − shared_kv_layers on.
+    let shared = m.usize_or("attention.shared_kv_layers", 0)?;
+    ensure!(
+        shared < n_layers,
+        "{path}: {arch}.attention.shared_kv_layers {shared} leaves no layer to compute k and v \
+         (block_count {n_layers})"
+    );
+    let first_shared = n_layers - shared;
+    // attention_k_eq_v: the full layers that compute k and v have no attn_v (llama.cpp uses
+    // the k projection's output as v when attn_v is absent).
+    let has_v = |l: usize| f.tensor_info(&format!("blk.{l}.attn_v.weight")).is_ok();
+    let full_owners: Vec<usize> = (0..first_shared).filter(|&l| !sliding[l]).collect();
+    let k_eq_v = full_owners.iter().any(|&l| !has_v(l));
+    if k_eq_v {
+        if let Some(l) = full_owners.iter().find(|&&l| has_v(l)) {
+            let without = full_owners.iter().find(|&&l| !has_v(l)).expect("k_eq_v");
+            bail!(
+                "{path}: full-attention layer {without} has no blk.{without}.attn_v.weight (v from \
+                 the k projection) but layer {l} has one: lorafit needs one choice for every full \
+                 layer"
+            );
+        }
+    }
+    let per_layer_config: serde_json::Map<String, Value> = (0..n_layers)
+        .map(|l| {
+            let d = if sliding[l] { swa_dim } else { full_dim };
+            (
+                l.to_string(),
+                json!({"head_dim": d, "num_key_value_heads": kv.v[l]}),
+            )
+        })
+        .collect();
+    let kv_of = |slides: bool| {
+        (0..n_layers)
+            .find(|&l| sliding[l] == slides)
+            .map(|l| kv.v[l])
+    };
+    // The MLP widths are set per layer from the array (spec_from_gguf); the flag says whether
+    // they are Gemma 4's double-wide pattern.
+    let base_ff = ff.v.first().copied().unwrap_or(0);
+    let double_wide = shared > 0
+        && ff.v.iter().enumerate().all(|(l, &x)| {
+            x == if l < first_shared {
+                base_ff
+            } else {
+                2 * base_ff
+            }
+        });
+    let per_layer_input = m.usize("embedding_length_per_layer_input")?;
+    let per_layer_vocab = f
+        .tensor_info("per_layer_token_embd.weight")
+        .ok()
+        .and_then(|t| t.torch_shape().first().copied());
+    // llama.cpp loads the per-layer tensors only with a width, and refuses a file with tensors
+    // it did not load.
+    ensure!(
+        per_layer_input > 0 || per_layer_vocab.is_none(),
+        "{path}: {arch}.embedding_length_per_layer_input is 0, but the file has the per-layer \
+         input tensors (per_layer_token_embd.weight)"
+    );
+    let moe = m.usize_or("expert_count", 0)? > 0
+        || (0..n_layers).any(|l| {
+            f.tensor_info(&format!("blk.{l}.ffn_gate_inp.weight"))
+                .is_ok()
+        });
+    let mut out = vec![
+        ("hidden_activation", json!("gelu_pytorch_tanh")),
+        ("head_dim", json!(swa_dim)),
+        ("global_head_dim", json!(full_dim)),
+        (
+            "num_key_value_heads",
+            json!(kv_of(true).or(kv_of(false)).unwrap_or(1)),
+        ),
+        ("layer_types", layer_types(&sliding)),
+        ("sliding_window", json!(window)),
+        ("per_layer_config", Value::Object(per_layer_config)),
+        ("attention_k_eq_v", json!(k_eq_v)),
+        ("num_kv_shared_layers", json!(shared)),
+        ("use_double_wide_mlp", json!(double_wide)),
+        ("hidden_size_per_layer_input", json!(per_layer_input)),
+        (
+            "final_logit_softcapping",
+            json!(m.f64_opt("final_logit_softcapping")?),
+        ),
+        ("enable_moe_block", json!(moe)),
+        (
+            "rope_parameters",
+            json!({
+                "full_attention": full_rope,
+                "sliding_attention": {"rope_type": "default", "rope_theta": theta_swa},
+            }),
+        ),
+    ];
+    if k_eq_v {
+        out.push(("num_global_key_value_heads", json!(kv_of(false))));
+    }
+    if let Some(v) = per_layer_vocab {
+        out.push(("vocab_size_per_layer_input", json!(v)));
+    }
+    Ok(out)
+}
+
 /// The metadata of a GGUF file as the `config.json` its family file reads (Hugging Face key
 /// names, values as llama.cpp's converter derived them).
 pub fn config_from_gguf(f: &GgufFile) -> Result<(GgufArch, Value)> {
@@ -357,10 +697,40 @@ pub fn config_from_gguf(f: &GgufFile) -> Result<(GgufArch, Value)> {
         );
     };
     let m = Meta { f, arch: arch_name };
-    let n_heads = m.usize("attention.head_count")?;
     let hidden = m.usize("embedding_length")?;
     let n_layers = m.usize("block_count")?;
+    let required = |k: &str| format!("GGUF {path}: metadata key '{arch_name}.{k}' is missing");
+    // Scalars or per-layer arrays (llama.cpp reads all three with get_key_or_arr). lorafit has
+    // one head count for every layer; Gemma 4's kv heads and MLP widths may vary by layer.
+    let n_heads = m
+        .per_layer("attention.head_count", n_layers)?
+        .with_context(|| required("attention.head_count"))?
+        .positive(&path)?
+        .uniform(&path, arch_name)?;
     ensure!(n_heads > 0, "{path}: {arch_name}.attention.head_count is 0");
+    let kv_heads = match m.per_layer("attention.head_count_kv", n_layers)? {
+        Some(kv) => kv.positive(&path)?,
+        None => PerLayer {
+            key: m.key("attention.head_count_kv"),
+            v: vec![n_heads; n_layers],
+            one: Some(n_heads),
+        },
+    };
+    let ff = m
+        .per_layer("feed_forward_length", n_layers)?
+        .with_context(|| required("feed_forward_length"))?
+        .positive(&path)?;
+    let (n_kv_heads, intermediate) = if arch == GgufArch::Gemma4 {
+        (
+            kv_heads.v.first().copied().unwrap_or(n_heads),
+            ff.v.first().copied().unwrap_or(0),
+        )
+    } else {
+        (
+            kv_heads.uniform(&path, arch_name)?,
+            ff.uniform(&path, arch_name)?,
+        )
+    };
     // The embedding's rows are the model's vocab (Gemma 3 files trim it to the tokenizer).
     let embd = f.tensor_info("token_embd.weight")?.torch_shape();
     ensure!(
@@ -376,10 +746,10 @@ pub fn config_from_gguf(f: &GgufFile) -> Result<(GgufArch, Value)> {
     let max_pos = m.usize_or("context_length", 4096)?;
     let mut config = json!({
         "hidden_size": hidden,
-        "intermediate_size": m.usize("feed_forward_length")?,
+        "intermediate_size": intermediate,
         "num_hidden_layers": n_layers,
         "num_attention_heads": n_heads,
-        "num_key_value_heads": m.usize_or("attention.head_count_kv", n_heads)?,
+        "num_key_value_heads": n_kv_heads,
         "head_dim": head_dim,
         "vocab_size": vocab,
         "rms_norm_eps": m.f64_or("attention.layer_norm_rms_epsilon", 1e-5)?,
@@ -457,6 +827,11 @@ pub fn config_from_gguf(f: &GgufFile) -> Result<(GgufArch, Value)> {
                 set("rope_scaling", rope_scaling(&m, &path)?);
             }
         }
+        GgufArch::Gemma4 => {
+            for (k, v) in gemma4_config(&m, &path, n_layers, &kv_heads, &ff)? {
+                set(k, v);
+            }
+        }
         GgufArch::MiniCpm => {
             // Without the keys, MiniCPM-1B/2B's values (scale_emb 12, scale_depth 1.4,
             // dim_model_base 256).
@@ -506,6 +881,59 @@ pub fn config_from_gguf(f: &GgufFile) -> Result<(GgufArch, Value)> {
     Ok((arch, config))
 }
 
+/// What a `gemma4` GGUF says beyond its config.json form: each layer's MLP width (the
+/// `feed_forward_length` array), the exact rotated pairs of `rope_freqs.weight`, and the k/v
+/// donors of the KV-sharing layers, which must be llama.cpp's (`n_kv − 2` for sliding layers,
+/// `n_kv − 1` for full ones, `n_kv` = block_count − shared_kv_layers). The score scale is 1
+/// (llama.cpp's gemma4 reads no `attention.scale`).
+fn gemma4_spec(m: &Meta, path: &str, spec: &mut ModelSpec) -> Result<()> {
+    let n = spec.n_layers;
+    let ff = m
+        .per_layer("feed_forward_length", n)?
+        .context("feed_forward_length was read before")?;
+    for (layer, &w) in spec.layers.iter_mut().zip(&ff.v) {
+        layer.intermediate = w;
+    }
+    spec.intermediate = ff.v.iter().copied().max().unwrap_or(0);
+    if let Some(full) = spec
+        .layers
+        .iter()
+        .find(|l| l.window.is_none())
+        .map(|l| l.rope)
+    {
+        let dims = spec.ropes[full].dims;
+        if let Some((rotated_pairs, factor)) = proportional_rope(m.f, path, dims)? {
+            spec.ropes[full].scaling = RopeScaling::Proportional {
+                rotated_pairs,
+                factor,
+            };
+        }
+    }
+    let first_shared = spec
+        .layers
+        .iter()
+        .position(|l| l.kv_source.is_some())
+        .unwrap_or(n);
+    for (l, layer) in spec.layers.iter().enumerate() {
+        let Some(donor) = layer.kv_source else {
+            continue;
+        };
+        let slides = layer.window.is_some();
+        let llama_cpp = first_shared.checked_sub(if slides { 2 } else { 1 });
+        ensure!(
+            llama_cpp == Some(donor),
+            "{path}: layer {l} ({}) shares the k/v of layer {donor}, the last {} layer that \
+             computes its own, but llama.cpp reads it from layer {} ({}.attention.shared_kv_layers \
+             with this sliding pattern): not supported",
+            if slides { "sliding" } else { "full" },
+            if slides { "sliding" } else { "full" },
+            llama_cpp.map_or("none".to_string(), |d| d.to_string()),
+            m.arch
+        );
+    }
+    Ok(())
+}
+
 /// Model geometry from the metadata of a GGUF file.
 pub fn spec_from_gguf(f: &GgufFile) -> Result<ModelSpec> {
     let path = f.path().display().to_string();
@@ -516,18 +944,21 @@ pub fn spec_from_gguf(f: &GgufFile) -> Result<ModelSpec> {
         GgufArch::Llama => super::llama::spec_from_hf(&c, Family::Llama),
         GgufArch::Gemma2 => super::gemma::spec_from_hf(&c, &config, Family::Gemma2),
         GgufArch::Gemma3 => super::gemma::spec_from_hf(&c, &config, Family::Gemma3),
+        GgufArch::Gemma4 => super::gemma4::spec_from_hf(&config),
         GgufArch::MiniCpm => super::minicpm::spec_from_hf(&c, &config),
     }
     .with_context(|| format!("{path}: GGUF metadata"))?;
-    if arch.sandwich_norms() {
-        // The converter stored every Gemma norm as 1 + w.
+    if arch.shifted_norms() {
+        // The converter stored every Gemma 2/3 norm as 1 + w.
         spec.norm_offset = 0.0;
     }
     let m = Meta {
         f,
         arch: arch.name(),
     };
-    if let Some(scale) = m.f64_opt("attention.scale")? {
+    if arch == GgufArch::Gemma4 {
+        gemma4_spec(&m, &path, &mut spec)?;
+    } else if let Some(scale) = m.f64_opt("attention.scale")? {
         ensure!(
             scale > 0.0,
             "{path}: {}.attention.scale must be positive",
