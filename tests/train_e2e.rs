@@ -15,7 +15,9 @@
 //!
 //! The first command trains 3 ORPO steps on tests/fixtures/models/qwen2 and writes
 //! `adapter/` and `ids.json`; the second runs torch + transformers + peft (CPU, f32, eager
-//! attention) and writes the logits PEFT gives for those ids.
+//! attention) and writes the logits PEFT gives for those ids. The Gemma 4 fixture
+//! (tests/fixtures/peft_roundtrip_gemma4/, on tests/fixtures/models/gemma4) is made the same way
+//! by `make_peft_roundtrip_gemma4_fixture` (transformers 5.24, peft 0.21).
 
 mod common;
 use common::*;
@@ -742,19 +744,18 @@ fn roundtrip_ids() -> Vec<u32> {
     (0..20).map(|_| (r.next_u64() % 256) as u32).collect()
 }
 
-fn qwen2_fixture() -> PathBuf {
-    fixture("models/qwen2")
-}
-
-/// Regenerates tests/fixtures/peft_roundtrip/{adapter/, ids.json} (see the top of this file).
-#[test]
-#[ignore]
-fn make_peft_roundtrip_fixture() {
-    let model = lorafit::model::load(&qwen2_fixture(), &Device::Cpu).unwrap();
-    let loaded = loaded_with(model, PathBuf::from("tests/fixtures/models/qwen2"));
+/// Writes `tests/fixtures/{dst}/{adapter/, ids.json}`: 3 ORPO steps on `models/{model}` (see
+/// the top of this file).
+fn make_roundtrip_fixture(model_name: &str, dst: &str) {
+    let model_dir = fixture(&format!("models/{model_name}"));
+    let model = lorafit::model::load(&model_dir, &Device::Cpu).unwrap();
+    let loaded = loaded_with(
+        model,
+        PathBuf::from(format!("tests/fixtures/models/{model_name}")),
+    );
     let v = loaded.model.spec.vocab;
     let tr = pair_items(6, 12, v);
-    let dir = out_dir("peft_roundtrip_train");
+    let dir = out_dir(&format!("{dst}_train"));
     let mut c = cfg(&dir, 3);
     c.rank = 4;
     c.alpha = 8.0;
@@ -764,7 +765,7 @@ fn make_peft_roundtrip_fixture() {
     let out = run(&c, None, &loaded, &tr, &[]);
     assert_eq!(out.losses.len(), 3);
 
-    let dst = fixture("peft_roundtrip");
+    let dst = fixture(dst);
     let adapter = dst.join("adapter");
     std::fs::create_dir_all(&adapter).unwrap();
     for f in ["adapter_config.json", "adapter_model.safetensors"] {
@@ -784,11 +785,26 @@ fn make_peft_roundtrip_fixture() {
     );
 }
 
+/// Regenerates tests/fixtures/peft_roundtrip/{adapter/, ids.json} (see the top of this file).
 #[test]
-fn peft_adapter_reproduces_lorafit_logits() {
-    let dir = fixture("peft_roundtrip");
+#[ignore]
+fn make_peft_roundtrip_fixture() {
+    make_roundtrip_fixture("qwen2", "peft_roundtrip");
+}
+
+/// Regenerates tests/fixtures/peft_roundtrip_gemma4/{adapter/, ids.json}.
+#[test]
+#[ignore]
+fn make_peft_roundtrip_gemma4_fixture() {
+    make_roundtrip_fixture("gemma4", "peft_roundtrip_gemma4");
+}
+
+/// An adapter lorafit trained on `models/{model}`, loaded by PEFT onto transformers' model,
+/// gives lorafit's logits (`tests/fixtures/{dst}/peft_logits.safetensors`); `pairs` LoRA pairs.
+fn check_roundtrip(model_name: &str, dst: &str, pairs: usize) {
+    let dir = fixture(dst);
     let dev = Device::Cpu;
-    let model = lorafit::model::load(&qwen2_fixture(), &dev).unwrap();
+    let model = lorafit::model::load(&fixture(&format!("models/{model_name}")), &dev).unwrap();
     let adapter = dir.join("adapter");
 
     // The adapter is a PEFT adapter: the fields PEFT needs to rebuild it.
@@ -819,7 +835,7 @@ fn peft_adapter_reproduces_lorafit_logits() {
     );
 
     let lora = Lora::load_peft(&adapter, &model.spec, &dev).unwrap();
-    assert_eq!(lora.pairs().count(), 14);
+    assert_eq!(lora.pairs().count(), pairs);
     assert_eq!(lora.get(1, lorafit::model::Target::Down).unwrap().rank, 2);
     // Every B was trained away from PEFT's zero init, so the comparison is not vacuous.
     for (l, t, p) in lora.pairs() {
@@ -839,10 +855,10 @@ fn peft_adapter_reproduces_lorafit_logits() {
     assert_eq!(shape.as_slice(), &[ids.len(), model.spec.vocab]);
     let (md, i) = max_diff(got, want);
     let bound = 1e-4 * max_abs(want);
-    eprintln!("lorafit vs PEFT logits: max|diff| {md:.3e} (bound {bound:.3e})");
+    eprintln!("{model_name}: lorafit vs PEFT logits: max|diff| {md:.3e} (bound {bound:.3e})");
     assert!(
         md <= bound,
-        "lorafit vs PEFT logits: max|diff| {md:.3e} at {i} (got {} want {}) > {bound:.3e}",
+        "{model_name}: lorafit vs PEFT logits: max|diff| {md:.3e} at {i} (got {} want {}) > {bound:.3e}",
         got[i],
         want[i]
     );
@@ -851,9 +867,21 @@ fn peft_adapter_reproduces_lorafit_logits() {
     let base_hidden = model.hidden_states(&ids, None).unwrap();
     let base = model.logits(&base_hidden, DType::F32).unwrap();
     let (effect, _) = max_diff(base.as_cpu().unwrap(), want);
-    eprintln!("adapter effect on the logits: max|diff| {effect:.3e}");
+    eprintln!("{model_name}: adapter effect on the logits: max|diff| {effect:.3e}");
     assert!(
         effect > 100.0 * bound,
         "the adapter barely changes the logits ({effect:.3e} vs tolerance {bound:.3e})"
     );
+}
+
+#[test]
+fn peft_adapter_reproduces_lorafit_logits() {
+    check_roundtrip("qwen2", "peft_roundtrip", 14);
+}
+
+/// Gemma 4: the KV-sharing layers have no k/v projections, so no k/v adapters
+/// (7·8 − 2·3 = 50 pairs), as PEFT builds them on transformers' model.
+#[test]
+fn peft_adapter_reproduces_lorafit_logits_gemma4() {
+    check_roundtrip("gemma4", "peft_roundtrip_gemma4", 50);
 }
