@@ -99,6 +99,60 @@ fn synthetic_gpt2_tokenizer() {
     let _ = std::fs::remove_file(&p);
 }
 
+/// Gemma 4's `gemma4` tokenizer model: BPE merges over raw UTF-8 pieces with "▁" for spaces
+/// (no byte-level alphabet, no prefix space), byte fallback for characters outside the vocabulary.
+#[test]
+fn synthetic_gemma4_tokenizer() {
+    let tokens = [
+        "<eos>",
+        "<unk>",
+        "<bos>",
+        "<0xC3>",
+        "<0xA9>",
+        "h",
+        "e",
+        "l",
+        "o",
+        "\u{2581}",
+        "w",
+        "r",
+        "d",
+        "he",
+        "ll",
+        "hell",
+        "hello",
+        "\u{2581}w",
+        "<start_of_turn>",
+    ];
+    let mut types = vec![1; tokens.len()];
+    types[0] = 3;
+    types[1] = 2;
+    types[2] = 3;
+    types[3] = 6;
+    types[4] = 6;
+    types[18] = 3;
+    let merges = ["h e", "l l", "he ll", "hell o", "\u{2581} w"];
+    let p = write_tokenizer_gguf("gemma4", "gemma4", &tokens, &types, &merges);
+    let f = GgufFile::open(&p).unwrap();
+    let (tok, info) = load_gguf_tokenizer(&f).unwrap();
+    assert_eq!(info.eos_id, Some(0));
+    let text = "hello world é<start_of_turn>hello";
+    let enc = tok.encode(text, false).unwrap();
+    // hello ▁w o r l d ▁ <0xC3> <0xA9> <start_of_turn> hello
+    assert_eq!(
+        enc.get_ids(),
+        &[16, 17, 8, 11, 7, 12, 9, 3, 4, 18, 16],
+        "{:?}",
+        enc.get_tokens()
+    );
+    assert_eq!(tok.decode(enc.get_ids(), false).unwrap(), text);
+    assert_eq!(
+        tok.decode(enc.get_ids(), true).unwrap(),
+        "hello world éhello"
+    );
+    let _ = std::fs::remove_file(&p);
+}
+
 #[test]
 fn unsupported_tokenizer_model_is_a_clear_error() {
     let p = write_tokenizer_gguf("wpm", "bert", &["[UNK]", "a"], &[2, 1], &[]);

@@ -41,9 +41,18 @@
 //! could still merge with a neighbour (only when a token contains a character
 //! that is not itself a token). Neither tokenizer normalizes Unicode.
 //!
+//! **`gemma4`** (Gemma 4's BPE as llama.cpp's converter writes it): tokens and
+//! `tokenizer.ggml.merges` like `gpt2`, but over raw UTF-8 pieces, not the
+//! byte-level alphabet: the normalizer replaces " " by "▁", the merges run over
+//! the whole text (no pre-tokenizer split, no prefix space), characters no
+//! piece covers become `<0xNN>` byte tokens (byte fallback), and the decoder
+//! undoes "▁" and the byte tokens. Control and unknown tokens are special added
+//! tokens.
+//!
 //! BOS/EOS are NOT inserted by the built tokenizer; see
-//! [`GgufTokenizerInfo::add_bos`] (default true for `llama`, false for `gpt2`,
-//! as in llama.cpp). Other tokenizer models are rejected with a clear error.
+//! [`GgufTokenizerInfo::add_bos`] (default true for `llama` and `gemma4`, false
+//! for `gpt2`, as in llama.cpp). Other tokenizer models are rejected with a
+//! clear error.
 
 use crate::model::gguf::GgufFile;
 
@@ -71,7 +80,7 @@ pub const SUPPORTED_PRE: &[&str] = &[
 ];
 
 /// `tokenizer.ggml.model` values this module builds.
-pub const SUPPORTED_MODELS: &[&str] = &["gpt2", "llama"];
+pub const SUPPORTED_MODELS: &[&str] = &["gpt2", "llama", "gemma4"];
 
 const TOKEN_TYPE_UNKNOWN: i32 = 2;
 const TOKEN_TYPE_CONTROL: i32 = 3;
@@ -92,8 +101,8 @@ pub struct GgufTokenizerInfo {
     pub pad_id: Option<u32>,
     /// `tokenizer.chat_template` (Jinja source)
     pub chat_template: Option<String>,
-    /// `tokenizer.ggml.add_bos_token` (default: true for `llama`
-    /// SentencePiece vocabularies, false otherwise, as in llama.cpp): whether
+    /// `tokenizer.ggml.add_bos_token` (default: true for `llama` and `gemma4`
+    /// vocabularies, false otherwise, as in llama.cpp): whether
     /// the model expects BOS to be prepended. The built tokenizer never adds
     /// it itself.
     pub add_bos: bool,
@@ -121,6 +130,14 @@ fn is_spm(g: &GgufFile) -> bool {
         .is_some_and(|m| m == "llama")
 }
 
+/// Whether the model expects BOS when the file does not say (`tokenizer.ggml.add_bos_token`):
+/// SentencePiece vocabularies and Gemma 4's do, byte-level BPE ones do not, as in llama.cpp.
+fn adds_bos_by_default(g: &GgufFile) -> bool {
+    g.get("tokenizer.ggml.model")
+        .and_then(|v| v.as_str())
+        .is_some_and(|m| m == "llama" || m == "gemma4")
+}
+
 /// Reads BOS/EOS/PAD ids and the chat template.
 pub fn tokenizer_info_from_gguf(g: &GgufFile) -> Result<GgufTokenizerInfo> {
     Ok(GgufTokenizerInfo {
@@ -131,7 +148,7 @@ pub fn tokenizer_info_from_gguf(g: &GgufFile) -> Result<GgufTokenizerInfo> {
             None => None,
             Some(_) => Some(g.get_str("tokenizer.chat_template")?.to_owned()),
         },
-        add_bos: opt_bool(g, "tokenizer.ggml.add_bos_token", is_spm(g))?,
+        add_bos: opt_bool(g, "tokenizer.ggml.add_bos_token", adds_bos_by_default(g))?,
         add_eos: opt_bool(g, "tokenizer.ggml.add_eos_token", false)?,
     })
 }
@@ -181,7 +198,7 @@ pub fn tokenizer_json_from_gguf(g: &GgufFile) -> Result<Value> {
     let path = g.path().display().to_string();
     let model = g.get_str("tokenizer.ggml.model")?;
     match model {
-        "gpt2" => {}
+        "gpt2" | "gemma4" => {}
         "llama" => {
             return serde_json::to_value(spm_tokenizer(g)?).map_err(|e| {
                 anyhow!("GGUF {path}: cannot write the SentencePiece tokenizer as JSON: {e}")
@@ -192,16 +209,47 @@ pub fn tokenizer_json_from_gguf(g: &GgufFile) -> Result<Value> {
             SUPPORTED_MODELS.join(", ")
         ),
     }
-    let pre = match g.get("tokenizer.ggml.pre") {
-        None => "gpt-2",
-        Some(_) => g.get_str("tokenizer.ggml.pre")?,
-    };
-    let (pre_tokenizer, normalizer, ignore_merges) = pre_tokenizer_for(pre).ok_or_else(|| {
-        anyhow!(
-            "GGUF {path}: tokenizer pre-tokenizer '{pre}' is not supported (supported: {})",
-            SUPPORTED_PRE.join(", ")
-        )
-    })?;
+    let gemma4 = model == "gemma4";
+    // (pre-tokenizer, normalizer, ignore_merges, post-processor, decoder, byte fallback)
+    let (pre_tokenizer, normalizer, ignore_merges, post_processor, decoder, byte_fallback) =
+        if gemma4 {
+            // Raw UTF-8 pieces over the whole text (no byte-level alphabet, no pre-split),
+            // spaces as "▁", characters outside the vocabulary as <0xNN> byte tokens.
+            (
+                Value::Null,
+                json!({"type": "Replace", "pattern": {"String": " "}, "content": SPACE_MARK}),
+                false,
+                Value::Null,
+                json!({"type": "Sequence", "decoders": [
+                    {"type": "Replace", "pattern": {"String": SPACE_MARK}, "content": " "},
+                    {"type": "ByteFallback"},
+                    {"type": "Fuse"},
+                ]}),
+                true,
+            )
+        } else {
+            let pre = match g.get("tokenizer.ggml.pre") {
+                None => "gpt-2",
+                Some(_) => g.get_str("tokenizer.ggml.pre")?,
+            };
+            let (pre_tokenizer, normalizer, ignore_merges) =
+                pre_tokenizer_for(pre).ok_or_else(|| {
+                    anyhow!(
+                        "GGUF {path}: tokenizer pre-tokenizer '{pre}' is not supported (supported: {})",
+                        SUPPORTED_PRE.join(", ")
+                    )
+                })?;
+            (
+                pre_tokenizer,
+                normalizer,
+                ignore_merges,
+                json!({"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": false,
+                       "use_regex": true}),
+                json!({"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true,
+                       "use_regex": true}),
+                false,
+            )
+        };
 
     let tokens = g.get_str_array("tokenizer.ggml.tokens")?;
     let merges = match g.get("tokenizer.ggml.merges") {
@@ -227,13 +275,25 @@ pub fn tokenizer_json_from_gguf(g: &GgufFile) -> Result<Value> {
         if !vocab.contains_key(tok) {
             vocab.insert(tok.to_owned(), json!(id));
         }
-        if ty == TOKEN_TYPE_CONTROL || ty == TOKEN_TYPE_USER_DEFINED {
+        let special = ty == TOKEN_TYPE_CONTROL || (gemma4 && ty == TOKEN_TYPE_UNKNOWN);
+        if special || ty == TOKEN_TYPE_USER_DEFINED {
             added.push(json!({
                 "id": id, "content": tok, "single_word": false, "lstrip": false,
-                "rstrip": false, "normalized": false, "special": ty == TOKEN_TYPE_CONTROL,
+                "rstrip": false, "normalized": false, "special": special,
             }));
         }
     }
+    // Gemma 4's unknown token, for characters that neither a piece nor the byte tokens cover.
+    let unk_token = match (gemma4, opt_u32(g, "tokenizer.ggml.unknown_token_id")?) {
+        (false, _) => Value::Null,
+        (true, Some(id)) => json!(tokens.get(id as usize).ok_or_else(|| anyhow!(
+            "GGUF {path}: tokenizer.ggml.unknown_token_id {id} is outside the vocabulary"
+        ))?),
+        (true, None) => types
+            .iter()
+            .position(|&t| t == TOKEN_TYPE_UNKNOWN)
+            .map_or(Value::Null, |i| json!(tokens[i])),
+    };
     let mut merge_pairs = Vec::with_capacity(merges.len());
     for (i, m) in merges.iter().enumerate() {
         let (a, b) = m.split_once(' ').ok_or_else(|| {
@@ -249,14 +309,12 @@ pub fn tokenizer_json_from_gguf(g: &GgufFile) -> Result<Value> {
         "added_tokens": added,
         "normalizer": normalizer,
         "pre_tokenizer": pre_tokenizer,
-        "post_processor": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": false,
-                           "use_regex": true},
-        "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true,
-                    "use_regex": true},
+        "post_processor": post_processor,
+        "decoder": decoder,
         "model": {
-            "type": "BPE", "dropout": null, "unk_token": null,
+            "type": "BPE", "dropout": null, "unk_token": unk_token,
             "continuing_subword_prefix": null, "end_of_word_suffix": null,
-            "fuse_unk": false, "byte_fallback": false, "ignore_merges": ignore_merges,
+            "fuse_unk": byte_fallback, "byte_fallback": byte_fallback, "ignore_merges": ignore_merges,
             "vocab": vocab, "merges": merge_pairs,
         },
     }))

@@ -716,6 +716,14 @@ pub fn config_from_gguf(f: &GgufFile) -> Result<(GgufArch, Value)> {
             one: Some(n_heads),
         },
     };
+    // Checked here so that the error names the GGUF key, not the config field it becomes.
+    for (l, &kv) in kv_heads.v.iter().enumerate() {
+        ensure!(
+            n_heads % kv == 0,
+            "{path}: {}: layer {l}: num_attention_heads {n_heads} is not a multiple of its {kv} key/value heads",
+            kv_heads.key
+        );
+    }
     let ff = m
         .per_layer("feed_forward_length", n_layers)?
         .with_context(|| required("feed_forward_length"))?
