@@ -190,6 +190,16 @@ impl fmt::Display for PartDiff {
     }
 }
 
+/// The finding for the compared tokenization over `(part, checked ids, compared ids)`: `None`
+/// where every part gets the same ids.
+fn rules_differ(tok: &TextTokenizer, parts: &[(&'static str, &[u32], &[u32])]) -> Option<Finding> {
+    let diffs: Vec<PartDiff> = parts
+        .iter()
+        .filter_map(|&(part, ours, other)| PartDiff::new(tok, part, ours, other))
+        .collect();
+    (!diffs.is_empty()).then_some(Finding::RulesDiffer(diffs))
+}
+
 /// A checked row: its place, its ids and its findings.
 #[derive(Debug, Clone)]
 pub struct CheckedRow {
@@ -481,19 +491,14 @@ fn check_row(
             match other {
                 None => {}
                 Some(Err(e)) => findings.push(Finding::OtherRulesFail(format!("{e:#}"))),
-                Some(Ok(o)) => {
-                    let parts: Vec<PartDiff> = [
-                        PartDiff::new(tok, "prompt", &whole.prompt, &o.prompt),
-                        PartDiff::new(tok, "chosen", &whole.chosen, &o.chosen),
-                        PartDiff::new(tok, "rejected", &whole.rejected, &o.rejected),
-                    ]
-                    .into_iter()
-                    .flatten()
-                    .collect();
-                    if !parts.is_empty() {
-                        findings.push(Finding::RulesDiffer(parts));
-                    }
-                }
+                Some(Ok(o)) => findings.extend(rules_differ(
+                    tok,
+                    &[
+                        ("prompt", &whole.prompt, &o.prompt),
+                        ("chosen", &whole.chosen, &o.chosen),
+                        ("rejected", &whole.rejected, &o.rejected),
+                    ],
+                )),
             }
             if pair.prompt.len() < whole.prompt.len() {
                 findings.push(Finding::PromptCut(whole.prompt.len() - pair.prompt.len()));
@@ -548,18 +553,13 @@ fn check_row(
             match other {
                 None => {}
                 Some(Err(e)) => findings.push(Finding::OtherRulesFail(format!("{e:#}"))),
-                Some(Ok(o)) => {
-                    let parts: Vec<PartDiff> = [
-                        PartDiff::new(tok, "prompt", &whole.prompt, &o.prompt),
-                        PartDiff::new(tok, "completion", &whole.completion, &o.completion),
-                    ]
-                    .into_iter()
-                    .flatten()
-                    .collect();
-                    if !parts.is_empty() {
-                        findings.push(Finding::RulesDiffer(parts));
-                    }
-                }
+                Some(Ok(o)) => findings.extend(rules_differ(
+                    tok,
+                    &[
+                        ("prompt", &whole.prompt, &o.prompt),
+                        ("completion", &whole.completion, &o.completion),
+                    ],
+                )),
             }
             if sft.prompt.len() < whole.prompt.len() {
                 findings.push(Finding::PromptCut(whole.prompt.len() - sft.prompt.len()));
