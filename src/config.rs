@@ -39,6 +39,33 @@ pub enum SftScope {
     Response,
 }
 
+/// DPO's loss on the reward margin (TRL `DPOConfig.loss_type`; `train::objectives::dpo_sums`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum DpoLossType {
+    /// `-log_sigmoid(beta * z)`, with cDPO label smoothing.
+    #[default]
+    Sigmoid,
+    /// IPO: `(z - 1 / (2 beta))^2` with `z` on the token-MEAN logps (as TRL computes it).
+    Ipo,
+    /// SLiC's hinge: `relu(1 - beta * z)`.
+    Hinge,
+    /// Robust DPO: the sigmoid loss de-biased for label noise `label_smoothing` (< 0.5).
+    Robust,
+}
+
+impl DpoLossType {
+    /// The setting's value as written in a config.
+    pub fn name(&self) -> &'static str {
+        match self {
+            DpoLossType::Sigmoid => "sigmoid",
+            DpoLossType::Ipo => "ipo",
+            DpoLossType::Hinge => "hinge",
+            DpoLossType::Robust => "robust",
+        }
+    }
+}
+
 /// How a row's text becomes prompt and response token ids (`data::tokenize`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
@@ -102,6 +129,11 @@ pub struct TrainConfig {
     pub sft_all_tokens: bool,
     pub dpo_beta: f64,
     pub label_smoothing: f64,
+    /// DPO's loss: "sigmoid" (default), "ipo", "hinge" or "robust" (TRL's `loss_type`).
+    pub dpo_loss_type: DpoLossType,
+    /// A per-example loss above this counts as this value with zero gradient (every objective);
+    /// unset: no clip.
+    pub loss_clip: Option<f64>,
     pub simpo_beta: f64,
     pub simpo_gamma: f64,
     pub max_seq_len: usize,
@@ -194,6 +226,8 @@ impl Default for TrainConfig {
             sft_all_tokens: false,
             dpo_beta: 0.1,
             label_smoothing: 0.0,
+            dpo_loss_type: DpoLossType::Sigmoid,
+            loss_clip: None,
             simpo_beta: 2.0,
             simpo_gamma: 1.0,
             max_seq_len: 2048,
@@ -299,6 +333,7 @@ impl TrainConfig {
             "keep_kv_layers",
             "warm_start",
             "warmup_steps",
+            "loss_clip",
         ] {
             if !names.iter().any(|n| n == extra) {
                 names.push(extra.to_string());
@@ -499,6 +534,23 @@ impl TrainConfig {
             false,
             false,
         )?;
+        if self.method == Method::Dpo {
+            match self.dpo_loss_type {
+                DpoLossType::Robust if self.label_smoothing >= 0.5 => bail!(
+                    "label_smoothing = {}: expected a number in [0, 0.5) with dpo_loss_type = \"robust\" (it divides by 1 - 2·label_smoothing)",
+                    self.label_smoothing
+                ),
+                DpoLossType::Ipo | DpoLossType::Hinge if self.label_smoothing != 0.0 => bail!(
+                    "label_smoothing = {}: applies to dpo_loss_type \"sigmoid\" and \"robust\" only (expected 0 with \"{}\")",
+                    self.label_smoothing,
+                    self.dpo_loss_type.name()
+                ),
+                _ => {}
+            }
+        }
+        if let Some(c) = self.loss_clip {
+            range("loss_clip", c, 0.0, inf, true, true)?;
+        }
         range("simpo_beta", self.simpo_beta, 0.0, inf, true, true)?;
         range("simpo_gamma", self.simpo_gamma, 0.0, inf, false, true)?;
         range(

@@ -8,8 +8,15 @@
 //! functions; CPU: the same steps on the host). The loss and the metrics come later, from
 //! [`PendingLoss::finish`], which reads the sums back and evaluates `objectives` on them: the
 //! step's one read-back, once everything else is queued.
+//!
+//! Per example, [`ExampleScale`] applies the example's weight (loss and gradient times it) and
+//! the `loss_clip` (`SumsOut::clip`: a loss above the clip counts as the clip, with zero
+//! gradient). Whether an example was clipped is decided where the coefficients are computed and
+//! recorded in the stats, so that the loss `finish` reports matches the gradient written.
 
-use super::objectives::{self, BranchSums, Metrics, SftScope, SumsOut, LOGP_POSITIVE_TOLERANCE};
+use super::objectives::{
+    self, BranchSums, DpoLossType, Metrics, SftScope, SumsOut, LOGP_POSITIVE_TOLERANCE,
+};
 use super::step::Objective;
 use crate::tensor::{Device, DeviceValues, Tensor};
 use anyhow::{anyhow, bail, ensure, Result};
@@ -36,10 +43,29 @@ impl Parts {
 const PART_NAMES: [&str; 3] = ["chosen prompt", "chosen response", "rejected response"];
 
 /// Values in the stats (`CudaBackend::pair_objective` documents the layout).
-const STATS: usize = 8;
+const STATS: usize = 9;
 const BAD_INDEX: usize = 3;
 const BAD_VALUE: usize = 4;
 const COEF: usize = 5;
+const CLIPPED: usize = 8;
+
+/// How one example's loss enters the step: its weight (a preference row's `weight`: loss and
+/// gradient times it, metrics unweighted) and the configured `loss_clip` (applied to the
+/// objective's loss before the weight).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ExampleScale {
+    pub weight: f64,
+    pub clip: Option<f64>,
+}
+
+impl Default for ExampleScale {
+    fn default() -> Self {
+        ExampleScale {
+            weight: 1.0,
+            clip: None,
+        }
+    }
+}
 
 /// DPO's reference: the stats of the adapter-off logps (response sums at 1 and 2), kept on the
 /// device and shared by every step that reads the same example.
@@ -63,6 +89,7 @@ pub struct PendingLoss {
     objective: Objective,
     spans: [(usize, usize); 3],
     reference: Option<Reference>,
+    scale: ExampleScale,
 }
 
 /// The kernel's objective code and parameters (`objective.cu`).
@@ -81,7 +108,16 @@ fn kind(objective: &Objective) -> (i32, [f64; 2]) {
         Objective::Dpo {
             beta,
             label_smoothing,
-        } => (5, [beta, label_smoothing]),
+            loss_type,
+        } => (
+            match loss_type {
+                DpoLossType::Sigmoid => 5,
+                DpoLossType::Ipo => 7,
+                DpoLossType::Hinge => 8,
+                DpoLossType::Robust => 9,
+            },
+            [beta, label_smoothing],
+        ),
         Objective::Simpo { beta, gamma } => (6, [beta, gamma]),
     }
 }
@@ -112,6 +148,7 @@ fn on_sums(
         Objective::Dpo {
             beta,
             label_smoothing,
+            loss_type,
         } => objectives::dpo_sums(
             &chosen,
             &rejected,
@@ -119,18 +156,19 @@ fn on_sums(
             reference.1,
             beta,
             label_smoothing,
+            loss_type,
         ),
         Objective::Simpo { beta, gamma } => objectives::simpo_sums(&chosen, &rejected, beta, gamma),
     }
     .map_err(|e| anyhow!("objective: {e}"))
 }
 
-/// Sums, first bad token and (with `coef`) coefficients of the parts, on the host: what
-/// `lf_obj_pair` writes to its stats.
+/// Sums, first bad token and (with `coef`) coefficients of the parts and whether the loss was
+/// clipped, on the host: what `lf_obj_pair` writes to its stats.
 fn host_stats(
     logp: &[f32],
     spans: [(usize, usize); 3],
-    coef: impl FnOnce([f64; 3]) -> Result<[f64; 3]>,
+    coef: impl FnOnce([f64; 3]) -> Result<([f64; 3], bool)>,
 ) -> Result<Vec<f64>> {
     let mut stats = vec![0.0; STATS];
     let mut bad: Option<usize> = None;
@@ -150,8 +188,9 @@ fn host_stats(
         }
         None => {
             stats[BAD_INDEX] = -1.0;
-            let c = coef([stats[0], stats[1], stats[2]])?;
+            let (c, clipped) = coef([stats[0], stats[1], stats[2]])?;
             stats[COEF..COEF + 3].copy_from_slice(&c);
+            stats[CLIPPED] = if clipped { 1.0 } else { 0.0 };
         }
     }
     Ok(stats)
@@ -171,15 +210,16 @@ fn check_spans(logp: &Tensor, spans: &[(usize, usize); 3]) -> Result<()> {
 }
 
 /// Queues `objective` on `logp` (f32, one per head row) and returns it pending, with
-/// `d loss / d logp · weight` for every row (0 on rows outside the parts). Hyperparameters and
-/// empty responses are checked here; bad logps (non-finite or positive) are reported by
-/// `finish`.
+/// `d loss / d logp · weight · scale.weight` for every row (0 on rows outside the parts; 0
+/// everywhere when `scale.clip` clips the loss). Hyperparameters, the scale and empty responses
+/// are checked here; bad logps (non-finite or positive) are reported by `finish`.
 pub fn evaluate(
     logp: &Tensor,
     parts: &Parts,
     objective: &Objective,
     reference: Option<&Reference>,
     weight: f32,
+    scale: ExampleScale,
 ) -> Result<(PendingLoss, Tensor)> {
     let spans = parts.spans();
     check_spans(logp, &spans)?;
@@ -190,6 +230,29 @@ pub fn evaluate(
     if matches!(objective, Objective::Dpo { .. }) && reference.is_none() {
         bail!("DPO needs reference logps");
     }
+    ensure!(
+        scale.weight.is_finite() && scale.weight >= 0.0,
+        "objective: example weight {} (expected a finite number >= 0)",
+        scale.weight
+    );
+    if let Some(c) = scale.clip {
+        ensure!(
+            c.is_finite() && c > 0.0,
+            "objective: loss_clip = {c} (expected a finite number > 0)"
+        );
+    }
+    if let (Some(r), Objective::Dpo { .. }) = (reference, objective) {
+        let ref_spans = &r.0 .1;
+        ensure!(
+            ref_spans[1].1 == counts[1] && ref_spans[2].1 == counts[2],
+            "DPO reference has {}+{} response logps, the policy {}+{}",
+            ref_spans[1].1,
+            ref_spans[2].1,
+            counts[1],
+            counts[2]
+        );
+    }
+    let weight = weight * scale.weight as f32;
     // Hyperparameters and counts, checked on stand-in sums (every mean -1) before any launch.
     on_sums(objective, counts.map(|n| -(n as f64)), counts, (-1.0, -1.0))?;
     let (code, params) = kind(objective);
@@ -201,7 +264,9 @@ pub fn evaluate(
             };
             let lp = logp.as_cpu()?;
             let stats = host_stats(lp, spans, |sums| {
-                Ok(on_sums(objective, sums, counts, reference)?.coef)
+                let mut out = on_sums(objective, sums, counts, reference)?;
+                let clipped = out.clip(scale.clip);
+                Ok((out.coef, clipped))
             })?;
             let mut d = vec![0f32; lp.len()];
             if stats[BAD_INDEX] < 0.0 {
@@ -218,6 +283,7 @@ pub fn evaluate(
             code,
             params,
             reference.map(|r| &r.0 .0),
+            scale.clip,
             weight,
         )?,
     };
@@ -227,6 +293,7 @@ pub fn evaluate(
             objective: *objective,
             spans,
             reference: reference.cloned(),
+            scale,
         },
         dlogp,
     ))
@@ -237,8 +304,8 @@ pub fn reference(logp: &Tensor, parts: &Parts) -> Result<Reference> {
     let spans = parts.spans();
     check_spans(logp, &spans)?;
     let stats = match logp.device() {
-        Device::Cpu => DeviceValues::cpu(host_stats(logp.as_cpu()?, spans, |_| Ok([0.0; 3]))?),
-        Device::Cuda(c) => c.pair_objective(logp, spans, 0, [0.0; 2], None, 0.0)?.0,
+        Device::Cpu => DeviceValues::cpu(host_stats(logp.as_cpu()?, spans, |_| Ok(([0.0; 3], false)))?),
+        Device::Cuda(c) => c.pair_objective(logp, spans, 0, [0.0; 2], None, None, 0.0)?.0,
     };
     Ok(Reference(Arc::new((stats, spans))))
 }
@@ -261,7 +328,9 @@ fn check_stats(stats: &[f64], spans: &[(usize, usize); 3], what: &str) -> Result
 }
 
 impl PendingLoss {
-    /// Reads the stats back (a sync point on CUDA) and evaluates the loss and metrics.
+    /// Reads the stats back (a sync point on CUDA) and evaluates the loss and metrics: the loss
+    /// clipped (as the stats record) and weighted by the example's scale, the metrics as the
+    /// objective gives them.
     pub fn finish(self) -> Result<(f64, Metrics)> {
         let stats = self.stats.to_host()?;
         check_stats(&stats, &self.spans, "objective")?;
@@ -275,12 +344,16 @@ impl PendingLoss {
             self.spans.map(|(_, l)| l),
             reference,
         )?;
-        Ok((out.loss, out.metrics))
+        let loss = match self.scale.clip {
+            Some(c) if stats[CLIPPED] > 0.5 => c,
+            _ => out.loss,
+        };
+        Ok((loss * self.scale.weight, out.metrics))
     }
 }
 
-/// The objectives the parity rows and tests exercise, one of each kind.
-fn all_objectives() -> [Objective; 6] {
+/// The objectives the parity rows and tests exercise, one of each kind (every DPO loss type).
+fn all_objectives() -> [Objective; 9] {
     [
         Objective::Orpo {
             lambda: 0.25,
@@ -295,10 +368,27 @@ fn all_objectives() -> [Objective; 6] {
         Objective::Dpo {
             beta: 0.1,
             label_smoothing: 0.1,
+            loss_type: DpoLossType::Sigmoid,
         },
         Objective::Simpo {
             beta: 2.0,
             gamma: 0.5,
+        },
+        Objective::Dpo {
+            beta: 0.1,
+            label_smoothing: 0.0,
+            loss_type: DpoLossType::Ipo,
+        },
+        // A small beta keeps the random cases' margins (hundreds of nats) on the hinge's slope.
+        Objective::Dpo {
+            beta: 1e-3,
+            label_smoothing: 0.0,
+            loss_type: DpoLossType::Hinge,
+        },
+        Objective::Dpo {
+            beta: 0.1,
+            label_smoothing: 0.2,
+            loss_type: DpoLossType::Robust,
         },
     ]
 }
@@ -342,31 +432,54 @@ pub fn parity_rows(device: &Device) -> Result<Vec<crate::tensor::parity::ParityR
         reference(&on(&Device::Cpu, &ref_logp)?, &ref_parts)?,
         reference(&on(device, &ref_logp)?, &ref_parts)?,
     );
-    for objective in all_objectives() {
-        let run = |dev: &Device, r: &Reference| -> Result<(f64, Vec<f32>)> {
-            let (pending, d) = evaluate(&on(dev, &logp)?, &parts, &objective, Some(r), 0.5)?;
-            Ok((pending.finish()?.0, d.to_vec()?))
-        };
-        let (want_loss, want) = run(&Device::Cpu, &cpu_ref)?;
-        let (got_loss, got) = run(device, &dev_ref)?;
-        let mut row = compare(
-            &format!("objective {objective:?}: d loss / d logp"),
-            &got,
-            &want,
-            1e-6,
-        );
-        let loss_rel = ((got_loss - want_loss) / want_loss).abs();
+    let run = |dev: &Device, r: &Reference, objective: &Objective, scale: ExampleScale| {
+        let (pending, d) = evaluate(&on(dev, &logp)?, &parts, objective, Some(r), 0.5, scale)?;
+        anyhow::Ok((pending.finish()?.0, d.to_vec()?))
+    };
+    let mut row_for = |what: String, objective: &Objective, scale: ExampleScale| -> Result<f64> {
+        let (want_loss, want) = run(&Device::Cpu, &cpu_ref, objective, scale)?;
+        let (got_loss, got) = run(device, &dev_ref, objective, scale)?;
+        let mut row = compare(&what, &got, &want, 1e-6);
+        let loss_rel = (got_loss - want_loss).abs() / want_loss.abs().max(1e-300);
         row.note = format!("loss {got_loss:.6} vs {want_loss:.6} (rel {loss_rel:.1e})");
         // Sums in another order only: the loss agrees far below f32 rounding.
         row.pass &= loss_rel <= 1e-9;
         rows.push(row);
+        Ok(want_loss)
+    };
+    for objective in all_objectives() {
+        let loss = row_for(
+            format!("objective {objective:?}: d loss / d logp"),
+            &objective,
+            ExampleScale::default(),
+        )?;
+        // The example weight, and the loss clip on either side of the loss (clipped: the
+        // gradient is zero on both backends, the loss is the clip).
+        for (weight, clip) in [(1.75, 2.0), (0.5, 0.5)] {
+            let scale = ExampleScale {
+                weight,
+                clip: Some(loss.abs().max(1e-3) * clip),
+            };
+            row_for(
+                format!("objective {objective:?}, weight {weight}, clip {clip}·loss: d loss / d logp"),
+                &objective,
+                scale,
+            )?;
+        }
     }
     // A non-finite token in the rejected response: both backends name it at finish.
     let mut bad = logp.clone();
     bad[n[0] + n[1] + 17] = f32::NAN;
     let objective = all_objectives()[0];
     let message = |dev: &Device| -> Result<String> {
-        let (pending, d) = evaluate(&on(dev, &bad)?, &parts, &objective, None, 1.0)?;
+        let (pending, d) = evaluate(
+            &on(dev, &bad)?,
+            &parts,
+            &objective,
+            None,
+            1.0,
+            ExampleScale::default(),
+        )?;
         let zero = d.to_vec()?.iter().all(|&x| x == 0.0);
         Ok(format!(
             "{} (gradient zero: {zero})",
@@ -424,11 +537,28 @@ mod tests {
                 Objective::Dpo {
                     beta,
                     label_smoothing,
-                } => per_token::dpo(chosen, rejected, refs.0, refs.1, beta, label_smoothing),
+                    loss_type,
+                } => per_token::dpo(
+                    chosen,
+                    rejected,
+                    refs.0,
+                    refs.1,
+                    beta,
+                    label_smoothing,
+                    loss_type,
+                ),
                 Objective::Simpo { beta, gamma } => per_token::simpo(chosen, rejected, beta, gamma),
             }
             .unwrap();
-            let (pending, d) = evaluate(&x, &parts, &objective, Some(&reference), 0.5).unwrap();
+            let (pending, d) = evaluate(
+                &x,
+                &parts,
+                &objective,
+                Some(&reference),
+                0.5,
+                ExampleScale::default(),
+            )
+            .unwrap();
             let d = d.to_vec().unwrap();
             let (loss, metrics) = pending.finish().unwrap();
             assert!(
@@ -457,6 +587,68 @@ mod tests {
         }
     }
 
+    /// The example weight scales loss and gradient (metrics unweighted); a loss above the clip
+    /// counts as the clip with zero gradient, at or below it nothing changes.
+    #[test]
+    fn weight_and_clip() {
+        let n = [4, 3, 5];
+        let (logp, ref_logp, parts) = random_case(5, n);
+        let ref_parts = Parts {
+            chosen_prompt: (0, 0),
+            chosen_response: (0, n[1]),
+            rejected_response: Some((n[1], n[2])),
+        };
+        let t = Tensor::cpu(ref_logp.clone(), &[ref_logp.len()]).unwrap();
+        let reference = reference(&t, &ref_parts).unwrap();
+        let x = Tensor::cpu(logp.clone(), &[logp.len()]).unwrap();
+        for objective in all_objectives() {
+            let run = |scale| {
+                let (p, d) = evaluate(&x, &parts, &objective, Some(&reference), 0.5, scale).unwrap();
+                let (loss, m) = p.finish().unwrap();
+                (loss, m, d.to_vec().unwrap())
+            };
+            let (loss, metrics, d) = run(ExampleScale::default());
+            assert!(loss > 0.0, "{objective:?}: {loss}");
+            let (wl, wm, wd) = run(ExampleScale {
+                weight: 2.5,
+                clip: Some(loss * 1.5),
+            });
+            assert!((wl - 2.5 * loss).abs() <= 1e-12 * loss, "{objective:?}");
+            assert_eq!(wm, metrics, "{objective:?}: the metrics stay unweighted");
+            assert_eq!(wd, d.iter().map(|g| g * 2.5).collect::<Vec<_>>());
+            let (cl, cm, cd) = run(ExampleScale {
+                weight: 2.0,
+                clip: Some(loss * 0.5),
+            });
+            assert_eq!(cl, loss, "{objective:?}: 2 · (loss / 2)");
+            assert_eq!(cm, metrics);
+            assert!(cd.iter().all(|&g| g == 0.0), "{objective:?}");
+            let (zl, _, zd) = run(ExampleScale {
+                weight: 0.0,
+                clip: None,
+            });
+            assert_eq!(zl, 0.0);
+            assert!(zd.iter().all(|&g| g == 0.0));
+        }
+        let orpo = all_objectives()[0];
+        for scale in [
+            ExampleScale {
+                weight: -1.0,
+                clip: None,
+            },
+            ExampleScale {
+                weight: f64::NAN,
+                clip: None,
+            },
+            ExampleScale {
+                weight: 1.0,
+                clip: Some(0.0),
+            },
+        ] {
+            assert!(evaluate(&x, &parts, &orpo, None, 1.0, scale).is_err());
+        }
+    }
+
     #[test]
     fn bad_input_is_named() {
         let n = [3, 4, 2];
@@ -464,7 +656,7 @@ mod tests {
         logp[n[0] + 2] = 0.5;
         let x = Tensor::cpu(logp, &[9]).unwrap();
         let orpo = all_objectives()[0];
-        let (pending, d) = evaluate(&x, &parts, &orpo, None, 1.0).unwrap();
+        let (pending, d) = evaluate(&x, &parts, &orpo, None, 1.0, ExampleScale::default()).unwrap();
         assert!(d.to_vec().unwrap().iter().all(|&g| g == 0.0));
         let e = pending.finish().unwrap_err().to_string();
         assert!(e.contains("chosen response logp[2] = 0.5"), "{e}");
@@ -473,21 +665,21 @@ mod tests {
             lambda: -1.0,
             scope: SftScope::Full,
         };
-        let e = evaluate(&x, &parts, &bad_lambda, None, 1.0).err().unwrap();
+        let e = evaluate(&x, &parts, &bad_lambda, None, 1.0, ExampleScale::default()).err().unwrap();
         assert!(e.to_string().contains("lambda"), "{e}");
         let no_rejected = Parts {
             rejected_response: None,
             ..parts
         };
-        assert!(evaluate(&x, &no_rejected, &orpo, None, 1.0).is_err());
+        assert!(evaluate(&x, &no_rejected, &orpo, None, 1.0, ExampleScale::default()).is_err());
         let dpo = all_objectives()[4];
-        let e = evaluate(&x, &parts, &dpo, None, 1.0).err().unwrap();
+        let e = evaluate(&x, &parts, &dpo, None, 1.0, ExampleScale::default()).err().unwrap();
         assert!(e.to_string().contains("reference"), "{e}");
         let empty = Parts {
             chosen_response: (3, 0),
             ..parts
         };
-        let e = evaluate(&x, &empty, &orpo, None, 1.0).err().unwrap();
+        let e = evaluate(&x, &empty, &orpo, None, 1.0, ExampleScale::default()).err().unwrap();
         assert!(e.to_string().contains("empty"), "{e}");
     }
 }

@@ -36,7 +36,7 @@ pub const LOGP_POSITIVE_TOLERANCE: f64 = 1e-3;
 /// the results by a relative amount of order `1e-30`.
 pub const ODDS_MEAN_CEILING: f64 = -1e-30;
 
-pub use crate::config::SftScope;
+pub use crate::config::{DpoLossType, SftScope};
 use crate::config::{Method, TrainConfig};
 
 /// The training objective and its hyperparameters.
@@ -44,7 +44,11 @@ use crate::config::{Method, TrainConfig};
 pub enum Objective {
     Orpo { lambda: f64, scope: SftScope },
     Sft { all_tokens: bool },
-    Dpo { beta: f64, label_smoothing: f64 },
+    Dpo {
+        beta: f64,
+        label_smoothing: f64,
+        loss_type: DpoLossType,
+    },
     Simpo { beta: f64, gamma: f64 },
 }
 
@@ -78,6 +82,7 @@ impl TrainConfig {
             Method::Dpo => Objective::Dpo {
                 beta: self.dpo_beta,
                 label_smoothing: self.label_smoothing,
+                loss_type: self.dpo_loss_type,
             },
             Method::Simpo => Objective::Simpo {
                 beta: self.simpo_beta,
@@ -115,15 +120,15 @@ pub struct SftMetrics {
     pub tokens: usize,
 }
 
-/// DPO (sigmoid loss) metrics.
+/// DPO metrics (every loss type).
 #[derive(Clone, Debug, PartialEq)]
 pub struct DpoMetrics {
     pub loss: f64,
     pub beta: f64,
-    /// Policy logp sums over the responses.
+    /// Policy logp sums over the responses (means under IPO).
     pub pc: f64,
     pub pr: f64,
-    /// Reference logp sums over the responses.
+    /// Reference logp sums over the responses (means under IPO).
     pub rc: f64,
     pub rr: f64,
     /// Mean policy logps of the responses.
@@ -167,7 +172,8 @@ impl Metrics {
     /// * SFT: `loss nll tokens`.
     /// * DPO: `loss rewards/chosen rewards/rejected rewards/accuracies rewards/margins
     ///   logps/chosen logps/rejected accuracy margin lw lr` (`logps/*` are SUMS,
-    ///   `margin = rewards/margins`, `lw`/`lr` are MEANS).
+    ///   `margin = rewards/margins`, `lw`/`lr` are MEANS; under IPO `logps/*` and the rewards
+    ///   are on MEANS, as TRL's).
     /// * SimPO: same names as DPO; `logps/*` are means (= `lw`, `lr`), rewards are
     ///   `beta * lw`, `beta * lr`, and `margin = lw - lr`.
     pub fn pairs(&self) -> Vec<(&'static str, f64)> {
@@ -314,6 +320,32 @@ pub struct SumsOut {
     pub coef: [f64; 3],
 }
 
+impl SumsOut {
+    /// `loss_clip` (every objective): an example whose loss is above `clip` contributes `clip`,
+    /// a constant, so its gradient is exactly zero: such an example (usually a mislabelled or
+    /// degenerate pair, whose gradient would dominate the batch) drops out of the update instead
+    /// of being scaled down. At or below the clip nothing changes. The metrics keep the
+    /// unclipped loss. Returns whether the loss was clipped.
+    pub fn clip(&mut self, clip: Option<f64>) -> bool {
+        match clip {
+            Some(c) if self.loss > c => {
+                self.loss = c;
+                self.coef = [0.0; 3];
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// The example weight (a preference row's `weight`): loss and gradient times `w`; the
+    /// metrics stay unweighted.
+    pub fn weighted(mut self, w: f64) -> SumsOut {
+        self.loss *= w;
+        self.coef = self.coef.map(|g| g * w);
+        self
+    }
+}
+
 fn check_response(obj: &str, branch: &str, s: &BranchSums) -> Result<(), String> {
     if s.n_response == 0 {
         return Err(format!(
@@ -405,10 +437,24 @@ pub fn sft_sums(b: &BranchSums, all_tokens: bool) -> Result<SumsOut, String> {
     })
 }
 
-/// DPO on branch sums, sigmoid loss (TRL `DPOTrainer` default), with cDPO label smoothing:
-/// `z = beta * ((pc - rc) - (pr - rr))`,
-/// `loss = -(1 - ls) * log_sigmoid(z) - ls * log_sigmoid(-z)`, where `pc`/`pr` are SUMS of
-/// the policy response logps and `rc`/`rr` the reference sums (constants).
+/// DPO on branch sums (TRL `DPOTrainer`), with its `loss_type` ([`DpoLossType`]). With the
+/// policy response logps `pc`/`pr` and the reference ones `rc`/`rr` (constants), the margin is
+/// `z = (pc - rc) - (pr - rr)` (TRL's `logits`) and
+///
+/// * sigmoid (default), with cDPO label smoothing `ls`:
+///   `loss = -(1 - ls) * log_sigmoid(beta z) - ls * log_sigmoid(-beta z)`;
+/// * robust (Chowdhury et al. 2024), `ls < 0.5`:
+///   `loss = (-(1 - ls) * log_sigmoid(beta z) + ls * log_sigmoid(-beta z)) / (1 - 2 ls)`;
+/// * hinge (SLiC): `loss = relu(1 - beta z)` (gradient 0 where `beta z >= 1`, as torch's relu);
+/// * IPO (Azar et al. 2023, eqn 17): `loss = (z - 1 / (2 beta))^2`; here, as in TRL
+///   (`concatenated_forward` divides every logp sum by its token count when `"ipo" in
+///   loss_type`), `pc`, `pr`, `rc`, `rr` are token MEANS of the responses (the reference has
+///   the policy's tokens, so its counts are the policy's).
+///
+/// `ls` must be 0 for hinge and IPO (TRL ignores it there; a set value is refused rather than
+/// dropped). The metrics hold the logps the margin was computed on: sums, means under IPO (TRL's
+/// `logps/*` and `rewards/*` under IPO are on means too).
+#[allow(clippy::too_many_arguments)]
 pub fn dpo_sums(
     c: &BranchSums,
     r: &BranchSums,
@@ -416,25 +462,79 @@ pub fn dpo_sums(
     rr: f64,
     beta: f64,
     ls: f64,
+    loss_type: DpoLossType,
 ) -> Result<SumsOut, String> {
     check_response("dpo", "chosen", c)?;
     check_response("dpo", "rejected", r)?;
     check_param("dpo", "ref_chosen_sum", rc, true, "finite")?;
     check_param("dpo", "ref_rejected_sum", rr, true, "finite")?;
     check_param("dpo", "beta", beta, beta > 0.0, "finite, > 0")?;
-    check_param(
-        "dpo",
-        "label_smoothing",
-        ls,
-        (0.0..=1.0).contains(&ls),
-        "in [0, 1]",
-    )?;
+    match loss_type {
+        DpoLossType::Sigmoid => check_param(
+            "dpo",
+            "label_smoothing",
+            ls,
+            (0.0..=1.0).contains(&ls),
+            "in [0, 1]",
+        )?,
+        DpoLossType::Robust => check_param(
+            "dpo robust",
+            "label_smoothing",
+            ls,
+            (0.0..0.5).contains(&ls),
+            "in [0, 0.5)",
+        )?,
+        DpoLossType::Ipo | DpoLossType::Hinge => check_param(
+            "dpo ipo/hinge",
+            "label_smoothing",
+            ls,
+            ls == 0.0,
+            "0: label smoothing applies to sigmoid and robust only",
+        )?,
+    }
 
-    let (pc, pr) = (c.response, r.response);
-    let z = beta * ((pc - rc) - (pr - rr));
-    let loss = -(1.0 - ls) * log_sigmoid(z) - ls * log_sigmoid(-z);
-    // d/dz log_sigmoid(z) = sigmoid(-z); d/dz log_sigmoid(-z) = -sigmoid(z).
-    let dz = -(1.0 - ls) * sigmoid(-z) + ls * sigmoid(z);
+    let (nc, nr) = (c.n_response as f64, r.n_response as f64);
+    // What one token's logp moves the policy logps by: 1 on sums, 1/n on means (IPO).
+    let (pc, pr, rc, rr, tc, tr) = match loss_type {
+        DpoLossType::Ipo => (
+            c.response / nc,
+            r.response / nr,
+            rc / nc,
+            rr / nr,
+            1.0 / nc,
+            1.0 / nr,
+        ),
+        _ => (c.response, r.response, rc, rr, 1.0, 1.0),
+    };
+    let z = (pc - rc) - (pr - rr);
+    let u = beta * z;
+    // (loss, d loss / d z)
+    let (loss, dz) = match loss_type {
+        // d/du log_sigmoid(u) = sigmoid(-u); d/du log_sigmoid(-u) = -sigmoid(u).
+        DpoLossType::Sigmoid => (
+            -(1.0 - ls) * log_sigmoid(u) - ls * log_sigmoid(-u),
+            beta * (-(1.0 - ls) * sigmoid(-u) + ls * sigmoid(u)),
+        ),
+        DpoLossType::Robust => {
+            let k = 1.0 - 2.0 * ls;
+            (
+                (-(1.0 - ls) * log_sigmoid(u) + ls * log_sigmoid(-u)) / k,
+                beta * (-(1.0 - ls) * sigmoid(-u) - ls * sigmoid(u)) / k,
+            )
+        }
+        DpoLossType::Hinge => {
+            let h = 1.0 - u;
+            if h > 0.0 {
+                (h, -beta)
+            } else {
+                (0.0, 0.0)
+            }
+        }
+        DpoLossType::Ipo => {
+            let d = z - 1.0 / (2.0 * beta);
+            (d * d, 2.0 * d)
+        }
+    };
 
     Ok(SumsOut {
         loss,
@@ -448,7 +548,7 @@ pub fn dpo_sums(
             lw: c.mean_response(),
             lr: r.mean_response(),
         }),
-        coef: [0.0, beta * dz, -beta * dz],
+        coef: [0.0, dz * tc, -dz * tr],
     })
 }
 
@@ -709,6 +809,7 @@ mod tests {
                 refr,
                 beta,
                 ls,
+                DpoLossType::Sigmoid,
             )
             .unwrap();
             assert_close(
@@ -878,10 +979,58 @@ mod tests {
             let refc = c.response.iter().sum::<f64>() + 2.0 * (rng.unif() - 0.5);
             let refr = r.response.iter().sum::<f64>() + 2.0 * (rng.unif() - 0.5);
             for (beta, ls) in [(0.1, 0.0), (0.5, 0.2), (0.05, 0.5)] {
-                fd_check("dpo", &c, &r, |c, r| dpo64(c, r, refc, refr, beta, ls));
+                fd_check("dpo", &c, &r, |c, r| {
+                    dpo64(c, r, refc, refr, beta, ls, DpoLossType::Sigmoid)
+                });
             }
             for (beta, gamma) in [(2.0, 0.5), (0.5, 0.0), (10.0, 3.0)] {
                 fd_check("simpo", &c, &r, |c, r| simpo64(c, r, beta, gamma));
+            }
+        }
+        // The other DPO loss types, and the loss clip (placed well away from the loss, so
+        // that no difference quotient straddles it), on the same random branches.
+        let mut rng = Rng(14);
+        for case in 0..60 {
+            let c = rand_branch(&mut rng, case % 3 != 0);
+            let r = rand_branch(&mut rng, case % 2 == 0);
+            let refc = c.response.iter().sum::<f64>() + 4.0 * (rng.unif() - 0.5);
+            let refr = r.response.iter().sum::<f64>() + 4.0 * (rng.unif() - 0.5);
+            for (beta, ls, t) in [
+                (0.1, 0.0, DpoLossType::Ipo),
+                (0.5, 0.0, DpoLossType::Ipo),
+                (2.0, 0.0, DpoLossType::Ipo),
+                (0.1, 0.0, DpoLossType::Hinge),
+                (0.5, 0.0, DpoLossType::Hinge),
+                (0.1, 0.0, DpoLossType::Robust),
+                (0.5, 0.2, DpoLossType::Robust),
+                (0.05, 0.45, DpoLossType::Robust),
+            ] {
+                fd_check(&format!("dpo {t:?}"), &c, &r, |c, r| {
+                    dpo64(c, r, refc, refr, beta, ls, t)
+                });
+            }
+            let loss = orpo64(&c, &r, 0.5, SftScope::Full).unwrap().loss;
+            for clip in [loss * 0.5, loss * 2.0] {
+                fd_check("orpo clipped", &c, &r, |c, r| {
+                    let mut out = orpo64(c, r, 0.5, SftScope::Full)?;
+                    let mut s = SumsOut {
+                        loss: out.loss,
+                        metrics: out.metrics.clone(),
+                        coef: [
+                            out.d_chosen.prompt.first().copied().unwrap_or(0.0),
+                            out.d_chosen.response[0],
+                            out.d_rejected.response[0],
+                        ],
+                    };
+                    let clipped = s.clip(Some(clip));
+                    assert_eq!(clipped, out.loss > clip);
+                    out.loss = s.loss;
+                    let scale = |g: &mut Vec<f64>, k: f64| g.iter_mut().for_each(|x| *x = k);
+                    scale(&mut out.d_chosen.prompt, s.coef[0]);
+                    scale(&mut out.d_chosen.response, s.coef[1]);
+                    scale(&mut out.d_rejected.response, s.coef[2]);
+                    Ok(out)
+                });
             }
         }
         // Edge-ish points where log1mexp is strongly curved (means close to 0) and far out.
@@ -1007,6 +1156,7 @@ mod tests {
             -2.5,
             0.1,
             0.1,
+            DpoLossType::Sigmoid,
         )
         .unwrap();
         assert_close("dpo loss", d.loss, 0.6543966600735709, 1e-13, 0.0);
@@ -1041,6 +1191,156 @@ mod tests {
         for &g in &s.d_rejected.response {
             assert_close("simpo gr", g as f64, 0.18242552380635635, 1e-6, 0.0);
         }
+    }
+
+    /// TRL's `dpo_loss` for `loss_type` in sigmoid / robust / hinge / ipo, written as TRL writes
+    /// it (torch's `F.logsigmoid`, `torch.relu`), on the logps TRL feeds it: the response SUMS,
+    /// or for IPO the sums divided by the token counts (`concatenated_forward`:
+    /// `if "ipo" in self.loss_type: all_logps = all_logps / loss_mask.sum(-1)`).
+    fn trl_dpo_loss(
+        (pc, nc, pr, nr, rc, rr): (f64, f64, f64, f64, f64, f64),
+        beta: f64,
+        label_smoothing: f64,
+        loss_type: &str,
+    ) -> f64 {
+        let logsigmoid = naive_logsig;
+        let (chosen, rejected, ref_chosen, ref_rejected) = if loss_type == "ipo" {
+            (pc / nc, pr / nr, rc / nc, rr / nr)
+        } else {
+            (pc, pr, rc, rr)
+        };
+        let logits = (chosen - rejected) - (ref_chosen - ref_rejected);
+        match loss_type {
+            "sigmoid" => {
+                -logsigmoid(beta * logits) * (1.0 - label_smoothing)
+                    - logsigmoid(-beta * logits) * label_smoothing
+            }
+            "robust" => {
+                (-logsigmoid(beta * logits) * (1.0 - label_smoothing)
+                    + logsigmoid(-beta * logits) * label_smoothing)
+                    / (1.0 - 2.0 * label_smoothing)
+            }
+            "hinge" => (1.0 - beta * logits).max(0.0),
+            "ipo" => (logits - 1.0 / (2.0 * beta)).powi(2),
+            _ => unreachable!(),
+        }
+    }
+
+    #[test]
+    fn dpo_loss_types_match_trl_formulas() {
+        // (policy chosen sum, its tokens, policy rejected sum, its tokens, ref sums)
+        let cases = [
+            (-10.0, 4.0, -14.0, 6.0, -11.0, -13.0),
+            (-3.5, 2.0, -2.0, 1.0, -3.0, -2.5),
+            (-40.0, 20.0, -80.0, 25.0, -45.0, -70.0),
+            (-1.0, 1.0, -1.0, 1.0, -1.0, -1.0),
+        ];
+        for &(pc, nc, pr, nr, rc, rr) in &cases {
+            let c = BranchSums {
+                response: pc,
+                n_response: nc as usize,
+                ..Default::default()
+            };
+            let r = BranchSums {
+                response: pr,
+                n_response: nr as usize,
+                ..Default::default()
+            };
+            for (t, name, ls) in [
+                (DpoLossType::Sigmoid, "sigmoid", 0.0),
+                (DpoLossType::Sigmoid, "sigmoid", 0.2),
+                (DpoLossType::Robust, "robust", 0.0),
+                (DpoLossType::Robust, "robust", 0.1),
+                (DpoLossType::Robust, "robust", 0.4),
+                (DpoLossType::Hinge, "hinge", 0.0),
+                (DpoLossType::Ipo, "ipo", 0.0),
+            ] {
+                for beta in [0.1, 0.5, 2.0] {
+                    let got = dpo_sums(&c, &r, rc, rr, beta, ls, t).unwrap();
+                    let want = trl_dpo_loss((pc, nc, pr, nr, rc, rr), beta, ls, name);
+                    assert_close(&format!("{name} ls {ls} beta {beta}"), got.loss, want, 1e-12, 1e-14);
+                    assert_eq!(got.metrics.get("loss"), Some(got.loss));
+                }
+            }
+        }
+        // Hand values. Case 1, beta 0.1: z = (-10 + 11) - (-14 + 13) = 2, beta z = 0.2;
+        //   hinge = 1 - 0.2 = 0.8; robust(0.1) = (0.9 softplus(-0.2) - 0.1 softplus(0.2)) / 0.8.
+        // IPO on means: z = (-2.5 + 2.75) - (-14/6 + 13/6) = 0.25 + 1/6, (z - 5)^2.
+        let c = BranchSums {
+            response: -10.0,
+            n_response: 4,
+            ..Default::default()
+        };
+        let r = BranchSums {
+            response: -14.0,
+            n_response: 6,
+            ..Default::default()
+        };
+        let l = |t, ls| dpo_sums(&c, &r, -11.0, -13.0, 0.1, ls, t).unwrap().loss;
+        let softplus = |x: f64| (1.0 + x.exp()).ln();
+        assert_close("hinge", l(DpoLossType::Hinge, 0.0), 0.8, 1e-14, 0.0);
+        assert_close(
+            "robust",
+            l(DpoLossType::Robust, 0.1),
+            (0.9 * softplus(-0.2) - 0.1 * softplus(0.2)) / 0.8,
+            1e-13,
+            0.0,
+        );
+        let z: f64 = 0.25 + 1.0 / 6.0;
+        assert_close("ipo", l(DpoLossType::Ipo, 0.0), (z - 5.0).powi(2), 1e-13, 0.0);
+        // Past the hinge: no loss, no gradient.
+        let far = dpo_sums(&c, &r, -11.0, -13.0, 1.0, 0.0, DpoLossType::Hinge).unwrap();
+        assert_eq!((far.loss, far.coef), (0.0, [0.0; 3]));
+        // IPO's metrics are on the means.
+        let ipo = dpo_sums(&c, &r, -11.0, -13.0, 0.1, 0.0, DpoLossType::Ipo).unwrap();
+        assert_close("ipo logps/chosen", ipo.metrics.get("logps/chosen").unwrap(), -2.5, 1e-15, 0.0);
+        assert_close("ipo margin", ipo.metrics.get("margin").unwrap(), 0.1 * z, 1e-13, 0.0);
+    }
+
+    #[test]
+    fn dpo_loss_type_parameters_are_checked() {
+        let c = BranchSums {
+            response: -1.0,
+            n_response: 1,
+            ..Default::default()
+        };
+        let e = dpo_sums(&c, &c, -1.0, -1.0, 0.1, 0.5, DpoLossType::Robust).unwrap_err();
+        assert!(e.contains("label_smoothing") && e.contains("0.5"), "{e}");
+        assert!(dpo_sums(&c, &c, -1.0, -1.0, 0.1, 0.49, DpoLossType::Robust).is_ok());
+        for t in [DpoLossType::Ipo, DpoLossType::Hinge] {
+            let e = dpo_sums(&c, &c, -1.0, -1.0, 0.1, 0.1, t).unwrap_err();
+            assert!(e.contains("label_smoothing"), "{e}");
+            assert!(dpo_sums(&c, &c, -1.0, -1.0, 0.0, 0.0, t).is_err());
+        }
+    }
+
+    #[test]
+    fn clip_and_weight() {
+        let c = BranchSums {
+            response: -2.0,
+            n_response: 2,
+            ..Default::default()
+        };
+        let r = BranchSums {
+            response: -1.0,
+            n_response: 1,
+            ..Default::default()
+        };
+        let base = simpo_sums(&c, &r, 2.0, 0.5).unwrap();
+        // At or below the clip (and with no clip) nothing changes.
+        for clip in [None, Some(base.loss), Some(base.loss * 3.0)] {
+            let mut out = base.clone();
+            assert!(!out.clip(clip));
+            assert_eq!(out, base);
+        }
+        let mut out = base.clone();
+        assert!(out.clip(Some(base.loss * 0.5)));
+        assert_eq!((out.loss, out.coef), (base.loss * 0.5, [0.0; 3]));
+        assert_eq!(out.metrics, base.metrics, "the metrics keep the unclipped loss");
+        let w = base.clone().weighted(2.5);
+        assert_eq!(w.loss, base.loss * 2.5);
+        assert_eq!(w.coef, base.coef.map(|g| g * 2.5));
+        assert_eq!(w.metrics, base.metrics, "the metrics stay unweighted");
     }
 
     // ---- 4. stability ----
@@ -1096,6 +1396,7 @@ mod tests {
                 5000.0,
                 1.0,
                 0.1,
+                DpoLossType::Sigmoid,
             )
             .unwrap();
             assert_all_finite("dpo", &d);
@@ -1176,11 +1477,11 @@ mod tests {
         assert!(sft(b(&empty), true).unwrap_err().contains("empty"));
         assert!(sft(b(&nan), false).is_err());
 
-        assert!(dpo(b(&empty), b(&ok), 0.0, 0.0, 0.1, 0.0).is_err());
-        assert!(dpo(b(&ok), b(&inf), 0.0, 0.0, 0.1, 0.0).is_err());
-        assert!(dpo(b(&ok), b(&ok), f64::NAN, 0.0, 0.1, 0.0).is_err());
-        assert!(dpo(b(&ok), b(&ok), 0.0, 0.0, 0.0, 0.0).is_err());
-        assert!(dpo(b(&ok), b(&ok), 0.0, 0.0, 0.1, 1.5).is_err());
+        assert!(dpo(b(&empty), b(&ok), 0.0, 0.0, 0.1, 0.0, DpoLossType::Sigmoid).is_err());
+        assert!(dpo(b(&ok), b(&inf), 0.0, 0.0, 0.1, 0.0, DpoLossType::Sigmoid).is_err());
+        assert!(dpo(b(&ok), b(&ok), f64::NAN, 0.0, 0.1, 0.0, DpoLossType::Sigmoid).is_err());
+        assert!(dpo(b(&ok), b(&ok), 0.0, 0.0, 0.0, 0.0, DpoLossType::Sigmoid).is_err());
+        assert!(dpo(b(&ok), b(&ok), 0.0, 0.0, 0.1, 1.5, DpoLossType::Sigmoid).is_err());
 
         assert!(simpo(b(&ok), b(&empty), 2.0, 0.5).is_err());
         assert!(simpo(b(&ok), b(&ok), 2.0, f64::INFINITY).is_err());

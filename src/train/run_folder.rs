@@ -196,7 +196,7 @@ pub fn items_hash(items: &[Item]) -> String {
     };
     for item in items {
         let parts: Vec<&[u32]> = match item {
-            Item::Pair(p) => vec![&p.prompt, &p.chosen, &p.rejected],
+            Item::Pair(p) | Item::WeightedPair(p, _) => vec![&p.prompt, &p.chosen, &p.rejected],
             Item::Sft(s) => vec![&s.prompt, &s.completion],
         };
         eat(parts.len() as u64);

@@ -2,7 +2,7 @@
 //! branch through the logp engine, apply the objective, and (when training) send d logp back
 //! through the head and the layers into the LoRA gradients.
 
-use super::device_loss::{self, Parts, PendingLoss, Reference};
+use super::device_loss::{self, ExampleScale, Parts, PendingLoss, Reference};
 use super::head::{
     concat_vectors, logp_backward_saved, logp_forward_saved, slice_vector, HeadSaved, HeadTier,
 };
@@ -267,7 +267,8 @@ fn head_pass(
 
 /// Runs one example; with `train`, accumulates its LoRA gradients (scaled by `grad_weight`).
 /// Forward, head, objective and backward are queued on the device and nothing waits for it:
-/// `QueuedExample::finish` reads the loss and metrics back.
+/// `QueuedExample::finish` reads the loss and metrics back. The loss is unweighted and unclipped
+/// ([`queue_example_scaled`] applies an example's weight and the loss clip).
 #[allow(clippy::too_many_arguments)]
 pub fn queue_example(
     model: &Model,
@@ -278,6 +279,33 @@ pub fn queue_example(
     opts: &PassOptions,
     train: bool,
     grad_weight: f32,
+) -> Result<QueuedExample> {
+    queue_example_scaled(
+        model,
+        lora,
+        plan,
+        objective,
+        reference,
+        opts,
+        train,
+        grad_weight,
+        ExampleScale::default(),
+    )
+}
+
+/// [`queue_example`] with the example's weight and the loss clip (`device_loss::ExampleScale`):
+/// the loss and the gradient are the scaled ones, the metrics unscaled.
+#[allow(clippy::too_many_arguments)]
+pub fn queue_example_scaled(
+    model: &Model,
+    lora: &mut Lora,
+    plan: &Plan,
+    objective: &Objective,
+    reference: Option<&Reference>,
+    opts: &PassOptions,
+    train: bool,
+    grad_weight: f32,
+    scale: ExampleScale,
 ) -> Result<QueuedExample> {
     let empty = Rows::default();
     let chosen_prompt = if objective.needs_prompt() {
@@ -298,7 +326,7 @@ pub fn queue_example(
     model.device.memtrace(|| "head forward".into());
     let parts = head.parts(plan.rejected.is_some());
     let (loss, dlogp) =
-        device_loss::evaluate(&head.logp, &parts, objective, reference, grad_weight)?;
+        device_loss::evaluate(&head.logp, &parts, objective, reference, grad_weight, scale)?;
 
     if train {
         // Gradients into each sequence's hidden states, then back through the layers.

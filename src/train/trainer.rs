@@ -8,7 +8,8 @@ use super::listeners::{Console, MetricsFile, Plots, TensorBoard};
 use super::optim::{apply_update, AdamState, OptimOptions};
 use super::plan::Plan;
 use super::run_folder::{self, Cycle, CycleSchedule};
-use super::step::{queue_example, reference_logps, Objective, PassOptions};
+use super::device_loss::ExampleScale;
+use super::step::{queue_example, queue_example_scaled, reference_logps, Objective, PassOptions};
 use crate::config::{Method, TrainConfig};
 use crate::data::{self, ChatTemplate, DatasetKind, TextTokenizer, TokenRules, TokenizeOptions};
 use crate::model::{self, Lora, LoraConfig, Model};
@@ -23,13 +24,23 @@ use std::time::Instant;
 /// A tokenised training or validation example.
 pub enum Item {
     Pair(data::TokenizedPair),
+    /// A preference pair whose row sets a `weight` other than 1 (its loss and gradient scaled).
+    WeightedPair(data::TokenizedPair, f64),
     Sft(data::TokenizedSft),
 }
 
 impl Item {
+    /// The example's weight in the training loss (1 unless its row set one).
+    pub fn weight(&self) -> f64 {
+        match self {
+            Item::WeightedPair(_, w) => *w,
+            _ => 1.0,
+        }
+    }
+
     pub fn plan(&self, prefix_shared: bool) -> Result<Plan> {
         match self {
-            Item::Pair(p) => Plan::pair(p, prefix_shared),
+            Item::Pair(p) | Item::WeightedPair(p, _) => Plan::pair(p, prefix_shared),
             Item::Sft(s) => Plan::sft(&s.prompt, &s.completion),
         }
     }
@@ -477,8 +488,13 @@ pub fn train_with(
                 }
                 _ => None,
             };
-            let queued = queue_example(
-                model, &mut lora, &plan, &objective, reference, &opts, true, 1.0,
+            // The row's weight and the loss clip (validation stays unweighted and unclipped).
+            let scale = ExampleScale {
+                weight: train_items[idx].weight(),
+                clip: cfg.loss_clip,
+            };
+            let queued = queue_example_scaled(
+                model, &mut lora, &plan, &objective, reference, &opts, true, 1.0, scale,
             )
             .with_context(|| failed(example(idx)))?;
             queued_examples.push((idx, queued));

@@ -426,7 +426,7 @@ fn bf16x8(ts: &[&Tensor], n: usize) -> bool {
 /// their block size.
 const MULTI_CHUNK: usize = 2048;
 /// Values in `pair_objective`'s stats.
-pub const OBJ_STATS: usize = 8;
+pub const OBJ_STATS: usize = 9;
 const MULTI_THREADS: u32 = 256;
 
 /// The kernels' dtype flag (`ldf`/`stf` in common.cuh): 0 f32, 1 bf16; also written into the

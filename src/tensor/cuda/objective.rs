@@ -8,7 +8,9 @@ impl CudaBackend {
     /// chosen prompt, chosen response and rejected response), evaluates objective `kind` with
     /// `params`, and writes `d loss / d logp · weight` for every token of a part (0 elsewhere).
     /// `stats` layout: part sums [0..3], first bad token index or -1 [3], its value [4], the
-    /// per-part coefficients [5..8]. `reference`: DPO's reference stats (its sums at [1], [2]).
+    /// per-part coefficients [5..8], 1 if the loss was clipped [8]. `reference`: DPO's reference
+    /// stats (its sums at [1], [2]). `clip`: `loss_clip`, a loss above it has zero gradient
+    /// (`SumsOut::clip`); `None`: no clip. `weight`: the step's weight times the example's.
     /// No sync.
     pub fn pair_objective(
         &self,
@@ -17,6 +19,7 @@ impl CudaBackend {
         kind: i32,
         params: [f64; 2],
         reference: Option<&DeviceValues>,
+        clip: Option<f64>,
         weight: f32,
     ) -> Result<(DeviceValues, Tensor)> {
         ensure!(
@@ -34,7 +37,7 @@ impl CudaBackend {
             Some(r) => r.cuda_ptr()?,
             None => 0,
         };
-        let mut args = Vec::with_capacity(14);
+        let mut args = Vec::with_capacity(15);
         args.push(Arg::P(cuda_ptr(logp)?));
         for (s, l) in parts {
             args.extend([Arg::I32(s as i32), Arg::I32(l as i32)]);
@@ -44,6 +47,7 @@ impl CudaBackend {
             Arg::F64(params[0]),
             Arg::F64(params[1]),
             Arg::P(ref_ptr),
+            Arg::F64(clip.unwrap_or(-1.0)),
             Arg::F32(weight),
             Arg::P(stats.ptr),
             Arg::P(cuda_ptr(&dlogp)?),

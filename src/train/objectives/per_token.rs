@@ -69,6 +69,7 @@ pub fn sft(logps: BranchLogps, all_tokens: bool) -> Result<ObjectiveOut, String>
 }
 
 /// DPO per token ([`dpo_sums`]); `ref_*_sum` are the reference model's response sums.
+#[allow(clippy::too_many_arguments)]
 pub fn dpo(
     policy_chosen: BranchLogps,
     policy_rejected: BranchLogps,
@@ -76,6 +77,7 @@ pub fn dpo(
     ref_rejected_sum: f64,
     beta: f64,
     label_smoothing: f64,
+    loss_type: DpoLossType,
 ) -> Result<ObjectiveOut, String> {
     dpo64(
         &Branch64::from(policy_chosen),
@@ -84,6 +86,7 @@ pub fn dpo(
         ref_rejected_sum,
         beta,
         label_smoothing,
+        loss_type,
     )
     .map(Out64::into_f32)
 }
@@ -238,6 +241,7 @@ pub fn sft64(b: &Branch64, all_tokens: bool) -> Result<Out64, String> {
     Ok(sft_sums(&BranchSums::of(b), all_tokens)?.into_tokens(b, None))
 }
 
+#[allow(clippy::too_many_arguments)]
 pub fn dpo64(
     c: &Branch64,
     r: &Branch64,
@@ -245,10 +249,11 @@ pub fn dpo64(
     rr: f64,
     beta: f64,
     ls: f64,
+    loss_type: DpoLossType,
 ) -> Result<Out64, String> {
     check_branch("dpo", "chosen", c)?;
     check_branch("dpo", "rejected", r)?;
-    let out = dpo_sums(&BranchSums::of(c), &BranchSums::of(r), rc, rr, beta, ls)?;
+    let out = dpo_sums(&BranchSums::of(c), &BranchSums::of(r), rc, rr, beta, ls, loss_type)?;
     Ok(out.into_tokens(c, Some(r)))
 }
 

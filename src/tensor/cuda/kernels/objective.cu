@@ -4,7 +4,7 @@
 // constant per part. This is the CUDA form of the `*_sums` functions of train/objectives.rs,
 // formula by formula in f64; the host later recomputes loss and metrics from the sums written here.
 
-// Objective kinds (train::device_loss::Kind).
+// Objective kinds (train::device_loss::kind; OBJ_DPO is DPO's sigmoid loss).
 #define OBJ_SUMS 0
 #define OBJ_ORPO_FULL 1
 #define OBJ_ORPO_RESPONSE 2
@@ -12,6 +12,9 @@
 #define OBJ_SFT_ALL 4
 #define OBJ_DPO 5
 #define OBJ_SIMPO 6
+#define OBJ_DPO_IPO 7
+#define OBJ_DPO_HINGE 8
+#define OBJ_DPO_ROBUST 9
 
 // objectives::LOGP_POSITIVE_TOLERANCE and ODDS_MEAN_CEILING.
 #define OBJ_LOGP_TOL 1e-3
@@ -34,10 +37,12 @@ __device__ double obj_log1mexp(double x) {
 
 __device__ double obj_d_log1mexp(double x) { return -1.0 / expm1(-x); }
 
-// d loss / d logp per part, from the part sums s and counts n (kinds as above).
-__device__ void obj_coefficients(int kind, const double* s, const int* n, double p0, double p1,
-                                 const double* ref, double* c) {
+// The loss, and d loss / d logp per part in c, from the part sums s and counts n (kinds as
+// above): objectives::{orpo,sft,dpo,simpo}_sums.
+__device__ double obj_coefficients(int kind, const double* s, const int* n, double p0, double p1,
+                                   const double* ref, double* c) {
     c[0] = c[1] = c[2] = 0.0;
+    double loss = 0.0;
     switch (kind) {
     case OBJ_ORPO_FULL:
     case OBJ_ORPO_RESPONSE: {
@@ -47,38 +52,68 @@ __device__ void obj_coefficients(int kind, const double* s, const int* n, double
         const double d_or = -obj_sigmoid(-log_odds);
         const double d_lw = lambda * d_or * (1.0 - obj_d_log1mexp(lw));
         const double d_lr = lambda * d_or * (-1.0 + obj_d_log1mexp(lr));
-        double nll_prompt, nll_resp;
+        double nll, nll_prompt, nll_resp;
         if (kind == OBJ_ORPO_FULL) {
             const double all = (double)(n[0] + n[1]);
+            nll = -(s[0] + s[1]) / all;
             nll_prompt = -1.0 / all;
             nll_resp = -1.0 / all;
         } else {
+            nll = -(s[1] / nc);
             nll_prompt = 0.0;
             nll_resp = -1.0 / nc;
         }
+        loss = nll + lambda * -obj_log_sigmoid(log_odds);
         c[0] = nll_prompt;
         c[1] = d_lw / nc + nll_resp;
         c[2] = d_lr / nr;
         break;
     }
     case OBJ_SFT_RESPONSE:
+        loss = -(s[1] / (double)n[1]);
         c[1] = -1.0 / (double)n[1];
         break;
     case OBJ_SFT_ALL:
+        loss = -(s[0] + s[1]) / (double)(n[0] + n[1]);
         c[0] = c[1] = -1.0 / (double)(n[0] + n[1]);
         break;
-    case OBJ_DPO: {
-        const double beta = p0, ls = p1;
-        const double z = beta * ((s[1] - ref[1]) - (s[2] - ref[2]));
-        const double dz = -(1.0 - ls) * obj_sigmoid(-z) + ls * obj_sigmoid(z);
-        c[1] = beta * dz;
-        c[2] = -beta * dz;
+    case OBJ_DPO:
+    case OBJ_DPO_IPO:
+    case OBJ_DPO_HINGE:
+    case OBJ_DPO_ROBUST: {
+        const double beta = p0, ls = p1, nc = n[1], nr = n[2];
+        // IPO's margin is on token means (TRL); tc, tr: what one token moves each logp by.
+        const bool ipo = kind == OBJ_DPO_IPO;
+        const double pc = ipo ? s[1] / nc : s[1], pr = ipo ? s[2] / nr : s[2];
+        const double rc = ipo ? ref[1] / nc : ref[1], rr = ipo ? ref[2] / nr : ref[2];
+        const double tc = ipo ? 1.0 / nc : 1.0, tr = ipo ? 1.0 / nr : 1.0;
+        const double z = (pc - rc) - (pr - rr), u = beta * z;
+        double dz;
+        if (kind == OBJ_DPO) {
+            loss = -(1.0 - ls) * obj_log_sigmoid(u) - ls * obj_log_sigmoid(-u);
+            dz = beta * (-(1.0 - ls) * obj_sigmoid(-u) + ls * obj_sigmoid(u));
+        } else if (kind == OBJ_DPO_ROBUST) {
+            const double k = 1.0 - 2.0 * ls;
+            loss = (-(1.0 - ls) * obj_log_sigmoid(u) + ls * obj_log_sigmoid(-u)) / k;
+            dz = beta * (-(1.0 - ls) * obj_sigmoid(-u) - ls * obj_sigmoid(u)) / k;
+        } else if (kind == OBJ_DPO_HINGE) {
+            const double h = 1.0 - u;
+            loss = h > 0.0 ? h : 0.0;
+            dz = h > 0.0 ? -beta : 0.0;
+        } else {
+            const double d = z - 1.0 / (2.0 * beta);
+            loss = d * d;
+            dz = 2.0 * d;
+        }
+        c[1] = dz * tc;
+        c[2] = -dz * tr;
         break;
     }
     case OBJ_SIMPO: {
         const double beta = p0, gamma = p1;
         const double z = beta * (s[1] / n[1] - s[2] / n[2]) - gamma;
         const double dz = -obj_sigmoid(-z);
+        loss = -obj_log_sigmoid(z);
         c[1] = beta * dz / n[1];
         c[2] = -beta * dz / n[2];
         break;
@@ -86,13 +121,16 @@ __device__ void obj_coefficients(int kind, const double* s, const int* n, double
     default:
         break;
     }
+    return loss;
 }
 
 // One block. Part p covers logp[start_p, start_p + len_p). stats: sums [0..3], first bad token
-// (non-finite or above the tolerance; -1 if none) [3], its value [4], coefficients [5..8]. A bad
-// token zeroes every coefficient; the host reports it when it reads the stats.
+// (non-finite or above the tolerance; -1 if none) [3], its value [4], coefficients [5..8], 1 if the
+// loss was clipped [8]. A bad token zeroes every coefficient; the host reports it when it reads the
+// stats. clip > 0: a loss above it has zero gradient (SumsOut::clip); clip <= 0: no clip. weight:
+// the step's weight times the example's.
 extern "C" __global__ void lf_obj_pair(const float* logp, int s0, int n0, int s1, int n1, int s2, int n2,
-                                       int kind, double p0, double p1, const double* ref, float weight,
+                                       int kind, double p0, double p1, const double* ref, double clip, float weight,
                                        double* stats, float* dlogp) {
     const int start[3] = {s0, s1, s2}, len[3] = {n0, n1, n2};
     __shared__ double red[3][32];
@@ -125,8 +163,13 @@ extern "C" __global__ void lf_obj_pair(const float* logp, int s0, int n0, int s1
             stats[p] = s[p];
         }
         double c[3] = {0.0, 0.0, 0.0};
+        stats[8] = 0.0;
         if (bad == 0x7fffffff) {
-            obj_coefficients(kind, s, len, p0, p1, ref, c);
+            const double loss = obj_coefficients(kind, s, len, p0, p1, ref, c);
+            if (clip > 0.0 && loss > clip) {
+                c[0] = c[1] = c[2] = 0.0;
+                stats[8] = 1.0;
+            }
             stats[3] = -1.0;
             stats[4] = 0.0;
         } else {
