@@ -78,6 +78,9 @@ fn cases() -> Vec<Case> {
         jsonl("prompt-object", P, r#"{"prompt":{"x":1},"chosen":"a","rejected":"b"}"#, E(Some(":1:"), Some("prompt"), "found an object")),
         jsonl("empty-chosen", P, r#"{"prompt":"p","chosen":"  ","rejected":"b"}"#, E(Some(":1:"), Some("chosen"), "empty response")),
         jsonl("empty-rejected", P, r#"{"prompt":"p","chosen":"a","rejected":""}"#, E(Some(":1:"), Some("rejected"), "empty response")),
+        jsonl("weight-negative", P, &format!("{GOOD}\n{}", r#"{"prompt":"p","chosen":"a","rejected":"b","weight":-0.5}"#), E(Some(":2:"), Some("weight"), "-0.5: expected a finite number >= 0")),
+        jsonl("weight-string", P, r#"{"prompt":"p","chosen":"a","rejected":"b","weight":"2"}"#, E(Some(":1:"), Some("weight"), "found a string")),
+        jsonl("weight-list", P, r#"{"prompt":"p","chosen":"a","rejected":"b","weight":[1]}"#, E(Some(":1:"), Some("weight"), "found a list")),
         jsonl("empty-prompt", P, r#"{"prompt":"","chosen":"a","rejected":"b"}"#, E(Some(":1:"), Some("prompt"), "empty prompt")),
         jsonl("mixed-types", P, r#"{"prompt":"p","chosen":[{"role":"assistant","content":"a"}],"rejected":"b"}"#, E(Some(":1:"), Some("chosen"), "cannot be mixed")),
         jsonl("unknown-role", P, r#"{"prompt":[{"role":"user","content":"x"}],"chosen":[{"role":"bot","content":"a"}],"rejected":[{"role":"assistant","content":"b"}]}"#, E(Some(":1:"), Some("chosen[0].role"), "unknown role \"bot\"")),
@@ -370,4 +373,29 @@ fn chat_template_setting_files_are_checked() {
         .render(&[lorafit::data::Message::user("hi")], false)
         .unwrap();
     assert_eq!(text, "<|im_start|>hi<|im_end|>");
+}
+
+/// A preference row's `weight` reaches the checked rows (1 when absent or null; 0 allowed).
+#[test]
+fn row_weights_are_read() {
+    let text = [
+        GOOD,
+        r#"{"prompt":"What is 3+3?","chosen":" 6","rejected":" 7","weight":2.5}"#,
+        r#"{"prompt":"What is 4+4?","chosen":" 8","rejected":" 9","weight":0}"#,
+        r#"{"prompt":"What is 5+5?","chosen":" 10","rejected":" 11","weight":null}"#,
+    ]
+    .join("\n");
+    let path = scratch().join("weights.jsonl");
+    std::fs::write(&path, text).unwrap();
+    let tok = tokenizer();
+    let opts = CheckOptions {
+        kind: P,
+        skip_bad: false,
+        tokenize: TokenizeOptions::new(256, 128),
+        compare: None,
+        model_vocab: tok.vocab_size(),
+    };
+    let (rows, _) = load_and_check(&path.display().to_string(), None, &tok, None, &opts).unwrap();
+    let w: Vec<f64> = rows.iter().map(|r| r.weight).collect();
+    assert_eq!(w, [1.0, 2.5, 0.0, 1.0]);
 }

@@ -5,7 +5,7 @@
 //! length ratios, duplicates. Also: an SFT `{text}` row (no prompt) plans without a panic.
 
 mod common;
-use lorafit::data::dataset::{load_dataset, read_jsonl, DatasetKind, Example};
+use lorafit::data::dataset::{load_dataset, read_jsonl, DatasetKind, Example, RowWeight};
 use lorafit::data::{
     load_and_check, ChatTemplate, CheckOptions, Finding, Message, PreferenceData, RowTokens,
     SftData, TextTokenizer, TokenRules, TokenizeOptions,
@@ -165,7 +165,8 @@ fn parquet_files_in_the_hub_layouts() {
                 prompt: "Q: What is 2+2?\nA:".into(),
                 chosen: " 4".into(),
                 rejected: " 5".into()
-            }
+            },
+            weight: RowWeight::default(),
         }
     );
     let (ex, _) = load_dataset(

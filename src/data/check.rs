@@ -204,6 +204,8 @@ fn rules_differ(tok: &TextTokenizer, parts: &[(&'static str, &[u32], &[u32])]) -
 #[derive(Debug, Clone)]
 pub struct CheckedRow {
     pub line: usize,
+    /// The row's `weight` (1 unless a preference row sets one).
+    pub weight: f64,
     pub tokens: RowTokens,
     pub findings: Vec<Finding>,
 }
@@ -362,6 +364,7 @@ pub fn load_and_check(
                 }
                 rows.push(CheckedRow {
                     line: ex.line(),
+                    weight: ex.weight(),
                     tokens,
                     findings,
                 });

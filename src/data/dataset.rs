@@ -164,13 +164,40 @@ pub enum SftData {
     },
 }
 
+/// A preference row's `weight`: a finite number >= 0 (default 1) that scales the example's loss
+/// and gradient in training (`train::device_loss::ExampleScale`). Compared by value bits.
+#[derive(Debug, Clone, Copy)]
+pub struct RowWeight(pub f64);
+
+impl Default for RowWeight {
+    fn default() -> Self {
+        RowWeight(1.0)
+    }
+}
+
+impl PartialEq for RowWeight {
+    fn eq(&self, other: &Self) -> bool {
+        self.0.to_bits() == other.0.to_bits()
+    }
+}
+
+impl Eq for RowWeight {}
+
 /// One validated training row. `line` is the 1-based line of the source file
 /// (the 1-based row of a Parquet file; 0 for examples built in code) so later
 /// stages can point back at it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Example {
-    Preference { line: usize, data: PreferenceData },
-    Sft { line: usize, data: SftData },
+    Preference {
+        line: usize,
+        data: PreferenceData,
+        /// The row's `weight` field (1 when absent).
+        weight: RowWeight,
+    },
+    Sft {
+        line: usize,
+        data: SftData,
+    },
 }
 
 impl Example {
@@ -178,6 +205,14 @@ impl Example {
     pub fn line(&self) -> usize {
         match self {
             Example::Preference { line, .. } | Example::Sft { line, .. } => *line,
+        }
+    }
+
+    /// The row's weight in training (a preference row's `weight`; 1 for SFT rows).
+    pub fn weight(&self) -> f64 {
+        match self {
+            Example::Preference { weight, .. } => weight.0,
+            Example::Sft { .. } => 1.0,
         }
     }
 
@@ -487,11 +522,30 @@ pub fn parse_row(value: &Value, kind: DatasetKind, line: usize) -> Result<Exampl
         DatasetKind::Preference => Ok(Example::Preference {
             line,
             data: parse_preference(obj)?,
+            weight: parse_weight(obj)?,
         }),
         DatasetKind::Sft => Ok(Example::Sft {
             line,
             data: parse_sft(obj)?,
         }),
+    }
+}
+
+/// A preference row's optional `weight`: a finite number >= 0; absent (or null) is 1.
+fn parse_weight(obj: &Map<String, Value>) -> Result<RowWeight, RowError> {
+    match obj.get("weight") {
+        None | Some(Value::Null) => Ok(RowWeight::default()),
+        Some(Value::Number(n)) => match n.as_f64() {
+            Some(w) if w.is_finite() && w >= 0.0 => Ok(RowWeight(w)),
+            _ => Err(RowError::field(
+                "weight",
+                format!("{n}: expected a finite number >= 0"),
+            )),
+        },
+        Some(other) => Err(RowError::field(
+            "weight",
+            format!("expected a finite number >= 0, found {}", json_type(other)),
+        )),
     }
 }
 
@@ -956,7 +1010,8 @@ mod tests {
                     prompt: "Q: 1+1?".into(),
                     chosen: " 2".into(),
                     rejected: " 3".into()
-                }
+                },
+                weight: RowWeight::default(),
             }
         );
     }

@@ -906,7 +906,7 @@ pub fn tokenize_preferences(
     let mut out = Vec::with_capacity(examples.len());
     for ex in examples {
         match ex {
-            Example::Preference { line, data } => out.push(
+            Example::Preference { line, data, .. } => out.push(
                 tokenize_pair(data, tok, template, opts, &mut report)
                     .with_context(|| format!("line {line}"))?,
             ),

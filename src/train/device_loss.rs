@@ -304,8 +304,13 @@ pub fn reference(logp: &Tensor, parts: &Parts) -> Result<Reference> {
     let spans = parts.spans();
     check_spans(logp, &spans)?;
     let stats = match logp.device() {
-        Device::Cpu => DeviceValues::cpu(host_stats(logp.as_cpu()?, spans, |_| Ok(([0.0; 3], false)))?),
-        Device::Cuda(c) => c.pair_objective(logp, spans, 0, [0.0; 2], None, None, 0.0)?.0,
+        Device::Cpu => DeviceValues::cpu(host_stats(logp.as_cpu()?, spans, |_| {
+            Ok(([0.0; 3], false))
+        })?),
+        Device::Cuda(c) => {
+            c.pair_objective(logp, spans, 0, [0.0; 2], None, None, 0.0)?
+                .0
+        }
     };
     Ok(Reference(Arc::new((stats, spans))))
 }
@@ -461,7 +466,9 @@ pub fn parity_rows(device: &Device) -> Result<Vec<crate::tensor::parity::ParityR
                 clip: Some(loss.abs().max(1e-3) * clip),
             };
             row_for(
-                format!("objective {objective:?}, weight {weight}, clip {clip}·loss: d loss / d logp"),
+                format!(
+                    "objective {objective:?}, weight {weight}, clip {clip}·loss: d loss / d logp"
+                ),
                 &objective,
                 scale,
             )?;
@@ -603,7 +610,8 @@ mod tests {
         let x = Tensor::cpu(logp.clone(), &[logp.len()]).unwrap();
         for objective in all_objectives() {
             let run = |scale| {
-                let (p, d) = evaluate(&x, &parts, &objective, Some(&reference), 0.5, scale).unwrap();
+                let (p, d) =
+                    evaluate(&x, &parts, &objective, Some(&reference), 0.5, scale).unwrap();
                 let (loss, m) = p.finish().unwrap();
                 (loss, m, d.to_vec().unwrap())
             };
@@ -665,7 +673,9 @@ mod tests {
             lambda: -1.0,
             scope: SftScope::Full,
         };
-        let e = evaluate(&x, &parts, &bad_lambda, None, 1.0, ExampleScale::default()).err().unwrap();
+        let e = evaluate(&x, &parts, &bad_lambda, None, 1.0, ExampleScale::default())
+            .err()
+            .unwrap();
         assert!(e.to_string().contains("lambda"), "{e}");
         let no_rejected = Parts {
             rejected_response: None,
@@ -673,13 +683,17 @@ mod tests {
         };
         assert!(evaluate(&x, &no_rejected, &orpo, None, 1.0, ExampleScale::default()).is_err());
         let dpo = all_objectives()[4];
-        let e = evaluate(&x, &parts, &dpo, None, 1.0, ExampleScale::default()).err().unwrap();
+        let e = evaluate(&x, &parts, &dpo, None, 1.0, ExampleScale::default())
+            .err()
+            .unwrap();
         assert!(e.to_string().contains("reference"), "{e}");
         let empty = Parts {
             chosen_response: (3, 0),
             ..parts
         };
-        let e = evaluate(&x, &empty, &orpo, None, 1.0, ExampleScale::default()).err().unwrap();
+        let e = evaluate(&x, &empty, &orpo, None, 1.0, ExampleScale::default())
+            .err()
+            .unwrap();
         assert!(e.to_string().contains("empty"), "{e}");
     }
 }

@@ -42,14 +42,22 @@ use crate::config::{Method, TrainConfig};
 /// The training objective and its hyperparameters.
 #[derive(Clone, Copy, Debug)]
 pub enum Objective {
-    Orpo { lambda: f64, scope: SftScope },
-    Sft { all_tokens: bool },
+    Orpo {
+        lambda: f64,
+        scope: SftScope,
+    },
+    Sft {
+        all_tokens: bool,
+    },
     Dpo {
         beta: f64,
         label_smoothing: f64,
         loss_type: DpoLossType,
     },
-    Simpo { beta: f64, gamma: f64 },
+    Simpo {
+        beta: f64,
+        gamma: f64,
+    },
 }
 
 impl Objective {
@@ -1258,7 +1266,13 @@ mod tests {
                 for beta in [0.1, 0.5, 2.0] {
                     let got = dpo_sums(&c, &r, rc, rr, beta, ls, t).unwrap();
                     let want = trl_dpo_loss((pc, nc, pr, nr, rc, rr), beta, ls, name);
-                    assert_close(&format!("{name} ls {ls} beta {beta}"), got.loss, want, 1e-12, 1e-14);
+                    assert_close(
+                        &format!("{name} ls {ls} beta {beta}"),
+                        got.loss,
+                        want,
+                        1e-12,
+                        1e-14,
+                    );
                     assert_eq!(got.metrics.get("loss"), Some(got.loss));
                 }
             }
@@ -1287,14 +1301,32 @@ mod tests {
             0.0,
         );
         let z: f64 = 0.25 + 1.0 / 6.0;
-        assert_close("ipo", l(DpoLossType::Ipo, 0.0), (z - 5.0).powi(2), 1e-13, 0.0);
+        assert_close(
+            "ipo",
+            l(DpoLossType::Ipo, 0.0),
+            (z - 5.0).powi(2),
+            1e-13,
+            0.0,
+        );
         // Past the hinge: no loss, no gradient.
         let far = dpo_sums(&c, &r, -11.0, -13.0, 1.0, 0.0, DpoLossType::Hinge).unwrap();
         assert_eq!((far.loss, far.coef), (0.0, [0.0; 3]));
         // IPO's metrics are on the means.
         let ipo = dpo_sums(&c, &r, -11.0, -13.0, 0.1, 0.0, DpoLossType::Ipo).unwrap();
-        assert_close("ipo logps/chosen", ipo.metrics.get("logps/chosen").unwrap(), -2.5, 1e-15, 0.0);
-        assert_close("ipo margin", ipo.metrics.get("margin").unwrap(), 0.1 * z, 1e-13, 0.0);
+        assert_close(
+            "ipo logps/chosen",
+            ipo.metrics.get("logps/chosen").unwrap(),
+            -2.5,
+            1e-15,
+            0.0,
+        );
+        assert_close(
+            "ipo margin",
+            ipo.metrics.get("margin").unwrap(),
+            0.1 * z,
+            1e-13,
+            0.0,
+        );
     }
 
     #[test]
@@ -1336,7 +1368,10 @@ mod tests {
         let mut out = base.clone();
         assert!(out.clip(Some(base.loss * 0.5)));
         assert_eq!((out.loss, out.coef), (base.loss * 0.5, [0.0; 3]));
-        assert_eq!(out.metrics, base.metrics, "the metrics keep the unclipped loss");
+        assert_eq!(
+            out.metrics, base.metrics,
+            "the metrics keep the unclipped loss"
+        );
         let w = base.clone().weighted(2.5);
         assert_eq!(w.loss, base.loss * 2.5);
         assert_eq!(w.coef, base.coef.map(|g| g * 2.5));
@@ -1479,7 +1514,16 @@ mod tests {
 
         assert!(dpo(b(&empty), b(&ok), 0.0, 0.0, 0.1, 0.0, DpoLossType::Sigmoid).is_err());
         assert!(dpo(b(&ok), b(&inf), 0.0, 0.0, 0.1, 0.0, DpoLossType::Sigmoid).is_err());
-        assert!(dpo(b(&ok), b(&ok), f64::NAN, 0.0, 0.1, 0.0, DpoLossType::Sigmoid).is_err());
+        assert!(dpo(
+            b(&ok),
+            b(&ok),
+            f64::NAN,
+            0.0,
+            0.1,
+            0.0,
+            DpoLossType::Sigmoid
+        )
+        .is_err());
         assert!(dpo(b(&ok), b(&ok), 0.0, 0.0, 0.0, 0.0, DpoLossType::Sigmoid).is_err());
         assert!(dpo(b(&ok), b(&ok), 0.0, 0.0, 0.1, 1.5, DpoLossType::Sigmoid).is_err());
 

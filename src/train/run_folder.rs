@@ -199,6 +199,10 @@ pub fn items_hash(items: &[Item]) -> String {
             Item::Pair(p) | Item::WeightedPair(p, _) => vec![&p.prompt, &p.chosen, &p.rejected],
             Item::Sft(s) => vec![&s.prompt, &s.completion],
         };
+        // A row's weight joins the hash only when it is not 1 (earlier runs' hashes stand).
+        if let Item::WeightedPair(_, w) = item {
+            eat(w.to_bits());
+        }
         eat(parts.len() as u64);
         for part in parts {
             eat(part.len() as u64);

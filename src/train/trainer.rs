@@ -2,13 +2,13 @@
 //! AdamW on schedule, with a progress bar, metrics.jsonl, validation, atomic checkpoints (the best
 //! by validation margin kept) and exact resume.
 
+use super::device_loss::ExampleScale;
 use super::device_loss::Reference;
 use super::events::{Fanout, PassRecord, RunStart, StepRecord, TrainEvent, TrainEvents};
 use super::listeners::{Console, MetricsFile, Plots, TensorBoard};
 use super::optim::{apply_update, AdamState, OptimOptions};
 use super::plan::Plan;
 use super::run_folder::{self, Cycle, CycleSchedule};
-use super::device_loss::ExampleScale;
 use super::step::{queue_example, queue_example_scaled, reference_logps, Objective, PassOptions};
 use crate::config::{Method, TrainConfig};
 use crate::data::{self, ChatTemplate, DatasetKind, TextTokenizer, TokenRules, TokenizeOptions};
@@ -134,6 +134,7 @@ pub fn load_items(
     Ok(rows
         .into_iter()
         .map(|r| match r.tokens {
+            data::RowTokens::Pair(p) if r.weight != 1.0 => Item::WeightedPair(p, r.weight),
             data::RowTokens::Pair(p) => Item::Pair(p),
             data::RowTokens::Sft(s) => Item::Sft(s),
         })

@@ -253,7 +253,15 @@ pub fn dpo64(
 ) -> Result<Out64, String> {
     check_branch("dpo", "chosen", c)?;
     check_branch("dpo", "rejected", r)?;
-    let out = dpo_sums(&BranchSums::of(c), &BranchSums::of(r), rc, rr, beta, ls, loss_type)?;
+    let out = dpo_sums(
+        &BranchSums::of(c),
+        &BranchSums::of(r),
+        rc,
+        rr,
+        beta,
+        ls,
+        loss_type,
+    )?;
     Ok(out.into_tokens(c, Some(r)))
 }
 
