@@ -606,6 +606,56 @@ impl TrainConfig {
 #[cfg(test)]
 mod tests {
     use super::auto_head_chunk;
+    use super::{DpoLossType, Method, TrainConfig};
+
+    #[test]
+    fn objective_settings_are_checked_by_name() {
+        let base = TrainConfig {
+            data: "train.jsonl".into(),
+            output: "runs/x".into(),
+            method: Method::Dpo,
+            ..TrainConfig::default()
+        };
+        base.validate().unwrap();
+        let err = |c: TrainConfig| c.validate().unwrap_err().to_string();
+        let e = err(TrainConfig {
+            dpo_loss_type: DpoLossType::Robust,
+            label_smoothing: 0.5,
+            ..base.clone()
+        });
+        assert!(
+            e.contains("label_smoothing = 0.5") && e.contains("robust"),
+            "{e}"
+        );
+        TrainConfig {
+            dpo_loss_type: DpoLossType::Robust,
+            label_smoothing: 0.3,
+            ..base.clone()
+        }
+        .validate()
+        .unwrap();
+        for t in [DpoLossType::Ipo, DpoLossType::Hinge] {
+            let e = err(TrainConfig {
+                dpo_loss_type: t,
+                label_smoothing: 0.1,
+                ..base.clone()
+            });
+            assert!(e.contains("label_smoothing") && e.contains(t.name()), "{e}");
+        }
+        for clip in [0.0, -1.0, f64::NAN, f64::INFINITY] {
+            let e = err(TrainConfig {
+                loss_clip: Some(clip),
+                ..base.clone()
+            });
+            assert!(e.contains("loss_clip"), "{e}");
+        }
+        TrainConfig {
+            loss_clip: Some(2.0),
+            ..base
+        }
+        .validate()
+        .unwrap();
+    }
 
     #[test]
     fn head_chunks_fit_256_mib_in_whole_row_tiles() {

@@ -12,6 +12,7 @@ impl CudaBackend {
     /// stats (its sums at [1], [2]). `clip`: `loss_clip`, a loss above it has zero gradient
     /// (`SumsOut::clip`); `None`: no clip. `weight`: the step's weight times the example's.
     /// No sync.
+    #[allow(clippy::too_many_arguments)]
     pub fn pair_objective(
         &self,
         logp: &Tensor,
