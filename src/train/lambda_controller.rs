@@ -5,8 +5,8 @@
 //! - **warmup**: λ = `orpo_lambda_min` (nearly pure SFT) until validation `lw` plateaus: its
 //!   latest gain is within the noise threshold for `orpo_lambda_patience` evaluations in a row.
 //!   The threshold is measured here: the standard deviation of `lw`'s evaluation-to-evaluation
-//!   changes over the last `max(4, 2 × patience)` warm-up evaluations (robustly: from their
-//!   median absolute deviation), times [`NOISE_SIGMAS`], never below
+//!   changes over the last `max(4, 2 × patience)` warm-up evaluations (robustly, about their
+//!   trend: from the median change between consecutive changes), times [`NOISE_SIGMAS`], never below
 //!   `orpo_lambda_noise_floor`; it is fixed when warm-up ends.
 //! - **ramp**: each evaluation at which `lw` holds (it fell by no more than the threshold since
 //!   the last evaluation, and is no more than the threshold below its reference level, the best
@@ -174,25 +174,26 @@ impl LambdaController {
     }
 
     /// The noise threshold from the warm-up deltas in the window: `NOISE_SIGMAS` × their
-    /// standard deviation, estimated robustly (1.4826 × the median absolute deviation, so that
+    /// standard deviation about the trend, estimated robustly from the differences of
+    /// consecutive deltas (1.4826 × their median absolute value / √2: a steady trend cancels,
     /// one odd evaluation does not inflate it), at least the floor.
     fn noise_threshold(&self, p: &LambdaParams) -> f64 {
-        if self.deltas.len() < 2 {
+        if self.deltas.len() < 3 {
             return p.noise_floor;
         }
-        let median = |v: &mut Vec<f64>| {
-            v.sort_by(f64::total_cmp);
-            let n = v.len();
-            if n % 2 == 1 {
-                v[n / 2]
-            } else {
-                0.5 * (v[n / 2 - 1] + v[n / 2])
-            }
+        let mut dd: Vec<f64> = self
+            .deltas
+            .windows(2)
+            .map(|w| (w[1] - w[0]).abs())
+            .collect();
+        dd.sort_by(f64::total_cmp);
+        let n = dd.len();
+        let median = if n % 2 == 1 {
+            dd[n / 2]
+        } else {
+            0.5 * (dd[n / 2 - 1] + dd[n / 2])
         };
-        let mut d = self.deltas.clone();
-        let m = median(&mut d);
-        let mut dev: Vec<f64> = self.deltas.iter().map(|x| (x - m).abs()).collect();
-        (NOISE_SIGMAS * MAD_TO_SIGMA * median(&mut dev)).max(p.noise_floor)
+        (NOISE_SIGMAS * MAD_TO_SIGMA * median / std::f64::consts::SQRT_2).max(p.noise_floor)
     }
 
     fn ramp(&mut self, p: &LambdaParams) {
