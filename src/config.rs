@@ -523,7 +523,14 @@ impl TrainConfig {
             true,
         )?;
         range("orpo_lambda", self.orpo_lambda, 0.0, inf, false, true)?;
-        range("orpo_lambda_min", self.orpo_lambda_min, 0.0, inf, true, true)?;
+        range(
+            "orpo_lambda_min",
+            self.orpo_lambda_min,
+            0.0,
+            inf,
+            true,
+            true,
+        )?;
         range(
             "orpo_lambda_max",
             self.orpo_lambda_max,
@@ -532,7 +539,14 @@ impl TrainConfig {
             false,
             true,
         )?;
-        range("orpo_lambda_ramp", self.orpo_lambda_ramp, 1.0, inf, true, true)?;
+        range(
+            "orpo_lambda_ramp",
+            self.orpo_lambda_ramp,
+            1.0,
+            inf,
+            true,
+            true,
+        )?;
         range(
             "orpo_lambda_backoff",
             self.orpo_lambda_backoff,

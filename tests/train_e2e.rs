@@ -932,8 +932,8 @@ fn adaptive_lambda_resume_equals_uninterrupted() {
     let mut cb = ca.clone();
     cb.output = dir_b.display().to_string();
     let mut stop = StopAt { at: 9, step: 0 };
-    let stopped = lorafit::train::trainer::train_with(&cb, None, &loaded, &items, &valid, &mut stop)
-        .unwrap();
+    let stopped =
+        lorafit::train::trainer::train_with(&cb, None, &loaded, &items, &valid, &mut stop).unwrap();
     assert!(stopped.stopped);
     let st = read_json(&dir_b.join("checkpoint-000009/trainer_state.json"));
     assert!(st["orpo_lambda"]["phase"].is_string(), "{st}");
@@ -957,7 +957,10 @@ fn adaptive_lambda_resume_equals_uninterrupted() {
     eprintln!("λ per step {lambdas:?}; phase per evaluation {phases:?}");
     assert_eq!(lambdas.len(), 16);
     assert_eq!(phases.len(), 17);
-    assert_eq!(lambdas[0], ca.orpo_lambda_min, "warm-up starts at orpo_lambda_min");
+    assert_eq!(
+        lambdas[0], ca.orpo_lambda_min,
+        "warm-up starts at orpo_lambda_min"
+    );
 
     for f in [
         "metrics.jsonl",
@@ -968,7 +971,10 @@ fn adaptive_lambda_resume_equals_uninterrupted() {
     ] {
         let a = std::fs::read(dir_a.join(f)).unwrap();
         let b = std::fs::read(dir_b.join(f)).unwrap();
-        assert!(a == b, "{f} differs between the uninterrupted and the resumed run");
+        assert!(
+            a == b,
+            "{f} differs between the uninterrupted and the resumed run"
+        );
     }
     let _ = std::fs::remove_dir_all(&dir_a);
     let _ = std::fs::remove_dir_all(&dir_b);
@@ -981,13 +987,21 @@ fn adaptive_lambda_needs_validation_and_evaluations() {
     let items = pair_items(4, 3, v);
     let dir = out_dir("adaptive-refused");
     let c = adaptive_cfg(&dir);
-    let e = train(&c, None, &loaded, &items, &[]).err().expect("refused");
+    let e = train(&c, None, &loaded, &items, &[])
+        .err()
+        .expect("refused");
     let msg = format!("{e:#}");
-    assert!(msg.contains("orpo_lambda_schedule") && msg.contains("valid"), "{msg}");
+    assert!(
+        msg.contains("orpo_lambda_schedule") && msg.contains("valid"),
+        "{msg}"
+    );
     let mut c = adaptive_cfg(&dir);
     c.eval_every = 0;
     let msg = format!("{:#}", c.validate().err().expect("refused"));
-    assert!(msg.contains("orpo_lambda_schedule") && msg.contains("eval_every"), "{msg}");
+    assert!(
+        msg.contains("orpo_lambda_schedule") && msg.contains("eval_every"),
+        "{msg}"
+    );
     let mut c = adaptive_cfg(&dir);
     c.orpo_lambda_max = 0.001;
     let msg = format!("{:#}", c.validate().err().expect("refused"));

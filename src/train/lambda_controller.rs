@@ -3,11 +3,14 @@
 //! evaluation and sets the λ of the steps that follow.
 //!
 //! - **warmup**: λ = `orpo_lambda_min` (nearly pure SFT) until validation `lw` plateaus: its
-//!   latest gain is within the noise threshold for `orpo_lambda_patience` evaluations in a row.
-//!   The threshold is measured here: the standard deviation of `lw`'s evaluation-to-evaluation
-//!   changes over the last `max(4, 2 × patience)` warm-up evaluations (robustly, about their
-//!   trend: from the median change between consecutive changes), times [`NOISE_SIGMAS`], never below
-//!   `orpo_lambda_noise_floor`; it is fixed when warm-up ends.
+//!   trend is within the noise for `orpo_lambda_patience` evaluations in a row. Both are
+//!   measured here, over the last `max(4, 2 × patience) + 1` warm-up evaluations: a
+//!   least-squares line through `lw`'s values gives the trend (its slope, the gain per
+//!   evaluation) and the noise (the residuals about the line, so that the trend is not counted
+//!   as noise); the threshold is [`NOISE_SIGMAS`] standard deviations of one
+//!   evaluation-to-evaluation change (√2 × the residuals' standard deviation), never below
+//!   `orpo_lambda_noise_floor`. The gain is flat when the slope is within [`NOISE_SIGMAS`] of
+//!   its standard errors of zero (or below the floor); the threshold is fixed when warm-up ends.
 //! - **ramp**: each evaluation at which `lw` holds (it fell by no more than the threshold since
 //!   the last evaluation, and is no more than the threshold below its reference level, the best
 //!   `lw` seen since the ramp began) multiplies λ by `orpo_lambda_ramp`, up to
@@ -31,9 +34,6 @@ use serde::{Deserialize, Serialize};
 
 /// The noise threshold in standard deviations of `lw`'s evaluation-to-evaluation change.
 pub const NOISE_SIGMAS: f64 = 2.0;
-
-/// A normal distribution's standard deviation per median absolute deviation.
-const MAD_TO_SIGMA: f64 = 1.4826;
 
 /// The controller's phase.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -92,7 +92,8 @@ impl LambdaParams {
         }
     }
 
-    /// Warm-up deltas the noise is measured over: the latest `max(4, 2 × patience)`.
+    /// Warm-up changes the trend and noise are measured over: the latest `max(4, 2 × patience)`
+    /// (so one more value).
     fn window(&self) -> usize {
         (2 * self.patience).max(4)
     }
@@ -132,9 +133,10 @@ pub struct LambdaController {
     prev_lw: f64,
     #[serde(with = "exact")]
     prev_lr: f64,
-    /// Warm-up: the latest evaluation-to-evaluation changes of `lw` (at most the window).
+    /// Warm-up: the latest `lw` values (at most the window + 1, the first evaluation's
+    /// included).
     #[serde(with = "exact_vec")]
-    deltas: Vec<f64>,
+    window_lw: Vec<f64>,
     /// The noise threshold on a change of `lw` (fixed when warm-up ends; during warm-up, the
     /// current estimate).
     #[serde(with = "exact")]
@@ -162,7 +164,7 @@ impl LambdaController {
             evals: 0,
             prev_lw: 0.0,
             prev_lr: 0.0,
-            deltas: Vec::new(),
+            window_lw: Vec::new(),
             threshold: p.noise_floor,
             lw_ref: 0.0,
             plateau: 0,
@@ -173,27 +175,42 @@ impl LambdaController {
         }
     }
 
-    /// The noise threshold from the warm-up deltas in the window: `NOISE_SIGMAS` × their
-    /// standard deviation about the trend, estimated robustly from the differences of
-    /// consecutive deltas (1.4826 × their median absolute value / √2: a steady trend cancels,
-    /// one odd evaluation does not inflate it), at least the floor.
-    fn noise_threshold(&self, p: &LambdaParams) -> f64 {
-        if self.deltas.len() < 3 {
-            return p.noise_floor;
+    /// The trend and noise of `lw` over the warm-up window: a least-squares line through the
+    /// window's values; its slope (the gain per evaluation); the threshold, `NOISE_SIGMAS` ×
+    /// the standard deviation of one evaluation-to-evaluation change (√2 × the residuals'
+    /// standard deviation about the line, so that the trend itself is not counted as noise), at
+    /// least the floor; and the slope below which the gain counts as flat, `NOISE_SIGMAS`
+    /// standard errors of the slope, at least the floor. `None` until the window is full.
+    fn trend(&self, p: &LambdaParams) -> Option<(f64, f64, f64)> {
+        let y = &self.window_lw;
+        let m = y.len();
+        if m < p.window() + 1 {
+            return None;
         }
-        let mut dd: Vec<f64> = self
-            .deltas
-            .windows(2)
-            .map(|w| (w[1] - w[0]).abs())
-            .collect();
-        dd.sort_by(f64::total_cmp);
-        let n = dd.len();
-        let median = if n % 2 == 1 {
-            dd[n / 2]
-        } else {
-            0.5 * (dd[n / 2 - 1] + dd[n / 2])
-        };
-        (NOISE_SIGMAS * MAD_TO_SIGMA * median / std::f64::consts::SQRT_2).max(p.noise_floor)
+        let mf = m as f64;
+        let x_mean = (mf - 1.0) / 2.0;
+        let y_mean = y.iter().sum::<f64>() / mf;
+        let (mut sxy, mut sxx) = (0.0, 0.0);
+        for (i, v) in y.iter().enumerate() {
+            let dx = i as f64 - x_mean;
+            sxy += dx * (v - y_mean);
+            sxx += dx * dx;
+        }
+        let slope = sxy / sxx;
+        let rss: f64 = y
+            .iter()
+            .enumerate()
+            .map(|(i, v)| {
+                let r = v - (y_mean + slope * (i as f64 - x_mean));
+                r * r
+            })
+            .sum();
+        let sigma = (rss / (mf - 2.0)).sqrt();
+        let threshold = (NOISE_SIGMAS * std::f64::consts::SQRT_2 * sigma).max(p.noise_floor);
+        // The slope's own standard error: the gain is "flat" when it is within NOISE_SIGMAS of
+        // them of zero (or below the floor).
+        let flat_below = (NOISE_SIGMAS * sigma / sxx.sqrt()).max(p.noise_floor);
+        Some((slope, threshold, flat_below))
     }
 
     fn ramp(&mut self, p: &LambdaParams) {
@@ -218,6 +235,7 @@ impl LambdaController {
         self.evals += 1;
         if self.evals == 1 {
             (self.prev_lw, self.prev_lr, self.lw_ref) = (lw, lr, lw);
+            self.window_lw.push(lw);
             return;
         }
         let d_lw = lw - self.prev_lw;
@@ -225,18 +243,23 @@ impl LambdaController {
         (self.prev_lw, self.prev_lr) = (lw, lr);
         match self.phase {
             Phase::Warmup => {
-                self.deltas.push(d_lw);
-                if self.deltas.len() > p.window() {
-                    self.deltas.remove(0);
+                self.window_lw.push(lw);
+                if self.window_lw.len() > p.window() + 1 {
+                    self.window_lw.remove(0);
                 }
-                self.threshold = self.noise_threshold(p);
-                let flat = self.deltas.len() >= p.window() && d_lw < self.threshold;
+                let flat = match self.trend(p) {
+                    Some((slope, threshold, flat_below)) => {
+                        self.threshold = threshold;
+                        slope < flat_below
+                    }
+                    None => false,
+                };
                 self.plateau = if flat { self.plateau + 1 } else { 0 };
                 if self.plateau >= p.patience {
                     self.phase = Phase::Ramp;
                     self.lw_ref = lw;
                     self.plateau = 0;
-                    self.deltas.clear();
+                    self.window_lw.clear();
                     self.ramp(p);
                 }
             }
@@ -344,7 +367,7 @@ mod tests {
 
     /// SFT warm-up: lw rises fast, then flattens (with ±0.002 noise); lr follows lw.
     fn warmup_trajectory() -> Vec<(f64, f64)> {
-        (0..10)
+        (0..16)
             .map(|i| {
                 let lw = -1.0 - 1.5 * (-(i as f64) / 1.5).exp() + jitter(i, 0.002);
                 (lw, lw - 0.3)
@@ -391,7 +414,10 @@ mod tests {
         let states = run(&mut c, &traj);
         assert!(states.iter().all(|s| s.0 == Phase::Ramp), "{states:?}");
         for w in states.windows(2) {
-            assert!(w[1].1 >= w[0].1, "λ fell on a healthy trajectory: {states:?}");
+            assert!(
+                w[1].1 >= w[0].1,
+                "λ fell on a healthy trajectory: {states:?}"
+            );
         }
         assert!(states[0].1 > before, "{states:?}");
         assert_eq!(c.lambda, 1.0, "λ reaches orpo_lambda_max: {states:?}");
@@ -408,7 +434,11 @@ mod tests {
         }
         let states = run(&mut c, &traj);
         let peak = states[2].1;
-        assert_eq!(states[3], (Phase::Ramp, peak), "one displaced evaluation holds: {states:?}");
+        assert_eq!(
+            states[3],
+            (Phase::Ramp, peak),
+            "one displaced evaluation holds: {states:?}"
+        );
         assert_eq!(states[4], (Phase::Backoff, peak * 0.5), "{states:?}");
         // Continued displacement backs off again.
         assert_eq!(states[6], (Phase::Backoff, peak * 0.25), "{states:?}");
@@ -453,7 +483,10 @@ mod tests {
             traj.push((lw0 - 0.2 + jitter(200 + i, 0.001), lr0 - 0.8));
         }
         let states = run(&mut c, &traj);
-        assert!(states[..4].iter().any(|s| s.0 == Phase::Backoff), "{states:?}");
+        assert!(
+            states[..4].iter().any(|s| s.0 == Phase::Backoff),
+            "{states:?}"
+        );
         assert_eq!(c.phase, Phase::Ramp, "{states:?}");
     }
 
