@@ -223,7 +223,10 @@ fn page_submits_a_job_and_charts_it_live() {
         "document.readyState === 'complete' && !!document.getElementById('submit-form')",
     );
 
-    let steps = 300;
+    // Long enough that the page is open and following the job while it runs (at 300 steps a
+    // fast machine finished the job before the page's first sample, and the chart was seen
+    // only whole).
+    let steps = 2000;
     let fill = format!(
         r#"(() => {{
             const set = (id, v) => {{ const e = document.getElementById(id); e.value = v;
@@ -272,7 +275,7 @@ fn page_submits_a_job_and_charts_it_live() {
     );
     assert_eq!(
         b.eval("Number(document.getElementById('chart').dataset.validPoints)"),
-        json!(4)
+        json!(steps / 100 + 1)
     );
     // The chart is drawn: count pixels of the loss line's colour (#0a6bd1).
     let loss_pixels = b.eval(
@@ -288,7 +291,12 @@ fn page_submits_a_job_and_charts_it_live() {
         "loss line pixels: {loss_pixels}"
     );
     let log = b.eval("document.getElementById('log').textContent");
-    assert!(log.as_str().unwrap().contains("done: 300 steps"), "{log}");
+    assert!(
+        log.as_str()
+            .unwrap()
+            .contains(&format!("done: {steps} steps")),
+        "{log}"
+    );
     assert_eq!(
         b.eval("document.getElementById('resume-button').disabled"),
         json!(true)
