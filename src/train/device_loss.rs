@@ -525,13 +525,7 @@ mod tests {
             ref_logp[..n[1]].iter().map(|&x| x as f64).sum::<f64>(),
             ref_logp[n[1]..].iter().map(|&x| x as f64).sum::<f64>(),
         );
-        let ref_parts = Parts {
-            chosen_prompt: (0, 0),
-            chosen_response: (0, n[1]),
-            rejected_response: Some((n[1], n[2])),
-        };
-        let t = Tensor::cpu(ref_logp.clone(), &[ref_logp.len()]).unwrap();
-        let reference = reference(&t, &ref_parts).unwrap();
+        let reference = reference_of(&ref_logp, n);
         let x = Tensor::cpu(logp.clone(), &[logp.len()]).unwrap();
         for objective in all_objectives() {
             let chosen = BranchLogps::new(cp, cr);
@@ -594,19 +588,25 @@ mod tests {
         }
     }
 
+    /// The reference of a random case: its chosen and rejected response logps (`n` as in
+    /// `random_case`).
+    fn reference_of(ref_logp: &[f32], n: [usize; 3]) -> Reference {
+        let ref_parts = Parts {
+            chosen_prompt: (0, 0),
+            chosen_response: (0, n[1]),
+            rejected_response: Some((n[1], n[2])),
+        };
+        let t = Tensor::cpu(ref_logp.to_vec(), &[ref_logp.len()]).unwrap();
+        reference(&t, &ref_parts).unwrap()
+    }
+
     /// The example weight scales loss and gradient (metrics unweighted); a loss above the clip
     /// counts as the clip with zero gradient, at or below it nothing changes.
     #[test]
     fn weight_and_clip() {
         let n = [4, 3, 5];
         let (logp, ref_logp, parts) = random_case(5, n);
-        let ref_parts = Parts {
-            chosen_prompt: (0, 0),
-            chosen_response: (0, n[1]),
-            rejected_response: Some((n[1], n[2])),
-        };
-        let t = Tensor::cpu(ref_logp.clone(), &[ref_logp.len()]).unwrap();
-        let reference = reference(&t, &ref_parts).unwrap();
+        let reference = reference_of(&ref_logp, n);
         let x = Tensor::cpu(logp.clone(), &[logp.len()]).unwrap();
         for objective in all_objectives() {
             let run = |scale| {
