@@ -94,6 +94,28 @@ fn timing_steps(dir: &Path) -> Vec<u64> {
         .collect()
 }
 
+/// For text files, the first line where `got` and `want` part, both sides shown.
+fn first_differing_line(got: &[u8], want: &[u8]) -> String {
+    let (Ok(g), Ok(w)) = (std::str::from_utf8(got), std::str::from_utf8(want)) else {
+        return String::new();
+    };
+    let (mut gl, mut wl) = (g.lines(), w.lines());
+    for n in 1.. {
+        match (gl.next(), wl.next()) {
+            (None, None) => break,
+            (a, b) if a != b => {
+                return format!(
+                    " at line {n}:\n  got  {}\n  want {}",
+                    a.unwrap_or("(end)"),
+                    b.unwrap_or("(end)")
+                )
+            }
+            _ => {}
+        }
+    }
+    String::new()
+}
+
 fn has_checkpoint(dir: &Path) -> bool {
     std::fs::read_dir(dir).is_ok_and(|rd| {
         rd.flatten().any(|e| {
@@ -204,8 +226,9 @@ fn kill_at_random_points_then_resume_equals_uninterrupted() {
         for (name, bytes) in &want {
             assert!(
                 got[name] == *bytes,
-                "trial {trial} (killed after {:.3}s): {name} differs from the uninterrupted run's",
-                delay.as_secs_f64()
+                "trial {trial} (killed after {:.3}s): {name} differs from the uninterrupted run's{}",
+                delay.as_secs_f64(),
+                first_differing_line(&got[name], bytes)
             );
         }
         assert_eq!(

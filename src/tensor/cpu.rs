@@ -676,8 +676,17 @@ pub fn dropout(x: &Tensor, p: f32, seed: u64) -> Result<Tensor> {
     out(y, x.shape())
 }
 
+/// Σ x² in f64, the same bits on every run: rayon's own `sum` adds in a tree whose shape
+/// depends on which tasks were stolen, so the grad norm (and a clip it decides) would move in
+/// the last bits between a run and its resume. Fixed chunks are summed in parallel, then their
+/// partial sums in order.
 pub fn sum_sq(x: &[f32]) -> f64 {
-    x.par_iter().map(|&v| v as f64 * v as f64).sum()
+    const CHUNK: usize = 1 << 14;
+    let partial: Vec<f64> = x
+        .par_chunks(CHUNK)
+        .map(|c| c.iter().map(|&v| v as f64 * v as f64).sum::<f64>())
+        .collect();
+    partial.iter().sum()
 }
 
 pub fn adamw_step(
@@ -741,4 +750,23 @@ pub fn cast_multi(pairs: &mut [(&Tensor, &mut Tensor)]) -> Result<()> {
         dst.as_cpu_mut()?.copy_from_slice(src.as_cpu()?);
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    /// The parallel sum must equal the same chunks added one after the other, bit for bit, on
+    /// every call (a resumed run recomputes the grad norm and must get the same one).
+    #[test]
+    fn sum_sq_is_the_in_order_sum_of_fixed_chunks() {
+        let x: Vec<f32> = (0..100_003)
+            .map(|i| ((i as f32) * 0.37).sin() * (1.0 + (i % 7) as f32))
+            .collect();
+        let want: f64 = x
+            .chunks(1 << 14)
+            .map(|c| c.iter().map(|&v| v as f64 * v as f64).sum::<f64>())
+            .fold(0.0, |a, b| a + b);
+        for _ in 0..20 {
+            assert_eq!(super::sum_sq(&x).to_bits(), want.to_bits());
+        }
+    }
 }

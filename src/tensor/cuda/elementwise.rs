@@ -620,11 +620,12 @@ impl CudaBackend {
         Ok(y)
     }
 
-    /// Sum of squares (f64 partials; a sync point).
+    /// Sum of squares (f64 partials per block, added in order; a sync point).
     pub fn sum_sq(&self, x: &Tensor) -> Result<f64> {
-        let out = self.alloc(8)?;
-        self.memset0(&out)?;
         let n = x.numel();
+        let blocks = self.grid_blocks(n.div_ceil(256));
+        let out = self.alloc(8 * (1 + blocks))?;
+        self.memset0(&out)?;
         self.launch_n(
             "lf_sum_sq",
             n,
@@ -632,9 +633,10 @@ impl CudaBackend {
                 Arg::P(cuda_ptr(x)?),
                 dt(x.dtype()),
                 Arg::I64(n as i64),
-                Arg::P(out.ptr),
+                Arg::P(out.ptr + 8),
             ],
         )?;
+        self.sum_partials_in_order(&out, blocks)?;
         let mut v = [0f64; 1];
         self.inner.bind()?;
         out.dtoh(&mut v)?;
@@ -707,7 +709,7 @@ impl CudaBackend {
         );
         let table = self.alloc(words.len() * 8)?;
         self.htod(&table, bytemuck::cast_slice(words))?;
-        let blocks = n_chunks.min(self.inner.sm_count as u64 * 16) as u32;
+        let blocks = self.grid_blocks(n_chunks as usize) as u32;
         let mut args = vec![
             Arg::P(table.ptr),
             Arg::I32(entries as i32),
@@ -732,7 +734,9 @@ impl CudaBackend {
             entries += 1;
             chunks += n.div_ceil(MULTI_CHUNK) as u64;
         }
-        let out = self.alloc(8)?;
+        // out[0] is the sum; out[1..] the blocks' partials that lf_sum_in_order adds up.
+        let blocks = self.grid_blocks(chunks as usize);
+        let out = self.alloc(8 * (1 + blocks))?;
         self.memset0(&out)?;
         if entries > 0 {
             self.launch_multi(
@@ -740,10 +744,25 @@ impl CudaBackend {
                 &words,
                 entries,
                 chunks,
-                vec![Arg::P(out.ptr)],
+                vec![Arg::P(out.ptr + 8)],
             )?;
+            self.sum_partials_in_order(&out, blocks)?;
         }
         Ok(DeviceValues::cuda(out, 1))
+    }
+
+    /// `out[0] = Σ out[1..=blocks]` in order, on the device.
+    fn sum_partials_in_order(&self, out: &CudaStorage, blocks: usize) -> Result<()> {
+        if blocks == 0 {
+            return Ok(());
+        }
+        self.launch(
+            "lf_sum_in_order",
+            (1, 1, 1),
+            32,
+            0,
+            &[Arg::P(out.ptr + 8), Arg::I32(blocks as i32), Arg::P(out.ptr)],
+        )
     }
 
     /// AdamW on every item, each compute copy refreshed and each gradient zeroed in the same

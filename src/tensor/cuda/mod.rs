@@ -1142,8 +1142,14 @@ impl CudaBackend {
         if n == 0 {
             return Ok(());
         }
-        let blocks = n.div_ceil(256).min(self.inner.sm_count as usize * 16) as u32;
+        let blocks = self.grid_blocks(n.div_ceil(256)) as u32;
         self.launch(name, (blocks, 1, 1), 256, 0, args)
+    }
+
+    /// Blocks of a grid-stride launch over `work` blocks' worth of work (`launch_n` and
+    /// `launch_multi` size their grids so; the in-order sums size their partials by it).
+    fn grid_blocks(&self, work: usize) -> usize {
+        work.min(self.inner.sm_count as usize * 16)
     }
 
     /// Runs `f` `iters` times between two events and returns the mean milliseconds per run

@@ -366,8 +366,10 @@ extern "C" __global__ void lf_dropout(const void* x, int dt, void* y, i64 n, flo
     GRID_STRIDE(i, n) stf(y, dt, i, dropout_keep(seed, (u64)i, p) ? ldf(x, dt, i) * keep_scale : 0.f);
 }
 
-// Adds the block's per-thread f64 partials into *out: one atomic per block.
-__device__ void block_sum_atomic(double acc, double* out) {
+// Writes the sum of the block's per-thread f64 partials to partials[blockIdx.x]; lf_sum_in_order
+// then adds the blocks' sums in block order. No atomics: the same inputs give the same bits on
+// every run, so a resumed run recomputes the same grad norm (and the same clip).
+__device__ void block_sum_partial(double acc, double* partials) {
     __shared__ double red[32];
     #pragma unroll
     for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
@@ -378,18 +380,27 @@ __device__ void block_sum_atomic(double acc, double* out) {
         acc = lane < (int)(blockDim.x >> 5) ? red[lane] : 0.0;
         #pragma unroll
         for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-        if (lane == 0) atomicAdd(out, acc);
+        if (lane == 0) partials[blockIdx.x] = acc;
     }
 }
 
-// Partial sums of squares in f64, one atomic per block.
-extern "C" __global__ void lf_sum_sq(const void* x, int dt, i64 n, double* out) {
+// out[0] = Σ partials[0..n), added in order by one thread (n is at most a few thousand blocks).
+extern "C" __global__ void lf_sum_in_order(const double* partials, int n, double* out) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        double s = 0.0;
+        for (int i = 0; i < n; ++i) s += partials[i];
+        out[0] = s;
+    }
+}
+
+// Sums of squares in f64, one partial per block (added in order by lf_sum_in_order).
+extern "C" __global__ void lf_sum_sq(const void* x, int dt, i64 n, double* partials) {
     double acc = 0.0;
     GRID_STRIDE(i, n) {
         double v = (double)ldf(x, dt, i);
         acc += v * v;
     }
-    block_sum_atomic(acc, out);
+    block_sum_partial(acc, partials);
 }
 
 // AdamW on f32 masters, mirroring the CPU reference's f32/f64 mix exactly.
@@ -549,9 +560,9 @@ __device__ __forceinline__ int seg_of(const S* segs, int ns, i64 c) {
     return lo;
 }
 
-// Sum of squares of every tensor into *out (f64 partials, one atomic per block), as lf_sum_sq.
+// Sum of squares of every tensor, one f64 partial per block, as lf_sum_sq.
 extern "C" __global__ void lf_sum_sq_multi(const SqSeg* segs, int ns, i64 n_chunks, int chunk,
-                                           double* out) {
+                                           double* partials) {
     double acc = 0.0;
     for (i64 c = blockIdx.x; c < n_chunks; c += gridDim.x) {
         const SqSeg s = segs[seg_of(segs, ns, c)];
@@ -561,7 +572,7 @@ extern "C" __global__ void lf_sum_sq_multi(const SqSeg* segs, int ns, i64 n_chun
             acc += v * v;
         }
     }
-    block_sum_atomic(acc, out);
+    block_sum_partial(acc, partials);
 }
 
 // AdamW over every tensor with its own lr and shared hyperparameters: per element exactly
