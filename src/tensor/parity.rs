@@ -659,6 +659,30 @@ fn elementwise(cx: &mut Ctx, r: &mut Rng) -> Result<()> {
         );
         row.note = format!("{} elements", sizes.iter().sum::<usize>());
         cx.push(row);
+        // The same inputs give the same bits every time (no atomics in the reduction): a resumed
+        // run must recompute the grad norm, and a clip decided by it, exactly.
+        let gr = gs.iter().collect::<Vec<_>>();
+        let (mut multi, mut single) = (
+            std::collections::BTreeSet::new(),
+            std::collections::BTreeSet::new(),
+        );
+        for _ in 0..20 {
+            multi.insert(sum_sq_multi(&gr)?.to_host()?[0].to_bits());
+            single.insert(sum_sq(&gs[8])?.to_bits());
+        }
+        let mut row = compare(
+            "sum_sq_multi / sum_sq: 20 repeats",
+            &[got as f32],
+            &[got as f32],
+            0.0,
+        );
+        row.pass &= multi.len() == 1 && single.len() == 1;
+        row.note = format!(
+            "{} and {} distinct results (1 = deterministic)",
+            multi.len(),
+            single.len()
+        );
+        cx.push(row);
     }
     // adamw_multi: bf16 gradients, a per-tensor lr, bf16 compute copies written and gradients
     // zeroed by the same kernel; also against the single-tensor adamw_step on the same device.

@@ -761,7 +761,11 @@ impl CudaBackend {
             (1, 1, 1),
             32,
             0,
-            &[Arg::P(out.ptr + 8), Arg::I32(blocks as i32), Arg::P(out.ptr)],
+            &[
+                Arg::P(out.ptr + 8),
+                Arg::I32(blocks as i32),
+                Arg::P(out.ptr),
+            ],
         )
     }
 
