@@ -66,6 +66,18 @@ impl DpoLossType {
     }
 }
 
+/// How ORPO's λ is set over a run (`train::lambda_controller`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LambdaSchedule {
+    /// `orpo_lambda` at every step.
+    #[default]
+    Static,
+    /// Set at each evaluation from the validation `lw` and `lr`, between `orpo_lambda_min` and
+    /// `orpo_lambda_max` (needs validation data and `eval_every > 0`).
+    Adaptive,
+}
+
 /// How a row's text becomes prompt and response token ids (`data::tokenize`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
@@ -124,6 +136,20 @@ pub struct TrainConfig {
     pub targets: Vec<String>,
     pub rank_pattern: BTreeMap<String, usize>,
     pub orpo_lambda: f64,
+    /// "static" (`orpo_lambda` throughout) or "adaptive" (the λ controller; see the README).
+    pub orpo_lambda_schedule: LambdaSchedule,
+    /// Adaptive: λ during the SFT warm-up, and the lowest a back-off goes.
+    pub orpo_lambda_min: f64,
+    /// Adaptive: the highest λ the ramp reaches.
+    pub orpo_lambda_max: f64,
+    /// Adaptive: λ's factor per evaluation at which validation lw holds.
+    pub orpo_lambda_ramp: f64,
+    /// Adaptive: λ's factor on a confirmed displacement.
+    pub orpo_lambda_backoff: f64,
+    /// Adaptive: evaluations in a row that must agree before the phase changes.
+    pub orpo_lambda_patience: usize,
+    /// Adaptive: the least change of validation lw (nats per token) counted as more than noise.
+    pub orpo_lambda_noise_floor: f64,
     pub sft_scope: SftScope,
     /// SFT: train on prompt tokens too.
     pub sft_all_tokens: bool,
@@ -222,6 +248,13 @@ impl Default for TrainConfig {
             targets: Target::ALL.iter().map(|t| t.module().to_string()).collect(),
             rank_pattern: BTreeMap::new(),
             orpo_lambda: 0.1,
+            orpo_lambda_schedule: LambdaSchedule::Static,
+            orpo_lambda_min: 0.01,
+            orpo_lambda_max: 1.0,
+            orpo_lambda_ramp: 1.5,
+            orpo_lambda_backoff: 0.5,
+            orpo_lambda_patience: 2,
+            orpo_lambda_noise_floor: 0.002,
             sft_scope: SftScope::Full,
             sft_all_tokens: false,
             dpo_beta: 0.1,
@@ -525,6 +558,60 @@ impl TrainConfig {
             true,
         )?;
         range("orpo_lambda", self.orpo_lambda, 0.0, inf, false, true)?;
+        range(
+            "orpo_lambda_min",
+            self.orpo_lambda_min,
+            0.0,
+            inf,
+            true,
+            true,
+        )?;
+        range(
+            "orpo_lambda_max",
+            self.orpo_lambda_max,
+            self.orpo_lambda_min,
+            inf,
+            false,
+            true,
+        )?;
+        range(
+            "orpo_lambda_ramp",
+            self.orpo_lambda_ramp,
+            1.0,
+            inf,
+            true,
+            true,
+        )?;
+        range(
+            "orpo_lambda_backoff",
+            self.orpo_lambda_backoff,
+            0.0,
+            1.0,
+            true,
+            true,
+        )?;
+        range(
+            "orpo_lambda_noise_floor",
+            self.orpo_lambda_noise_floor,
+            0.0,
+            inf,
+            true,
+            true,
+        )?;
+        if self.orpo_lambda_patience == 0 {
+            bail!("orpo_lambda_patience = 0: expected a whole number of evaluations, at least 1");
+        }
+        if self.orpo_lambda_schedule == LambdaSchedule::Adaptive {
+            if self.method != Method::Orpo {
+                bail!(
+                    "orpo_lambda_schedule = \"adaptive\": expected method = \"orpo\" (method is {:?})",
+                    self.method
+                );
+            }
+            if self.eval_every == 0 {
+                bail!("orpo_lambda_schedule = \"adaptive\" needs eval_every > 0 (λ is set at each evaluation)");
+            }
+        }
         range("dpo_beta", self.dpo_beta, 0.0, inf, true, true)?;
         range(
             "label_smoothing",

@@ -885,3 +885,126 @@ fn peft_adapter_reproduces_lorafit_logits() {
 fn peft_adapter_reproduces_lorafit_logits_gemma4() {
     check_roundtrip("gemma4", "peft_roundtrip_gemma4", 50);
 }
+
+// ---------------------------------------------------------------------------------------------
+// 8. The adaptive ORPO λ: an interrupted run resumes to the same λ sequence and bytes
+// ---------------------------------------------------------------------------------------------
+
+/// Asks the run to stop once it has taken `at` steps.
+struct StopAt {
+    at: usize,
+    step: usize,
+}
+
+impl lorafit::train::events::TrainEvents for StopAt {
+    fn event(&mut self, e: &lorafit::train::events::TrainEvent<'_>) -> anyhow::Result<()> {
+        if let lorafit::train::events::TrainEvent::Step(s) = e {
+            self.step = s.step;
+        }
+        Ok(())
+    }
+    fn stop_requested(&self) -> bool {
+        self.step >= self.at
+    }
+}
+
+fn adaptive_cfg(dir: &Path) -> TrainConfig {
+    let mut c = cfg(dir, 16);
+    c.orpo_lambda_schedule = lorafit::config::LambdaSchedule::Adaptive;
+    c.eval_every = 1;
+    c.save_every = 5;
+    c
+}
+
+#[test]
+fn adaptive_lambda_resume_equals_uninterrupted() {
+    let loaded = tiny_loaded();
+    let v = loaded.model.spec.vocab;
+    let items = pair_items(16, 3, v);
+    let valid = pair_items(3, 4, v);
+
+    let dir_a = out_dir("adaptive-a");
+    let ca = adaptive_cfg(&dir_a);
+    run(&ca, None, &loaded, &items, &valid);
+
+    // The same run stopped after step 9 (its checkpoint written then) and resumed in place.
+    let dir_b = out_dir("adaptive-b");
+    let mut cb = ca.clone();
+    cb.output = dir_b.display().to_string();
+    let mut stop = StopAt { at: 9, step: 0 };
+    let stopped =
+        lorafit::train::trainer::train_with(&cb, None, &loaded, &items, &valid, &mut stop).unwrap();
+    assert!(stopped.stopped);
+    let st = read_json(&dir_b.join("checkpoint-000009/trainer_state.json"));
+    assert!(st["orpo_lambda"]["phase"].is_string(), "{st}");
+    run(&cb, Some(&dir_b), &loaded, &items, &valid);
+
+    let text = std::fs::read_to_string(dir_a.join("metrics.jsonl")).unwrap();
+    let lines: Vec<serde_json::Value> = text
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .collect();
+    let lambdas: Vec<f64> = lines
+        .iter()
+        .filter(|l| l["split"] == "train")
+        .map(|l| l["metrics"]["orpo_lambda"].as_f64().expect("orpo_lambda"))
+        .collect();
+    let phases: Vec<f64> = lines
+        .iter()
+        .filter(|l| l["split"] == "valid")
+        .map(|l| l["metrics"]["orpo_lambda_phase"].as_f64().expect("phase"))
+        .collect();
+    eprintln!("λ per step {lambdas:?}; phase per evaluation {phases:?}");
+    assert_eq!(lambdas.len(), 16);
+    assert_eq!(phases.len(), 17);
+    assert_eq!(
+        lambdas[0], ca.orpo_lambda_min,
+        "warm-up starts at orpo_lambda_min"
+    );
+
+    for f in [
+        "metrics.jsonl",
+        "adapter/adapter_model.safetensors",
+        "checkpoint-000016/trainer_state.json",
+        "checkpoint-000016/optimizer.safetensors",
+        "best/adapter_model.safetensors",
+    ] {
+        let a = std::fs::read(dir_a.join(f)).unwrap();
+        let b = std::fs::read(dir_b.join(f)).unwrap();
+        assert!(
+            a == b,
+            "{f} differs between the uninterrupted and the resumed run"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir_a);
+    let _ = std::fs::remove_dir_all(&dir_b);
+}
+
+#[test]
+fn adaptive_lambda_needs_validation_and_evaluations() {
+    let loaded = tiny_loaded();
+    let v = loaded.model.spec.vocab;
+    let items = pair_items(4, 3, v);
+    let dir = out_dir("adaptive-refused");
+    let c = adaptive_cfg(&dir);
+    let e = train(&c, None, &loaded, &items, &[])
+        .err()
+        .expect("refused");
+    let msg = format!("{e:#}");
+    assert!(
+        msg.contains("orpo_lambda_schedule") && msg.contains("valid"),
+        "{msg}"
+    );
+    let mut c = adaptive_cfg(&dir);
+    c.eval_every = 0;
+    let msg = format!("{:#}", c.validate().err().expect("refused"));
+    assert!(
+        msg.contains("orpo_lambda_schedule") && msg.contains("eval_every"),
+        "{msg}"
+    );
+    let mut c = adaptive_cfg(&dir);
+    c.orpo_lambda_max = 0.001;
+    let msg = format!("{:#}", c.validate().err().expect("refused"));
+    assert!(msg.contains("orpo_lambda_max"), "{msg}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -3,6 +3,7 @@
 pub mod device_loss;
 pub mod events;
 pub mod head;
+pub mod lambda_controller;
 pub mod listeners;
 pub mod memory;
 pub mod objectives;

@@ -5,12 +5,13 @@
 use super::device_loss::ExampleScale;
 use super::device_loss::Reference;
 use super::events::{Fanout, PassRecord, RunStart, StepRecord, TrainEvent, TrainEvents};
+use super::lambda_controller::{check_adaptive, LambdaController, LambdaParams};
 use super::listeners::{Console, MetricsFile, Plots, TensorBoard};
 use super::optim::{apply_update, AdamState, OptimOptions};
 use super::plan::Plan;
 use super::run_folder::{self, Cycle, CycleSchedule};
 use super::step::{queue_example, queue_example_scaled, reference_logps, Objective, PassOptions};
-use crate::config::{Method, TrainConfig};
+use crate::config::{LambdaSchedule, Method, TrainConfig};
 use crate::data::{self, ChatTemplate, DatasetKind, TextTokenizer, TokenRules, TokenizeOptions};
 use crate::model::{self, Lora, LoraConfig, Model};
 use crate::tensor::Rng;
@@ -160,6 +161,9 @@ pub struct TrainerState {
     /// older checkpoints: one cycle of `total_steps`).
     #[serde(default)]
     pub cycles: Vec<Cycle>,
+    /// The ORPO λ controller (`orpo_lambda_schedule = "adaptive"` only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub orpo_lambda: Option<LambdaController>,
 }
 
 /// Example index at data position `pos`: a fresh seeded permutation per epoch.
@@ -240,7 +244,17 @@ pub fn evaluate(
     items: &[Item],
     cfg: &TrainConfig,
 ) -> Result<BTreeMap<String, f64>> {
-    let objective = cfg.objective();
+    evaluate_objective(model, lora, items, cfg, cfg.objective())
+}
+
+/// [`evaluate`] under `objective` (an adaptive ORPO run's λ of the moment).
+pub fn evaluate_objective(
+    model: &Model,
+    lora: &mut Lora,
+    items: &[Item],
+    cfg: &TrainConfig,
+    objective: Objective,
+) -> Result<BTreeMap<String, f64>> {
     let opts = pass_options(cfg, model, 0, usize::MAX, None);
     let n = if cfg.eval_limit > 0 {
         cfg.eval_limit.min(items.len())
@@ -295,6 +309,7 @@ pub fn train_with(
     valid_items: &[Item],
     listener: &mut dyn TrainEvents,
 ) -> Result<TrainOutcome> {
+    check_adaptive(cfg, valid_items.len())?;
     let model = &loaded.model;
     let device = model.device.clone();
     let out_dir = PathBuf::from(&cfg.output);
@@ -334,6 +349,7 @@ pub fn train_with(
             end: planned_steps,
             warmup: cfg.resolved_warmup(planned_steps),
         }],
+        orpo_lambda: None,
     };
     if let Some(dir) = &checkpoint {
         let (l, a, saved) = load_checkpoint(dir, model, &device)?;
@@ -342,6 +358,17 @@ pub fn train_with(
         lora.config.dropout = cfg.lora_dropout;
         state = resumed_state(dir, saved, cfg, planned_steps, &data_hash)?;
     }
+    let lambda_params = LambdaParams::from_config(cfg);
+    state.orpo_lambda = match cfg.orpo_lambda_schedule {
+        LambdaSchedule::Static => None,
+        // A checkpoint of a static run continued adaptively starts the controller afresh.
+        LambdaSchedule::Adaptive => Some(
+            state
+                .orpo_lambda
+                .take()
+                .unwrap_or_else(|| LambdaController::new(&lambda_params)),
+        ),
+    };
     let schedule = CycleSchedule {
         peak_lr: cfg.learning_rate(),
         cosine: cfg.schedule == "cosine",
@@ -359,7 +386,7 @@ pub fn train_with(
         run_folder::truncate_lines_after(&out_dir.join(log), state.step)?;
     }
 
-    let objective = cfg.objective();
+    let base_objective = cfg.objective();
     device.set_numerics(cfg.deterministic_attention, cfg.gemm_tuning)?;
     super::head::set_filter_eps(cfg.cce_filter_eps);
     let memory_budget = super::memory::budget(&device)?;
@@ -404,7 +431,14 @@ pub fn train_with(
 
     let mut first_valid = None;
     if !valid_items.is_empty() && state.step == 0 {
-        let m = evaluate(model, &mut lora, valid_items, cfg)?;
+        let mut m = evaluate_objective(
+            model,
+            &mut lora,
+            valid_items,
+            cfg,
+            objective_now(base_objective, &state),
+        )?;
+        observe_lambda(&mut state, &mut m, &lambda_params);
         events.event(&TrainEvent::Valid {
             step: 0,
             metrics: &m,
@@ -454,6 +488,7 @@ pub fn train_with(
             format!("step {step_no}: {what}; the run stopped and {kept}")
         };
         let example = |idx: usize| format!("training example {idx} of {} (0-based)", cfg.data);
+        let objective = objective_now(base_objective, &state);
         let t0 = Instant::now();
         device.reset_peak();
         let mut sums: BTreeMap<String, f64> = BTreeMap::new();
@@ -525,6 +560,9 @@ pub fn train_with(
                 *sums.entry(metric_name(k).to_string()).or_default() += v / cfg.grad_accum as f64;
             }
         }
+        if let (Some(c), Objective::Orpo { .. }) = (&state.orpo_lambda, objective) {
+            sums.insert("orpo_lambda".to_string(), c.lambda);
+        }
         let grad_norm = grad_norm.get()?;
         if !grad_norm.is_finite() {
             bail!(failed(format!(
@@ -565,7 +603,8 @@ pub fn train_with(
         if !valid_items.is_empty()
             && (last || (cfg.eval_every > 0 && state.step.is_multiple_of(cfg.eval_every)))
         {
-            let m = evaluate(model, &mut lora, valid_items, cfg)?;
+            let mut m = evaluate_objective(model, &mut lora, valid_items, cfg, objective)?;
+            observe_lambda(&mut state, &mut m, &lambda_params);
             events.event(&TrainEvent::Valid {
                 step: state.step,
                 metrics: &m,
@@ -616,6 +655,31 @@ pub fn train_with(
         adapter_dir,
         stopped: false,
     })
+}
+
+/// The objective of the coming steps: `base` with an adaptive run's λ of the moment.
+fn objective_now(base: Objective, state: &TrainerState) -> Objective {
+    match (base, &state.orpo_lambda) {
+        (Objective::Orpo { scope, .. }, Some(c)) => Objective::Orpo {
+            lambda: c.lambda,
+            scope,
+        },
+        _ => base,
+    }
+}
+
+/// An adaptive run's controller reads validation metrics `m` (its `lw` and `lr`); `m` gains the
+/// λ set for the steps that follow (`orpo_lambda`) and the phase (`orpo_lambda_phase`:
+/// `lambda_controller::Phase::code`).
+fn observe_lambda(state: &mut TrainerState, m: &mut BTreeMap<String, f64>, p: &LambdaParams) {
+    let Some(c) = state.orpo_lambda.as_mut() else {
+        return;
+    };
+    if let (Some(&lw), Some(&lr)) = (m.get("lw"), m.get("lr")) {
+        c.observe(lw, lr, p);
+    }
+    m.insert("orpo_lambda".to_string(), c.lambda);
+    m.insert("orpo_lambda_phase".to_string(), c.phase.code());
 }
 
 /// The objective's metric names as metrics.jsonl and the console write them. The objectives
@@ -783,6 +847,13 @@ pub fn fmt_metrics(m: &BTreeMap<String, f64>) -> String {
     ]
     .iter()
     .filter_map(|k| m.get(*k).map(|v| format!("{k} {v:.4}")))
+    .chain(m.get("orpo_lambda").map(|l| {
+        let phase = m
+            .get("orpo_lambda_phase")
+            .and_then(|&c| super::lambda_controller::Phase::from_code(c))
+            .map_or("", |p| p.name());
+        format!("orpo_lambda {l:.4} ({phase})")
+    }))
     .collect::<Vec<_>>()
     .join(" | ")
 }
