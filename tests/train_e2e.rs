@@ -997,14 +997,14 @@ fn adaptive_lambda_needs_validation_and_evaluations() {
     );
     let mut c = adaptive_cfg(&dir);
     c.eval_every = 0;
-    let msg = format!("{:#}", c.validate().err().expect("refused"));
+    let msg = format!("{:#}", c.validate().expect_err("refused"));
     assert!(
         msg.contains("orpo_lambda_schedule") && msg.contains("eval_every"),
         "{msg}"
     );
     let mut c = adaptive_cfg(&dir);
     c.orpo_lambda_max = 0.001;
-    let msg = format!("{:#}", c.validate().err().expect("refused"));
+    let msg = format!("{:#}", c.validate().expect_err("refused"));
     assert!(msg.contains("orpo_lambda_max"), "{msg}");
     let _ = std::fs::remove_dir_all(&dir);
 }
