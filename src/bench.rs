@@ -23,7 +23,8 @@ use std::time::Instant;
 
 #[derive(clap::Args, Debug)]
 pub struct BenchArgs {
-    /// qwen0.5b, qwen1.5b, llama8b, tiny, or a path to a config.json.
+    /// qwen0.5b, qwen1.5b, llama8b, minicpm5-1b, gemma2-2b, gemma3-4b, gemma4-e4b, tiny, or a path
+    /// to a config.json.
     #[arg(long, default_value = "qwen1.5b")]
     pub shape: String,
     /// Prompt tokens P.
@@ -65,8 +66,6 @@ pub struct BenchArgs {
     pub device: String,
     #[arg(long, default_value_t = 16)]
     pub rank: usize,
-    /// Further workloads on the same loaded model, each
-    /// `P,R[,SEG|auto[,MLP_CHUNK[,KEEP_ATTENTION]]]`.
     /// The bit-reproducible two-kernel attention backward (`TrainConfig::deterministic_attention`).
     #[arg(long)]
     pub deterministic_attention: bool,
@@ -76,6 +75,8 @@ pub struct BenchArgs {
     /// The fused head's coefficient filter (`TrainConfig::cce_filter_eps`; 0 keeps every term).
     #[arg(long, default_value_t = crate::tensor::cce::DEFAULT_FILTER_EPS)]
     pub cce_filter_eps: f32,
+    /// Further workloads on the same loaded model, each
+    /// `P,R[,SEG|auto[,MLP_CHUNK[,KEEP_ATTENTION]]]`.
     #[arg(long)]
     pub also: Vec<String>,
     /// Decoding instead of training: tokens/s of generation with the KV cache (greedy, no stop
