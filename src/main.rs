@@ -272,7 +272,7 @@ struct TrainArgs {
 }
 
 /// Model, adapter, device and decoding flags shared by `generate` and `chat`.
-#[derive(clap::Args)]
+#[derive(clap::Args, Clone)]
 struct DecodeArgs {
     /// Hugging Face folder, .gguf file, or "smollm2".
     #[arg(long, default_value = "smollm2")]
@@ -361,15 +361,36 @@ struct GenerateArgs {
 
 /// `generate --check-uncached`: the KV cache against the whole-sequence forward on one prompt.
 fn check_uncached(
+    a: &DecodeArgs,
     loaded: &trainer::Loaded,
     lora: Option<&lorafit::model::Lora>,
     ids: &[u32],
-    max_new: usize,
     stops: &[u32],
 ) -> Result<()> {
     let (model, tok) = (&loaded.model, &loaded.tokenizer);
+    let max_new = a.max_new_tokens;
     let bound = if model.device.is_cuda() { 1e-2 } else { 1e-4 };
-    let check = lorafit::selftest::decode_check(model, lora, ids, max_new)?;
+    // On a device, the same model and adapter in f32 on the CPU as a third opinion: how far
+    // each bf16 path is from f32 (two paths each b from f32 may be up to 2b apart).
+    let cpu = if model.device.is_cuda() {
+        let cpu_args = DecodeArgs {
+            device: "cpu".into(),
+            ..a.clone()
+        };
+        Some(cpu_args.load()?)
+    } else {
+        None
+    };
+    let cpu_logits = |ids: &[u32]| -> Result<Vec<f32>> {
+        let (l, lora) = cpu.as_ref().expect("only called with a CPU copy");
+        let h = l.model.hidden_states(ids, lora.as_ref())?;
+        let last = lorafit::tensor::slice_rows(&h, ids.len() - 1, ids.len())?;
+        l.model.logits(&last, lorafit::tensor::DType::F32)?.to_vec()
+    };
+    let reference: Option<lorafit::selftest::ReferenceLogits> = cpu
+        .as_ref()
+        .map(|_| &cpu_logits as lorafit::selftest::ReferenceLogits);
+    let check = lorafit::selftest::decode_check(model, lora, ids, max_new, reference)?;
     let eos = stops.first().copied();
     let cached = lorafit::infer::generate_ids(model, lora, ids, max_new, eos)?;
     let uncached = lorafit::infer::generate_ids_uncached(model, lora, ids, max_new, eos)?;
@@ -386,8 +407,12 @@ fn check_uncached(
         uncached.len()
     );
     let ok = check.worst_rel <= bound && check.bad_flips == 0;
+    let against_f32 = match check.vs_reference {
+        Some((c, u)) => format!("; against the CPU's f32: cached {c:.3e}, uncached {u:.3e}"),
+        None => String::new(),
+    };
     println!(
-        "teacher-forced, {max_new} steps: cached vs uncached logits worst rel-norm {:.3e} (step {}) bound {bound:.0e}; greedy tokens differ at {} steps ({} not near ties)  {}",
+        "teacher-forced, {max_new} steps: cached vs uncached logits worst rel-norm {:.3e} (step {}) bound {bound:.0e}; greedy tokens differ at {} steps ({} not near ties){against_f32}  {}",
         check.worst_rel,
         check.worst_step,
         check.flips,
@@ -423,13 +448,7 @@ fn run_generate(a: GenerateArgs) -> Result<()> {
     };
     let stops = lorafit::infer::default_stop_tokens(tok, loaded.template.as_ref(), &loaded.model);
     if a.check_uncached {
-        return check_uncached(
-            &loaded,
-            lora.as_ref(),
-            &ids,
-            a.decode.max_new_tokens,
-            &stops,
-        );
+        return check_uncached(&a.decode, &loaded, lora.as_ref(), &ids, &stops);
     }
     let opts = a.decode.options(stops);
     let mut stdout = std::io::stdout();

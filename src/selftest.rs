@@ -303,15 +303,34 @@ pub struct DecodeCheck {
     pub bad_flips: usize,
     /// The uncached greedy tokens.
     pub tokens: Vec<u32>,
+    /// With a reference forward (e.g. the same model in f32 on the CPU): the worst relative
+    /// norms of the cached and of the uncached logits against it, over the same steps.
+    pub vs_reference: Option<(f64, f64)>,
+}
+
+/// Next-token logits of a whole sequence from another copy of the model (`decode_check`'s
+/// optional third opinion).
+pub type ReferenceLogits<'a> = &'a dyn Fn(&[u32]) -> Result<Vec<f32>>;
+
+/// Relative norm of `got` against `want`, infinite where `got` holds a non-finite value.
+fn finite_rel(got: &[f32], want: &[f32]) -> (f64, parity::ParityRow) {
+    let row = parity::compare("", got, want, 0.0);
+    let rel = if got.iter().all(|v| v.is_finite()) && row.rel.is_finite() {
+        row.rel
+    } else {
+        f64::INFINITY
+    };
+    (rel, row)
 }
 
 /// `steps` greedy steps from `prompt` through the KV cache and through the whole-sequence
-/// forward, compared step by step (see `DecodeCheck`).
+/// forward, compared step by step (see `DecodeCheck`), and each against `reference` if given.
 pub fn decode_check(
     model: &Model,
     lora: Option<&Lora>,
     prompt: &[u32],
     steps: usize,
+    reference: Option<ReferenceLogits>,
 ) -> Result<DecodeCheck> {
     use crate::infer::{sample::argmax, Decoder};
     anyhow::ensure!(!prompt.is_empty(), "decode check: the prompt has no tokens");
@@ -329,16 +348,17 @@ pub fn decode_check(
         flips: 0,
         bad_flips: 0,
         tokens: Vec::new(),
+        vs_reference: reference.map(|_| (0.0, 0.0)),
     };
     for step in 0..steps {
         let want = full(&ids)?;
-        let row = parity::compare("", &cached, &want, 0.0);
         // Non-finite logits give a NaN or small rel: they count as infinitely far.
-        let rel = if cached.iter().all(|v| v.is_finite()) && row.rel.is_finite() {
-            row.rel
-        } else {
-            f64::INFINITY
-        };
+        let (rel, row) = finite_rel(&cached, &want);
+        if let (Some(reference), Some((c, u))) = (reference, check.vs_reference.as_mut()) {
+            let r = reference(&ids)?;
+            *c = c.max(finite_rel(&cached, &r).0);
+            *u = u.max(finite_rel(&want, &r).0);
+        }
         if rel > check.worst_rel {
             (check.worst_rel, check.worst_step) = (rel, step);
         }
@@ -412,11 +432,32 @@ pub fn decode_parity(device: &Device) -> Result<usize> {
             .collect();
         let prompt = ids.clone();
         let (logit_bound, _) = bf16_bounds(name);
-        let check = decode_check(&model, Some(&lora), &ids, 40)?;
+        // The same model and adapter in f32 on the CPU: how far each bf16 path is from it.
+        let cpu_model = Model::new(
+            spec.clone(),
+            load_weights(&spec, &src, &Device::Cpu)?,
+            Device::Cpu,
+        );
+        let cpu_lora = Lora::load_peft(&dir, &spec, &Device::Cpu)?;
+        let cpu_logits = |ids: &[u32]| -> Result<Vec<f32>> {
+            let h = cpu_model.hidden_states(ids, Some(&cpu_lora))?;
+            let last = crate::tensor::slice_rows(&h, ids.len() - 1, ids.len())?;
+            cpu_model.logits(&last, DType::F32)?.to_vec()
+        };
+        let reference: Option<ReferenceLogits> = if device.is_cuda() {
+            Some(&cpu_logits)
+        } else {
+            None
+        };
+        let check = decode_check(&model, Some(&lora), &ids, 40, reference)?;
         let ok = check.worst_rel <= logit_bound && check.bad_flips == 0;
         failed += !ok as usize;
+        let against_f32 = match check.vs_reference {
+            Some((c, u)) => format!("; against CPU f32: cached {c:.3e}, uncached {u:.3e}"),
+            None => String::new(),
+        };
         println!(
-            "decode {name:<8} cached vs uncached logits, 40 steps: worst rel-norm {:.3e} (step {})  bound {logit_bound:.1e}; greedy tokens differ at {} steps ({} not near ties)  {}",
+            "decode {name:<8} cached vs uncached logits, 40 steps: worst rel-norm {:.3e} (step {})  bound {logit_bound:.1e}; greedy tokens differ at {} steps ({} not near ties){against_f32}  {}",
             check.worst_rel,
             check.worst_step,
             check.flips,
