@@ -150,6 +150,9 @@ pub struct TrainConfig {
     pub orpo_lambda_patience: usize,
     /// Adaptive: the least change of validation lw (nats per token) counted as more than noise.
     pub orpo_lambda_noise_floor: f64,
+    /// Adaptive: the largest share of the run's steps that warm-up may take; at the first
+    /// evaluation at or past it the ramp starts (at `orpo_lambda`) whether or not lw plateaued.
+    pub orpo_lambda_warmup_max: f64,
     pub sft_scope: SftScope,
     /// SFT: train on prompt tokens too.
     pub sft_all_tokens: bool,
@@ -255,6 +258,7 @@ impl Default for TrainConfig {
             orpo_lambda_backoff: 0.5,
             orpo_lambda_patience: 2,
             orpo_lambda_noise_floor: 0.002,
+            orpo_lambda_warmup_max: 0.1,
             sft_scope: SftScope::Full,
             sft_all_tokens: false,
             dpo_beta: 0.1,
@@ -595,6 +599,14 @@ impl TrainConfig {
             self.orpo_lambda_noise_floor,
             0.0,
             inf,
+            true,
+            true,
+        )?;
+        range(
+            "orpo_lambda_warmup_max",
+            self.orpo_lambda_warmup_max,
+            0.0,
+            1.0,
             true,
             true,
         )?;

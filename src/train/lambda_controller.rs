@@ -3,7 +3,11 @@
 //! evaluation and sets the λ of the steps that follow.
 //!
 //! - **warmup**: λ = `orpo_lambda_min` (nearly pure SFT) until validation `lw` plateaus: its
-//!   trend is within the noise for `orpo_lambda_patience` evaluations in a row. Both are
+//!   trend is within the noise for `orpo_lambda_patience` evaluations in a row; or, at the
+//!   latest, at the first evaluation at or past `orpo_lambda_warmup_max` of the run's steps (in
+//!   a short run SFT may still be gaining when the run ends, and a warm-up without that limit
+//!   would hold λ at the floor throughout). The ramp then starts at `orpo_lambda`, the static
+//!   setting, rather than climbing from the floor. Both are
 //!   measured here, over the last `max(4, 2 × patience) + 1` warm-up evaluations: a
 //!   least-squares line through `lw`'s values gives the trend (its slope, the gain per
 //!   evaluation) and the noise (the residuals about the line, so that the trend is not counted
@@ -78,10 +82,15 @@ pub struct LambdaParams {
     pub backoff: f64,
     pub patience: usize,
     pub noise_floor: f64,
+    /// λ when warm-up ends (`orpo_lambda`, within [min, max]).
+    pub start: f64,
+    /// Warm-up ends at the first evaluation at or past this step, plateau or not.
+    pub warmup_max_step: usize,
 }
 
 impl LambdaParams {
-    pub fn from_config(cfg: &TrainConfig) -> LambdaParams {
+    /// The settings of a run of `total_steps` steps.
+    pub fn from_config(cfg: &TrainConfig, total_steps: usize) -> LambdaParams {
         LambdaParams {
             min: cfg.orpo_lambda_min,
             max: cfg.orpo_lambda_max,
@@ -89,6 +98,10 @@ impl LambdaParams {
             backoff: cfg.orpo_lambda_backoff,
             patience: cfg.orpo_lambda_patience.max(1),
             noise_floor: cfg.orpo_lambda_noise_floor,
+            start: cfg
+                .orpo_lambda
+                .clamp(cfg.orpo_lambda_min, cfg.orpo_lambda_max),
+            warmup_max_step: (cfg.orpo_lambda_warmup_max * total_steps as f64).ceil() as usize,
         }
     }
 
@@ -182,9 +195,18 @@ impl LambdaController {
     /// least the floor; and the slope below which the gain counts as flat, `NOISE_SIGMAS`
     /// standard errors of the slope, at least the floor. `None` until the window is full.
     fn trend(&self, p: &LambdaParams) -> Option<(f64, f64, f64)> {
+        if self.window_lw.len() < p.window() + 1 {
+            return None;
+        }
+        self.trend_of_window(p)
+    }
+
+    /// `trend` over however many values the window holds (at least 3, for a line and a
+    /// residual): the estimate a warm-up cut short by `warmup_max_step` ends with.
+    fn trend_of_window(&self, p: &LambdaParams) -> Option<(f64, f64, f64)> {
         let y = &self.window_lw;
         let m = y.len();
-        if m < p.window() + 1 {
+        if m < 3 {
             return None;
         }
         let mf = m as f64;
@@ -226,9 +248,9 @@ impl LambdaController {
         self.backoffs += 1;
     }
 
-    /// One evaluation's validation `lw` and `lr`; sets `lambda` and `phase` for the steps that
-    /// follow. A non-finite value changes nothing.
-    pub fn observe(&mut self, lw: f64, lr: f64, p: &LambdaParams) {
+    /// One evaluation's validation `lw` and `lr`, taken after `step` steps; sets `lambda` and
+    /// `phase` for the steps that follow. A non-finite value changes nothing.
+    pub fn observe(&mut self, lw: f64, lr: f64, step: usize, p: &LambdaParams) {
         if !(lw.is_finite() && lr.is_finite()) {
             return;
         }
@@ -255,12 +277,19 @@ impl LambdaController {
                     None => false,
                 };
                 self.plateau = if flat { self.plateau + 1 } else { 0 };
-                if self.plateau >= p.patience {
+                let cut_short = step >= p.warmup_max_step;
+                if self.plateau >= p.patience || cut_short {
+                    if self.plateau < p.patience {
+                        // The noise from the values there are; the floor without three.
+                        if let Some((_, threshold, _)) = self.trend_of_window(p) {
+                            self.threshold = threshold;
+                        }
+                    }
                     self.phase = Phase::Ramp;
                     self.lw_ref = lw;
                     self.plateau = 0;
                     self.window_lw.clear();
-                    self.ramp(p);
+                    self.lambda = p.start.max(self.lambda * p.ramp).min(p.max);
                 }
             }
             Phase::Ramp | Phase::Backoff => {
@@ -345,18 +374,28 @@ mod tests {
             backoff: 0.5,
             patience: 2,
             noise_floor: 0.002,
+            start: 0.01,
+            warmup_max_step: usize::MAX,
         }
     }
 
-    /// Observes `(lw, lr)` pairs in turn; returns (phase, λ) after each.
-    fn run(c: &mut LambdaController, traj: &[(f64, f64)]) -> Vec<(Phase, f64)> {
-        let p = params();
+    /// Observes `(lw, lr)` pairs in turn (10 steps apart, after the controller's evaluations
+    /// so far); returns (phase, λ) after each.
+    fn run_with(
+        c: &mut LambdaController,
+        traj: &[(f64, f64)],
+        p: &LambdaParams,
+    ) -> Vec<(Phase, f64)> {
         traj.iter()
             .map(|&(lw, lr)| {
-                c.observe(lw, lr, &p);
+                c.observe(lw, lr, 10 * c.evals, p);
                 (c.phase, c.lambda)
             })
             .collect()
+    }
+
+    fn run(c: &mut LambdaController, traj: &[(f64, f64)]) -> Vec<(Phase, f64)> {
+        run_with(c, traj, &params())
     }
 
     /// A small deterministic jitter in [-a, a].
@@ -519,6 +558,36 @@ mod tests {
         assert_eq!(states[1].1, states[0].1, "{states:?}");
         assert!(states[2].1 > states[1].1, "{states:?}");
         assert_eq!(c.backoffs, 0);
+    }
+
+    #[test]
+    fn lambda_warmup_ends_at_its_limit_while_lw_still_rises() {
+        // SFT still gaining at every evaluation (the short run's case): no plateau ever.
+        let p = LambdaParams {
+            start: 0.1,
+            warmup_max_step: 12,
+            ..params()
+        };
+        let traj: Vec<(f64, f64)> = (0..12)
+            .map(|i| {
+                let lw = -3.0 + 0.2 * i as f64 + jitter(300 + i, 0.003);
+                (lw, lw - 0.5 - 0.1 * i as f64)
+            })
+            .collect();
+        let mut c = LambdaController::new(&p);
+        let states = run_with(&mut c, &traj, &p);
+        // Evaluations at steps 0 and 10 are in warm-up; the one at 20 (≥ 12) ends it at the
+        // static λ, and healthy evaluations ramp it from there to the maximum.
+        assert_eq!(states[0], (Phase::Warmup, 0.01), "{states:?}");
+        assert_eq!(states[1], (Phase::Warmup, 0.01), "{states:?}");
+        assert_eq!(states[2], (Phase::Ramp, 0.1), "{states:?}");
+        assert!(states[3].1 > 0.1, "{states:?}");
+        assert_eq!(c.lambda, 1.0, "{states:?}");
+        assert!(
+            c.threshold >= 0.002 && c.threshold < 0.05,
+            "{}",
+            c.threshold
+        );
     }
 
     #[test]

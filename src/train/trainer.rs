@@ -358,7 +358,7 @@ pub fn train_with(
         lora.config.dropout = cfg.lora_dropout;
         state = resumed_state(dir, saved, cfg, planned_steps, &data_hash)?;
     }
-    let lambda_params = LambdaParams::from_config(cfg);
+    let lambda_params = LambdaParams::from_config(cfg, planned_steps);
     state.orpo_lambda = match cfg.orpo_lambda_schedule {
         LambdaSchedule::Static => None,
         // A checkpoint of a static run continued adaptively starts the controller afresh.
@@ -676,7 +676,7 @@ fn observe_lambda(state: &mut TrainerState, m: &mut BTreeMap<String, f64>, p: &L
         return;
     };
     if let (Some(&lw), Some(&lr)) = (m.get("lw"), m.get("lr")) {
-        c.observe(lw, lr, p);
+        c.observe(lw, lr, state.step, p);
     }
     m.insert("orpo_lambda".to_string(), c.lambda);
     m.insert("orpo_lambda_phase".to_string(), c.phase.code());
