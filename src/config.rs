@@ -829,12 +829,18 @@ mod tests {
             rank_kl_file: Some("/nonexistent/kl.json".into()),
             ..base.clone()
         });
-        assert!(e.contains("rank_kl_file") && e.contains("no such file"), "{e}");
+        assert!(
+            e.contains("rank_kl_file") && e.contains("no such file"),
+            "{e}"
+        );
         let e = err(TrainConfig {
             rank_kl_file: Some("kl.json".into()),
             ..base.clone()
         });
-        assert!(e.contains("rank_kl_file") && e.contains("rank_scaling"), "{e}");
+        assert!(
+            e.contains("rank_kl_file") && e.contains("rank_scaling"),
+            "{e}"
+        );
         let e = err(TrainConfig {
             rank_scaling: RankScaling::ByBits,
             rank_pattern: [("q_proj".to_string(), 4)].into(),

@@ -134,7 +134,10 @@ pub fn calibration_rows(
                 continue;
             }
             let mut ids: Vec<u32> = tok.bos_id().filter(|_| tok.add_bos()).into_iter().collect();
-            ids.extend(tok.encode(line).with_context(|| format!("{name}:{}", i + 1))?);
+            ids.extend(
+                tok.encode(line)
+                    .with_context(|| format!("{name}:{}", i + 1))?,
+            );
             if let Some(&bad) = ids.iter().find(|&&id| id as usize >= vocab) {
                 bail!("{name}:{}: token id {bad} is outside the model's vocabulary ({vocab} rows): the tokenizer does not match the model", i + 1);
             }
@@ -330,11 +333,7 @@ mod tests {
         let mut want = 0.0;
         for t in 0..2 {
             let (a, b) = (softmax(&p[t * v..][..v]), softmax(&q[t * v..][..v]));
-            want += a
-                .iter()
-                .zip(&b)
-                .map(|(x, y)| x * (x / y).ln())
-                .sum::<f64>();
+            want += a.iter().zip(&b).map(|(x, y)| x * (x / y).ln()).sum::<f64>();
         }
         let got = kl_sum(&p, &log_sum_exp(&p, v), &q, v);
         assert!((got - want).abs() < 1e-12, "{got} vs {want}");

@@ -190,8 +190,8 @@ pub fn module_ranks(
     match cfg.rank_scaling {
         RankScaling::None => Ok(None),
         RankScaling::ByBits => {
-            let is_gguf = model_path.is_file()
-                && model_path.extension().is_some_and(|e| e == "gguf");
+            let is_gguf =
+                model_path.is_file() && model_path.extension().is_some_and(|e| e == "gguf");
             if !is_gguf {
                 bail!(
                     "rank_scaling = \"by_bits\" needs a GGUF base: each module's rank comes from the GGUF storage type of its base weight, and {} is not a .gguf file (a Hugging Face folder has no per-tensor type; use rank_scaling = \"none\" or \"by_kl\")",
@@ -201,8 +201,9 @@ pub fn module_ranks(
             let src = GgufSource::open(model_path)?;
             let ranks = modules(&mut |l, t| {
                 let hf = format!("{}.weight", module_name(l, t));
-                let g = gguf_name(src.arch, &hf)
-                    .with_context(|| format!("rank_scaling = \"by_bits\": no GGUF name for {hf}"))?;
+                let g = gguf_name(src.arch, &hf).with_context(|| {
+                    format!("rank_scaling = \"by_bits\": no GGUF name for {hf}")
+                })?;
                 let ty = src.file.tensor_info(&g)?.ggml_type;
                 let bits = bits_per_weight(ty).with_context(|| {
                     format!(
@@ -412,10 +413,7 @@ mod tests {
             reference: "f".into(),
             rows: 2,
             tokens: 10,
-            layers: vec![
-                LayerKl { layer: 0, kl: 0.5 },
-                LayerKl { layer: 1, kl: 0.0 },
-            ],
+            layers: vec![LayerKl { layer: 0, kl: 0.5 }, LayerKl { layer: 1, kl: 0.0 }],
         };
         let p = kl_file(&dir, "good.json", &serde_json::to_string(&good).unwrap());
         assert_eq!(read_kl_file(&p, 2).unwrap(), vec![0.5, 0.0]);
@@ -462,12 +460,7 @@ mod tests {
                 2,
                 "layer 1 appears twice",
             ),
-            (
-                "no_layers.json",
-                r#"{"model":"q"}"#,
-                2,
-                "field \"layers\"",
-            ),
+            ("no_layers.json", r#"{"model":"q"}"#, 2, "field \"layers\""),
         ];
         for (name, body, n, want) in cases {
             let p = kl_file(&dir, name, body);
@@ -502,10 +495,10 @@ mod tests {
             pattern_summary(&c.alpha_pattern),
             "model.layers.0.self_attn.q_proj=32, model.layers.1.mlp.down_proj=8"
         );
-        for l in 0..2 {
+        for (l, row) in ranks.iter().enumerate() {
             for t in Target::ALL {
                 let (r, scale) = c.resolve(l, t);
-                assert_eq!(Some(r), ranks[l][t.index()]);
+                assert_eq!(Some(r), row[t.index()]);
                 assert_eq!(scale, 2.0, "layer {l} {t:?}");
             }
         }

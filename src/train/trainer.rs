@@ -312,6 +312,9 @@ pub fn train_with(
     check_adaptive(cfg, valid_items.len())?;
     let model = &loaded.model;
     let device = model.device.clone();
+    // The adapter's settings with the per-module ranks of `rank_scaling` resolved on this base
+    // (before the output folder is touched: a bad KL file or base leaves it as it was).
+    let lora_config = super::rank_scaling::lora_config(cfg, &model.spec, &loaded.model_path)?;
     let out_dir = PathBuf::from(&cfg.output);
     let checkpoint = resume.map(run_folder::find_checkpoint).transpose()?;
     run_folder::prepare(&out_dir, checkpoint.is_some(), cfg.overwrite)?;
@@ -327,8 +330,6 @@ pub fn train_with(
     let data_hash = run_folder::items_hash(train_items);
     let optim = OptimOptions::from_config(cfg);
 
-    // The adapter's settings with the per-module ranks of `rank_scaling` resolved on this base.
-    let lora_config = super::rank_scaling::lora_config(cfg, &model.spec, &loaded.model_path)?;
     let mut lora = match &cfg.warm_start {
         Some(p) => {
             let mut l = Lora::load_peft(Path::new(p), &model.spec, &device)
