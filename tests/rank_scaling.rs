@@ -13,8 +13,12 @@ use common::*;
 use lorafit::config::{RankScaling, TrainConfig};
 use lorafit::data::{TextTokenizer, TokenizedPair};
 use lorafit::eval::kl::{check_same_architecture, layer_kl};
+use lorafit::export::check;
+use lorafit::export::gguf_out::{AdapterType, MergedType};
 use lorafit::export::gguf_writer::{GgufTensor, GgufWriter};
+use lorafit::export::hf::HfDtype;
 use lorafit::export::quantize::quantize;
+use lorafit::export::{ExportPlan, Format};
 use lorafit::model::gguf::{dequantize, permute_qk_rows, GgmlType, MetaValue};
 use lorafit::model::lora::peft_key;
 use lorafit::model::weights::{load_weights, write_f32_safetensors, RandomSource};
@@ -294,7 +298,8 @@ fn by_bits_ranks_follow_each_base_weights_type() {
 }
 
 /// An adapter with by_bits ranks, trained in memory for a few steps, saved and loaded back
-/// (Lora::load_peft) gives the same logits; rsLoRA keeps its own scale alpha / sqrt(r).
+/// (Lora::load_peft) gives the same logits, and so do its exports; rsLoRA keeps its own scale
+/// alpha / sqrt(r).
 #[test]
 fn by_bits_adapter_reloads_with_the_same_logits() {
     let dir = scratch("reload");
@@ -356,6 +361,32 @@ fn by_bits_adapter_reloads_with_the_same_logits() {
             max_diff(&want, &plain).0 > 1e-3,
             "the adapter has an effect"
         );
+
+        // Export applies the same per-module scales: the merged folder, the llama.cpp adapter
+        // (the scale folded into B) and the merged GGUF each give the trainer's logits.
+        let report = lorafit::export::run(&ExportPlan {
+            model: gguf.clone(),
+            adapter: adapter.clone(),
+            output: dir.join(format!("export-rslora-{rslora}")),
+            formats: vec![Format::Hf, Format::GgufAdapter, Format::MergedGguf],
+            hf_dtype: HfDtype::F32,
+            adapter_type: AdapterType::F32,
+            merged_type: MergedType::F16,
+            check: true,
+        })
+        .unwrap();
+        eprint!("{}", check::format_rows(&report.checks));
+        assert_eq!(report.checks.len(), 3);
+        for r in &report.checks {
+            assert!(r.passed(), "{}: rel {} > {}", r.artefact, r.rel, r.bound);
+            assert!(
+                r.adapter_effect > 5.0 * r.max_abs,
+                "{}: the adapter's effect {} is not well above the error {}",
+                r.artefact,
+                r.adapter_effect,
+                r.max_abs
+            );
+        }
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
@@ -427,7 +458,8 @@ fn train_refuses_bad_rank_scaling_settings() {
 // ---------------------------------------------------------------------------------------------
 
 /// KL [0.1, 0.4] at rank 4: median 0.25, ratios 0.4 → 0.5 and 1.6, ranks 2 and 6 on every module
-/// of the layer. A resume whose KL file or rank_scaling gives other ranks is refused.
+/// of the layer. A resume whose KL file or rank_scaling gives other ranks is refused, and so is
+/// a warm start from an adapter of other ranks.
 #[test]
 fn by_kl_ranks_come_from_the_kl_file_and_resume_keeps_them() {
     let dir = scratch("by_kl");
@@ -469,6 +501,29 @@ fn by_kl_ranks_come_from_the_kl_file_and_resume_keeps_them() {
         e.contains("per-module ranks")
             && e.contains("model.layers.0.self_attn.q_proj: adapter rank 2")
             && e.contains("settings rank 6"),
+        "{e}"
+    );
+    // A warm start from an adapter of the plain rank is refused, naming the modules.
+    let plain = dir.join("plain-adapter");
+    let none_cfg = cfg(&dir, 1, RankScaling::None).lora_config().unwrap();
+    Lora::new(&l.model.spec, none_cfg, &Device::Cpu)
+        .unwrap()
+        .save_peft(&plain, "llama")
+        .unwrap();
+    let mut warm = c.clone();
+    warm.output = dir.join("warm").display().to_string();
+    warm.warm_start = Some(plain.display().to_string());
+    let e = format!(
+        "{:#}",
+        train(&warm, None, &l, &items, &[])
+            .err()
+            .expect("warm start of other ranks")
+    );
+    assert!(
+        e.contains("warm_start")
+            && e.contains(
+                "model.layers.0.self_attn.q_proj: adapter rank 4 (scale 2), settings rank 6"
+            ),
         "{e}"
     );
     // Another rank_scaling is refused by name.
