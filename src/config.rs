@@ -78,6 +78,30 @@ pub enum LambdaSchedule {
     Adaptive,
 }
 
+/// How each LoRA module's rank is set from the base model (`train::rank_scaling`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RankScaling {
+    /// `rank` on every module (or `rank_pattern`'s entries).
+    #[default]
+    None,
+    /// `rank × bits / 4`, bits from the GGUF storage type of the module's base weight.
+    ByBits,
+    /// `rank × clip(kl / median kl, 0.5, 2)` per layer, from `rank_kl_file`.
+    ByKl,
+}
+
+impl RankScaling {
+    /// The setting's value as written in a config.
+    pub fn name(&self) -> &'static str {
+        match self {
+            RankScaling::None => "none",
+            RankScaling::ByBits => "by_bits",
+            RankScaling::ByKl => "by_kl",
+        }
+    }
+}
+
 /// How a row's text becomes prompt and response token ids (`data::tokenize`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
@@ -135,6 +159,11 @@ pub struct TrainConfig {
     pub lora_dropout: f32,
     pub targets: Vec<String>,
     pub rank_pattern: BTreeMap<String, usize>,
+    /// Per-module ranks from the base model: "none" (`rank` everywhere), "by_bits" (from each
+    /// base weight's GGUF type) or "by_kl" (from `rank_kl_file`); see the README.
+    pub rank_scaling: RankScaling,
+    /// The per-layer KL JSON that `lorafit kl` writes (needed by `rank_scaling = "by_kl"`).
+    pub rank_kl_file: Option<String>,
     pub orpo_lambda: f64,
     /// "static" (`orpo_lambda` throughout) or "adaptive" (the λ controller; see the README).
     pub orpo_lambda_schedule: LambdaSchedule,
@@ -250,6 +279,8 @@ impl Default for TrainConfig {
             lora_dropout: 0.0,
             targets: Target::ALL.iter().map(|t| t.module().to_string()).collect(),
             rank_pattern: BTreeMap::new(),
+            rank_scaling: RankScaling::None,
+            rank_kl_file: None,
             orpo_lambda: 0.1,
             orpo_lambda_schedule: LambdaSchedule::Static,
             orpo_lambda_min: 0.01,
@@ -371,6 +402,7 @@ impl TrainConfig {
             "warm_start",
             "warmup_steps",
             "loss_clip",
+            "rank_kl_file",
         ] {
             if !names.iter().any(|n| n == extra) {
                 names.push(extra.to_string());
@@ -677,6 +709,7 @@ impl TrainConfig {
         if let Some((k, _)) = self.rank_pattern.iter().find(|(_, &r)| r == 0) {
             bail!("rank_pattern.{k} = 0: expected a rank of at least 1");
         }
+        self.validate_rank_scaling()?;
         if self.targets.is_empty() {
             bail!("targets is empty: name at least one projection (q, k, v, o, gate, up, down)");
         }
@@ -700,12 +733,36 @@ impl TrainConfig {
         }
         Ok(())
     }
+
+    /// `rank_scaling` and the settings it reads or replaces. What needs the model (a GGUF base,
+    /// the KL file's layers) is checked when the ranks are resolved (`train::rank_scaling`).
+    fn validate_rank_scaling(&self) -> Result<()> {
+        let scaling = self.rank_scaling.name();
+        match (self.rank_scaling, &self.rank_kl_file) {
+            (RankScaling::ByKl, None) => bail!(
+                "rank_scaling = \"by_kl\" needs rank_kl_file: the per-layer KL JSON that `lorafit kl` writes"
+            ),
+            (RankScaling::ByKl, Some(f)) if !Path::new(f).is_file() => bail!(
+                "rank_kl_file = {f:?}: no such file (expected the per-layer KL JSON that `lorafit kl` writes, for rank_scaling = \"by_kl\")"
+            ),
+            (RankScaling::None | RankScaling::ByBits, Some(f)) => bail!(
+                "rank_kl_file = {f:?} is read only with rank_scaling = \"by_kl\" (rank_scaling is \"{scaling}\"; expected \"none\", \"by_bits\" or \"by_kl\")"
+            ),
+            _ => {}
+        }
+        if self.rank_scaling != RankScaling::None && !self.rank_pattern.is_empty() {
+            bail!(
+                "rank_pattern and rank_scaling = \"{scaling}\" both set per-module ranks: set one (rank_scaling = \"none\" keeps rank_pattern)"
+            );
+        }
+        Ok(())
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::auto_head_chunk;
-    use super::{DpoLossType, Method, TrainConfig};
+    use super::{DpoLossType, Method, RankScaling, TrainConfig};
 
     #[test]
     fn objective_settings_are_checked_by_name() {
@@ -750,6 +807,60 @@ mod tests {
         }
         TrainConfig {
             loss_clip: Some(2.0),
+            ..base
+        }
+        .validate()
+        .unwrap();
+    }
+
+    #[test]
+    fn rank_scaling_is_checked_by_name() {
+        let base = TrainConfig {
+            data: "train.jsonl".into(),
+            output: "runs/x".into(),
+            ..TrainConfig::default()
+        };
+        assert_eq!(base.rank_scaling, RankScaling::None);
+        let e = toml::from_str::<TrainConfig>("rank_scaling = \"by_size\"")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("rank_scaling") && e.contains("by_bits") && e.contains("by_kl"),
+            "{e}"
+        );
+        let c: TrainConfig = toml::from_str("rank_scaling = \"by_bits\"").unwrap();
+        assert_eq!(c.rank_scaling, RankScaling::ByBits);
+        let err = |c: TrainConfig| c.validate().unwrap_err().to_string();
+        let e = err(TrainConfig {
+            rank_scaling: RankScaling::ByKl,
+            ..base.clone()
+        });
+        assert!(e.contains("by_kl") && e.contains("rank_kl_file"), "{e}");
+        let e = err(TrainConfig {
+            rank_scaling: RankScaling::ByKl,
+            rank_kl_file: Some("/nonexistent/kl.json".into()),
+            ..base.clone()
+        });
+        assert!(
+            e.contains("rank_kl_file") && e.contains("no such file"),
+            "{e}"
+        );
+        let e = err(TrainConfig {
+            rank_kl_file: Some("kl.json".into()),
+            ..base.clone()
+        });
+        assert!(
+            e.contains("rank_kl_file") && e.contains("rank_scaling"),
+            "{e}"
+        );
+        let e = err(TrainConfig {
+            rank_scaling: RankScaling::ByBits,
+            rank_pattern: [("q_proj".to_string(), 4)].into(),
+            ..base.clone()
+        });
+        assert!(e.contains("rank_pattern") && e.contains("by_bits"), "{e}");
+        TrainConfig {
+            rank_scaling: RankScaling::ByBits,
             ..base
         }
         .validate()

@@ -1,5 +1,5 @@
-//! The `lorafit` command line: `train`, `lint`, `demo`, `generate`, `chat`, `eval`, `curate`, `export`,
-//! `serve`, `bench` and `selftest`. Every
+//! The `lorafit` command line: `train`, `lint`, `demo`, `generate`, `chat`, `eval`, `kl`, `curate`,
+//! `export`, `serve`, `bench` and `selftest`. Every
 //! subcommand resolves its flags into library types and calls the library; nothing here computes.
 
 use anyhow::{bail, Context, Result};
@@ -43,6 +43,9 @@ enum Cmd {
     /// preference pairs (accuracy, margin, lw, lr, nll, loss) or, with --scorer ifeval,
     /// verifiable-instruction following of its generations.
     Eval(EvalArgs),
+    /// Per-layer KL of a quantized model against its reference on calibration text (each layer
+    /// quantized alone); the JSON it writes is `rank_kl_file` for `rank_scaling = "by_kl"`.
+    Kl(KlArgs),
     /// ORPO training steps on a random-weight model of a named shape; one JSON line per run.
     Bench(lorafit::bench::BenchArgs),
     /// CUDA-vs-CPU parity of every op on this machine's GPU.
@@ -609,6 +612,48 @@ struct EvalArgs {
     report: Option<PathBuf>,
 }
 
+#[derive(clap::Args)]
+struct KlArgs {
+    /// The quantized model (GGUF file, Hugging Face folder or "smollm2"); its tokenizer reads
+    /// the data.
+    #[arg(long)]
+    model: String,
+    /// The reference model of the same architecture (e.g. the f16/bf16 original).
+    #[arg(long)]
+    reference: String,
+    /// Calibration rows: preference or SFT data (JSONL, Parquet), or a .txt file of lines.
+    #[arg(long)]
+    data: PathBuf,
+    /// The per-layer KL JSON to write.
+    #[arg(long, default_value = "kl.json")]
+    output: PathBuf,
+    /// Use the first N rows (0: all).
+    #[arg(long, default_value_t = 32)]
+    max_rows: usize,
+    /// Use the first T tokens of each row.
+    #[arg(long, default_value_t = 256)]
+    max_len: usize,
+    /// cpu, cuda or cuda:N.
+    #[arg(long, default_value = "cpu")]
+    device: String,
+}
+
+fn run_kl(a: KlArgs) -> Result<()> {
+    let opts = eval::kl::KlOptions {
+        model: a.model,
+        reference: a.reference,
+        data: a.data,
+        output: a.output,
+        max_rows: a.max_rows,
+        max_len: a.max_len,
+        device: a.device,
+    };
+    let file = eval::kl::run(&opts)?;
+    print!("{}", eval::kl::format_table(&file));
+    eprintln!("wrote {}", opts.output.display());
+    Ok(())
+}
+
 fn apply_overrides(mut cfg: TrainConfig, a: &TrainArgs) -> Result<TrainConfig> {
     macro_rules! set {
         ($($f:ident),*) => { $( if let Some(v) = &a.$f { cfg.$f = v.clone().into(); } )* };
@@ -892,6 +937,7 @@ fn main() {
         Cmd::Generate(a) => run_generate(a),
         Cmd::Chat(a) => run_chat(a),
         Cmd::Eval(a) => run_eval(a),
+        Cmd::Kl(a) => run_kl(a),
         Cmd::Bench(a) => lorafit::bench::run(a),
         Cmd::Curate(a) => run_curate(a),
         Cmd::Export(a) => run_export(a),

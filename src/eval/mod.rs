@@ -4,8 +4,10 @@
 //! [`prompts`] files, answered by the model through [`reply`]). [`report`] turns the numbers
 //! into tables, a markdown before/after report and its bar chart. [`run`] is one whole
 //! evaluation from its settings, what `lorafit eval` and the job server's `eval` jobs call.
+//! [`kl`] scores a quantized model layer by layer against its reference (`lorafit kl`).
 
 pub mod ifeval;
+pub mod kl;
 pub mod language;
 pub mod preference;
 pub mod prompts;

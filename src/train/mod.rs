@@ -9,6 +9,7 @@ pub mod memory;
 pub mod objectives;
 pub mod optim;
 pub mod plan;
+pub mod rank_scaling;
 pub mod run_folder;
 pub mod step;
 pub mod tfevents;

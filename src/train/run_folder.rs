@@ -212,8 +212,17 @@ pub fn items_hash(items: &[Item]) -> String {
     format!("{h:016x}")
 }
 
-/// Settings that fix the adapter's shape: a resumed run must keep them.
-const SHAPE_SETTINGS: &[&str] = &["rank", "alpha", "targets", "rslora", "rank_pattern"];
+/// Settings that fix the adapter's shape: a resumed run must keep them (the per-module ranks
+/// `rank_scaling` resolves, from the base model and `rank_kl_file`, are compared module by module
+/// with the checkpoint's adapter by the trainer).
+const SHAPE_SETTINGS: &[&str] = &[
+    "rank",
+    "alpha",
+    "targets",
+    "rslora",
+    "rank_pattern",
+    "rank_scaling",
+];
 /// Settings that fix which tokens the run reads and in which order.
 const DATA_SETTINGS: &[&str] = &[
     "method",

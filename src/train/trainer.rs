@@ -312,6 +312,9 @@ pub fn train_with(
     check_adaptive(cfg, valid_items.len())?;
     let model = &loaded.model;
     let device = model.device.clone();
+    // The adapter's settings with the per-module ranks of `rank_scaling` resolved on this base
+    // (before the output folder is touched: a bad KL file or base leaves it as it was).
+    let lora_config = super::rank_scaling::lora_config(cfg, &model.spec, &loaded.model_path)?;
     let out_dir = PathBuf::from(&cfg.output);
     let checkpoint = resume.map(run_folder::find_checkpoint).transpose()?;
     run_folder::prepare(&out_dir, checkpoint.is_some(), cfg.overwrite)?;
@@ -331,12 +334,12 @@ pub fn train_with(
         Some(p) => {
             let mut l = Lora::load_peft(Path::new(p), &model.spec, &device)
                 .with_context(|| format!("warm start from {p}"))?;
-            check_warm_start_shape(p, &l.config, &cfg.lora_config()?)?;
+            check_warm_start_shape(p, &l.config, &lora_config, &model.spec)?;
             check_finite_adapter(&l, p)?;
             l.config.dropout = cfg.lora_dropout;
             l
         }
-        None => Lora::new(&model.spec, cfg.lora_config()?, &device)?,
+        None => Lora::new(&model.spec, lora_config.clone(), &device)?,
     };
     let mut adam = AdamState::new(&lora)?;
     let mut state = TrainerState {
@@ -357,6 +360,16 @@ pub fn train_with(
         (lora, adam) = (l, a);
         lora.config.dropout = cfg.lora_dropout;
         state = resumed_state(dir, saved, cfg, planned_steps, &data_hash)?;
+        let diffs =
+            super::rank_scaling::module_differences(&lora.config, &lora_config, &model.spec, 5);
+        if !diffs.is_empty() {
+            bail!(
+                "--resume {}: the checkpoint's adapter has other per-module ranks than the settings give (rank_scaling = \"{}\"):\n  {}\n(resume with the settings and files the checkpoint was trained with)",
+                dir.display(),
+                cfg.rank_scaling.name(),
+                diffs.join("\n  ")
+            );
+        }
     }
     let lambda_params = LambdaParams::from_config(cfg, planned_steps);
     state.orpo_lambda = match cfg.orpo_lambda_schedule {
@@ -379,7 +392,11 @@ pub fn train_with(
     let run_settings = cfg.resolved(total_steps, first_warmup);
     std::fs::write(
         out_dir.join("plan.toml"),
-        plan_toml(&run_settings, &state.cycles)?,
+        plan_toml(
+            &run_settings,
+            &state.cycles,
+            &super::rank_scaling::summary(cfg, &lora.config, &model.spec),
+        )?,
     )
     .with_context(|| format!("writing {}", out_dir.join("plan.toml").display()))?;
     for log in run_folder::LINE_LOGS {
@@ -748,7 +765,12 @@ fn resumed_state(
 
 /// A warm start keeps the adapter's shape: settings that ask for another one are refused rather
 /// than silently ignored.
-fn check_warm_start_shape(path: &str, adapter: &LoraConfig, asked: &LoraConfig) -> Result<()> {
+fn check_warm_start_shape(
+    path: &str,
+    adapter: &LoraConfig,
+    asked: &LoraConfig,
+    spec: &model::ModelSpec,
+) -> Result<()> {
     let mut diffs = Vec::new();
     if adapter.rank != asked.rank {
         diffs.push(format!(
@@ -778,6 +800,10 @@ fn check_warm_start_shape(path: &str, adapter: &LoraConfig, asked: &LoraConfig) 
             adapter.rslora, asked.rslora
         ));
     }
+    if diffs.is_empty() {
+        // Per-module ranks and scales (rank_pattern, rank_scaling).
+        diffs = super::rank_scaling::module_differences(adapter, asked, spec, 5);
+    }
     if !diffs.is_empty() {
         bail!(
             "warm_start {path}: the adapter's shape differs from the settings:\n  {}\n(a warm start continues the adapter as it is: set these to the adapter's values)",
@@ -804,8 +830,8 @@ pub fn check_finite_adapter(lora: &Lora, source: &str) -> Result<()> {
 }
 
 /// plan.toml: the resolved settings (readable back with `--config`), headed by the schedule's
-/// cycles and the memory plan as comments.
-fn plan_toml(settings: &TrainConfig, cycles: &[Cycle]) -> Result<String> {
+/// cycles, the memory plan and the per-module ranks of `rank_scaling` (`ranks`) as comments.
+fn plan_toml(settings: &TrainConfig, cycles: &[Cycle], ranks: &[String]) -> Result<String> {
     let mut head = String::from(
         "# The run as resolved; `lorafit train --config plan.toml` trains it again.\n",
     );
@@ -825,12 +851,16 @@ fn plan_toml(settings: &TrainConfig, cycles: &[Cycle]) -> Result<String> {
     let auto =
         |v: Option<String>| v.unwrap_or_else(|| "chosen per example from free memory".into());
     head.push_str(&format!(
-        "# memory plan: segment_size {}, keep_attention {}, keep_kv_layers {}, head {:?}\n\n",
+        "# memory plan: segment_size {}, keep_attention {}, keep_kv_layers {}, head {:?}\n",
         auto(settings.segment_size.map(|s| s.to_string())),
         auto(settings.keep_attention.map(|s| s.to_string())),
         auto(settings.keep_kv_layers.map(|s| s.to_string())),
         settings.head
     ));
+    for line in ranks {
+        head.push_str(&format!("# {line}\n"));
+    }
+    head.push('\n');
     Ok(head + &settings.to_toml()?)
 }
 
