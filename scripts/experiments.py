@@ -14,6 +14,8 @@ Headline arms (the λ sweep and adaptive) run 3 seeds, the others 2.
     python3 scripts/experiments.py run --lorafit target/release/lorafit --model smollm2 \\
         --device cuda --jobs 4 --out runs/experiments       # writes runs/experiments/*/metrics.jsonl
     python3 scripts/experiments.py render --runs runs/experiments   # docs/experiments.md + SVGs
+    python3 scripts/experiments.py render --runs docs/experiments   # the same, from the committed
+                                                                     # docs/experiments/valid-rows.jsonl
     python3 scripts/experiments.py all ...                 # both
 
 `run` appends one line per finished run to RUNS/index.jsonl, so an interrupted sweep keeps what
@@ -41,11 +43,13 @@ BASE = ["lr=2e-4", "warmup_ratio=0.05", "rank=16", "max_seq_len=256", "max_promp
 LAMBDAS = [0.05, 0.1, 0.2, 0.5, 1.0]
 ARMS = {f"λ={x:g}": [f"orpo_lambda={x}"] for x in LAMBDAS}
 ARMS["adaptive"] = ["orpo_lambda_schedule=adaptive"]
+# The controller as first built: warm-up until lw plateaus, however long that takes.
+ARMS["adaptive, no warm-up limit"] = ["orpo_lambda_schedule=adaptive", "orpo_lambda_warmup_max=1"]
 ARMS["rsLoRA"] = ["orpo_lambda=0.1", "rslora=true"]
 ARMS["LoRA+ 4"] = ["orpo_lambda=0.1", "lora_plus_ratio=4"]
 ARMS["LoRA+ 16"] = ["orpo_lambda=0.1", "lora_plus_ratio=16"]
 ARMS["dropout 0.05"] = ["orpo_lambda=0.1", "lora_dropout=0.05"]
-HEADLINE = [f"λ={x:g}" for x in LAMBDAS] + ["adaptive"]
+HEADLINE = [f"λ={x:g}" for x in LAMBDAS] + ["adaptive", "adaptive, no warm-up limit"]
 SEEDS_HEADLINE, SEEDS_OTHER = [1, 2, 3], [1, 2]
 
 
@@ -87,7 +91,8 @@ def cmd_run(args):
             r = json.loads(line)
             if "error" not in r:
                 done.add((r["task"], r["arm"], r["seed"]))
-    todo = [p for p in plan() if p not in done][: args.limit]
+    todo = [p for p in plan() if p not in done and (not args.arms or p[1] in args.arms)]
+    todo = todo[: args.limit]
     print(f"{len(todo)} runs to do ({len(done)} already done), {args.jobs} at a time", flush=True)
     with cf.ThreadPoolExecutor(args.jobs) as pool, open(index, "a") as fh:
         futures = [pool.submit(run_one, args, *p) for p in todo]
@@ -126,16 +131,50 @@ def fmt(xs, digits=3):
     return f"{m:.{digits}f} ± {s:.{digits}f}" if len(xs) > 1 else f"{m:.{digits}f}"
 
 
-def summarise(runs_dir):
-    """{(task, arm): [per-seed dict]} from the finished runs."""
-    out = {}
-    index = os.path.join(runs_dir, "index.jsonl")
-    for line in open(index):
+COMPACT = os.path.join(ROOT, "docs", "experiments", "valid-rows.jsonl")
+
+
+def latest_runs(runs_dir):
+    """The index's finished runs, the latest line of each (task, arm, seed) winning."""
+    latest = {}
+    for line in open(os.path.join(runs_dir, "index.jsonl")):
         r = json.loads(line)
+        latest[(r["task"], r["arm"], r["seed"])] = r
+    return list(latest.values())
+
+
+def write_compact(runs_dir):
+    """Every finished run's validation rows in one file (docs/experiments/valid-rows.jsonl),
+    committed so that `render --runs docs/experiments` redraws the report without the runs."""
+    os.makedirs(os.path.dirname(COMPACT), exist_ok=True)
+    with open(COMPACT, "w") as fh:
+        for r in latest_runs(runs_dir):
+            if "error" in r:
+                fh.write(json.dumps(r, ensure_ascii=False) + "\n")
+                continue
+            _, valid = read_run(os.path.join(runs_dir, r["dir"]))
+            keep = ("accuracy", "margin", "lw", "lr", "orpo_lambda", "orpo_lambda_phase")
+            rows = [{"step": v["step"], **{k: v["metrics"][k] for k in keep if k in v["metrics"]}}
+                    for v in valid]
+            fh.write(json.dumps({**r, "valid": rows}, ensure_ascii=False) + "\n")
+
+
+def load_compact():
+    runs = [json.loads(line) for line in open(COMPACT)]
+    return runs, {(r["task"], r["arm"], r["seed"]): [(v["step"], v) for v in r.get("valid", [])]
+                  for r in runs}
+
+
+def summarise(runs_dir):
+    """{(task, arm): [per-seed dict]} from the finished runs (or the compact file)."""
+    out = {}
+    if os.path.exists(os.path.join(runs_dir, "index.jsonl")):
+        write_compact(runs_dir)
+    runs, valid_of = load_compact()
+    for r in runs:
         if "error" in r:
             continue
-        _, valid = read_run(os.path.join(runs_dir, r["dir"]))
-        traj = [(v["step"], v["metrics"]) for v in valid]
+        traj = valid_of[(r["task"], r["arm"], r["seed"])]
         first, last = traj[0][1], traj[-1][1]
         best = max(traj, key=lambda t: t[1]["margin"])
         out.setdefault((r["task"], r["arm"]), []).append({
@@ -217,7 +256,7 @@ def cmd_render(args):
     docs = os.path.join(ROOT, "docs")
     figs = os.path.join(docs, "experiments")
     os.makedirs(figs, exist_ok=True)
-    index = [json.loads(line) for line in open(os.path.join(args.runs, "index.jsonl"))]
+    index = load_compact()[0]
     failed = [r for r in index if "error" in r]
     secs = [r["seconds"] for r in index if "seconds" in r]
     L = ["# Experiments: λ, adaptive λ, rsLoRA, LoRA+, dropout",
@@ -263,7 +302,7 @@ def cmd_render(args):
         # Adaptive against the best static λ, by mean final held-out accuracy then margin.
         static = [(statistics.fmean([s["acc"] for s in res[(task, a)]]),
                    statistics.fmean([s["margin"] for s in res[(task, a)]]), a)
-                  for a in HEADLINE[:-1] if res.get((task, a))]
+                  for a in ARMS if a.startswith("λ=") and res.get((task, a))]
         ad = res.get((task, "adaptive"))
         if static and ad:
             best = max(static)
@@ -300,6 +339,21 @@ def cmd_render(args):
                                                    if r[5] is not None]) for s in ad])
             L += [f"![{task} adaptive λ](experiments/{f})", ""]
     L += ["## Does adaptive λ beat the best constant λ?", ""] + (verdicts or ["- no runs."])
+    every = [s for v in res.values() for s in v]
+    if every:
+        rising = sum(s["d_lw"] > 0 for s in every)
+        L += ["", f"Displacement: held-out lw rose from step 0 in {rising} of {len(every)} runs "
+                  f"(smallest Δlw {min(s['d_lw'] for s in every):.3f}); " +
+              ("no arm bought its margin by pushing the chosen response down, so these tasks "
+               "reward a larger λ and give the controller's back-off nothing to do."
+               if rising == len(every) else "see the Δlw columns for the runs where it fell.")]
+    if any(a == "adaptive, no warm-up limit" for (_, a) in res):
+        L += ["", "The `adaptive, no warm-up limit` runs are the controller as first built "
+                  "(warm-up until lw plateaus, however long): lw never plateaued within 120 steps, "
+                  "so λ stayed at `orpo_lambda_min` for the whole run. That finding is why "
+                  "`orpo_lambda_warmup_max` (default 0.1 of the run) and the ramp's start at "
+                  "`orpo_lambda` exist; its settings here (`orpo_lambda_warmup_max = 1`) give "
+                  "the same λ sequence."]
     L += ["", "Rank scaling (`rank_scaling = \"by_bits\"`) does not apply to this base: every "
               "projection of the SmolLM2 GGUF has the same storage type, so it gives every module "
               "the same rank and is the λ = 0.1 arm.", ""]
@@ -322,6 +376,7 @@ def main():
         p.add_argument("--steps", type=int, default=120)
         p.add_argument("--jobs", type=int, default=1)
         p.add_argument("--limit", type=int, default=None, help="only the first N runs to do")
+        p.add_argument("--arms", nargs="*", default=None, help="only these arms")
         p.add_argument("--out", default=os.path.join(ROOT, "runs/experiments"))
     for name in ("render", "all"):
         p = sub.choices[name] if name in sub.choices else sub.add_parser(name)

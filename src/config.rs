@@ -639,8 +639,8 @@ impl TrainConfig {
             self.orpo_lambda_warmup_max,
             0.0,
             1.0,
-            true,
-            true,
+            false,
+            false,
         )?;
         if self.orpo_lambda_patience == 0 {
             bail!("orpo_lambda_patience = 0: expected a whole number of evaluations, at least 1");

@@ -354,8 +354,9 @@ struct GenerateArgs {
     raw: bool,
     /// Check the KV cache on this device: along the greedy path of the whole-sequence forward,
     /// each step's cached next-token logits against the uncached ones (relative norm within
-    /// 1e-4 on the CPU, the bf16 bound 1e-2 on CUDA) and its greedy token (equal unless the top
-    /// two are a near tie); then free-running greedy generation both ways, printed.
+    /// 1e-4 on the CPU; on CUDA within 1e-2, or the cached logits no further from the model's
+    /// f32 logits on the CPU than 1.5× the uncached ones) and its greedy token (equal unless the
+    /// top two are a near tie); then free-running greedy generation both ways, printed.
     #[arg(long)]
     check_uncached: bool,
     /// The user message (or, with --raw, the text to continue).
@@ -409,9 +410,18 @@ fn check_uncached(
         cached.len(),
         uncached.len()
     );
-    let ok = check.worst_rel <= bound && check.bad_flips == 0;
+    // On a real model two bf16 paths can be further apart than the fixtures' 1e-2 (SmolLM2:
+    // 3.6–5.7e-2) while each is as far from f32 as the other. With the f32 reference the check
+    // is then that the cache adds no error of its own: its distance from f32 within 1.5× the
+    // uncached path's (measured 0.9–1.2×; a cache that read a wrong position or layer is far
+    // from f32 while the uncached path is not).
+    let cache_adds_nothing = check.vs_reference.is_some_and(|(c, u)| c <= 1.5 * u);
+    let ok = (check.worst_rel <= bound || cache_adds_nothing) && check.bad_flips == 0;
     let against_f32 = match check.vs_reference {
-        Some((c, u)) => format!("; against the CPU's f32: cached {c:.3e}, uncached {u:.3e}"),
+        Some((c, u)) => format!(
+            "; against the CPU's f32: cached {c:.3e}, uncached {u:.3e} (ratio {:.2}, bound 1.5)",
+            c / u
+        ),
         None => String::new(),
     };
     println!(
