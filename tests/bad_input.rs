@@ -138,7 +138,9 @@ fn bad_settings_name_their_field() {
         ("output", |c| c.output = String::new()),
         ("cce_filter_eps", |c| c.cce_filter_eps = -1.0),
         ("orpo_lambda_warmup_max", |c| c.orpo_lambda_warmup_max = 1.5),
-        ("orpo_lambda_warmup_max", |c| c.orpo_lambda_warmup_max = -0.1),
+        ("orpo_lambda_warmup_max", |c| {
+            c.orpo_lambda_warmup_max = -0.1
+        }),
         ("orpo_lambda_backoff", |c| c.orpo_lambda_backoff = 1.5),
     ];
     // The ends of a closed range are accepted.
