@@ -371,101 +371,14 @@ fn gemma4_merged_folder_within_bounds() {
 /// A Llama GGUF base with quantized projections, built from the Llama fixture with the
 /// project's writer (q/k permuted as llama.cpp's converter does), and a non-zero adapter for it.
 fn quantized_llama_gguf(dir: &Path, ty: GgmlType) -> PathBuf {
-    use lorafit::model::gguf::permute_qk_rows;
-    let base = fixture("models/llama");
-    let spec = model::ModelSpec::from_config_file(&base.join("config.json")).unwrap();
-    let st = common::read_safetensors(&base.join("model.safetensors"));
-    let mut w = GgufWriter::new();
-    w.set_str("general.architecture", "llama");
-    let u32v = |v: usize| MetaValue::U32(v as u32);
-    w.set("llama.block_count", u32v(spec.n_layers));
-    w.set("llama.context_length", u32v(64));
-    w.set("llama.embedding_length", u32v(spec.hidden));
-    w.set("llama.feed_forward_length", u32v(spec.intermediate));
-    w.set("llama.attention.head_count", u32v(spec.n_heads));
-    w.set("llama.attention.head_count_kv", u32v(spec.n_kv_heads));
-    w.set(
-        "llama.attention.layer_norm_rms_epsilon",
-        MetaValue::F32(1e-5),
-    );
-    w.set("llama.rope.freq_base", MetaValue::F32(10000.0));
-    w.set("llama.attention.key_length", u32v(spec.head_dim));
-    let mut add = |name: &str, hf: &str, ty: GgmlType, perm: Option<usize>| {
-        let (shape, mut data) = st[hf].clone();
-        if let Some(n_head) = perm {
-            permute_qk_rows(&mut data, shape[0], shape[1], n_head).unwrap();
-        }
-        w.add_tensor(GgufTensor {
-            name: name.into(),
-            dims: shape.iter().rev().copied().collect(),
-            ggml_type: ty,
-            data: quantize(ty, &data).unwrap(),
-        })
-        .unwrap();
-    };
-    add(
-        "token_embd.weight",
-        "model.embed_tokens.weight",
-        GgmlType::Q8_0,
-        None,
-    );
-    add(
-        "output_norm.weight",
-        "model.norm.weight",
-        GgmlType::F32,
-        None,
-    );
-    add("output.weight", "lm_head.weight", GgmlType::Q8_0, None);
-    for l in 0..spec.n_layers {
-        let hf = |leaf: &str| format!("model.layers.{l}.{leaf}");
-        let g = |leaf: &str| format!("blk.{l}.{leaf}");
-        add(
-            &g("attn_norm.weight"),
-            &hf("input_layernorm.weight"),
-            GgmlType::F32,
-            None,
-        );
-        add(
-            &g("ffn_norm.weight"),
-            &hf("post_attention_layernorm.weight"),
-            GgmlType::F32,
-            None,
-        );
-        add(
-            &g("attn_q.weight"),
-            &hf("self_attn.q_proj.weight"),
-            ty,
-            Some(spec.n_heads),
-        );
-        add(
-            &g("attn_k.weight"),
-            &hf("self_attn.k_proj.weight"),
-            ty,
-            Some(spec.n_kv_heads),
-        );
-        add(
-            &g("attn_v.weight"),
-            &hf("self_attn.v_proj.weight"),
-            ty,
-            None,
-        );
-        add(
-            &g("attn_output.weight"),
-            &hf("self_attn.o_proj.weight"),
-            ty,
-            None,
-        );
-        add(&g("ffn_gate.weight"), &hf("mlp.gate_proj.weight"), ty, None);
-        add(&g("ffn_up.weight"), &hf("mlp.up_proj.weight"), ty, None);
-        add(
-            &g("ffn_down.weight"),
-            &hf("mlp.down_proj.weight"),
-            GgmlType::Q8_0,
-            None,
-        );
-    }
     let path = dir.join(format!("llama-{ty}.gguf"));
-    w.write(&path).unwrap();
+    common::llama_gguf::write_llama_gguf(&path, |_, t| {
+        if t == Target::Down {
+            GgmlType::Q8_0
+        } else {
+            ty
+        }
+    });
     path
 }
 

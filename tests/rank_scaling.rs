@@ -60,78 +60,14 @@ fn scratch(name: &str) -> PathBuf {
 /// The Llama fixture as a GGUF whose projections are stored as `TYPES` says (embeddings and head
 /// Q8_0, norms F32).
 fn mixed_llama_gguf(dir: &Path) -> PathBuf {
-    let base = fixture("models/llama");
-    let spec = ModelSpec::from_config_file(&base.join("config.json")).unwrap();
-    let st = read_safetensors(&base.join("model.safetensors"));
-    let mut w = GgufWriter::new();
-    w.set_str("general.architecture", "llama");
-    let u32v = |v: usize| MetaValue::U32(v as u32);
-    w.set("llama.block_count", u32v(spec.n_layers));
-    w.set("llama.context_length", u32v(64));
-    w.set("llama.embedding_length", u32v(spec.hidden));
-    w.set("llama.feed_forward_length", u32v(spec.intermediate));
-    w.set("llama.attention.head_count", u32v(spec.n_heads));
-    w.set("llama.attention.head_count_kv", u32v(spec.n_kv_heads));
-    w.set(
-        "llama.attention.layer_norm_rms_epsilon",
-        MetaValue::F32(1e-5),
-    );
-    w.set("llama.rope.freq_base", MetaValue::F32(10000.0));
-    w.set("llama.attention.key_length", u32v(spec.head_dim));
-    let mut add = |name: &str, hf: &str, ty: GgmlType, perm: Option<usize>| {
-        let (shape, mut data) = st[hf].clone();
-        if let Some(n_head) = perm {
-            permute_qk_rows(&mut data, shape[0], shape[1], n_head).unwrap();
-        }
-        w.add_tensor(GgufTensor {
-            name: name.into(),
-            dims: shape.iter().rev().copied().collect(),
-            ggml_type: ty,
-            data: quantize(ty, &data).unwrap(),
-        })
-        .unwrap();
-    };
-    use GgmlType::{F32, Q8_0};
-    add("token_embd.weight", "model.embed_tokens.weight", Q8_0, None);
-    add("output_norm.weight", "model.norm.weight", F32, None);
-    add("output.weight", "lm_head.weight", Q8_0, None);
-    assert_eq!(spec.n_layers, TYPES.len());
-    for (l, types) in TYPES.iter().enumerate() {
-        let hf = |leaf: &str| format!("model.layers.{l}.{leaf}");
-        let g = |leaf: &str| format!("blk.{l}.{leaf}");
-        add(
-            &g("attn_norm.weight"),
-            &hf("input_layernorm.weight"),
-            F32,
-            None,
-        );
-        add(
-            &g("ffn_norm.weight"),
-            &hf("post_attention_layernorm.weight"),
-            F32,
-            None,
-        );
-        let ty = |t: Target| types[t.index()];
-        let projections = [
-            ("attn_q", Target::Q, Some(spec.n_heads)),
-            ("attn_k", Target::K, Some(spec.n_kv_heads)),
-            ("attn_v", Target::V, None),
-            ("attn_output", Target::O, None),
-            ("ffn_gate", Target::Gate, None),
-            ("ffn_up", Target::Up, None),
-            ("ffn_down", Target::Down, None),
-        ];
-        for (leaf, t, perm) in projections {
-            add(
-                &g(&format!("{leaf}.weight")),
-                &hf(&format!("{}.weight", t.path())),
-                ty(t),
-                perm,
-            );
-        }
-    }
     let path = dir.join("llama-mixed.gguf");
-    w.write(&path).unwrap();
+    common::llama_gguf::write_llama_gguf(&path, |l, t| TYPES[l][t.index()]);
+    assert_eq!(
+        ModelSpec::from_config_file(&fixture("models/llama/config.json"))
+            .unwrap()
+            .n_layers,
+        TYPES.len()
+    );
     path
 }
 

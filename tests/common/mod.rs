@@ -5,6 +5,7 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
+pub mod llama_gguf;
 mod skip;
 pub mod tiny_run;
 pub use skip::skip_note;
