@@ -197,6 +197,25 @@ def row(prompt, right, wrong, rng):
     }
 
 
+def stratified_split(rows, quota, n_valid):
+    """(train, valid) from `(category, fact)` rows in their order: about the same share of
+    every category in valid (largest remainders first)."""
+    total = len(rows)
+    share = {cat: quota[cat] * n_valid // total for cat in quota}
+    by_remainder = sorted(quota, key=lambda c: (-(quota[c] * n_valid % total), c))
+    for cat in by_remainder[: n_valid - sum(share.values())]:
+        share[cat] += 1
+    valid, train = [], []
+    taken = {}
+    for cat, f in rows:
+        if taken.get(cat, 0) < share[cat]:
+            taken[cat] = taken.get(cat, 0) + 1
+            valid.append(f)
+        else:
+            train.append(f)
+    return train, valid
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.path.normpath(
@@ -219,20 +238,7 @@ def main():
     assert len(set(prompts)) == len(prompts), "duplicate prompts"
     rng.shuffle(chosen_facts)
 
-    # Stratified split: about the same share of every category in valid.
-    total = len(chosen_facts)
-    share = {cat: QUOTA[cat] * args.valid // total for cat in QUOTA}
-    by_remainder = sorted(QUOTA, key=lambda c: (-(QUOTA[c] * args.valid % total), c))
-    for cat in by_remainder[: args.valid - sum(share.values())]:
-        share[cat] += 1
-    valid, train = [], []
-    taken = {}
-    for cat, f in chosen_facts:
-        if taken.get(cat, 0) < share[cat]:
-            taken[cat] = taken.get(cat, 0) + 1
-            valid.append(f)
-        else:
-            train.append(f)
+    train, valid = stratified_split(chosen_facts, QUOTA, args.valid)
 
     os.makedirs(args.out, exist_ok=True)
     for name, facts in (("train.jsonl", train), ("valid.jsonl", valid)):

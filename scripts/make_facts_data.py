@@ -61,19 +61,7 @@ def main():
         rows += [(cat, f) for f in got[:QUOTA[cat]]]
     assert len({f[0] for _, f in rows}) == len(rows), "duplicate prompts"
     rng.shuffle(rows)
-    # Stratified split, as the demo's: every category in valid in proportion.
-    total = len(rows)
-    share = {c: QUOTA[c] * args.valid // total for c in QUOTA}
-    for c in sorted(QUOTA, key=lambda c: (-(QUOTA[c] * args.valid % total), c))[
-            : args.valid - sum(share.values())]:
-        share[c] += 1
-    train, valid, taken = [], [], {}
-    for cat, f in rows:
-        if taken.get(cat, 0) < share[cat]:
-            taken[cat] = taken.get(cat, 0) + 1
-            valid.append(f)
-        else:
-            train.append(f)
+    train, valid = facts.stratified_split(rows, QUOTA, args.valid)
     os.makedirs(args.out, exist_ok=True)
     for name, part in (("train.jsonl", train), ("valid.jsonl", valid)):
         with open(os.path.join(args.out, name), "w", encoding="utf-8") as fh:
