@@ -199,7 +199,7 @@ COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e3
 
 def svg_lines(path, title, ylabel, series):
     """series: [(label, [(x, y)])] → a line chart, written as SVG."""
-    w, h, ml, mr, mt, mb = 640, 360, 60, 150, 30, 40
+    w, h, ml, mr, mt, mb = 720, 360, 60, 200, 30, 40
     xs = [x for _, pts in series for x, _ in pts]
     ys = [y for _, pts in series for _, y in pts if math.isfinite(y)]
     if not xs or not ys:
