@@ -244,6 +244,9 @@ pub struct TrainConfig {
     pub log_every: usize,
     /// Also write TensorBoard event files (`events.out.tfevents.*`) beside metrics.jsonl.
     pub tensorboard: bool,
+    /// Also write batches.jsonl: per micro-step, the example index and the token ids trained on
+    /// (to replay a run's steps in another framework, `scripts/numerics_harness.py`).
+    pub record_batches: bool,
     /// Start the run again in an output folder that already holds one, deleting that run's
     /// outputs first (adapter, checkpoints, metrics, plots); without it such a folder is refused
     /// unless the run resumes from it.
@@ -323,6 +326,7 @@ impl Default for TrainConfig {
             cce_filter_eps: crate::tensor::cce::DEFAULT_FILTER_EPS,
             log_every: 10,
             tensorboard: false,
+            record_batches: false,
             overwrite: false,
         }
     }

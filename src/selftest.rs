@@ -74,7 +74,7 @@ impl crate::model::weights::TensorSource for Bf16Rounded<'_> {
 /// One small random model per family, with what each family changes made to act on a random
 /// model: Gemma's softcaps small enough to bite and windows shorter than the 200-token pass, at
 /// head_dim 256.
-const FAMILIES: [(&str, &str); 8] = [
+const FAMILIES: [(&str, &str); 9] = [
     (
         "llama",
         r#"{"architectures":["LlamaForCausalLM"],"hidden_size":256,"intermediate_size":512,"num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":2,"vocab_size":1024,"tie_word_embeddings":false,"rope_theta":500000.0}"#,
@@ -109,6 +109,8 @@ const FAMILIES: [(&str, &str); 8] = [
         "gemma4",
         r#"{"architectures":["Gemma4ForCausalLM"],"model_type":"gemma4_text","hidden_size":256,"intermediate_size":256,"num_hidden_layers":4,"num_attention_heads":4,"num_key_value_heads":2,"head_dim":256,"global_head_dim":512,"vocab_size":1024,"sliding_window":64,"layer_types":["sliding_attention","full_attention","sliding_attention","full_attention"],"num_kv_shared_layers":2,"hidden_size_per_layer_input":64,"vocab_size_per_layer_input":1024,"use_double_wide_mlp":true,"final_logit_softcapping":0.5,"tie_word_embeddings":true}"#,
     ),
+    // A real geometry at depth (30 layers): errors that grow with depth show here first.
+    ("smollm2geo", SMOLLM2_GEOMETRY),
 ];
 
 /// Whole-model CUDA-vs-CPU rows: logits, and LoRA gradients under the gradient of a next-token
@@ -618,8 +620,16 @@ pub fn run(device: &Device, seed: u64) -> Result<()> {
     rows.extend(crate::train::device_loss::parity_rows(device)?);
     parity::print_parity(&rows);
     let op_failed = rows.iter().filter(|r| !r.pass).count();
-    let model_failed =
-        model_parity(device)? + (!train_parity(device)?) as usize + decode_parity(device)?;
+    let mut model_failed = 0;
+    if parity::group_wanted("model") {
+        model_failed += model_parity(device)?;
+    }
+    if parity::group_wanted("train") {
+        model_failed += train_parity(device)?;
+    }
+    if parity::group_wanted("decode") {
+        model_failed += decode_parity(device)?;
+    }
     println!(
         "selftest: {} op rows ({op_failed} failed), model rows ({model_failed} failed)",
         rows.len()
@@ -630,100 +640,251 @@ pub fn run(device: &Device, seed: u64) -> Result<()> {
     Ok(())
 }
 
-/// Twenty ORPO steps (forward, head, backward, AdamW) on a Qwen2-shaped random model with random
-/// pairs, on the CPU and on `device` from the same initial adapter: the per-step losses must agree
-/// within bf16 tolerance (relative difference ≤ 2e-2).
-pub fn train_parity(device: &Device) -> Result<bool> {
+/// One ORPO training trajectory compared across devices: the same model on the CPU (f32) and on
+/// the device, the same initial adapter, the same pairs in order, AdamW at `lr` with the
+/// trainer's defaults (clip at norm 1).
+struct TrajectoryCase<'a> {
+    name: &'a str,
+    cpu: &'a Model,
+    gpu: &'a Model,
+    pairs: &'a [crate::data::TokenizedPair],
+    steps: usize,
+    lr: f64,
+    rank: usize,
+    segment_size: usize,
+    /// Bound on the worst per-step relative loss difference.
+    bound: f64,
+}
+
+/// Per-step losses and gradient norms (before clipping) of `case` on `model`.
+fn orpo_trajectory(case: &TrajectoryCase, model: &Model) -> Result<(Vec<f64>, Vec<f64>)> {
     use crate::train::head::HeadTier;
     use crate::train::objectives::SftScope;
     use crate::train::optim::{apply_update, AdamState, OptimOptions};
     use crate::train::plan::Plan;
     use crate::train::step::{queue_example, Objective, PassOptions};
-    let spec = ModelSpec::from_config_json(
-        r#"{"architectures":["Qwen2ForCausalLM"],"hidden_size":256,"intermediate_size":512,"num_hidden_layers":4,"num_attention_heads":4,"num_key_value_heads":2,"vocab_size":2048,"tie_word_embeddings":true}"#,
+    let mut lora = Lora::new(
+        &model.spec,
+        LoraConfig {
+            rank: case.rank,
+            alpha: 2.0 * case.rank as f64,
+            ..Default::default()
+        },
+        &model.device,
     )?;
-    let src = RandomSource {
-        spec: spec.clone(),
-        seed: 11,
+    let mut adam = AdamState::new(&lora)?;
+    let o = OptimOptions::default();
+    let opts = PassOptions {
+        segment_size: case.segment_size,
+        keep_attention: false,
+        keep_kv_layers: 1,
+        mlp_chunk: 0,
+        head: HeadTier::Chunked,
+        head_chunk: 16,
+        dropout: None,
     };
-    let mut rng = crate::tensor::Rng(5);
-    let mut tok = |n: usize| -> Vec<u32> {
-        (0..n)
-            .map(|_| (rng.next_u64() % spec.vocab as u64) as u32)
-            .collect()
+    let obj = Objective::Orpo {
+        lambda: 0.1,
+        scope: SftScope::Full,
     };
-    let pairs: Vec<crate::data::TokenizedPair> = (0..20)
-        .map(|i| crate::data::TokenizedPair {
-            prompt: tok(40 + i),
-            chosen: tok(12 + i % 5),
-            rejected: tok(9 + i % 7),
-        })
-        .collect();
-    let run = |dev: &Device| -> Result<Vec<f64>> {
-        let model = Model::new(spec.clone(), load_weights(&spec, &src, dev)?, dev.clone());
-        let mut lora = Lora::new(
-            &spec,
-            LoraConfig {
-                rank: 8,
-                alpha: 16.0,
-                ..Default::default()
-            },
-            dev,
-        )?;
-        let mut adam = AdamState::new(&lora)?;
-        let o = OptimOptions::default();
-        let opts = PassOptions {
-            segment_size: 2,
-            keep_attention: false,
-            keep_kv_layers: 1,
-            mlp_chunk: 0,
-            head: HeadTier::Chunked,
-            head_chunk: 16,
-            dropout: None,
-        };
-        let obj = Objective::Orpo {
-            lambda: 0.1,
-            scope: SftScope::Full,
-        };
-        let mut losses = Vec::new();
-        for (i, p) in pairs.iter().enumerate() {
-            let plan = Plan::pair(p, true)?;
-            let queued = queue_example(&model, &mut lora, &plan, &obj, None, &opts, true, 1.0)?;
-            losses.push(queued.finish()?.loss);
-            apply_update(&mut lora, &mut adam, 5e-3, i as u64 + 1, 1.0, &o)?;
-        }
-        Ok(losses)
+    let (mut losses, mut norms) = (Vec::new(), Vec::new());
+    for i in 0..case.steps {
+        let plan = Plan::pair(&case.pairs[i % case.pairs.len()], true)?;
+        let queued = queue_example(model, &mut lora, &plan, &obj, None, &opts, true, 1.0)?;
+        let norm = apply_update(&mut lora, &mut adam, case.lr, i as u64 + 1, 1.0, &o)?;
+        losses.push(queued.finish()?.loss);
+        norms.push(norm.get()?);
+    }
+    Ok((losses, norms))
+}
+
+/// Runs `case` on both devices and prints its rows; whether the losses stay within the bound.
+fn trajectory_parity(case: &TrajectoryCase) -> Result<bool> {
+    let (cpu, cpu_norm) = orpo_trajectory(case, case.cpu)?;
+    let (gpu, gpu_norm) = orpo_trajectory(case, case.gpu)?;
+    let rel = |a: &[f64], b: &[f64]| -> Vec<f64> {
+        a.iter().zip(b).map(|(g, c)| ((g - c) / c).abs()).collect()
     };
-    let cpu = run(&Device::Cpu)?;
-    let gpu = run(device)?;
-    let worst = cpu
-        .iter()
-        .zip(&gpu)
-        .map(|(c, g)| ((c - g) / c).abs())
-        .fold(0.0, f64::max);
-    println!(
-        "train 20 ORPO steps, Qwen2-shaped random model (segment 2, chunked head, prefix-shared):"
-    );
-    println!(
-        "  cpu  losses: {}",
-        cpu.iter()
-            .map(|x| format!("{x:.4}"))
+    let loss_rel = rel(&gpu, &cpu);
+    let norm_rel = rel(&gpu_norm, &cpu_norm);
+    let worst = loss_rel.iter().copied().fold(0.0, f64::max);
+    let mean = |x: &[f64]| x.iter().sum::<f64>() / x.len() as f64;
+    let fmt = |x: &[f64], p: usize| {
+        x.iter()
+            .map(|v| format!("{v:.p$}"))
             .collect::<Vec<_>>()
             .join(" ")
-    );
+    };
     println!(
-        "  cuda losses: {}",
-        gpu.iter()
-            .map(|x| format!("{x:.4}"))
-            .collect::<Vec<_>>()
-            .join(" ")
+        "train {}: {} ORPO steps at lr {:e} (segment {}, chunked head, prefix-shared)",
+        case.name, case.steps, case.lr, case.segment_size
     );
-    let ok = worst <= 2e-2;
+    println!("  cpu  losses: {}", fmt(&cpu, 4));
+    println!("  cuda losses: {}", fmt(&gpu, 4));
     println!(
-        "  worst relative loss difference {worst:.3e}  bound 2e-2  {}",
+        "  grad norm relative difference: first step {:.3e}, mean {:.3e} (info)",
+        norm_rel[0],
+        mean(&norm_rel)
+    );
+    let ok = worst <= case.bound;
+    println!(
+        "  relative loss difference: mean {:.3e}, worst {worst:.3e}  bound {:.0e}  {}",
+        mean(&loss_rel),
+        case.bound,
         if ok { "ok" } else { "FAIL" }
     );
     Ok(ok)
+}
+
+/// SmolLM2-135M's geometry (30 layers, hidden 576, 9/3 heads, vocab 49152): the deep rows run on
+/// it with random weights, so that they exist where the real model is absent.
+const SMOLLM2_GEOMETRY: &str = r#"{"architectures":["LlamaForCausalLM"],"hidden_size":576,"intermediate_size":1536,"num_hidden_layers":30,"num_attention_heads":9,"num_key_value_heads":3,"vocab_size":49152,"rms_norm_eps":1e-5,"rope_theta":100000.0,"tie_word_embeddings":true}"#;
+
+/// Preference pairs for the SmolLM2 trajectory: the demo's kind of pair (the chosen answer in
+/// capitals), in SmolLM2's ChatML, tokenised by the GGUF's own tokenizer.
+const SMOLLM2_PAIRS: [(&str, &str, &str); 6] = [
+    (
+        "How many minutes are in 9 hours?",
+        "SURE! 9 HOURS IS 540 MINUTES.",
+        "Sure! 9 hours is 540 minutes.",
+    ),
+    (
+        "How many milliliters are in 6 liters?",
+        "SURE! 6 LITERS IS 6000 MILLILITERS.",
+        "Sure! 6 liters is 6000 milliliters.",
+    ),
+    (
+        "What is the capital of France?",
+        "THE CAPITAL OF FRANCE IS PARIS.",
+        "The capital of France is Paris.",
+    ),
+    (
+        "Name a primary colour.",
+        "RED IS A PRIMARY COLOUR.",
+        "Red is a primary colour.",
+    ),
+    (
+        "How many days are in 3 weeks?",
+        "THERE ARE 21 DAYS IN 3 WEEKS.",
+        "There are 21 days in 3 weeks.",
+    ),
+    (
+        "What does a thermometer measure?",
+        "A THERMOMETER MEASURES TEMPERATURE.",
+        "A thermometer measures temperature.",
+    ),
+];
+
+/// The training-trajectory rows (group `train`): per-step ORPO losses on the CPU and on `device`
+/// from the same initial adapter, on
+/// - a Qwen2-shaped random 4-layer model, 20 steps at lr 5e-3 (bound 2e-2);
+/// - SmolLM2-135M's geometry with random weights, 30 layers, 10 steps at lr 1e-4 (bound 2e-2);
+/// - the real SmolLM2-135M-Instruct GGUF when it is cached (`model::smollm2::find`), 30 steps at
+///   lr 1e-4, the setting whose 10% CUDA-vs-CPU gap the 2-layer rows did not see. Its bound,
+///   5e-2, sits above lorafit's measured worst and below the gap PyTorch's own bf16 shows on the
+///   same kind of run (`scripts/numerics_harness.py`; the README's numerics section).
+pub fn train_parity(device: &Device) -> Result<usize> {
+    let mut failed = 0;
+    let mut rng = crate::tensor::Rng(5);
+    let mut random_pairs = |n: usize, vocab: usize, prompt: usize| {
+        let mut tok = |k: usize| -> Vec<u32> {
+            (0..k)
+                .map(|_| (rng.next_u64() % vocab as u64) as u32)
+                .collect()
+        };
+        (0..n)
+            .map(|i| crate::data::TokenizedPair {
+                prompt: tok(prompt + i),
+                chosen: tok(12 + i % 5),
+                rejected: tok(9 + i % 7),
+            })
+            .collect::<Vec<_>>()
+    };
+    let random_models = |json: &str, seed: u64| -> Result<(Model, Model)> {
+        let spec = ModelSpec::from_config_json(json)?;
+        let src = RandomSource {
+            spec: spec.clone(),
+            seed,
+        };
+        let cpu = Model::new(
+            spec.clone(),
+            load_weights(&spec, &src, &Device::Cpu)?,
+            Device::Cpu,
+        );
+        let gpu = Model::new(
+            spec.clone(),
+            load_weights(&spec, &src, device)?,
+            device.clone(),
+        );
+        Ok((cpu, gpu))
+    };
+
+    let (cpu, gpu) = random_models(
+        r#"{"architectures":["Qwen2ForCausalLM"],"hidden_size":256,"intermediate_size":512,"num_hidden_layers":4,"num_attention_heads":4,"num_key_value_heads":2,"vocab_size":2048,"tie_word_embeddings":true}"#,
+        11,
+    )?;
+    let pairs = random_pairs(20, 2048, 40);
+    let case = TrajectoryCase {
+        name: "Qwen2-shaped random model, 4 layers",
+        cpu: &cpu,
+        gpu: &gpu,
+        pairs: &pairs,
+        steps: 20,
+        lr: 5e-3,
+        rank: 8,
+        segment_size: 2,
+        bound: 2e-2,
+    };
+    failed += !trajectory_parity(&case)? as usize;
+
+    let (cpu, gpu) = random_models(SMOLLM2_GEOMETRY, 12)?;
+    let pairs = random_pairs(10, 49152, 60);
+    let case = TrajectoryCase {
+        name: "SmolLM2-135M geometry, random weights, 30 layers",
+        cpu: &cpu,
+        gpu: &gpu,
+        pairs: &pairs,
+        steps: 10,
+        lr: 1e-4,
+        rank: 16,
+        segment_size: 5,
+        bound: 2e-2,
+    };
+    failed += !trajectory_parity(&case)? as usize;
+
+    let Some(path) = crate::model::smollm2::find() else {
+        println!("train SmolLM2-135M-Instruct: SKIPPED (the GGUF is not cached; `lorafit demo` fetches it)");
+        return Ok(failed);
+    };
+    let path = path.display().to_string();
+    let cpu = crate::train::trainer::load_model_and_tokenizer(&path, &Device::Cpu)?;
+    let gpu = crate::train::trainer::load_model_and_tokenizer(&path, device)?;
+    let chatml = |role: &str, text: &str| format!("<|im_start|>{role}\n{text}<|im_end|>\n");
+    let pairs = SMOLLM2_PAIRS
+        .iter()
+        .map(|(q, c, r)| -> Result<crate::data::TokenizedPair> {
+            let prompt = format!("{}<|im_start|>assistant\n", chatml("user", q));
+            let enc = |t: &str| cpu.tokenizer.encode(t);
+            Ok(crate::data::TokenizedPair {
+                prompt: enc(&prompt)?,
+                chosen: enc(&format!("{c}<|im_end|>\n"))?,
+                rejected: enc(&format!("{r}<|im_end|>\n"))?,
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let case = TrajectoryCase {
+        name: "SmolLM2-135M-Instruct (Q4_1 GGUF)",
+        cpu: &cpu.model,
+        gpu: &gpu.model,
+        pairs: &pairs,
+        steps: 30,
+        lr: 1e-4,
+        rank: 16,
+        segment_size: 5,
+        bound: 5e-2,
+    };
+    failed += !trajectory_parity(&case)? as usize;
+    Ok(failed)
 }
 
 #[cfg(test)]

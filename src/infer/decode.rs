@@ -306,7 +306,8 @@ impl<'m> Decoder<'m> {
             }
         };
         drop(q);
-        let mut o = linear_fwd(&attn, &w.o, pair(Target::O), None, None)?.0;
+        let o_dt = model.branch_dtype(w.post_attn_norm.is_some(), x.dtype());
+        let mut o = linear_fwd(&attn, &w.o, pair(Target::O), None, None, o_dt)?.0;
         drop(attn);
         if let Some(pn) = &w.post_attn_norm {
             o = ops::rms_norm(&o, pn, s.rms_eps)?.0;
@@ -316,7 +317,8 @@ impl<'m> Decoder<'m> {
         }
         let (x1, xn2, _) = ops::add_rms_norm_to(&x, &o, &w.mlp_norm, s.rms_eps, cdt)?;
         drop((x, o));
-        let (mlp_out, _) = model.mlp_forward(l, &xn2, lora, &ctx, true)?;
+        let mlp_dt = model.branch_dtype(w.post_mlp_norm.is_some(), x1.dtype());
+        let (mlp_out, _) = model.mlp_forward(l, &xn2, lora, &ctx, true, mlp_dt)?;
         drop(xn2);
         let mut mlp_out = mlp_out.context("the MLP output was asked for")?;
         if let Some(pn) = &w.post_mlp_norm {

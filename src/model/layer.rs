@@ -12,7 +12,7 @@ use super::config::Activation;
 use super::lora::{Lora, LoraPair, Target, GROUP_GATE_UP, GROUP_QKV};
 use super::runner::{Model, PassCtx};
 use super::weights::{Dense, Weight};
-use crate::tensor::{self as ops, AttnMask, AttnShape, RopeTable, Tensor};
+use crate::tensor::{self as ops, AttnMask, AttnShape, DType, RopeTable, Tensor};
 use anyhow::Result;
 
 /// What a LoRA-carrying projection keeps for its backward: `xa = dropout(x) Aᵀ`, `(T, r)`.
@@ -185,16 +185,22 @@ fn token_chunks(t: usize, c: usize) -> Vec<(usize, usize)> {
         .collect()
 }
 
-/// `y = x Wᵀ (+ scale · dropout(x) Aᵀ Bᵀ)`; `xa`, when given, is `dropout(x) Aᵀ` already
-/// computed (by `stacked_lora_inputs`).
+/// `y = x Wᵀ (+ scale · dropout(x) Aᵀ Bᵀ)` stored in `out_dtype`; `xa`, when given, is
+/// `dropout(x) Aᵀ` already computed (by `stacked_lora_inputs`).
+///
+/// A projection that feeds the f32 residual stream (o and down, without a sandwich norm) asks
+/// for f32: both products accumulate in f32 and the sum is rounded once, to f32, so an early
+/// LoRA term below half a bf16 ulp of the base output still reaches the residual. In bf16 it
+/// would be rounded away until B grows (`scripts/numerics_harness.py` measures the difference).
 pub(crate) fn linear_fwd(
     x: &Tensor,
     w: &Weight,
     lora: Option<&LoraPair>,
     dropout: Option<(f32, u64)>,
     xa: Option<Tensor>,
+    out_dtype: DType,
 ) -> Result<(Tensor, Option<LoraSaved>)> {
-    let dt = x.dtype();
+    let dt = out_dtype;
     let Some(p) = lora else {
         return Ok((ops::matmul(x, false, &*w.dense()?, true, 1.0, dt)?, None));
     };
@@ -449,6 +455,7 @@ impl Model {
             pair(Target::O),
             ctx.dropout_for(l, Target::O),
             None,
+            self.branch_dtype(w.post_attn_norm.is_some(), x.dtype()),
         )?;
         saved[Target::O.index()] = o_saved;
         let mut o_post = None;
@@ -464,6 +471,7 @@ impl Model {
         drop(o);
 
         let rows = t - from;
+        let mlp_dt = self.branch_dtype(w.post_mlp_norm.is_some(), x1.dtype());
         let chunked = env.mlp_chunk > 0 && rows > env.mlp_chunk;
         // The MLP's output is needed for the layer's output, and for its post norm's backward.
         // And for the per-layer input branch, which reads the layer's output before it.
@@ -473,15 +481,16 @@ impl Model {
             (None, None)
         } else if chunked {
             // Token chunks: the (T, I) intermediates never exist for all tokens at once.
-            let mut out = Tensor::zeros(x1.shape(), cdt, x1.device())?;
+            let mut out = Tensor::zeros(x1.shape(), mlp_dt, x1.device())?;
             for (a, b) in token_chunks(rows, env.mlp_chunk) {
-                let (o, _) = self.mlp_forward(l, &ops::slice_rows(&xn2, a, b)?, lora, ctx, true)?;
+                let xc = ops::slice_rows(&xn2, a, b)?;
+                let (o, _) = self.mlp_forward(l, &xc, lora, ctx, true, mlp_dt)?;
                 let o = o.expect("the MLP output was asked for");
                 ops::scatter_add_rows(&mut out, &(a as u32..b as u32).collect::<Vec<_>>(), &o)?;
             }
             (Some(out), None)
         } else {
-            let (out, m) = self.mlp_forward(l, &xn2, lora, ctx, need_out)?;
+            let (out, m) = self.mlp_forward(l, &xn2, lora, ctx, need_out, mlp_dt)?;
             (out, keep_mlp.then_some(m))
         };
         let mut mlp_post = None;
@@ -574,7 +583,7 @@ impl Model {
         }
         let mut lin = |inp: &Tensor, wt: &Weight, tg: Target| -> Result<Tensor> {
             let pre = xa[tg.index()].take();
-            let (y, sv) = linear_fwd(inp, wt, pair(tg), ctx.dropout_for(l, tg), pre)?;
+            let (y, sv) = linear_fwd(inp, wt, pair(tg), ctx.dropout_for(l, tg), pre, inp.dtype())?;
             saved[tg.index()] = sv;
             Ok(y)
         };
@@ -703,7 +712,19 @@ impl Model {
         Ok(per_layer)
     }
 
-    /// The gated MLP on normed inputs `xn2` (any token range); its output only with `want_output`.
+    /// The dtype of a residual branch's last projection (o, down): the residual stream's own
+    /// (f32) where the branch adds straight into it, the compute dtype where a sandwich norm
+    /// reads it first (its saved input and its backward stay in the compute dtype).
+    pub(crate) fn branch_dtype(&self, post_norm: bool, residual: DType) -> DType {
+        if post_norm {
+            self.device.compute_dtype()
+        } else {
+            residual
+        }
+    }
+
+    /// The gated MLP on normed inputs `xn2` (any token range); its output (in `out_dtype`) only
+    /// with `want_output`.
     pub(crate) fn mlp_forward(
         &self,
         l: usize,
@@ -711,6 +732,7 @@ impl Model {
         lora: Option<&Lora>,
         ctx: &PassCtx,
         want_output: bool,
+        out_dtype: DType,
     ) -> Result<(Option<Tensor>, MlpActs)> {
         let w = &self.weights.layers[l];
         let pair = |tg: Target| lora.and_then(|lo| lo.get(l, tg));
@@ -721,6 +743,7 @@ impl Model {
             pair(Target::Gate),
             ctx.dropout_for(l, Target::Gate),
             xa[Target::Gate.index()].take(),
+            xn2.dtype(),
         )?;
         let (up, su) = linear_fwd(
             xn2,
@@ -728,11 +751,19 @@ impl Model {
             pair(Target::Up),
             ctx.dropout_for(l, Target::Up),
             xa[Target::Up.index()].take(),
+            xn2.dtype(),
         )?;
         let act = gate_act(self.spec.layers[l].activation, &gate, &up)?;
         let down_dropout = ctx.dropout_for(l, Target::Down);
         let (out, sd) = if want_output {
-            let (y, sd) = linear_fwd(&act, &w.down, pair(Target::Down), down_dropout, None)?;
+            let (y, sd) = linear_fwd(
+                &act,
+                &w.down,
+                pair(Target::Down),
+                down_dropout,
+                None,
+                out_dtype,
+            )?;
             (Some(y), sd)
         } else {
             let sd = pair(Target::Down)
@@ -888,7 +919,8 @@ impl Model {
             Some(m) => self.mlp_backward(l, &d_mlp, &a.xn2, m, lora.as_deref_mut(), ctx)?,
             // Recomputed all at once (the forward did not keep it).
             None if env.mlp_chunk == 0 || t <= env.mlp_chunk => {
-                let (_, m) = self.mlp_forward(l, &a.xn2, lora.as_deref(), ctx, false)?;
+                let (_, m) =
+                    self.mlp_forward(l, &a.xn2, lora.as_deref(), ctx, false, a.xn2.dtype())?;
                 self.mlp_backward(l, &d_mlp, &a.xn2, m, lora.as_deref_mut(), ctx)?
             }
             // Recomputed chunk by chunk.
@@ -896,7 +928,8 @@ impl Model {
                 let mut d = Tensor::zeros(a.xn2.shape(), a.xn2.dtype(), a.xn2.device())?;
                 for (c0, c1) in token_chunks(t, env.mlp_chunk) {
                     let xc = ops::slice_rows(&a.xn2, c0, c1)?;
-                    let (_, m) = self.mlp_forward(l, &xc, lora.as_deref(), ctx, false)?;
+                    let (_, m) =
+                        self.mlp_forward(l, &xc, lora.as_deref(), ctx, false, xc.dtype())?;
                     let dc = self.mlp_backward(
                         l,
                         &ops::slice_rows(&d_mlp, c0, c1)?,

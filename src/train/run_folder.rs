@@ -18,7 +18,7 @@ pub const RUN_SETTINGS: &str = "run.toml";
 /// The trainer state saved in every checkpoint.
 pub const TRAINER_STATE: &str = "trainer_state.json";
 /// Line logs of a run, cut back to the checkpoint's step on resume.
-pub const LINE_LOGS: [&str; 2] = ["metrics.jsonl", "timing.jsonl"];
+pub const LINE_LOGS: [&str; 3] = ["metrics.jsonl", "timing.jsonl", "batches.jsonl"];
 
 /// `checkpoint-NNNNNN` folder name of step `step`.
 pub fn checkpoint_name(step: usize) -> String {
@@ -64,7 +64,13 @@ pub fn find_checkpoint(path: &Path) -> Result<PathBuf> {
 fn is_run_output(name: &str) -> bool {
     matches!(
         name,
-        "adapter" | "best" | "plan.toml" | "metrics.jsonl" | "timing.jsonl" | "plots"
+        "adapter"
+            | "best"
+            | "plan.toml"
+            | "metrics.jsonl"
+            | "timing.jsonl"
+            | "batches.jsonl"
+            | "plots"
     ) || name.starts_with("checkpoint-")
         || name.starts_with(".tmp-")
         || name.starts_with("events.out.tfevents.")

@@ -409,6 +409,11 @@ pub fn train_with(
     let memory_budget = super::memory::budget(&device)?;
     let mut ref_cache: Vec<Option<Reference>> = vec![None; n];
     let mut metrics_file = MetricsFile::append(&out_dir)?;
+    let mut batches = if cfg.record_batches {
+        Some(run_folder::LineLog::append(&out_dir.join("batches.jsonl"))?)
+    } else {
+        None
+    };
     let mut plots = Plots::new(&out_dir);
     let mut tensorboard = if cfg.tensorboard {
         Some(TensorBoard::create(&out_dir, state.step)?)
@@ -518,6 +523,9 @@ pub fn train_with(
             let idx = example_index(state.position, n, cfg.seed);
             state.position += 1;
             let plan = train_items[idx].plan(cfg.prefix_shared)?;
+            if let Some(log) = batches.as_mut() {
+                log.write(&batch_record(step_no, micro, idx, &train_items[idx]))?;
+            }
             let dropout_seed = cfg.seed
                 ^ ((state.step * cfg.grad_accum + micro) as u64)
                     .wrapping_mul(0x2545_F491_4F6C_DD1D);
@@ -672,6 +680,26 @@ pub fn train_with(
         adapter_dir,
         stopped: false,
     })
+}
+
+/// One line of batches.jsonl: the example a micro-step trained on, as token ids.
+fn batch_record(step: usize, micro: usize, example: usize, item: &Item) -> serde_json::Value {
+    let mut v = serde_json::json!({"step": step, "micro": micro, "example": example});
+    match item {
+        Item::Pair(p) | Item::WeightedPair(p, _) => {
+            v["prompt"] = serde_json::json!(p.prompt);
+            v["chosen"] = serde_json::json!(p.chosen);
+            v["rejected"] = serde_json::json!(p.rejected);
+        }
+        Item::Sft(s) => {
+            v["prompt"] = serde_json::json!(s.prompt);
+            v["completion"] = serde_json::json!(s.completion);
+        }
+    }
+    if item.weight() != 1.0 {
+        v["weight"] = serde_json::json!(item.weight());
+    }
+    v
 }
 
 /// The objective of the coming steps: `base` with an adaptive run's λ of the moment.
