@@ -283,8 +283,12 @@ pub fn model_parity(device: &Device) -> Result<usize> {
 /// - Gemma 4 (the same q/k norms at attention scale 1, plus the v norm, the per-layer branch and a
 ///   final softcap of 0.5 that every logit presses against), 2026-12-02: LoRA grads worst 6.28e-2
 ///   for torch bf16 against 3.37e-2 for lorafit CUDA; logits 2.73e-2 against 1.62e-2.
+/// - SmolLM2-135M's geometry at depth (30 layers, random weights), 2026-12-02: LoRA grads worst
+///   3.88e-2 for torch bf16 against 2.56e-2 for lorafit CUDA; logits 1.34e-2 against 7.2e-3
+///   (the logits keep the default bound).
 fn bf16_bounds(family: &str) -> (f64, f64) {
     match family {
+        "smollm2geo" => (1e-2, 3.8e-2),
         "gemma3" => (1.5e-2, 3e-2),
         "gemma4" | "gemma4kv" => (2.7e-2, 6.3e-2),
         _ => (1e-2, 2e-2),
@@ -640,6 +644,52 @@ pub fn run(device: &Device, seed: u64) -> Result<()> {
     Ok(())
 }
 
+/// `linear_fwd`'s f32 sum rounded once, in row blocks against all rows at once, on `device`, and
+/// against the CPU's f32 (group `train`): the blocks must give the same numbers as one pass.
+fn round_once_blocks(device: &Device) -> Result<bool> {
+    use crate::model::layer::lora_sum_rounded_once;
+    use crate::model::Target;
+    let spec = ModelSpec::from_config_json(
+        r#"{"architectures":["LlamaForCausalLM"],"hidden_size":256,"intermediate_size":768,"num_hidden_layers":1,"num_attention_heads":4,"num_key_value_heads":2,"vocab_size":256}"#,
+    )?;
+    let src = RandomSource {
+        spec: spec.clone(),
+        seed: 21,
+    };
+    let model = Model::new(
+        spec.clone(),
+        load_weights(&spec, &src, device)?,
+        device.clone(),
+    );
+    let mut lora = Lora::new(&spec, LoraConfig::default(), &Device::Cpu)?;
+    let mut rng = crate::tensor::Rng(9);
+    for (_, _, p) in lora.pairs_mut() {
+        for x in p.b.as_cpu_mut()? {
+            *x = (rng.normal() * 0.01) as f32;
+        }
+    }
+    lora.refresh_compute_copies()?;
+    let dir = std::env::temp_dir().join("lorafit-selftest-round-once");
+    lora.save_peft(&dir, "random")?;
+    let lora = Lora::load_peft(&dir, &spec, device)?;
+    let p = lora.get(0, Target::Gate).expect("gate adapter");
+    let t = 1000;
+    let xs: Vec<f32> = (0..t * spec.hidden).map(|_| rng.normal() as f32).collect();
+    let x = Tensor::from_f32(&xs, &[t, spec.hidden], DType::BF16, device)?;
+    let xa = crate::tensor::matmul(&x, false, p.a(), true, 1.0, DType::BF16)?;
+    let w = model.weights.layers[0].gate.dense()?;
+    let whole = lora_sum_rounded_once(&x, &w, &xa, p, DType::BF16, t)?.to_vec()?;
+    let blocked = lora_sum_rounded_once(&x, &w, &xa, p, DType::BF16, 300)?.to_vec()?;
+    let row = parity::compare("", &blocked, &whole, 0.0);
+    let ok = row.rel <= 1e-3;
+    println!(
+        "linear_fwd rounded once, blocks of 300 rows vs one block of {t}: rel-norm {:.3e}  bound 1e-3  {}",
+        row.rel,
+        if ok { "ok" } else { "FAIL" }
+    );
+    Ok(ok)
+}
+
 /// One ORPO training trajectory compared across devices: the same model on the CPU (f32) and on
 /// the device, the same initial adapter, the same pairs in order, AdamW at `lr` with the
 /// trainer's defaults (clip at norm 1).
@@ -784,7 +834,7 @@ const SMOLLM2_PAIRS: [(&str, &str, &str); 6] = [
 ///   5e-2, sits above lorafit's measured worst and below the gap PyTorch's own bf16 shows on the
 ///   same kind of run (`scripts/numerics_harness.py`; the README's numerics section).
 pub fn train_parity(device: &Device) -> Result<usize> {
-    let mut failed = 0;
+    let mut failed = !round_once_blocks(device)? as usize;
     let mut rng = crate::tensor::Rng(5);
     let mut random_pairs = |n: usize, vocab: usize, prompt: usize| {
         let mut tok = |k: usize| -> Vec<u32> {

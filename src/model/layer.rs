@@ -188,10 +188,14 @@ fn token_chunks(t: usize, c: usize) -> Vec<(usize, usize)> {
 /// `y = x Wᵀ (+ scale · dropout(x) Aᵀ Bᵀ)` stored in `out_dtype`; `xa`, when given, is
 /// `dropout(x) Aᵀ` already computed (by `stacked_lora_inputs`).
 ///
-/// A projection that feeds the f32 residual stream (o and down, without a sandwich norm) asks
-/// for f32: both products accumulate in f32 and the sum is rounded once, to f32, so an early
-/// LoRA term below half a bf16 ulp of the base output still reaches the residual. In bf16 it
-/// would be rounded away until B grows (`scripts/numerics_harness.py` measures the difference).
+/// With an adapter, both products accumulate into one f32 sum that is rounded once. A young
+/// LoRA term is far below half a bf16 ulp of the base output; rounding the base product first
+/// and adding the term after (PEFT's order in bf16, and cuBLASLt's bf16 epilogue, which rounds
+/// the product before it adds C: selftest group `gemm_epilogue`) rounds it away, and the forward
+/// then sees a fraction of each update (`scripts/numerics_harness.py` on SmolLM2). A projection
+/// that feeds the f32 residual stream (o and down, without a sandwich norm) asks for f32 and
+/// keeps the sum as it is; the others round it to bf16 in row blocks of at most
+/// `ROUND_ONCE_BYTES` of f32 (`lora_sum_rounded_once`).
 pub(crate) fn linear_fwd(
     x: &Tensor,
     w: &Weight,
@@ -208,12 +212,52 @@ pub(crate) fn linear_fwd(
         Some(xa) => LoraSaved { xa },
         None => lora_input(x, p, dropout)?,
     };
-    // The rank-r product writes y first and the base GEMM accumulates onto it: the base GEMM
-    // reads y in its epilogue almost for free, where the skinny product would read and write the
-    // whole (T, out) output a second time.
-    let mut y = ops::matmul(&saved.xa, false, p.b(), true, p.scale, dt)?;
-    ops::matmul_acc(&mut y, x, false, &*w.dense()?, true, 1.0, 1.0)?;
-    Ok((y, Some(saved)))
+    let w = w.dense()?;
+    if dt == DType::F32 {
+        // The rank-r product writes y first and the base GEMM accumulates onto it: the base GEMM
+        // reads y in its epilogue almost for free, where the skinny product would read and write
+        // the whole (T, out) output a second time.
+        let mut y = ops::matmul(&saved.xa, false, p.b(), true, p.scale, dt)?;
+        ops::matmul_acc(&mut y, x, false, &w, true, 1.0, 1.0)?;
+        return Ok((y, Some(saved)));
+    }
+    let block = (ROUND_ONCE_BYTES / (4 * w.dim(0).max(1))).max(256);
+    Ok((
+        lora_sum_rounded_once(x, &w, &saved.xa, p, dt, block)?,
+        Some(saved),
+    ))
+}
+
+/// The largest f32 block `lora_sum_rounded_once` holds at once (rows of the output).
+const ROUND_ONCE_BYTES: usize = 256 << 20;
+
+/// `x Wᵀ + scale · xa Bᵀ` accumulated in f32 and rounded once to `dt`, `block` rows at a time
+/// (`linear_fwd` sizes the block so that the f32 sum never holds more than `ROUND_ONCE_BYTES`:
+/// a long sequence's gate and up).
+pub(crate) fn lora_sum_rounded_once(
+    x: &Tensor,
+    w: &Tensor,
+    xa: &Tensor,
+    p: &LoraPair,
+    dt: DType,
+    block: usize,
+) -> Result<Tensor> {
+    let t = x.dim(0);
+    let out = w.dim(0);
+    let sum = |x: &Tensor, xa: &Tensor| -> Result<Tensor> {
+        let mut y = ops::matmul(xa, false, p.b(), true, p.scale, DType::F32)?;
+        ops::matmul_acc(&mut y, x, false, w, true, 1.0, 1.0)?;
+        y.to_dtype(dt)
+    };
+    if t <= block {
+        return sum(x, xa);
+    }
+    let mut y = Tensor::zeros(&[t, out], dt, x.device())?;
+    for (a, b) in token_chunks(t, block) {
+        let part = sum(&ops::slice_rows(x, a, b)?, &ops::slice_rows(xa, a, b)?)?;
+        ops::copy_rows_into(&mut y, &(a as u32..b as u32).collect::<Vec<_>>(), &part)?;
+    }
+    Ok(y)
 }
 
 /// What `linear_fwd` keeps for the backward, without the projection itself (a recomputed layer

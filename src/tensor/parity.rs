@@ -195,6 +195,9 @@ pub fn run_op_parity(device: &Device, seed: u64) -> Result<Vec<ParityRow>> {
     if want("gemm") {
         gemm(&mut cx, &mut r)?;
     }
+    if want("gemm_epilogue") {
+        gemm_epilogue(&mut cx, &mut r)?;
+    }
     if want("dequant") {
         dequant(&mut cx, &mut r)?;
     }
@@ -846,6 +849,57 @@ fn elementwise(cx: &mut Ctx, r: &mut Rng) -> Result<()> {
         );
         row.note = format!("{differ} of {} params differ bitwise", gp.len());
         cx.push(row);
+    }
+    Ok(())
+}
+
+/// Whether a bf16-output `matmul_acc` keeps, on average, a C far below half a bf16 ulp of the
+/// product: the way `linear_fwd` adds a young LoRA term (written first as C) to the base product.
+/// With C = ulp/8 of each element's rounded product, an accumulate that rounds once keeps 1/8 of
+/// the elements one ulp up (the share of the mean shift that survives is ~1); one that rounds the
+/// product before adding C keeps none (share 0), and the LoRA update vanishes from the forward.
+/// The row passes when the share is within [0.8, 1.2], on the layer's shapes and on a split-K one.
+fn gemm_epilogue(cx: &mut Ctx, r: &mut Rng) -> Result<()> {
+    let bf = DType::BF16;
+    for (m, k, n) in [
+        (512, 576, 576),
+        (512, 576, 1536),
+        (512, 1536, 576),
+        (2048, 4096, 4096),
+        (64, 14336, 1024),
+    ] {
+        let a = r.bnormals(m * k, 1.0);
+        let b = r.bnormals(n * k, 0.05);
+        let (ag, bg) = (cx.g(&a, &[m, k], bf)?, cx.g(&b, &[n, k], bf)?);
+        let plain = matmul(&ag, false, &bg, true, 1.0, bf)?.to_vec()?;
+        // An eighth of a bf16 ulp of each rounded product, itself exact in bf16 (a power of 2).
+        let ulp = |v: f32| -> f32 {
+            let e = ((v.to_bits() >> 23) & 0xff) as i32 - 127;
+            2f32.powi(e - 7)
+        };
+        let c: Vec<f32> = plain.iter().map(|&v| ulp(v) / 8.0).collect();
+        let mut acc = cx.g(&c, &[m, n], bf)?;
+        matmul_acc(&mut acc, &ag, false, &bg, true, 1.0, 1.0)?;
+        let acc = acc.to_vec()?;
+        let (mut moved, mut total) = (0.0f64, 0.0f64);
+        for ((&d, &p0), &ci) in acc.iter().zip(&plain).zip(&c) {
+            if p0 != 0.0 && p0.is_finite() {
+                moved += ((d - p0) / ci) as f64;
+                total += 1.0;
+            }
+        }
+        let share = moved / total;
+        let pass = (0.8..=1.2).contains(&share);
+        cx.push(ParityRow {
+            op: format!("matmul_acc bf16 {m}x{k}x{n}: share of a C of ulp/8 kept"),
+            max_abs: share,
+            rel: (share - 1.0).abs(),
+            worst: 0,
+            bound: 0.2,
+            pass,
+            ms: None,
+            note: format!("{share:.3} of C's mean kept (1: rounded once, 0: C rounded away)"),
+        });
     }
     Ok(())
 }
