@@ -252,9 +252,13 @@ pub fn model_parity(device: &Device) -> Result<usize> {
         let (worst, at) = worst_rel_norm(&noise_gpu, &noise_cpu);
         println!("model {name:<6} (noise upstream, info) worst LoRA grad rel-norm {worst:.3e} (matrix {at})");
         // The top layer trimmed to the rows read (`ReadRows`): the GPU's pass over rows
-        // [from, T) against its own full pass with d(logits) zero before `from`. The two differ
-        // only in the rounding of products over fewer rows (exact equality is the CPU test's,
-        // tests/model_parity.rs); the CPU's full pass is printed beside for information.
+        // [from, T) against its own full pass with d(logits) zero before `from`, and against the
+        // CPU's. The two GPU passes differ only in the rounding of products over fewer rows
+        // (exact equality is the CPU test's, tests/model_parity.rs); since the LoRA projections
+        // round their f32 sums once, a product over fewer rows may take another GEMM kernel whose
+        // last-bit differences flip bf16 roundings, so both comparisons take the family's bf16
+        // gradient bound (SmolLM2's geometry, 30 layers, 2026-12-02: 1.4e-2 between the passes,
+        // each 2.8-2.9e-2 from the CPU).
         let from = t * 3 / 4 + 5;
         let mut zeroed = loss.clone();
         zeroed[..from * spec.vocab].fill(0.0);
@@ -262,12 +266,12 @@ pub fn model_parity(device: &Device) -> Result<usize> {
         let (_, zeroed_gpu) = run(&gpu, &mut lg, &zeroed)?;
         let (_, from_gpu) = run_from(&gpu, &mut lg, &loss[from * spec.vocab..], from)?;
         let (worst, at) = worst_rel_norm(&from_gpu, &zeroed_gpu);
-        let ok = worst <= 1e-2;
+        let (vs_cpu, _) = worst_rel_norm(&from_gpu, &zeroed_cpu);
+        let ok = worst <= grad_bound && vs_cpu <= grad_bound;
         failed += !ok as usize;
         println!(
-            "model {name:<6} rows {from}.. LoRA grads worst rel-norm {worst:.3e} (matrix {at}) against all rows  bound 1e-2  {}  (against the CPU {:.3e})",
+            "model {name:<6} rows {from}.. LoRA grads worst rel-norm {worst:.3e} (matrix {at}) against all rows, {vs_cpu:.3e} against the CPU  bound {grad_bound:.1e}  {}",
             if ok { "ok" } else { "FAIL" },
-            worst_rel_norm(&from_gpu, &zeroed_cpu).0
         );
     }
     Ok(failed)
