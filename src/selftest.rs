@@ -835,8 +835,9 @@ const SMOLLM2_PAIRS: [(&str, &str, &str); 6] = [
 /// - SmolLM2-135M's geometry with random weights, 30 layers, 10 steps at lr 1e-4 (bound 2e-2);
 /// - the real SmolLM2-135M-Instruct GGUF when it is cached (`model::smollm2::find`), 30 steps at
 ///   lr 1e-4, the setting whose 10% CUDA-vs-CPU gap the 2-layer rows did not see. Its bound,
-///   5e-2, sits above lorafit's measured worst and below the gap PyTorch's own bf16 shows on the
-///   same kind of run (`scripts/numerics_harness.py`; the README's numerics section).
+///   2e-2, is 2.5× lorafit's measured worst (7.9e-3 on the H200, 2026-12-02; 5.7e-2 before the
+///   LoRA sums were rounded once) and well below PyTorch bf16's 9% mean gap on the harness's run
+///   (`scripts/numerics_harness.py`; the README's numerics section).
 pub fn train_parity(device: &Device) -> Result<usize> {
     let mut failed = !round_once_blocks(device)? as usize;
     let mut rng = crate::tensor::Rng(5);
@@ -935,7 +936,7 @@ pub fn train_parity(device: &Device) -> Result<usize> {
         lr: 1e-4,
         rank: 16,
         segment_size: 5,
-        bound: 5e-2,
+        bound: 2e-2,
     };
     failed += !trajectory_parity(&case)? as usize;
     Ok(failed)
