@@ -1008,3 +1008,61 @@ fn adaptive_lambda_needs_validation_and_evaluations() {
     assert!(msg.contains("orpo_lambda_max"), "{msg}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+// ---------------------------------------------------------------------------------------------
+// batches.jsonl (`record_batches`): the ids each micro-step trained on, cut back on resume
+// ---------------------------------------------------------------------------------------------
+
+fn batch_lines(dir: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(dir.join("batches.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+#[test]
+fn record_batches_names_each_micro_steps_ids() {
+    let loaded = tiny_loaded();
+    let v = loaded.model.spec.vocab;
+    let items = pair_items(5, 3, v);
+    let dir = out_dir("batches");
+    let mut c = cfg(&dir, 4);
+    c.grad_accum = 2;
+    c.save_every = 2;
+    c.record_batches = true;
+    run(&c, None, &loaded, &items, &[]);
+    let lines = batch_lines(&dir);
+    assert_eq!(lines.len(), 8, "4 steps of 2 micro-steps");
+    for (i, line) in lines.iter().enumerate() {
+        assert_eq!(line["step"], (i / 2 + 1) as u64);
+        assert_eq!(line["micro"], (i % 2) as u64);
+        // The example is the one the data order picks at that position, with its own ids.
+        let idx = lorafit::train::trainer::example_index(i, items.len(), c.seed);
+        assert_eq!(line["example"], idx as u64);
+        let Item::Pair(p) = &items[idx] else {
+            panic!("pair items")
+        };
+        assert_eq!(line["prompt"], serde_json::json!(p.prompt));
+        assert_eq!(line["chosen"], serde_json::json!(p.chosen));
+        assert_eq!(line["rejected"], serde_json::json!(p.rejected));
+    }
+    // Off by default: no file.
+    let plain = out_dir("batches-off");
+    run(&cfg(&plain, 1), None, &loaded, &items, &[]);
+    assert!(!plain.join("batches.jsonl").exists());
+
+    // A resume from step 2 into the same folder redoes steps 3 and 4 without duplicating them.
+    let mut resumed = c.clone();
+    resumed.overwrite = false;
+    run(
+        &resumed,
+        Some(&dir.join("checkpoint-000002")),
+        &loaded,
+        &items,
+        &[],
+    );
+    assert_eq!(batch_lines(&dir), lines);
+    let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_dir_all(&plain);
+}
