@@ -204,6 +204,11 @@ fn settings_files_take_trl_names_and_name_mistakes() {
     assert!(e.contains("`lr` is given twice"), "{e}");
     let e = err(&write("run.yaml", "learning_rate: 1e-4\n"));
     assert!(e.contains("run.yaml") && e.contains("YAML"), "{e}");
+    let e = err(&write("batches.toml", "record_batches = \"yes\"\n"));
+    assert!(
+        e.contains("batches.toml") && e.contains("record_batches"),
+        "{e}"
+    );
 }
 
 /// Gemma 4's own config fields (per-layer geometry, KV sharing, layer types): each bad value is
