@@ -20,6 +20,20 @@ fn worst_rel_norm(got: &[Vec<f32>], want: &[Vec<f32>]) -> (f64, usize) {
         )
 }
 
+/// A model of `spec` with random weights drawn from `seed`, on `device` (the same weights on
+/// every device).
+fn random_model(spec: &ModelSpec, seed: u64, device: &Device) -> Result<Model> {
+    let src = RandomSource {
+        spec: spec.clone(),
+        seed,
+    };
+    Ok(Model::new(
+        spec.clone(),
+        load_weights(spec, &src, device)?,
+        device.clone(),
+    ))
+}
+
 /// d(mean over tokens of -log softmax(logits)[next id])/d(logits); the last token predicts the
 /// first (the ids are synthetic, so any fixed target works).
 fn next_token_ce_grad(logits: &[f32], ids: &[u32], vocab: usize) -> Vec<f32> {
@@ -412,15 +426,7 @@ pub fn decode_parity(device: &Device) -> Result<usize> {
     let mut failed = 0;
     for (name, json) in FAMILIES.into_iter().chain([GEMMA4_K_EQ_V]) {
         let spec = ModelSpec::from_config_json(json)?;
-        let src = RandomSource {
-            spec: spec.clone(),
-            seed: 11,
-        };
-        let model = Model::new(
-            spec.clone(),
-            load_weights(&spec, &src, device)?,
-            device.clone(),
-        );
+        let model = random_model(&spec, 11, device)?;
         let cfg = LoraConfig {
             rank: 8,
             alpha: 16.0,
@@ -443,11 +449,7 @@ pub fn decode_parity(device: &Device) -> Result<usize> {
         let prompt = ids.clone();
         let (logit_bound, _) = bf16_bounds(name);
         // The same model and adapter in f32 on the CPU: how far each bf16 path is from it.
-        let cpu_model = Model::new(
-            spec.clone(),
-            load_weights(&spec, &src, &Device::Cpu)?,
-            Device::Cpu,
-        );
+        let cpu_model = random_model(&spec, 11, &Device::Cpu)?;
         let cpu_lora = Lora::load_peft(&dir, &spec, &Device::Cpu)?;
         let cpu_logits = |ids: &[u32]| -> Result<Vec<f32>> {
             let h = cpu_model.hidden_states(ids, Some(&cpu_lora))?;
@@ -648,23 +650,15 @@ pub fn run(device: &Device, seed: u64) -> Result<()> {
     Ok(())
 }
 
-/// `linear_fwd`'s f32 sum rounded once, in row blocks against all rows at once, on `device`, and
-/// against the CPU's f32 (group `train`): the blocks must give the same numbers as one pass.
+/// `linear_fwd`'s f32 sum rounded once, in row blocks against all rows at once, on `device`
+/// (group `train`): the blocks must give the same numbers as one pass.
 fn round_once_blocks(device: &Device) -> Result<bool> {
     use crate::model::layer::lora_sum_rounded_once;
     use crate::model::Target;
     let spec = ModelSpec::from_config_json(
         r#"{"architectures":["LlamaForCausalLM"],"hidden_size":256,"intermediate_size":768,"num_hidden_layers":1,"num_attention_heads":4,"num_key_value_heads":2,"vocab_size":256}"#,
     )?;
-    let src = RandomSource {
-        spec: spec.clone(),
-        seed: 21,
-    };
-    let model = Model::new(
-        spec.clone(),
-        load_weights(&spec, &src, device)?,
-        device.clone(),
-    );
+    let model = random_model(&spec, 21, device)?;
     let mut lora = Lora::new(&spec, LoraConfig::default(), &Device::Cpu)?;
     let mut rng = crate::tensor::Rng(9);
     for (_, _, p) in lora.pairs_mut() {
@@ -857,21 +851,10 @@ pub fn train_parity(device: &Device) -> Result<usize> {
     };
     let random_models = |json: &str, seed: u64| -> Result<(Model, Model)> {
         let spec = ModelSpec::from_config_json(json)?;
-        let src = RandomSource {
-            spec: spec.clone(),
-            seed,
-        };
-        let cpu = Model::new(
-            spec.clone(),
-            load_weights(&spec, &src, &Device::Cpu)?,
-            Device::Cpu,
-        );
-        let gpu = Model::new(
-            spec.clone(),
-            load_weights(&spec, &src, device)?,
-            device.clone(),
-        );
-        Ok((cpu, gpu))
+        Ok((
+            random_model(&spec, seed, &Device::Cpu)?,
+            random_model(&spec, seed, device)?,
+        ))
     };
 
     let (cpu, gpu) = random_models(
