@@ -2,7 +2,9 @@
 tokenizer_config.json with a ChatML template) and random preference data, for checking that
 `lorafit train` gives the same losses on CUDA as on the CPU.
 
-    python3 scripts/make_random_model.py OUT_DIR
+    python3 scripts/make_random_model.py OUT_DIR [PROMPT_WORDS]
+
+PROMPT_WORDS (default 20-40) sets the prompts' length range as LO-HI words.
 
 Needs torch, transformers and tokenizers (the GPU machine has them).
 """
@@ -42,13 +44,14 @@ with torch.no_grad():
             p.normal_(0.0, 0.05)
 model.save_pretrained(out, safe_serialization=True)
 
+lo, hi = map(int, (sys.argv[2] if len(sys.argv) > 2 else "20-40").split("-"))
 rng = random.Random(1)
 def sentence(lo, hi, pool):
     return " ".join(rng.choice(pool) for _ in range(rng.randint(lo, hi)))
 good, bad = words[: len(words) // 3], words[len(words) // 2 :]
 with open(os.path.join(out, "train.jsonl"), "w") as f:
     for _ in range(40):
-        f.write(json.dumps({"prompt": [{"role": "user", "content": sentence(20, 40, words)}],
+        f.write(json.dumps({"prompt": [{"role": "user", "content": sentence(lo, hi, words)}],
                             "chosen": [{"role": "assistant", "content": sentence(5, 12, good)}],
                             "rejected": [{"role": "assistant", "content": sentence(5, 12, bad)}]}) + "\n")
 print("wrote", out)

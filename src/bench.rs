@@ -23,8 +23,8 @@ use std::time::Instant;
 
 #[derive(clap::Args, Debug)]
 pub struct BenchArgs {
-    /// qwen0.5b, qwen1.5b, llama8b, minicpm5-1b, gemma2-2b, gemma3-4b, gemma4-e4b, tiny, or a path
-    /// to a config.json.
+    /// qwen0.5b, qwen1.5b, llama8b, llama70b, minicpm5-1b, gemma2-2b, gemma3-4b, gemma4-e4b, tiny,
+    /// or a path to a config.json.
     #[arg(long, default_value = "qwen1.5b")]
     pub shape: String,
     /// Prompt tokens P.
@@ -48,12 +48,20 @@ pub struct BenchArgs {
     /// fit the free memory). For the first workload.
     #[arg(long)]
     pub keep_kv_layers: Option<usize>,
+    /// Training: the seven projections of every layer as random blocks of this type kept
+    /// quantized on the GPU and dequantized per use (`base_quant`; none, q8_0 or q4_0).
+    #[arg(long, value_enum, default_value = "none")]
+    pub base_quant: crate::model::BaseQuant,
     /// Keep the residual stream in bf16 instead of f32.
     #[arg(long)]
     pub residual_bf16: bool,
-    /// MLP token chunk (0: all tokens at once).
-    #[arg(long, default_value_t = 0)]
-    pub mlp_chunk: usize,
+    /// MLP token chunk (0: all tokens at once; unset: all at once unless no such plan fits).
+    #[arg(long)]
+    pub mlp_chunk: Option<usize>,
+    /// The most device memory the run may hold, in GiB (`TrainConfig::memory_limit`): the plan is
+    /// the fastest whose estimate fits under it.
+    #[arg(long)]
+    pub memory_limit: Option<f64>,
     #[arg(long, value_enum, default_value = "chunked")]
     pub head: HeadTier,
     /// Rows per head chunk (0: automatic, about 256 MiB of f32 logits).
@@ -76,7 +84,7 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = crate::tensor::cce::DEFAULT_FILTER_EPS)]
     pub cce_filter_eps: f32,
     /// Further workloads on the same loaded model, each
-    /// `P,R[,SEG|auto[,MLP_CHUNK[,KEEP_ATTENTION]]]`.
+    /// `P,R[,SEG|auto[,MLP_CHUNK|auto[,KEEP_ATTENTION]]]`.
     #[arg(long)]
     pub also: Vec<String>,
     /// Decoding instead of training: tokens/s of generation with the KV cache (greedy, no stop
@@ -93,8 +101,8 @@ pub struct BenchArgs {
     /// Decoding: batch sizes (sequences decoded together).
     #[arg(long, value_delimiter = ',', default_values_t = [1usize, 8])]
     pub batch: Vec<usize>,
-    /// Decoding: base weights, `bf16` and/or `q4_0` (the seven projections of every layer as
-    /// random Q4_0 blocks, dequantized per use as for a GGUF base; embedding and head bf16).
+    /// Decoding: base weights, `bf16`, `q4_0` and/or `q8_0` (the seven projections of every layer
+    /// as random blocks, dequantized per use as for a GGUF base; embedding and head bf16).
     #[arg(long, value_delimiter = ',', default_values_t = ["bf16".to_string(), "q4_0".to_string()])]
     pub base: Vec<String>,
     /// Decoding: with a LoRA adapter of `--rank` on all seven projections (unmerged).
@@ -105,6 +113,8 @@ pub struct BenchArgs {
 /// The anchor shapes (shared/anchors/torch_orpo_bench.py), as Hugging Face configs.
 pub fn named_shape(name: &str) -> Result<ModelSpec> {
     let json = match name {
+        // Llama-3-70B's shape.
+        "llama70b" => r#"{"architectures":["LlamaForCausalLM"],"hidden_size":8192,"intermediate_size":28672,"num_hidden_layers":80,"num_attention_heads":64,"num_key_value_heads":8,"vocab_size":128256,"rope_theta":500000.0,"tie_word_embeddings":false,"rms_norm_eps":1e-5}"#.to_string(),
         "llama8b" => r#"{"architectures":["LlamaForCausalLM"],"hidden_size":4096,"intermediate_size":14336,"num_hidden_layers":32,"num_attention_heads":32,"num_key_value_heads":8,"vocab_size":128256,"rope_theta":500000.0,"tie_word_embeddings":false,"rms_norm_eps":1e-5}"#.to_string(),
         "qwen1.5b" => r#"{"architectures":["Qwen2ForCausalLM"],"hidden_size":1536,"intermediate_size":8960,"num_hidden_layers":28,"num_attention_heads":12,"num_key_value_heads":2,"vocab_size":151936,"rope_theta":1000000.0,"tie_word_embeddings":true,"rms_norm_eps":1e-6}"#.to_string(),
         "qwen0.5b" => r#"{"architectures":["Qwen2ForCausalLM"],"hidden_size":896,"intermediate_size":4864,"num_hidden_layers":24,"num_attention_heads":14,"num_key_value_heads":2,"vocab_size":151936,"rope_theta":1000000.0,"tie_word_embeddings":true,"rms_norm_eps":1e-6}"#.to_string(),
@@ -115,7 +125,7 @@ pub fn named_shape(name: &str) -> Result<ModelSpec> {
         // sharing the k/v of layers 22 and 23, per-layer inputs of 256 over the full vocabulary).
         "gemma4-e4b" => r#"{"architectures":["Gemma4ForCausalLM"],"model_type":"gemma4_text","hidden_size":2560,"intermediate_size":10240,"num_hidden_layers":42,"num_attention_heads":8,"num_key_value_heads":2,"head_dim":256,"global_head_dim":512,"vocab_size":262144,"vocab_size_per_layer_input":262144,"hidden_size_per_layer_input":256,"num_kv_shared_layers":18,"sliding_window":512,"final_logit_softcapping":30.0,"rope_parameters":{"sliding_attention":{"rope_type":"default","rope_theta":10000.0},"full_attention":{"rope_type":"proportional","partial_rotary_factor":0.25,"rope_theta":1000000.0}},"rms_norm_eps":1e-6,"tie_word_embeddings":true}"#.to_string(),
         "tiny" => r#"{"architectures":["LlamaForCausalLM"],"hidden_size":128,"intermediate_size":256,"num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":2,"vocab_size":512,"tie_word_embeddings":false}"#.to_string(),
-        path => std::fs::read_to_string(path).with_context(|| format!("shape {path:?} is not a known name (qwen0.5b, qwen1.5b, llama8b, minicpm5-1b, gemma2-2b, gemma3-4b, gemma4-e4b, tiny) nor a readable config.json"))?,
+        path => std::fs::read_to_string(path).with_context(|| format!("shape {path:?} is not a known name (qwen0.5b, qwen1.5b, llama8b, llama70b, minicpm5-1b, gemma2-2b, gemma3-4b, gemma4-e4b, tiny) nor a readable config.json"))?,
     };
     ModelSpec::from_config_json(&json)
 }
@@ -213,21 +223,15 @@ pub fn run(a: BenchArgs) -> Result<()> {
     crate::train::head::set_filter_eps(base.cce_filter_eps);
     let spec = named_shape(&a.shape)?;
     let t_load = Instant::now();
-    let weights = load_weights(
-        &spec,
-        &RandomSource {
-            spec: spec.clone(),
-            seed: 0,
-        },
-        &device,
-    )?;
+    let weights = random_weights(&spec, a.base_quant, &device)?;
     let mut model = Model::new(spec.clone(), weights, device.clone());
     if a.residual_bf16 {
         model.residual_dtype = DType::BF16;
     }
     eprintln!(
-        "random {} weights on {} in {:.1}s",
+        "random {} weights ({} base) on {} in {:.1}s",
         a.shape,
+        a.base_quant.name(),
         device.name(),
         t_load.elapsed().as_secs_f64()
     );
@@ -262,7 +266,8 @@ pub fn run(a: BenchArgs) -> Result<()> {
                 .map(|_| 3 + (rng.next_u64() % (spec.vocab as u64 - 3)) as u32)
                 .collect()
         };
-        let tokens = if a.prefix_shared {
+        // Tokens the step runs through the model, as the trainer plans them (`Plan::tokens`).
+        let tokens_in_pass = if a.prefix_shared {
             w.prompt_len + 2 * w.resp_len
         } else {
             2 * (w.prompt_len + w.resp_len)
@@ -272,9 +277,16 @@ pub fn run(a: BenchArgs) -> Result<()> {
             keep_attention: w.keep_attention,
             keep_kv_layers: w.keep_kv_layers,
             mlp_chunk: w.mlp_chunk,
+            memory_limit: a.memory_limit,
             ..base.clone()
         };
-        let opts = pass_options(&cfg, &model, tokens, memory::budget(&device)?, None);
+        let opts = pass_options(
+            &cfg,
+            &model,
+            tokens_in_pass,
+            memory::budget(&device, cfg.memory_limit)?,
+            None,
+        );
         let objective = Objective::Orpo {
             lambda: 0.1,
             scope: SftScope::Full,
@@ -283,6 +295,9 @@ pub fn run(a: BenchArgs) -> Result<()> {
         let mut host_times = Vec::new();
         let mut busy = Vec::new();
         let mut launches = 0;
+        // Bytes held before the first timed step (weights, adapter, gradients, optimiser state):
+        // the prediction is these plus the plan's estimate.
+        let mut live_before = 0;
         let mut flops = 0.0;
         let mut tokens = 0;
         for step in 0..a.warmup + a.steps {
@@ -293,7 +308,9 @@ pub fn run(a: BenchArgs) -> Result<()> {
             };
             let plan = Plan::pair(&pair, a.prefix_shared)?;
             if step == a.warmup {
+                device.synchronize()?;
                 device.reset_peak();
+                live_before = device.memory().live_bytes;
             }
             device.synchronize()?;
             let launches0 = launch_count(&device);
@@ -348,13 +365,16 @@ pub fn run(a: BenchArgs) -> Result<()> {
         host_times.sort_by(|x, y| x.partial_cmp(y).unwrap());
         let host_med = host_times[host_times.len() / 2];
         let mem = device.memory();
+        let predicted =
+            live_before + crate::train::trainer::pass_estimate_bytes(&model, tokens_in_pass, &opts);
+        let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
         let line = serde_json::json!({
             "tool": "lorafit", "shape": a.shape, "P": w.prompt_len, "R": w.resp_len, "device": device.name(),
-            "segment_size": opts.segment_size, "segment_auto": w.segment_size.is_none(), "keep_attention": opts.keep_attention, "keep_kv_layers": opts.keep_kv_layers, "mlp_chunk": w.mlp_chunk, "head": format!("{:?}", a.head).to_lowercase(), "prefix_shared": a.prefix_shared,
+            "segment_size": opts.segment_size, "segment_auto": w.segment_size.is_none(), "keep_attention": opts.keep_attention, "keep_kv_layers": opts.keep_kv_layers, "mlp_chunk": opts.mlp_chunk, "mlp_chunk_auto": w.mlp_chunk.is_none(), "memory_limit_gib": a.memory_limit, "base_quant": a.base_quant.name(), "head": format!("{:?}", a.head).to_lowercase(), "prefix_shared": a.prefix_shared,
             "s_per_step": med, "host_queue_s": host_med, "launches_per_step": launches,
             "device_busy": (!busy.is_empty()).then(|| busy.iter().sum::<f64>() / busy.len() as f64), "pairs_per_s": 1.0 / med, "tokens_per_s": tokens as f64 / med,
             "model_tflops_per_step": flops / 1e12, "gemm_peak_tflops": peak_flops / 1e12, "mfu": flops / med / peak_flops,
-            "peak_gib": mem.peak_bytes as f64 / (1u64 << 30) as f64, "steps": a.steps,
+            "peak_gib": gib(mem.peak_bytes), "predicted_peak_gib": gib(predicted), "live_before_gib": gib(live_before), "steps": a.steps,
         });
         println!("RESULT {line}");
     }
@@ -380,7 +400,8 @@ struct Workload {
     prompt_len: usize,
     resp_len: usize,
     segment_size: Option<usize>,
-    mlp_chunk: usize,
+    /// None: all tokens at once unless no such plan fits.
+    mlp_chunk: Option<usize>,
     /// Keep attention outputs (None: `--keep-attention`, else when they fit).
     keep_attention: Option<bool>,
     /// Layers whose k and v are kept (None: as many as fit).
@@ -388,7 +409,7 @@ struct Workload {
 }
 
 impl Workload {
-    /// `P,R[,SEG|auto[,MLP_CHUNK[,KEEP_ATTENTION]]]`.
+    /// `P,R[,SEG|auto[,MLP_CHUNK|auto[,KEEP_ATTENTION]]]`.
     fn parse(s: &str) -> Result<Workload> {
         let f: Vec<&str> = s.split(',').map(str::trim).collect();
         let num = |i: usize| -> Result<usize> {
@@ -397,7 +418,7 @@ impl Workload {
         };
         anyhow::ensure!(
             (2..=5).contains(&f.len()),
-            "--also {s:?}: expected P,R[,SEG|auto[,MLP_CHUNK[,KEEP_ATTENTION]]]"
+            "--also {s:?}: expected P,R[,SEG|auto[,MLP_CHUNK|auto[,KEEP_ATTENTION]]]"
         );
         Ok(Workload {
             prompt_len: num(0)?,
@@ -406,7 +427,10 @@ impl Workload {
                 None | Some(&"auto") => None,
                 Some(_) => Some(num(2)?),
             },
-            mlp_chunk: if f.len() > 3 { num(3)? } else { 0 },
+            mlp_chunk: match f.get(3) {
+                None | Some(&"auto") => None,
+                Some(_) => Some(num(3)?),
+            },
             keep_attention: match f.get(4) {
                 None => None,
                 Some(k) => Some(k.parse().with_context(|| {
@@ -421,14 +445,45 @@ impl Workload {
 // ------------------------------------------------------------------------------------------------
 // Decoding (`--decode`)
 
-/// A random model (`RandomSource`) whose seven projections per layer are random Q4_0 blocks kept
-/// quantized on the GPU (scales set so the weights have the dense model's spread, ~0.02), as a
-/// Q4_0 GGUF's would be; embedding, norms and head stay dense.
-struct RandomQ4Source {
-    dense: RandomSource,
+/// Random weights of `spec`: dense, or with the seven projections of every layer as random
+/// blocks of `quant` kept quantized on the GPU (`RandomQuantSource`).
+fn random_weights(
+    spec: &ModelSpec,
+    quant: crate::model::BaseQuant,
+    device: &Device,
+) -> Result<crate::model::weights::ModelWeights> {
+    use crate::model::BaseQuant;
+    let dense = RandomSource {
+        spec: spec.clone(),
+        seed: 0,
+    };
+    let kind = match quant {
+        BaseQuant::None => return load_weights(spec, &dense, device),
+        BaseQuant::Q4_0 => crate::tensor::cuda::QuantKind::Q4_0,
+        BaseQuant::Q8_0 => crate::tensor::cuda::QuantKind::Q8_0,
+        BaseQuant::Q4K => anyhow::bail!(
+            "a random q4_k base is not offered (its super-block scales are not uniform bytes): \
+             use q4_0 or q8_0, or quantize a real model with base_quant = \"q4_k\""
+        ),
+    };
+    ensure!(
+        device.is_cuda(),
+        "a quantized random base is kept on a CUDA device; on the CPU use a dense one"
+    );
+    load_weights(spec, &RandomQuantSource { dense, kind }, device)
 }
 
-impl crate::model::weights::TensorSource for RandomQ4Source {
+/// A random model (`RandomSource`) whose seven projections per layer are random Q4_0 or Q8_0
+/// blocks kept quantized on the GPU (scales set so the weights have the dense model's spread,
+/// ~0.02), as a quantized base's would be; embedding, norms and head stay dense. The blocks are
+/// written as random bytes, not quantized from normals: a 70B model's 68 billion projection
+/// weights are ready in seconds.
+struct RandomQuantSource {
+    dense: RandomSource,
+    kind: crate::tensor::cuda::QuantKind,
+}
+
+impl crate::model::weights::TensorSource for RandomQuantSource {
     fn get(&self, name: &str) -> Result<(Vec<usize>, Vec<f32>)> {
         self.dense.get(name)
     }
@@ -436,7 +491,7 @@ impl crate::model::weights::TensorSource for RandomQ4Source {
         self.dense.contains(name)
     }
     fn describe(&self) -> String {
-        "random Q4_0 model".into()
+        format!("random {:?} model", self.kind)
     }
     fn weight(
         &self,
@@ -447,37 +502,46 @@ impl crate::model::weights::TensorSource for RandomQ4Source {
         use crate::model::weights::{QuantWeight, Weight};
         use crate::tensor::cuda::QuantKind;
         use rayon::prelude::*;
-        let projection = name.contains(".self_attn.") || name.contains(".mlp.");
-        let (Device::Cuda(backend), true) = (device, projection && want[1].is_multiple_of(32))
+        let (block_values, block_bytes) = self.kind.block();
+        let projection = crate::model::quantize_on_load::is_projection(name);
+        let (Device::Cuda(backend), true) =
+            (device, projection && want[1].is_multiple_of(block_values))
         else {
             return Ok(Weight::Dense(self.tensor(name, &want, device)?));
         };
         let [rows, cols] = want;
-        // Q4_0 block: an f16 scale d, then 32 4-bit values q, weight d·(q − 8); q uniform on
-        // 0..16 has standard deviation 4.61.
-        let d = half::f16::from_f32(0.02 / 4.61).to_bits().to_le_bytes();
+        // Q4_0: an f16 scale d, then 32 4-bit values q, weight d·(q − 8); q uniform on 0..16 has
+        // standard deviation 4.61. Q8_0: d, then 32 signed bytes q, weight d·q; q uniform on
+        // -128..128 has standard deviation 73.9.
+        let spread = match self.kind {
+            QuantKind::Q4_0 => 4.61,
+            QuantKind::Q8_0 => 73.9,
+            other => anyhow::bail!("no random blocks of {other:?}"),
+        };
+        let d = half::f16::from_f32(0.02 / spread).to_bits().to_le_bytes();
         let mut h = 0xcbf29ce484222325u64 ^ self.dense.seed;
         for b in name.bytes() {
             h = (h ^ b as u64).wrapping_mul(0x100000001b3);
         }
-        let mut bytes = vec![0u8; rows * cols / 32 * 18];
+        let mut bytes = vec![0u8; rows * cols / block_values * block_bytes];
         bytes
-            .par_chunks_mut(18 * 1024)
+            .par_chunks_mut(block_bytes * 1024)
             .enumerate()
             .for_each(|(c, chunk)| {
                 let mut rng =
                     crate::tensor::Rng(h ^ (c as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
-                for block in chunk.chunks_mut(18) {
+                for block in chunk.chunks_mut(block_bytes) {
                     block[..2].copy_from_slice(&d);
-                    let (a, b) = (rng.next_u64(), rng.next_u64());
-                    block[2..10].copy_from_slice(&a.to_le_bytes());
-                    block[10..18].copy_from_slice(&b.to_le_bytes());
+                    for word in block[2..].chunks_mut(8) {
+                        let r = rng.next_u64().to_le_bytes();
+                        word.copy_from_slice(&r[..word.len()]);
+                    }
                 }
             });
         Ok(Weight::Quant(QuantWeight {
             backend: backend.clone(),
             bytes: backend.upload_bytes(&bytes)?,
-            kind: QuantKind::Q4_0,
+            kind: self.kind,
             rows,
             cols,
         }))
@@ -498,22 +562,14 @@ fn run_decode(a: &BenchArgs) -> Result<()> {
         "--decode needs --new-tokens of at least 2 and a prompt"
     );
     for base in &a.base {
-        let random = RandomSource {
-            spec: spec.clone(),
-            seed: 0,
-        };
         let t_load = Instant::now();
-        let weights = match base.as_str() {
-            "bf16" => load_weights(&spec, &random, &device)?,
-            "q4_0" => {
-                ensure!(
-                    device.is_cuda(),
-                    "--base q4_0 keeps the projections quantized on a CUDA device; on the CPU use bf16"
-                );
-                load_weights(&spec, &RandomQ4Source { dense: random }, &device)?
-            }
-            other => anyhow::bail!("--base {other:?}: expected bf16 or q4_0"),
+        let quant = match base.as_str() {
+            "bf16" => crate::model::BaseQuant::None,
+            "q4_0" => crate::model::BaseQuant::Q4_0,
+            "q8_0" => crate::model::BaseQuant::Q8_0,
+            other => anyhow::bail!("--base {other:?}: expected bf16, q4_0 or q8_0"),
         };
+        let weights = random_weights(&spec, quant, &device)?;
         let model = Model::new(spec.clone(), weights, device.clone());
         eprintln!(
             "random {} ({base}) on {} in {:.1}s",

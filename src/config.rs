@@ -122,6 +122,11 @@ pub enum Tokenization {
 pub struct TrainConfig {
     /// Hugging Face model folder, GGUF file, or "smollm2" (fetched and cached).
     pub model: String,
+    /// Encode the seven projections of every layer on load: "none" (as the files hold them),
+    /// "q8_0", "q4_0" or "q4_k" (`model::quantize_on_load`; a GGUF's projections are widened and
+    /// encoded again). `lorafit eval --config plan.toml` and `generate --base-quant` score and
+    /// generate on the same base; export merges into the files' own weights.
+    pub base_quant: crate::model::BaseQuant,
     /// Training JSONL.
     pub data: String,
     /// Validation JSONL (optional).
@@ -216,8 +221,13 @@ pub struct TrainConfig {
     /// with q/k norms); unset keeps as many as fit the device's free memory.
     pub keep_kv_layers: Option<usize>,
     /// Run the MLP in token chunks of this many tokens (0: all at once); bounds the (T, I)
-    /// intermediates at the cost of recomputing gate/up in the backward.
-    pub mlp_chunk: usize,
+    /// intermediates at the cost of recomputing gate/up in the backward. Unset: all at once
+    /// unless no such plan fits, then chunks of `train::memory::AUTO_MLP_CHUNK`.
+    pub mlp_chunk: Option<usize>,
+    /// The most device memory the run may hold, in GiB (weights, adapter, optimiser and
+    /// activations; the allocator's count). Unset: the device's free memory less a 10% margin.
+    /// A step whose smallest plan does not fit is refused before the first step.
+    pub memory_limit: Option<f64>,
     pub head: HeadTier,
     /// Rows per chunk of the chunked head; 0 picks `auto_head_chunk(vocab)`.
     pub head_chunk: usize,
@@ -257,6 +267,7 @@ impl Default for TrainConfig {
     fn default() -> Self {
         TrainConfig {
             model: "smollm2".into(),
+            base_quant: crate::model::BaseQuant::None,
             data: String::new(),
             valid: None,
             output: "runs/lorafit".into(),
@@ -309,7 +320,8 @@ impl Default for TrainConfig {
             segment_size: None,
             keep_attention: None,
             keep_kv_layers: None,
-            mlp_chunk: 0,
+            mlp_chunk: None,
+            memory_limit: None,
             // Chunked stays the default on every device: the fused tier (`head = "fused"`) is
             // correct on CUDA (selftest cce rows) and cuts peak memory (qwen1.5b, 3584+512,
             // segment 1, H200: 4.25 vs 7.67 GiB) but its kernels (~90 TFLOP/s fwd, ~70 bwd) are
@@ -685,6 +697,9 @@ impl TrainConfig {
         }
         if let Some(c) = self.loss_clip {
             range("loss_clip", c, 0.0, inf, true, true)?;
+        }
+        if let Some(g) = self.memory_limit {
+            range("memory_limit", g, 0.0, inf, true, true)?;
         }
         range("simpo_beta", self.simpo_beta, 0.0, inf, true, true)?;
         range("simpo_gamma", self.simpo_gamma, 0.0, inf, false, true)?;

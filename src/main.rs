@@ -280,6 +280,10 @@ struct DecodeArgs {
     /// Hugging Face folder, .gguf file, or "smollm2".
     #[arg(long, default_value = "smollm2")]
     model: String,
+    /// Encode the base's projections on load, as the adapter's training run did (its plan.toml's
+    /// `base_quant`).
+    #[arg(long, value_enum, default_value = "none")]
+    base_quant: lorafit::model::BaseQuant,
     /// A PEFT adapter folder, applied unmerged.
     #[arg(long)]
     adapter: Option<PathBuf>,
@@ -329,7 +333,7 @@ impl DecodeArgs {
 
     fn load(&self) -> Result<(trainer::Loaded, Option<lorafit::model::Lora>)> {
         let device = Device::parse(&self.device)?;
-        let loaded = trainer::load_model_and_tokenizer(&self.model, &device)?;
+        let loaded = trainer::load_model_and_tokenizer(&self.model, &device, self.base_quant)?;
         let lora = match &self.adapter {
             Some(p) => Some(lorafit::model::Lora::load_peft(
                 p,
@@ -777,7 +781,7 @@ fn run_train(a: TrainArgs) -> Result<()> {
         None => "settings (flags)".to_string(),
     })?;
     let device = Device::parse(&cfg.device)?;
-    let mut loaded = trainer::load_model_and_tokenizer(&cfg.model, &device)?;
+    let mut loaded = trainer::load_model_and_tokenizer(&cfg.model, &device, cfg.base_quant)?;
     if let Some(t) = &cfg.chat_template {
         loaded.template = Some(data::model_files::template_from_setting(
             t,
@@ -866,7 +870,7 @@ fn run_demo(a: DemoArgs) -> Result<()> {
         overwrite: true,
         ..TrainConfig::default()
     };
-    let loaded = trainer::load_model_and_tokenizer(&cfg.model, &device)?;
+    let loaded = trainer::load_model_and_tokenizer(&cfg.model, &device, cfg.base_quant)?;
     let train_items = trainer::load_items(
         "demo/train.jsonl",
         Some(DEMO_TRAIN),

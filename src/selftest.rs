@@ -895,8 +895,16 @@ pub fn train_parity(device: &Device) -> Result<usize> {
         return Ok(failed);
     };
     let path = path.display().to_string();
-    let cpu = crate::train::trainer::load_model_and_tokenizer(&path, &Device::Cpu)?;
-    let gpu = crate::train::trainer::load_model_and_tokenizer(&path, device)?;
+    let cpu = crate::train::trainer::load_model_and_tokenizer(
+        &path,
+        &Device::Cpu,
+        crate::model::BaseQuant::None,
+    )?;
+    let gpu = crate::train::trainer::load_model_and_tokenizer(
+        &path,
+        device,
+        crate::model::BaseQuant::None,
+    )?;
     let chatml = |role: &str, text: &str| format!("<|im_start|>{role}\n{text}<|im_end|>\n");
     let pairs = SMOLLM2_PAIRS
         .iter()

@@ -505,9 +505,12 @@ fn smollm2_cached_generation_equals_uncached() {
     let Some(path) = smollm2_or_skip("smollm2_cached_generation_equals_uncached") else {
         return;
     };
-    let loaded =
-        lorafit::train::trainer::load_model_and_tokenizer(path.to_str().unwrap(), &Device::Cpu)
-            .unwrap();
+    let loaded = lorafit::train::trainer::load_model_and_tokenizer(
+        path.to_str().unwrap(),
+        &Device::Cpu,
+        lorafit::model::BaseQuant::None,
+    )
+    .unwrap();
     let (model, tok) = (&loaded.model, &loaded.tokenizer);
     let template = loaded
         .template

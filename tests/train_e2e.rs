@@ -687,10 +687,10 @@ fn mlp_chunk_from_config_reaches_the_plan() {
         .map(|mlp_chunk| {
             let dir = out_dir(&format!("mlp_chunk-{mlp_chunk}"));
             let mut c = cfg(&dir, 3);
-            c.mlp_chunk = mlp_chunk;
+            c.mlp_chunk = Some(mlp_chunk);
             let out = run(&c, None, &loaded, &tr, &[]);
             let plan = TrainConfig::from_toml_file(&dir.join("plan.toml")).unwrap();
-            assert_eq!(plan.mlp_chunk, mlp_chunk, "plan.toml");
+            assert_eq!(plan.mlp_chunk, Some(mlp_chunk), "plan.toml");
             let lines = train_lines(&dir);
             let _ = std::fs::remove_dir_all(&dir);
             (out, lines)
@@ -1065,4 +1065,115 @@ fn record_batches_names_each_micro_steps_ids() {
     assert_eq!(batch_lines(&dir), lines);
     let _ = std::fs::remove_dir_all(&dir);
     let _ = std::fs::remove_dir_all(&plain);
+}
+
+// ---------------------------------------------------------------------------------------------
+// memory_limit: the plan fits the limit, or the run is refused before its first step
+// ---------------------------------------------------------------------------------------------
+
+/// The longest pair's pass: its tokens, and the estimates of every-activation-kept and of the
+/// planner's smallest plan.
+fn longest_estimates(loaded: &Loaded, items: &[Item], c: &TrainConfig) -> (usize, usize, usize) {
+    let tokens = items
+        .iter()
+        .map(|it| it.plan(c.prefix_shared).unwrap().tokens())
+        .max()
+        .unwrap();
+    let shape = lorafit::train::trainer::step_shape(c, &loaded.model, tokens);
+    let all_kept = lorafit::train::memory::estimate(
+        shape,
+        &lorafit::train::memory::KeepPlan {
+            segment_size: 0,
+            keep_attention: false,
+            keep_kv_layers: 0,
+            mlp_chunk: 0,
+        },
+    )
+    .total();
+    let smallest = shape.smallest(c.mlp_chunk).1.total();
+    (tokens, all_kept, smallest)
+}
+
+/// Under a limit between the longest pair's smallest plan and its every-activation-kept plan,
+/// each pass gets a plan whose estimate is under the limit (the longest one segments, shorter
+/// ones may keep everything), and the losses are the unlimited run's.
+#[test]
+fn a_memory_limit_picks_a_plan_under_it() {
+    let loaded = tiny_loaded();
+    let items = pair_items(6, 11, loaded.model.spec.vocab);
+    let dir = out_dir("memory_limit");
+    // One epoch: every pair, the longest too.
+    let mut c = cfg(&dir, 6);
+    let (longest, all_kept, smallest) = longest_estimates(&loaded, &items, &c);
+    assert!(smallest < all_kept, "{smallest} vs {all_kept}");
+    // On the CPU nothing is held on a device, so the whole limit is the activations' budget.
+    let limit = (smallest + all_kept) / 2;
+    c.memory_limit = Some(limit as f64 / (1u64 << 30) as f64);
+    let plain = run(
+        &cfg(&out_dir("memory_limit_off"), 6),
+        None,
+        &loaded,
+        &items,
+        &[],
+    );
+    let limited = run(&c, None, &loaded, &items, &[]);
+    let timing: Vec<serde_json::Value> = std::fs::read_to_string(dir.join("timing.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(timing.len(), 6);
+    let mut longest_seen = false;
+    for t in &timing {
+        let pass = &t["pass"];
+        assert!(
+            pass["estimated_bytes"].as_u64().unwrap() as usize <= limit,
+            "{t}"
+        );
+        if pass["tokens"].as_u64().unwrap() as usize == longest {
+            longest_seen = true;
+            assert!(pass["segment_size"].as_u64().unwrap() > 0, "{t}");
+        }
+    }
+    assert!(longest_seen);
+    // A smaller plan recomputes what the larger one kept: the same numbers on the CPU.
+    assert_eq!(plain.losses, limited.losses);
+}
+
+#[test]
+fn a_run_that_cannot_fit_its_limit_is_refused_before_the_first_step() {
+    let loaded = tiny_loaded();
+    let items = pair_items(6, 12, loaded.model.spec.vocab);
+    let dir = out_dir("memory_refused");
+    let mut c = cfg(&dir, 3);
+    let (tokens, _, smallest) = longest_estimates(&loaded, &items, &c);
+    c.memory_limit = Some(smallest as f64 / 3.0 / (1u64 << 30) as f64);
+    c.validate().unwrap();
+    let e = match train(&c, None, &loaded, &items, &[]) {
+        Ok(_) => panic!("a limit of a third of the smallest plan trained"),
+        Err(e) => format!("{e:#}"),
+    };
+    assert!(
+        e.contains(&format!("runs {tokens} tokens in one pass"))
+            && e.contains("(0-based), the longest")
+            && e.contains("under memory_limit")
+            && e.contains("Largest terms: ")
+            && e.contains("the longest pass that fits is about "),
+        "{e}"
+    );
+    // The longest pass it names does fit.
+    let fits: usize = e
+        .split("the longest pass that fits is about ")
+        .nth(1)
+        .and_then(|r| r.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap();
+    assert!(fits > 0 && fits < tokens, "{fits} of {tokens}");
+    let shape = lorafit::train::trainer::step_shape(&c, &loaded.model, fits);
+    let budget = (c.memory_limit.unwrap() * (1u64 << 30) as f64) as usize;
+    assert!(shape.smallest(c.mlp_chunk).1.total() <= budget);
+    assert!(shape.with_tokens(fits + 1).smallest(c.mlp_chunk).1.total() > budget);
+    // Nothing ran: no step was logged.
+    let metrics = std::fs::read_to_string(dir.join("metrics.jsonl")).unwrap_or_default();
+    assert!(!metrics.contains("\"train\""), "{metrics}");
 }

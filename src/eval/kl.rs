@@ -268,7 +268,7 @@ pub fn layer_kl(
 /// layer with a progress bar over the rows, and writes `opts.output`.
 pub fn run(opts: &KlOptions) -> Result<KlFile> {
     let device = Device::parse(&opts.device)?;
-    let mut loaded = load_model_and_tokenizer(&opts.model, &device)
+    let mut loaded = load_model_and_tokenizer(&opts.model, &device, crate::model::BaseQuant::None)
         .with_context(|| format!("loading --model {}", opts.model))?;
     let ref_path = resolve_model_path(&opts.reference)?;
     let mut reference = model::load(&ref_path, &device)

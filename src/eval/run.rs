@@ -220,7 +220,7 @@ pub fn run(
     opts.validate()?;
     let cfg = opts.train_config()?;
     let device = Device::parse(&cfg.device)?;
-    let loaded = trainer::load_model_and_tokenizer(&cfg.model, &device)?;
+    let loaded = trainer::load_model_and_tokenizer(&cfg.model, &device, cfg.base_quant)?;
     let mut adapters = Vec::new();
     for s in opts.subjects() {
         let lora = match &s {

@@ -208,7 +208,7 @@ fn fail(app: &App, id: i64, step: i64, reason: &str) -> Result<()> {
 fn train_job(app: &App, job: &JobRow, cancel: &AtomicBool) -> Result<Outcome> {
     let cfg: TrainConfig = serde_json::from_str(&job.config).context("the job's stored config")?;
     let device = Device::parse(&cfg.device)?;
-    let loaded = trainer::load_model_and_tokenizer(&cfg.model, &device)?;
+    let loaded = trainer::load_model_and_tokenizer(&cfg.model, &device, cfg.base_quant)?;
     let train_items = trainer::load_items(&cfg.data, None, cfg.method, &loaded, &cfg)?;
     let valid_items = match &cfg.valid {
         Some(v) => trainer::load_items(v, None, cfg.method, &loaded, &cfg)?,

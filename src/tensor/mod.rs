@@ -190,6 +190,15 @@ impl DeviceValues {
     }
 }
 
+/// Whether `e` is the device running out of memory (an allocation the driver or cuBLAS refused),
+/// as opposed to any other failure: the trainer retries such a step on a smaller plan.
+pub fn is_out_of_memory(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| {
+        let text = format!("{c:?}");
+        text.contains("CUDA_ERROR_OUT_OF_MEMORY") || text.contains("CUBLAS_STATUS_ALLOC_FAILED")
+    })
+}
+
 #[derive(Clone, Copy, Debug, Default)]
 pub struct MemoryStats {
     pub live_bytes: usize,

@@ -64,9 +64,14 @@ pub fn resolve_model_path(s: &str) -> Result<PathBuf> {
     }
 }
 
-pub fn load_model_and_tokenizer(model_arg: &str, device: &Device) -> Result<Loaded> {
+/// The model (its projections encoded as `quant` on load) and its tokenizer and template.
+pub fn load_model_and_tokenizer(
+    model_arg: &str,
+    device: &Device,
+    quant: model::BaseQuant,
+) -> Result<Loaded> {
     let path = resolve_model_path(model_arg)?;
-    let model = model::load(&path, device)?;
+    let model = model::load_quantized(&path, device, quant)?;
     let (tokenizer, template) = if path.is_dir() {
         let tok = TextTokenizer::from_file(path.join("tokenizer.json"))?;
         let tok = match (tok.eos_id(), model.spec.eos_token_id) {
@@ -197,43 +202,163 @@ pub fn pass_options(
     budget: usize,
     dropout: Option<(f32, u64)>,
 ) -> PassOptions {
-    let head_chunk = crate::config::resolve_head_chunk(cfg.head_chunk, model.spec.vocab);
-    let shape = super::memory::StepShape {
-        spec: &model.spec,
-        tokens,
-        mlp_chunked: cfg.mlp_chunk > 0,
-        dtype_bytes: model.device.compute_dtype().size(),
-        head_chunk_rows: head_chunk,
-    };
+    let shape = step_shape(cfg, model, tokens);
     let plan = super::memory::resolve_plan(
         shape,
         cfg.segment_size,
         cfg.keep_attention,
         cfg.keep_kv_layers,
+        cfg.mlp_chunk,
         budget,
     );
     PassOptions {
         segment_size: plan.segment_size,
         keep_attention: plan.keep_attention,
         keep_kv_layers: plan.keep_kv_layers,
-        mlp_chunk: cfg.mlp_chunk,
+        mlp_chunk: plan.mlp_chunk,
         head: cfg.head,
-        head_chunk,
+        head_chunk: shape.head_chunk_rows,
         dropout,
     }
 }
 
-/// `memory::estimate_bytes` of one pass over `tokens` tokens run with `opts`: the activation
-/// bytes its plan keeps.
-pub fn pass_estimate_bytes(model: &Model, tokens: usize, opts: &PassOptions) -> usize {
-    super::memory::estimate_bytes(
-        &model.spec,
+/// One pass over `tokens` tokens as the memory planner sees it (the MLP chunk as the user set it).
+pub fn step_shape<'a>(
+    cfg: &TrainConfig,
+    model: &'a Model,
+    tokens: usize,
+) -> super::memory::StepShape<'a> {
+    super::memory::StepShape {
+        spec: &model.spec,
         tokens,
-        opts.segment_size,
-        opts.keep_attention,
-        opts.mlp_chunk > 0,
-        model.device.compute_dtype().size(),
-        opts.head_chunk,
+        mlp_chunked: cfg.mlp_chunk.is_some_and(|c| c > 0),
+        dtype_bytes: model.device.compute_dtype().size(),
+        head_chunk_rows: crate::config::resolve_head_chunk(cfg.head_chunk, model.spec.vocab),
+    }
+}
+
+/// `memory::estimate` of one pass over `tokens` tokens run with `opts`: the activation bytes its
+/// plan keeps.
+pub fn pass_estimate_bytes(model: &Model, tokens: usize, opts: &PassOptions) -> usize {
+    pass_estimate(model, tokens, opts).total()
+}
+
+/// [`pass_estimate_bytes`], term by term.
+pub fn pass_estimate(model: &Model, tokens: usize, opts: &PassOptions) -> super::memory::Estimate {
+    let shape = super::memory::StepShape {
+        spec: &model.spec,
+        tokens,
+        mlp_chunked: opts.mlp_chunk > 0,
+        dtype_bytes: model.device.compute_dtype().size(),
+        head_chunk_rows: opts.head_chunk,
+    };
+    super::memory::estimate(shape, &keep_plan(opts))
+}
+
+/// The memory plan of `opts`.
+pub fn keep_plan(opts: &PassOptions) -> super::memory::KeepPlan {
+    super::memory::KeepPlan {
+        segment_size: opts.segment_size,
+        keep_attention: opts.keep_attention,
+        keep_kv_layers: opts.keep_kv_layers,
+        mlp_chunk: opts.mlp_chunk,
+    }
+}
+
+/// A budget under which the planner picks a plan of a smaller estimate than `opts`' for a pass
+/// of `tokens` tokens (three quarters of that estimate, lowered until the plan changes); `None`
+/// when `opts` is already the smallest plan the settings allow.
+fn smaller_plan_budget(
+    cfg: &TrainConfig,
+    model: &Model,
+    tokens: usize,
+    opts: &PassOptions,
+) -> Option<usize> {
+    let failed = pass_estimate_bytes(model, tokens, opts);
+    let mut budget = failed / 4 * 3;
+    loop {
+        let next = pass_options(cfg, model, tokens, budget, None);
+        let bytes = pass_estimate_bytes(model, tokens, &next);
+        if bytes < failed {
+            return Some(budget.max(bytes));
+        }
+        if budget == 0 {
+            return None;
+        }
+        budget /= 2;
+    }
+}
+
+/// Refuses, before the first step, a run whose longest training example does not fit `budget`
+/// bytes of activations on the plan it would get: naming the example, the plan, the largest
+/// terms of its estimate and the longest pass that would fit. On the CPU only with
+/// `memory_limit` set (the CPU's planning budget is a fixed figure, not the machine's memory).
+pub fn refuse_unless_longest_fits(
+    cfg: &TrainConfig,
+    model: &Model,
+    items: &[Item],
+    budget: usize,
+) -> Result<()> {
+    if !model.device.is_cuda() && cfg.memory_limit.is_none() {
+        return Ok(());
+    }
+    // The pass lengths without building every plan: a shared prompt runs once.
+    let length = |it: &Item| match it {
+        Item::Pair(p) | Item::WeightedPair(p, _) => {
+            let prompt = if cfg.prefix_shared { 1 } else { 2 };
+            prompt * p.prompt.len() + p.chosen.len() + p.rejected.len()
+        }
+        Item::Sft(s) => s.prompt.len() + s.completion.len(),
+    };
+    let Some((idx, item)) = items.iter().enumerate().max_by_key(|(_, it)| length(it)) else {
+        return Ok(());
+    };
+    let tokens = item.plan(cfg.prefix_shared)?.tokens();
+    let opts = pass_options(cfg, model, tokens, budget, None);
+    let estimate = pass_estimate(model, tokens, &opts);
+    if estimate.total() <= budget {
+        return Ok(());
+    }
+    let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
+    let shape = step_shape(cfg, model, tokens);
+    let available = match cfg.memory_limit {
+        Some(g) => format!(
+            "{:.2} GiB are left for them under memory_limit = {g} (weights, adapter and optimiser \
+             state hold {:.2} GiB)",
+            gib(budget),
+            gib(model.device.memory().live_bytes)
+        ),
+        None => format!(
+            "{:.2} GiB of the device's free memory are left for them (less a margin)",
+            gib(budget)
+        ),
+    };
+    let fixed = cfg.segment_size.is_some()
+        || cfg.keep_attention == Some(true)
+        || cfg.keep_kv_layers.is_some_and(|k| k > 0)
+        || cfg.mlp_chunk == Some(0);
+    let (_, smallest) = shape.smallest(cfg.mlp_chunk);
+    let advice = if fixed && smallest.total() <= budget {
+        format!(
+            "the planner's smallest plan needs {:.2} GiB: unset segment_size, keep_attention, \
+             keep_kv_layers and mlp_chunk to let it choose",
+            gib(smallest.total())
+        )
+    } else {
+        let longest = super::memory::longest_that_fits(shape, cfg.mlp_chunk, budget);
+        format!(
+            "the longest pass that fits is about {longest} tokens: lower max_seq_len and \
+             max_prompt_len, drop the longest rows, or raise memory_limit"
+        )
+    };
+    bail!(
+        "training example {idx} of {} (0-based), the longest, runs {tokens} tokens in one pass; \
+         its plan ({}) needs an estimated {:.2} GiB of activations and {available}. Largest \
+         terms: {}. {advice}",
+        cfg.data,
+        super::memory::describe_plan(&keep_plan(&opts)),
+        gib(estimate.total()),
+        estimate.largest(3)
     )
 }
 
@@ -406,7 +531,8 @@ pub fn train_with(
     let base_objective = cfg.objective();
     device.set_numerics(cfg.deterministic_attention, cfg.gemm_tuning)?;
     super::head::set_filter_eps(cfg.cce_filter_eps);
-    let memory_budget = super::memory::budget(&device)?;
+    let mut memory_budget = super::memory::budget(&device, cfg.memory_limit)?;
+    refuse_unless_longest_fits(cfg, model, train_items, memory_budget)?;
     let mut ref_cache: Vec<Option<Reference>> = vec![None; n];
     let mut metrics_file = MetricsFile::append(&out_dir)?;
     let mut batches = if cfg.record_batches {
@@ -516,49 +642,95 @@ pub fn train_with(
         let mut sums: BTreeMap<String, f64> = BTreeMap::new();
         let mut tokens = 0;
         let mut loss = 0.0;
+        // The step's micro-steps, queued; a step the device runs out of memory for is queued
+        // again from its first micro-step on the next smaller plan (nothing of it has reached the
+        // adapter yet: only its gradients, which are zeroed).
+        let position_before = state.position;
         let mut queued_examples = Vec::with_capacity(cfg.grad_accum);
         // The step's largest pass: its estimated bytes, tokens and options (timing.jsonl).
         let mut widest: Option<(usize, usize, PassOptions)> = None;
-        for micro in 0..cfg.grad_accum {
-            let idx = example_index(state.position, n, cfg.seed);
-            state.position += 1;
-            let plan = train_items[idx].plan(cfg.prefix_shared)?;
-            if let Some(log) = batches.as_mut() {
-                log.write(&batch_record(step_no, micro, idx, &train_items[idx]))?;
-            }
-            let dropout_seed = cfg.seed
-                ^ ((state.step * cfg.grad_accum + micro) as u64)
-                    .wrapping_mul(0x2545_F491_4F6C_DD1D);
-            let opts = pass_options(
-                cfg,
-                model,
-                plan.tokens(),
-                memory_budget,
-                (cfg.lora_dropout > 0.0).then_some((cfg.lora_dropout, dropout_seed)),
-            );
-            let estimate = pass_estimate_bytes(model, plan.tokens(), &opts);
-            if widest.is_none_or(|(e, _, _)| estimate > e) {
-                widest = Some((estimate, plan.tokens(), opts));
-            }
-            let reference = match objective {
-                Objective::Dpo { .. } => {
-                    if ref_cache[idx].is_none() {
-                        ref_cache[idx] = Some(reference_logps(model, &plan, &opts)?);
+        let mut records = Vec::new();
+        loop {
+            // The pass being queued when a micro-step fails: its tokens and options.
+            let mut current: Option<(usize, PassOptions)> = None;
+            let attempt = (|| -> Result<()> {
+                for micro in 0..cfg.grad_accum {
+                    let idx = example_index(state.position, n, cfg.seed);
+                    state.position += 1;
+                    let plan = train_items[idx].plan(cfg.prefix_shared)?;
+                    if batches.is_some() {
+                        records.push(batch_record(step_no, micro, idx, &train_items[idx]));
                     }
-                    ref_cache[idx].as_ref()
+                    let dropout_seed = cfg.seed
+                        ^ ((state.step * cfg.grad_accum + micro) as u64)
+                            .wrapping_mul(0x2545_F491_4F6C_DD1D);
+                    let opts = pass_options(
+                        cfg,
+                        model,
+                        plan.tokens(),
+                        memory_budget,
+                        (cfg.lora_dropout > 0.0).then_some((cfg.lora_dropout, dropout_seed)),
+                    );
+                    current = Some((plan.tokens(), opts));
+                    let estimate = pass_estimate_bytes(model, plan.tokens(), &opts);
+                    if widest.is_none_or(|(e, _, _)| estimate > e) {
+                        widest = Some((estimate, plan.tokens(), opts));
+                    }
+                    let reference = match objective {
+                        Objective::Dpo { .. } => {
+                            if ref_cache[idx].is_none() {
+                                ref_cache[idx] = Some(reference_logps(model, &plan, &opts)?);
+                            }
+                            ref_cache[idx].as_ref()
+                        }
+                        _ => None,
+                    };
+                    // The row's weight and the loss clip (validation stays unweighted and
+                    // unclipped).
+                    let scale = ExampleScale {
+                        weight: train_items[idx].weight(),
+                        clip: cfg.loss_clip,
+                    };
+                    let queued = queue_example_scaled(
+                        model, &mut lora, &plan, &objective, reference, &opts, true, 1.0, scale,
+                    )
+                    .with_context(|| failed(example(idx)))?;
+                    queued_examples.push((idx, queued));
                 }
-                _ => None,
+                Ok(())
+            })();
+            let Err(e) = attempt else { break };
+            let (Some((tokens, opts)), true) = (current, crate::tensor::is_out_of_memory(&e))
+            else {
+                return Err(e);
             };
-            // The row's weight and the loss clip (validation stays unweighted and unclipped).
-            let scale = ExampleScale {
-                weight: train_items[idx].weight(),
-                clip: cfg.loss_clip,
-            };
-            let queued = queue_example_scaled(
-                model, &mut lora, &plan, &objective, reference, &opts, true, 1.0, scale,
-            )
-            .with_context(|| failed(example(idx)))?;
-            queued_examples.push((idx, queued));
+            queued_examples.clear();
+            records.clear();
+            widest = None;
+            device.synchronize()?;
+            lora.zero_grads()?;
+            state.position = position_before;
+            memory_budget = smaller_plan_budget(cfg, model, tokens, &opts).ok_or_else(|| {
+                e.context(failed(format!(
+                    "out of device memory on the smallest plan there is ({}) for a pass of \
+                     {tokens} tokens",
+                    super::memory::describe_plan(&keep_plan(&opts))
+                )))
+            })?;
+            let next = pass_options(cfg, model, tokens, memory_budget, None);
+            eprintln!(
+                "step {step_no}: out of device memory on the plan ({}) for a pass of {tokens} \
+                 tokens; the step runs again on ({}), and the planner keeps to {:.2} GiB of \
+                 activations from here on",
+                super::memory::describe_plan(&keep_plan(&opts)),
+                super::memory::describe_plan(&keep_plan(&next)),
+                memory_budget as f64 / (1u64 << 30) as f64
+            );
+        }
+        if let Some(log) = batches.as_mut() {
+            for r in &records {
+                log.write(r)?;
+            }
         }
         let lr = schedule.lr(state.step);
         let grad_norm = apply_update(

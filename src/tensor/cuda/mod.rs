@@ -527,6 +527,20 @@ fn no_device(ordinal: usize, detail: &str) -> String {
 }
 
 #[allow(clippy::too_many_arguments)]
+/// `LORAFIT_DEVICE_CAP_GIB`: the allocator refuses, as the driver would when out of memory, any
+/// allocation that takes the live bytes past this many GiB, while the free memory the planner
+/// reads stays the device's. It makes a smaller card's out-of-memory failures reproducible on a
+/// large one (the trainer's retry on a smaller plan is checked with it).
+fn device_cap() -> Option<usize> {
+    static CAP: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    *CAP.get_or_init(|| {
+        std::env::var("LORAFIT_DEVICE_CAP_GIB")
+            .ok()
+            .and_then(|v| v.parse::<f64>().ok())
+            .map(|g| (g * (1u64 << 30) as f64) as usize)
+    })
+}
+
 impl CudaBackend {
     /// Opens GPU `ordinal`: an error (not a panic) where the driver library or the GPU is missing.
     pub fn new(ordinal: usize) -> Result<Arc<CudaBackend>> {
@@ -789,6 +803,15 @@ impl CudaBackend {
 
     fn alloc(&self, bytes: usize) -> Result<CudaStorage> {
         self.inner.bind()?;
+        if let Some(cap) = device_cap() {
+            let live = self.inner.live.load(Ordering::Relaxed);
+            if live + bytes > cap {
+                bail!(
+                    "cuda: allocating {bytes} bytes: CUDA_ERROR_OUT_OF_MEMORY (LORAFIT_DEVICE_CAP_GIB: \
+                     {live} bytes live of a {cap}-byte cap)"
+                );
+            }
+        }
         let n = block_size(bytes);
         let cached = if n <= BLOCK_CACHE_MAX {
             let mut cache = self.inner.blocks.lock().unwrap();
