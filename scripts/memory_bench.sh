@@ -28,6 +28,10 @@ import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
 print(f"{'shape':<9} {'P/R':>13} {'quant':>5} {'limit':>5} | {'plan':<28} | {'s/step':>8} {'MFU':>6} | {'predicted':>9} {'measured':>9} {'ratio':>6}")
 for r in rows:
+    if 'refused' in r:
+        lim = r.get('memory_limit_gib') or '-'
+        print(f"{r['shape']:<9} {str(r['P'])+'/'+str(r['R']):>13} {r.get('base_quant','none'):>5} {lim!s:>5} | refused: {r['refused']}")
+        continue
     plan = f"seg {r['segment_size']}" + (" +attn" if r['keep_attention'] else "") + \
         (f" +kv{r['keep_kv_layers']}" if r['keep_kv_layers'] else "") + \
         (f" mlp{r['mlp_chunk']}" if r['mlp_chunk'] else "")

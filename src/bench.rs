@@ -280,13 +280,34 @@ pub fn run(a: BenchArgs) -> Result<()> {
             memory_limit: a.memory_limit,
             ..base.clone()
         };
-        let opts = pass_options(
-            &cfg,
-            &model,
-            tokens_in_pass,
-            memory::budget(&device, cfg.memory_limit)?,
-            None,
-        );
+        let budget = memory::budget(&device, cfg.memory_limit)?;
+        let opts = pass_options(&cfg, &model, tokens_in_pass, budget, None);
+        // A workload whose plan does not fit is refused, as the trainer refuses it, with one
+        // RESULT line that says why.
+        let estimate = crate::train::trainer::pass_estimate(&model, tokens_in_pass, &opts);
+        if estimate.total() > budget {
+            let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
+            let shape = crate::train::trainer::step_shape(&cfg, &model, tokens_in_pass);
+            let reason = format!(
+                "{tokens_in_pass} tokens in one pass: the plan ({}) needs an estimated {:.2} GiB \
+                 of activations and {:.2} GiB are left for them; largest terms: {}; the longest \
+                 pass that fits is about {} tokens",
+                memory::describe_plan(&crate::train::trainer::keep_plan(&opts)),
+                gib(estimate.total()),
+                gib(budget),
+                estimate.largest(3),
+                memory::longest_that_fits(shape, cfg.mlp_chunk, budget)
+            );
+            eprintln!("refused: {reason}");
+            let line = serde_json::json!({
+                "tool": "lorafit", "shape": a.shape, "P": w.prompt_len, "R": w.resp_len,
+                "device": device.name(), "memory_limit_gib": a.memory_limit,
+                "base_quant": a.base_quant.name(), "refused": reason,
+                "predicted_peak_gib": gib(device.memory().live_bytes + estimate.total()),
+            });
+            println!("RESULT {line}");
+            continue;
+        }
         let objective = Objective::Orpo {
             lambda: 0.1,
             scope: SftScope::Full,
