@@ -482,9 +482,10 @@ fn random_weights(
         BaseQuant::None => return load_weights(spec, &dense, device),
         BaseQuant::Q4_0 => crate::tensor::cuda::QuantKind::Q4_0,
         BaseQuant::Q8_0 => crate::tensor::cuda::QuantKind::Q8_0,
-        BaseQuant::Q4K => anyhow::bail!(
-            "a random q4_k base is not offered (its super-block scales are not uniform bytes): \
-             use q4_0 or q8_0, or quantize a real model with base_quant = \"q4_k\""
+        BaseQuant::Q4K | BaseQuant::Q4_1 => anyhow::bail!(
+            "a random {} base is not offered (its scales and minimums are not uniform bytes): \
+             use q4_0 or q8_0, or quantize a real model with base_quant",
+            quant.name()
         ),
     };
     ensure!(

@@ -123,7 +123,7 @@ pub struct TrainConfig {
     /// Hugging Face model folder, GGUF file, or "smollm2" (fetched and cached).
     pub model: String,
     /// Encode the seven projections of every layer on load: "none" (as the files hold them),
-    /// "q8_0", "q4_0" or "q4_k" (`model::quantize_on_load`; a GGUF's projections are widened and
+    /// "q8_0", "q4_0", "q4_1" or "q4_k" (`model::quantize_on_load`; a GGUF's projections are widened and
     /// encoded again). `lorafit eval --config plan.toml` and `generate --base-quant` score and
     /// generate on the same base; export merges into the files' own weights.
     pub base_quant: crate::model::BaseQuant,
@@ -419,6 +419,8 @@ impl TrainConfig {
             "warmup_steps",
             "loss_clip",
             "rank_kl_file",
+            "mlp_chunk",
+            "memory_limit",
         ] {
             if !names.iter().any(|n| n == extra) {
                 names.push(extra.to_string());
@@ -830,6 +832,45 @@ mod tests {
         }
         .validate()
         .unwrap();
+    }
+
+    /// A plan with every optional setting set reads back as written: each name `to_toml`
+    /// writes is one `setting_names` knows (an `Option` field missing from its list would make
+    /// a run's own plan.toml unreadable).
+    #[test]
+    fn a_plan_with_every_optional_setting_reads_back() {
+        let dir = std::env::temp_dir().join(format!("lorafit-plan-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let full = TrainConfig {
+            data: "train.jsonl".into(),
+            output: "runs/x".into(),
+            valid: Some("valid.jsonl".into()),
+            warmup_steps: Some(3),
+            rank_kl_file: Some("kl.json".into()),
+            loss_clip: Some(2.0),
+            chat_template: Some("{{ x }}".into()),
+            segment_size: Some(2),
+            keep_attention: Some(true),
+            keep_kv_layers: Some(1),
+            mlp_chunk: Some(4096),
+            memory_limit: Some(23.5),
+            warm_start: Some("runs/old/adapter".into()),
+            ..TrainConfig::default()
+        };
+        let text = full.to_toml().unwrap();
+        let table: toml::Table = toml::from_str(&text).unwrap();
+        let names = TrainConfig::setting_names();
+        for key in table.keys() {
+            assert!(
+                names.contains(key),
+                "plan.toml writes `{key}`, which reads as unknown"
+            );
+        }
+        let path = dir.join("plan.toml");
+        std::fs::write(&path, &text).unwrap();
+        let back = TrainConfig::from_toml_file(&path).unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+        assert_eq!(back.to_toml().unwrap(), text);
     }
 
     #[test]

@@ -607,6 +607,9 @@ struct EvalArgs {
     /// A PEFT adapter folder to score with the model.
     #[arg(long, conflicts_with = "compare")]
     adapter: Option<PathBuf>,
+    /// Encode the base's projections on load (default: the config's `base_quant`, else none).
+    #[arg(long, value_enum)]
+    base_quant: Option<lorafit::model::BaseQuant>,
     /// Before/after: two adapter folders, or `base` and an adapter folder.
     #[arg(long, num_args = 2, value_names = ["BEFORE", "AFTER"])]
     compare: Vec<String>,
@@ -934,6 +937,7 @@ fn run_demo(a: DemoArgs) -> Result<()> {
 fn run_eval(a: EvalArgs) -> Result<()> {
     let opts = eval::EvalOptions {
         model: a.model,
+        base_quant: a.base_quant,
         adapter: a.adapter,
         compare: a.compare,
         data: a.data,

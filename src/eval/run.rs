@@ -32,6 +32,9 @@ pub enum Scorer {
 pub struct EvalOptions {
     /// A Hugging Face folder, a GGUF file or "smollm2" (None: the config's model, else smollm2).
     pub model: Option<String>,
+    /// Encode the base's projections on load (None: the config's `base_quant`, else none).
+    #[serde(default)]
+    pub base_quant: Option<crate::model::BaseQuant>,
     /// A PEFT adapter folder scored with the model.
     pub adapter: Option<PathBuf>,
     /// Before/after: two subjects, each `base` or an adapter folder (empty: one run).
@@ -58,6 +61,7 @@ impl Default for EvalOptions {
     fn default() -> EvalOptions {
         EvalOptions {
             model: None,
+            base_quant: None,
             adapter: None,
             compare: vec![],
             data: None,
@@ -159,6 +163,9 @@ impl EvalOptions {
         }
         if let Some(d) = &self.device {
             cfg.device = d.clone();
+        }
+        if let Some(q) = self.base_quant {
+            cfg.base_quant = q;
         }
         if let Some(m) = self.method {
             cfg.method = m;

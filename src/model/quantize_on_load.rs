@@ -35,6 +35,10 @@ pub enum BaseQuant {
     #[value(name = "q4_0")]
     #[serde(rename = "q4_0")]
     Q4_0,
+    /// 4-bit blocks of 32 with an f16 scale and minimum (5 bits per weight).
+    #[value(name = "q4_1")]
+    #[serde(rename = "q4_1")]
+    Q4_1,
     /// 4-bit super-blocks of 256 with 6-bit sub-block scales and minimums (4.5 bits per weight;
     /// needs input widths that are multiples of 256).
     #[value(name = "q4_k")]
@@ -49,6 +53,7 @@ impl BaseQuant {
             BaseQuant::None => "none",
             BaseQuant::Q8_0 => "q8_0",
             BaseQuant::Q4_0 => "q4_0",
+            BaseQuant::Q4_1 => "q4_1",
             BaseQuant::Q4K => "q4_k",
         }
     }
@@ -59,6 +64,7 @@ impl BaseQuant {
             BaseQuant::None => None,
             BaseQuant::Q8_0 => Some(GgmlType::Q8_0),
             BaseQuant::Q4_0 => Some(GgmlType::Q4_0),
+            BaseQuant::Q4_1 => Some(GgmlType::Q4_1),
             BaseQuant::Q4K => Some(GgmlType::Q4_K),
         }
     }
@@ -68,6 +74,7 @@ impl BaseQuant {
             BaseQuant::None => None,
             BaseQuant::Q8_0 => Some(QuantKind::Q8_0),
             BaseQuant::Q4_0 => Some(QuantKind::Q4_0),
+            BaseQuant::Q4_1 => Some(QuantKind::Q4_1),
             BaseQuant::Q4K => Some(QuantKind::Q4_K),
         }
     }
@@ -123,7 +130,7 @@ impl TensorSource for QuantizingSource<'_> {
         if !cols.is_multiple_of(block) {
             bail!(
                 "{}: tensor {name} is {rows}x{cols}; base_quant = \"{}\" encodes rows in blocks of \
-                 {block}, and {cols} is not a multiple of {block} (q8_0 and q4_0 take blocks of 32)",
+                 {block}, and {cols} is not a multiple of {block} (q8_0, q4_0 and q4_1 take blocks of 32)",
                 self.describe(),
                 self.quant.name()
             );
