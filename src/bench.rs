@@ -62,6 +62,10 @@ pub struct BenchArgs {
     /// the fastest whose estimate fits under it.
     #[arg(long)]
     pub memory_limit: Option<f64>,
+    /// With segments, hold the layer boundaries in pinned host memory (`TrainConfig::offload`:
+    /// true, false; unset: when no plan fits the device otherwise). For every workload.
+    #[arg(long)]
+    pub offload: Option<bool>,
     #[arg(long, value_enum, default_value = "chunked")]
     pub head: HeadTier,
     /// Rows per head chunk (0: automatic, about 256 MiB of f32 logits).
@@ -278,6 +282,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
             keep_kv_layers: w.keep_kv_layers,
             mlp_chunk: w.mlp_chunk,
             memory_limit: a.memory_limit,
+            offload: a.offload,
             ..base.clone()
         };
         let budget = memory::budget(&device, cfg.memory_limit)?;
@@ -296,7 +301,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
                 gib(estimate.total()),
                 gib(budget),
                 estimate.largest(3),
-                memory::longest_that_fits(shape, cfg.mlp_chunk, budget)
+                memory::longest_that_fits(shape, cfg.mlp_chunk, cfg.offload, budget)
             );
             eprintln!("refused: {reason}");
             let line = serde_json::json!({
@@ -391,7 +396,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
         let line = serde_json::json!({
             "tool": "lorafit", "shape": a.shape, "P": w.prompt_len, "R": w.resp_len, "device": device.name(),
-            "segment_size": opts.segment_size, "segment_auto": w.segment_size.is_none(), "keep_attention": opts.keep_attention, "keep_kv_layers": opts.keep_kv_layers, "mlp_chunk": opts.mlp_chunk, "mlp_chunk_auto": w.mlp_chunk.is_none(), "memory_limit_gib": a.memory_limit, "base_quant": a.base_quant.name(), "head": format!("{:?}", a.head).to_lowercase(), "prefix_shared": a.prefix_shared,
+            "segment_size": opts.segment_size, "segment_auto": w.segment_size.is_none(), "keep_attention": opts.keep_attention, "keep_kv_layers": opts.keep_kv_layers, "mlp_chunk": opts.mlp_chunk, "mlp_chunk_auto": w.mlp_chunk.is_none(), "offload": opts.offload, "pinned_gib": gib(pinned_bytes(&device)), "memory_limit_gib": a.memory_limit, "base_quant": a.base_quant.name(), "head": format!("{:?}", a.head).to_lowercase(), "prefix_shared": a.prefix_shared,
             "s_per_step": med, "host_queue_s": host_med, "launches_per_step": launches,
             "device_busy": (!busy.is_empty()).then(|| busy.iter().sum::<f64>() / busy.len() as f64), "pairs_per_s": 1.0 / med, "tokens_per_s": tokens as f64 / med,
             "model_tflops_per_step": flops / 1e12, "gemm_peak_tflops": peak_flops / 1e12, "mfu": flops / med / peak_flops,
@@ -460,6 +465,14 @@ impl Workload {
             },
             keep_kv_layers: None,
         })
+    }
+}
+
+/// Pinned host memory the offload lane holds (0 on the CPU).
+fn pinned_bytes(device: &crate::tensor::Device) -> usize {
+    match device {
+        crate::tensor::Device::Cuda(c) => c.pinned_bytes(),
+        crate::tensor::Device::Cpu => 0,
     }
 }
 

@@ -225,9 +225,14 @@ pub struct TrainConfig {
     /// unless no such plan fits, then chunks of `train::memory::AUTO_MLP_CHUNK`.
     pub mlp_chunk: Option<usize>,
     /// The most device memory the run may hold, in GiB (weights, adapter, optimiser and
-    /// activations; the allocator's count). Unset: the device's free memory less a 10% margin.
+    /// activations; the allocator's count). Unset: the device's free memory less a margin (5%, at
+    /// least 4 GiB).
     /// A step whose smallest plan does not fit is refused before the first step.
     pub memory_limit: Option<f64>,
+    /// With segments, hold the layer boundaries in pinned host memory, copied out and back on a
+    /// side stream while the layers run (`tensor::offload`): true always, false never, unset when
+    /// no plan fits the device otherwise and the host has the room (`train::memory::host_budget`).
+    pub offload: Option<bool>,
     pub head: HeadTier,
     /// Rows per chunk of the chunked head; 0 picks `auto_head_chunk(vocab)`.
     pub head_chunk: usize,
@@ -322,6 +327,7 @@ impl Default for TrainConfig {
             keep_kv_layers: None,
             mlp_chunk: None,
             memory_limit: None,
+            offload: None,
             // Chunked stays the default on every device: the fused tier (`head = "fused"`) is
             // correct on CUDA (selftest cce rows) and cuts peak memory (qwen1.5b, 3584+512,
             // segment 1, H200: 4.25 vs 7.67 GiB) but its kernels (~90 TFLOP/s fwd, ~70 bwd) are
@@ -421,6 +427,7 @@ impl TrainConfig {
             "rank_kl_file",
             "mlp_chunk",
             "memory_limit",
+            "offload",
         ] {
             if !names.iter().any(|n| n == extra) {
                 names.push(extra.to_string());
@@ -854,6 +861,7 @@ mod tests {
             keep_kv_layers: Some(1),
             mlp_chunk: Some(4096),
             memory_limit: Some(23.5),
+            offload: Some(true),
             warm_start: Some("runs/old/adapter".into()),
             ..TrainConfig::default()
         };

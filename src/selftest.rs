@@ -704,13 +704,32 @@ struct TrajectoryCase<'a> {
     bound: f64,
 }
 
+impl TrajectoryCase<'_> {
+    /// The pass options of every step, with the layer boundaries offloaded or not.
+    fn pass_options(&self, offload: bool) -> crate::train::step::PassOptions {
+        crate::train::step::PassOptions {
+            segment_size: self.segment_size,
+            keep_attention: false,
+            keep_kv_layers: 1,
+            mlp_chunk: 0,
+            offload,
+            head: crate::train::head::HeadTier::Chunked,
+            head_chunk: 16,
+            dropout: None,
+        }
+    }
+}
+
 /// Per-step losses and gradient norms (before clipping) of `case` on `model`.
-fn orpo_trajectory(case: &TrajectoryCase, model: &Model) -> Result<(Vec<f64>, Vec<f64>)> {
-    use crate::train::head::HeadTier;
+fn orpo_trajectory(
+    case: &TrajectoryCase,
+    model: &Model,
+    offload: bool,
+) -> Result<(Vec<f64>, Vec<f64>)> {
     use crate::train::objectives::SftScope;
     use crate::train::optim::{apply_update, AdamState, OptimOptions};
     use crate::train::plan::Plan;
-    use crate::train::step::{queue_example, Objective, PassOptions};
+    use crate::train::step::{queue_example, Objective};
     let mut lora = Lora::new(
         &model.spec,
         LoraConfig {
@@ -722,15 +741,7 @@ fn orpo_trajectory(case: &TrajectoryCase, model: &Model) -> Result<(Vec<f64>, Ve
     )?;
     let mut adam = AdamState::new(&lora)?;
     let o = OptimOptions::default();
-    let opts = PassOptions {
-        segment_size: case.segment_size,
-        keep_attention: false,
-        keep_kv_layers: 1,
-        mlp_chunk: 0,
-        head: HeadTier::Chunked,
-        head_chunk: 16,
-        dropout: None,
-    };
+    let opts = case.pass_options(offload);
     let obj = Objective::Orpo {
         lambda: 0.1,
         scope: SftScope::Full,
@@ -746,10 +757,42 @@ fn orpo_trajectory(case: &TrajectoryCase, model: &Model) -> Result<(Vec<f64>, Ve
     Ok((losses, norms))
 }
 
+/// `case` on the device with its layer boundaries offloaded to host memory and without: the
+/// losses and gradient norms must agree bit for bit (the deterministic attention backward, so
+/// that two runs of the same plan do), and the offloaded run must have pinned host memory.
+fn offload_is_exact(case: &TrajectoryCase) -> Result<bool> {
+    let device = &case.gpu.device;
+    device.set_numerics(true, false)?;
+    let kept = orpo_trajectory(case, case.gpu, false);
+    let offloaded = orpo_trajectory(case, case.gpu, true);
+    // Back to the defaults the other checks run with.
+    device.set_numerics(false, true)?;
+    let (kept, offloaded) = (kept?, offloaded?);
+    let pinned = match device {
+        Device::Cuda(c) => c.pinned_bytes(),
+        Device::Cpu => 0,
+    };
+    let bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    let same = bits(&kept.0) == bits(&offloaded.0) && bits(&kept.1) == bits(&offloaded.1);
+    let ok = same && (pinned > 0 || !device.is_cuda());
+    println!(
+        "train {}: boundaries offloaded vs on the device, {} steps: losses and grad norms {}, {:.1} MiB pinned  {}",
+        case.name,
+        case.steps,
+        if same { "bit-identical" } else { "differ" },
+        pinned as f64 / (1 << 20) as f64,
+        if ok { "ok" } else { "FAIL" }
+    );
+    if !same {
+        println!("  kept      {:?}\n  offloaded {:?}", kept.0, offloaded.0);
+    }
+    Ok(ok)
+}
+
 /// Runs `case` on both devices and prints its rows; whether the losses stay within the bound.
 fn trajectory_parity(case: &TrajectoryCase) -> Result<bool> {
-    let (cpu, cpu_norm) = orpo_trajectory(case, case.cpu)?;
-    let (gpu, gpu_norm) = orpo_trajectory(case, case.gpu)?;
+    let (cpu, cpu_norm) = orpo_trajectory(case, case.cpu, false)?;
+    let (gpu, gpu_norm) = orpo_trajectory(case, case.gpu, false)?;
     let rel = |a: &[f64], b: &[f64]| -> Vec<f64> {
         a.iter().zip(b).map(|(g, c)| ((g - c) / c).abs()).collect()
     };
@@ -889,6 +932,7 @@ pub fn train_parity(device: &Device) -> Result<usize> {
         bound: 2e-2,
     };
     failed += !trajectory_parity(&case)? as usize;
+    failed += !offload_is_exact(&case)? as usize;
 
     let Some(path) = crate::model::smollm2::find() else {
         println!("train SmolLM2-135M-Instruct: SKIPPED (the GGUF is not cached; `lorafit demo` fetches it)");

@@ -87,6 +87,8 @@ fn run(
         // k and v of the lowest `seg` layers kept (with segments).
         keep_kv_layers: seg,
         mlp_chunk,
+        // The boundaries of segment size 1 in the host-side store (host offload's CPU path).
+        offload: seg == 1,
         head,
         head_chunk: chunk,
         dropout: None,

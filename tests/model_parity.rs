@@ -130,6 +130,7 @@ fn run_family(name: &str) {
             read_from: r,
             keep_kv_layers: seg,
             mlp_chunk: 0,
+            offload: seg == 2,
         };
         let (hidden, state) = model
             .forward_keeping(&ids, Some(&lora), &ctx, plan)

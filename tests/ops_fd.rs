@@ -1396,14 +1396,17 @@ fn segmented_backward_is_bit_identical() {
         );
         // Segments recompute the layers (with and without the kept attention outputs; the last
         // layer of each segment skips its down projection; the top layer's MLP kept or
-        // recomputed; k and v of the lowest layers kept or recomputed).
-        for (seg, keep, top_mlp, kv) in [
-            (1usize, false, true, 0),
-            (2, false, false, 1),
-            (1, true, false, 2),
-            (2, true, true, 0),
+        // recomputed; k and v of the lowest layers kept or recomputed; the boundaries in the
+        // host-side store or on the device).
+        for (seg, keep, top_mlp, kv, offload) in [
+            (1usize, false, true, 0, false),
+            (1, false, true, 0, true),
+            (2, false, false, 1, false),
+            (1, true, false, 2, true),
+            (2, true, true, 0, false),
             // Segments of three: a donor and its sharer in one segment, the other apart.
-            (3, false, true, 0),
+            (3, false, true, 0, false),
+            (3, false, true, 0, true),
         ] {
             let plan = ForwardPlan {
                 segment_size: seg,
@@ -1412,14 +1415,15 @@ fn segmented_backward_is_bit_identical() {
                 read_from: 0,
                 keep_kv_layers: kv,
                 mlp_chunk: 0,
+                offload,
             };
             let d1 = model_grads(&m.model, &mut m.lora, &ctx, &m.c, plan);
             let g1 = grads(&m.lora);
             for (i, (a, b)) in g0.iter().zip(&g1).enumerate() {
                 assert!(
                     a == b,
-                    "{name}: segment_size {seg} (keep attention {keep}, top MLP {top_mlp}) \
-                     gradient #{i} differs from segment_size 0 (max|diff| {:.3e})",
+                    "{name}: segment_size {seg} (keep attention {keep}, top MLP {top_mlp}, \
+                     offload {offload}) gradient #{i} differs from segment_size 0 (max|diff| {:.3e})",
                     max_diff(a, b).0
                 );
             }

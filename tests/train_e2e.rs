@@ -365,6 +365,7 @@ fn grad_accum_equals_summed_batch() {
         keep_attention: false,
         keep_kv_layers: 0,
         mlp_chunk: 0,
+        offload: false,
         head: HeadTier::Chunked,
         head_chunk: DEFAULT_CHUNK,
         dropout: None,
@@ -734,6 +735,47 @@ fn mlp_chunk_from_config_reaches_the_plan() {
     }
 }
 
+/// Layer boundaries offloaded to the host-side store (`offload = true`, the CPU path of host
+/// offload) against kept in place: the same losses bit for bit, the same adapter bytes after
+/// three updates (so the same gradients), each step's pass recorded with its choice, and
+/// plan.toml holding the setting.
+#[test]
+fn offloaded_boundaries_give_the_same_run_bit_for_bit() {
+    let loaded = tiny_loaded();
+    let spec = &loaded.model.spec;
+    assert!(spec.n_layers >= 2, "needs more than one boundary");
+    let tr = pair_items(6, 12, spec.vocab);
+    let runs: Vec<(TrainOutcome, Vec<serde_json::Value>, Vec<u8>)> = [false, true]
+        .into_iter()
+        .map(|offload| {
+            let dir = out_dir(&format!("offload-{offload}"));
+            let mut c = cfg(&dir, 3);
+            c.segment_size = Some(1);
+            c.offload = Some(offload);
+            let out = run(&c, None, &loaded, &tr, &[]);
+            let plan = TrainConfig::from_toml_file(&dir.join("plan.toml")).unwrap();
+            assert_eq!(plan.offload, Some(offload), "plan.toml");
+            let lines = train_lines(&dir);
+            let adapter = std::fs::read(out.adapter_dir.join("adapter_model.safetensors")).unwrap();
+            let _ = std::fs::remove_dir_all(&dir);
+            (out, lines, adapter)
+        })
+        .collect();
+    let (kept, offloaded) = (&runs[0], &runs[1]);
+    assert_eq!(kept.1.len(), 3);
+    for (a, b) in kept.1.iter().zip(&offloaded.1) {
+        assert_eq!(a["pass"]["offload"], false, "{a}");
+        assert_eq!(b["pass"]["offload"], true, "{b}");
+        assert_eq!(b["pass"]["segment_size"], 1, "{b}");
+    }
+    let bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&kept.0.losses), bits(&offloaded.0.losses));
+    assert!(
+        kept.2 == offloaded.2,
+        "the adapters differ after three steps"
+    );
+}
+
 // ---------------------------------------------------------------------------------------------
 // PEFT round trip
 // ---------------------------------------------------------------------------------------------
@@ -1087,10 +1129,11 @@ fn longest_estimates(loaded: &Loaded, items: &[Item], c: &TrainConfig) -> (usize
             keep_attention: false,
             keep_kv_layers: 0,
             mlp_chunk: 0,
+            offload: false,
         },
     )
     .total();
-    let smallest = shape.smallest(c.mlp_chunk).1.total();
+    let smallest = shape.smallest(c.mlp_chunk, c.offload).1.total();
     (tokens, all_kept, smallest)
 }
 
@@ -1171,8 +1214,15 @@ fn a_run_that_cannot_fit_its_limit_is_refused_before_the_first_step() {
     assert!(fits > 0 && fits < tokens, "{fits} of {tokens}");
     let shape = lorafit::train::trainer::step_shape(&c, &loaded.model, fits);
     let budget = (c.memory_limit.unwrap() * (1u64 << 30) as f64) as usize;
-    assert!(shape.smallest(c.mlp_chunk).1.total() <= budget);
-    assert!(shape.with_tokens(fits + 1).smallest(c.mlp_chunk).1.total() > budget);
+    assert!(shape.smallest(c.mlp_chunk, c.offload).1.total() <= budget);
+    assert!(
+        shape
+            .with_tokens(fits + 1)
+            .smallest(c.mlp_chunk, c.offload)
+            .1
+            .total()
+            > budget
+    );
     // Nothing ran: no step was logged.
     let metrics = std::fs::read_to_string(dir.join("metrics.jsonl")).unwrap_or_default();
     assert!(!metrics.contains("\"train\""), "{metrics}");

@@ -9,7 +9,9 @@ use super::config::ModelSpec;
 use super::layer::{KvGrad, LayerActs, LayerEnv, LayerRun};
 use super::lora::{Lora, Target};
 use super::weights::{Dense, ModelWeights};
-use crate::tensor::{self as ops, AttnMask, DType, Device, RopeTable, Tensor};
+use crate::tensor::{
+    self as ops, AttnMask, DType, Device, Offloaded, Prefetched, RopeTable, Tensor,
+};
 use anyhow::Result;
 
 /// Per-pass context shared by every layer: the pass's mask (its layout: causal or
@@ -131,6 +133,10 @@ pub struct ForwardPlan {
     /// Run the MLP in token chunks of this size (0: all tokens at once); the backward recomputes
     /// each chunk's intermediates, trading one extra gate/up projection for (T, I) memory.
     pub mlp_chunk: usize,
+    /// With segments: hold the layer boundaries in host memory (`tensor::offload`), each copied
+    /// out while the next segment runs and brought back while the segment above it is
+    /// recomputed, so at most two are on the device at a time.
+    pub offload: bool,
 }
 
 /// A loaded model: spec, frozen weights, and its device.
@@ -330,6 +336,7 @@ impl Model {
             read_from,
             keep_kv_layers,
             mlp_chunk,
+            offload,
         } = plan;
         let keep_kv = |l: usize| {
             segment_size > 0
@@ -361,7 +368,16 @@ impl Model {
             // the step's peak either way.
             let top = l + 1 == n;
             if segment_size > 0 && l % segment_size == 0 && !top {
-                boundaries.push((l, x.try_clone()?));
+                let b = x.try_clone()?;
+                if offload {
+                    // The previous boundary's copy has had a segment's time: its device copy goes.
+                    if let Some((_, Boundary::Host(prev))) = boundaries.last_mut() {
+                        prev.settle()?;
+                    }
+                    boundaries.push((l, Boundary::Host(b.offload()?)));
+                } else {
+                    boundaries.push((l, Boundary::Device(b)));
+                }
             }
             let run = LayerRun {
                 env: kinds.env(ctx, self, l, &donor_kv),
@@ -465,7 +481,21 @@ impl Model {
         }
         let mut kept_attention = state.kept_attention;
         let mut kept_kv = state.kept_kv;
-        for (start, x) in state.boundaries.into_iter().rev() {
+        let mut boundaries = state.boundaries;
+        // The next boundary down, on its way back from the host while this segment runs.
+        let mut coming: Option<Prefetched> = None;
+        while let Some((start, b)) = boundaries.pop() {
+            let x = match b {
+                Boundary::Device(x) => x,
+                Boundary::Host(h) => match coming.take() {
+                    Some(p) => p.wait()?,
+                    None => h.prefetch()?.wait()?,
+                },
+            };
+            if let Some((_, Boundary::Host(h))) = boundaries.last_mut() {
+                h.settle()?;
+                coming = Some(h.prefetch()?);
+            }
             let end = (start + state.segment_size).min(n - 1);
             // Recompute this segment's activations from its boundary; only one segment is live.
             let mut seg: Vec<LayerActs> = Vec::with_capacity(end - start);
@@ -573,7 +603,7 @@ pub struct ForwardState {
     /// Every layer's activations without segments; the top layer's alone with them.
     acts: Vec<LayerActs>,
     /// With segments: `(first layer, its input)` of each segment below the top layer.
-    boundaries: Vec<(usize, Tensor)>,
+    boundaries: Vec<(usize, Boundary)>,
     /// Per layer, with segments and `keep_attention`: the forward's attention output and lse,
     /// taken by the layer's recomputation.
     kept_attention: Vec<Option<(Tensor, Tensor)>>,
@@ -586,4 +616,10 @@ pub struct ForwardState {
     kinds: Kinds,
     /// The KV donors' k and v (`DonorKv`).
     donor_kv: DonorKv,
+}
+
+/// A segment's input, on the device or offloaded to host memory (`ForwardPlan::offload`).
+enum Boundary {
+    Device(Tensor),
+    Host(Offloaded),
 }

@@ -12,6 +12,8 @@ pub mod rng;
 pub use rng::Rng;
 pub mod cpu;
 pub mod cuda;
+pub mod offload;
+pub use offload::{Offloaded, Prefetched};
 pub mod parity;
 
 use anyhow::{bail, ensure, Context, Result};

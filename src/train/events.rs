@@ -45,6 +45,8 @@ pub struct PassRecord {
     pub keep_attention: bool,
     pub keep_kv_layers: usize,
     pub mlp_chunk: usize,
+    /// The layer boundaries were in host memory.
+    pub offload: bool,
     /// `train::memory`'s estimate of the pass's activation bytes.
     pub estimated_bytes: usize,
 }

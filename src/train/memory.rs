@@ -34,6 +34,8 @@ pub fn estimate_bytes(
         mlp_chunked,
         dtype_bytes,
         head_chunk_rows,
+        offload: false,
+        host_budget: 0,
     };
     shape.terms(segment_size, keep_attention, 0).total()
 }
@@ -75,11 +77,10 @@ const BACKWARD_SHARE_PERCENT: usize = 21;
 /// Estimated activation bytes of a step, term by term, for a workload and plan (see
 /// `StepShape::terms` for what each term counts).
 pub fn estimate(shape: StepShape, plan: &KeepPlan) -> Estimate {
-    shape.chunked(plan.mlp_chunk > 0).terms(
-        plan.segment_size,
-        plan.keep_attention,
-        plan.keep_kv_layers,
-    )
+    shape
+        .chunked(plan.mlp_chunk > 0)
+        .offloaded(plan.offload)
+        .terms(plan.segment_size, plan.keep_attention, plan.keep_kv_layers)
 }
 
 /// With segments, whether the top layer keeps its MLP intermediates (`3·T·I` values) from the
@@ -109,6 +110,17 @@ pub struct KeepPlan {
     pub keep_kv_layers: usize,
     /// The MLP's token chunk (0: all tokens at once).
     pub mlp_chunk: usize,
+    /// With segments: the layer boundaries live in host memory (`ForwardPlan::offload`).
+    pub offload: bool,
+}
+
+/// Bytes of host memory a plan's offloaded layer boundaries take (0 without offload).
+pub fn host_bytes(shape: StepShape, plan: &KeepPlan) -> usize {
+    if plan.offload {
+        shape.boundary_count(plan.segment_size) * shape.boundary_bytes()
+    } else {
+        0
+    }
 }
 
 /// The MLP token chunk the planner turns to when no plan with whole-sequence MLPs fits: it bounds
@@ -128,6 +140,11 @@ pub struct StepShape<'a> {
     pub mlp_chunked: bool,
     pub dtype_bytes: usize,
     pub head_chunk_rows: usize,
+    /// The layer boundaries are offloaded to host memory: at most two are on the device.
+    pub offload: bool,
+    /// Bytes of host memory that offloaded boundaries may take (`host_budget`); 0 where the
+    /// planner may not offload.
+    pub host_budget: usize,
 }
 
 impl StepShape<'_> {
@@ -141,8 +158,9 @@ impl StepShape<'_> {
     /// The segment size of the smallest footprint (nothing kept).
     pub fn smallest_segment(&self) -> usize {
         (1..=self.spec.n_layers)
+            .filter(|&s| self.host_fits(s))
             .min_by_key(|&s| self.bytes(s, false))
-            .unwrap_or(1)
+            .unwrap_or(self.spec.n_layers)
     }
 
     /// This workload with the MLP chunked or not.
@@ -153,24 +171,75 @@ impl StepShape<'_> {
         }
     }
 
+    /// This workload with the boundaries offloaded or not.
+    pub fn offloaded(&self, offload: bool) -> Self {
+        StepShape { offload, ..*self }
+    }
+
+    /// Layer boundaries a pass keeps at segment size `s`.
+    fn boundary_count(&self, s: usize) -> usize {
+        if s == 0 {
+            0
+        } else {
+            self.spec.n_layers.div_ceil(s)
+        }
+    }
+
+    /// Bytes of one layer boundary (the f32 residual stream).
+    fn boundary_bytes(&self) -> usize {
+        self.tokens * self.spec.hidden * 4
+    }
+
+    /// Whether segment size `s`'s boundaries fit the host budget when they are offloaded.
+    fn host_fits(&self, s: usize) -> bool {
+        !self.offload || self.boundary_count(s) * self.boundary_bytes() <= self.host_budget
+    }
+
+    /// The smallest segment size whose offloaded boundaries fit the host (1 without offload).
+    fn first_host_fitting(&self) -> usize {
+        (1..=self.spec.n_layers)
+            .find(|&s| self.host_fits(s))
+            .unwrap_or(self.spec.n_layers)
+    }
+
     /// This workload over `tokens` tokens.
     pub fn with_tokens(&self, tokens: usize) -> Self {
         StepShape { tokens, ..*self }
     }
 
     /// The estimate of the smallest footprint the planner has: the smallest segment size, nothing
-    /// kept, the MLP chunked (unless the user fixed it whole).
-    pub fn smallest(&self, mlp_chunk: Option<usize>) -> (KeepPlan, Estimate) {
+    /// kept, the MLP chunked (unless the user fixed it whole), the boundaries offloaded where
+    /// that is smaller and `offload` allows it (`None`: where the host budget allows).
+    pub fn smallest(
+        &self,
+        mlp_chunk: Option<usize>,
+        offload: Option<bool>,
+    ) -> (KeepPlan, Estimate) {
         let chunk = mlp_chunk.unwrap_or(AUTO_MLP_CHUNK);
-        let shape = self.chunked(chunk > 0);
-        let s = shape.smallest_segment();
-        let plan = KeepPlan {
-            segment_size: s,
-            keep_attention: false,
-            keep_kv_layers: 0,
-            mlp_chunk: chunk,
+        let at = |offload: bool| {
+            let shape = self.chunked(chunk > 0).offloaded(offload);
+            let s = shape.smallest_segment();
+            let plan = KeepPlan {
+                segment_size: s,
+                keep_attention: false,
+                keep_kv_layers: 0,
+                mlp_chunk: chunk,
+                offload,
+            };
+            (plan, shape.terms(s, false, 0))
         };
-        (plan, shape.terms(s, false, 0))
+        match offload {
+            Some(o) => at(o),
+            None if self.host_budget == 0 => at(false),
+            None => {
+                let (on, off) = (at(true), at(false));
+                if on.1.total() < off.1.total() {
+                    on
+                } else {
+                    off
+                }
+            }
+        }
     }
 
     /// Activation bytes at this segment size, kept-attention choice and number of layers whose k
@@ -245,11 +314,14 @@ impl StepShape<'_> {
             } else {
                 0
             };
+            // Offloaded, one boundary is on its way out and one on its way back at a time.
+            let on_device = if self.offload {
+                self.boundary_count(segment_size).min(2)
+            } else {
+                self.boundary_count(segment_size)
+            };
             vec![
-                (
-                    "layer boundaries",
-                    l.div_ceil(segment_size) * tokens * h * 4,
-                ),
+                ("layer boundaries", on_device * self.boundary_bytes()),
                 ("kept attention outputs", attention),
                 ("kept k and v", keep_kv_layers * kv_bytes(spec, tokens, c)),
                 ("one segment's activations", segment_size.min(l) * layer),
@@ -270,8 +342,13 @@ impl StepShape<'_> {
 
 /// The longest pass (in tokens, at most `tokens`) whose smallest footprint fits `budget` bytes;
 /// 0 when not even one token does.
-pub fn longest_that_fits(shape: StepShape, mlp_chunk: Option<usize>, budget: usize) -> usize {
-    let fits = |t: usize| shape.with_tokens(t).smallest(mlp_chunk).1.total() <= budget;
+pub fn longest_that_fits(
+    shape: StepShape,
+    mlp_chunk: Option<usize>,
+    offload: Option<bool>,
+    budget: usize,
+) -> usize {
+    let fits = |t: usize| shape.with_tokens(t).smallest(mlp_chunk, offload).1.total() <= budget;
     let (mut lo, mut hi) = (0, shape.tokens);
     if fits(hi) {
         return hi;
@@ -289,39 +366,45 @@ pub fn longest_that_fits(shape: StepShape, mlp_chunk: Option<usize>, budget: usi
 }
 
 /// Segment size 0 when its estimate fits in `budget` bytes; otherwise the first plan of the
-/// module's order of preference that fits, or the smallest footprint when none does.
+/// module's order of preference that fits, or the smallest footprint when none does. With the
+/// boundaries offloaded, "size 1" is the smallest size whose boundaries fit the host budget.
 pub fn auto_plan(shape: StepShape, budget: usize) -> KeepPlan {
     let est = |s, keep| shape.bytes(s, keep);
-    let plan = |segment_size, keep_attention| KeepPlan {
+    let plan = |segment_size: usize, keep_attention| KeepPlan {
         segment_size,
         keep_attention,
         keep_kv_layers: 0,
         mlp_chunk: 0,
+        offload: shape.offload && segment_size > 0,
     };
     if est(0, false) <= budget {
         return plan(0, false);
     }
+    let first = shape.first_host_fitting();
     let smallest = shape.smallest_segment();
-    [(1, true), (smallest, true), (1, false)]
+    [(first, true), (smallest, true), (first, false)]
         .into_iter()
         .find(|&(s, keep)| est(s, keep) <= budget)
         .map_or(plan(smallest, false), |(s, keep)| plan(s, keep))
 }
 
-/// The plan of one step: the user's segment size, kept-attention, kept-k/v and MLP-chunk choices
-/// where given, the rest from the budget (`auto_plan` when the segment size is unset; with a given
-/// size, attention outputs are kept when they fit; then k and v of as many layers as still fit).
-/// Nothing is kept without segments. An unset MLP chunk is 0 (whole sequences) unless no such plan
-/// fits, then `AUTO_MLP_CHUNK`, planned again.
+/// The plan of one step: the user's segment size, kept-attention, kept-k/v, MLP-chunk and
+/// offload choices where given, the rest from the budget (`auto_plan` when the segment size is
+/// unset; with a given size, attention outputs are kept when they fit; then k and v of as many
+/// layers as still fit). Nothing is kept without segments. An unset MLP chunk is 0 (whole
+/// sequences) unless no such plan fits, then `AUTO_MLP_CHUNK`, planned again. An unset offload
+/// is off unless no plan fits the device otherwise and one with the boundaries in host memory
+/// (within `shape.host_budget`) does.
 pub fn resolve_plan(
     shape: StepShape,
     segment_size: Option<usize>,
     keep_attention: Option<bool>,
     keep_kv_layers: Option<usize>,
     mlp_chunk: Option<usize>,
+    offload: Option<bool>,
     budget: usize,
 ) -> KeepPlan {
-    let with_chunk = |chunk: usize| {
+    let with_chunk = |shape: StepShape, chunk: usize| {
         let shape = shape.chunked(chunk > 0);
         let (segment_size, fits) = match segment_size {
             None => {
@@ -345,14 +428,28 @@ pub fn resolve_plan(
             keep_attention,
             keep_kv_layers,
             mlp_chunk: chunk,
+            offload: shape.offload && segment_size > 0,
         };
-        (plan, shape.bytes(segment_size, keep_attention) <= budget)
+        let fits = shape.bytes(segment_size, keep_attention) <= budget
+            && host_bytes(shape, &plan) <= shape.host_budget;
+        (plan, fits)
     };
-    match mlp_chunk {
-        Some(chunk) => with_chunk(chunk).0,
-        None => match with_chunk(0) {
+    let planned = |shape: StepShape| match mlp_chunk {
+        Some(chunk) => with_chunk(shape, chunk),
+        None => match with_chunk(shape, 0) {
+            (plan, true) => (plan, true),
+            _ => with_chunk(shape, AUTO_MLP_CHUNK),
+        },
+    };
+    match offload {
+        Some(o) => planned(shape.offloaded(o)).0,
+        None => match planned(shape.offloaded(false)) {
             (plan, true) => plan,
-            _ => with_chunk(AUTO_MLP_CHUNK).0,
+            (plan, false) if shape.host_budget == 0 => plan,
+            (plan, false) => match planned(shape.offloaded(true)) {
+                (offloaded, true) => offloaded,
+                _ => plan,
+            },
         },
     }
 }
@@ -372,6 +469,9 @@ pub fn describe_plan(plan: &KeepPlan) -> String {
     }
     if plan.mlp_chunk > 0 {
         parts.push(format!("MLP chunk {}", plan.mlp_chunk));
+    }
+    if plan.offload {
+        parts.push("boundaries in host memory".into());
     }
     parts.join(", ")
 }
@@ -402,6 +502,31 @@ pub fn budget(device: &crate::tensor::Device, memory_limit: Option<f64>) -> anyh
     })
 }
 
+/// Bytes of host memory that offloaded layer boundaries may pin: on CUDA the machine's available
+/// memory (`MemAvailable`) plus what the offload lane already holds, less a margin of 10% (at
+/// least 8 GiB) for the process and the page cache; none with `offload = false`. On the CPU,
+/// where host memory is the device's, a fixed 8 GiB with `offload = true` (the host-side store the
+/// tests run) and none otherwise.
+pub fn host_budget(device: &crate::tensor::Device, offload: Option<bool>) -> usize {
+    match (device, offload) {
+        (_, Some(false)) => 0,
+        (crate::tensor::Device::Cpu, Some(true)) => 8 << 30,
+        (crate::tensor::Device::Cpu, None) => 0,
+        (crate::tensor::Device::Cuda(c), _) => {
+            let available = mem_available().unwrap_or(0) + c.pinned_bytes();
+            available.saturating_sub((available / 10).max(8 << 30))
+        }
+    }
+}
+
+/// `MemAvailable` of /proc/meminfo, in bytes.
+fn mem_available() -> Option<usize> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib << 10)
+}
+
 /// The part of `free` device bytes the planner leaves unplanned: 5%, at least 4 GiB (the
 /// estimates are within 5% of the allocator's peaks; what the pool cannot hand out in one piece,
 /// cuBLAS's workspaces and other processes' growth take the rest).
@@ -421,6 +546,8 @@ mod tests {
             mlp_chunked,
             dtype_bytes: 2,
             head_chunk_rows: 512,
+            offload: false,
+            host_budget: 0,
         }
     }
 
@@ -482,6 +609,7 @@ mod tests {
                 keep,
                 Some(0),
                 Some(4096),
+                None,
                 budget,
             );
             (p.segment_size, p.keep_attention)
@@ -504,6 +632,7 @@ mod tests {
                 Some(true),
                 None,
                 Some(4096),
+                None,
                 budget,
             )
             .keep_kv_layers
@@ -520,6 +649,7 @@ mod tests {
             Some(true),
             Some(7),
             Some(4096),
+            None,
             0,
         );
         assert_eq!(given.keep_kv_layers, 7);
@@ -533,7 +663,7 @@ mod tests {
         .unwrap();
         let gib = 1usize << 30;
         let whole = shape(&spec, 294_912, false);
-        let chunk = |budget| resolve_plan(whole, None, None, None, None, budget).mlp_chunk;
+        let chunk = |budget| resolve_plan(whole, None, None, None, None, None, budget).mlp_chunk;
         // 256K tokens a branch (T = 294912): the smallest whole-MLP plan is segment 2 at about
         // 158 GiB; chunked, segment 3 needs about 113 GiB.
         let smallest_whole = (1..=32).map(|s| whole.bytes(s, false)).min().unwrap();
@@ -541,7 +671,7 @@ mod tests {
         assert_eq!(chunk(1000 * gib), 0);
         assert_eq!(chunk(smallest_whole), 0);
         assert_eq!(chunk(smallest_whole - 1), AUTO_MLP_CHUNK);
-        let (plan, est) = whole.smallest(None);
+        let (plan, est) = whole.smallest(None, None);
         assert_eq!((plan.segment_size, plan.mlp_chunk), (3, AUTO_MLP_CHUNK));
         assert!(
             est.total() < 115 * gib && est.total() > 110 * gib,
@@ -549,15 +679,83 @@ mod tests {
         );
         // A chunk the user set stays, even 0.
         assert_eq!(
-            resolve_plan(whole, None, None, None, Some(0), gib).mlp_chunk,
+            resolve_plan(whole, None, None, None, Some(0), None, gib).mlp_chunk,
             0
         );
         // The longest pass whose smallest plan fits a budget.
-        let fits = longest_that_fits(whole, None, 60 * gib);
-        assert!(whole.with_tokens(fits).smallest(None).1.total() <= 60 * gib);
-        assert!(whole.with_tokens(fits + 1).smallest(None).1.total() > 60 * gib);
-        assert_eq!(longest_that_fits(whole, None, 1000 * gib), 294_912);
-        assert_eq!(longest_that_fits(whole, None, 0), 0);
+        let fits = longest_that_fits(whole, None, None, 60 * gib);
+        assert!(whole.with_tokens(fits).smallest(None, None).1.total() <= 60 * gib);
+        assert!(whole.with_tokens(fits + 1).smallest(None, None).1.total() > 60 * gib);
+        assert_eq!(longest_that_fits(whole, None, None, 1000 * gib), 294_912);
+        assert_eq!(longest_that_fits(whole, None, None, 0), 0);
+    }
+
+    /// llama8b at 256K tokens a branch (T = 294912, a boundary 4.5 GiB): with the boundaries in
+    /// host memory only two are on the device, the planner offloads only when nothing else fits,
+    /// and it takes the smallest segment size whose boundaries fit the host.
+    #[test]
+    fn boundaries_go_to_the_host_only_when_nothing_else_fits() {
+        let spec = ModelSpec::from_config_json(
+            r#"{"architectures":["LlamaForCausalLM"],"hidden_size":4096,"intermediate_size":14336,"num_hidden_layers":32,"num_attention_heads":32,"num_key_value_heads":8,"vocab_size":128256}"#,
+        )
+        .unwrap();
+        let gib = 1usize << 30;
+        let boundary = 294_912 * 4096 * 4;
+        let host = |h: usize| StepShape {
+            host_budget: h,
+            ..shape(&spec, 294_912, true)
+        };
+        let at = |shape: StepShape, offload, budget| {
+            resolve_plan(shape, None, None, Some(0), Some(4096), offload, budget)
+        };
+        // On the device at segment 1 the boundaries are 32 x 4.5 GiB; offloaded, 2.
+        let plan1 = |offload| KeepPlan {
+            segment_size: 1,
+            keep_attention: false,
+            keep_kv_layers: 0,
+            mlp_chunk: 4096,
+            offload,
+        };
+        let terms = |offload| estimate(host(200 * gib), &plan1(offload));
+        let bytes = |e: &Estimate, name| e.terms.iter().find(|t| t.0 == name).unwrap().1;
+        assert_eq!(bytes(&terms(false), "layer boundaries"), 32 * boundary);
+        assert_eq!(bytes(&terms(true), "layer boundaries"), 2 * boundary);
+        assert_eq!(host_bytes(host(0), &plan1(true)), 32 * boundary);
+        assert_eq!(host_bytes(host(0), &plan1(false)), 0);
+        // Plenty of device memory: no offload, whatever the host has.
+        assert!(!at(host(1000 * gib), None, 1000 * gib).offload);
+        // 64 GiB of device memory (an 80 GiB card less the weights): nothing fits on the device
+        // alone (the smallest plan needs about 113 GiB), so the boundaries go to the host. With
+        // room for all 32 the plan is segment 1; with room for 16, segment 2 (about 54 GiB on
+        // the device); with room for 10, segment 4 would need about 90 GiB: no offloaded plan
+        // fits, and the plan stays on the device (and is refused).
+        let device = 64 * gib;
+        assert!(host(0).smallest(Some(4096), Some(false)).1.total() > device);
+        let roomy = at(host(200 * gib), None, device);
+        assert!(roomy.offload && roomy.segment_size == 1, "{roomy:?}");
+        let tight = at(host(16 * boundary), None, device);
+        assert!(tight.offload && tight.segment_size == 2, "{tight:?}");
+        assert!(host_bytes(host(0), &tight) <= 16 * boundary);
+        assert!(!at(host(10 * boundary), None, device).offload);
+        // No host budget: no offload (the plan that does not fit, which the trainer refuses).
+        assert!(!at(host(0), None, device).offload);
+        // Forced either way.
+        assert!(at(host(1000 * gib), Some(true), 1000 * gib).segment_size == 0);
+        let forced = resolve_plan(
+            host(8 * gib),
+            Some(1),
+            None,
+            Some(0),
+            Some(4096),
+            Some(true),
+            1000 * gib,
+        );
+        assert!(forced.offload);
+        assert!(!at(host(1000 * gib), Some(false), device).offload);
+        // The smallest footprint offloads when the host allows it.
+        let (p, e) = host(200 * gib).smallest(Some(4096), None);
+        assert!(p.offload && e.total() < device, "{p:?} {e:?}");
+        assert!(!host(0).smallest(Some(4096), None).0.offload);
     }
 
     #[test]
@@ -569,5 +767,9 @@ mod tests {
         let cpu = crate::tensor::Device::Cpu;
         assert_eq!(budget(&cpu, Some(2.5)).unwrap(), 5 * gib / 2);
         assert_eq!(budget(&cpu, None).unwrap(), 8 * gib);
+        // The CPU offloads to its host-side store only when asked.
+        assert_eq!(host_budget(&cpu, None), 0);
+        assert_eq!(host_budget(&cpu, Some(true)), 8 * gib);
+        assert_eq!(host_budget(&cpu, Some(false)), 0);
     }
 }

@@ -23,6 +23,8 @@ pub struct PassOptions {
     pub keep_kv_layers: usize,
     /// MLP token chunk (`ForwardPlan::mlp_chunk`).
     pub mlp_chunk: usize,
+    /// With segments: layer boundaries in host memory (`ForwardPlan::offload`).
+    pub offload: bool,
     pub head: HeadTier,
     pub head_chunk: usize,
     pub dropout: Option<(f32, u64)>,
@@ -187,6 +189,7 @@ fn forward_all(
                 read_from,
                 keep_kv_layers: if keep { opts.keep_kv_layers } else { 0 },
                 mlp_chunk: opts.mlp_chunk,
+                offload: keep && opts.offload,
             };
             let (hidden, st) = model.forward_keeping(&s.ids, lora, &ctx, plan)?;
             Ok(Forwarded {

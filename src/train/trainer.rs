@@ -209,6 +209,7 @@ pub fn pass_options(
         cfg.keep_attention,
         cfg.keep_kv_layers,
         cfg.mlp_chunk,
+        cfg.offload,
         budget,
     );
     PassOptions {
@@ -216,6 +217,7 @@ pub fn pass_options(
         keep_attention: plan.keep_attention,
         keep_kv_layers: plan.keep_kv_layers,
         mlp_chunk: plan.mlp_chunk,
+        offload: plan.offload,
         head: cfg.head,
         head_chunk: shape.head_chunk_rows,
         dropout,
@@ -234,6 +236,8 @@ pub fn step_shape<'a>(
         mlp_chunked: cfg.mlp_chunk.is_some_and(|c| c > 0),
         dtype_bytes: model.device.compute_dtype().size(),
         head_chunk_rows: crate::config::resolve_head_chunk(cfg.head_chunk, model.spec.vocab),
+        offload: false,
+        host_budget: super::memory::host_budget(&model.device, cfg.offload),
     }
 }
 
@@ -251,6 +255,8 @@ pub fn pass_estimate(model: &Model, tokens: usize, opts: &PassOptions) -> super:
         mlp_chunked: opts.mlp_chunk > 0,
         dtype_bytes: model.device.compute_dtype().size(),
         head_chunk_rows: opts.head_chunk,
+        offload: opts.offload,
+        host_budget: 0,
     };
     super::memory::estimate(shape, &keep_plan(opts))
 }
@@ -262,6 +268,7 @@ pub fn keep_plan(opts: &PassOptions) -> super::memory::KeepPlan {
         keep_attention: opts.keep_attention,
         keep_kv_layers: opts.keep_kv_layers,
         mlp_chunk: opts.mlp_chunk,
+        offload: opts.offload,
     }
 }
 
@@ -337,7 +344,7 @@ pub fn refuse_unless_longest_fits(
         || cfg.keep_attention == Some(true)
         || cfg.keep_kv_layers.is_some_and(|k| k > 0)
         || cfg.mlp_chunk == Some(0);
-    let (_, smallest) = shape.smallest(cfg.mlp_chunk);
+    let (_, smallest) = shape.smallest(cfg.mlp_chunk, cfg.offload);
     let advice = if fixed && smallest.total() <= budget {
         format!(
             "the planner's smallest plan needs {:.2} GiB: unset segment_size, keep_attention, \
@@ -345,7 +352,7 @@ pub fn refuse_unless_longest_fits(
             gib(smallest.total())
         )
     } else {
-        let longest = super::memory::longest_that_fits(shape, cfg.mlp_chunk, budget);
+        let longest = super::memory::longest_that_fits(shape, cfg.mlp_chunk, cfg.offload, budget);
         format!(
             "the longest pass that fits is about {longest} tokens: lower max_seq_len and \
              max_prompt_len, drop the longest rows, or raise memory_limit"
@@ -791,6 +798,7 @@ pub fn train_with(
                 keep_attention: pass.keep_attention,
                 keep_kv_layers: pass.keep_kv_layers,
                 mlp_chunk: pass.mlp_chunk,
+                offload: pass.offload,
                 estimated_bytes,
             },
             eta_seconds: elapsed / done as f64 * (total_steps - state.step) as f64,

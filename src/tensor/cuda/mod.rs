@@ -21,6 +21,8 @@ mod dequant;
 mod elementwise;
 mod gemm;
 mod objective;
+mod offload;
+pub use offload::{Fetched, HostCopy};
 
 use super::{
     AdamW, AdamWItem, AttnMask, AttnShape, DType, Device, DeviceValues, MemoryStats, NormClip,
@@ -147,6 +149,8 @@ struct Inner {
     launches: AtomicU64,
     /// With `LORAFIT_PROFILE=timeline`: host nanoseconds spent in each `HostCall` class.
     host_ns: Option<[AtomicU64; HOST_CALLS]>,
+    /// The host-offload copy stream and its pinned buffers (`offload`).
+    offload: offload::Lane,
 }
 
 /// Classes of host work timed with `LORAFIT_PROFILE=timeline` (`Inner::host_timed`).
@@ -251,6 +255,7 @@ impl Inner {
 impl Drop for Inner {
     fn drop(&mut self) {
         let _ = self.bind();
+        self.offload.shut_down();
         let _ = self.stream.synchronize();
         for (_, ptrs) in self.blocks.lock().unwrap().free.drain() {
             for p in ptrs {
@@ -615,6 +620,7 @@ impl CudaBackend {
                 host_ns: std::env::var("LORAFIT_PROFILE")
                     .is_ok_and(|v| v == "timeline")
                     .then(|| std::array::from_fn(|_| AtomicU64::new(0))),
+                offload: offload::Lane::default(),
             })
         })?;
         Ok(Arc::new_cyclic(|me| CudaBackend {
