@@ -393,8 +393,8 @@ pub fn auto_plan(shape: StepShape, budget: usize) -> KeepPlan {
 /// unset; with a given size, attention outputs are kept when they fit; then k and v of as many
 /// layers as still fit). Nothing is kept without segments. An unset MLP chunk is 0 (whole
 /// sequences) unless no such plan fits, then `AUTO_MLP_CHUNK`, planned again. An unset offload
-/// is off unless no plan fits the device otherwise and one with the boundaries in host memory
-/// (within `shape.host_budget`) does.
+/// is off unless a plan with the boundaries in host memory (within `shape.host_budget`) fits
+/// where none on the device does, or fits with fewer `slowdowns` than the device's.
 pub fn resolve_plan(
     shape: StepShape,
     segment_size: Option<usize>,
@@ -441,17 +441,25 @@ pub fn resolve_plan(
             _ => with_chunk(shape, AUTO_MLP_CHUNK),
         },
     };
-    match offload {
-        Some(o) => planned(shape.offloaded(o)).0,
-        None => match planned(shape.offloaded(false)) {
-            (plan, true) => plan,
-            (plan, false) if shape.host_budget == 0 => plan,
-            (plan, false) => match planned(shape.offloaded(true)) {
-                (offloaded, true) => offloaded,
-                _ => plan,
-            },
+    let on_device = match offload {
+        Some(o) => return planned(shape.offloaded(o)).0,
+        None => planned(shape.offloaded(false)),
+    };
+    match on_device {
+        (plan, _) if shape.host_budget == 0 => plan,
+        (plan, true) if plan.segment_size == 0 || slowdowns(&plan) == (false, false) => plan,
+        (plan, fits) => match planned(shape.offloaded(true)) {
+            (offloaded, true) if !fits || slowdowns(&offloaded) < slowdowns(&plan) => offloaded,
+            _ => plan,
         },
     }
+}
+
+/// What makes a segmented plan slower than segment 1 with kept attention, the worse first: the
+/// attention recomputed, then the MLP in chunks. Offload costs less than either (3–4% a step
+/// on the H200 at 16K–32K tokens a branch, measured), so the planner offloads to avoid them.
+fn slowdowns(plan: &KeepPlan) -> (bool, bool) {
+    (!plan.keep_attention, plan.mlp_chunk > 0)
 }
 
 /// The plan as a user would write it: `segment 2, attention kept, k/v of 5 layers kept, MLP chunk
@@ -752,6 +760,41 @@ mod tests {
         );
         assert!(forced.offload);
         assert!(!at(host(1000 * gib), Some(false), device).offload);
+        // 147456 tokens at 70 GiB: on the device the fastest fit is segment 3 with the attention
+        // recomputed (57.0 GiB); offloaded, segment 1 keeps it (about 52 GiB), and is taken.
+        let mid = |h: usize| StepShape {
+            host_budget: h,
+            ..shape(&spec, 147_456, true)
+        };
+        let p = resolve_plan(mid(0), None, None, Some(0), Some(4096), None, 70 * gib);
+        assert!(
+            !p.offload && !p.keep_attention && p.segment_size == 3,
+            "{p:?}"
+        );
+        let p = resolve_plan(
+            mid(200 * gib),
+            None,
+            None,
+            Some(0),
+            Some(4096),
+            None,
+            70 * gib,
+        );
+        assert!(
+            p.offload && p.keep_attention && p.segment_size == 1,
+            "{p:?}"
+        );
+        // At 125 GiB segment 1 with attention fits on the device: no offload.
+        let p = resolve_plan(
+            mid(200 * gib),
+            None,
+            None,
+            Some(0),
+            Some(4096),
+            None,
+            125 * gib,
+        );
+        assert!(!p.offload && p.keep_attention, "{p:?}");
         // The smallest footprint offloads when the host allows it.
         let (p, e) = host(200 * gib).smallest(Some(4096), None);
         assert!(p.offload && e.total() < device, "{p:?} {e:?}");
