@@ -233,6 +233,12 @@ pub struct TrainConfig {
     /// side stream while the layers run (`tensor::offload`): true always, false never, unset when
     /// no plan fits the device otherwise and the host has the room (`train::memory::host_budget`).
     pub offload: Option<bool>,
+    /// Run each step's examples in packs of consecutive examples of up to this many tokens, each
+    /// pack one sequence with a block-diagonal mask (`train::plan::pack`); 0 runs them one by one.
+    /// The losses and gradients are those of the unpacked run (f32 sums in another order); with
+    /// `lora_dropout` the masks differ. Needs `prefix_shared` for pairs, and a model whose rotary
+    /// factors do not depend on the length (not LongRoPE).
+    pub pack_tokens: usize,
     pub head: HeadTier,
     /// Rows per chunk of the chunked head; 0 picks `auto_head_chunk(vocab)`.
     pub head_chunk: usize,
@@ -328,6 +334,7 @@ impl Default for TrainConfig {
             mlp_chunk: None,
             memory_limit: None,
             offload: None,
+            pack_tokens: 0,
             // Chunked stays the default on every device: the fused tier (`head = "fused"`) is
             // correct on CUDA (selftest cce rows) and cuts peak memory (qwen1.5b, 3584+512,
             // segment 1, H200: 4.25 vs 7.67 GiB) but its kernels (~90 TFLOP/s fwd, ~70 bwd) are
@@ -710,6 +717,13 @@ impl TrainConfig {
         if let Some(g) = self.memory_limit {
             range("memory_limit", g, 0.0, inf, true, true)?;
         }
+        if self.pack_tokens > 0 && !self.prefix_shared && self.method != Method::Sft {
+            bail!(
+                "pack_tokens = {}: packing runs each pair as one prefix-shared sequence; set \
+                 prefix_shared = true (or pack_tokens = 0)",
+                self.pack_tokens
+            );
+        }
         range("simpo_beta", self.simpo_beta, 0.0, inf, true, true)?;
         range("simpo_gamma", self.simpo_gamma, 0.0, inf, false, true)?;
         range(
@@ -862,6 +876,7 @@ mod tests {
             mlp_chunk: Some(4096),
             memory_limit: Some(23.5),
             offload: Some(true),
+            pack_tokens: 4096,
             warm_start: Some("runs/old/adapter".into()),
             ..TrainConfig::default()
         };

@@ -776,6 +776,72 @@ fn offloaded_boundaries_give_the_same_run_bit_for_bit() {
     );
 }
 
+/// `pack_tokens`: a step's four examples run in packs (here two or more a pack) give the
+/// unpacked run's step losses and, after three updates, its adapter, within f32 rounding; each
+/// step records its pack as the pass; pairs without prefix sharing are refused by name.
+#[test]
+fn packed_steps_train_as_the_unpacked_ones() {
+    let loaded = tiny_loaded();
+    let spec = &loaded.model.spec;
+    let tr = pair_items(8, 12, spec.vocab);
+    let longest = tr
+        .iter()
+        .map(|it| it.plan(true).unwrap().tokens())
+        .max()
+        .unwrap();
+    let runs: Vec<(TrainOutcome, Vec<serde_json::Value>, Vec<f32>)> = [0, 2 * longest]
+        .into_iter()
+        .map(|pack_tokens| {
+            let dir = out_dir(&format!("pack-{pack_tokens}"));
+            let mut c = cfg(&dir, 3);
+            c.grad_accum = 4;
+            c.pack_tokens = pack_tokens;
+            let out = run(&c, None, &loaded, &tr, &[]);
+            let lines = train_lines(&dir);
+            let adapter = read_safetensors(&out.adapter_dir.join("adapter_model.safetensors"));
+            let mut values: Vec<(String, Vec<f32>)> =
+                adapter.into_iter().map(|(k, (_, v))| (k, v)).collect();
+            values.sort_by(|a, b| a.0.cmp(&b.0));
+            let _ = std::fs::remove_dir_all(&dir);
+            (
+                out,
+                lines,
+                values.into_iter().flat_map(|(_, v)| v).collect(),
+            )
+        })
+        .collect();
+    let (alone, packed) = (&runs[0], &runs[1]);
+    for (i, (a, b)) in alone.0.losses.iter().zip(&packed.0.losses).enumerate() {
+        assert!(
+            ((a - b) / a).abs() < 1e-5,
+            "step {}: loss {a} unpacked vs {b} packed",
+            i + 1
+        );
+    }
+    assert_eq!(alone.0.losses.len(), 3);
+    common::assert_close("adapter after 3 packed steps", &packed.2, &alone.2, 1e-4);
+    for (a, b) in alone.1.iter().zip(&packed.1) {
+        let (ta, tb) = (
+            a["pass"]["tokens"].as_u64().unwrap(),
+            b["pass"]["tokens"].as_u64().unwrap(),
+        );
+        assert!(ta as usize <= longest, "{a}");
+        assert!(
+            tb > ta && tb as usize <= 2 * longest,
+            "a pack is the step's pass: {b}"
+        );
+    }
+    let dir = out_dir("pack-unshared");
+    let mut c = cfg(&dir, 1);
+    c.pack_tokens = 512;
+    c.prefix_shared = false;
+    let e = c.validate().unwrap_err().to_string();
+    assert!(
+        e.contains("pack_tokens") && e.contains("prefix_shared"),
+        "{e}"
+    );
+}
+
 // ---------------------------------------------------------------------------------------------
 // PEFT round trip
 // ---------------------------------------------------------------------------------------------

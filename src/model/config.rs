@@ -70,6 +70,11 @@ pub struct RopeSpec {
 }
 
 impl RopeSpec {
+    /// Whether the table's factors depend on the example's largest position (LongRoPE).
+    pub fn depends_on_length(&self) -> bool {
+        matches!(self.scaling, RopeScaling::LongRope { .. })
+    }
+
     /// Inverse frequencies (`dims/2` of them) for a sequence whose largest position is
     /// `max_pos`, after the scaling, as Hugging Face computes them.
     pub fn inv_freq(&self, max_pos: usize) -> Vec<f32> {

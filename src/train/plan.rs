@@ -6,6 +6,10 @@
 //! logical position |P|, rejected tokens never see chosen ones, and the head reads
 //! chosen[k] ← H[P−1+k], rejected[0] ← H[P−1], rejected[k≥1] ← H[P+Rc+k−1].
 //!
+//! Packing (`pack`): several one-sequence plans end to end in one sequence, each block seeing only
+//! its own keys (the mask's key ranges shifted by the block's offset) at its own positions, so
+//! every layer computes for each block exactly what it computes for the block alone.
+//!
 //! The masks here carry the layout only; each layer applies its own sliding window
 //! (`model::runner`).
 
@@ -149,5 +153,60 @@ impl Plan {
     /// Tokens run through the model.
     pub fn tokens(&self) -> usize {
         self.seqs.iter().map(|s| s.ids.len()).sum()
+    }
+}
+
+/// One-sequence plans end to end in one sequence (`pack`): the sequence, and each plan's
+/// offset in it.
+pub struct Packed {
+    pub seq: Sequence,
+    pub offsets: Vec<usize>,
+}
+
+/// `plans` (each one sequence: a prefix-shared pair or an SFT example) packed into one
+/// sequence with a block-diagonal mask and per-block positions.
+pub fn pack(plans: &[&Plan]) -> Result<Packed> {
+    let mut ids = Vec::new();
+    let mut mask = AttnMask {
+        ranges: Vec::new(),
+        positions: Vec::new(),
+        window: None,
+    };
+    let mut offsets = Vec::with_capacity(plans.len());
+    for (i, p) in plans.iter().enumerate() {
+        ensure!(
+            p.seqs.len() == 1,
+            "packing example {i}: it runs as {} sequences (packing needs prefix_shared pairs or              SFT examples)",
+            p.seqs.len()
+        );
+        let s = &p.seqs[0];
+        let o = ids.len() as u32;
+        offsets.push(o as usize);
+        ids.extend(&s.ids);
+        let shift = |a: u32, b: u32| if b > a { (a + o, b + o) } else { (0, 0) };
+        for r in &s.mask.ranges {
+            let (a0, a1) = shift(r[0], r[1]);
+            let (b0, b1) = shift(r[2], r[3]);
+            mask.ranges.push([a0, a1, b0, b1]);
+        }
+        mask.positions.extend(&s.mask.positions);
+    }
+    ensure!(
+        u32::try_from(ids.len()).is_ok(),
+        "a pack of {} tokens",
+        ids.len()
+    );
+    Ok(Packed {
+        seq: Sequence { ids, mask },
+        offsets,
+    })
+}
+
+/// `rows` of a packed plan's sequence, shifted to where the plan lies in the pack.
+pub fn shifted(rows: &Rows, offset: usize) -> Rows {
+    Rows {
+        seq: 0,
+        rows: rows.rows.iter().map(|&r| r + offset as u32).collect(),
+        targets: rows.targets.clone(),
     }
 }

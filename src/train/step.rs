@@ -6,7 +6,7 @@ use super::device_loss::{self, ExampleScale, Parts, PendingLoss, Reference};
 use super::head::{
     concat_vectors, logp_backward_saved, logp_forward_saved, slice_vector, HeadSaved, HeadTier,
 };
-use super::plan::{Plan, Rows};
+use super::plan::{Plan, Rows, Sequence};
 use crate::model::{ForwardPlan, Lora, Model, PassCtx};
 use crate::tensor::{self as ops, RopeTable, Tensor};
 use anyhow::{anyhow, ensure, Result};
@@ -332,34 +332,152 @@ pub fn queue_example_scaled(
         device_loss::evaluate(&head.logp, &parts, objective, reference, grad_weight, scale)?;
 
     if train {
-        // Gradients into each sequence's hidden states, then back through the layers.
-        let mut dh: Vec<Option<Tensor>> = (0..plan.seqs.len()).map(|_| None).collect();
-        let mut offset = 0;
-        for (g, (h, saved)) in groups.iter().zip(head.groups) {
-            let d = slice_vector(&dlogp, offset, offset + g.rows.len())?;
-            offset += g.rows.len();
-            let dhc =
-                logp_backward_saved(model, &h, &g.targets, &d, opts.head, opts.head_chunk, saved)?;
-            let shape = [fwd[g.seq].rows, dhc.dim(1)];
-            let mut slot = Tensor::zeros(&shape, dhc.dtype(), dhc.device())?;
-            ops::scatter_add_rows(&mut slot, &g.local_rows(fwd[g.seq].read_from), &dhc)?;
-            dh[g.seq] = Some(slot);
-        }
-        model.device.memtrace(|| "head backward".into());
-        for (i, s) in plan.seqs.iter().enumerate().rev() {
-            let (Some(d), Some(state)) = (dh[i].take(), fwd[i].state.take()) else {
-                continue;
-            };
-            let ctx = PassCtx {
-                mask: &s.mask,
-                rope: &fwd[i].rope,
-                dropout: opts.dropout,
-            };
-            model.backward(d, state, Some(lora), &ctx)?;
-        }
+        backward_all(model, lora, &plan.seqs, fwd, &groups, head, &dlogp, opts)?;
     }
     Ok(QueuedExample {
         loss,
         tokens: plan.tokens(),
     })
+}
+
+/// Gradients from `d loss / d logp` into each sequence's hidden states, then back through the
+/// layers into the LoRA gradients.
+#[allow(clippy::too_many_arguments)]
+fn backward_all(
+    model: &Model,
+    lora: &mut Lora,
+    seqs: &[Sequence],
+    mut fwd: Vec<Forwarded>,
+    groups: &[HeadGroup],
+    head: HeadPass,
+    dlogp: &Tensor,
+    opts: &PassOptions,
+) -> Result<()> {
+    let mut dh: Vec<Option<Tensor>> = (0..seqs.len()).map(|_| None).collect();
+    let mut offset = 0;
+    for (g, (h, saved)) in groups.iter().zip(head.groups) {
+        let d = slice_vector(dlogp, offset, offset + g.rows.len())?;
+        offset += g.rows.len();
+        let dhc =
+            logp_backward_saved(model, &h, &g.targets, &d, opts.head, opts.head_chunk, saved)?;
+        let shape = [fwd[g.seq].rows, dhc.dim(1)];
+        let mut slot = Tensor::zeros(&shape, dhc.dtype(), dhc.device())?;
+        ops::scatter_add_rows(&mut slot, &g.local_rows(fwd[g.seq].read_from), &dhc)?;
+        dh[g.seq] = Some(slot);
+    }
+    model.device.memtrace(|| "head backward".into());
+    for (i, s) in seqs.iter().enumerate().rev() {
+        let (Some(d), Some(state)) = (dh[i].take(), fwd[i].state.take()) else {
+            continue;
+        };
+        let ctx = PassCtx {
+            mask: &s.mask,
+            rope: &fwd[i].rope,
+            dropout: opts.dropout,
+        };
+        model.backward(d, state, Some(lora), &ctx)?;
+    }
+    Ok(())
+}
+
+/// One example of a pack (`queue_packed`): its plan (one sequence), its DPO reference and its
+/// weight and loss clip.
+pub struct PackMember<'a> {
+    pub plan: &'a Plan,
+    pub reference: Option<&'a Reference>,
+    pub scale: ExampleScale,
+}
+
+/// Runs several examples as one packed sequence (`plan::pack`): one forward, one head pass over
+/// every member's rows, each member's objective on its own rows, one backward of the summed
+/// gradient. Each member's loss and gradient are those of `queue_example_scaled` on it alone
+/// (f32 sums in another order). Not for models whose rotary factors depend on the example's
+/// largest position (LongRoPE): a pack's would be its longest member's.
+#[allow(clippy::too_many_arguments)]
+pub fn queue_packed(
+    model: &Model,
+    lora: &mut Lora,
+    members: &[PackMember],
+    objective: &Objective,
+    opts: &PassOptions,
+    train: bool,
+    grad_weight: f32,
+) -> Result<Vec<QueuedExample>> {
+    ensure!(!members.is_empty(), "an empty pack");
+    ensure!(
+        !model.spec.ropes[0].depends_on_length(),
+        "packing: this model's rotary factors depend on the example's length (LongRoPE); train \
+         it without pack_tokens"
+    );
+    let plans: Vec<&Plan> = members.iter().map(|m| m.plan).collect();
+    let packed = super::plan::pack(&plans)?;
+    // One head group over every member's rows, member by member, and where each part lies.
+    let mut group = HeadGroup {
+        seq: 0,
+        rows: Vec::new(),
+        targets: Vec::new(),
+        spans: Vec::new(),
+    };
+    let mut member_parts = Vec::with_capacity(members.len());
+    for (m, &offset) in members.iter().zip(&packed.offsets) {
+        let empty = Rows::default();
+        let prompt = if objective.needs_prompt() {
+            &m.plan.chosen.prompt
+        } else {
+            &empty
+        };
+        let rejected = m.plan.rejected.as_ref().map(|b| &b.response);
+        let mut span = |r: &Rows| {
+            let r = super::plan::shifted(r, offset);
+            let s = (group.rows.len(), r.rows.len());
+            group.rows.extend(&r.rows);
+            group.targets.extend(&r.targets);
+            s
+        };
+        let chosen_prompt = span(prompt);
+        let chosen_response = span(&m.plan.chosen.response);
+        let rejected_response = rejected.map(&mut span);
+        member_parts.push(Parts {
+            chosen_prompt,
+            chosen_response,
+            rejected_response,
+        });
+    }
+    let groups = [group];
+    let plan = Plan {
+        seqs: vec![packed.seq],
+        chosen: super::plan::Branch {
+            prompt: Rows::default(),
+            response: Rows::default(),
+        },
+        rejected: None,
+    };
+    let mut fwd = forward_all(model, &plan, Some(lora), opts, train, &groups)?;
+    let head = head_pass(model, &mut fwd, &groups, opts, train)?;
+    let mut queued = Vec::with_capacity(members.len());
+    let mut dlogp: Option<Tensor> = None;
+    for (m, parts) in members.iter().zip(&member_parts) {
+        let (loss, d) = device_loss::evaluate(
+            &head.logp,
+            parts,
+            objective,
+            m.reference,
+            grad_weight,
+            m.scale,
+        )?;
+        // Each member's gradient is zero outside its own rows: the sum is every member's.
+        match dlogp.as_mut() {
+            None => dlogp = Some(d),
+            Some(sum) => ops::add_assign(sum, &d, 1.0)?,
+        }
+        queued.push(QueuedExample {
+            loss,
+            tokens: m.plan.tokens(),
+        });
+    }
+    if train {
+        let dlogp = dlogp.expect("a pack has members");
+        backward_all(model, lora, &plan.seqs, fwd, &groups, head, &dlogp, opts)?;
+    }
+    Ok(queued)
 }

@@ -10,7 +10,10 @@ use super::listeners::{Console, MetricsFile, Plots, TensorBoard};
 use super::optim::{apply_update, AdamState, OptimOptions};
 use super::plan::Plan;
 use super::run_folder::{self, Cycle, CycleSchedule};
-use super::step::{queue_example, queue_example_scaled, reference_logps, Objective, PassOptions};
+use super::step::{
+    queue_example, queue_example_scaled, queue_packed, reference_logps, Objective, PackMember,
+    PassOptions,
+};
 use crate::config::{LambdaSchedule, Method, TrainConfig};
 use crate::data::{self, ChatTemplate, DatasetKind, TextTokenizer, TokenRules, TokenizeOptions};
 use crate::model::{self, Lora, LoraConfig, Model};
@@ -193,6 +196,28 @@ pub struct TrainOutcome {
     pub stopped: bool,
 }
 
+/// The step's examples (`micros`, in order) as runs of consecutive examples: one each without
+/// packing (`pack_tokens` 0), else as many as fit `pack_tokens` tokens together (an example
+/// longer than that runs alone).
+fn pack_groups(micros: &[(usize, usize, Plan)], pack_tokens: usize) -> Vec<std::ops::Range<usize>> {
+    let mut groups: Vec<std::ops::Range<usize>> = Vec::new();
+    let mut tokens = 0;
+    for (i, (_, _, plan)) in micros.iter().enumerate() {
+        let t = plan.tokens();
+        match groups.last_mut() {
+            Some(g) if pack_tokens > 0 && tokens + t <= pack_tokens => {
+                g.end = i + 1;
+                tokens += t;
+            }
+            _ => {
+                groups.push(i..i + 1);
+                tokens = t;
+            }
+        }
+    }
+    groups
+}
+
 /// Pass options for one example of `tokens` tokens; an unset segment size is chosen against
 /// `budget` bytes of free device memory.
 pub fn pass_options(
@@ -320,7 +345,8 @@ pub fn refuse_unless_longest_fits(
     let Some((idx, item)) = items.iter().enumerate().max_by_key(|(_, it)| length(it)) else {
         return Ok(());
     };
-    let tokens = item.plan(cfg.prefix_shared)?.tokens();
+    // A pack runs up to `pack_tokens` tokens in one pass.
+    let tokens = item.plan(cfg.prefix_shared)?.tokens().max(cfg.pack_tokens);
     let opts = pass_options(cfg, model, tokens, budget, None);
     let estimate = pass_estimate(model, tokens, &opts);
     if estimate.total() <= budget {
@@ -358,11 +384,17 @@ pub fn refuse_unless_longest_fits(
              max_prompt_len, drop the longest rows, or raise memory_limit"
         )
     };
+    let what = if tokens > item.plan(cfg.prefix_shared)?.tokens() {
+        format!("a pack of pack_tokens = {}", cfg.pack_tokens)
+    } else {
+        format!(
+            "training example {idx} of {} (0-based), the longest,",
+            cfg.data
+        )
+    };
     bail!(
-        "training example {idx} of {} (0-based), the longest, runs {tokens} tokens in one pass; \
-         its plan ({}) needs an estimated {:.2} GiB of activations and {available}. Largest \
-         terms: {}. {advice}",
-        cfg.data,
+        "{what} runs {tokens} tokens in one pass; its plan ({}) needs an estimated {:.2} GiB of \
+         activations and {available}. Largest terms: {}. {advice}",
         super::memory::describe_plan(&keep_plan(&opts)),
         gib(estimate.total()),
         estimate.largest(3)
@@ -539,6 +571,13 @@ pub fn train_with(
     device.set_numerics(cfg.deterministic_attention, cfg.gemm_tuning)?;
     super::head::set_filter_eps(cfg.cce_filter_eps);
     let mut memory_budget = super::memory::budget(&device, cfg.memory_limit)?;
+    if cfg.pack_tokens > 0 && model.spec.ropes[0].depends_on_length() {
+        bail!(
+            "pack_tokens = {}: this model's rotary factors depend on each example's length \
+             (LongRoPE), which a pack would change; train it with pack_tokens = 0",
+            cfg.pack_tokens
+        );
+    }
     refuse_unless_longest_fits(cfg, model, train_items, memory_budget)?;
     let mut ref_cache: Vec<Option<Reference>> = vec![None; n];
     let mut metrics_file = MetricsFile::append(&out_dir)?;
@@ -661,6 +700,9 @@ pub fn train_with(
             // The pass being queued when a micro-step fails: its tokens and options.
             let mut current: Option<(usize, PassOptions)> = None;
             let attempt = (|| -> Result<()> {
+                // The step's examples in order, then run one by one or, with `pack_tokens`, in
+                // packs of consecutive examples up to that many tokens.
+                let mut micros = Vec::with_capacity(cfg.grad_accum);
                 for micro in 0..cfg.grad_accum {
                     let idx = example_index(state.position, n, cfg.seed);
                     state.position += 1;
@@ -668,41 +710,80 @@ pub fn train_with(
                     if batches.is_some() {
                         records.push(batch_record(step_no, micro, idx, &train_items[idx]));
                     }
+                    micros.push((micro, idx, plan));
+                }
+                for pack in pack_groups(&micros, cfg.pack_tokens) {
+                    let (micro, first, _) = &micros[pack.start];
+                    let tokens: usize = micros[pack.clone()].iter().map(|m| m.2.tokens()).sum();
                     let dropout_seed = cfg.seed
                         ^ ((state.step * cfg.grad_accum + micro) as u64)
                             .wrapping_mul(0x2545_F491_4F6C_DD1D);
                     let opts = pass_options(
                         cfg,
                         model,
-                        plan.tokens(),
+                        tokens,
                         memory_budget,
                         (cfg.lora_dropout > 0.0).then_some((cfg.lora_dropout, dropout_seed)),
                     );
-                    current = Some((plan.tokens(), opts));
-                    let estimate = pass_estimate_bytes(model, plan.tokens(), &opts);
+                    current = Some((tokens, opts));
+                    let estimate = pass_estimate_bytes(model, tokens, &opts);
                     if widest.is_none_or(|(e, _, _)| estimate > e) {
-                        widest = Some((estimate, plan.tokens(), opts));
+                        widest = Some((estimate, tokens, opts));
                     }
-                    let reference = match objective {
-                        Objective::Dpo { .. } => {
-                            if ref_cache[idx].is_none() {
-                                ref_cache[idx] = Some(reference_logps(model, &plan, &opts)?);
-                            }
-                            ref_cache[idx].as_ref()
+                    for (_, idx, plan) in &micros[pack.clone()] {
+                        if matches!(objective, Objective::Dpo { .. }) && ref_cache[*idx].is_none() {
+                            let alone =
+                                pass_options(cfg, model, plan.tokens(), memory_budget, None);
+                            ref_cache[*idx] = Some(reference_logps(model, plan, &alone)?);
                         }
+                    }
+                    let reference = |idx: usize| match objective {
+                        Objective::Dpo { .. } => ref_cache[idx].as_ref(),
                         _ => None,
                     };
                     // The row's weight and the loss clip (validation stays unweighted and
                     // unclipped).
-                    let scale = ExampleScale {
+                    let scale = |idx: usize| ExampleScale {
                         weight: train_items[idx].weight(),
                         clip: cfg.loss_clip,
                     };
-                    let queued = queue_example_scaled(
-                        model, &mut lora, &plan, &objective, reference, &opts, true, 1.0, scale,
-                    )
-                    .with_context(|| failed(example(idx)))?;
-                    queued_examples.push((idx, queued));
+                    if cfg.pack_tokens == 0 {
+                        let (_, idx, plan) = &micros[pack.start];
+                        let queued = queue_example_scaled(
+                            model,
+                            &mut lora,
+                            plan,
+                            &objective,
+                            reference(*idx),
+                            &opts,
+                            true,
+                            1.0,
+                            scale(*idx),
+                        )
+                        .with_context(|| failed(example(*idx)))?;
+                        queued_examples.push((*idx, queued));
+                        continue;
+                    }
+                    let members: Vec<PackMember> = micros[pack.clone()]
+                        .iter()
+                        .map(|(_, idx, plan)| PackMember {
+                            plan,
+                            reference: reference(*idx),
+                            scale: scale(*idx),
+                        })
+                        .collect();
+                    let queued =
+                        queue_packed(model, &mut lora, &members, &objective, &opts, true, 1.0)
+                            .with_context(|| {
+                                failed(format!(
+                                    "the pack of {} examples from {}",
+                                    members.len(),
+                                    example(*first)
+                                ))
+                            })?;
+                    for ((_, idx, _), q) in micros[pack.clone()].iter().zip(queued) {
+                        queued_examples.push((*idx, q));
+                    }
                 }
                 Ok(())
             })();

@@ -5,6 +5,7 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
+pub mod family_configs;
 pub mod llama_gguf;
 mod skip;
 pub mod tiny_run;

@@ -1,0 +1,12 @@
+//! Tiny configs of each family, shared by the tests that run every family (`mode_matrix`,
+//! `packing`).
+
+pub const QWEN2: &str = r#"{"architectures":["Qwen2ForCausalLM"],"hidden_size":64,"intermediate_size":96,"num_hidden_layers":3,"num_attention_heads":4,"num_key_value_heads":2,"vocab_size":200,"tie_word_embeddings":true}"#;
+pub const GEMMA2: &str = r#"{"architectures":["Gemma2ForCausalLM"],"hidden_size":64,"intermediate_size":96,"num_hidden_layers":3,"num_attention_heads":4,"num_key_value_heads":2,"head_dim":16,"vocab_size":200,"query_pre_attn_scalar":24,"attn_logit_softcapping":0.05,"final_logit_softcapping":0.1,"sliding_window":6,"tie_word_embeddings":true}"#;
+pub const GEMMA3: &str = r#"{"architectures":["Gemma3ForCausalLM"],"hidden_size":64,"intermediate_size":96,"num_hidden_layers":3,"num_attention_heads":4,"num_key_value_heads":2,"head_dim":16,"vocab_size":200,"query_pre_attn_scalar":16,"sliding_window":6,"layer_types":["sliding_attention","full_attention","sliding_attention"],"rope_theta":1000000.0,"rope_local_base_freq":10000.0,"rope_scaling":{"rope_type":"linear","factor":8.0},"tie_word_embeddings":true}"#;
+pub const MINICPM: &str = r#"{"architectures":["MiniCPMForCausalLM"],"hidden_size":64,"intermediate_size":96,"num_hidden_layers":3,"num_attention_heads":4,"num_key_value_heads":2,"vocab_size":200,"scale_emb":12,"scale_depth":1.4,"dim_model_base":16,"max_position_embeddings":64,"rope_scaling":{"rope_type":"longrope","short_factor":[1.0,1.2,1.5,2.0,2.5,3.0,3.5,4.0],"long_factor":[1.1,1.4,1.9,2.3,2.9,3.3,3.9,4.4],"original_max_position_embeddings":16},"tie_word_embeddings":false}"#;
+
+/// Gemma 4: [sliding, full, sliding, sliding, full], layers 3 and 4 sharing the k/v of 2 and 1
+/// (segment sizes 1 and 2 split donors from sharers, 2 also keeps 2 with 3), per-layer inputs,
+/// a double-wide MLP on the sharers, proportional RoPE on 32-wide global heads.
+pub const GEMMA4: &str = r#"{"architectures":["Gemma4ForCausalLM"],"model_type":"gemma4_text","hidden_size":64,"intermediate_size":48,"num_hidden_layers":5,"num_attention_heads":4,"num_key_value_heads":2,"head_dim":16,"global_head_dim":32,"vocab_size":200,"sliding_window":6,"layer_types":["sliding_attention","full_attention","sliding_attention","sliding_attention","full_attention"],"num_kv_shared_layers":2,"hidden_size_per_layer_input":8,"vocab_size_per_layer_input":200,"use_double_wide_mlp":true,"final_logit_softcapping":0.1,"tie_word_embeddings":true}"#;
