@@ -91,6 +91,15 @@ pub struct BenchArgs {
     /// `P,R[,SEG|auto[,MLP_CHUNK|auto[,KEEP_ATTENTION]]]`.
     #[arg(long)]
     pub also: Vec<String>,
+    /// Pairs of mixed lengths instead of one fixed shape: `P_LO-P_HI,R_LO-R_HI` (uniform, each
+    /// response drawn on its own; `200-600,100-400` is UltraFeedback-like). Reports pairs/s over
+    /// the timed steps; with `--pack-tokens` each step is one pack of as many pairs as fit.
+    #[arg(long)]
+    pub mix: Option<String>,
+    /// With `--mix`: pack consecutive pairs into one sequence of up to this many tokens
+    /// (`TrainConfig::pack_tokens`; 0: one pair a step).
+    #[arg(long, default_value_t = 0)]
+    pub pack_tokens: usize,
     /// Decoding instead of training: tokens/s of generation with the KV cache (greedy, no stop
     /// token) at each `--batch` and `--base`, one JSON line each (`lorafit bench --decode
     /// --shape llama8b`).
@@ -251,6 +260,25 @@ pub fn run(a: BenchArgs) -> Result<()> {
     let mut adam = AdamState::new(&lora)?;
     let optim = OptimOptions::default();
     let peak_flops = measure_gemm_peak(&device)?;
+    if let Some(mix) = &a.mix {
+        let cfg = TrainConfig {
+            segment_size: a.segment_size,
+            keep_attention: a.keep_attention,
+            keep_kv_layers: a.keep_kv_layers,
+            mlp_chunk: a.mlp_chunk,
+            memory_limit: a.memory_limit,
+            offload: a.offload,
+            pack_tokens: a.pack_tokens,
+            ..base
+        };
+        let mut trainee = Trainee {
+            model: &model,
+            lora: &mut lora,
+            adam: &mut adam,
+            optim: &optim,
+        };
+        return run_mix(&a, &cfg, &mut trainee, mix, peak_flops);
+    }
 
     let mut workloads = vec![Workload {
         prompt_len: a.prompt_len,
@@ -466,6 +494,164 @@ impl Workload {
             keep_kv_layers: None,
         })
     }
+}
+
+/// What a training benchmark steps: the model, its adapter and optimiser.
+struct Trainee<'a> {
+    model: &'a Model,
+    lora: &'a mut Lora,
+    adam: &'a mut AdamState,
+    optim: &'a OptimOptions,
+}
+
+/// `lo-hi` as an inclusive range.
+fn parse_range(s: &str, what: &str) -> Result<(usize, usize)> {
+    let (lo, hi) = s
+        .split_once('-')
+        .with_context(|| format!("--mix: {what} {s:?} is not LO-HI"))?;
+    let (lo, hi): (usize, usize) = (
+        lo.trim()
+            .parse()
+            .with_context(|| format!("--mix: {what} {s:?}"))?,
+        hi.trim()
+            .parse()
+            .with_context(|| format!("--mix: {what} {s:?}"))?,
+    );
+    ensure!(
+        1 <= lo && lo <= hi,
+        "--mix: {what} {s:?} (expected 1 <= LO <= HI)"
+    );
+    Ok((lo, hi))
+}
+
+/// `--mix`: ORPO steps over a stream of pairs of random lengths, one pair a step or, with
+/// `--pack-tokens`, one pack a step; one RESULT line with pairs/s and tokens/s over the timed
+/// steps, the largest pass's plan and the peak.
+fn run_mix(
+    a: &BenchArgs,
+    cfg: &TrainConfig,
+    t: &mut Trainee,
+    mix: &str,
+    peak_flops: f64,
+) -> Result<()> {
+    let (p_range, r_range) = mix
+        .split_once(',')
+        .with_context(|| format!("--mix {mix:?}: expected P_LO-P_HI,R_LO-R_HI"))?;
+    let (p_range, r_range) = (parse_range(p_range, "P")?, parse_range(r_range, "R")?);
+    ensure!(
+        a.prefix_shared || a.pack_tokens == 0,
+        "--pack-tokens needs --prefix-shared true"
+    );
+    let model = t.model;
+    let device = &model.device;
+    let vocab = model.spec.vocab as u64;
+    let mut rng = crate::tensor::Rng(1);
+    let mut draw = |(lo, hi): (usize, usize)| lo + (rng.next_u64() % (hi - lo + 1) as u64) as usize;
+    let mut ids_rng = crate::tensor::Rng(2);
+    let mut tok = |n: usize| -> Vec<u32> {
+        (0..n)
+            .map(|_| 3 + (ids_rng.next_u64() % (vocab - 3)) as u32)
+            .collect()
+    };
+    let mut next_pair = || crate::data::TokenizedPair {
+        prompt: tok(draw(p_range)),
+        chosen: tok(draw(r_range)),
+        rejected: tok(draw(r_range)),
+    };
+    let objective = Objective::Orpo {
+        lambda: 0.1,
+        scope: SftScope::Full,
+    };
+    let budget = memory::budget(device, cfg.memory_limit)?;
+    let mut waiting = next_pair();
+    let (mut pairs, mut tokens, mut seconds, mut flops) = (0usize, 0usize, 0.0, 0.0);
+    let mut widest: Option<(usize, crate::train::step::PassOptions)> = None;
+    for step in 0..a.warmup + a.steps {
+        // This step's pairs: one, or as many as fit the pack (the first always runs).
+        let mut plans = vec![Plan::pair(&waiting, a.prefix_shared)?];
+        waiting = next_pair();
+        let mut pass_tokens = plans[0].tokens();
+        while a.pack_tokens > 0 {
+            let next = Plan::pair(&waiting, true)?;
+            if pass_tokens + next.tokens() > a.pack_tokens {
+                break;
+            }
+            pass_tokens += next.tokens();
+            plans.push(next);
+            waiting = next_pair();
+        }
+        let opts = pass_options(cfg, model, pass_tokens, budget, None);
+        if step == a.warmup {
+            device.synchronize()?;
+            device.reset_peak();
+        }
+        device.synchronize()?;
+        let t0 = Instant::now();
+        let queued = if a.pack_tokens > 0 {
+            let members: Vec<crate::train::step::PackMember> = plans
+                .iter()
+                .map(|plan| crate::train::step::PackMember {
+                    plan,
+                    reference: None,
+                    scale: Default::default(),
+                })
+                .collect();
+            crate::train::step::queue_packed(model, t.lora, &members, &objective, &opts, true, 1.0)?
+        } else {
+            vec![queue_example(
+                model, t.lora, &plans[0], &objective, None, &opts, true, 1.0,
+            )?]
+        };
+        let norm = apply_update(t.lora, t.adam, 1e-5, step as u64 + 1, 1.0, t.optim)?;
+        device.synchronize()?;
+        let dt = t0.elapsed().as_secs_f64();
+        for q in queued {
+            let out = q.finish()?;
+            ensure!(
+                out.loss.is_finite(),
+                "step {step}: loss {} is not finite",
+                out.loss
+            );
+        }
+        ensure!(
+            norm.get()?.is_finite(),
+            "step {step}: the gradient norm is not finite"
+        );
+        eprintln!(
+            "step {step}: {} pairs, {pass_tokens} tokens, {dt:.3}s",
+            plans.len()
+        );
+        if step >= a.warmup {
+            pairs += plans.len();
+            tokens += pass_tokens;
+            seconds += dt;
+            flops += plans
+                .iter()
+                .map(|p| {
+                    let rejected = p.rejected.as_ref().map_or(0, |b| b.response.rows.len());
+                    let head_rows =
+                        p.chosen.prompt.rows.len() + p.chosen.response.rows.len() + rejected;
+                    step_flops(&model.spec, p, a.rank, head_rows)
+                })
+                .sum::<f64>();
+            if widest.is_none_or(|(w, _)| pass_tokens > w) {
+                widest = Some((pass_tokens, opts));
+            }
+        }
+    }
+    let (widest_tokens, opts) = widest.context("--steps 0: nothing timed")?;
+    let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
+    let line = serde_json::json!({
+        "tool": "lorafit", "shape": a.shape, "mix": mix, "pack_tokens": a.pack_tokens,
+        "device": device.name(), "prefix_shared": a.prefix_shared, "steps": a.steps,
+        "pairs": pairs, "tokens": tokens, "seconds": seconds,
+        "pairs_per_s": pairs as f64 / seconds, "tokens_per_s": tokens as f64 / seconds,
+        "mfu": flops / seconds / peak_flops, "widest_pass_tokens": widest_tokens,
+        "plan": memory::describe_plan(&crate::train::trainer::keep_plan(&opts)),
+        "peak_gib": gib(device.memory().peak_bytes), "memory_limit_gib": a.memory_limit,
+    });
+    println!("RESULT {line}");
+    Ok(())
 }
 
 /// Pinned host memory the offload lane holds (0 on the CPU).
