@@ -571,14 +571,16 @@ fn run_mix(
         let mut plans = vec![Plan::pair(&waiting, a.prefix_shared)?];
         waiting = next_pair();
         let mut pass_tokens = plans[0].tokens();
-        while a.pack_tokens > 0 {
-            let next = Plan::pair(&waiting, true)?;
-            if pass_tokens + next.tokens() > a.pack_tokens {
-                break;
+        if a.pack_tokens > 0 {
+            loop {
+                let next = Plan::pair(&waiting, true)?;
+                if pass_tokens + next.tokens() > a.pack_tokens {
+                    break;
+                }
+                pass_tokens += next.tokens();
+                plans.push(next);
+                waiting = next_pair();
             }
-            pass_tokens += next.tokens();
-            plans.push(next);
-            waiting = next_pair();
         }
         let opts = pass_options(cfg, model, pass_tokens, budget, None);
         if step == a.warmup {
