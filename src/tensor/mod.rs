@@ -212,6 +212,60 @@ pub enum Storage {
     Cuda(cuda::CudaStorage),
 }
 
+/// Bytes of CPU tensors live on this thread, and their peak: the CPU's counterpart of the CUDA
+/// allocator's counters, read by the tests that hold the memory planner's estimates against
+/// what a CPU step holds (`cpu_memory`). Per thread, so that tests running side by side do not
+/// count each other's tensors; `Device::memory` stays zero on the CPU (its planning budget is a
+/// fixed figure, not these counts).
+mod cpu_count {
+    use std::cell::Cell;
+    thread_local! {
+        static LIVE: Cell<isize> = const { Cell::new(0) };
+        static PEAK: Cell<isize> = const { Cell::new(0) };
+    }
+
+    pub(super) fn add(bytes: usize) {
+        let live = LIVE.get() + bytes as isize;
+        LIVE.set(live);
+        PEAK.set(PEAK.get().max(live));
+    }
+
+    pub(super) fn sub(bytes: usize) {
+        LIVE.set(LIVE.get() - bytes as isize);
+    }
+
+    pub(super) fn stats() -> (isize, isize) {
+        (LIVE.get(), PEAK.get())
+    }
+
+    pub(super) fn reset_peak() {
+        PEAK.set(LIVE.get());
+    }
+}
+
+/// Live and peak bytes of the CPU tensors of this thread (`cpu_count`; a tensor dropped on
+/// another thread than its own is counted off there, so a count can be off by what crosses).
+pub fn cpu_memory() -> MemoryStats {
+    let (live, peak) = cpu_count::stats();
+    MemoryStats {
+        live_bytes: live.max(0) as usize,
+        peak_bytes: peak.max(0) as usize,
+    }
+}
+
+/// Starts this thread's CPU peak again from its live bytes.
+pub fn reset_cpu_peak() {
+    cpu_count::reset_peak()
+}
+
+impl Drop for Tensor {
+    fn drop(&mut self) {
+        if let Storage::Cpu(v) = &self.storage {
+            cpu_count::sub(v.len() * 4);
+        }
+    }
+}
+
 /// A contiguous row-major tensor.
 pub struct Tensor {
     shape: Vec<usize>,
@@ -234,6 +288,9 @@ impl std::fmt::Debug for Tensor {
 
 impl Tensor {
     pub fn from_parts(shape: Vec<usize>, dtype: DType, device: Device, storage: Storage) -> Tensor {
+        if let Storage::Cpu(v) = &storage {
+            cpu_count::add(v.len() * 4);
+        }
         Tensor {
             shape,
             dtype,
@@ -250,6 +307,7 @@ impl Tensor {
             "tensor data has {} elements but shape {shape:?} needs {n}",
             data.len()
         );
+        cpu_count::add(data.len() * 4);
         Ok(Tensor {
             shape: shape.to_vec(),
             dtype: DType::F32,
