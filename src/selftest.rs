@@ -713,6 +713,7 @@ impl TrajectoryCase<'_> {
             keep_kv_layers: 1,
             mlp_chunk: 0,
             offload,
+            nested: false,
             head: crate::train::head::HeadTier::Chunked,
             head_chunk: 16,
             dropout: None,

@@ -5,8 +5,9 @@
 //! The estimates are fitted to the CUDA allocator (H200, `scripts/memory_bench.sh`: within 4% on
 //! every bench row). The CPU computes in f32 with its own temporaries, so the bounds here are the
 //! CPU's own, measured (ratios of estimate to count 0.99–1.00 with every activation kept,
-//! 0.92–0.98 at segment size 1, 1.12–1.18 at sizes 2 and 3): every activation kept, within 2%;
-//! segment size 1, under by at most 10% (at its peak the CPU's recomputed layer and its backward
+//! 0.92–0.98 at segment size 1 and at size 3 recomputed layer by layer, 1.12–1.18 at sizes 2
+//! and 3): every activation kept, within 2%;
+//! segment size 1 and layer by layer, under by at most 10% (at its peak the CPU's recomputed layer and its backward
 //! hold about two f32 (T, hidden) tensors more than the estimate, whose segment-1 backward share
 //! of 0 is CUDA's: there the backward frees as it allocates); larger segments over by 5–25% (the
 //! fitted backward share, 21% of a layer, is what CUDA's backward holds on top; the CPU's holds
@@ -83,9 +84,12 @@ fn estimates_follow_the_cpu_counts_plan_by_plan() {
         (2, false, 0, 0, false, (1.05, 1.25)),
         (3, false, 2, 0, false, (1.05, 1.25)),
         (2, false, 0, 0, true, (1.05, 1.25)),
+        (3, false, 0, 0, false, (0.90, 1.02)),
     ];
     let mut rows = Vec::new();
-    for (seg, keep, kv, mlp, offload, (lo, hi)) in plans {
+    for (i, (seg, keep, kv, mlp, offload, (lo, hi))) in plans.into_iter().enumerate() {
+        // The last plan recomputes its segments layer by layer.
+        let nested = i + 1 == plans.len();
         for (p, r) in [(200, 50), (800, 200)] {
             let opts = PassOptions {
                 segment_size: seg,
@@ -93,6 +97,7 @@ fn estimates_follow_the_cpu_counts_plan_by_plan() {
                 keep_kv_layers: kv,
                 mlp_chunk: mlp,
                 offload,
+                nested,
                 head: HeadTier::Chunked,
                 head_chunk: 64,
                 dropout: None,
@@ -113,4 +118,11 @@ fn estimates_follow_the_cpu_counts_plan_by_plan() {
     for &(seg, measured, estimate) in rows.iter().skip(2).step_by(2) {
         assert!(seg > 0 && measured < all_measured && estimate < all_estimated);
     }
+    // Layer by layer, segments of 3 hold less than half of plain segments of 3 (which also keep
+    // 2.5 MB of k/v), in the counts and in the estimate.
+    let (plain, layered) = (rows[11], rows[15]);
+    assert!(
+        2 * layered.1 < plain.1 && 2 * layered.2 < plain.2,
+        "{plain:?} {layered:?}"
+    );
 }

@@ -81,6 +81,8 @@ fn run(
         mlp_chunk,
         // The boundaries of segment size 1 in the host-side store (host offload's CPU path).
         offload: seg == 1,
+        // Segments of 2 recomputed layer by layer.
+        nested: seg == 2,
         head,
         head_chunk: chunk,
         dropout: None,

@@ -131,6 +131,7 @@ fn run_family(name: &str) {
             keep_kv_layers: seg,
             mlp_chunk: 0,
             offload: seg == 2,
+            nested: seg > 1,
         };
         let (hidden, state) = model
             .forward_keeping(&ids, Some(&lora), &ctx, plan)

@@ -1397,16 +1397,19 @@ fn segmented_backward_is_bit_identical() {
         // Segments recompute the layers (with and without the kept attention outputs; the last
         // layer of each segment skips its down projection; the top layer's MLP kept or
         // recomputed; k and v of the lowest layers kept or recomputed; the boundaries in the
-        // host-side store or on the device).
-        for (seg, keep, top_mlp, kv, offload) in [
-            (1usize, false, true, 0, false),
-            (1, false, true, 0, true),
-            (2, false, false, 1, false),
-            (1, true, false, 2, true),
-            (2, true, true, 0, false),
+        // host-side store or on the device; segments recomputed whole or layer by layer).
+        for (seg, keep, top_mlp, kv, offload, nested) in [
+            (1usize, false, true, 0, false, false),
+            (1, false, true, 0, true, false),
+            (2, false, false, 1, false, false),
+            (2, false, false, 1, false, true),
+            (1, true, false, 2, true, false),
+            (2, true, true, 0, false, false),
+            (2, true, true, 2, true, true),
             // Segments of three: a donor and its sharer in one segment, the other apart.
-            (3, false, true, 0, false),
-            (3, false, true, 0, true),
+            (3, false, true, 0, false, false),
+            (3, false, true, 0, true, false),
+            (3, true, true, 1, false, true),
         ] {
             let plan = ForwardPlan {
                 segment_size: seg,
@@ -1416,6 +1419,7 @@ fn segmented_backward_is_bit_identical() {
                 keep_kv_layers: kv,
                 mlp_chunk: 0,
                 offload,
+                nested,
             };
             let d1 = model_grads(&m.model, &mut m.lora, &ctx, &m.c, plan);
             let g1 = grads(&m.lora);
@@ -1423,7 +1427,7 @@ fn segmented_backward_is_bit_identical() {
                 assert!(
                     a == b,
                     "{name}: segment_size {seg} (keep attention {keep}, top MLP {top_mlp}, \
-                     offload {offload}) gradient #{i} differs from segment_size 0 (max|diff| {:.3e})",
+                     offload {offload}, nested {nested}) gradient #{i} differs from segment_size 0 (max|diff| {:.3e})",
                     max_diff(a, b).0
                 );
             }

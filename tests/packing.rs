@@ -77,6 +77,7 @@ fn options(segment_size: usize, offload: bool) -> PassOptions {
         keep_kv_layers: 0,
         mlp_chunk: 0,
         offload,
+        nested: false,
         head: HeadTier::Chunked,
         head_chunk: 4,
         dropout: None,

@@ -255,6 +255,7 @@ fn by_bits_adapter_reloads_with_the_same_logits() {
             keep_kv_layers: 0,
             mlp_chunk: 0,
             offload: false,
+            nested: false,
             head: HeadTier::Chunked,
             head_chunk: DEFAULT_CHUNK,
             dropout: None,

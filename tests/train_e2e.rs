@@ -366,6 +366,7 @@ fn grad_accum_equals_summed_batch() {
         keep_kv_layers: 0,
         mlp_chunk: 0,
         offload: false,
+        nested: false,
         head: HeadTier::Chunked,
         head_chunk: DEFAULT_CHUNK,
         dropout: None,
@@ -1196,6 +1197,7 @@ fn longest_estimates(loaded: &Loaded, items: &[Item], c: &TrainConfig) -> (usize
             keep_kv_layers: 0,
             mlp_chunk: 0,
             offload: false,
+            nested: false,
         },
     )
     .total();

@@ -137,6 +137,12 @@ pub struct ForwardPlan {
     /// out while the next segment runs and brought back while the segment above it is
     /// recomputed, so at most two are on the device at a time.
     pub offload: bool,
+    /// With segments: recompute each segment twice in the backward, first keeping only every
+    /// layer's input (f32, `T·hidden` values each), then each layer alone from its input just
+    /// before its backward, so that one layer's activations are live at a time. Segment size s
+    /// then costs s layer inputs and one layer's activations, for one more forward of the
+    /// segment's layers.
+    pub nested: bool,
 }
 
 /// A loaded model: spec, frozen weights, and its device.
@@ -337,6 +343,7 @@ impl Model {
             keep_kv_layers,
             mlp_chunk,
             offload,
+            nested,
         } = plan;
         let keep_kv = |l: usize| {
             segment_size > 0
@@ -423,6 +430,7 @@ impl Model {
                 last: x,
                 rstd,
                 segment_size,
+                nested,
                 kinds,
                 donor_kv,
             },
@@ -497,6 +505,43 @@ impl Model {
                 coming = Some(h.prefetch()?);
             }
             let end = (start + state.segment_size).min(n - 1);
+            if state.nested {
+                let inputs = self.segment_inputs(
+                    x,
+                    start..end,
+                    lora.as_deref(),
+                    ctx,
+                    &kinds,
+                    &donor_kv,
+                    &kept_attention,
+                    &kept_kv,
+                )?;
+                for (i, input) in inputs.into_iter().enumerate().rev() {
+                    let l = start + i;
+                    let run = LayerRun {
+                        env: kinds.env(ctx, self, l, &donor_kv),
+                        want_output: false,
+                        attention: kept_attention.get_mut(l).and_then(Option::take),
+                        kept_kv: kept_kv.get_mut(l).and_then(Option::take),
+                        keep_mlp: true,
+                    };
+                    let (_, a) = self.layer_forward(l, input, lora.as_deref(), ctx, run)?;
+                    self.device
+                        .memtrace(|| format!("recomputed layer {l} alone"));
+                    (d, dc) = self.layer_backward(
+                        l,
+                        &d,
+                        dc,
+                        a,
+                        lora.as_deref_mut(),
+                        ctx,
+                        kinds.env(ctx, self, l, &donor_kv),
+                        &mut kv_grads,
+                    )?;
+                    self.device.memtrace(|| format!("backward layer {l}"));
+                }
+                continue;
+            }
             // Recompute this segment's activations from its boundary; only one segment is live.
             let mut seg: Vec<LayerActs> = Vec::with_capacity(end - start);
             let mut x = Some(x);
@@ -531,6 +576,50 @@ impl Model {
             }
         }
         self.embed_bwd(d)
+    }
+
+    /// The inputs of `layers` recomputed from the first one's, `x`, keeping nothing else (each
+    /// layer's activations are dropped as it finishes; kept attention outputs and k/v are read
+    /// through copies, left in place for the layer's own recomputation).
+    #[allow(clippy::too_many_arguments)]
+    fn segment_inputs(
+        &self,
+        x: Tensor,
+        layers: std::ops::Range<usize>,
+        lora: Option<&Lora>,
+        ctx: &PassCtx,
+        kinds: &Kinds,
+        donor_kv: &DonorKv,
+        kept_attention: &[Option<(Tensor, Tensor)>],
+        kept_kv: &[Option<(Tensor, Tensor)>],
+    ) -> Result<Vec<Tensor>> {
+        let copy =
+            |kept: &[Option<(Tensor, Tensor)>], l: usize| -> Result<Option<(Tensor, Tensor)>> {
+                match kept.get(l).and_then(Option::as_ref) {
+                    Some((a, b)) => Ok(Some((a.try_clone()?, b.try_clone()?))),
+                    None => Ok(None),
+                }
+            };
+        let mut inputs = Vec::with_capacity(layers.len());
+        let mut x = x;
+        for l in layers.clone() {
+            if l + 1 == layers.end {
+                inputs.push(x);
+                break;
+            }
+            let run = LayerRun {
+                env: kinds.env(ctx, self, l, donor_kv),
+                want_output: true,
+                attention: copy(kept_attention, l)?,
+                kept_kv: copy(kept_kv, l)?,
+                keep_mlp: false,
+            };
+            let input = x.try_clone()?;
+            let (y, _) = self.layer_forward(l, x, lora, ctx, run)?;
+            inputs.push(input);
+            x = y.expect("the layer output was asked for");
+        }
+        Ok(inputs)
     }
 
     /// d(embeddings) from d(scaled embeddings).
@@ -612,6 +701,8 @@ pub struct ForwardState {
     last: Tensor,
     rstd: Tensor,
     segment_size: usize,
+    /// Recompute each segment layer by layer (`ForwardPlan::nested`).
+    nested: bool,
     /// The forward's masks and tables per layer kind, its read rows and MLP chunk.
     kinds: Kinds,
     /// The KV donors' k and v (`DonorKv`).

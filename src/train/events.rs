@@ -47,6 +47,8 @@ pub struct PassRecord {
     pub mlp_chunk: usize,
     /// The layer boundaries were in host memory.
     pub offload: bool,
+    /// Each segment was recomputed layer by layer.
+    pub nested: bool,
     /// `train::memory`'s estimate of the pass's activation bytes.
     pub estimated_bytes: usize,
 }

@@ -205,7 +205,8 @@ impl TrainEvents for MetricsFile {
                         "tokens": s.pass.tokens, "segment_size": s.pass.segment_size,
                         "keep_attention": s.pass.keep_attention,
                         "keep_kv_layers": s.pass.keep_kv_layers, "mlp_chunk": s.pass.mlp_chunk,
-                        "offload": s.pass.offload, "estimated_bytes": s.pass.estimated_bytes,
+                        "offload": s.pass.offload, "nested": s.pass.nested,
+                        "estimated_bytes": s.pass.estimated_bytes,
                     },
                 }))
             }

@@ -36,6 +36,7 @@ pub fn estimate_bytes(
         head_chunk_rows,
         offload: false,
         host_budget: 0,
+        nested: false,
     };
     shape.terms(segment_size, keep_attention, 0).total()
 }
@@ -80,6 +81,7 @@ pub fn estimate(shape: StepShape, plan: &KeepPlan) -> Estimate {
     shape
         .chunked(plan.mlp_chunk > 0)
         .offloaded(plan.offload)
+        .nested(plan.nested)
         .terms(plan.segment_size, plan.keep_attention, plan.keep_kv_layers)
 }
 
@@ -112,6 +114,8 @@ pub struct KeepPlan {
     pub mlp_chunk: usize,
     /// With segments: the layer boundaries live in host memory (`ForwardPlan::offload`).
     pub offload: bool,
+    /// With segments: each segment is recomputed layer by layer (`ForwardPlan::nested`).
+    pub nested: bool,
 }
 
 /// Bytes of host memory a plan's offloaded layer boundaries take (0 without offload).
@@ -145,6 +149,9 @@ pub struct StepShape<'a> {
     /// Bytes of host memory that offloaded boundaries may take (`host_budget`); 0 where the
     /// planner may not offload.
     pub host_budget: usize,
+    /// Each segment is recomputed layer by layer: one layer's activations live, and the
+    /// segment's layer inputs.
+    pub nested: bool,
 }
 
 impl StepShape<'_> {
@@ -176,6 +183,11 @@ impl StepShape<'_> {
         StepShape { offload, ..*self }
     }
 
+    /// This workload with segments recomputed layer by layer or not.
+    pub fn nested(&self, nested: bool) -> Self {
+        StepShape { nested, ..*self }
+    }
+
     /// Layer boundaries a pass keeps at segment size `s`.
     fn boundary_count(&self, s: usize) -> usize {
         if s == 0 {
@@ -193,6 +205,13 @@ impl StepShape<'_> {
     /// Whether segment size `s`'s boundaries fit the host budget when they are offloaded.
     fn host_fits(&self, s: usize) -> bool {
         !self.offload || self.boundary_count(s) * self.boundary_bytes() <= self.host_budget
+    }
+
+    /// The smallest plain segment size (nothing kept) and its estimate.
+    #[cfg(test)]
+    fn smallest_plain(&self) -> (usize, usize) {
+        let s = self.smallest_segment();
+        (s, self.bytes(s, false))
     }
 
     /// The smallest segment size whose offloaded boundaries fit the host (1 without offload).
@@ -218,15 +237,25 @@ impl StepShape<'_> {
         let chunk = mlp_chunk.unwrap_or(AUTO_MLP_CHUNK);
         let at = |offload: bool| {
             let shape = self.chunked(chunk > 0).offloaded(offload);
-            let s = shape.smallest_segment();
-            let plan = KeepPlan {
-                segment_size: s,
-                keep_attention: false,
-                keep_kv_layers: 0,
-                mlp_chunk: chunk,
-                offload,
-            };
-            (plan, shape.terms(s, false, 0))
+            // The smaller of a plain and a layer-by-layer recomputation.
+            let [plain, nested] = [false, true].map(|nested| {
+                let shape = shape.nested(nested);
+                let s = shape.smallest_segment();
+                let plan = KeepPlan {
+                    segment_size: s,
+                    keep_attention: false,
+                    keep_kv_layers: 0,
+                    mlp_chunk: chunk,
+                    offload,
+                    nested,
+                };
+                (plan, shape.terms(s, false, 0))
+            });
+            if nested.1.total() < plain.1.total() {
+                nested
+            } else {
+                plain
+            }
         };
         match offload {
             Some(o) => at(o),
@@ -324,10 +353,29 @@ impl StepShape<'_> {
                 ("layer boundaries", on_device * self.boundary_bytes()),
                 ("kept attention outputs", attention),
                 ("kept k and v", keep_kv_layers * kv_bytes(spec, tokens, c)),
-                ("one segment's activations", segment_size.min(l) * layer),
+                (
+                    "one segment's activations",
+                    if self.nested {
+                        layer
+                    } else {
+                        segment_size.min(l) * layer
+                    },
+                ),
+                (
+                    "a segment's layer inputs",
+                    if self.nested {
+                        (segment_size.min(l) - 1) * self.boundary_bytes()
+                    } else {
+                        0
+                    },
+                ),
                 (
                     "a layer's backward",
-                    if segment_size > 1 { backward } else { 0 },
+                    if segment_size > 1 && !self.nested {
+                        backward
+                    } else {
+                        0
+                    },
                 ),
             ]
         };
@@ -369,23 +417,54 @@ pub fn longest_that_fits(
 /// module's order of preference that fits, or the smallest footprint when none does. With the
 /// boundaries offloaded, "size 1" is the smallest size whose boundaries fit the host budget.
 pub fn auto_plan(shape: StepShape, budget: usize) -> KeepPlan {
+    auto_plan_of(shape, budget, true)
+}
+
+/// `auto_plan`, with layer-by-layer plans or without.
+fn auto_plan_of(shape: StepShape, budget: usize, layer_by_layer: bool) -> KeepPlan {
+    let shape = shape.nested(false);
     let est = |s, keep| shape.bytes(s, keep);
-    let plan = |segment_size: usize, keep_attention| KeepPlan {
+    let plan = |segment_size: usize, keep_attention, nested| KeepPlan {
         segment_size,
         keep_attention,
         keep_kv_layers: 0,
         mlp_chunk: 0,
         offload: shape.offload && segment_size > 0,
+        nested: nested && segment_size > 1,
     };
     if est(0, false) <= budget {
-        return plan(0, false);
+        return plan(0, false, false);
     }
     let first = shape.first_host_fitting();
     let smallest = shape.smallest_segment();
-    [(first, true), (smallest, true), (first, false)]
-        .into_iter()
-        .find(|&(s, keep)| est(s, keep) <= budget)
-        .map_or(plan(smallest, false), |(s, keep)| plan(s, keep))
+    if let Some((s, keep)) = [
+        (first, true),
+        (smallest, true),
+        (first, false),
+        (smallest, false),
+    ]
+    .into_iter()
+    .find(|&(s, keep)| est(s, keep) <= budget)
+    {
+        return plan(s, keep, false);
+    }
+    // Last, each segment recomputed layer by layer: one more forward of the layers, one layer's
+    // activations live (the only plans past segment size 1 whose activations do not grow with
+    // the segment).
+    let layered = shape.nested(true);
+    let s = layered.smallest_segment();
+    if layer_by_layer && s > 1 {
+        if let Some(keep) = [true, false]
+            .into_iter()
+            .find(|&keep| layered.bytes(s, keep) <= budget)
+        {
+            return plan(s, keep, true);
+        }
+        if layered.bytes(s, false) < est(smallest, false) {
+            return plan(s, false, true);
+        }
+    }
+    plan(smallest, false, false)
 }
 
 /// The plan of one step: the user's segment size, kept-attention, kept-k/v, MLP-chunk and
@@ -404,15 +483,16 @@ pub fn resolve_plan(
     offload: Option<bool>,
     budget: usize,
 ) -> KeepPlan {
-    let with_chunk = |shape: StepShape, chunk: usize| {
+    let with_chunk = |shape: StepShape, chunk: usize, layer_by_layer: bool| {
         let shape = shape.chunked(chunk > 0);
-        let (segment_size, fits) = match segment_size {
+        let (segment_size, fits, nested) = match segment_size {
             None => {
-                let p = auto_plan(shape, budget);
-                (p.segment_size, p.keep_attention)
+                let p = auto_plan_of(shape, budget, layer_by_layer);
+                (p.segment_size, p.keep_attention, p.nested)
             }
-            Some(s) => (s, shape.bytes(s, true) <= budget),
+            Some(s) => (s, shape.bytes(s, true) <= budget, false),
         };
+        let shape = shape.nested(nested);
         let keep_attention = segment_size > 0 && keep_attention.unwrap_or(fits);
         let keep_kv_layers = if segment_size == 0 {
             0
@@ -429,17 +509,28 @@ pub fn resolve_plan(
             keep_kv_layers,
             mlp_chunk: chunk,
             offload: shape.offload && segment_size > 0,
+            nested,
         };
         let fits = shape.bytes(segment_size, keep_attention) <= budget
             && host_bytes(shape, &plan) <= shape.host_budget;
         (plan, fits)
     };
-    let planned = |shape: StepShape| match mlp_chunk {
-        Some(chunk) => with_chunk(shape, chunk),
-        None => match with_chunk(shape, 0) {
-            (plan, true) => (plan, true),
-            _ => with_chunk(shape, AUTO_MLP_CHUNK),
-        },
+    // Whole MLPs before chunks, and both before layer-by-layer recomputation (the dearest).
+    let planned = |shape: StepShape| {
+        let chunks = match mlp_chunk {
+            Some(chunk) => vec![chunk],
+            None => vec![0, AUTO_MLP_CHUNK],
+        };
+        let mut last = None;
+        for layer_by_layer in [false, true] {
+            for &chunk in &chunks {
+                match with_chunk(shape, chunk, layer_by_layer) {
+                    (plan, true) => return (plan, true),
+                    miss => last = Some(miss),
+                }
+            }
+        }
+        last.expect("at least one chunk choice")
     };
     let on_device = match offload {
         Some(o) => return planned(shape.offloaded(o)).0,
@@ -447,7 +538,7 @@ pub fn resolve_plan(
     };
     match on_device {
         (plan, _) if shape.host_budget == 0 => plan,
-        (plan, true) if plan.segment_size == 0 || slowdowns(&plan) == (false, false) => plan,
+        (plan, true) if plan.segment_size == 0 || slowdowns(&plan) == (false, false, false) => plan,
         (plan, fits) => match planned(shape.offloaded(true)) {
             (offloaded, true) if !fits || slowdowns(&offloaded) < slowdowns(&plan) => offloaded,
             _ => plan,
@@ -455,11 +546,12 @@ pub fn resolve_plan(
     }
 }
 
-/// What makes a segmented plan slower than segment 1 with kept attention, the worse first: the
-/// attention recomputed, then the MLP in chunks. Offload costs less than either (3–4% a step
-/// on the H200 at 16K–32K tokens a branch, measured), so the planner offloads to avoid them.
-fn slowdowns(plan: &KeepPlan) -> (bool, bool) {
-    (!plan.keep_attention, plan.mlp_chunk > 0)
+/// What makes a segmented plan slower than segment 1 with kept attention, the worse first: a
+/// layer-by-layer recomputation (one more forward), the attention recomputed, the MLP in chunks.
+/// Offload costs less than any (3–4% a step on the H200 at 16K–32K tokens a branch, measured),
+/// so the planner offloads to avoid them.
+fn slowdowns(plan: &KeepPlan) -> (bool, bool, bool) {
+    (plan.nested, !plan.keep_attention, plan.mlp_chunk > 0)
 }
 
 /// The plan as a user would write it: `segment 2, attention kept, k/v of 5 layers kept, MLP chunk
@@ -477,6 +569,9 @@ pub fn describe_plan(plan: &KeepPlan) -> String {
     }
     if plan.mlp_chunk > 0 {
         parts.push(format!("MLP chunk {}", plan.mlp_chunk));
+    }
+    if plan.nested {
+        parts.push("recomputed layer by layer".into());
     }
     if plan.offload {
         parts.push("boundaries in host memory".into());
@@ -556,6 +651,7 @@ mod tests {
             head_chunk_rows: 512,
             offload: false,
             host_budget: 0,
+            nested: false,
         }
     }
 
@@ -578,16 +674,18 @@ mod tests {
         assert!(est(smallest, false) < est(0, false) / 4);
         assert!(est(smallest, true) - est(smallest, false) >= 36 * gib);
         // Estimates here: size 1 + keep 119.6 GiB, 3 + keep 93.6, 1 alone 83.1, 3 alone 57.0.
-        // Each budget gets the fastest plan that fits; the smallest footprint when none does.
+        // Each budget gets the fastest plan that fits; below those, segments of 4 recomputed
+        // layer by layer (8 boundaries, 3 layer inputs and one layer: about 46 GiB).
         let plan = |budget_gib: usize| {
             let p = auto_plan(shape(&spec, 147_456, true), budget_gib * gib);
-            (p.segment_size, p.keep_attention)
+            (p.segment_size, p.keep_attention, p.nested)
         };
-        assert_eq!(plan(125), (1, true));
-        assert_eq!(plan(100), (3, true));
-        assert_eq!(plan(90), (1, false));
-        assert_eq!(plan(70), (3, false));
-        assert_eq!(plan(50), (3, false));
+        assert_eq!(plan(125), (1, true, false));
+        assert_eq!(plan(100), (3, true, false));
+        assert_eq!(plan(90), (1, false, false));
+        assert_eq!(plan(70), (3, false, false));
+        assert_eq!(plan(50), (4, false, true));
+        assert_eq!(plan(10), (4, false, true));
     }
 
     #[test]
@@ -679,12 +777,23 @@ mod tests {
         assert_eq!(chunk(1000 * gib), 0);
         assert_eq!(chunk(smallest_whole), 0);
         assert_eq!(chunk(smallest_whole - 1), AUTO_MLP_CHUNK);
-        let (plan, est) = whole.smallest(None, None);
-        assert_eq!((plan.segment_size, plan.mlp_chunk), (3, AUTO_MLP_CHUNK));
+        // The smallest footprint: plain, segment 3 at about 113 GiB; layer by layer, segment 4
+        // (8 boundaries, 3 inputs, one layer) below it.
+        let (plain, plain_est) = whole.chunked(true).nested(false).smallest_plain();
+        assert_eq!(plain, 3);
         assert!(
-            est.total() < 115 * gib && est.total() > 110 * gib,
-            "{est:?}"
+            plain_est < 115 * gib && plain_est > 110 * gib,
+            "{plain_est}"
         );
+        let (plan, est) = whole.smallest(None, None);
+        assert_eq!(
+            (plan.segment_size, plan.mlp_chunk, plan.nested),
+            (4, AUTO_MLP_CHUNK, true)
+        );
+        assert!(est.total() < plain_est, "{est:?}");
+        // An unset chunk is still taken before a layer-by-layer plan.
+        let p = resolve_plan(whole, None, None, None, None, None, plain_est);
+        assert!(!p.nested && p.mlp_chunk == AUTO_MLP_CHUNK, "{p:?}");
         // A chunk the user set stays, even 0.
         assert_eq!(
             resolve_plan(whole, None, None, None, Some(0), None, gib).mlp_chunk,
@@ -723,6 +832,7 @@ mod tests {
             keep_kv_layers: 0,
             mlp_chunk: 4096,
             offload,
+            nested: false,
         };
         let terms = |offload| estimate(host(200 * gib), &plan1(offload));
         let bytes = |e: &Estimate, name| e.terms.iter().find(|t| t.0 == name).unwrap().1;
@@ -735,8 +845,7 @@ mod tests {
         // 64 GiB of device memory (an 80 GiB card less the weights): nothing fits on the device
         // alone (the smallest plan needs about 113 GiB), so the boundaries go to the host. With
         // room for all 32 the plan is segment 1; with room for 16, segment 2 (about 54 GiB on
-        // the device); with room for 10, segment 4 would need about 90 GiB: no offloaded plan
-        // fits, and the plan stays on the device (and is refused).
+        // the device).
         let device = 64 * gib;
         assert!(host(0).smallest(Some(4096), Some(false)).1.total() > device);
         let roomy = at(host(200 * gib), None, device);
@@ -744,7 +853,13 @@ mod tests {
         let tight = at(host(16 * boundary), None, device);
         assert!(tight.offload && tight.segment_size == 2, "{tight:?}");
         assert!(host_bytes(host(0), &tight) <= 16 * boundary);
-        assert!(!at(host(10 * boundary), None, device).offload);
+        // With room for 10, plain segments of 4 would need about 90 GiB; layer by layer they
+        // need about 49 (8 boundaries offloaded, 2 on the device, 3 inputs, one layer).
+        let layered = at(host(10 * boundary), None, device);
+        assert!(
+            layered.offload && layered.nested && layered.segment_size == 4,
+            "{layered:?}"
+        );
         // No host budget: no offload (the plan that does not fit, which the trainer refuses).
         assert!(!at(host(0), None, device).offload);
         // Forced either way.
@@ -799,6 +914,51 @@ mod tests {
         let (p, e) = host(200 * gib).smallest(Some(4096), None);
         assert!(p.offload && e.total() < device, "{p:?} {e:?}");
         assert!(!host(0).smallest(Some(4096), None).0.offload);
+    }
+
+    /// llama8b at 512K tokens a branch (T = 589824, a boundary 9 GiB) with 117 GiB of device
+    /// memory and 108 GiB of host memory for boundaries (the H200 machine): no plain plan fits
+    /// (segment 3, the first whose boundaries fit the host, needs about 145 GiB), so each
+    /// segment is recomputed layer by layer: its layer inputs and one layer's activations.
+    #[test]
+    fn past_plain_segments_the_layers_are_recomputed_one_at_a_time() {
+        let spec = ModelSpec::from_config_json(
+            r#"{"architectures":["LlamaForCausalLM"],"hidden_size":4096,"intermediate_size":14336,"num_hidden_layers":32,"num_attention_heads":32,"num_key_value_heads":8,"vocab_size":128256}"#,
+        )
+        .unwrap();
+        let gib = 1usize << 30;
+        let boundary = 589_824 * 4096 * 4;
+        let shape = StepShape {
+            host_budget: 108 * gib,
+            ..shape(&spec, 589_824, true)
+        };
+        let device = 117 * gib;
+        let plain = shape.offloaded(true);
+        assert!(plain.bytes(plain.first_host_fitting(), false) > device);
+        let p = resolve_plan(shape, None, None, Some(0), Some(4096), None, device);
+        assert!(p.nested && p.offload, "{p:?}");
+        let e = estimate(shape, &p);
+        assert!(e.total() <= device, "{e:?}");
+        assert!(host_bytes(shape, &p) <= 108 * gib);
+        let term = |name| e.terms.iter().find(|t| t.0 == name).unwrap().1;
+        assert_eq!(
+            term("a segment's layer inputs"),
+            (p.segment_size - 1) * boundary
+        );
+        assert_eq!(term("a layer's backward"), 0);
+        // Where a plain plan fits, it is taken: nothing is recomputed twice.
+        let p = resolve_plan(
+            shape.with_tokens(147_456),
+            None,
+            None,
+            Some(0),
+            Some(4096),
+            None,
+            device,
+        );
+        assert!(!p.nested, "{p:?}");
+        // The smallest footprint counts layer-by-layer plans.
+        assert!(shape.smallest(Some(4096), None).0.nested);
     }
 
     #[test]

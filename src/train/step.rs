@@ -25,6 +25,8 @@ pub struct PassOptions {
     pub mlp_chunk: usize,
     /// With segments: layer boundaries in host memory (`ForwardPlan::offload`).
     pub offload: bool,
+    /// With segments: each segment recomputed layer by layer (`ForwardPlan::nested`).
+    pub nested: bool,
     pub head: HeadTier,
     pub head_chunk: usize,
     pub dropout: Option<(f32, u64)>,
@@ -190,6 +192,7 @@ fn forward_all(
                 keep_kv_layers: if keep { opts.keep_kv_layers } else { 0 },
                 mlp_chunk: opts.mlp_chunk,
                 offload: keep && opts.offload,
+                nested: keep && opts.nested,
             };
             let (hidden, st) = model.forward_keeping(&s.ids, lora, &ctx, plan)?;
             Ok(Forwarded {

@@ -243,6 +243,7 @@ pub fn pass_options(
         keep_kv_layers: plan.keep_kv_layers,
         mlp_chunk: plan.mlp_chunk,
         offload: plan.offload,
+        nested: plan.nested,
         head: cfg.head,
         head_chunk: shape.head_chunk_rows,
         dropout,
@@ -263,6 +264,7 @@ pub fn step_shape<'a>(
         head_chunk_rows: crate::config::resolve_head_chunk(cfg.head_chunk, model.spec.vocab),
         offload: false,
         host_budget: super::memory::host_budget(&model.device, cfg.offload),
+        nested: false,
     }
 }
 
@@ -282,6 +284,7 @@ pub fn pass_estimate(model: &Model, tokens: usize, opts: &PassOptions) -> super:
         head_chunk_rows: opts.head_chunk,
         offload: opts.offload,
         host_budget: 0,
+        nested: opts.nested,
     };
     super::memory::estimate(shape, &keep_plan(opts))
 }
@@ -294,6 +297,7 @@ pub fn keep_plan(opts: &PassOptions) -> super::memory::KeepPlan {
         keep_kv_layers: opts.keep_kv_layers,
         mlp_chunk: opts.mlp_chunk,
         offload: opts.offload,
+        nested: opts.nested,
     }
 }
 
@@ -880,6 +884,7 @@ pub fn train_with(
                 keep_kv_layers: pass.keep_kv_layers,
                 mlp_chunk: pass.mlp_chunk,
                 offload: pass.offload,
+                nested: pass.nested,
                 estimated_bytes,
             },
             eta_seconds: elapsed / done as f64 * (total_steps - state.step) as f64,
