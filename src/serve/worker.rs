@@ -394,7 +394,8 @@ impl TrainEvents for JobListener<'_> {
                     "lora_alpha": r.lora_alpha, "lora_params": r.lora_params,
                     "output": r.output, "resumed_from": r.resumed_from,
                     "segment_size": r.segment_size, "keep_attention": r.keep_attention,
-                    "keep_kv_layers": r.keep_kv_layers, "head": r.head,
+                    "keep_kv_layers": r.keep_kv_layers, "offload": r.offload,
+                    "pack_tokens": r.pack_tokens, "head": r.head,
                     "prefix_shared": r.prefix_shared,
                 });
                 app.db()

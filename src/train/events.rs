@@ -31,6 +31,10 @@ pub struct RunStart {
     pub segment_size: String,
     pub keep_attention: String,
     pub keep_kv_layers: String,
+    /// Layer boundaries in host memory: "true", "false" or "auto".
+    pub offload: String,
+    /// Tokens a pack of examples may hold (0: no packing).
+    pub pack_tokens: usize,
     pub head: String,
     pub prefix_shared: bool,
     /// Steps between plain log lines when no terminal shows the progress bar.

@@ -95,12 +95,16 @@ impl TrainEvents for Console {
                 if let Some(dir) = &r.resumed_from {
                     eprintln!("resumed from {} at step {}", dir.display(), r.start_step);
                 }
+                let packing = match r.pack_tokens {
+                    0 => String::new(),
+                    n => format!(" | packs of up to {n} tokens"),
+                };
                 eprintln!(
-                    "plan: {} on {} | {} train / {} valid examples | {} steps × {} micro-steps | learning_rate {:.2e} (warm-up {}) | LoRA r{} α{} on {} params | segment {} (keep attention {}, k/v of {} layers) | head {} | prefix-shared {}",
+                    "plan: {} on {} | {} train / {} valid examples | {} steps × {} micro-steps | learning_rate {:.2e} (warm-up {}) | LoRA r{} α{} on {} params | segment {} (keep attention {}, k/v of {} layers, offload {}) | head {} | prefix-shared {}{packing}",
                     r.method, r.device, r.train_examples, r.valid_examples, r.total_steps,
                     r.grad_accum, r.peak_lr, r.warmup_steps, r.lora_rank, r.lora_alpha,
-                    r.lora_params, r.segment_size, r.keep_attention, r.keep_kv_layers, r.head,
-                    r.prefix_shared
+                    r.lora_params, r.segment_size, r.keep_attention, r.keep_kv_layers, r.offload,
+                    r.head, r.prefix_shared
                 );
                 self.log_every = r.log_every.max(1);
                 self.start_step = r.start_step;

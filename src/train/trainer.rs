@@ -622,6 +622,8 @@ pub fn train_with(
         segment_size: auto(cfg.segment_size.map(|s| s.to_string())),
         keep_attention: auto(cfg.keep_attention.map(|k| k.to_string())),
         keep_kv_layers: auto(cfg.keep_kv_layers.map(|k| k.to_string())),
+        offload: auto(cfg.offload.map(|o| o.to_string())),
+        pack_tokens: cfg.pack_tokens,
         head: format!("{:?}", cfg.head),
         prefix_shared: cfg.prefix_shared,
         log_every: cfg.log_every,
