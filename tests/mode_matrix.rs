@@ -11,7 +11,7 @@
 mod common;
 use lorafit::data::TokenizedPair;
 use lorafit::model::weights::{load_weights, RandomSource};
-use lorafit::model::{Lora, LoraConfig, Model, ModelSpec};
+use lorafit::model::{Model, ModelSpec};
 use lorafit::tensor::Device;
 use lorafit::train::head::HeadTier;
 use lorafit::train::objectives::SftScope;
@@ -33,38 +33,7 @@ fn run(
     prefix: bool,
     mlp_chunk: usize,
 ) -> Run {
-    let spec = ModelSpec::from_config_json(config).unwrap();
-    let dev = Device::Cpu;
-    let model = Model::new(
-        spec.clone(),
-        load_weights(
-            &spec,
-            &RandomSource {
-                spec: spec.clone(),
-                seed: 3,
-            },
-            &dev,
-        )
-        .unwrap(),
-        dev.clone(),
-    );
-    let mut lora = Lora::new(
-        &spec,
-        LoraConfig {
-            rank: 4,
-            alpha: 8.0,
-            ..Default::default()
-        },
-        &dev,
-    )
-    .unwrap();
-    let mut rng = lorafit::tensor::Rng(9);
-    for (_, _, p) in lora.pairs_mut() {
-        for x in p.b.as_cpu_mut().unwrap() {
-            *x = (rng.normal() * 0.1) as f32;
-        }
-    }
-    lora.refresh_compute_copies().unwrap();
+    let (model, mut lora) = common::family_configs::random_model_and_lora(config, 3, 9);
     let ids =
         |n: usize, off: u32| -> Vec<u32> { (0..n as u32).map(|i| (i * 37 + off) % 200).collect() };
     let pair = TokenizedPair {

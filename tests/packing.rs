@@ -9,9 +9,7 @@
 mod common;
 use common::family_configs::{GEMMA2, GEMMA3, GEMMA4, MINICPM, QWEN2};
 use lorafit::data::TokenizedPair;
-use lorafit::model::weights::{load_weights, RandomSource};
-use lorafit::model::{Lora, LoraConfig, Model, ModelSpec};
-use lorafit::tensor::Device;
+use lorafit::model::{Lora, Model};
 use lorafit::train::device_loss::ExampleScale;
 use lorafit::train::head::HeadTier;
 use lorafit::train::objectives::{DpoLossType, SftScope};
@@ -21,36 +19,7 @@ use lorafit::train::step::{
 };
 
 fn model_and_lora(config: &str) -> (Model, Lora) {
-    let spec = ModelSpec::from_config_json(config).unwrap();
-    let dev = Device::Cpu;
-    let weights = load_weights(
-        &spec,
-        &RandomSource {
-            spec: spec.clone(),
-            seed: 5,
-        },
-        &dev,
-    )
-    .unwrap();
-    let model = Model::new(spec.clone(), weights, dev.clone());
-    let mut lora = Lora::new(
-        &spec,
-        LoraConfig {
-            rank: 4,
-            alpha: 8.0,
-            ..Default::default()
-        },
-        &dev,
-    )
-    .unwrap();
-    let mut rng = lorafit::tensor::Rng(17);
-    for (_, _, p) in lora.pairs_mut() {
-        for x in p.b.as_cpu_mut().unwrap() {
-            *x = (rng.normal() * 0.1) as f32;
-        }
-    }
-    lora.refresh_compute_copies().unwrap();
-    (model, lora)
+    common::family_configs::random_model_and_lora(config, 5, 17)
 }
 
 /// Short pairs of different lengths (prompts 3–9 tokens, responses 1–6), so blocks of a pack

@@ -881,34 +881,21 @@ mod tests {
             host_budget: h,
             ..shape(&spec, 147_456, true)
         };
-        let p = resolve_plan(mid(0), None, None, Some(0), Some(4096), None, 70 * gib);
+        let plan_at = |host: usize, budget: usize| {
+            resolve_plan(mid(host), None, None, Some(0), Some(4096), None, budget)
+        };
+        let p = plan_at(0, 70 * gib);
         assert!(
             !p.offload && !p.keep_attention && p.segment_size == 3,
             "{p:?}"
         );
-        let p = resolve_plan(
-            mid(200 * gib),
-            None,
-            None,
-            Some(0),
-            Some(4096),
-            None,
-            70 * gib,
-        );
+        let p = plan_at(200 * gib, 70 * gib);
         assert!(
             p.offload && p.keep_attention && p.segment_size == 1,
             "{p:?}"
         );
         // At 125 GiB segment 1 with attention fits on the device: no offload.
-        let p = resolve_plan(
-            mid(200 * gib),
-            None,
-            None,
-            Some(0),
-            Some(4096),
-            None,
-            125 * gib,
-        );
+        let p = plan_at(200 * gib, 125 * gib);
         assert!(!p.offload && p.keep_attention, "{p:?}");
         // The smallest footprint offloads when the host allows it.
         let (p, e) = host(200 * gib).smallest(Some(4096), None);

@@ -1,5 +1,39 @@
 //! Tiny configs of each family, shared by the tests that run every family (`mode_matrix`,
-//! `packing`).
+//! `packing`), and the random model and adapter they run.
+
+use lorafit::model::weights::{load_weights, RandomSource};
+use lorafit::model::{Lora, LoraConfig, Model, ModelSpec};
+use lorafit::tensor::Device;
+
+/// A CPU model of `config` with random weights (`weight_seed`) and a rank-4 adapter whose B
+/// matrices are random too (`lora_seed`, scale 0.1), so that every LoRA gradient is non-zero.
+pub fn random_model_and_lora(config: &str, weight_seed: u64, lora_seed: u64) -> (Model, Lora) {
+    let spec = ModelSpec::from_config_json(config).unwrap();
+    let dev = Device::Cpu;
+    let source = RandomSource {
+        spec: spec.clone(),
+        seed: weight_seed,
+    };
+    let model = Model::new(
+        spec.clone(),
+        load_weights(&spec, &source, &dev).unwrap(),
+        dev.clone(),
+    );
+    let config = LoraConfig {
+        rank: 4,
+        alpha: 8.0,
+        ..Default::default()
+    };
+    let mut lora = Lora::new(&spec, config, &dev).unwrap();
+    let mut rng = lorafit::tensor::Rng(lora_seed);
+    for (_, _, p) in lora.pairs_mut() {
+        for x in p.b.as_cpu_mut().unwrap() {
+            *x = (rng.normal() * 0.1) as f32;
+        }
+    }
+    lora.refresh_compute_copies().unwrap();
+    (model, lora)
+}
 
 pub const QWEN2: &str = r#"{"architectures":["Qwen2ForCausalLM"],"hidden_size":64,"intermediate_size":96,"num_hidden_layers":3,"num_attention_heads":4,"num_key_value_heads":2,"vocab_size":200,"tie_word_embeddings":true}"#;
 pub const GEMMA2: &str = r#"{"architectures":["Gemma2ForCausalLM"],"hidden_size":64,"intermediate_size":96,"num_hidden_layers":3,"num_attention_heads":4,"num_key_value_heads":2,"head_dim":16,"vocab_size":200,"query_pre_attn_scalar":24,"attn_logit_softcapping":0.05,"final_logit_softcapping":0.1,"sliding_window":6,"tie_word_embeddings":true}"#;
