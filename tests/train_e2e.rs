@@ -832,6 +832,27 @@ fn packed_steps_train_as_the_unpacked_ones() {
             "a pack is the step's pass: {b}"
         );
     }
+    // A LongRoPE model (MiniCPM's tiny config) with packing: refused before the first step.
+    let minicpm = ModelSpec::from_config_json(common::family_configs::MINICPM).unwrap();
+    let src = RandomSource {
+        spec: minicpm.clone(),
+        seed: 3,
+    };
+    let weights = load_weights(&minicpm, &src, &Device::Cpu).unwrap();
+    let long_rope = loaded_with(
+        Model::new(minicpm, weights, Device::Cpu),
+        PathBuf::from("random-tiny-minicpm"),
+    );
+    let dir = out_dir("pack-longrope");
+    let mut c = cfg(&dir, 1);
+    c.pack_tokens = 512;
+    let tr = pair_items(4, 12, long_rope.model.spec.vocab);
+    let Err(e) = train(&c, None, &long_rope, &tr, &[]) else {
+        panic!("packing a LongRoPE model trained");
+    };
+    let e = format!("{e:#}");
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(e.contains("pack_tokens") && e.contains("LongRoPE"), "{e}");
     let dir = out_dir("pack-unshared");
     let mut c = cfg(&dir, 1);
     c.pack_tokens = 512;
