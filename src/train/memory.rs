@@ -14,6 +14,10 @@
 //! - Then, with segments, k and v of as many of the lowest layers as still fit
 //!   (`keep_kv_layers`; none for models with q/k norms), sparing their projections in the
 //!   recomputation.
+//! - Whole-sequence MLPs before MLP token chunks; both before a layer-by-layer recomputation of
+//!   each segment (one more forward; one layer's activations live), the last resort.
+//! - The boundaries in pinned host memory (`host_budget`) where that fits a plan no on-device
+//!   plan does, or avoids one of those costs (`slowdowns`); offload itself costs a few percent.
 
 use crate::model::ModelSpec;
 
