@@ -1,10 +1,10 @@
 //! The runner: a loaded model, and the whole-model passes over its list of layers with the memory
 //! machinery every family shares. Segments (keep every s-th layer boundary, recompute a segment
 //! at a time in the backward, or layer by layer), boundaries offloaded to host memory, kept
-//! attention outputs, kept k/v, the MLP chunk size, the top
-//! layer trimmed to the rows the head reads, and the per-kind masks and rotary tables (one mask
-//! per distinct sliding window, one table per `RopeSpec`) built once per pass from the pass's
-//! base mask, which carries the prefix-shared layout. The maths of one layer is `layer.rs`.
+//! attention outputs, kept k/v, the MLP chunk size, the top layer trimmed to the rows the head
+//! reads, and the per-kind masks and rotary tables (one mask per distinct sliding window, one
+//! table per `RopeSpec`) built once per pass from the pass's base mask, which carries the
+//! prefix-shared layout. The maths of one layer is `layer.rs`.
 
 use super::config::ModelSpec;
 use super::layer::{KvGrad, LayerActs, LayerEnv, LayerRun};
