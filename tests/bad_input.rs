@@ -209,6 +209,17 @@ fn settings_files_take_trl_names_and_name_mistakes() {
         e.contains("batches.toml") && e.contains("record_batches"),
         "{e}"
     );
+    // The memory settings: each bad value names the file and the setting.
+    for (file, text, setting) in [
+        ("offload.toml", "offload = \"yes\"\n", "offload"),
+        ("pack.toml", "pack_tokens = -5\n", "pack_tokens"),
+        ("pack_typo.toml", "pack_token = 512\n", "pack_tokens"),
+        ("limit.toml", "memory_limit = \"80G\"\n", "memory_limit"),
+        ("chunk.toml", "mlp_chunk = 1.5\n", "mlp_chunk"),
+    ] {
+        let e = err(&write(file, text));
+        assert!(e.contains(file) && e.contains(setting), "{file}: {e}");
+    }
 }
 
 /// Gemma 4's own config fields (per-layer geometry, KV sharing, layer types): each bad value is
