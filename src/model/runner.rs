@@ -506,8 +506,11 @@ impl Model {
                 coming = Some(h.prefetch()?);
             }
             let end = (start + state.segment_size).min(n - 1);
-            if state.nested {
-                let inputs = self.segment_inputs(
+            // This segment recomputed from its boundary: every layer's activations at once, or
+            // (nested) every layer's input, each layer's activations made just before its
+            // backward. Only one segment is live.
+            let recomputed: Vec<Recomputed> = if state.nested {
+                self.segment_inputs(
                     x,
                     start..end,
                     lora.as_deref(),
@@ -516,52 +519,43 @@ impl Model {
                     &donor_kv,
                     &kept_attention,
                     &kept_kv,
-                )?;
-                for (i, input) in inputs.into_iter().enumerate().rev() {
-                    let l = start + i;
+                )?
+                .into_iter()
+                .map(Recomputed::Input)
+                .collect()
+            } else {
+                let mut seg = Vec::with_capacity(end - start);
+                let mut x = Some(x);
+                for l in start..end {
+                    let input = x.take().expect("each recomputed layer's input");
                     let run = LayerRun {
                         env: kinds.env(ctx, self, l, &donor_kv),
-                        want_output: false,
+                        want_output: l + 1 < end,
                         attention: kept_attention.get_mut(l).and_then(Option::take),
                         kept_kv: kept_kv.get_mut(l).and_then(Option::take),
                         keep_mlp: true,
                     };
-                    let (_, a) = self.layer_forward(l, input, lora.as_deref(), ctx, run)?;
-                    self.device
-                        .memtrace(|| format!("recomputed layer {l} alone"));
-                    (d, dc) = self.layer_backward(
-                        l,
-                        &d,
-                        dc,
-                        a,
-                        lora.as_deref_mut(),
-                        ctx,
-                        kinds.env(ctx, self, l, &donor_kv),
-                        &mut kv_grads,
-                    )?;
-                    self.device.memtrace(|| format!("backward layer {l}"));
+                    let (y, a) = self.layer_forward(l, input, lora.as_deref(), ctx, run)?;
+                    seg.push(Recomputed::Acts(Box::new(a)));
+                    x = y;
                 }
-                continue;
-            }
-            // Recompute this segment's activations from its boundary; only one segment is live.
-            let mut seg: Vec<LayerActs> = Vec::with_capacity(end - start);
-            let mut x = Some(x);
-            for l in start..end {
-                let input = x.take().expect("each recomputed layer's input");
-                let kept = kept_attention.get_mut(l).and_then(Option::take);
-                let run = LayerRun {
-                    env: kinds.env(ctx, self, l, &donor_kv),
-                    want_output: l + 1 < end,
-                    attention: kept,
-                    kept_kv: kept_kv.get_mut(l).and_then(Option::take),
-                    keep_mlp: true,
-                };
-                let (y, a) = self.layer_forward(l, input, lora.as_deref(), ctx, run)?;
-                seg.push(a);
-                x = y;
-            }
-            for (i, a) in seg.into_iter().enumerate().rev() {
+                seg
+            };
+            for (i, r) in recomputed.into_iter().enumerate().rev() {
                 let l = start + i;
+                let a = match r {
+                    Recomputed::Acts(a) => *a,
+                    Recomputed::Input(input) => {
+                        let run = LayerRun {
+                            env: kinds.env(ctx, self, l, &donor_kv),
+                            want_output: false,
+                            attention: kept_attention.get_mut(l).and_then(Option::take),
+                            kept_kv: kept_kv.get_mut(l).and_then(Option::take),
+                            keep_mlp: true,
+                        };
+                        self.layer_forward(l, input, lora.as_deref(), ctx, run)?.1
+                    }
+                };
                 self.device.memtrace(|| format!("recomputed layer {l}"));
                 (d, dc) = self.layer_backward(
                     l,
@@ -708,6 +702,13 @@ pub struct ForwardState {
     kinds: Kinds,
     /// The KV donors' k and v (`DonorKv`).
     donor_kv: DonorKv,
+}
+
+/// One layer of a segment being recomputed: its activations, or (`ForwardPlan::nested`) its
+/// input, from which they are made just before its backward.
+enum Recomputed {
+    Acts(Box<LayerActs>),
+    Input(Tensor),
 }
 
 /// A segment's input, on the device or offloaded to host memory (`ForwardPlan::offload`).
