@@ -645,6 +645,14 @@ pub fn free_margin(free: usize) -> usize {
 mod tests {
     use super::*;
 
+    /// Llama-3-8B's shape.
+    fn llama8b() -> ModelSpec {
+        ModelSpec::from_config_json(
+            r#"{"architectures":["LlamaForCausalLM"],"hidden_size":4096,"intermediate_size":14336,"num_hidden_layers":32,"num_attention_heads":32,"num_key_value_heads":8,"vocab_size":128256}"#,
+        )
+        .unwrap()
+    }
+
     /// A bf16 workload with 512-row head chunks.
     fn shape(spec: &ModelSpec, tokens: usize, mlp_chunked: bool) -> StepShape<'_> {
         StepShape {
@@ -661,10 +669,7 @@ mod tests {
 
     #[test]
     fn small_plans_keep_everything_and_large_ones_segment() {
-        let spec = ModelSpec::from_config_json(
-            r#"{"architectures":["LlamaForCausalLM"],"hidden_size":4096,"intermediate_size":14336,"num_hidden_layers":32,"num_attention_heads":32,"num_key_value_heads":8,"vocab_size":128256}"#,
-        )
-        .unwrap();
+        let spec = llama8b();
         let gib = 1usize << 30;
         assert_eq!(
             auto_plan(shape(&spec, 4608, false), 100 * gib).segment_size,
@@ -694,10 +699,7 @@ mod tests {
 
     #[test]
     fn the_top_layer_keeps_its_mlp_when_the_head_holds_less() {
-        let spec = ModelSpec::from_config_json(
-            r#"{"architectures":["LlamaForCausalLM"],"hidden_size":4096,"intermediate_size":14336,"num_hidden_layers":32,"num_attention_heads":32,"num_key_value_heads":8,"vocab_size":128256}"#,
-        )
-        .unwrap();
+        let spec = llama8b();
         // A 512-row chunk of f32 logits with bf16 coefficients: 394 MB.
         let head = 512 * 128_256 * 6;
         // Its (T, I) gradient is 528 MB at 18432 tokens, 132 MB at 4608.
@@ -707,10 +709,7 @@ mod tests {
 
     #[test]
     fn user_choices_override_the_budget_and_nothing_is_kept_without_segments() {
-        let spec = ModelSpec::from_config_json(
-            r#"{"architectures":["LlamaForCausalLM"],"hidden_size":4096,"intermediate_size":14336,"num_hidden_layers":32,"num_attention_heads":32,"num_key_value_heads":8,"vocab_size":128256}"#,
-        )
-        .unwrap();
+        let spec = llama8b();
         let gib = 1usize << 30;
         let plan = |seg, keep, budget| {
             let p = resolve_plan(
@@ -767,10 +766,7 @@ mod tests {
 
     #[test]
     fn an_unset_mlp_chunk_chunks_only_when_no_whole_mlp_plan_fits() {
-        let spec = ModelSpec::from_config_json(
-            r#"{"architectures":["LlamaForCausalLM"],"hidden_size":4096,"intermediate_size":14336,"num_hidden_layers":32,"num_attention_heads":32,"num_key_value_heads":8,"vocab_size":128256}"#,
-        )
-        .unwrap();
+        let spec = llama8b();
         let gib = 1usize << 30;
         let whole = shape(&spec, 294_912, false);
         let chunk = |budget| resolve_plan(whole, None, None, None, None, None, budget).mlp_chunk;
@@ -816,10 +812,7 @@ mod tests {
     /// and it takes the smallest segment size whose boundaries fit the host.
     #[test]
     fn boundaries_go_to_the_host_only_when_nothing_else_fits() {
-        let spec = ModelSpec::from_config_json(
-            r#"{"architectures":["LlamaForCausalLM"],"hidden_size":4096,"intermediate_size":14336,"num_hidden_layers":32,"num_attention_heads":32,"num_key_value_heads":8,"vocab_size":128256}"#,
-        )
-        .unwrap();
+        let spec = llama8b();
         let gib = 1usize << 30;
         let boundary = 294_912 * 4096 * 4;
         let host = |h: usize| StepShape {
@@ -913,10 +906,7 @@ mod tests {
     /// segment is recomputed layer by layer: its layer inputs and one layer's activations.
     #[test]
     fn past_plain_segments_the_layers_are_recomputed_one_at_a_time() {
-        let spec = ModelSpec::from_config_json(
-            r#"{"architectures":["LlamaForCausalLM"],"hidden_size":4096,"intermediate_size":14336,"num_hidden_layers":32,"num_attention_heads":32,"num_key_value_heads":8,"vocab_size":128256}"#,
-        )
-        .unwrap();
+        let spec = llama8b();
         let gib = 1usize << 30;
         let boundary = 589_824 * 4096 * 4;
         let shape = StepShape {
