@@ -4,15 +4,15 @@
 //!
 //! The estimates are fitted to the CUDA allocator (H200, `scripts/memory_bench.sh`: within 4% on
 //! every bench row). The CPU computes in f32 with its own temporaries, so the bounds here are the
-//! CPU's own, measured (ratios of estimate to count 1.00 with every activation kept,
-//! 0.92–0.98 at segment size 1 and at size 3 recomputed layer by layer, 1.12–1.19 at sizes 2
-//! and 3): every activation kept, within 2%;
-//! segment size 1 and layer by layer, under by at most 10% (at its peak the CPU's recomputed layer and its backward
-//! hold about two f32 (T, hidden) tensors more than the estimate, whose segment-1 backward share
-//! of 0 is CUDA's: there the backward frees as it allocates); larger segments over by 5–25% (the
-//! fitted backward share, 21% of a layer, is what CUDA's backward holds on top; the CPU's holds
-//! less). The test guards the structure: each term moves with the plan as the step's memory does,
-//! every activation kept is exact, and an estimate that drifts from the counts fails.
+//! CPU's own, measured (ratios of estimate to count: 1.00 with every activation kept; 0.92–0.98 at
+//! segment size 1 and at size 3 recomputed layer by layer; 1.12–1.19 at sizes 2 and 3). Every
+//! activation kept: within 2%. Segment size 1 and layer by layer: under by at most 10% (at its
+//! peak the CPU's recomputed layer and its backward hold about two f32 (T, hidden) tensors more
+//! than the estimate, whose segment-1 backward share of 0 is CUDA's: there the backward frees as
+//! it allocates). Larger segments: over by 5–25% (the fitted backward share, 21% of a layer, is
+//! what CUDA's backward holds on top; the CPU's holds less). The test guards the structure: each
+//! term moves with the plan as the step's memory does, every activation kept is exact, and an
+//! estimate that drifts from the counts fails.
 
 mod common;
 use lorafit::data::TokenizedPair;
