@@ -7,8 +7,10 @@
 #
 # e.g. scripts/gpu_bench.sh .gpu/lorafit "qwen1.5b 3584 512 expert-liger" "llama8b 3584 512 trl-liger+expert-liger 0 --also 3584,512,4,0"
 # Anchor modes are joined by "+"; "-" skips the anchors for that row. ANCHOR_STEPS="steps warmup"
-# shortens the anchor runs. Every lorafit row is printed beside every anchor of its shape and P.
-# Results go to $OUT (or /tmp) as JSON lines.
+# shortens the anchor runs. Mode `unsloth` runs ../shared/anchors/unsloth_orpo_bench.py through
+# run-unsloth.sh with the two wheel folders of fetch-unsloth-wheels.sh, UNSLOTH_WHEELS="A B"
+# (default ".whl/unsA .whl/unsB"; carried in two back-to-back calls). Every lorafit row is
+# printed beside every anchor of its shape and P. Results go to $OUT (or /tmp) as JSON lines.
 set -u
 bin=$1; shift
 out=${OUT:-/tmp}
@@ -19,7 +21,11 @@ for spec in "$@"; do
   segflag=""; [ "$seg" != "auto" ] && segflag="--segment-size $seg"
   if [ "$mode" != "-" ]; then
     for m in ${mode//+/ }; do
-      OUT=$out .gpu/anchors/run-anchor.sh .gpu/whl "$m $shape $P $R ${ANCHOR_STEPS:-}" >/dev/null
+      if [ "$m" = unsloth ]; then
+        OUT=$out .gpu/anchors/run-unsloth.sh ${UNSLOTH_WHEELS:-.whl/unsA .whl/unsB} "$shape $P $R ${ANCHOR_STEPS:-}" >/dev/null
+      else
+        OUT=$out .gpu/anchors/run-anchor.sh .gpu/whl "$m $shape $P $R ${ANCHOR_STEPS:-}" >/dev/null
+      fi
     done
   fi
   "$bin" bench --shape "$shape" --prompt-len "$P" --resp-len "$R" $segflag $extra --device cuda \
@@ -41,12 +47,21 @@ def load(p):
     return rows
 ours = load(f"{out}/lorafit.jsonl"); anchors = load(f"{out}/anchors.jsonl")
 def key(r): return (r.get("shape") or r.get("arch"), int(r.get("P") or r.get("prompt_len")))
-print(f"{'shape':<9} {'P/R':>11} {'seg':>3} | {'lorafit s':>9} {'GiB':>6} {'MFU':>5} | {'anchor':<13} {'s':>7} {'GiB':>6} | {'speedup':>7} {'mem ratio':>9}")
+def plan(r):
+    p = f"seg {r['segment_size']}" + (" +attn" if r.get('keep_attention') else "") + \
+        (f" +kv{r['keep_kv_layers']}" if r.get('keep_kv_layers') else "") + \
+        (f" mlp{r['mlp_chunk']}" if r.get('mlp_chunk') else "") + (" nested" if r.get('nested') else "") + \
+        (" host" if r.get('offload') else "")
+    return p + (f" @{r['memory_limit_gib']}G" if r.get('memory_limit_gib') else "")
+print(f"{'shape':<9} {'P/R':>11} {'plan':<32} | {'lorafit s':>9} {'GiB':>6} {'MFU':>5} | {'anchor':<13} {'s':>7} {'GiB':>6} | {'speedup':>7} {'mem ratio':>9}")
 for r in ours:
+    if 'refused' in r:
+        print(f"{r['shape']:<9} {str(r['P'])+'/'+str(r['R']):>11} refused: {r['refused']}")
+        continue
     matching = [x for x in anchors if key(x) == key(r)] or [None]
     s = r["s_per_step"]; g = r["peak_gib"]
     for a in matching:
-        line = f"{r['shape']:<9} {str(r['P'])+'/'+str(r['R']):>11} {r['segment_size']:>3} | {s:>9.3f} {g:>6.1f} {r['mfu']:>5.1%} | "
+        line = f"{r['shape']:<9} {str(r['P'])+'/'+str(r['R']):>11} {plan(r):<32} | {s:>9.3f} {g:>6.1f} {r['mfu']:>5.1%} | "
         if a:
             ast = a.get("s_per_step"); ag = a.get("peak_alloc_gib", a.get("peak_gib"))
             line += f"{a.get('mode','?'):<13} {ast:>7.3f} {ag:>6.1f} | {ast/s:>6.2f}x {g/ag:>9.2f}"

@@ -68,11 +68,12 @@ fn estimates_follow_the_cpu_counts_plan_by_plan() {
         (3, false, 2, 0, false, (1.05, 1.25)),
         (2, false, 0, 0, true, (1.05, 1.25)),
         (3, false, 0, 0, false, (0.90, 1.02)),
+        (1, true, 5, 0, true, (1.05, 1.25)),
     ];
     let mut rows = Vec::new();
     for (i, (seg, keep, kv, mlp, offload, (lo, hi))) in plans.into_iter().enumerate() {
-        // The last plan recomputes its segments layer by layer.
-        let nested = i + 1 == plans.len();
+        // The second-last plan recomputes its segments layer by layer.
+        let nested = i + 2 == plans.len();
         for (p, r) in [(200, 50), (800, 200)] {
             let opts = PassOptions {
                 segment_size: seg,
@@ -92,6 +93,7 @@ fn estimates_follow_the_cpu_counts_plan_by_plan() {
                  P {p} R {r}: estimate {estimate} B, measured {measured} B, ratio {ratio:.3}"
             );
             assert!((lo..=hi).contains(&ratio), "{what} (bounds {lo}..{hi})");
+            eprintln!("{what}");
             rows.push((seg, measured, estimate));
         }
     }
@@ -103,6 +105,13 @@ fn estimates_follow_the_cpu_counts_plan_by_plan() {
     }
     // Layer by layer, segments of 3 hold less than half of plain segments of 3 (which also keep
     // 2.5 MB of k/v), in the counts and in the estimate.
+    // Offloaded, the boundaries, attention outputs and k/v of 5 layers hold less than the
+    // attention outputs alone on the device, in the counts and in the estimate.
+    let (on_device, offloaded) = (rows[3], rows[17]);
+    assert!(
+        offloaded.1 < on_device.1 && offloaded.2 < on_device.2,
+        "{on_device:?} {offloaded:?}"
+    );
     let (plain, layered) = (rows[11], rows[15]);
     assert!(
         2 * layered.1 < plain.1 && 2 * layered.2 < plain.2,

@@ -136,7 +136,8 @@ pub struct ForwardPlan {
     pub mlp_chunk: usize,
     /// With segments: hold the layer boundaries in host memory (`tensor::offload`), each copied
     /// out while the next segment runs and brought back while the segment above it is
-    /// recomputed, so at most two are on the device at a time.
+    /// recomputed, so at most two are on the device at a time; kept attention outputs and k/v
+    /// go with them (`KeptPairs`).
     pub offload: bool,
     /// With segments: recompute each segment twice in the backward, first keeping only every
     /// layer's input (f32, `T·hidden` values each), then each layer alone from its input just
@@ -357,7 +358,7 @@ impl Model {
         let mut kinds = self.kinds(ctx, read_from, mlp_chunk)?;
         let donor_layers = self.spec.kv_donors();
         let mut donor_kv: DonorKv = (0..self.spec.n_layers).map(|_| None).collect();
-        let mut kept_kv = Vec::new();
+        let mut kept_kv = KeptPairs::default();
         let n = self.spec.n_layers;
         let mut x = self.embed(ids)?;
         if x.dtype() != self.residual_dtype {
@@ -369,12 +370,17 @@ impl Model {
         kinds.per_layer = self.per_layer_inputs(ids, &x)?;
         let mut acts = Vec::new();
         let mut boundaries = Vec::new();
-        let mut kept_attention = Vec::new();
+        let mut kept_attention = KeptPairs::default();
         for l in 0..n {
             // With segments, the top layer keeps its activations from the forward: the backward
             // starts there, so a recomputation would rebuild them at once, and they are live at
             // the step's peak either way.
             let top = l + 1 == n;
+            if offload {
+                // The kept tensors of two layers down have had a layer's time to reach the host.
+                kept_attention.settle_below(l.saturating_sub(1))?;
+                kept_kv.settle_below(l.saturating_sub(1))?;
+            }
             if segment_size > 0 && l % segment_size == 0 && !top {
                 let b = x.try_clone()?;
                 if offload {
@@ -404,13 +410,12 @@ impl Model {
             if segment_size == 0 || top {
                 acts.push(a);
             } else {
-                kept_kv.push(match (keep_kv(l), a.k, a.v) {
+                let kv = match (keep_kv(l), a.k, a.v) {
                     (true, Some(k), Some(v)) => Some((k, v)),
                     _ => None,
-                });
-                if keep_attention {
-                    kept_attention.push(Some((a.attn, a.lse)));
-                }
+                };
+                kept_kv.push(kv, offload)?;
+                kept_attention.push(keep_attention.then_some((a.attn, a.lse)), offload)?;
             }
             self.device.memtrace(|| format!("forward layer {l}"));
             x = y.expect("the layer output was asked for");
@@ -494,18 +499,24 @@ impl Model {
         // The next boundary down, on its way back from the host while this segment runs.
         let mut coming: Option<Prefetched> = None;
         while let Some((start, b)) = boundaries.pop() {
+            let end = (start + state.segment_size).min(n - 1);
             let x = match b {
                 Boundary::Device(x) => x,
                 Boundary::Host(h) => match coming.take() {
                     Some(p) => p.wait()?,
-                    None => h.prefetch()?.wait()?,
+                    // The top segment's boundary: its device copy may not have been let go.
+                    None => h.into_device()?,
                 },
             };
-            if let Some((_, Boundary::Host(h))) = boundaries.last_mut() {
+            kept_attention.ready(start..end)?;
+            kept_kv.ready(start..end)?;
+            // The segment below comes back from the host while this one runs.
+            if let Some((below, Boundary::Host(h))) = boundaries.last_mut() {
                 h.settle()?;
                 coming = Some(h.prefetch()?);
+                kept_attention.prefetch(*below..start)?;
+                kept_kv.prefetch(*below..start)?;
             }
-            let end = (start + state.segment_size).min(n - 1);
             // This segment recomputed from its boundary: every layer's activations at once, or
             // (nested) every layer's input, each layer's activations made just before its
             // backward. Only one segment is live.
@@ -531,8 +542,8 @@ impl Model {
                     let run = LayerRun {
                         env: kinds.env(ctx, self, l, &donor_kv),
                         want_output: l + 1 < end,
-                        attention: kept_attention.get_mut(l).and_then(Option::take),
-                        kept_kv: kept_kv.get_mut(l).and_then(Option::take),
+                        attention: kept_attention.take(l),
+                        kept_kv: kept_kv.take(l),
                         keep_mlp: true,
                     };
                     let (y, a) = self.layer_forward(l, input, lora.as_deref(), ctx, run)?;
@@ -549,8 +560,8 @@ impl Model {
                         let run = LayerRun {
                             env: kinds.env(ctx, self, l, &donor_kv),
                             want_output: false,
-                            attention: kept_attention.get_mut(l).and_then(Option::take),
-                            kept_kv: kept_kv.get_mut(l).and_then(Option::take),
+                            attention: kept_attention.take(l),
+                            kept_kv: kept_kv.take(l),
                             keep_mlp: true,
                         };
                         self.layer_forward(l, input, lora.as_deref(), ctx, run)?.1
@@ -585,16 +596,9 @@ impl Model {
         ctx: &PassCtx,
         kinds: &Kinds,
         donor_kv: &DonorKv,
-        kept_attention: &[Option<(Tensor, Tensor)>],
-        kept_kv: &[Option<(Tensor, Tensor)>],
+        kept_attention: &KeptPairs,
+        kept_kv: &KeptPairs,
     ) -> Result<Vec<Tensor>> {
-        let copy =
-            |kept: &[Option<(Tensor, Tensor)>], l: usize| -> Result<Option<(Tensor, Tensor)>> {
-                match kept.get(l).and_then(Option::as_ref) {
-                    Some((a, b)) => Ok(Some((a.try_clone()?, b.try_clone()?))),
-                    None => Ok(None),
-                }
-            };
         let mut inputs = Vec::with_capacity(layers.len());
         let mut x = x;
         for l in layers.clone() {
@@ -605,8 +609,8 @@ impl Model {
             let run = LayerRun {
                 env: kinds.env(ctx, self, l, donor_kv),
                 want_output: true,
-                attention: copy(kept_attention, l)?,
-                kept_kv: copy(kept_kv, l)?,
+                attention: kept_attention.copy(l)?,
+                kept_kv: kept_kv.copy(l)?,
                 keep_mlp: false,
             };
             let input = x.try_clone()?;
@@ -690,9 +694,9 @@ pub struct ForwardState {
     boundaries: Vec<(usize, Boundary)>,
     /// Per layer, with segments and `keep_attention`: the forward's attention output and lse,
     /// taken by the layer's recomputation.
-    kept_attention: Vec<Option<(Tensor, Tensor)>>,
+    kept_attention: KeptPairs,
     /// Per layer, with segments: k and v kept from the forward (`ForwardPlan::keep_kv_layers`).
-    kept_kv: Vec<Option<(Tensor, Tensor)>>,
+    kept_kv: KeptPairs,
     last: Tensor,
     rstd: Tensor,
     segment_size: usize,
@@ -715,4 +719,100 @@ enum Recomputed {
 enum Boundary {
     Device(Tensor),
     Host(Offloaded),
+}
+
+/// Per layer below the top, with segments: a pair of tensors kept from the forward for the
+/// layer's recomputation (its attention output and lse, or its k and v). With
+/// `ForwardPlan::offload` they go to host memory as they are made and come back with their
+/// segment's boundary, so that the device holds about three layers' pairs in the forward and two
+/// segments' in the backward.
+#[derive(Default)]
+struct KeptPairs {
+    pairs: Vec<Option<Kept>>,
+    /// Layers below this have been settled (`settle_below`).
+    settled: usize,
+}
+
+/// One layer's kept pair, where it is.
+enum Kept {
+    Device(Tensor, Tensor),
+    Host(Offloaded, Offloaded),
+    Coming(Prefetched, Prefetched),
+}
+
+impl KeptPairs {
+    /// Records the next layer's pair (layers come in order), copied to host memory with
+    /// `offload`.
+    fn push(&mut self, pair: Option<(Tensor, Tensor)>, offload: bool) -> Result<()> {
+        self.pairs.push(match pair {
+            None => None,
+            Some((a, b)) if offload => Some(Kept::Host(a.offload()?, b.offload()?)),
+            Some((a, b)) => Some(Kept::Device(a, b)),
+        });
+        Ok(())
+    }
+
+    /// Lets the device copies of the pairs of layers below `l` go (their copies to host have
+    /// had time to run).
+    fn settle_below(&mut self, l: usize) -> Result<()> {
+        while self.settled < l.min(self.pairs.len()) {
+            if let Some(Kept::Host(a, b)) = &mut self.pairs[self.settled] {
+                a.settle()?;
+                b.settle()?;
+            }
+            self.settled += 1;
+        }
+        Ok(())
+    }
+
+    /// Starts bringing the pairs of `layers` back to the device.
+    fn prefetch(&mut self, layers: std::ops::Range<usize>) -> Result<()> {
+        for l in layers {
+            let Some(slot) = self.pairs.get_mut(l) else {
+                continue;
+            };
+            *slot = match slot.take() {
+                Some(Kept::Host(mut a, mut b)) => {
+                    a.settle()?;
+                    b.settle()?;
+                    Some(Kept::Coming(a.prefetch()?, b.prefetch()?))
+                }
+                other => other,
+            };
+        }
+        Ok(())
+    }
+
+    /// Puts the pairs of `layers` on the device: prefetched ones once their copies have run,
+    /// host ones now (their device copies where those have not been let go).
+    fn ready(&mut self, layers: std::ops::Range<usize>) -> Result<()> {
+        for l in layers {
+            let Some(slot) = self.pairs.get_mut(l) else {
+                continue;
+            };
+            *slot = match slot.take() {
+                Some(Kept::Coming(a, b)) => Some(Kept::Device(a.wait()?, b.wait()?)),
+                Some(Kept::Host(a, b)) => Some(Kept::Device(a.into_device()?, b.into_device()?)),
+                other => other,
+            };
+        }
+        Ok(())
+    }
+
+    /// Layer `l`'s pair, taken (on the device: after `ready`).
+    fn take(&mut self, l: usize) -> Option<(Tensor, Tensor)> {
+        match self.pairs.get_mut(l)?.take()? {
+            Kept::Device(a, b) => Some((a, b)),
+            _ => panic!("layer {l}: a kept pair taken before `ready`"),
+        }
+    }
+
+    /// A copy of layer `l`'s pair, left in place (on the device: after `ready`).
+    fn copy(&self, l: usize) -> Result<Option<(Tensor, Tensor)>> {
+        match self.pairs.get(l) {
+            Some(Some(Kept::Device(a, b))) => Ok(Some((a.try_clone()?, b.try_clone()?))),
+            Some(Some(_)) => anyhow::bail!("layer {l}: a kept pair read before `ready`"),
+            _ => Ok(None),
+        }
+    }
 }

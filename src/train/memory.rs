@@ -16,8 +16,10 @@
 //!   recomputation.
 //! - Whole-sequence MLPs before MLP token chunks; both before a layer-by-layer recomputation of
 //!   each segment (one more forward; one layer's activations live), the last resort.
-//! - The boundaries in pinned host memory (`host_budget`) where that fits a plan no on-device
-//!   plan does, or avoids one of those costs (`slowdowns`); offload itself costs a few percent.
+//! - The boundaries in pinned host memory (`host_budget`), with the kept attention outputs and
+//!   k/v, where that fits a plan no on-device plan does, or avoids one of those costs
+//!   (`slowdowns`); offload itself costs a few percent. Offloaded, the device holds two
+//!   boundaries and two segments' kept tensors; the host holds them all.
 
 use crate::model::ModelSpec;
 
@@ -122,13 +124,12 @@ pub struct KeepPlan {
     pub nested: bool,
 }
 
-/// Bytes of host memory a plan's offloaded layer boundaries take (0 without offload).
+/// Bytes of host memory a plan's offloaded layer boundaries and kept tensors take (0 without
+/// offload).
 pub fn host_bytes(shape: StepShape, plan: &KeepPlan) -> usize {
-    if plan.offload {
-        shape.boundary_count(plan.segment_size) * shape.boundary_bytes()
-    } else {
-        0
-    }
+    shape
+        .offloaded(plan.offload)
+        .host_bytes_of(plan.segment_size, plan.keep_attention, plan.keep_kv_layers)
 }
 
 /// The MLP token chunk the planner turns to when no plan with whole-sequence MLPs fits: it bounds
@@ -208,7 +209,48 @@ impl StepShape<'_> {
 
     /// Whether segment size `s`'s boundaries fit the host budget when they are offloaded.
     fn host_fits(&self, s: usize) -> bool {
-        !self.offload || self.boundary_count(s) * self.boundary_bytes() <= self.host_budget
+        self.host_bytes_of(s, false, 0) <= self.host_budget
+    }
+
+    /// Host bytes of the boundaries and kept tensors at segment size `s`, kept attention or not
+    /// and `kv` layers' k and v kept, when they are offloaded (0 otherwise).
+    fn host_bytes_of(&self, s: usize, keep_attention: bool, kv: usize) -> usize {
+        if !self.offload || s == 0 {
+            return 0;
+        }
+        let attention = if keep_attention {
+            self.attention_bytes().iter().sum()
+        } else {
+            0
+        };
+        // The boundaries the forward keeps: every s-th layer's input below the top layer (the
+        // device term's `boundary_count`, fitted to the allocator, counts the top's too).
+        (self.spec.n_layers - 1).div_ceil(s) * self.boundary_bytes()
+            + attention
+            + kv * kv_bytes(self.spec, self.tokens, self.dtype_bytes)
+    }
+
+    /// Whether a plan's estimate fits `budget` device bytes and its offloaded tensors the host.
+    fn fits(&self, s: usize, keep_attention: bool, kv: usize, budget: usize) -> bool {
+        self.terms(s, keep_attention, kv).total() <= budget
+            && self.host_bytes_of(s, keep_attention, kv) <= self.host_budget
+    }
+
+    /// Per layer, the bytes of its kept attention output and lse.
+    fn attention_bytes(&self) -> Vec<usize> {
+        (0..self.spec.n_layers)
+            .map(|i| self.tokens * (self.dtype_bytes * self.spec.q_dim_of(i) + 4 * self.spec.n_heads))
+            .collect()
+    }
+
+    /// Layers whose kept tensors are on the device at once at segment size `s`: every layer's,
+    /// or offloaded, the segment being recomputed and the one coming back below it.
+    fn kept_on_device(&self, s: usize) -> usize {
+        if self.offload {
+            (2 * s).min(self.spec.n_layers)
+        } else {
+            self.spec.n_layers
+        }
     }
 
     /// The smallest plain segment size (nothing kept) and its estimate.
@@ -340,10 +382,12 @@ impl StepShape<'_> {
                 ("a layer's backward", backward),
             ]
         } else {
+            // Offloaded, only the largest layers' within `kept_on_device` count.
+            let window = self.kept_on_device(segment_size);
             let attention = if keep_attention {
-                (0..l)
-                    .map(|i| tokens * (c * spec.q_dim_of(i) + 4 * spec.n_heads))
-                    .sum()
+                let mut per_layer = self.attention_bytes();
+                per_layer.sort_unstable_by(|a, b| b.cmp(a));
+                per_layer.iter().take(window).sum()
             } else {
                 0
             };
@@ -356,7 +400,10 @@ impl StepShape<'_> {
             vec![
                 ("layer boundaries", on_device * self.boundary_bytes()),
                 ("kept attention outputs", attention),
-                ("kept k and v", keep_kv_layers * kv_bytes(spec, tokens, c)),
+                (
+                    "kept k and v",
+                    keep_kv_layers.min(window) * kv_bytes(spec, tokens, c),
+                ),
                 (
                     "one segment's activations",
                     if self.nested {
@@ -428,6 +475,7 @@ pub fn auto_plan(shape: StepShape, budget: usize) -> KeepPlan {
 fn auto_plan_of(shape: StepShape, budget: usize, layer_by_layer: bool) -> KeepPlan {
     let shape = shape.nested(false);
     let est = |s, keep| shape.bytes(s, keep);
+    let fits = |s, keep| shape.fits(s, keep, 0, budget);
     let plan = |segment_size: usize, keep_attention, nested| KeepPlan {
         segment_size,
         keep_attention,
@@ -448,7 +496,7 @@ fn auto_plan_of(shape: StepShape, budget: usize, layer_by_layer: bool) -> KeepPl
         (smallest, false),
     ]
     .into_iter()
-    .find(|&(s, keep)| est(s, keep) <= budget)
+    .find(|&(s, keep)| fits(s, keep))
     {
         return plan(s, keep, false);
     }
@@ -460,7 +508,7 @@ fn auto_plan_of(shape: StepShape, budget: usize, layer_by_layer: bool) -> KeepPl
     if layer_by_layer && s > 1 {
         if let Some(keep) = [true, false]
             .into_iter()
-            .find(|&keep| layered.bytes(s, keep) <= budget)
+            .find(|&keep| layered.fits(s, keep, 0, budget))
         {
             return plan(s, keep, true);
         }
@@ -494,17 +542,19 @@ pub fn resolve_plan(
                 let p = auto_plan_of(shape, budget, layer_by_layer);
                 (p.segment_size, p.keep_attention, p.nested)
             }
-            Some(s) => (s, shape.bytes(s, true) <= budget, false),
+            Some(s) => (s, shape.fits(s, true, 0, budget), false),
         };
         let shape = shape.nested(nested);
         let keep_attention = segment_size > 0 && keep_attention.unwrap_or(fits);
         let keep_kv_layers = if segment_size == 0 {
             0
         } else {
+            // As many as fit (device and host), at most every layer below the top.
             keep_kv_layers.unwrap_or_else(|| {
-                let spare = budget.saturating_sub(shape.bytes(segment_size, keep_attention));
-                (spare / kv_bytes(shape.spec, shape.tokens, shape.dtype_bytes).max(1))
-                    .min(shape.spec.n_layers.saturating_sub(1))
+                (0..shape.spec.n_layers)
+                    .rev()
+                    .find(|&kv| shape.fits(segment_size, keep_attention, kv, budget))
+                    .unwrap_or(0)
             })
         };
         let plan = KeepPlan {
@@ -515,8 +565,7 @@ pub fn resolve_plan(
             offload: shape.offload && segment_size > 0,
             nested,
         };
-        let fits = shape.bytes(segment_size, keep_attention) <= budget
-            && host_bytes(shape, &plan) <= shape.host_budget;
+        let fits = shape.fits(segment_size, keep_attention, keep_kv_layers, budget);
         (plan, fits)
     };
     // Whole MLPs before chunks, and both before layer-by-layer recomputation (the dearest).
@@ -822,7 +871,7 @@ mod tests {
         let at = |shape: StepShape, offload, budget| {
             resolve_plan(shape, None, None, Some(0), Some(4096), offload, budget)
         };
-        // On the device at segment 1 the boundaries are 32 x 4.5 GiB; offloaded, 2.
+        // On the device at segment 1 the boundaries are estimated at 32 x 4.5 GiB; offloaded, 2.
         let plan1 = |offload| KeepPlan {
             segment_size: 1,
             keep_attention: false,
@@ -835,7 +884,8 @@ mod tests {
         let bytes = |e: &Estimate, name| e.terms.iter().find(|t| t.0 == name).unwrap().1;
         assert_eq!(bytes(&terms(false), "layer boundaries"), 32 * boundary);
         assert_eq!(bytes(&terms(true), "layer boundaries"), 2 * boundary);
-        assert_eq!(host_bytes(host(0), &plan1(true)), 32 * boundary);
+        // The host holds the 31 the forward keeps (every layer's input below the top).
+        assert_eq!(host_bytes(host(0), &plan1(true)), 31 * boundary);
         assert_eq!(host_bytes(host(0), &plan1(false)), 0);
         // Plenty of device memory: no offload, whatever the host has.
         assert!(!at(host(1000 * gib), None, 1000 * gib).offload);
@@ -940,6 +990,46 @@ mod tests {
         assert!(!p.nested, "{p:?}");
         // The smallest footprint counts layer-by-layer plans.
         assert!(shape.smallest(Some(4096), None).0.nested);
+    }
+
+    #[test]
+    fn offloaded_kept_tensors_let_a_tight_budget_keep_attention() {
+        let spec = llama8b();
+        let gib = 1usize << 30;
+        // 18432 tokens with 8 GiB for activations (Unsloth's 23.65 GiB peak less the weights):
+        // on the device, attention outputs (4.6 GiB) do not fit beside 31 boundaries (8.8 GiB).
+        let plan = |host_budget: usize| {
+            let shape = StepShape {
+                host_budget,
+                ..shape(&spec, 18_432, false)
+            };
+            let p = resolve_plan(shape, None, None, None, None, None, 8 * gib);
+            (p, estimate(shape, &p).total(), host_bytes(shape, &p))
+        };
+        let (p, device, host) = plan(100 * gib);
+        assert_eq!(
+            (p.segment_size, p.keep_attention, p.keep_kv_layers, p.offload),
+            (1, true, 31, true),
+            "{p:?}"
+        );
+        // Offloaded, two layers' attention outputs and k/v are on the device at a time; the
+        // host holds every one: 31 boundaries, 32 attention outputs and lse, 31 layers' k/v.
+        let (tokens, layer_attention) = (18_432, 18_432 * (2 * 4096 + 4 * 32));
+        let kv = tokens * 2 * 1024 * 2;
+        let boundary = tokens * 4096 * 4;
+        assert_eq!(host, 31 * boundary + 32 * layer_attention + 31 * kv);
+        assert!(device <= 8 * gib);
+        let on_device = estimate(shape(&spec, 18_432, false), &KeepPlan { offload: false, ..p });
+        assert_eq!(
+            on_device.total() - device,
+            30 * boundary + 30 * layer_attention + 29 * kv
+        );
+        // Without host memory the step recomputes attention; with room for the boundaries but
+        // not the attention outputs, it offloads the boundaries and k/v alone.
+        let (p, _, _) = plan(0);
+        assert!(!p.offload && !p.keep_attention, "{p:?}");
+        let (p, _, host) = plan(31 * boundary + 31 * kv);
+        assert!(p.offload && !p.keep_attention && host <= 31 * boundary + 31 * kv, "{p:?}");
     }
 
     #[test]

@@ -14,8 +14,18 @@
 
 use super::*;
 
-/// Pinned buffers are sized in steps of this, so that passes of nearby lengths reuse them.
+/// Pinned buffers are sized in steps of this, so that passes of nearby lengths reuse them;
+/// smaller ones (kept k/v, lse) in powers of two from 1 MiB.
 const PINNED_STEP: usize = 64 << 20;
+
+/// The capacity of a pinned buffer for `bytes`.
+fn pinned_capacity(bytes: usize) -> usize {
+    if bytes >= PINNED_STEP {
+        bytes.next_multiple_of(PINNED_STEP)
+    } else {
+        bytes.max(1 << 20).next_power_of_two()
+    }
+}
 
 /// The copy lane: its stream and the pool of pinned host buffers (created on first use).
 #[derive(Default)]
@@ -105,6 +115,21 @@ impl HostCopy {
     }
 }
 
+impl HostCopy {
+    /// The device source, if it has not been let go yet (`settle`), ordered after its copy to
+    /// host (which reads it): the device tensor back without a copy.
+    pub fn reclaim(&mut self) -> Result<Option<Tensor>> {
+        match self.source.take() {
+            Some((src, done)) => {
+                self.inner.bind()?;
+                wait(self.inner.cu_stream(), &done)?;
+                Ok(Some(src))
+            }
+            None => Ok(None),
+        }
+    }
+}
+
 impl Drop for HostCopy {
     fn drop(&mut self) {
         let _ = self.settle();
@@ -169,7 +194,7 @@ impl CudaBackend {
                 s.held -= cap;
             }
         }
-        let cap = bytes.max(1).next_multiple_of(PINNED_STEP);
+        let cap = pinned_capacity(bytes);
         // SAFETY: a plain pinned allocation, freed by the lane.
         let p = unsafe { drv::malloc_host(cap, 0) }.map_err(|e| {
             anyhow!(
