@@ -4,8 +4,9 @@
 # MIX (default 200-600,100-400), PACK (tokens a pack, default 16384), STEPS="steps warmup"
 # (default "8 2"). With TRL_BATCH (batch sizes, e.g. "8,16") the anchor runs first on each shape:
 # TRL's ORPOTrainer + Liger on the same mix (`scripts/trl_mix_bench.py`; the anchors and their
-# wheels in .gpu/anchors and .gpu/whl, see ../shared/anchors/README.md). Results go to $OUT (or
-# /tmp): packing.jsonl, anchors-mix.jsonl and packing.err.
+# wheels in .gpu/anchors and .gpu/whl, see ../shared/anchors/README.md; or TRL_SITE, a folder
+# where TRL and Liger are installed already). Results go to $OUT (or /tmp): packing.jsonl,
+# anchors-mix.jsonl and packing.err.
 #
 #   TRL_BATCH=8,16 scripts/packing_bench.sh .gpu/lorafit qwen1.5b llama8b
 set -u
@@ -15,14 +16,15 @@ mix=${MIX:-200-600,100-400}
 read -r steps warmup <<<"${STEPS:-8 2}"
 : > "$out/packing.jsonl"; : > "$out/packing.err"; : > "$out/anchors-mix.jsonl"
 here=$(cd "$(dirname "$0")" && pwd)
-if [ -n "${TRL_BATCH:-}" ]; then
+site=${TRL_SITE:-/tmp/site}
+if [ -n "${TRL_BATCH:-}" ] && [ -z "${TRL_SITE:-}" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
     .gpu/whl/*.whl >/dev/null 2>&1
 fi
 for shape in "$@"; do
   if [ -n "${TRL_BATCH:-}" ]; then
     echo "=== trl-liger $shape batch $TRL_BATCH" >> "$out/packing.err"
-    PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false timeout "${ROW_TIMEOUT:-300}" \
+    PYTHONPATH=$site PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false timeout "${ROW_TIMEOUT:-300}" \
       python3 "$here/trl_mix_bench.py" --anchors .gpu/anchors --arch "$shape" --mix "$mix" \
       --batch "$TRL_BATCH" --steps "$steps" --warmup "$warmup" 2>>"$out/packing.err" \
       | grep '^RESULT' | sed 's/^RESULT //' >> "$out/anchors-mix.jsonl"

@@ -33,7 +33,10 @@ def main():
     from datasets import Dataset
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast, TrainerCallback
-    from trl.experimental.orpo import ORPOConfig, ORPOTrainer
+    try:
+        from trl.experimental.orpo import ORPOConfig, ORPOTrainer
+    except ImportError:  # TRL before ORPO moved to experimental
+        from trl import ORPOConfig, ORPOTrainer
 
     (p_lo, p_hi), (r_lo, r_hi) = [tuple(int(x) for x in part.split("-")) for part in args.mix.split(",")]
     V = anchor.ARCHS[args.arch]["vocab_size"]
