@@ -7,7 +7,11 @@
 //! transposes, leading dimensions, dtypes, whether C is read, pointer alignment) times up to
 //! `CANDIDATES` of the heuristic's algorithms on the call's own operands and keeps the fastest;
 //! later products of that shape reuse it without any host synchronisation. Tuning happens during
-//! the first step, which is a warm-up step in `lorafit bench`.
+//! the first step, which is a warm-up step in `lorafit bench`. Shapes whose dimensions round to
+//! the same values (eight steps an octave, `Key::bucket`) share the algorithm tuned for the first
+//! of them, once cuBLASLt confirms it supports the new one: a run over rows of many lengths
+//! (packs, mixed pairs) then times candidates once per bucket instead of at every new length,
+//! each of which would cost a host synchronisation and the candidates' runs.
 //!
 //! When C is read (beta ≠ 0) the candidates write into a scratch output, so the call's C is
 //! untouched until the chosen algorithm runs. Products too small to be worth timing take the
@@ -49,6 +53,32 @@ struct Key {
     align_log2: u32,
 }
 
+/// `d` rounded up to a grain of an eighth of its octave (`d` itself up to 64).
+fn grain_up(d: u64) -> u64 {
+    if d <= 64 {
+        return d;
+    }
+    let grain = 1u64 << (63 - d.leading_zeros() - 3);
+    d.div_ceil(grain) * grain
+}
+
+impl Key {
+    /// The key of this shape's bucket: dimensions and leading dimensions rounded up
+    /// (`grain_up`), the rest as is.
+    fn bucket(&self) -> Key {
+        let g = |d: i64| grain_up(d as u64) as i64;
+        Key {
+            m: grain_up(self.m),
+            n: grain_up(self.n),
+            k: grain_up(self.k),
+            lda: g(self.lda),
+            ldb: g(self.ldb),
+            ldc: g(self.ldc),
+            ..*self
+        }
+    }
+}
+
 /// The descriptors and the chosen algorithm of one `Key`.
 struct Plan {
     desc: lt::cublasLtMatmulDesc_t,
@@ -75,6 +105,8 @@ pub(super) struct Gemms {
     handle: lt::cublasLtHandle_t,
     workspace: Tensor,
     plans: HashMap<Key, Plan>,
+    /// Per bucket (`Key::bucket`), the algorithm timed fastest for its first shape.
+    tuned: HashMap<Key, lt::cublasLtMatmulAlgo_t>,
     tune: bool,
     log: bool,
 }
@@ -221,6 +253,7 @@ impl Gemms {
             handle,
             workspace: backend.empty(&[WORKSPACE_BYTES / DType::BF16.size()], DType::BF16)?,
             plans: HashMap::new(),
+            tuned: HashMap::new(),
             tune: true,
             log: std::env::var("LORAFIT_GEMM_TUNE").is_ok_and(|v| v == "log"),
         })
@@ -258,6 +291,37 @@ impl Gemms {
             },
             "cublasLtMatmul",
         )
+    }
+
+    /// A plan for `key` with the algorithm tuned for its bucket, where there is one (tuning on)
+    /// and cuBLASLt supports it for this shape within the workspace.
+    fn tuned_for(&self, key: &Key) -> Result<Option<Plan>> {
+        let Some(algo) = self.tuned.get(&key.bucket()).filter(|_| self.tune) else {
+            return Ok(None);
+        };
+        let mut plan = key.descriptors()?;
+        // SAFETY: plain data, filled by the check.
+        let mut result: lt::cublasLtMatmulHeuristicResult_t = unsafe { std::mem::zeroed() };
+        // SAFETY: live handle and descriptors; `algo` and `result` are live locals.
+        let status = unsafe {
+            lt::cublasLtMatmulAlgoCheck(
+                self.handle,
+                plan.desc,
+                plan.a,
+                plan.b,
+                plan.c,
+                plan.c,
+                algo,
+                &mut result,
+            )
+        };
+        if status != lt::cublasStatus_t::CUBLAS_STATUS_SUCCESS
+            || result.workspaceSize > WORKSPACE_BYTES
+        {
+            return Ok(None);
+        }
+        plan.algo = *algo;
+        Ok(Some(plan))
     }
 
     /// Up to `CANDIDATES` algorithms for `plan`, best first by cuBLASLt's estimate.
@@ -381,7 +445,16 @@ impl CudaBackend {
         let mut guard = self.gemms_guard()?;
         let g = guard.as_mut().expect("created by gemms_guard");
         if !g.plans.contains_key(&key) {
-            let plan = self.tune_plan(g, &key, &ops, c.dtype())?;
+            let plan = match g.tuned_for(&key)? {
+                Some(plan) => plan,
+                None => {
+                    let (plan, timed) = self.tune_plan(g, &key, &ops, c.dtype())?;
+                    if timed {
+                        g.tuned.insert(key.bucket(), plan.algo);
+                    }
+                    plan
+                }
+            };
             g.plans.insert(key, plan);
         }
         let plan = &g.plans[&key];
@@ -392,20 +465,27 @@ impl CudaBackend {
     }
 
     /// A plan for `key` with the fastest of the heuristic's candidates on these operands (the
-    /// first candidate when tuning is off, the product is small, or scratch memory is short).
-    fn tune_plan(&self, g: &Gemms, key: &Key, ops: &Operands, c_dtype: DType) -> Result<Plan> {
+    /// first candidate when tuning is off, the product is small, or scratch memory is short),
+    /// and whether the candidates were timed.
+    fn tune_plan(
+        &self,
+        g: &Gemms,
+        key: &Key,
+        ops: &Operands,
+        c_dtype: DType,
+    ) -> Result<(Plan, bool)> {
         let mut plan = key.descriptors()?;
         let algos = g.candidates(key, &plan)?;
         plan.algo = algos[0];
         let flops = 2.0 * key.m as f64 * key.n as f64 * key.k as f64;
         if !g.tune || algos.len() == 1 || flops < TUNE_MIN_FLOPS {
-            return Ok(plan);
+            return Ok((plan, false));
         }
         // Candidates write into scratch when C is read, leaving the call's C as it was.
         let scratch = if key.reads_c {
             match self.empty(&[key.m as usize * key.n as usize], c_dtype) {
                 Ok(t) => Some(t),
-                Err(_) => return Ok(plan),
+                Err(_) => return Ok((plan, false)),
             }
         } else {
             None
@@ -459,7 +539,7 @@ impl CudaBackend {
             );
         }
         plan.algo = algos[best];
-        Ok(plan)
+        Ok((plan, true))
     }
 }
 
@@ -542,5 +622,48 @@ impl CudaBackend {
         self.profiled(pname, || {
             self.gemm(c, (a, ta), (b, tb), (m, k, n), (alpha, beta))
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn buckets_round_up_by_an_eighth_of_an_octave() {
+        // Round widths stay as they are (8960 shares 9216's bucket); the token counts of packs
+        // near 16K share one bucket.
+        for d in [1, 16, 64, 1536, 4096, 14336] {
+            assert_eq!(grain_up(d), d);
+        }
+        assert_eq!(grain_up(8960), 9216);
+        for d in [15_365, 15_646, 15_946, 16_206, 16_384] {
+            assert_eq!(grain_up(d), 16_384);
+        }
+        assert_eq!(grain_up(65), 72);
+        assert_eq!(grain_up(151_936), 163_840);
+        for d in 1..5000u64 {
+            let b = grain_up(d);
+            assert!(b >= d && (b - d) * 8 < d.max(64), "{d} -> {b}");
+            assert_eq!(grain_up(b), b, "a bucket's bound is its own bucket");
+        }
+        let key = Key {
+            m: 4096,
+            n: 15_646,
+            k: 1536,
+            trans_a: false,
+            trans_b: true,
+            lda: 4096,
+            ldb: 15_646,
+            ldc: 4096,
+            a_f32: false,
+            c_f32: true,
+            reads_c: false,
+            align_log2: 8,
+        };
+        let b = key.bucket();
+        assert_eq!((b.m, b.n, b.k, b.ldb), (4096, 16_384, 1536, 16_384));
+        assert_eq!((b.trans_b, b.c_f32, b.align_log2), (true, true, 8));
+        assert_eq!(Key { n: 16_206, ldb: 16_206, ..key }.bucket(), b);
     }
 }
