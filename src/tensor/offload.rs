@@ -131,8 +131,11 @@ mod tests {
         assert_eq!(back.shape(), &[4, 6]);
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         assert_eq!(bits(&back.to_vec().unwrap()), bits(&v));
-        // A second fetch of the same store gives the same values.
+        // A second fetch of the same store gives the same values, and so does taking it back.
         let again = h.prefetch().unwrap().wait().unwrap();
         assert_eq!(bits(&again.to_vec().unwrap()), bits(&v));
+        let back = h.into_device().unwrap();
+        assert_eq!(back.shape(), &[4, 6]);
+        assert_eq!(bits(&back.to_vec().unwrap()), bits(&v));
     }
 }

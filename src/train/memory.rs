@@ -127,9 +127,11 @@ pub struct KeepPlan {
 /// Bytes of host memory a plan's offloaded layer boundaries and kept tensors take (0 without
 /// offload).
 pub fn host_bytes(shape: StepShape, plan: &KeepPlan) -> usize {
-    shape
-        .offloaded(plan.offload)
-        .host_bytes_of(plan.segment_size, plan.keep_attention, plan.keep_kv_layers)
+    shape.offloaded(plan.offload).host_bytes_of(
+        plan.segment_size,
+        plan.keep_attention,
+        plan.keep_kv_layers,
+    )
 }
 
 /// The MLP token chunk the planner turns to when no plan with whole-sequence MLPs fits: it bounds
@@ -239,7 +241,9 @@ impl StepShape<'_> {
     /// Per layer, the bytes of its kept attention output and lse.
     fn attention_bytes(&self) -> Vec<usize> {
         (0..self.spec.n_layers)
-            .map(|i| self.tokens * (self.dtype_bytes * self.spec.q_dim_of(i) + 4 * self.spec.n_heads))
+            .map(|i| {
+                self.tokens * (self.dtype_bytes * self.spec.q_dim_of(i) + 4 * self.spec.n_heads)
+            })
             .collect()
     }
 
@@ -1008,7 +1012,12 @@ mod tests {
         };
         let (p, device, host) = plan(100 * gib);
         assert_eq!(
-            (p.segment_size, p.keep_attention, p.keep_kv_layers, p.offload),
+            (
+                p.segment_size,
+                p.keep_attention,
+                p.keep_kv_layers,
+                p.offload
+            ),
             (1, true, 31, true),
             "{p:?}"
         );
@@ -1019,7 +1028,13 @@ mod tests {
         let boundary = tokens * 4096 * 4;
         assert_eq!(host, 31 * boundary + 32 * layer_attention + 31 * kv);
         assert!(device <= 8 * gib);
-        let on_device = estimate(shape(&spec, 18_432, false), &KeepPlan { offload: false, ..p });
+        let on_device = estimate(
+            shape(&spec, 18_432, false),
+            &KeepPlan {
+                offload: false,
+                ..p
+            },
+        );
         assert_eq!(
             on_device.total() - device,
             30 * boundary + 30 * layer_attention + 29 * kv
@@ -1029,7 +1044,10 @@ mod tests {
         let (p, _, _) = plan(0);
         assert!(!p.offload && !p.keep_attention, "{p:?}");
         let (p, _, host) = plan(31 * boundary + 31 * kv);
-        assert!(p.offload && !p.keep_attention && host <= 31 * boundary + 31 * kv, "{p:?}");
+        assert!(
+            p.offload && !p.keep_attention && host <= 31 * boundary + 31 * kv,
+            "{p:?}"
+        );
     }
 
     #[test]

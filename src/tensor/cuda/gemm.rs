@@ -664,6 +664,14 @@ mod tests {
         let b = key.bucket();
         assert_eq!((b.m, b.n, b.k, b.ldb), (4096, 16_384, 1536, 16_384));
         assert_eq!((b.trans_b, b.c_f32, b.align_log2), (true, true, 8));
-        assert_eq!(Key { n: 16_206, ldb: 16_206, ..key }.bucket(), b);
+        assert_eq!(
+            Key {
+                n: 16_206,
+                ldb: 16_206,
+                ..key
+            }
+            .bucket(),
+            b
+        );
     }
 }
