@@ -662,9 +662,9 @@ pub fn budget(device: &crate::tensor::Device, memory_limit: Option<f64>) -> anyh
     })
 }
 
-/// Bytes of host memory that offloaded layer boundaries may pin: on CUDA the machine's available
-/// memory (`MemAvailable`) plus what the offload lane already holds, less a margin of 10% (at
-/// least 8 GiB) for the process and the page cache; none with `offload = false`. On the CPU,
+/// Bytes of host memory that offloaded layer boundaries may pin: on CUDA the host memory still
+/// available to this process (`host_available`) plus what the offload lane already holds, less a
+/// margin of 10% (at least 8 GiB) for the process and the page cache; none with `offload = false`. On the CPU,
 /// where host memory is the device's, a fixed 8 GiB with `offload = true` (the host-side store the
 /// tests run) and none otherwise.
 pub fn host_budget(device: &crate::tensor::Device, offload: Option<bool>) -> usize {
@@ -673,18 +673,71 @@ pub fn host_budget(device: &crate::tensor::Device, offload: Option<bool>) -> usi
         (crate::tensor::Device::Cpu, Some(true)) => 8 << 30,
         (crate::tensor::Device::Cpu, None) => 0,
         (crate::tensor::Device::Cuda(c), _) => {
-            let available = mem_available().unwrap_or(0) + c.pinned_bytes();
+            let available = host_available().unwrap_or(0) + c.pinned_bytes();
             available.saturating_sub((available / 10).max(8 << 30))
         }
     }
 }
 
-/// `MemAvailable` of /proc/meminfo, in bytes.
-fn mem_available() -> Option<usize> {
-    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+/// Bytes of host memory this process may still take: the machine's `MemAvailable`, or within a
+/// container's memory limit (its cgroup's) what is left under it, whichever is smaller. Inside a
+/// container `MemAvailable` is the whole machine's, and pinning past the cgroup's limit ends in
+/// the kernel killing the process, with no error to report.
+fn host_available() -> Option<usize> {
+    let read = |p: &str| std::fs::read_to_string(p).ok();
+    let machine = read("/proc/meminfo").and_then(|t| mem_available_of(&t));
+    // cgroup v2, then v1 (whose "no limit" is a page-rounded i64::MAX).
+    let container = [
+        (
+            "/sys/fs/cgroup/memory.max",
+            "/sys/fs/cgroup/memory.current",
+            "/sys/fs/cgroup/memory.stat",
+            "inactive_file",
+        ),
+        (
+            "/sys/fs/cgroup/memory/memory.limit_in_bytes",
+            "/sys/fs/cgroup/memory/memory.usage_in_bytes",
+            "/sys/fs/cgroup/memory/memory.stat",
+            "total_inactive_file",
+        ),
+    ]
+    .into_iter()
+    .find_map(|(limit, usage, stat, inactive)| {
+        let reclaimable = read(stat)
+            .and_then(|t| stat_field(&t, inactive))
+            .unwrap_or(0);
+        cgroup_headroom(&read(limit)?, &read(usage)?, reclaimable)
+    });
+    match (machine, container) {
+        (Some(m), Some(c)) => Some(m.min(c)),
+        (m, c) => m.or(c),
+    }
+}
+
+/// `MemAvailable` of a /proc/meminfo text, in bytes.
+fn mem_available_of(meminfo: &str) -> Option<usize> {
+    let line = meminfo.lines().find(|l| l.starts_with("MemAvailable:"))?;
     let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kib << 10)
+}
+
+/// A `name value` line's value in a cgroup's memory.stat text.
+fn stat_field(stat: &str, name: &str) -> Option<usize> {
+    stat.lines().find_map(|l| {
+        let (key, value) = l.split_once(' ')?;
+        (key == name).then(|| value.trim().parse().ok())?
+    })
+}
+
+/// Bytes left under a cgroup's memory limit, given its limit and usage files' texts and the
+/// usage the kernel can reclaim (inactive page cache); `None` without a limit.
+fn cgroup_headroom(limit: &str, usage: &str, reclaimable: usize) -> Option<usize> {
+    let limit: u64 = limit.trim().parse().ok()?; // "max": no limit
+    if limit >= 1 << 62 {
+        return None;
+    }
+    let usage: u64 = usage.trim().parse().ok()?;
+    Some(limit.saturating_sub(usage.saturating_sub(reclaimable as u64)) as usize)
 }
 
 /// The part of `free` device bytes the planner leaves unplanned: 5%, at least 4 GiB (the
@@ -1048,6 +1101,30 @@ mod tests {
             p.offload && !p.keep_attention && host <= 31 * boundary + 31 * kv,
             "{p:?}"
         );
+    }
+
+    #[test]
+    fn host_memory_is_the_machines_or_what_a_container_leaves() {
+        let meminfo =
+            "MemTotal:       131072000 kB\nMemFree:  1 kB\nMemAvailable:   125829120 kB\n";
+        assert_eq!(mem_available_of(meminfo), Some(125_829_120 << 10));
+        assert_eq!(mem_available_of("MemTotal: 5 kB\n"), None);
+        let gib = 1usize << 30;
+        // cgroup v2: a 64 GiB limit with 20 GiB used, 4 GiB of it inactive page cache.
+        let stat = "anon 100\ninactive_file 4294967296\nactive_file 7\n";
+        let reclaimable = stat_field(stat, "inactive_file").unwrap();
+        assert_eq!(reclaimable, 4 * gib);
+        assert_eq!(stat_field(stat, "inactive_anon"), None);
+        let used = (20 * gib).to_string();
+        assert_eq!(
+            cgroup_headroom(&format!("{}\n", 64 * gib), &used, reclaimable),
+            Some(48 * gib)
+        );
+        // No limit: v2's "max", v1's page-rounded i64::MAX.
+        assert_eq!(cgroup_headroom("max\n", &used, 0), None);
+        assert_eq!(cgroup_headroom("9223372036854771712\n", &used, 0), None);
+        // Over the limit: nothing left.
+        assert_eq!(cgroup_headroom("1000", "2000", 0), Some(0));
     }
 
     #[test]
