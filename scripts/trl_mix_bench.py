@@ -16,6 +16,23 @@ steps, and the allocator's peak.
 import argparse, json, os, random, statistics, sys, time
 
 
+def step_timer(warmup, times):
+    """A TrainerCallback that appends each step's seconds (device synchronised) to `times` and
+    starts the allocator's peak again after `warmup` steps."""
+    import torch
+    from transformers import TrainerCallback
+
+    class Timer(TrainerCallback):
+        def on_step_begin(self, a, s, c, **k):
+            torch.cuda.synchronize(); self.t = time.perf_counter()
+            if s.global_step == warmup: torch.cuda.reset_peak_memory_stats()
+
+        def on_step_end(self, a, s, c, **k):
+            torch.cuda.synchronize(); times.append(time.perf_counter() - self.t)
+
+    return Timer()
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--anchors", required=True, help="folder holding torch_orpo_bench.py")
@@ -32,7 +49,7 @@ def main():
     import torch_orpo_bench as anchor
     from datasets import Dataset
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast, TrainerCallback
+    from transformers import PreTrainedTokenizerFast
     try:
         from trl.experimental.orpo import ORPOConfig, ORPOTrainer
     except ImportError:  # TRL before ORPO moved to experimental
@@ -57,15 +74,6 @@ def main():
         step_tokens = [sum(2 * len(p) + len(c) + len(r) for p, c, r in pairs[s * batch:(s + 1) * batch])
                        for s in range(args.steps + args.warmup)]
         times = []
-
-        class Timer(TrainerCallback):
-            def on_step_begin(self, a, s, c, **k):
-                torch.cuda.synchronize(); self.t = time.perf_counter()
-                if s.global_step == args.warmup: torch.cuda.reset_peak_memory_stats()
-
-            def on_step_end(self, a, s, c, **k):
-                torch.cuda.synchronize(); times.append(time.perf_counter() - self.t)
-
         rec = dict(mode="trl" if args.no_liger else "trl-liger", arch=args.arch, mix=args.mix, batch=batch)
         try:
             cfg = ORPOConfig(output_dir="/tmp/orpo-mix-out", max_length=p_hi + r_hi + 4,
@@ -77,7 +85,7 @@ def main():
             # No shuffling of the pairs: each step takes the next `batch`, as `step_tokens` counts.
             ORPOTrainer._get_train_sampler = lambda self, *a, **k: torch.utils.data.SequentialSampler(self.train_dataset)
             tr = ORPOTrainer(model=model, args=cfg, train_dataset=Dataset.from_list(rows), processing_class=hf_tok,
-                             peft_config=anchor.lora_config(), callbacks=[Timer()])
+                             peft_config=anchor.lora_config(), callbacks=[step_timer(args.warmup, times)])
             tr.train()
             timed = times[args.warmup:]
             seconds = sum(timed)

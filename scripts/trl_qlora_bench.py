@@ -83,7 +83,8 @@ def main():
     try:
         from datasets import Dataset
         from tokenizers import Tokenizer, models, pre_tokenizers
-        from transformers import PreTrainedTokenizerFast, TrainerCallback
+        from transformers import PreTrainedTokenizerFast
+        from trl_mix_bench import step_timer  # this folder's
         try:
             from trl.experimental.orpo import ORPOConfig, ORPOTrainer
         except ImportError:  # TRL before ORPO moved to experimental
@@ -103,21 +104,12 @@ def main():
         rec.update(build_s=round(time.perf_counter() - t0, 1),
                    weights_gib=round(torch.cuda.memory_allocated() / 2**30, 2))
         times = []
-
-        class Timer(TrainerCallback):
-            def on_step_begin(self, a, s, c, **k):
-                torch.cuda.synchronize(); self.t = time.perf_counter()
-                if s.global_step == args.warmup: torch.cuda.reset_peak_memory_stats()
-
-            def on_step_end(self, a, s, c, **k):
-                torch.cuda.synchronize(); times.append(time.perf_counter() - self.t)
-
         cfg = ORPOConfig(output_dir="/tmp/orpo-qlora-out", max_length=args.prompt_len + args.resp_len + 4,
                          per_device_train_batch_size=1, max_steps=n, learning_rate=1e-5, beta=0.1, bf16=True,
                          gradient_checkpointing=True, logging_steps=1000, save_strategy="no", report_to=[],
                          remove_unused_columns=False, seed=0)
         tr = ORPOTrainer(model=model, args=cfg, train_dataset=Dataset.from_list(rows), processing_class=hf_tok,
-                         peft_config=anchor.lora_config(), callbacks=[Timer()])
+                         peft_config=anchor.lora_config(), callbacks=[step_timer(args.warmup, times)])
         tr.train()
         timed = times[args.warmup:]
         rec.update(s_per_step=round(statistics.median(timed), 4), steps_timed=len(timed),
