@@ -196,9 +196,13 @@ impl CudaBackend {
         }
         let cap = pinned_capacity(bytes);
         // SAFETY: a plain pinned allocation, freed by the lane.
+        // Not reported as the device's out-of-memory error (which the trainer answers with a
+        // smaller device plan, and that would offload as much or more): host memory ran out.
         let p = unsafe { drv::malloc_host(cap, 0) }.map_err(|e| {
+            let code = format!("{e:?}").replace("CUDA_ERROR_OUT_OF_MEMORY", "out of host memory");
             anyhow!(
-                "cuda: pinning {:.2} GiB of host memory for offload ({:.2} GiB already pinned): {e:?}",
+                "cuda: pinning {:.2} GiB of host memory for offload ({:.2} GiB already pinned) \
+                 failed: {code}; set `offload = false`, or free host memory",
                 cap as f64 / (1u64 << 30) as f64,
                 s.held as f64 / (1u64 << 30) as f64
             )
