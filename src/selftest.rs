@@ -705,11 +705,16 @@ struct TrajectoryCase<'a> {
 }
 
 impl TrajectoryCase<'_> {
-    /// The pass options of every step, with the layer boundaries offloaded or not.
-    fn pass_options(&self, offload: bool) -> crate::train::step::PassOptions {
+    /// The pass options of every step: the layer boundaries offloaded or not (with them, the
+    /// kept k/v and, with `keep_attention`, the attention outputs).
+    fn pass_options(
+        &self,
+        offload: bool,
+        keep_attention: bool,
+    ) -> crate::train::step::PassOptions {
         crate::train::step::PassOptions {
             segment_size: self.segment_size,
-            keep_attention: false,
+            keep_attention,
             keep_kv_layers: 1,
             mlp_chunk: 0,
             offload,
@@ -726,6 +731,7 @@ fn orpo_trajectory(
     case: &TrajectoryCase,
     model: &Model,
     offload: bool,
+    keep_attention: bool,
 ) -> Result<(Vec<f64>, Vec<f64>)> {
     use crate::train::objectives::SftScope;
     use crate::train::optim::{apply_update, AdamState, OptimOptions};
@@ -742,7 +748,7 @@ fn orpo_trajectory(
     )?;
     let mut adam = AdamState::new(&lora)?;
     let o = OptimOptions::default();
-    let opts = case.pass_options(offload);
+    let opts = case.pass_options(offload, keep_attention);
     let obj = Objective::Orpo {
         lambda: 0.1,
         scope: SftScope::Full,
@@ -758,14 +764,15 @@ fn orpo_trajectory(
     Ok((losses, norms))
 }
 
-/// `case` on the device with its layer boundaries offloaded to host memory and without: the
-/// losses and gradient norms must agree bit for bit (the deterministic attention backward, so
-/// that two runs of the same plan do), and the offloaded run must have pinned host memory.
+/// `case` on the device with its layer boundaries, kept attention outputs and kept k/v offloaded
+/// to host memory and without: the losses and gradient norms must agree bit for bit (the
+/// deterministic attention backward, so that two runs of the same plan do), and the offloaded
+/// run must have pinned host memory.
 fn offload_is_exact(case: &TrajectoryCase) -> Result<bool> {
     let device = &case.gpu.device;
     device.set_numerics(true, false)?;
-    let kept = orpo_trajectory(case, case.gpu, false);
-    let offloaded = orpo_trajectory(case, case.gpu, true);
+    let kept = orpo_trajectory(case, case.gpu, false, true);
+    let offloaded = orpo_trajectory(case, case.gpu, true, true);
     // Back to the defaults the other checks run with.
     device.set_numerics(false, true)?;
     let (kept, offloaded) = (kept?, offloaded?);
@@ -777,7 +784,7 @@ fn offload_is_exact(case: &TrajectoryCase) -> Result<bool> {
     let same = bits(&kept.0) == bits(&offloaded.0) && bits(&kept.1) == bits(&offloaded.1);
     let ok = same && (pinned > 0 || !device.is_cuda());
     println!(
-        "train {}: boundaries offloaded vs on the device, {} steps: losses and grad norms {}, {:.1} MiB pinned  {}",
+        "train {}: boundaries, attention outputs and k/v offloaded vs on the device, {} steps: losses and grad norms {}, {:.1} MiB pinned  {}",
         case.name,
         case.steps,
         if same { "bit-identical" } else { "differ" },
@@ -792,8 +799,8 @@ fn offload_is_exact(case: &TrajectoryCase) -> Result<bool> {
 
 /// Runs `case` on both devices and prints its rows; whether the losses stay within the bound.
 fn trajectory_parity(case: &TrajectoryCase) -> Result<bool> {
-    let (cpu, cpu_norm) = orpo_trajectory(case, case.cpu, false)?;
-    let (gpu, gpu_norm) = orpo_trajectory(case, case.gpu, false)?;
+    let (cpu, cpu_norm) = orpo_trajectory(case, case.cpu, false, false)?;
+    let (gpu, gpu_norm) = orpo_trajectory(case, case.gpu, false, false)?;
     let rel = |a: &[f64], b: &[f64]| -> Vec<f64> {
         a.iter().zip(b).map(|(g, c)| ((g - c) / c).abs()).collect()
     };
