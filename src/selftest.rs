@@ -707,11 +707,7 @@ struct TrajectoryCase<'a> {
 impl TrajectoryCase<'_> {
     /// The pass options of every step: the layer boundaries offloaded or not (with them, the
     /// kept k/v and, with `keep_attention`, the attention outputs).
-    fn pass_options(
-        &self,
-        offload: bool,
-        keep_attention: bool,
-    ) -> crate::train::step::PassOptions {
+    fn pass_options(&self, offload: bool, keep_attention: bool) -> crate::train::step::PassOptions {
         crate::train::step::PassOptions {
             segment_size: self.segment_size,
             keep_attention,

@@ -20,7 +20,7 @@
 //! reproducible across processes);
 //! `LORAFIT_GEMM_TUNE=log` prints each shape's timings.
 
-use super::{catch, cuda_ptr, CudaBackend, HostCall};
+use super::{catch, cuda_ptr, eighth_octave_up, CudaBackend, HostCall};
 use crate::tensor::{DType, Tensor};
 use anyhow::{anyhow, Result};
 use cudarc::cublaslt::sys as lt;
@@ -53,24 +53,15 @@ struct Key {
     align_log2: u32,
 }
 
-/// `d` rounded up to a grain of an eighth of its octave (`d` itself up to 64).
-fn grain_up(d: u64) -> u64 {
-    if d <= 64 {
-        return d;
-    }
-    let grain = 1u64 << (63 - d.leading_zeros() - 3);
-    d.div_ceil(grain) * grain
-}
-
 impl Key {
     /// The key of this shape's bucket: dimensions and leading dimensions rounded up
-    /// (`grain_up`), the rest as is.
+    /// (`eighth_octave_up`), the rest as is.
     fn bucket(&self) -> Key {
-        let g = |d: i64| grain_up(d as u64) as i64;
+        let g = |d: i64| eighth_octave_up(d as u64) as i64;
         Key {
-            m: grain_up(self.m),
-            n: grain_up(self.n),
-            k: grain_up(self.k),
+            m: eighth_octave_up(self.m),
+            n: eighth_octave_up(self.n),
+            k: eighth_octave_up(self.k),
             lda: g(self.lda),
             ldb: g(self.ldb),
             ldc: g(self.ldc),
@@ -631,21 +622,9 @@ mod tests {
 
     #[test]
     fn buckets_round_up_by_an_eighth_of_an_octave() {
-        // Round widths stay as they are (8960 shares 9216's bucket); the token counts of packs
-        // near 16K share one bucket.
-        for d in [1, 16, 64, 1536, 4096, 14336] {
-            assert_eq!(grain_up(d), d);
-        }
-        assert_eq!(grain_up(8960), 9216);
+        // The token counts of packs near 16K share one bucket; round widths keep their own.
         for d in [15_365, 15_646, 15_946, 16_206, 16_384] {
-            assert_eq!(grain_up(d), 16_384);
-        }
-        assert_eq!(grain_up(65), 72);
-        assert_eq!(grain_up(151_936), 163_840);
-        for d in 1..5000u64 {
-            let b = grain_up(d);
-            assert!(b >= d && (b - d) * 8 < d.max(64), "{d} -> {b}");
-            assert_eq!(grain_up(b), b, "a bucket's bound is its own bucket");
+            assert_eq!(eighth_octave_up(d), 16_384);
         }
         let key = Key {
             m: 4096,

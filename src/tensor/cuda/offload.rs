@@ -14,17 +14,10 @@
 
 use super::*;
 
-/// Pinned buffers are sized in steps of this, so that passes of nearby lengths reuse them;
-/// smaller ones (kept k/v, lse) in powers of two from 1 MiB.
-const PINNED_STEP: usize = 64 << 20;
-
-/// The capacity of a pinned buffer for `bytes`.
+/// The capacity of a pinned buffer for `bytes`: at least 1 MiB, rounded up to an eighth of its
+/// octave (at most 12.5% more), so that passes of nearby lengths reuse the buffers.
 fn pinned_capacity(bytes: usize) -> usize {
-    if bytes >= PINNED_STEP {
-        bytes.next_multiple_of(PINNED_STEP)
-    } else {
-        bytes.max(1 << 20).next_power_of_two()
-    }
+    super::eighth_octave_up(bytes.max(1 << 20) as u64) as usize
 }
 
 /// The copy lane: its stream and the pool of pinned host buffers (created on first use).
@@ -281,5 +274,29 @@ impl CudaBackend {
             .unwrap()
             .as_ref()
             .map_or(0, |s| s.held)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::pinned_capacity;
+
+    #[test]
+    fn pinned_buffers_are_at_least_a_mib_and_at_most_an_eighth_over() {
+        let mib = 1usize << 20;
+        assert_eq!(pinned_capacity(0), mib);
+        assert_eq!(pinned_capacity(200_000), mib);
+        // llama8b at 18432 tokens: a boundary (288 MiB), an attention output (144 MiB), k or v
+        // (36 MiB) and an lse (2.25 MiB) are pinned at their own size.
+        for bytes in [288 * mib, 144 * mib, 36 * mib, 9 * mib / 4] {
+            assert_eq!(pinned_capacity(bytes), bytes);
+        }
+        for bytes in [mib + 1, 150_994_944 + 12_345, 5_000_000_000] {
+            let cap = pinned_capacity(bytes);
+            assert!(
+                cap >= bytes && (cap - bytes) * 8 <= bytes,
+                "{bytes} -> {cap}"
+            );
+        }
     }
 }
