@@ -46,10 +46,14 @@ def build_4bit_model(shape, max_pos):
                 lin = getattr(part, name, None)
                 if lin is None:
                     continue
+                # On the meta device, so that no full-width weight is made on the host first.
                 q = bnb.nn.Linear4bit(lin.in_features, lin.out_features, bias=False,
-                                      compute_dtype=torch.bfloat16, compress_statistics=True, quant_type="nf4")
+                                      compute_dtype=torch.bfloat16, compress_statistics=True, quant_type="nf4",
+                                      device="meta")
+                # `.to(cuda)` of an unquantized Params4bit quantizes it (NF4 blocks of 64, their
+                # scales quantized again: double quantization).
                 q.weight = bnb.nn.Params4bit(dense(lin.out_features, lin.in_features), requires_grad=False,
-                                             compress_statistics=True, quant_type="nf4").to(dev)
+                                             compress_statistics=True, quant_type="nf4", module=q).to(dev)
                 setattr(part, name, q)
         for norm in (layer.input_layernorm, layer.post_attention_layernorm):
             norm.weight = torch.nn.Parameter(torch.ones(cfg.hidden_size, device=dev, dtype=torch.bfloat16))
