@@ -35,7 +35,7 @@ for r in rows:
     plan = f"seg {r['segment_size']}" + (" +attn" if r['keep_attention'] else "") + \
         (f" +kv{r['keep_kv_layers']}" if r['keep_kv_layers'] else "") + \
         (f" mlp{r['mlp_chunk']}" if r['mlp_chunk'] else "") + \
-        (f" host({r.get('pinned_gib', 0):.1f}G)" if r.get('offload') else "")
+        (f" host({r.get('pinned_gib', 0):.1f}G, est {r.get('predicted_host_gib', 0):.1f})" if r.get('offload') else "")
     lim = r.get('memory_limit_gib') or '-'
     pr, me = r['predicted_peak_gib'], r['peak_gib']
     print(f"{r['shape']:<9} {str(r['P'])+'/'+str(r['R']):>13} {r.get('base_quant','none'):>5} {lim!s:>5} | {plan:<28} | "

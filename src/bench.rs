@@ -421,9 +421,15 @@ pub fn run(a: BenchArgs) -> Result<()> {
         let mem = device.memory();
         let predicted =
             live_before + crate::train::trainer::pass_estimate_bytes(&model, tokens_in_pass, &opts);
+        // Host bytes the plan's offloaded tensors take by the estimate, beside `pinned_gib` (the
+        // pool's buffers, each up to an eighth larger).
+        let predicted_host = memory::host_bytes(
+            crate::train::trainer::step_shape(&cfg, &model, tokens_in_pass),
+            &crate::train::trainer::keep_plan(&opts),
+        );
         let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
         let line = serde_json::json!({
-            "tool": "lorafit", "shape": a.shape, "P": w.prompt_len, "R": w.resp_len, "device": device.name(),
+            "tool": "lorafit", "shape": a.shape, "P": w.prompt_len, "R": w.resp_len, "device": device.name(), "predicted_host_gib": gib(predicted_host),
             "segment_size": opts.segment_size, "segment_auto": w.segment_size.is_none(), "keep_attention": opts.keep_attention, "keep_kv_layers": opts.keep_kv_layers, "mlp_chunk": opts.mlp_chunk, "mlp_chunk_auto": w.mlp_chunk.is_none(), "offload": opts.offload, "nested": opts.nested, "pinned_gib": gib(pinned_bytes(&device)), "memory_limit_gib": a.memory_limit, "base_quant": a.base_quant.name(), "head": format!("{:?}", a.head).to_lowercase(), "prefix_shared": a.prefix_shared,
             "s_per_step": med, "host_queue_s": host_med, "launches_per_step": launches,
             "device_busy": (!busy.is_empty()).then(|| busy.iter().sum::<f64>() / busy.len() as f64), "pairs_per_s": 1.0 / med, "tokens_per_s": tokens as f64 / med,
