@@ -72,17 +72,11 @@ impl Offloaded {
 
     /// The tensor on the device now: its device copy where that has not been let go
     /// (`settle`), which spares the round trip, else a fetch waited for.
-    pub fn into_device(self) -> Result<Tensor> {
-        if let HostStore::Cuda(mut h) = self.store {
+    pub fn into_device(mut self) -> Result<Tensor> {
+        if let HostStore::Cuda(h) = &mut self.store {
             if let Some(t) = h.reclaim()? {
                 return Ok(t);
             }
-            return Offloaded {
-                store: HostStore::Cuda(h),
-                ..self
-            }
-            .prefetch()?
-            .wait();
         }
         self.prefetch()?.wait()
     }
