@@ -705,16 +705,22 @@ struct TrajectoryCase<'a> {
 }
 
 impl TrajectoryCase<'_> {
-    /// The pass options of every step: the layer boundaries offloaded or not (with them, the
-    /// kept k/v and, with `keep_attention`, the attention outputs).
-    fn pass_options(&self, offload: bool, keep_attention: bool) -> crate::train::step::PassOptions {
+    /// The pass options of every step: the layer boundaries on the device (`offload` None) or
+    /// offloaded but for the top `Some(resident)` layers' (with them, the kept k/v and, with
+    /// `keep_attention`, the attention outputs).
+    fn pass_options(
+        &self,
+        offload: Option<usize>,
+        keep_attention: bool,
+    ) -> crate::train::step::PassOptions {
         crate::train::step::PassOptions {
             segment_size: self.segment_size,
             keep_attention,
             keep_kv_layers: 1,
             mlp_chunk: 0,
-            offload,
+            offload: offload.is_some(),
             nested: false,
+            resident_layers: offload.unwrap_or(0),
             head: crate::train::head::HeadTier::Chunked,
             head_chunk: 16,
             dropout: None,
@@ -726,7 +732,7 @@ impl TrajectoryCase<'_> {
 fn orpo_trajectory(
     case: &TrajectoryCase,
     model: &Model,
-    offload: bool,
+    offload: Option<usize>,
     keep_attention: bool,
 ) -> Result<(Vec<f64>, Vec<f64>)> {
     use crate::train::objectives::SftScope;
@@ -761,26 +767,29 @@ fn orpo_trajectory(
 }
 
 /// `case` on the device with its layer boundaries, kept attention outputs and kept k/v offloaded
-/// to host memory and without: the losses and gradient norms must agree bit for bit (the
-/// deterministic attention backward, so that two runs of the same plan do), and the offloaded
-/// run must have pinned host memory.
+/// to host memory (all of them, and all but the top half's) and without: the losses and gradient
+/// norms must agree bit for bit (the deterministic attention backward, so that two runs of the
+/// same plan do), and the offloaded runs must have pinned host memory.
 fn offload_is_exact(case: &TrajectoryCase) -> Result<bool> {
     let device = &case.gpu.device;
+    let half = case.gpu.spec.n_layers / 2;
     device.set_numerics(true, false)?;
-    let kept = orpo_trajectory(case, case.gpu, false, true);
-    let offloaded = orpo_trajectory(case, case.gpu, true, true);
+    let runs = [None, Some(0), Some(half)].map(|o| orpo_trajectory(case, case.gpu, o, true));
     // Back to the defaults the other checks run with.
     device.set_numerics(false, true)?;
-    let (kept, offloaded) = (kept?, offloaded?);
+    let [kept, offloaded, resident] = runs;
+    let (kept, offloaded, resident) = (kept?, offloaded?, resident?);
     let pinned = match device {
         Device::Cuda(c) => c.pinned_bytes(),
         Device::Cpu => 0,
     };
     let bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-    let same = bits(&kept.0) == bits(&offloaded.0) && bits(&kept.1) == bits(&offloaded.1);
+    let same_as_kept =
+        |r: &(Vec<f64>, Vec<f64>)| bits(&kept.0) == bits(&r.0) && bits(&kept.1) == bits(&r.1);
+    let same = same_as_kept(&offloaded) && same_as_kept(&resident);
     let ok = same && (pinned > 0 || !device.is_cuda());
     println!(
-        "train {}: boundaries, attention outputs and k/v offloaded vs on the device, {} steps: losses and grad norms {}, {:.1} MiB pinned  {}",
+        "train {}: boundaries, attention outputs and k/v offloaded (all, and all but the top {half} layers') vs on the device, {} steps: losses and grad norms {}, {:.1} MiB pinned  {}",
         case.name,
         case.steps,
         if same { "bit-identical" } else { "differ" },
@@ -788,15 +797,18 @@ fn offload_is_exact(case: &TrajectoryCase) -> Result<bool> {
         if ok { "ok" } else { "FAIL" }
     );
     if !same {
-        println!("  kept      {:?}\n  offloaded {:?}", kept.0, offloaded.0);
+        println!(
+            "  kept      {:?}\n  offloaded {:?}\n  resident  {:?}",
+            kept.0, offloaded.0, resident.0
+        );
     }
     Ok(ok)
 }
 
 /// Runs `case` on both devices and prints its rows; whether the losses stay within the bound.
 fn trajectory_parity(case: &TrajectoryCase) -> Result<bool> {
-    let (cpu, cpu_norm) = orpo_trajectory(case, case.cpu, false, false)?;
-    let (gpu, gpu_norm) = orpo_trajectory(case, case.gpu, false, false)?;
+    let (cpu, cpu_norm) = orpo_trajectory(case, case.cpu, None, false)?;
+    let (gpu, gpu_norm) = orpo_trajectory(case, case.gpu, None, false)?;
     let rel = |a: &[f64], b: &[f64]| -> Vec<f64> {
         a.iter().zip(b).map(|(g, c)| ((g - c) / c).abs()).collect()
     };

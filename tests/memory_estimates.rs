@@ -57,23 +57,24 @@ fn measured_and_estimated(p: usize, r: usize, opts: PassOptions) -> (usize, usiz
 
 #[test]
 fn estimates_follow_the_cpu_counts_plan_by_plan() {
-    // (segment size, keep attention, kept k/v layers, MLP chunk, offload; bounds on
-    // estimate / measured).
+    // (segment size, keep attention, kept k/v layers, MLP chunk, offload, resident layers;
+    // bounds on estimate / measured).
     let plans = [
-        (0, false, 0, 0, false, (0.98, 1.02)),
-        (1, true, 0, 0, false, (0.90, 1.02)),
-        (1, false, 0, 0, false, (0.90, 1.02)),
-        (1, true, 3, 64, false, (0.90, 1.02)),
-        (2, false, 0, 0, false, (1.05, 1.25)),
-        (3, false, 2, 0, false, (1.05, 1.25)),
-        (2, false, 0, 0, true, (1.05, 1.25)),
-        (3, false, 0, 0, false, (0.90, 1.02)),
-        (1, true, 5, 0, true, (1.05, 1.25)),
+        (0, false, 0, 0, false, 0, (0.98, 1.02)),
+        (1, true, 0, 0, false, 0, (0.90, 1.02)),
+        (1, false, 0, 0, false, 0, (0.90, 1.02)),
+        (1, true, 3, 64, false, 0, (0.90, 1.02)),
+        (2, false, 0, 0, false, 0, (1.05, 1.25)),
+        (3, false, 2, 0, false, 0, (1.05, 1.25)),
+        (2, false, 0, 0, true, 0, (1.05, 1.25)),
+        (3, false, 0, 0, false, 0, (0.90, 1.02)),
+        (1, true, 5, 0, true, 0, (1.05, 1.25)),
+        (1, true, 5, 0, true, 3, (1.05, 1.25)),
     ];
     let mut rows = Vec::new();
-    for (i, (seg, keep, kv, mlp, offload, (lo, hi))) in plans.into_iter().enumerate() {
-        // The second-last plan recomputes its segments layer by layer.
-        let nested = i + 2 == plans.len();
+    for (i, (seg, keep, kv, mlp, offload, resident, (lo, hi))) in plans.into_iter().enumerate() {
+        // The third-last plan recomputes its segments layer by layer.
+        let nested = i + 3 == plans.len();
         for (p, r) in [(200, 50), (800, 200)] {
             let opts = PassOptions {
                 segment_size: seg,
@@ -82,6 +83,7 @@ fn estimates_follow_the_cpu_counts_plan_by_plan() {
                 mlp_chunk: mlp,
                 offload,
                 nested,
+                resident_layers: resident,
                 head: HeadTier::Chunked,
                 head_chunk: 64,
                 dropout: None,
@@ -89,8 +91,8 @@ fn estimates_follow_the_cpu_counts_plan_by_plan() {
             let (measured, estimate) = measured_and_estimated(p, r, opts);
             let ratio = estimate as f64 / measured as f64;
             let what = format!(
-                "segment {seg}, attention {keep}, k/v {kv}, MLP chunk {mlp}, offload {offload}, \
-                 P {p} R {r}: estimate {estimate} B, measured {measured} B, ratio {ratio:.3}"
+                "segment {seg}, attention {keep}, k/v {kv}, MLP chunk {mlp}, offload {offload} \
+                 (resident {resident}), P {p} R {r}: estimate {estimate} B, measured {measured} B, ratio {ratio:.3}"
             );
             assert!((lo..=hi).contains(&ratio), "{what} (bounds {lo}..{hi})");
             eprintln!("{what}");
@@ -111,6 +113,12 @@ fn estimates_follow_the_cpu_counts_plan_by_plan() {
     assert!(
         offloaded.1 < on_device.1 && offloaded.2 < on_device.2,
         "{on_device:?} {offloaded:?}"
+    );
+    // Three resident layers hold more than none and less than everything on the device.
+    let resident = rows[19];
+    assert!(
+        offloaded.1 < resident.1 && resident.1 < on_device.1 && offloaded.2 < resident.2,
+        "{on_device:?} {offloaded:?} {resident:?}"
     );
     let (plain, layered) = (rows[11], rows[15]);
     assert!(

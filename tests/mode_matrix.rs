@@ -52,6 +52,7 @@ fn run(
         offload: seg == 1,
         // Segments of 2 recomputed layer by layer.
         nested: seg == 2,
+        resident_layers: 0,
         head,
         head_chunk: chunk,
         dropout: None,

@@ -132,6 +132,7 @@ fn run_family(name: &str) {
             mlp_chunk: 0,
             offload: seg == 2,
             nested: seg > 1,
+            resident_layers: 0,
         };
         let (hidden, state) = model
             .forward_keeping(&ids, Some(&lora), &ctx, plan)

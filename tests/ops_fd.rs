@@ -1398,18 +1398,22 @@ fn segmented_backward_is_bit_identical() {
         // layer of each segment skips its down projection; the top layer's MLP kept or
         // recomputed; k and v of the lowest layers kept or recomputed; the boundaries in the
         // host-side store or on the device; segments recomputed whole or layer by layer).
-        for (seg, keep, top_mlp, kv, offload, nested) in [
-            (1usize, false, true, 0, false, false),
-            (1, false, true, 0, true, false),
-            (2, false, false, 1, false, false),
-            (2, false, false, 1, false, true),
-            (1, true, false, 2, true, false),
-            (2, true, true, 0, false, false),
-            (2, true, true, 2, true, true),
+        // Offloaded, the top `resident` layers below the top keep theirs on the device.
+        for (seg, keep, top_mlp, kv, offload, nested, resident) in [
+            (1usize, false, true, 0, false, false, 0),
+            (1, false, true, 0, true, false, 0),
+            (2, false, false, 1, false, false, 0),
+            (2, false, false, 1, false, true, 0),
+            (1, true, false, 2, true, false, 0),
+            (1, true, false, 2, true, false, 2),
+            (2, true, true, 0, false, false, 0),
+            (2, true, true, 2, true, true, 0),
+            (2, true, true, 2, true, true, 1),
             // Segments of three: a donor and its sharer in one segment, the other apart.
-            (3, false, true, 0, false, false),
-            (3, false, true, 0, true, false),
-            (3, true, true, 1, false, true),
+            (3, false, true, 0, false, false, 0),
+            (3, false, true, 0, true, false, 0),
+            (3, true, false, 1, true, false, 2),
+            (3, true, true, 1, false, true, 0),
         ] {
             let plan = ForwardPlan {
                 segment_size: seg,
@@ -1420,6 +1424,7 @@ fn segmented_backward_is_bit_identical() {
                 mlp_chunk: 0,
                 offload,
                 nested,
+                resident_layers: resident,
             };
             let d1 = model_grads(&m.model, &mut m.lora, &ctx, &m.c, plan);
             let g1 = grads(&m.lora);
@@ -1427,7 +1432,7 @@ fn segmented_backward_is_bit_identical() {
                 assert!(
                     a == b,
                     "{name}: segment_size {seg} (keep attention {keep}, top MLP {top_mlp}, \
-                     offload {offload}, nested {nested}) gradient #{i} differs from segment_size 0 (max|diff| {:.3e})",
+                     offload {offload}, resident {resident}, nested {nested}) gradient #{i} differs from segment_size 0 (max|diff| {:.3e})",
                     max_diff(a, b).0
                 );
             }

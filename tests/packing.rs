@@ -47,6 +47,7 @@ fn options(segment_size: usize, offload: bool) -> PassOptions {
         mlp_chunk: 0,
         offload,
         nested: false,
+        resident_layers: 0,
         head: HeadTier::Chunked,
         head_chunk: 4,
         dropout: None,

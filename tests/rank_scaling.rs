@@ -256,6 +256,7 @@ fn by_bits_adapter_reloads_with_the_same_logits() {
             mlp_chunk: 0,
             offload: false,
             nested: false,
+            resident_layers: 0,
             head: HeadTier::Chunked,
             head_chunk: DEFAULT_CHUNK,
             dropout: None,

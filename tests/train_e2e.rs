@@ -367,6 +367,7 @@ fn grad_accum_equals_summed_batch() {
         mlp_chunk: 0,
         offload: false,
         nested: false,
+        resident_layers: 0,
         head: HeadTier::Chunked,
         head_chunk: DEFAULT_CHUNK,
         dropout: None,
@@ -1219,6 +1220,7 @@ fn longest_estimates(loaded: &Loaded, items: &[Item], c: &TrainConfig) -> (usize
             mlp_chunk: 0,
             offload: false,
             nested: false,
+            resident_layers: 0,
         },
     )
     .total();

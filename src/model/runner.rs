@@ -145,6 +145,11 @@ pub struct ForwardPlan {
     /// then costs s layer inputs and one layer's activations, for one more forward of the
     /// segment's layers.
     pub nested: bool,
+    /// With `offload`: the highest this many layers below the top keep their boundaries and kept
+    /// tensors on the device. The backward reaches them first, so keeping them spares their
+    /// copies out and back where the device has room (the forward's copies out can fill the
+    /// host link).
+    pub resident_layers: usize,
 }
 
 /// A loaded model: spec, frozen weights, and its device.
@@ -346,6 +351,7 @@ impl Model {
             mlp_chunk,
             offload,
             nested,
+            resident_layers,
         } = plan;
         let keep_kv = |l: usize| {
             segment_size > 0
@@ -372,6 +378,7 @@ impl Model {
         let mut boundaries = Vec::new();
         let mut kept_attention = KeptPairs::default();
         for l in 0..n {
+            let offload_l = offload && l + 1 + resident_layers < n;
             // With segments, the top layer keeps its activations from the forward: the backward
             // starts there, so a recomputation would rebuild them at once, and they are live at
             // the step's peak either way.
@@ -388,7 +395,11 @@ impl Model {
                     if let Some((_, Boundary::Host(prev))) = boundaries.last_mut() {
                         prev.settle()?;
                     }
-                    boundaries.push((l, Boundary::Host(b.offload()?)));
+                    if offload_l {
+                        boundaries.push((l, Boundary::Host(b.offload()?)));
+                    } else {
+                        boundaries.push((l, Boundary::Device(b)));
+                    }
                 } else {
                     boundaries.push((l, Boundary::Device(b)));
                 }
@@ -414,8 +425,8 @@ impl Model {
                     (true, Some(k), Some(v)) => Some((k, v)),
                     _ => None,
                 };
-                kept_kv.push(kv, offload)?;
-                kept_attention.push(keep_attention.then_some((a.attn, a.lse)), offload)?;
+                kept_kv.push(kv, offload_l)?;
+                kept_attention.push(keep_attention.then_some((a.attn, a.lse)), offload_l)?;
             }
             self.device.memtrace(|| format!("forward layer {l}"));
             x = y.expect("the layer output was asked for");

@@ -53,6 +53,8 @@ pub struct PassRecord {
     pub offload: bool,
     /// Each segment was recomputed layer by layer.
     pub nested: bool,
+    /// Offloaded: the top layers whose boundaries and kept tensors stayed on the device.
+    pub resident_layers: usize,
     /// `train::memory`'s estimate of the pass's activation bytes.
     pub estimated_bytes: usize,
 }

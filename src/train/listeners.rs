@@ -210,6 +210,7 @@ impl TrainEvents for MetricsFile {
                         "keep_attention": s.pass.keep_attention,
                         "keep_kv_layers": s.pass.keep_kv_layers, "mlp_chunk": s.pass.mlp_chunk,
                         "offload": s.pass.offload, "nested": s.pass.nested,
+                        "resident_layers": s.pass.resident_layers,
                         "estimated_bytes": s.pass.estimated_bytes,
                     },
                 }))

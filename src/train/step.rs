@@ -27,6 +27,9 @@ pub struct PassOptions {
     pub offload: bool,
     /// With segments: each segment recomputed layer by layer (`ForwardPlan::nested`).
     pub nested: bool,
+    /// With offload: layers whose boundaries and kept tensors stay on the device
+    /// (`ForwardPlan::resident_layers`).
+    pub resident_layers: usize,
     pub head: HeadTier,
     pub head_chunk: usize,
     pub dropout: Option<(f32, u64)>,
@@ -193,6 +196,7 @@ fn forward_all(
                 mlp_chunk: opts.mlp_chunk,
                 offload: keep && opts.offload,
                 nested: keep && opts.nested,
+                resident_layers: opts.resident_layers,
             };
             let (hidden, st) = model.forward_keeping(&s.ids, lora, &ctx, plan)?;
             Ok(Forwarded {

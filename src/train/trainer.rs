@@ -244,6 +244,7 @@ pub fn pass_options(
         mlp_chunk: plan.mlp_chunk,
         offload: plan.offload,
         nested: plan.nested,
+        resident_layers: plan.resident_layers,
         head: cfg.head,
         head_chunk: shape.head_chunk_rows,
         dropout,
@@ -265,6 +266,7 @@ pub fn step_shape<'a>(
         offload: false,
         host_budget: super::memory::host_budget(&model.device, cfg.offload),
         nested: false,
+        resident: 0,
     }
 }
 
@@ -285,6 +287,7 @@ pub fn pass_estimate(model: &Model, tokens: usize, opts: &PassOptions) -> super:
         offload: opts.offload,
         host_budget: 0,
         nested: opts.nested,
+        resident: opts.resident_layers,
     };
     super::memory::estimate(shape, &keep_plan(opts))
 }
@@ -298,6 +301,7 @@ pub fn keep_plan(opts: &PassOptions) -> super::memory::KeepPlan {
         mlp_chunk: opts.mlp_chunk,
         offload: opts.offload,
         nested: opts.nested,
+        resident_layers: opts.resident_layers,
     }
 }
 
@@ -887,6 +891,7 @@ pub fn train_with(
                 mlp_chunk: pass.mlp_chunk,
                 offload: pass.offload,
                 nested: pass.nested,
+                resident_layers: pass.resident_layers,
                 estimated_bytes,
             },
             eta_seconds: elapsed / done as f64 * (total_steps - state.step) as f64,
