@@ -62,6 +62,11 @@ pub struct BenchArgs {
     /// the fastest whose estimate fits under it.
     #[arg(long)]
     pub memory_limit: Option<f64>,
+
+    /// Offloaded plans: keep the boundaries and kept tensors of the top N layers on the device
+    /// instead of the planner's choice (as many as fit), to measure what resident layers save
+    #[arg(long)]
+    pub resident_layers: Option<usize>,
     /// With segments, hold the layer boundaries in pinned host memory (`TrainConfig::offload`:
     /// true, false; unset: when no plan fits the device otherwise). For every workload.
     #[arg(long)]
@@ -314,7 +319,10 @@ pub fn run(a: BenchArgs) -> Result<()> {
             ..base.clone()
         };
         let budget = memory::budget(&device, cfg.memory_limit)?;
-        let opts = pass_options(&cfg, &model, tokens_in_pass, budget, None);
+        let mut opts = pass_options(&cfg, &model, tokens_in_pass, budget, None);
+        if let (Some(r), true) = (a.resident_layers, opts.offload) {
+            opts.resident_layers = r;
+        }
         // A workload whose plan does not fit is refused, as the trainer refuses it, with one
         // RESULT line that says why.
         let estimate = crate::train::trainer::pass_estimate(&model, tokens_in_pass, &opts);
@@ -430,7 +438,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
         let line = serde_json::json!({
             "tool": "lorafit", "shape": a.shape, "P": w.prompt_len, "R": w.resp_len, "device": device.name(), "predicted_host_gib": gib(predicted_host),
-            "segment_size": opts.segment_size, "segment_auto": w.segment_size.is_none(), "keep_attention": opts.keep_attention, "keep_kv_layers": opts.keep_kv_layers, "mlp_chunk": opts.mlp_chunk, "mlp_chunk_auto": w.mlp_chunk.is_none(), "offload": opts.offload, "nested": opts.nested, "pinned_gib": gib(pinned_bytes(&device)), "memory_limit_gib": a.memory_limit, "base_quant": a.base_quant.name(), "head": format!("{:?}", a.head).to_lowercase(), "prefix_shared": a.prefix_shared,
+            "segment_size": opts.segment_size, "segment_auto": w.segment_size.is_none(), "keep_attention": opts.keep_attention, "keep_kv_layers": opts.keep_kv_layers, "mlp_chunk": opts.mlp_chunk, "mlp_chunk_auto": w.mlp_chunk.is_none(), "offload": opts.offload, "nested": opts.nested, "resident_layers": opts.resident_layers, "pinned_gib": gib(pinned_bytes(&device)), "memory_limit_gib": a.memory_limit, "base_quant": a.base_quant.name(), "head": format!("{:?}", a.head).to_lowercase(), "prefix_shared": a.prefix_shared,
             "s_per_step": med, "host_queue_s": host_med, "launches_per_step": launches,
             "device_busy": (!busy.is_empty()).then(|| busy.iter().sum::<f64>() / busy.len() as f64), "pairs_per_s": 1.0 / med, "tokens_per_s": tokens as f64 / med,
             "model_tflops_per_step": flops / 1e12, "gemm_peak_tflops": peak_flops / 1e12, "mfu": flops / med / peak_flops,
@@ -686,7 +694,7 @@ fn random_weights(
         seed: 0,
     };
     let kind = match quant {
-        BaseQuant::None => return load_weights(spec, &dense, device),
+        BaseQuant::None => return load_weights(spec, &DrawnOnDevice(&dense), device),
         BaseQuant::Q4_0 => crate::tensor::cuda::QuantKind::Q4_0,
         BaseQuant::Q8_0 => crate::tensor::cuda::QuantKind::Q8_0,
         BaseQuant::Q4K | BaseQuant::Q4_1 => anyhow::bail!(
@@ -700,6 +708,40 @@ fn random_weights(
         "a quantized random base is kept on a CUDA device; on the CPU use a dense one"
     );
     load_weights(spec, &RandomQuantSource { dense, kind }, device)
+}
+
+/// A random model (`RandomSource`) whose normal tensors are drawn on the GPU, the same draws as
+/// the host's (`CudaBackend::random_normal`): an 8B model is ready in seconds, where drawing it
+/// on the host and uploading it took most of a minute.
+struct DrawnOnDevice<'a>(&'a RandomSource);
+
+impl crate::model::weights::TensorSource for DrawnOnDevice<'_> {
+    fn get(&self, name: &str) -> Result<(Vec<usize>, Vec<f32>)> {
+        self.0.get(name)
+    }
+    fn contains(&self, name: &str) -> bool {
+        self.0.contains(name)
+    }
+    fn describe(&self) -> String {
+        self.0.describe()
+    }
+    fn tensor(&self, name: &str, want: &[usize], device: &Device) -> Result<Tensor> {
+        match (device, self.0.shape_of(name)) {
+            (Device::Cuda(c), Some(shape)) if self.0.is_normal(name) => {
+                ensure!(
+                    shape == want,
+                    "random model: tensor {name} has shape {shape:?}, but {want:?} was asked for"
+                );
+                c.random_normal(
+                    &shape,
+                    device.compute_dtype(),
+                    self.0.normal_seed(name),
+                    crate::model::weights::RANDOM_STD,
+                )
+            }
+            _ => self.0.tensor(name, want, device),
+        }
+    }
 }
 
 /// A random model (`RandomSource`) whose seven projections per layer are random Q4_0 or Q8_0
@@ -721,6 +763,9 @@ impl crate::model::weights::TensorSource for RandomQuantSource {
     }
     fn describe(&self) -> String {
         format!("random {:?} model", self.kind)
+    }
+    fn tensor(&self, name: &str, want: &[usize], device: &Device) -> Result<Tensor> {
+        DrawnOnDevice(&self.dense).tensor(name, want, device)
     }
     fn weight(
         &self,

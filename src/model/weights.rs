@@ -484,33 +484,55 @@ pub struct RandomSource {
     pub seed: u64,
 }
 
+/// The spread of a random model's projections, embeddings and head.
+pub const RANDOM_STD: f32 = 0.02;
+
+impl RandomSource {
+    /// The shape of tensor `name` in this model, if it has one.
+    pub fn shape_of(&self, name: &str) -> Option<Vec<usize>> {
+        random_shape(&self.spec, name)
+    }
+
+    /// Whether tensor `name` is drawn from N(0, `RANDOM_STD`) (`get`'s other tensors are fixed
+    /// values: norms, Gemma 4's q/k norms among them, and layer scalars).
+    pub fn is_normal(&self, name: &str) -> bool {
+        !(name.ends_with("layer_scalar") || name.ends_with("norm.weight"))
+    }
+
+    /// The seed of `random_normal` for tensor `name`: the model's seed hashed with the name
+    /// (FNV-1a), so every tensor has its own draws.
+    pub fn normal_seed(&self, name: &str) -> u64 {
+        let mut h = 0xcbf29ce484222325u64 ^ self.seed;
+        for b in name.bytes() {
+            h = (h ^ b as u64).wrapping_mul(0x100000001b3);
+        }
+        h
+    }
+}
+
 impl TensorSource for RandomSource {
     fn get(&self, name: &str) -> Result<(Vec<usize>, Vec<f32>)> {
         let s = &self.spec;
         let shape =
             random_shape(s, name).with_context(|| format!("random model: no tensor {name}"))?;
         let n: usize = shape.iter().product();
-        let data = if name.ends_with("layer_scalar") {
+        let data = if self.is_normal(name) {
+            random_normal(n, self.normal_seed(name), RANDOM_STD)
+        } else if name.ends_with("layer_scalar") {
             // Gemma 4's per-layer output factor: away from 1, so that it is exercised.
             vec![0.8]
         } else if s.family == super::config::Family::Gemma4
             && (name.ends_with("q_norm.weight") || name.ends_with("k_norm.weight"))
         {
-            // Gemma 4 scores with scale 1: trained q/k norm weights carry the score scale. Unit
-            // weights would give a random model's head_dim-wide softmax scores of ±head_dim,
-            // sharper than any trained model's; hd^-¼ on each makes them a standard
+            // Gemma 4 scores with scale 1: trained q/k norm weights carry the score
+            // scale. Unit weights would give a random model's head_dim-wide softmax scores of
+            // ±head_dim, sharper than any trained model's; hd^-¼ on each makes them a standard
             // `q·k/√hd` attention.
             let hd = shape.iter().product::<usize>() as f32;
             vec![hd.powf(-0.25); n]
-        } else if name.ends_with("norm.weight") || name.ends_with("layernorm.weight") {
+        } else {
             // Unit norms once the family's offset is added at load.
             vec![1.0 - s.norm_offset; n]
-        } else {
-            let mut h = 0xcbf29ce484222325u64 ^ self.seed;
-            for b in name.bytes() {
-                h = (h ^ b as u64).wrapping_mul(0x100000001b3);
-            }
-            random_normal(n, h, 0.02)
         };
         Ok((shape, data))
     }

@@ -226,6 +226,28 @@ fn elementwise(cx: &mut Ctx, r: &mut Rng) -> Result<()> {
             .to_dtype(DType::F32)?;
         cx.push(compare("cast f32->bf16->f32", &g.to_vec()?, &x, 0.0));
     }
+    // A random model's normal draws made on the device against the host's, over several of
+    // their 2^16-value chunks. The bound is f32 rounding: CUDA's f64 log and cos are within an
+    // ulp of the host's, so an f32 value differs, rarely, in its last bit. In bf16 such a
+    // difference shows only where it crosses a rounding point.
+    if let Device::Cuda(c) = cx.dev {
+        let (n, seed) = (3 * 65536 + 77, 0x5eed_u64);
+        let want = crate::model::weights::random_normal(n, seed, 0.02);
+        let got = c.random_normal(&[n], DType::F32, seed, 0.02)?;
+        cx.push(compare(
+            "random normal draws (f32)",
+            &got.to_vec()?,
+            &want,
+            1e-7,
+        ));
+        let got = c.random_normal(&[n], bf, seed, 0.02)?;
+        cx.push(compare(
+            "random normal draws (bf16)",
+            &got.to_vec()?,
+            &rb(&want),
+            1e-7,
+        ));
+    }
     // embedding
     {
         let (v, h, t) = (300, 96, 57);

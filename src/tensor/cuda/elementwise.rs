@@ -359,6 +359,31 @@ impl CudaBackend {
         )
     }
 
+    /// A tensor of `model::weights::random_normal`'s draws (seed `seed`, spread `std`) made on
+    /// the device: a random model's weights without their host generation and upload.
+    pub fn random_normal(
+        &self,
+        shape: &[usize],
+        dtype: DType,
+        seed: u64,
+        std: f32,
+    ) -> Result<Tensor> {
+        let y = self.empty(shape, dtype)?;
+        let n = y.numel();
+        self.launch_n(
+            "lf_random_normal",
+            n,
+            &[
+                Arg::P(cuda_ptr(&y)?),
+                dt(dtype),
+                Arg::I64(n as i64),
+                Arg::U64(seed),
+                Arg::F32(std),
+            ],
+        )?;
+        Ok(y)
+    }
+
     pub fn scale(&self, x: &mut Tensor, s: f32) -> Result<()> {
         let n = x.numel();
         self.launch_n(

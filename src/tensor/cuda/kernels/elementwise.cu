@@ -618,3 +618,26 @@ extern "C" __global__ void lf_cast_multi(const CastSeg* segs, int ns, i64 n_chun
             stf(s.y, s.ydt, i, ldf(s.x, s.xdt, i));
     }
 }
+
+// Random normal values, the draws of `model::weights::random_normal` (the CPU's): element i is
+// draw i mod 2^16 of chunk i >> 16, whose SplitMix64 generator starts at seed ^ chunk * K. A
+// SplitMix64 state only ever adds its increment, so draw j reads the outputs of states
+// start + (2j + 1) G and start + (2j + 2) G; Box-Muller in f64, as the CPU's `Rng::normal`.
+__device__ __forceinline__ u64 lf_splitmix_out(u64 z) {
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+extern "C" __global__ void lf_random_normal(void* y, int ydt, i64 n, u64 seed, float std_dev) {
+    const u64 G = 0x9E3779B97F4A7C15ull;
+    GRID_STRIDE(i, n) {
+        u64 chunk = (u64)i >> 16, j = (u64)i & 0xffffull;
+        u64 start = seed ^ (chunk * 0xA24BAED4963EE407ull);
+        u64 a = lf_splitmix_out(start + (2 * j + 1) * G);
+        u64 b = lf_splitmix_out(start + (2 * j + 2) * G);
+        double u1 = fmax((double)(a >> 11) * (1.0 / 9007199254740992.0), 1e-300);
+        double u2 = (double)(b >> 11) * (1.0 / 9007199254740992.0);
+        double r = sqrt(-2.0 * log(u1)) * cos(2.0 * 3.141592653589793 * u2);
+        stf(y, ydt, i, (float)r * std_dev);
+    }
+}
