@@ -700,7 +700,7 @@ pub fn describe_plan(plan: &KeepPlan) -> String {
         parts.push("boundaries in host memory".into());
         if plan.resident_layers > 0 {
             parts.push(format!(
-                "the top {} layers' on the device",
+                "top {} layers resident on the device",
                 plan.resident_layers
             ));
         }
