@@ -67,6 +67,20 @@ pub struct BenchArgs {
     /// instead of the planner's choice (as many as fit), to measure what resident layers save
     #[arg(long)]
     pub resident_layers: Option<usize>,
+
+    /// Print the plan the planner would choose for the first workload on a GPU of `--gpu-gib`
+    /// GiB, with its estimated device and host memory, and run nothing (no GPU needed; the
+    /// model's own bytes estimated from its shape)
+    #[arg(long)]
+    pub plan_only: bool,
+
+    /// With --plan-only: the GPU's memory in GiB (an H100 80, an H200 141, a 4090 24)
+    #[arg(long)]
+    pub gpu_gib: Option<f64>,
+
+    /// With --plan-only: host memory available for offload in GiB (unset: this machine's)
+    #[arg(long)]
+    pub host_gib: Option<f64>,
     /// With segments, hold the layer boundaries in pinned host memory (`TrainConfig::offload`:
     /// true, false; unset: when no plan fits the device otherwise). For every workload.
     #[arg(long)]
@@ -225,6 +239,9 @@ pub fn measure_gemm_peak(device: &Device) -> Result<f64> {
 pub fn run(a: BenchArgs) -> Result<()> {
     if a.decode {
         return run_decode(&a);
+    }
+    if a.plan_only {
+        return plan_only(&a);
     }
     let device = Device::parse(&a.device)?;
     // The training knobs the benchmark shares with `lorafit train`, as a `TrainConfig`, so that
@@ -679,6 +696,93 @@ fn pinned_bytes(device: &crate::tensor::Device) -> usize {
 }
 
 // ------------------------------------------------------------------------------------------------
+// The plan alone (`--plan-only`)
+
+/// Device memory the CUDA context and libraries hold outside the allocator's count (what
+/// `mem_info` reports as used on an idle H200 once the context is up).
+const CONTEXT_BYTES: usize = 1 << 29;
+
+/// `--plan-only`: the planner's choice for the first workload on a GPU of `--gpu-gib` GiB, as
+/// `lorafit bench` would make it there, without a device: the model's own bytes from its shape
+/// (`memory::model_bytes`), the activation budget as `memory::budget` computes it from the free
+/// memory left (or `--memory-limit`), the host budget from `--host-gib` or this machine. One
+/// JSON line: the plan, the estimated peak (model plus activations), the host bytes, the largest
+/// terms; `refused` when no plan fits, with the longest pass that would.
+fn plan_only(a: &BenchArgs) -> Result<()> {
+    println!("RESULT {}", plan_only_line(a)?);
+    Ok(())
+}
+
+/// `plan_only`'s JSON line.
+fn plan_only_line(a: &BenchArgs) -> Result<serde_json::Value> {
+    let gib = (1u64 << 30) as f64;
+    let gpu = a
+        .gpu_gib
+        .context("--plan-only needs --gpu-gib, the GPU's memory in GiB")?;
+    ensure!(gpu > 0.0, "--gpu-gib must be positive, not {gpu}");
+    let spec = named_shape(&a.shape)?;
+    let held = memory::model_bytes(&spec, a.base_quant, a.rank);
+    let free = ((gpu * gib) as usize).saturating_sub(held + CONTEXT_BYTES);
+    let budget = match a.memory_limit {
+        Some(g) => ((g * gib) as usize).saturating_sub(held),
+        None => free.saturating_sub(memory::free_margin(free)),
+    };
+    let host_budget = match (a.offload, a.host_gib) {
+        (Some(false), _) => 0,
+        (_, Some(h)) => memory::host_budget_of((h * gib) as usize),
+        (_, None) => memory::host_budget_of(memory::host_available().unwrap_or(0)),
+    };
+    let tokens = if a.prefix_shared {
+        a.prompt_len + 2 * a.resp_len
+    } else {
+        2 * (a.prompt_len + a.resp_len)
+    };
+    let shape = memory::StepShape {
+        spec: &spec,
+        tokens,
+        mlp_chunked: a.mlp_chunk.is_some_and(|c| c > 0),
+        dtype_bytes: 2,
+        head_chunk_rows: crate::config::resolve_head_chunk(a.head_chunk, spec.vocab),
+        offload: false,
+        host_budget,
+        nested: false,
+        resident: 0,
+    };
+    let plan = memory::resolve_plan(
+        shape,
+        a.segment_size,
+        a.keep_attention,
+        a.keep_kv_layers,
+        a.mlp_chunk,
+        a.offload,
+        budget,
+    );
+    let estimate = memory::estimate(shape, &plan);
+    let fits = estimate.total() <= budget;
+    let g = |b: usize| (b as f64 / gib * 100.0).round() / 100.0;
+    let mut line = serde_json::json!({
+        "tool": "lorafit", "plan_only": true, "shape": a.shape, "P": a.prompt_len,
+        "R": a.resp_len, "tokens_in_pass": tokens, "gpu_gib": gpu, "base_quant": a.base_quant.name(),
+        "memory_limit_gib": a.memory_limit, "model_gib": g(held),
+        "activation_budget_gib": g(budget), "host_budget_gib": g(host_budget),
+        "plan": memory::describe_plan(&plan),
+        "predicted_peak_gib": g(held + estimate.total()),
+        "predicted_host_gib": g(memory::host_bytes(shape, &plan)),
+        "largest_terms": estimate.largest(3),
+    });
+    if !fits {
+        line["refused"] = serde_json::json!(format!(
+            "{tokens} tokens in one pass need an estimated {:.2} GiB of activations and {:.2} GiB \
+             are left for them; the longest pass that fits is about {} tokens",
+            estimate.total() as f64 / gib,
+            budget as f64 / gib,
+            memory::longest_that_fits(shape, a.mlp_chunk, a.offload, budget)
+        ));
+    }
+    Ok(line)
+}
+
+// ------------------------------------------------------------------------------------------------
 // Decoding (`--decode`)
 
 /// Random weights of `spec`: dense, or with the seven projections of every layer as random
@@ -894,4 +998,55 @@ fn run_decode(a: &BenchArgs) -> Result<()> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        bench: BenchArgs,
+    }
+
+    fn line(args: &str) -> serde_json::Value {
+        let cli = Cli::parse_from(std::iter::once("bench").chain(args.split_whitespace()));
+        plan_only_line(&cli.bench).unwrap()
+    }
+
+    /// Without a GPU, the plan and prediction the H200 run made (docs/bench/
+    /// unsloth-long-h200-2026-12-03-b.jsonl: llama8b 14336 / 2048 under 23.65 GiB, 22.85 GiB
+    /// predicted, 22.30 measured), and a refusal that names the longest pass that fits.
+    #[test]
+    fn the_plan_alone_is_the_plan_the_gpu_run_made() {
+        let l = line(
+            "--plan-only --shape llama8b --prompt-len 14336 --resp-len 2048 --gpu-gib 140.4 \
+             --host-gib 125 --memory-limit 23.65",
+        );
+        assert_eq!(
+            l["plan"],
+            "segment 1, attention kept, k/v of 31 layers kept, boundaries in host memory, \
+             top 6 layers resident on the device"
+        );
+        let peak = l["predicted_peak_gib"].as_f64().unwrap();
+        assert!((peak - 22.85).abs() < 0.02, "{l}");
+        assert!(l.get("refused").is_none(), "{l}");
+        // A 24 GiB card holds llama8b's weights and little else: 128K tokens a branch are refused
+        // (no host memory to offload to), with the longest pass that would fit.
+        let l = line(
+            "--plan-only --shape llama8b --prompt-len 114688 --resp-len 16384 --gpu-gib 24 \
+             --host-gib 0",
+        );
+        let refused = l["refused"].as_str().unwrap();
+        assert!(
+            refused.contains("the longest pass that fits is about"),
+            "{l}"
+        );
+        // Without the GPU's size there is nothing to plan against.
+        let cli = Cli::parse_from(["bench", "--plan-only", "--shape", "llama8b"]);
+        let err = plan_only_line(&cli.bench).unwrap_err().to_string();
+        assert!(err.contains("--gpu-gib"), "{err}");
+    }
 }

@@ -69,7 +69,7 @@ impl BaseQuant {
         }
     }
 
-    fn kind(self) -> Option<QuantKind> {
+    pub fn kind(self) -> Option<QuantKind> {
         match self {
             BaseQuant::None => None,
             BaseQuant::Q8_0 => Some(QuantKind::Q8_0),

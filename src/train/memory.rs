@@ -708,6 +708,47 @@ pub fn describe_plan(plan: &KeepPlan) -> String {
     parts.join(", ")
 }
 
+/// Device bytes a model holds before its first step, estimated from its shape: the frozen
+/// weights (the seven projections in `base_quant`'s blocks, the rest in bf16), with a
+/// quantized base one projection's bf16 scratch for its dequantization, the LoRA adapter of
+/// `rank` on the seven projections with its gradients and AdamW moments (f32, 16 bytes a
+/// parameter), and 128 MiB of library workspaces and tables. What `lorafit bench --plan-only`
+/// plans against; the trainer reads the device's own figures instead.
+pub fn model_bytes(spec: &ModelSpec, base_quant: crate::model::BaseQuant, rank: usize) -> usize {
+    let h = spec.hidden;
+    let (mut projections, mut largest, mut lora) = (0usize, 0usize, 0usize);
+    for (l, ls) in spec.layers.iter().enumerate() {
+        let (q, kv, i) = (spec.q_dim_of(l), spec.kv_dim_of(l), ls.intermediate);
+        let kv_count = match (ls.owns_kv(), ls.k_eq_v) {
+            (false, _) => 0,
+            (true, true) => 1,
+            (true, false) => 2,
+        };
+        let mut shapes = vec![(h, q), (q, h), (h, i), (h, i), (i, h)];
+        shapes.extend(std::iter::repeat_n((h, kv), kv_count));
+        for (inp, out) in shapes {
+            projections += inp * out;
+            largest = largest.max(inp * out);
+            lora += rank * (inp + out);
+        }
+    }
+    let head = if spec.tie_embeddings {
+        0
+    } else {
+        spec.vocab * h
+    };
+    let per_layer = spec.per_layer_input * spec.n_layers * (spec.vocab + 2 * h);
+    let dense = spec.vocab * h + head + per_layer + spec.n_layers * 4 * h;
+    let (projection_bytes, scratch) = match base_quant.kind() {
+        None => (projections * 2, 0),
+        Some(kind) => {
+            let (values, bytes) = kind.block();
+            (projections / values * bytes, largest * 2)
+        }
+    };
+    projection_bytes + scratch + dense * 2 + lora * 16 + (128 << 20)
+}
+
 /// Bytes a step may use for activations: the device's free memory now (weights and adapters
 /// already placed) less a margin for the pool's fragmentation and the libraries' workspaces
 /// (`free_margin`); on the CPU a fixed 8 GiB. With `memory_limit` (GiB, the whole process's device
@@ -745,17 +786,22 @@ pub fn host_budget(device: &crate::tensor::Device, offload: Option<bool>) -> usi
         (crate::tensor::Device::Cpu, Some(true)) => 8 << 30,
         (crate::tensor::Device::Cpu, None) => 0,
         (crate::tensor::Device::Cuda(c), _) => {
-            let available = host_available().unwrap_or(0) + c.pinned_bytes();
-            available.saturating_sub((available / 10).max(8 << 30))
+            host_budget_of(host_available().unwrap_or(0) + c.pinned_bytes())
         }
     }
+}
+
+/// The host budget of `available` bytes of host memory: less a margin of 10%, at least 8 GiB,
+/// for the process and the page cache.
+pub fn host_budget_of(available: usize) -> usize {
+    available.saturating_sub((available / 10).max(8 << 30))
 }
 
 /// Bytes of host memory this process may still take: the machine's `MemAvailable`, or within a
 /// container's memory limit (its cgroup's) what is left under it, whichever is smaller. Inside a
 /// container `MemAvailable` is the whole machine's, and pinning past the cgroup's limit ends in
 /// the kernel killing the process, with no error to report.
-fn host_available() -> Option<usize> {
+pub fn host_available() -> Option<usize> {
     let read = |p: &str| std::fs::read_to_string(p).ok();
     let machine = read("/proc/meminfo").and_then(|t| mem_available_of(&t));
     // cgroup v2, then v1 (whose "no limit" is a page-rounded i64::MAX).
@@ -1223,6 +1269,27 @@ mod tests {
         assert_eq!(cgroup_headroom("9223372036854771712\n", &used, 0), None);
         // Over the limit: nothing left.
         assert_eq!(cgroup_headroom("1000", "2000", 0), Some(0));
+    }
+
+    #[test]
+    fn model_bytes_match_what_the_h200_held_before_the_first_step() {
+        use crate::model::BaseQuant;
+        // `live_before_gib` of `lorafit bench` on the H200 (docs/memory, docs/bench): weights,
+        // LoRA r16 with AdamW, workspaces.
+        for (name, quant, measured) in [
+            ("qwen1.5b", BaseQuant::None, 3.223),
+            ("llama8b", BaseQuant::None, 15.711),
+            ("llama70b", BaseQuant::Q4_0, 43.376),
+        ] {
+            let spec = crate::bench::named_shape(name).unwrap();
+            let est = model_bytes(&spec, quant, 16) as f64 / GIB;
+            let ratio = est / measured;
+            eprintln!("{name}: estimated {est:.3} GiB, measured {measured} GiB ({ratio:.4})");
+            assert!(
+                (0.98..=1.02).contains(&ratio),
+                "{name}: estimated {est:.3} GiB, measured {measured} GiB ({ratio:.4})"
+            );
+        }
     }
 
     #[test]
