@@ -390,19 +390,16 @@ impl Model {
             }
             if segment_size > 0 && l % segment_size == 0 && !top {
                 let b = x.try_clone()?;
-                if offload {
-                    // The previous boundary's copy has had a segment's time: its device copy goes.
-                    if let Some((_, Boundary::Host(prev))) = boundaries.last_mut() {
-                        prev.settle()?;
-                    }
-                    if offload_l {
-                        boundaries.push((l, Boundary::Host(b.offload()?)));
-                    } else {
-                        boundaries.push((l, Boundary::Device(b)));
-                    }
-                } else {
-                    boundaries.push((l, Boundary::Device(b)));
+                // The previous boundary's copy has had a segment's time: its device copy goes.
+                if let Some((_, Boundary::Host(prev))) = boundaries.last_mut() {
+                    prev.settle()?;
                 }
+                let b = if offload_l {
+                    Boundary::Host(b.offload()?)
+                } else {
+                    Boundary::Device(b)
+                };
+                boundaries.push((l, b));
             }
             let run = LayerRun {
                 env: kinds.env(ctx, self, l, &donor_kv),
