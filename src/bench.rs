@@ -16,8 +16,9 @@ use crate::train::memory;
 use crate::train::objectives::SftScope;
 use crate::train::optim::{apply_update, AdamState, OptimOptions};
 use crate::train::plan::Plan;
+use crate::train::step::PassOptions;
 use crate::train::step::{queue_example, Objective};
-use crate::train::trainer::pass_options;
+use crate::train::trainer::{pass_options_for, step_shape, step_shape_of};
 use anyhow::{ensure, Context, Result};
 use std::time::Instant;
 
@@ -244,16 +245,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         return plan_only(&a);
     }
     let device = Device::parse(&a.device)?;
-    // The training knobs the benchmark shares with `lorafit train`, as a `TrainConfig`, so that
-    // each workload's pass options are resolved exactly as the trainer resolves them.
-    let base = TrainConfig {
-        head: a.head,
-        head_chunk: a.head_chunk,
-        deterministic_attention: a.deterministic_attention,
-        gemm_tuning: a.gemm_tuning,
-        cce_filter_eps: a.cce_filter_eps,
-        ..Default::default()
-    };
+    let base = base_config(&a);
     device.set_numerics(base.deterministic_attention, base.gemm_tuning)?;
     crate::train::head::set_filter_eps(base.cce_filter_eps);
     let spec = named_shape(&a.shape)?;
@@ -284,14 +276,8 @@ pub fn run(a: BenchArgs) -> Result<()> {
     let peak_flops = measure_gemm_peak(&device)?;
     if let Some(mix) = &a.mix {
         let cfg = TrainConfig {
-            segment_size: a.segment_size,
-            keep_attention: a.keep_attention,
-            keep_kv_layers: a.keep_kv_layers,
-            mlp_chunk: a.mlp_chunk,
-            memory_limit: a.memory_limit,
-            offload: a.offload,
             pack_tokens: a.pack_tokens,
-            ..base
+            ..workload_config(&a, &first_workload(&a), &base)
         };
         let mut trainee = Trainee {
             model: &model,
@@ -302,14 +288,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         return run_mix(&a, &cfg, &mut trainee, mix, peak_flops);
     }
 
-    let mut workloads = vec![Workload {
-        prompt_len: a.prompt_len,
-        resp_len: a.resp_len,
-        segment_size: a.segment_size,
-        mlp_chunk: a.mlp_chunk,
-        keep_attention: a.keep_attention,
-        keep_kv_layers: a.keep_kv_layers,
-    }];
+    let mut workloads = vec![first_workload(&a)];
     for spec_str in &a.also {
         workloads.push(Workload::parse(spec_str)?);
     }
@@ -320,42 +299,17 @@ pub fn run(a: BenchArgs) -> Result<()> {
                 .map(|_| 3 + (rng.next_u64() % (spec.vocab as u64 - 3)) as u32)
                 .collect()
         };
-        // Tokens the step runs through the model, as the trainer plans them (`Plan::tokens`).
-        let tokens_in_pass = if a.prefix_shared {
-            w.prompt_len + 2 * w.resp_len
-        } else {
-            2 * (w.prompt_len + w.resp_len)
-        };
-        let cfg = TrainConfig {
-            segment_size: w.segment_size,
-            keep_attention: w.keep_attention,
-            keep_kv_layers: w.keep_kv_layers,
-            mlp_chunk: w.mlp_chunk,
-            memory_limit: a.memory_limit,
-            offload: a.offload,
-            ..base.clone()
-        };
+        let tokens_in_pass = w.pass_tokens(a.prefix_shared);
+        let cfg = workload_config(&a, w, &base);
         let budget = memory::budget(&device, cfg.memory_limit)?;
-        let mut opts = pass_options(&cfg, &model, tokens_in_pass, budget, None);
-        if let (Some(r), true) = (a.resident_layers, opts.offload) {
-            opts.resident_layers = r;
-        }
+        let shape = step_shape(&cfg, &model, tokens_in_pass);
+        let opts = plan_pass(&a, &cfg, shape, budget);
         // A workload whose plan does not fit is refused, as the trainer refuses it, with one
         // RESULT line that says why.
         let estimate = crate::train::trainer::pass_estimate(&model, tokens_in_pass, &opts);
         if estimate.total() > budget {
             let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
-            let shape = crate::train::trainer::step_shape(&cfg, &model, tokens_in_pass);
-            let reason = format!(
-                "{tokens_in_pass} tokens in one pass: the plan ({}) needs an estimated {:.2} GiB \
-                 of activations and {:.2} GiB are left for them; largest terms: {}; the longest \
-                 pass that fits is about {} tokens",
-                memory::describe_plan(&crate::train::trainer::keep_plan(&opts)),
-                gib(estimate.total()),
-                gib(budget),
-                estimate.largest(3),
-                memory::longest_that_fits(shape, cfg.mlp_chunk, cfg.offload, budget)
-            );
+            let reason = refusal(&cfg, shape, &opts, &estimate, budget);
             eprintln!("refused: {reason}");
             let line = serde_json::json!({
                 "tool": "lorafit", "shape": a.shape, "P": w.prompt_len, "R": w.resp_len,
@@ -494,6 +448,15 @@ struct Workload {
 }
 
 impl Workload {
+    /// Tokens the step runs through the model, as the trainer plans them (`Plan::tokens`).
+    fn pass_tokens(&self, prefix_shared: bool) -> usize {
+        if prefix_shared {
+            self.prompt_len + 2 * self.resp_len
+        } else {
+            2 * (self.prompt_len + self.resp_len)
+        }
+    }
+
     /// `P,R[,SEG|auto[,MLP_CHUNK|auto[,KEEP_ATTENTION]]]`.
     fn parse(s: &str) -> Result<Workload> {
         let f: Vec<&str> = s.split(',').map(str::trim).collect();
@@ -613,7 +576,7 @@ fn run_mix(
                 waiting = next_pair();
             }
         }
-        let opts = pass_options(cfg, model, pass_tokens, budget, None);
+        let opts = plan_pass(a, cfg, step_shape(cfg, model, pass_tokens), budget);
         if step == a.warmup {
             device.synchronize()?;
             device.reset_peak();
@@ -695,6 +658,82 @@ fn pinned_bytes(device: &crate::tensor::Device) -> usize {
     }
 }
 
+/// The training knobs the benchmark shares with `lorafit train`, as a `TrainConfig`, so that
+/// each workload's pass options are resolved exactly as the trainer resolves them.
+fn base_config(a: &BenchArgs) -> TrainConfig {
+    TrainConfig {
+        head: a.head,
+        head_chunk: a.head_chunk,
+        deterministic_attention: a.deterministic_attention,
+        gemm_tuning: a.gemm_tuning,
+        cce_filter_eps: a.cce_filter_eps,
+        ..Default::default()
+    }
+}
+
+/// The workload of the command line's own flags (`--also` adds more).
+fn first_workload(a: &BenchArgs) -> Workload {
+    Workload {
+        prompt_len: a.prompt_len,
+        resp_len: a.resp_len,
+        segment_size: a.segment_size,
+        mlp_chunk: a.mlp_chunk,
+        keep_attention: a.keep_attention,
+        keep_kv_layers: a.keep_kv_layers,
+    }
+}
+
+/// `base` with workload `w`'s plan choices and the run's memory limit and offload.
+fn workload_config(a: &BenchArgs, w: &Workload, base: &TrainConfig) -> TrainConfig {
+    TrainConfig {
+        segment_size: w.segment_size,
+        keep_attention: w.keep_attention,
+        keep_kv_layers: w.keep_kv_layers,
+        mlp_chunk: w.mlp_chunk,
+        memory_limit: a.memory_limit,
+        offload: a.offload,
+        ..base.clone()
+    }
+}
+
+/// The pass options the trainer would choose for `shape` under `budget`, with an offloaded
+/// plan's resident layers as `--resident-layers` sets them.
+fn plan_pass(
+    a: &BenchArgs,
+    cfg: &TrainConfig,
+    shape: memory::StepShape,
+    budget: usize,
+) -> PassOptions {
+    let mut opts = pass_options_for(cfg, shape, budget, None);
+    if let (Some(r), true) = (a.resident_layers, opts.offload) {
+        opts.resident_layers = r;
+    }
+    opts
+}
+
+/// Why a pass whose plan does not fit is refused: the plan, its estimate against the budget,
+/// the largest terms and the longest pass that would fit.
+fn refusal(
+    cfg: &TrainConfig,
+    shape: memory::StepShape,
+    opts: &PassOptions,
+    estimate: &memory::Estimate,
+    budget: usize,
+) -> String {
+    let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
+    format!(
+        "{} tokens in one pass: the plan ({}) needs an estimated {:.2} GiB of activations and \
+         {:.2} GiB are left for them; largest terms: {}; the longest pass that fits is about {} \
+         tokens",
+        shape.tokens,
+        memory::describe_plan(&crate::train::trainer::keep_plan(opts)),
+        gib(estimate.total()),
+        gib(budget),
+        estimate.largest(3),
+        memory::longest_that_fits(shape, cfg.mlp_chunk, cfg.offload, budget)
+    )
+}
+
 // ------------------------------------------------------------------------------------------------
 // The plan alone (`--plan-only`)
 
@@ -732,33 +771,14 @@ fn plan_only_line(a: &BenchArgs) -> Result<serde_json::Value> {
         (_, Some(h)) => memory::host_budget_of((h * gib) as usize),
         (_, None) => memory::host_budget_of(memory::host_available().unwrap_or(0)),
     };
-    let tokens = if a.prefix_shared {
-        a.prompt_len + 2 * a.resp_len
-    } else {
-        2 * (a.prompt_len + a.resp_len)
-    };
-    let shape = memory::StepShape {
-        spec: &spec,
-        tokens,
-        mlp_chunked: a.mlp_chunk.is_some_and(|c| c > 0),
-        dtype_bytes: 2,
-        head_chunk_rows: crate::config::resolve_head_chunk(a.head_chunk, spec.vocab),
-        offload: false,
-        host_budget,
-        nested: false,
-        resident: 0,
-    };
-    let plan = memory::resolve_plan(
-        shape,
-        a.segment_size,
-        a.keep_attention,
-        a.keep_kv_layers,
-        a.mlp_chunk,
-        a.offload,
-        budget,
-    );
+    let workload = first_workload(a);
+    let tokens = workload.pass_tokens(a.prefix_shared);
+    let cfg = workload_config(a, &workload, &base_config(a));
+    // Computing in bf16, as on every CUDA device.
+    let shape = step_shape_of(&cfg, &spec, 2, tokens, host_budget);
+    let opts = plan_pass(a, &cfg, shape, budget);
+    let plan = crate::train::trainer::keep_plan(&opts);
     let estimate = memory::estimate(shape, &plan);
-    let fits = estimate.total() <= budget;
     let g = |b: usize| (b as f64 / gib * 100.0).round() / 100.0;
     let mut line = serde_json::json!({
         "tool": "lorafit", "plan_only": true, "shape": a.shape, "P": a.prompt_len,
@@ -770,14 +790,8 @@ fn plan_only_line(a: &BenchArgs) -> Result<serde_json::Value> {
         "predicted_host_gib": g(memory::host_bytes(shape, &plan)),
         "largest_terms": estimate.largest(3),
     });
-    if !fits {
-        line["refused"] = serde_json::json!(format!(
-            "{tokens} tokens in one pass need an estimated {:.2} GiB of activations and {:.2} GiB \
-             are left for them; the longest pass that fits is about {} tokens",
-            estimate.total() as f64 / gib,
-            budget as f64 / gib,
-            memory::longest_that_fits(shape, a.mlp_chunk, a.offload, budget)
-        ));
+    if estimate.total() > budget {
+        line["refused"] = serde_json::json!(refusal(&cfg, shape, &opts, &estimate, budget));
     }
     Ok(line)
 }

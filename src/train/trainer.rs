@@ -227,7 +227,16 @@ pub fn pass_options(
     budget: usize,
     dropout: Option<(f32, u64)>,
 ) -> PassOptions {
-    let shape = step_shape(cfg, model, tokens);
+    pass_options_for(cfg, step_shape(cfg, model, tokens), budget, dropout)
+}
+
+/// [`pass_options`] for a pass as the planner sees it (`step_shape_of`), with no model loaded.
+pub fn pass_options_for(
+    cfg: &TrainConfig,
+    shape: super::memory::StepShape,
+    budget: usize,
+    dropout: Option<(f32, u64)>,
+) -> PassOptions {
     let plan = super::memory::resolve_plan(
         shape,
         cfg.segment_size,
@@ -257,14 +266,32 @@ pub fn step_shape<'a>(
     model: &'a Model,
     tokens: usize,
 ) -> super::memory::StepShape<'a> {
+    step_shape_of(
+        cfg,
+        &model.spec,
+        model.device.compute_dtype().size(),
+        tokens,
+        super::memory::host_budget(&model.device, cfg.offload),
+    )
+}
+
+/// [`step_shape`] of a model of `spec` computing in a dtype of `dtype_bytes`, with
+/// `host_budget` bytes of host memory for offload.
+pub fn step_shape_of<'a>(
+    cfg: &TrainConfig,
+    spec: &'a crate::model::ModelSpec,
+    dtype_bytes: usize,
+    tokens: usize,
+    host_budget: usize,
+) -> super::memory::StepShape<'a> {
     super::memory::StepShape {
-        spec: &model.spec,
+        spec,
         tokens,
         mlp_chunked: cfg.mlp_chunk.is_some_and(|c| c > 0),
-        dtype_bytes: model.device.compute_dtype().size(),
-        head_chunk_rows: crate::config::resolve_head_chunk(cfg.head_chunk, model.spec.vocab),
+        dtype_bytes,
+        head_chunk_rows: crate::config::resolve_head_chunk(cfg.head_chunk, spec.vocab),
         offload: false,
-        host_budget: super::memory::host_budget(&model.device, cfg.offload),
+        host_budget,
         nested: false,
         resident: 0,
     }

@@ -99,16 +99,10 @@ impl HostCopy {
     /// Lets the device source go once its copy is done: the compute stream waits for the copy
     /// (on the device; the host does not wait), then the source is freed in stream order.
     pub fn settle(&mut self) -> Result<()> {
-        if let Some((src, done)) = self.source.take() {
-            self.inner.bind()?;
-            wait(self.inner.cu_stream(), &done)?;
-            drop(src);
-        }
+        drop(self.reclaim()?);
         Ok(())
     }
-}
 
-impl HostCopy {
     /// The device source, if it has not been let go yet (`settle`), ordered after its copy to
     /// host (which reads it): the device tensor back without a copy.
     pub fn reclaim(&mut self) -> Result<Option<Tensor>> {
