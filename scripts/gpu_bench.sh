@@ -14,6 +14,9 @@
 set -u
 bin=$1; shift
 out=${OUT:-/tmp}
+# The shared TRL and Unsloth anchors' tokenizer split their rows' words (scripts/anchor_tokens.py):
+# their copies here build the fixed one, or no anchor runs.
+[ -d .gpu/anchors ] && { python3 scripts/anchor_tokens.py --fix .gpu/anchors || exit 1; }
 : > "$out/lorafit.jsonl"
 for spec in "$@"; do
   set -- $spec

@@ -48,8 +48,7 @@ def main():
     import torch
     import torch_orpo_bench as anchor
     from datasets import Dataset
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    from anchor_tokens import anchor_tokenizer, as_text, check_round_trip  # this folder's
     try:
         from trl.experimental.orpo import ORPOConfig, ORPOTrainer
     except ImportError:  # TRL before ORPO moved to experimental
@@ -57,11 +56,7 @@ def main():
 
     (p_lo, p_hi), (r_lo, r_hi) = [tuple(int(x) for x in part.split("-")) for part in args.mix.split(",")]
     V = anchor.ARCHS[args.arch]["vocab_size"]
-    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(V)}, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t0", bos_token="t1", eos_token="t2",
-                                     unk_token="t0")
-    txt = lambda ids: " ".join(f"t{i}" for i in ids)
+    hf_tok = anchor_tokenizer(V)
     model = anchor.make_model(args.arch, p_hi + r_hi + 16)
     for batch in [int(b) for b in args.batch.split(",")]:
         rng = random.Random(1)
@@ -69,7 +64,8 @@ def main():
         ids = lambda n: [rng.randint(3, V - 1) for _ in range(n)]
         n_pairs = batch * (args.steps + args.warmup)
         pairs = [(ids(draw(p_lo, p_hi)), ids(draw(r_lo, r_hi)), ids(draw(r_lo, r_hi))) for _ in range(n_pairs)]
-        rows = [dict(prompt=txt(p), chosen=" " + txt(c), rejected=" " + txt(r)) for p, c, r in pairs]
+        check_round_trip(hf_tok, pairs)
+        rows = [dict(prompt=as_text(p), chosen=" " + as_text(c), rejected=" " + as_text(r)) for p, c, r in pairs]
         # Real tokens of each step's pairs (chosen and rejected rows each carry the prompt).
         step_tokens = [sum(2 * len(p) + len(c) + len(r) for p, c, r in pairs[s * batch:(s + 1) * batch])
                        for s in range(args.steps + args.warmup)]

@@ -86,23 +86,19 @@ def main():
     rec = dict(mode="trl-qlora-nf4", arch=args.arch, P=args.prompt_len, R=args.resp_len)
     try:
         from datasets import Dataset
-        from tokenizers import Tokenizer, models, pre_tokenizers
-        from transformers import PreTrainedTokenizerFast
-        from trl_mix_bench import step_timer  # this folder's
+        from anchor_tokens import anchor_tokenizer, as_text, check_round_trip  # this folder's
+        from trl_mix_bench import step_timer
         try:
             from trl.experimental.orpo import ORPOConfig, ORPOTrainer
         except ImportError:  # TRL before ORPO moved to experimental
             from trl import ORPOConfig, ORPOTrainer
         shape = LLAMA70B if args.arch == "llama70b" else {k: v for k, v in anchor.ARCHS["llama8b"].items() if k != "kind"}
         V = shape["vocab_size"]
-        tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(V)}, unk_token="t0"))
-        tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-        hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t0", bos_token="t1", eos_token="t2",
-                                         unk_token="t0")
-        txt = lambda ids: " ".join(f"t{int(i)}" for i in ids)
+        hf_tok = anchor_tokenizer(V)
         n = args.steps + args.warmup
-        rows = [dict(prompt=txt(p), chosen=" " + txt(c), rejected=" " + txt(r))
-                for p, c, r in anchor.rand_pairs(n, args.prompt_len, args.resp_len, V)]
+        pairs = anchor.rand_pairs(n, args.prompt_len, args.resp_len, V)
+        check_round_trip(hf_tok, pairs)
+        rows = [dict(prompt=as_text(p), chosen=" " + as_text(c), rejected=" " + as_text(r)) for p, c, r in pairs]
         t0 = time.perf_counter()
         model = build_4bit_model(shape, args.prompt_len + args.resp_len + 16)
         rec.update(build_s=round(time.perf_counter() - t0, 1),
