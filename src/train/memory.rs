@@ -910,6 +910,50 @@ mod tests {
         }
     }
 
+    /// Offloaded, the kept attention outputs and k/v count as the backward holds them at its
+    /// worst point: the resident layers at the top, or the two layers coming back below the
+    /// backward's layer, whichever is more; never both at once. The H200's 128K row (segment 1,
+    /// attention and the k/v of the 11 lowest layers kept, 22 layers resident) measured 118.60 GiB
+    /// where the sum predicted 126.21; these terms now predict 118.86.
+    #[test]
+    fn offloaded_kept_tensors_count_at_the_backwards_worst_point() {
+        let spec = llama8b();
+        let tokens = 147_456;
+        let attention = tokens * (2 * 4096 + 4 * 32);
+        let kv = tokens * 2 * 1024 * 2;
+        let term = |e: &Estimate, name: &str| e.terms.iter().find(|(n, _)| *n == name).unwrap().1;
+        let plan = |resident_layers| KeepPlan {
+            segment_size: 1,
+            keep_attention: true,
+            keep_kv_layers: 11,
+            mlp_chunk: 0,
+            offload: true,
+            nested: false,
+            resident_layers,
+        };
+        // 22 resident layers (9..=30): their attention outputs; of the 11 k/v layers (0..=10) only
+        // layers 9 and 10 are resident, and the window never holds more than two.
+        let e = estimate(shape(&spec, tokens, false), &plan(22));
+        assert_eq!(term(&e, "kept attention outputs"), 22 * attention);
+        assert_eq!(term(&e, "kept k and v"), 2 * kv);
+        // None resident: the window's two layers of each.
+        let e = estimate(shape(&spec, tokens, false), &plan(0));
+        assert_eq!(term(&e, "kept attention outputs"), 2 * attention);
+        assert_eq!(term(&e, "kept k and v"), 2 * kv);
+        // One resident layer: at the top the window reaches one layer below it.
+        let e = estimate(shape(&spec, tokens, false), &plan(1));
+        assert_eq!(term(&e, "kept attention outputs"), 2 * attention);
+        // On the device, every layer's.
+        let on_device = KeepPlan {
+            offload: false,
+            resident_layers: 0,
+            ..plan(0)
+        };
+        let e = estimate(shape(&spec, tokens, false), &on_device);
+        assert_eq!(term(&e, "kept attention outputs"), 32 * attention);
+        assert_eq!(term(&e, "kept k and v"), 11 * kv);
+    }
+
     #[test]
     fn small_plans_keep_everything_and_large_ones_segment() {
         let spec = llama8b();
