@@ -19,7 +19,10 @@
 //! - The boundaries in pinned host memory (`host_budget`), with the kept attention outputs and
 //!   k/v, where that fits a plan no on-device plan does, or avoids one of those costs
 //!   (`slowdowns`); offload itself costs a few percent. Offloaded, the device holds two
-//!   boundaries and two segments' kept tensors; the host holds them all.
+//!   boundaries and two segments' kept tensors; the host holds them all. With resident layers
+//!   (the top ones, kept on the device up to `RESIDENT_SHARE_PERCENT` of the budget) their
+//!   boundaries add to those two, and their kept tensors count where they exceed the two
+//!   segments' (`StepShape::offloaded_kept_peak`).
 
 use crate::model::ModelSpec;
 
