@@ -33,7 +33,7 @@ def anchor_tokenizer(vocab_size):
                                      eos_token="<eos>", unk_token="<pad>")
     # Words that begin like other words and like the old special tokens, and the last id.
     probe = [i for i in (3, 10, 19, 100, 123, 2000, 29999, vocab_size - 1) if i < vocab_size]
-    check_round_trip(hf_tok, [(probe, probe, probe)])
+    trl_rows(hf_tok, [(probe, probe, probe)])
     return hf_tok
 
 
@@ -42,15 +42,20 @@ def as_text(ids):
     return " ".join(f"t{int(i)}" for i in ids)
 
 
-def check_round_trip(tok, pairs):
-    """Raises unless every prompt, chosen and rejected of `pairs` tokenizes back to its ids."""
+def trl_rows(tok, pairs):
+    """TRL's preference rows (`prompt`, `chosen`, `rejected` text) of `(prompt, chosen, rejected)`
+    id lists; exits unless every text tokenizes back to its ids under `tok`."""
+    rows = []
     for n, pair in enumerate(pairs):
+        row = dict(prompt=as_text(pair[0]), chosen=" " + as_text(pair[1]), rejected=" " + as_text(pair[2]))
         for what, ids in zip(("prompt", "chosen", "rejected"), pair):
             want = [int(i) for i in ids]
-            got = tok(as_text(want), add_special_tokens=False)["input_ids"]
+            got = tok(row[what], add_special_tokens=False)["input_ids"]
             if got != want:
                 raise SystemExit(f"anchor tokenizer: pair {n} {what}: {len(want)} ids came back as "
                                  f"{len(got)} tokens (first difference at {first_difference(got, want)})")
+        rows.append(row)
+    return rows
 
 
 def first_difference(a, b):
@@ -93,5 +98,5 @@ elif __name__ == "__main__":
     V = int(sys.argv[1]) if len(sys.argv) > 1 else 128256
     rng = random.Random(0)
     pairs = [tuple([rng.randrange(3, V) for _ in range(n)] for n in (600, 300, 300)) for _ in range(4)]
-    check_round_trip(anchor_tokenizer(V), pairs)
+    trl_rows(anchor_tokenizer(V), pairs)
     print(f"anchor tokenizer: {len(pairs)} random pairs over a vocabulary of {V} come back id for id")

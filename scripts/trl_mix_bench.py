@@ -48,7 +48,7 @@ def main():
     import torch
     import torch_orpo_bench as anchor
     from datasets import Dataset
-    from anchor_tokens import anchor_tokenizer, as_text, check_round_trip  # this folder's
+    from anchor_tokens import anchor_tokenizer, trl_rows  # this folder's
     try:
         from trl.experimental.orpo import ORPOConfig, ORPOTrainer
     except ImportError:  # TRL before ORPO moved to experimental
@@ -64,8 +64,7 @@ def main():
         ids = lambda n: [rng.randint(3, V - 1) for _ in range(n)]
         n_pairs = batch * (args.steps + args.warmup)
         pairs = [(ids(draw(p_lo, p_hi)), ids(draw(r_lo, r_hi)), ids(draw(r_lo, r_hi))) for _ in range(n_pairs)]
-        check_round_trip(hf_tok, pairs)
-        rows = [dict(prompt=as_text(p), chosen=" " + as_text(c), rejected=" " + as_text(r)) for p, c, r in pairs]
+        rows = trl_rows(hf_tok, pairs)
         # Real tokens of each step's pairs (chosen and rejected rows each carry the prompt).
         step_tokens = [sum(2 * len(p) + len(c) + len(r) for p, c, r in pairs[s * batch:(s + 1) * batch])
                        for s in range(args.steps + args.warmup)]

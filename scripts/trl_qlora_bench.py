@@ -86,7 +86,7 @@ def main():
     rec = dict(mode="trl-qlora-nf4", arch=args.arch, P=args.prompt_len, R=args.resp_len)
     try:
         from datasets import Dataset
-        from anchor_tokens import anchor_tokenizer, as_text, check_round_trip  # this folder's
+        from anchor_tokens import anchor_tokenizer, trl_rows  # this folder's
         from trl_mix_bench import step_timer
         try:
             from trl.experimental.orpo import ORPOConfig, ORPOTrainer
@@ -96,9 +96,7 @@ def main():
         V = shape["vocab_size"]
         hf_tok = anchor_tokenizer(V)
         n = args.steps + args.warmup
-        pairs = anchor.rand_pairs(n, args.prompt_len, args.resp_len, V)
-        check_round_trip(hf_tok, pairs)
-        rows = [dict(prompt=as_text(p), chosen=" " + as_text(c), rejected=" " + as_text(r)) for p, c, r in pairs]
+        rows = trl_rows(hf_tok, anchor.rand_pairs(n, args.prompt_len, args.resp_len, V))
         t0 = time.perf_counter()
         model = build_4bit_model(shape, args.prompt_len + args.resp_len + 16)
         rec.update(build_s=round(time.perf_counter() - t0, 1),
