@@ -9,8 +9,11 @@
 # Anchor modes are joined by "+"; "-" skips the anchors for that row. ANCHOR_STEPS="steps warmup"
 # shortens the anchor runs. Mode `unsloth` runs ../shared/anchors/unsloth_orpo_bench.py through
 # run-unsloth.sh with the two wheel folders of fetch-unsloth-wheels.sh, UNSLOTH_WHEELS="A B"
-# (default ".whl/unsA .whl/unsB"; carried in two back-to-back calls). Every lorafit row is
-# printed beside every anchor of its shape and P. Results go to $OUT (or /tmp) as JSON lines.
+# (default ".whl/unsA .whl/unsB"; carried in two back-to-back calls). In the bench flags, `@MODE`
+# is that anchor's peak on the row (or an earlier row of the same shape and P), e.g.
+# "llama8b 3584 512 unsloth auto" "llama8b 3584 512 - auto --memory-limit @unsloth".
+# Every lorafit row is printed beside every anchor of its shape and P. Results go to $OUT (or
+# /tmp) as JSON lines, each lorafit row's stderr to lorafit-ROW-SHAPE-P.err.
 set -u
 bin=$1; shift
 out=${OUT:-/tmp}
@@ -18,7 +21,9 @@ out=${OUT:-/tmp}
 # their copies here build the fixed one, or no anchor runs.
 [ -d .gpu/anchors ] && { python3 scripts/anchor_tokens.py --fix .gpu/anchors || exit 1; }
 : > "$out/lorafit.jsonl"
+row=0
 for spec in "$@"; do
+  row=$((row + 1))
   set -- $spec
   shape=$1; P=$2; R=$3; mode=$4; seg=${5:-auto}; shift 4; [ $# -gt 0 ] && shift; extra="$*"
   segflag=""; [ "$seg" != "auto" ] && segflag="--segment-size $seg"
@@ -31,9 +36,20 @@ for spec in "$@"; do
       fi
     done
   fi
+  # `@MODE` in the bench flags stands for that anchor's allocator peak on this row (GiB), measured
+  # just above: `--memory-limit @unsloth` runs lorafit within Unsloth's own memory.
+  while [[ "$extra" =~ @([a-z-]+) ]]; do
+    m=${BASH_REMATCH[1]}
+    peak=$(python3 -c 'import json,sys
+rows=[json.loads(l.split("RESULT ",1)[-1]) for l in open(sys.argv[1]) if l.strip()]
+hit=[r for r in rows if r.get("mode")==sys.argv[2] and r.get("arch")==sys.argv[3] and int(r.get("P"))==int(sys.argv[4])]
+print(hit[-1]["peak_alloc_gib"] if hit else "")' "$out/anchors.jsonl" "$m" "$shape" "$P" 2>/dev/null)
+    [ -n "$peak" ] || { echo "no $m peak for $shape $P in $out/anchors.jsonl: lorafit row skipped"; continue 2; }
+    extra=${extra//@$m/$peak}
+  done
   "$bin" bench --shape "$shape" --prompt-len "$P" --resp-len "$R" $segflag $extra --device cuda \
-    2>"$out/lorafit-$shape-$P-$seg.err" | grep '^RESULT' | sed 's/^RESULT //' >> "$out/lorafit.jsonl" \
-    || echo "lorafit bench failed for $spec (see $out/lorafit-$shape-$P-$seg.err)"
+    2>"$out/lorafit-$row-$shape-$P.err" | grep '^RESULT' | sed 's/^RESULT //' >> "$out/lorafit.jsonl" \
+    || echo "lorafit bench failed for $spec (see $out/lorafit-$row-$shape-$P.err)"
 done
 python3 - "$out" <<'PY'
 import json, sys, os
