@@ -190,62 +190,147 @@ pub fn compile_in(
     cubin: bool,
     cache: Option<&Path>,
 ) -> Result<Vec<u8>> {
-    ensure_nvrtc()?;
-    let inc = include_dir()
-        .ok_or_else(|| anyhow!("cuda_bf16.h not found: set CUDA_HOME or LORAFIT_CUDA_INCLUDE"))?;
-    let gpu_arch = if cubin {
-        arch.to_string()
-    } else {
-        arch.replace("sm_", "compute_")
-    };
-    let mut opts = vec![
-        format!("--gpu-architecture={gpu_arch}"),
-        format!("--include-path={}", inc.display()),
-        "--std=c++17".to_string(),
-        "--fmad=true".to_string(),
-        "-default-device".to_string(),
-    ];
-    // LORAFIT_PTXAS_VERBOSE=1 prints registers, spills and shared memory per kernel.
-    let verbose = std::env::var_os("LORAFIT_PTXAS_VERBOSE").is_some();
-    if verbose {
-        opts.push("--ptxas-options=-v".into());
-    }
-    let (maj, min) = nvrtc_version()?;
-    let ver = format!("{maj}.{min}");
-    // The include path is left out of the key: the headers are the toolkit's, whose version the
-    // NVRTC version already names, so a cache built on one machine serves another.
-    let key_opts: Vec<&str> = opts
-        .iter()
-        .filter(|o| !o.starts_with("--include-path"))
-        .map(|s| s.as_str())
-        .collect();
-    let key = fnv1a(&[
-        src.as_bytes(),
-        key_opts.join(" ").as_bytes(),
-        ver.as_bytes(),
-        if cubin { b"cubin" } else { b"ptx" },
-    ]);
-    let ext = if cubin { "cubin" } else { "ptx" };
-    let path = cache.map(|d| d.join(format!("{name}-{gpu_arch}-{key:016x}.{ext}")));
-    if let Some(p) = path.as_ref().filter(|_| !verbose) {
+    let job = Job::new(name, src, arch, cubin, cache)?;
+    if let Some(p) = job.path.as_ref().filter(|_| !job.verbose) {
         if let Ok(bytes) = std::fs::read(p) {
             if !bytes.is_empty() {
                 return Ok(bytes);
             }
         }
     }
-    let bytes = compile_uncached(name, src, &opts, cubin)?;
-    if let Some(p) = &path {
+    let bytes = compile_uncached(name, src, &job.opts, cubin)?;
+    if let Some(p) = &job.path {
         // Best effort: a read-only home just means no cache.
         if let Some(dir) = p.parent() {
             let _ = std::fs::create_dir_all(dir);
         }
-        let tmp = p.with_extension(format!("{ext}.tmp{}", std::process::id()));
+        let tmp = p.with_extension(format!("{}.tmp{}", job.ext, std::process::id()));
         if std::fs::write(&tmp, &bytes).is_ok() {
             let _ = std::fs::rename(&tmp, p);
         }
     }
     Ok(bytes)
+}
+
+/// One compilation's NVRTC options and the cache file it lands in.
+struct Job {
+    opts: Vec<String>,
+    ext: &'static str,
+    path: Option<PathBuf>,
+    /// `LORAFIT_PTXAS_VERBOSE`: always compiles, to print ptxas's report.
+    verbose: bool,
+}
+
+impl Job {
+    fn new(name: &str, src: &str, arch: &str, cubin: bool, cache: Option<&Path>) -> Result<Job> {
+        ensure_nvrtc()?;
+        let inc = include_dir().ok_or_else(|| {
+            anyhow!("cuda_bf16.h not found: set CUDA_HOME or LORAFIT_CUDA_INCLUDE")
+        })?;
+        let gpu_arch = if cubin {
+            arch.to_string()
+        } else {
+            arch.replace("sm_", "compute_")
+        };
+        let mut opts = vec![
+            format!("--gpu-architecture={gpu_arch}"),
+            format!("--include-path={}", inc.display()),
+            "--std=c++17".to_string(),
+            "--fmad=true".to_string(),
+            "-default-device".to_string(),
+        ];
+        // LORAFIT_PTXAS_VERBOSE=1 prints registers, spills and shared memory per kernel.
+        let verbose = std::env::var_os("LORAFIT_PTXAS_VERBOSE").is_some();
+        if verbose {
+            opts.push("--ptxas-options=-v".into());
+        }
+        let (maj, min) = nvrtc_version()?;
+        let ver = format!("{maj}.{min}");
+        // The include path is left out of the key: the headers are the toolkit's, whose version
+        // the NVRTC version already names, so a cache built on one machine serves another.
+        let key_opts: Vec<&str> = opts
+            .iter()
+            .filter(|o| !o.starts_with("--include-path"))
+            .map(|s| s.as_str())
+            .collect();
+        let key = fnv1a(&[
+            src.as_bytes(),
+            key_opts.join(" ").as_bytes(),
+            ver.as_bytes(),
+            if cubin { b"cubin" } else { b"ptx" },
+        ]);
+        let ext = if cubin { "cubin" } else { "ptx" };
+        let path = cache.map(|d| d.join(format!("{name}-{gpu_arch}-{key:016x}.{ext}")));
+        Ok(Job {
+            opts,
+            ext,
+            path,
+            verbose,
+        })
+    }
+
+    /// Whether the cache holds this compilation's output (never with `verbose`).
+    fn cached(&self) -> bool {
+        !self.verbose
+            && self
+                .path
+                .as_ref()
+                .and_then(|p| std::fs::metadata(p).ok())
+                .is_some_and(|m| m.len() > 0)
+    }
+}
+
+/// Compiles every kernel module for a device of `arch` that the on-disk cache does not hold yet,
+/// all at once on as many threads, and says so on stderr: on a machine that has not run this
+/// build, the modules would otherwise compile one by one, silently, inside the first step (77 s
+/// on the H200's machine). Returns how many modules it compiled; with no cache folder, none (each
+/// module then compiles when first used, as before).
+pub fn prepare_modules(arch: &str) -> Result<usize> {
+    match cache_dir() {
+        Some(dir) => prepare_modules_in(arch, &dir),
+        None => Ok(0),
+    }
+}
+
+/// [`prepare_modules`] with the cache in `dir`.
+pub fn prepare_modules_in(arch: &str, dir: &Path) -> Result<usize> {
+    let mut missing = Vec::new();
+    for (name, _) in MODULES {
+        let src = module_source(name)?;
+        let arch = module_arch(name, arch);
+        if !Job::new(name, &src, &arch, true, Some(dir))?.cached() {
+            missing.push((*name, src, arch));
+        }
+    }
+    if missing.is_empty() {
+        return Ok(0);
+    }
+    let names: Vec<&str> = missing.iter().map(|m| m.0).collect();
+    eprintln!(
+        "compiling CUDA kernels for {arch} ({}), once per build and machine; cached in {}",
+        names.join(", "),
+        dir.display()
+    );
+    let start = std::time::Instant::now();
+    std::thread::scope(|scope| {
+        let threads: Vec<_> = missing
+            .iter()
+            .map(|(name, src, arch)| {
+                scope.spawn(move || compile_in(name, src, arch, true, Some(dir)))
+            })
+            .collect();
+        for (t, name) in threads.into_iter().zip(&names) {
+            t.join()
+                .map_err(|_| anyhow!("compiling kernel module {name}: the thread panicked"))?
+                .with_context(|| format!("compiling kernel module {name}"))?;
+        }
+        Ok::<(), anyhow::Error>(())
+    })?;
+    eprintln!(
+        "CUDA kernels compiled in {:.1} s",
+        start.elapsed().as_secs_f64()
+    );
+    Ok(missing.len())
 }
 
 fn compile_uncached(name: &str, src: &str, opts: &[String], cubin: bool) -> Result<Vec<u8>> {
@@ -307,7 +392,8 @@ mod tests {
 
     /// Every kernel module compiles for sm_90 (CUBIN) where libnvrtc and the CUDA headers exist;
     /// skipped with a note otherwise. Needs no GPU. The cache is a fresh private folder, so the
-    /// test really compiles; each module's CUBIN must land there and be served from there.
+    /// test really compiles (all modules at once, as `prepare_modules` does when a GPU opens);
+    /// each module's CUBIN must land there and be served from there.
     #[test]
     fn kernels_compile_for_sm90() {
         if let Err(e) = ensure_nvrtc() {
@@ -338,6 +424,19 @@ mod tests {
         // LORAFIT_KERNEL_PTX=file.ptx writes its PTX there.
         let only = std::env::var("LORAFIT_ONLY_MODULE").ok();
         let body = std::env::var("LORAFIT_KERNEL_SRC").ok();
+        let verbose = std::env::var_os("LORAFIT_PTXAS_VERBOSE").is_some();
+        if only.is_none() && !verbose {
+            // What a GPU does when it opens: every module compiled at once into the empty cache,
+            // then nothing left to compile. The loop below is then served from the cache files
+            // this wrote.
+            let compiled = prepare_modules_in("sm_90", &dir).unwrap();
+            assert_eq!(compiled, MODULES.len(), "modules compiled into {dir:?}");
+            assert_eq!(
+                prepare_modules_in("sm_90", &dir).unwrap(),
+                0,
+                "a second time"
+            );
+        }
         for (name, _) in MODULES {
             if only.as_deref().is_some_and(|o| o != *name) {
                 continue;
@@ -368,7 +467,7 @@ mod tests {
             );
             // A second call is served from that folder: marked bytes come back (not with
             // LORAFIT_PTXAS_VERBOSE, which always compiles to print its report).
-            if std::env::var_os("LORAFIT_PTXAS_VERBOSE").is_none() {
+            if !verbose {
                 std::fs::write(&files[0], b"cached").unwrap();
                 let again = compile_in(name, &src, &arch, true, Some(&dir)).unwrap();
                 assert_eq!(again, b"cached", "module {name}: not read from {dir:?}");

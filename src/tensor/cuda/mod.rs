@@ -634,6 +634,9 @@ impl CudaBackend {
                 offload: offload::Lane::default(),
             })
         })?;
+        // A machine that has not run this build compiles the kernels here, all at once, rather
+        // than one module at a time inside the first step.
+        compile::prepare_modules(&inner.arch)?;
         Ok(Arc::new_cyclic(|me| CudaBackend {
             me: me.clone(),
             inner: Arc::new(inner),
