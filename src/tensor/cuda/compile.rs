@@ -11,34 +11,56 @@ use std::sync::OnceLock;
 
 const COMMON: &str = include_str!("kernels/common.cuh");
 
-/// The kernel modules: (name, source without the common prelude).
+const ATTENTION: &str = include_str!("kernels/attention.cu");
+
+/// The kernel modules: (name, source without the common prelude). attention.cu is three modules,
+/// each compiling one part of its kernels (`attention_part`), because it alone took most of the
+/// compile time: as parts, the modules compile in parallel in about half of it.
 pub const MODULES: &[(&str, &str)] = &[
     ("elementwise", include_str!("kernels/elementwise.cu")),
-    ("attention", include_str!("kernels/attention.cu")),
+    ("attention_v1", ATTENTION),
+    ("attention_v234", ATTENTION),
+    ("attention_v567", ATTENTION),
     ("dequant", include_str!("kernels/dequant.cu")),
     ("cce", include_str!("kernels/cce.cu")),
     ("objective", include_str!("kernels/objective.cu")),
     ("decode", include_str!("kernels/decode.cu")),
 ];
 
-/// The architecture a module is compiled for on a device of `arch`: the attention module takes
-/// Hopper's architecture-specific target (`sm_90a`, which has wgmma) on sm_90 devices; its
-/// wgmma kernels compile to empty bodies elsewhere and are never chosen there.
+/// The part of attention.cu (its `LF_ATTN_PART`) that module `name` compiles, for the attention
+/// modules: 1, version 1 and the small kernels the others share; 2, versions 2 to 4; 3, versions
+/// 5 to 7.
+pub fn attention_part(name: &str) -> Option<u32> {
+    match name {
+        "attention_v1" => Some(1),
+        "attention_v234" => Some(2),
+        "attention_v567" => Some(3),
+        _ => None,
+    }
+}
+
+/// The architecture a module is compiled for on a device of `arch`: the attention modules take
+/// Hopper's architecture-specific target (`sm_90a`, which has wgmma) on sm_90 devices; the wgmma
+/// kernels compile to empty bodies elsewhere and are never chosen there.
 pub fn module_arch(name: &str, arch: &str) -> String {
-    if name == "attention" && arch == "sm_90" {
+    if attention_part(name).is_some() && arch == "sm_90" {
         "sm_90a".into()
     } else {
         arch.into()
     }
 }
 
-/// Full source of a module: the shared prelude, then the module.
+/// Full source of a module: the shared prelude, then the module (an attention module's part
+/// selected before it).
 pub fn module_source(name: &str) -> Result<String> {
     let (_, body) = MODULES
         .iter()
         .find(|(n, _)| *n == name)
         .ok_or_else(|| anyhow!("no kernel module {name:?}"))?;
-    Ok(format!("{COMMON}\n{body}"))
+    Ok(match attention_part(name) {
+        Some(part) => format!("{COMMON}\n#define LF_ATTN_PART {part}\n{body}"),
+        None => format!("{COMMON}\n{body}"),
+    })
 }
 
 extern "C" {
@@ -419,8 +441,8 @@ mod tests {
                 })
                 .unwrap_or_default()
         };
-        // For kernel work, with LORAFIT_PTXAS_VERBOSE=1: LORAFIT_ONLY_MODULE=attention compiles
-        // one module, LORAFIT_KERNEL_SRC=file.cu takes that module's body from a file, and
+        // For kernel work, with LORAFIT_PTXAS_VERBOSE=1: LORAFIT_ONLY_MODULE=attention_v567
+        // compiles one module, LORAFIT_KERNEL_SRC=file.cu takes that module's body from a file, and
         // LORAFIT_KERNEL_PTX=file.ptx writes its PTX there.
         let only = std::env::var("LORAFIT_ONLY_MODULE").ok();
         let body = std::env::var("LORAFIT_KERNEL_SRC").ok();
@@ -437,6 +459,7 @@ mod tests {
                 "a second time"
             );
         }
+        let mut found = std::collections::BTreeSet::new();
         for (name, _) in MODULES {
             if only.as_deref().is_some_and(|o| o != *name) {
                 continue;
@@ -454,6 +477,19 @@ mod tests {
             let bin = compile_in(name, &src, &arch, true, Some(&dir))
                 .unwrap_or_else(|e| panic!("module {name}: {e:#}"));
             assert!(bin.len() > 100, "module {name}: empty cubin");
+            if body.is_none() {
+                // Every kernel in the module's CUBIN is one the host looks for in this module.
+                let kernels = kernel_names(&bin);
+                assert!(!kernels.is_empty(), "module {name}: no lf_ kernels");
+                for k in &kernels {
+                    assert_eq!(
+                        crate::tensor::cuda::module_of(k),
+                        *name,
+                        "kernel {k} is compiled in module {name}"
+                    );
+                }
+                found.extend(kernels);
+            }
             let files = cached(name);
             assert_eq!(
                 files.len(),
@@ -473,7 +509,43 @@ mod tests {
                 assert_eq!(again, b"cached", "module {name}: not read from {dir:?}");
             }
         }
+        if only.is_none() && body.is_none() {
+            // One kernel of each attention version and of the shared ones, with and without the
+            // softcap, in the module the host loads it from (checked above).
+            for k in [
+                "lf_attn_fwd_128",
+                "lf_attn_bwd_dkdv_64_cap",
+                "lf_attn_bwd_dot",
+                "lf_attn_tile_flags",
+                "lf_attn_dq_finish",
+                "lf_attn_dkdv_reduce",
+                "lf_attn2_fwd_256",
+                "lf_attn3_fwd_128_cap",
+                "lf_attn4_bwd_128",
+                "lf_attn5_fwd_128",
+                "lf_attn5_bwd_128_cap",
+                "lf_attn6_bwd_256",
+                "lf_attn7_dkdv_512_cap",
+            ] {
+                assert!(found.contains(k), "no module compiles {k}");
+            }
+        }
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// The `lf_…` names in a CUBIN (its kernels, and the sections named after them).
+    fn kernel_names(cubin: &[u8]) -> std::collections::BTreeSet<String> {
+        let ident = |b: u8| b.is_ascii_alphanumeric() || b == b'_';
+        let mut names = std::collections::BTreeSet::new();
+        for i in 0..cubin.len().saturating_sub(3) {
+            if &cubin[i..i + 3] == b"lf_" && (i == 0 || !ident(cubin[i - 1])) {
+                let end = (i..cubin.len())
+                    .find(|&j| !ident(cubin[j]))
+                    .unwrap_or(cubin.len());
+                names.insert(String::from_utf8_lossy(&cubin[i..end]).into_owned());
+            }
+        }
+        names
     }
 
     /// Fills the on-disk kernel cache (`LORAFIT_CACHE`) for `LORAFIT_ARCH` (default sm_90), so a

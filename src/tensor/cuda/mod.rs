@@ -497,9 +497,16 @@ fn cuda_ptr(t: &Tensor) -> Result<u64> {
     }
 }
 
-fn module_of(func: &str) -> &'static str {
-    if func.starts_with("lf_attn") {
-        "attention"
+/// The kernel module (`compile::MODULES`) that holds kernel `func`.
+pub(crate) fn module_of(func: &str) -> &'static str {
+    if let Some(rest) = func.strip_prefix("lf_attn") {
+        // attention.cu's parts (`compile::attention_part`) by version: lf_attn2_… to lf_attn4_…,
+        // lf_attn5_… to lf_attn7_…, and version 1 with the shared kernels (lf_attn_…).
+        match rest.as_bytes().first() {
+            Some(b'2'..=b'4') => "attention_v234",
+            Some(b'5'..=b'7') => "attention_v567",
+            _ => "attention_v1",
+        }
     } else if func.starts_with("lf_cce") {
         "cce"
     } else if func.starts_with("lf_deq") {
@@ -1099,7 +1106,7 @@ impl CudaBackend {
         // SAFETY: a loaded module and a NUL-terminated name.
         let f = unsafe { drv::module::get_function(module, cname) }
             .map_err(|e| anyhow!("cuda: kernel {name} not found: {e:?}"))?;
-        if mname == "attention" {
+        if compile::attention_part(mname).is_some() {
             // Version 1 needs about 88 KB (head_dim 128); the head_dim 256 kernels about 200 KB.
             let want = self.attn_smem_limit() as i32;
             ensure!(

@@ -22,6 +22,14 @@
 //   B (16x8, "col"):      b0 = (k 2t..2t+1, n g), b1 = (k 2t+8..2t+9, n g)
 //   C (16x8 f32):         c0,c1 = (g, 2t..2t+1), c2,c3 = (g+8, 2t..2t+1)
 
+// NVRTC compiles this file as three modules, one part of the kernels each, so that they compile
+// in parallel (compile.rs: attention_v1, version 1 and the small shared kernels; attention_v234;
+// attention_v567). Each is the whole file with LF_ATTN_PART set; unset (0), every kernel.
+#ifndef LF_ATTN_PART
+#define LF_ATTN_PART 0
+#endif
+#define LF_PART(n) (LF_ATTN_PART == 0 || LF_ATTN_PART == (n))
+
 #define BQ 64
 #define BK 64
 #define NTHREADS 128
@@ -282,6 +290,7 @@ __device__ void attn_fwd(const bf16* __restrict__ q, const bf16* __restrict__ k,
 
 // ------------------------------------------------------------------------------------------------
 // D[h, q] = sum_d dO[q, h, d] * O[q, h, d]; one warp per (q, h).
+#if LF_PART(1)
 extern "C" __global__ void lf_attn_bwd_dot(const bf16* d_o, const bf16* o, float* dd, int t, int nh, int hd) {
     i64 wid = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     int lane = threadIdx.x & 31;
@@ -293,6 +302,7 @@ extern "C" __global__ void lf_attn_bwd_dot(const bf16* d_o, const bf16* o, float
     acc = warp_sum(acc);
     if (lane == 0) dd[(i64)h * t + qi] = acc;
 }
+#endif
 
 // ------------------------------------------------------------------------------------------------
 // dQ. grid (ceil(T/64), n_heads); warp w owns query rows 16w.. of the tile.
@@ -603,6 +613,7 @@ __device__ void attn_bwd_dkdv(const bf16* __restrict__ q, const bf16* __restrict
 }
 
 // dK[key, kvh, :] = sum over the group's query heads of the f32 partials; likewise dV.
+#if LF_PART(1)
 extern "C" __global__ void lf_attn_dkdv_reduce(const float* dkp, const float* dvp, bf16* dk, bf16* dv, int t,
                                                int nkv, int group, int hd) {
     const i64 n = (i64)t * nkv * hd;
@@ -619,6 +630,7 @@ extern "C" __global__ void lf_attn_dkdv_reduce(const float* dkp, const float* dv
         dv[i] = __float2bfloat16(b);
     }
 }
+#endif
 
 // Every attention kernel takes the softcap as its last argument; only the `_cap` instances
 // (CAP = true) read it.
@@ -641,6 +653,7 @@ extern "C" __global__ void lf_attn_dkdv_reduce(const float* dkp, const float* dv
                                 cap);                                                                          \
     }
 
+#if LF_PART(1)
 INSTANTIATE(16, false, )
 INSTANTIATE(32, false, )
 INSTANTIATE(64, false, )
@@ -651,6 +664,7 @@ INSTANTIATE(32, true, _cap)
 INSTANTIATE(64, true, _cap)
 INSTANTIATE(96, true, _cap)
 INSTANTIATE(128, true, _cap)
+#endif
 
 // ================================================================================================
 // Version 2 (head_dim 64 and 128, 16-byte aligned rows): operands staged by cp.async into padded
@@ -752,12 +766,14 @@ __device__ __forceinline__ unsigned char warp_tile_flag(const Mask& mk, int q0, 
 // The visibility table of every (64-query tile, 64-key tile): one warp per entry, computed once
 // per mask (each attention call) instead of by every block of every head. grid (n, ceil(n / 4)),
 // 128 threads.
+#if LF_PART(1)
 extern "C" __global__ void lf_attn_tile_flags(Mask mk, int t, unsigned char* flags) {
     const int n = (t + 63) / 64, qt = blockIdx.x, kt = blockIdx.y * 4 + (threadIdx.x >> 5);
     if (kt >= n) return;
     const unsigned char f = warp_tile_flag<64>(mk, qt * 64, kt, t, threadIdx.x & 31);
     if ((threadIdx.x & 31) == 0) flags[(i64)qt * n + kt] = f;
 }
+#endif
 
 // Visibility (0 none, 1 partial, 2 full) of the tile made of query tiles [qt0, qt0 + nq) and key
 // tiles [kt0, kt0 + nk) (64 each) from the table: full only if every part is; parts past T count
@@ -1437,12 +1453,14 @@ __device__ void attn_keys_bwd(const bf16* __restrict__ q, const bf16* __restrict
 // 64-query tiles in dK/dV (255 registers at head_dim 128, a few bytes spilled); 32-query tiles (242
 // registers, no spill) measured the same end to end and 4-8% slower in the selftest's backward timings.
 // Head_dim 256: the forward, and dQ and dK/dV (two head-dim halves per key tile, grid z = 2).
+#if LF_PART(2)
 INSTANTIATE2(64, false, , 1)
 INSTANTIATE2(128, false, , 1)
 INSTANTIATE2(256, false, , 2)
 INSTANTIATE2(64, true, _cap, 1)
 INSTANTIATE2(128, true, _cap, 1)
 INSTANTIATE2(256, true, _cap, 2)
+#endif
 
 // ------------------------------------------------------------------------------------------------
 // Forward v3. grid (ceil(T/128), n_heads), 128 threads; warp w owns query rows 32w..32w+31 as two
@@ -1588,16 +1606,20 @@ __device__ void attn3_fwd(const bf16* __restrict__ q, const bf16* __restrict__ k
         float scale, float cap) {                                                                              \
         attn3_fwd<HD, CAP>(q, k, v, o, lse, mk, t, nh, nkv, scale, cap);                                       \
     }
+#if LF_PART(2)
 INSTANTIATE3(64, false, )
 INSTANTIATE3(128, false, )
 INSTANTIATE3(64, true, _cap)
 INSTANTIATE3(128, true, _cap)
+#endif
 
 // dq = scale * dq_acc, rounded to bf16.
+#if LF_PART(1)
 extern "C" __global__ void lf_attn_dq_finish(const float* acc, bf16* dq, i64 n, float scale) {
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
         dq[i] = __float2bfloat16(acc[i] * scale);
 }
+#endif
 
 #define INSTANTIATE4(HD, CAP, SFX)                                                                             \
     extern "C" __global__ void __launch_bounds__(256, 1) lf_attn4_bwd_##HD##SFX(                               \
@@ -1607,10 +1629,12 @@ extern "C" __global__ void lf_attn_dq_finish(const float* acc, bf16* dq, i64 n, 
         attn_keys_bwd<HD, 128, true, CAP>(q, k, v, d_o, lse, dd, dq_acc, dk, dv, dk_part, dv_part, mk, t, nh,  \
                                           nkv, scale, cap);                                                    \
     }
+#if LF_PART(2)
 INSTANTIATE4(64, false, )
 INSTANTIATE4(128, false, )
 INSTANTIATE4(64, true, _cap)
 INSTANTIATE4(128, true, _cap)
+#endif
 
 // ------------------------------------------------------------------------------------------------
 // Backward v6 (head_dim 256), one pass like version 4: the block owns 64 keys and loops over the
@@ -1790,8 +1814,10 @@ __device__ void attn6_bwd(const bf16* __restrict__ q, const bf16* __restrict__ k
         float scale, float cap) {                                                                              \
         attn6_bwd<CAP>(q, k, v, d_o, lse, dd, dq_acc, dk, dv, dk_part, dv_part, mk, t, nh, nkv, scale, cap);   \
     }
+#if LF_PART(3)
 INSTANTIATE6(false, )
 INSTANTIATE6(true, _cap)
+#endif
 
 // ================================================================================================
 // Backward v5 (head_dim 128, sm_90a only): version 4's one-pass algorithm on warpgroup MMAs
@@ -2396,8 +2422,10 @@ __device__ void attn5_bwd(const bf16* __restrict__ q, const bf16* __restrict__ k
         ATTN5_BODY((attn5_bwd<CAP>(q, k, v, d_o, lse, dd, dq_acc, dk, dv, dk_part, dv_part, mk, t, nh, nkv,    \
                                    scale, head_loop, cap)));                                                   \
     }
+#if LF_PART(3)
 INSTANTIATE5(false, )
 INSTANTIATE5(true, _cap)
+#endif
 
 // ================================================================================================
 // Version 7: head_dim 512 (Gemma 4's global layers) on mma.sync, forward, dQ and dK/dV, no
@@ -2868,5 +2896,7 @@ __device__ void attn7_dkdv(const bf16* __restrict__ q, const bf16* __restrict__ 
         float cap) {                                                                                           \
         attn7_dkdv<CAP>(q, k, v, d_o, lse, dd, dk, dv, dk_part, dv_part, mk, t, nh, nkv, scale, cap);          \
     }
+#if LF_PART(3)
 INSTANTIATE7(false, )
 INSTANTIATE7(true, _cap)
+#endif
