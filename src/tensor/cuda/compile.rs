@@ -1,7 +1,8 @@
 //! Kernel compilation: CUDA C sources (the `.cu` files beside this) compiled by NVRTC for the
-//! device's architecture on first use, cached on disk by a hash of source, architecture, options
-//! and NVRTC version. Needs no GPU, only libnvrtc, so tests on a GPU-less machine can compile
-//! every kernel.
+//! device's architecture when the backend opens the GPU (every module the cache lacks, in
+//! parallel: `prepare_modules`), cached on disk by a hash of source, architecture, options and
+//! NVRTC version. Needs no GPU, only libnvrtc, so tests on a GPU-less machine can compile every
+//! kernel.
 
 use anyhow::{anyhow, bail, Context, Result};
 use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys};

@@ -1,6 +1,6 @@
 //! The CUDA backend: one context and one compute stream on one GPU (and a copy stream for host
 //! offload, `offload`), bf16 storage with fp32 accumulation,
-//! kernels compiled by NVRTC on first use (see `compile`), matrix products through cuBLASLt
+//! kernels compiled by NVRTC when the GPU is opened (see `compile`), matrix products through cuBLASLt
 //! (fp32 compute, each shape's algorithm chosen by timing: see `gemm`). Memory is stream-ordered (`cuMemAllocAsync`) and counted
 //! (live and peak bytes); small host-to-device copies (token ids, masks) go through pinned staging
 //! buffers so no op waits for the GPU. Downloads (`to_vec`, the sums of squares) are the only sync
