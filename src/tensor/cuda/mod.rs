@@ -497,29 +497,6 @@ fn cuda_ptr(t: &Tensor) -> Result<u64> {
     }
 }
 
-/// The kernel module (`compile::MODULES`) that holds kernel `func`.
-pub(crate) fn module_of(func: &str) -> &'static str {
-    if let Some(rest) = func.strip_prefix("lf_attn") {
-        // attention.cu's parts (`compile::attention_part`) by version: lf_attn2_… to lf_attn4_…,
-        // lf_attn5_… to lf_attn7_…, and version 1 with the shared kernels (lf_attn_…).
-        match rest.as_bytes().first() {
-            Some(b'2'..=b'4') => "attention_v234",
-            Some(b'5'..=b'7') => "attention_v567",
-            _ => "attention_v1",
-        }
-    } else if func.starts_with("lf_cce") {
-        "cce"
-    } else if func.starts_with("lf_deq") {
-        "dequant"
-    } else if func.starts_with("lf_obj") {
-        "objective"
-    } else if func.starts_with("lf_dec_") {
-        "decode"
-    } else {
-        "elementwise"
-    }
-}
-
 fn catch<T>(what: &str, f: impl FnOnce() -> Result<T>) -> Result<T> {
     match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
         Ok(r) => r,
@@ -1084,7 +1061,7 @@ impl CudaBackend {
             return Ok(f.0);
         }
         self.inner.bind()?;
-        let mname = module_of(name);
+        let mname = compile::module_of(name);
         let module = {
             let mut mods = self.inner.modules.lock().unwrap();
             match mods.get(mname) {
