@@ -650,10 +650,11 @@ pub fn run(device: &Device, seed: u64) -> Result<()> {
     Ok(())
 }
 
-/// `linear_fwd`'s f32 sum rounded once, in row blocks against all rows at once, on `device`
-/// (group `train`): the blocks must give the same numbers as one pass.
+/// `linear_fwd`'s f32 sum rounded once (`ops::lora_linear_rounded`), in row blocks against all
+/// rows at once, and against the sum written out by two products into an f32 tensor and cast
+/// (the same arithmetic in another order of launches), on `device` (group `train`): each must
+/// give the same numbers up to a rare flip at a rounding tie.
 fn round_once_blocks(device: &Device) -> Result<bool> {
-    use crate::model::layer::lora_sum_rounded_once;
     use crate::model::Target;
     let spec = ModelSpec::from_config_json(
         r#"{"architectures":["LlamaForCausalLM"],"hidden_size":256,"intermediate_size":768,"num_hidden_layers":1,"num_attention_heads":4,"num_key_value_heads":2,"vocab_size":256}"#,
@@ -676,15 +677,36 @@ fn round_once_blocks(device: &Device) -> Result<bool> {
     let x = Tensor::from_f32(&xs, &[t, spec.hidden], DType::BF16, device)?;
     let xa = crate::tensor::matmul(&x, false, p.a(), true, 1.0, DType::BF16)?;
     let w = model.weights.layers[0].gate.dense()?;
-    let whole = lora_sum_rounded_once(&x, &w, &xa, p, DType::BF16, t)?.to_vec()?;
-    let blocked = lora_sum_rounded_once(&x, &w, &xa, p, DType::BF16, 300)?.to_vec()?;
-    let row = parity::compare("", &blocked, &whole, 0.0);
-    let ok = row.rel <= 1e-3;
-    println!(
-        "linear_fwd rounded once, blocks of 300 rows vs one block of {t}: rel-norm {:.3e}  bound 1e-3  {}",
-        row.rel,
-        if ok { "ok" } else { "FAIL" }
-    );
+    let rounded = |block: usize| -> Result<Vec<f32>> {
+        let y =
+            crate::tensor::lora_linear_rounded(&x, &w, &xa, p.b(), p.scale, DType::BF16, block)?;
+        y.to_vec()
+    };
+    let whole = rounded(t)?;
+    let blocked = rounded(300)?;
+    let mut written = crate::tensor::matmul(&xa, false, p.b(), true, p.scale, DType::F32)?;
+    crate::tensor::matmul_acc(&mut written, &x, false, &w, true, 1.0, 1.0)?;
+    let written = written.to_dtype(DType::BF16)?.to_vec()?;
+    let mut ok = true;
+    for (what, got, want) in [
+        ("blocks of 300 rows vs one block of 1000", &blocked, &whole),
+        (
+            "one block vs the sum written in f32 and cast",
+            &whole,
+            &written,
+        ),
+    ] {
+        let row = parity::compare("", got, want, 0.0);
+        let differ = got.iter().zip(want).filter(|(a, b)| a != b).count();
+        let pass = row.rel <= 1e-3 && differ * 1000 <= got.len();
+        ok &= pass;
+        println!(
+            "linear_fwd rounded once, {what}: rel-norm {:.3e}  bound 1e-3, {differ} of {} differ (at most 0.1%)  {}",
+            row.rel,
+            got.len(),
+            if pass { "ok" } else { "FAIL" }
+        );
+    }
     Ok(ok)
 }
 

@@ -195,7 +195,7 @@ fn token_chunks(t: usize, c: usize) -> Vec<(usize, usize)> {
 /// then sees a fraction of each update (`scripts/numerics_harness.py` on SmolLM2). A projection
 /// that feeds the f32 residual stream (o and down, without a sandwich norm) asks for f32 and
 /// keeps the sum as it is; the others round it to bf16 in row blocks of at most
-/// `ROUND_ONCE_BYTES` of f32 (`lora_sum_rounded_once`).
+/// `ROUND_ONCE_BYTES` of f32 (`ops::lora_linear_rounded`).
 pub(crate) fn linear_fwd(
     x: &Tensor,
     w: &Weight,
@@ -222,43 +222,12 @@ pub(crate) fn linear_fwd(
         return Ok((y, Some(saved)));
     }
     let block = (ROUND_ONCE_BYTES / (4 * w.dim(0).max(1))).max(256);
-    Ok((
-        lora_sum_rounded_once(x, &w, &saved.xa, p, dt, block)?,
-        Some(saved),
-    ))
+    let y = ops::lora_linear_rounded(x, &w, &saved.xa, p.b(), p.scale, dt, block)?;
+    Ok((y, Some(saved)))
 }
 
-/// The largest f32 block `lora_sum_rounded_once` holds at once (rows of the output).
-const ROUND_ONCE_BYTES: usize = 256 << 20;
-
-/// `x Wᵀ + scale · xa Bᵀ` accumulated in f32 and rounded once to `dt`, `block` rows at a time
-/// (`linear_fwd` sizes the block so that the f32 sum never holds more than `ROUND_ONCE_BYTES`:
-/// a long sequence's gate and up).
-pub(crate) fn lora_sum_rounded_once(
-    x: &Tensor,
-    w: &Tensor,
-    xa: &Tensor,
-    p: &LoraPair,
-    dt: DType,
-    block: usize,
-) -> Result<Tensor> {
-    let t = x.dim(0);
-    let out = w.dim(0);
-    let sum = |x: &Tensor, xa: &Tensor| -> Result<Tensor> {
-        let mut y = ops::matmul(xa, false, p.b(), true, p.scale, DType::F32)?;
-        ops::matmul_acc(&mut y, x, false, w, true, 1.0, 1.0)?;
-        y.to_dtype(dt)
-    };
-    if t <= block {
-        return sum(x, xa);
-    }
-    let mut y = Tensor::zeros(&[t, out], dt, x.device())?;
-    for (a, b) in token_chunks(t, block) {
-        let part = sum(&ops::slice_rows(x, a, b)?, &ops::slice_rows(xa, a, b)?)?;
-        ops::copy_rows_into(&mut y, &(a as u32..b as u32).collect::<Vec<_>>(), &part)?;
-    }
-    Ok(y)
-}
+/// The largest f32 sum `linear_fwd` holds at once (`ops::lora_linear_rounded`'s row blocks).
+pub(crate) const ROUND_ONCE_BYTES: usize = 256 << 20;
 
 /// What `linear_fwd` keeps for the backward, without the projection itself (a recomputed layer
 /// whose output is not needed).

@@ -664,6 +664,48 @@ pub fn matmul_acc(
     dispatch!(&dev, cpu::matmul_acc(c, a, ta, b, tb, alpha, beta), cu => cu.matmul_acc(c, a, ta, b, tb, alpha, beta))
 }
 
+/// A LoRA projection's output `x Wᵀ + scale · xa Bᵀ`, both products summed in f32 and the sum
+/// rounded once to `out_dtype` (`model::layer::linear_fwd` says why), `block` rows at a time: the
+/// f32 sum of at most `block` rows exists at once. x `[T,K]`, w `[N,K]`, xa `[T,r]`, b `[N,r]`.
+/// On the CPU, which is f32 throughout, the blocks change nothing.
+#[allow(clippy::too_many_arguments)]
+pub fn lora_linear_rounded(
+    x: &Tensor,
+    w: &Tensor,
+    xa: &Tensor,
+    b: &Tensor,
+    scale: f32,
+    out_dtype: DType,
+    block: usize,
+) -> Result<Tensor> {
+    let ((t, k), (n, r)) = (x.rows_cols(), b.rows_cols());
+    ensure!(
+        w.rows_cols() == (n, k) && xa.rows_cols() == (t, r),
+        "lora_linear_rounded: x {:?}, w {:?}, xa {:?}, b {:?}",
+        x.shape(),
+        w.shape(),
+        xa.shape(),
+        b.shape()
+    );
+    for o in [w, xa, b] {
+        same_device(x, o, "lora_linear_rounded")?;
+    }
+    let generic = || -> Result<Tensor> {
+        let mut y = matmul(xa, false, b, true, scale, DType::F32)?;
+        matmul_acc(&mut y, x, false, w, true, 1.0, 1.0)?;
+        if y.dtype() == out_dtype {
+            return Ok(y);
+        }
+        y.to_dtype(out_dtype)
+    };
+    match x.device() {
+        Device::Cuda(c) if x.dtype() == w.dtype() => {
+            c.lora_linear_rounded(x, w, xa, b, scale, out_dtype, block)
+        }
+        _ => generic(),
+    }
+}
+
 /// Rows of `table` `[V,H]` picked by `ids` -> `[T,H]`: a row gather with the ids checked
 /// against the vocabulary.
 pub fn embedding(table: &Tensor, ids: &[u32]) -> Result<Tensor> {
@@ -1368,6 +1410,43 @@ pub fn dropout_keep(seed: u64, index: u64, p: f32) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `lora_linear_rounded` on the CPU is `x Wᵀ + scale · xa Bᵀ` (summed in f64 here), and its
+    /// row blocks change nothing; mismatched shapes are refused with every shape named.
+    #[test]
+    fn lora_linear_rounded_is_the_sum_of_both_products() {
+        let (t, k, n, r) = (7, 5, 6, 2);
+        let v = |len: usize, s: f32| -> Vec<f32> {
+            (0..len).map(|i| ((i * 37 % 11) as f32 - 5.0) * s).collect()
+        };
+        let (x, w, xa, b) = (v(t * k, 0.3), v(n * k, 0.2), v(t * r, 0.7), v(n * r, 0.05));
+        let tx = |d: &[f32], shape: &[usize]| Tensor::cpu(d.to_vec(), shape).unwrap();
+        let (xt, wt, xat, bt) = (
+            tx(&x, &[t, k]),
+            tx(&w, &[n, k]),
+            tx(&xa, &[t, r]),
+            tx(&b, &[n, r]),
+        );
+        let whole = lora_linear_rounded(&xt, &wt, &xat, &bt, 1.5, DType::BF16, t).unwrap();
+        let blocked = lora_linear_rounded(&xt, &wt, &xat, &bt, 1.5, DType::BF16, 3).unwrap();
+        assert_eq!(whole.shape(), &[t, n]);
+        for i in 0..t {
+            for j in 0..n {
+                let base: f64 = (0..k).map(|c| (x[i * k + c] * w[j * k + c]) as f64).sum();
+                let term: f64 = (0..r).map(|c| (xa[i * r + c] * b[j * r + c]) as f64).sum();
+                let got = whole.as_cpu().unwrap()[i * n + j] as f64;
+                assert!(
+                    (got - (base + 1.5 * term)).abs() < 1e-5,
+                    "({i}, {j}): {got}"
+                );
+            }
+        }
+        assert_eq!(whole.to_vec().unwrap(), blocked.to_vec().unwrap());
+        let err = lora_linear_rounded(&xt, &wt, &tx(&xa, &[r, t]), &bt, 1.5, DType::BF16, t)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("xa [2, 7]"), "{err}");
+    }
 
     #[test]
     fn clip_scale_clips_only_above_the_bound() {

@@ -20,7 +20,7 @@
 //! reproducible across processes);
 //! `LORAFIT_GEMM_TUNE=log` prints each shape's timings.
 
-use super::{catch, cuda_ptr, eighth_octave_up, CudaBackend, HostCall};
+use super::{catch, cuda_ptr, dt, eighth_octave_up, Arg, CudaBackend, HostCall};
 use crate::tensor::{DType, Tensor};
 use anyhow::{anyhow, Result};
 use cudarc::cublaslt::sys as lt;
@@ -391,6 +391,34 @@ fn elapsed_ms(e0: sys::CUevent, e1: sys::CUevent) -> Result<f32> {
     }
 }
 
+/// A row-major matrix operand by address: its first element, dtype, and `ld` elements between
+/// rows. A tensor is one (`Mat::of`); so is a block of its rows, which needs no copy.
+#[derive(Clone, Copy)]
+pub(super) struct Mat {
+    pub ptr: u64,
+    pub dtype: DType,
+    pub ld: usize,
+}
+
+impl Mat {
+    /// The whole of `t`, viewed as a matrix.
+    pub fn of(t: &Tensor) -> Result<Mat> {
+        Ok(Mat {
+            ptr: cuda_ptr(t)?,
+            dtype: t.dtype(),
+            ld: t.rows_cols().1,
+        })
+    }
+
+    /// Rows `[from, ..)` of this matrix.
+    pub fn from_row(self, from: usize) -> Mat {
+        Mat {
+            ptr: self.ptr + (from * self.ld * self.dtype.size()) as u64,
+            ..self
+        }
+    }
+}
+
 impl CudaBackend {
     /// Row-major `c = alpha op(a) op(b) + beta c` for bf16 × bf16 → bf16 | f32 and
     /// f32 × f32 → f32, the operands given as `(matrix, transposed)` (the caller checked shapes
@@ -403,7 +431,29 @@ impl CudaBackend {
         (m, k, n): (usize, usize, usize),
         (alpha, beta): (f32, f32),
     ) -> Result<()> {
-        let (pa, pb, pc) = (cuda_ptr(a)?, cuda_ptr(b)?, cuda_ptr(c)?);
+        let c = Mat {
+            ld: n,
+            ..Mat::of(c)?
+        };
+        self.gemm_at(
+            c,
+            (Mat::of(a)?, ta),
+            (Mat::of(b)?, tb),
+            (m, k, n),
+            (alpha, beta),
+        )
+    }
+
+    /// `gemm` on operands by address (blocks of rows of larger tensors).
+    pub(super) fn gemm_at(
+        &self,
+        c: Mat,
+        (a, ta): (Mat, bool),
+        (b, tb): (Mat, bool),
+        (m, k, n): (usize, usize, usize),
+        (alpha, beta): (f32, f32),
+    ) -> Result<()> {
+        let (pa, pb, pc) = (a.ptr, b.ptr, c.ptr);
         // Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T: cuBLASLt's A is our
         // b, its B our a, and its (m, n) our (n, m).
         let align = [pa, pb, pc]
@@ -417,11 +467,11 @@ impl CudaBackend {
             k: k as u64,
             trans_a: tb,
             trans_b: ta,
-            lda: b.rows_cols().1 as i64,
-            ldb: a.rows_cols().1 as i64,
-            ldc: n as i64,
-            a_f32: a.dtype() == DType::F32,
-            c_f32: c.dtype() == DType::F32,
+            lda: b.ld as i64,
+            ldb: a.ld as i64,
+            ldc: c.ld as i64,
+            a_f32: a.dtype == DType::F32,
+            c_f32: c.dtype == DType::F32,
             reads_c: beta != 0.0,
             align_log2: align,
         };
@@ -439,7 +489,7 @@ impl CudaBackend {
             let plan = match g.tuned_for(&key)? {
                 Some(plan) => plan,
                 None => {
-                    let (plan, timed) = self.tune_plan(g, &key, &ops, c.dtype())?;
+                    let (plan, timed) = self.tune_plan(g, &key, &ops, c.dtype)?;
                     if timed {
                         g.tuned.insert(key.bucket(), plan.algo);
                     }
@@ -613,6 +663,86 @@ impl CudaBackend {
         self.profiled(pname, || {
             self.gemm(c, (a, ta), (b, tb), (m, k, n), (alpha, beta))
         })
+    }
+}
+
+/// Ranks up to which `lora_linear_rounded` adds the adapter's product in its rounding kernel
+/// (an f32 dot of `r` terms per output on the CUDA cores, cheap beside the output's bytes at small
+/// r); above it cuBLAS accumulates the product onto the base output first.
+const FUSED_LORA_RANK_MAX: usize = 64;
+
+impl CudaBackend {
+    /// `x Wᵀ + scale · xa Bᵀ` summed in f32 and rounded once to `out_dtype`, `block` rows at a
+    /// time: the base GEMM writes a block's f32 sum into a scratch of `block` rows, and
+    /// `lf_lora_round_once` adds the rank-r term and stores the block's rows of `y`. Every block
+    /// reads its rows of `x` and `xa` in place. The caller checked shapes; x and W are both bf16
+    /// or both f32.
+    pub fn lora_linear_rounded(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        xa: &Tensor,
+        b: &Tensor,
+        scale: f32,
+        out_dtype: DType,
+        block: usize,
+    ) -> Result<Tensor> {
+        let (t, k) = x.rows_cols();
+        let (out, r) = (w.dim(0), b.dim(1));
+        let y = self.empty(&[t, out], out_dtype)?;
+        // At most 2^20 rows a block: the kernel's grid has a y dimension of rows / 32 (≤ 65535).
+        let block = block.clamp(1, t.clamp(1, 1 << 20));
+        let scratch = self.empty(&[block, out], DType::F32)?;
+        let (xm, xam, sm) = (Mat::of(x)?, Mat::of(xa)?, Mat::of(&scratch)?);
+        let (wm, bm) = (Mat::of(w)?, Mat::of(b)?);
+        let fused = r <= FUSED_LORA_RANK_MAX;
+        for a in (0..t).step_by(block) {
+            let rows = block.min(t - a);
+            let name = || format!("gemm lora sum {rows}x{out}x{k} r{r}");
+            self.profiled(name, || {
+                self.gemm_at(
+                    sm,
+                    (xm.from_row(a), false),
+                    (wm, true),
+                    (rows, k, out),
+                    (1.0, 0.0),
+                )
+            })?;
+            if !fused {
+                let name = || format!("gemm lora term {rows}x{out}x{r}");
+                self.profiled(name, || {
+                    self.gemm_at(
+                        sm,
+                        (xam.from_row(a), false),
+                        (bm, true),
+                        (rows, r, out),
+                        (scale, 1.0),
+                    )
+                })?;
+            }
+            let grid = (out.div_ceil(256) as u32, rows.div_ceil(32) as u32, 1);
+            self.launch(
+                "lf_lora_round_once",
+                grid,
+                256,
+                0,
+                &[
+                    Arg::P(sm.ptr),
+                    Arg::P(xam.from_row(a).ptr),
+                    dt(xa.dtype()),
+                    Arg::I64(xam.ld as i64),
+                    Arg::P(bm.ptr),
+                    dt(b.dtype()),
+                    Arg::F32(scale),
+                    Arg::P(Mat::of(&y)?.from_row(a).ptr),
+                    dt(out_dtype),
+                    Arg::I64(rows as i64),
+                    Arg::I64(out as i64),
+                    Arg::I32(if fused { r as i32 } else { 0 }),
+                ],
+            )?;
+        }
+        Ok(y)
     }
 }
 

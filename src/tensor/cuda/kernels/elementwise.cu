@@ -641,3 +641,51 @@ extern "C" __global__ void lf_random_normal(void* y, int ydt, i64 n, u64 seed, f
         stf(y, ydt, i, (float)r * std_dev);
     }
 }
+
+// The tail of a LoRA projection whose two products are summed in f32 and rounded once
+// (src/model/layer.rs, linear_fwd): y = base + scale · xa bᵀ, stored in ydt. base is the base
+// GEMM's f32 output [rows, out]; xa [rows, r] (ldxa elements between rows) and b [out, r] are the
+// adapter's input product and B. r = 0 stores base alone (cuBLAS has already added the term).
+// The rank-r dot is an f32 sum of exact bf16 × bf16 products; the scale multiplies it and the
+// sum is then added, each rounded to f32 (no fused multiply-add), the order of cuBLAS's
+// alpha · acc + beta · C. 256 threads, one output column each, LR_ROWS rows a block; grid
+// (ceil(out / 256), ceil(rows / LR_ROWS)). Each thread's B column sits in shared memory as
+// bs[k][thread] (conflict-free), xa's rows as broadcasts.
+#define LR_COLS 256
+#define LR_ROWS 32
+#define LR_K 32
+extern "C" __global__ void __launch_bounds__(LR_COLS)
+lf_lora_round_once(const float* base, const void* xa, int xadt, i64 ldxa, const void* b, int bdt,
+                   float scale, void* y, int ydt, i64 rows, i64 out, int r) {
+    __shared__ float bs[LR_K][LR_COLS];
+    __shared__ float xs[LR_ROWS][LR_K];
+    const int t = threadIdx.x;
+    const i64 col = (i64)blockIdx.x * LR_COLS + t, r0 = (i64)blockIdx.y * LR_ROWS;
+    float acc[LR_ROWS];
+    #pragma unroll
+    for (int i = 0; i < LR_ROWS; i++) acc[i] = 0.f;
+    for (int k0 = 0; k0 < r; k0 += LR_K) {
+        const int kc = min(LR_K, r - k0);
+        __syncthreads();  // the previous chunk's reads are done
+        for (int k = 0; k < kc; k++) bs[k][t] = col < out ? ldf(b, bdt, col * r + k0 + k) : 0.f;
+        for (int j = t; j < LR_ROWS * kc; j += LR_COLS) {
+            const int i = j / kc, k = j % kc;
+            xs[i][k] = r0 + i < rows ? ldf(xa, xadt, (r0 + i) * ldxa + k0 + k) : 0.f;
+        }
+        __syncthreads();
+        for (int k = 0; k < kc; k++) {
+            const float bv = bs[k][t];
+            #pragma unroll
+            for (int i = 0; i < LR_ROWS; i++) acc[i] = fmaf(xs[i][k], bv, acc[i]);
+        }
+    }
+    if (col >= out) return;
+    #pragma unroll
+    for (int i = 0; i < LR_ROWS; i++) {
+        const i64 row = r0 + i;
+        if (row < rows) {
+            const i64 at = row * out + col;
+            stf(y, ydt, at, r ? __fadd_rn(base[at], __fmul_rn(scale, acc[i])) : base[at]);
+        }
+    }
+}
