@@ -411,7 +411,7 @@ impl Mat {
     }
 
     /// Rows `[from, ..)` of this matrix.
-    pub fn from_row(self, from: usize) -> Mat {
+    pub fn rows_from(self, from: usize) -> Mat {
         Mat {
             ptr: self.ptr + (from * self.ld * self.dtype.size()) as u64,
             ..self
@@ -671,6 +671,7 @@ impl CudaBackend {
 /// r); above it cuBLAS accumulates the product onto the base output first.
 const FUSED_LORA_RANK_MAX: usize = 64;
 
+#[allow(clippy::too_many_arguments)]
 impl CudaBackend {
     /// `x Wᵀ + scale · xa Bᵀ` summed in f32 and rounded once to `out_dtype`, `block` rows at a
     /// time: the base GEMM writes a block's f32 sum into a scratch of `block` rows, and
@@ -702,7 +703,7 @@ impl CudaBackend {
             self.profiled(name, || {
                 self.gemm_at(
                     sm,
-                    (xm.from_row(a), false),
+                    (xm.rows_from(a), false),
                     (wm, true),
                     (rows, k, out),
                     (1.0, 0.0),
@@ -713,7 +714,7 @@ impl CudaBackend {
                 self.profiled(name, || {
                     self.gemm_at(
                         sm,
-                        (xam.from_row(a), false),
+                        (xam.rows_from(a), false),
                         (bm, true),
                         (rows, r, out),
                         (scale, 1.0),
@@ -728,13 +729,13 @@ impl CudaBackend {
                 0,
                 &[
                     Arg::P(sm.ptr),
-                    Arg::P(xam.from_row(a).ptr),
+                    Arg::P(xam.rows_from(a).ptr),
                     dt(xa.dtype()),
                     Arg::I64(xam.ld as i64),
                     Arg::P(bm.ptr),
                     dt(b.dtype()),
                     Arg::F32(scale),
-                    Arg::P(Mat::of(&y)?.from_row(a).ptr),
+                    Arg::P(Mat::of(&y)?.rows_from(a).ptr),
                     dt(out_dtype),
                     Arg::I64(rows as i64),
                     Arg::I64(out as i64),
