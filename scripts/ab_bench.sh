@@ -4,22 +4,23 @@
 # step slower or faster.
 #
 # Here, build the commits to compare (each in its own worktree, sharing one target folder, so the
-# dependencies compile once; the stripped binary, 10-18 MB, goes to .gpu/ab/lf-REV; one call
-# carries 64 MiB):
+# dependencies compile once; the stripped binary, 10-18 MB, goes xz-compressed, about 5 MB, to
+# .gpu/ab/lf-REV.xz, so that one call's 64 MiB carries several):
 #
 #   scripts/ab_bench.sh --build 8ba6377 a4aed1a HEAD
 #
 # There, run them with the same bench flags (a build's own extra flags after a colon, commas for
 # spaces, for flags that older builds do not know):
 #
-#   scripts/ab_bench.sh ".gpu/ab/lf-8ba6377 .gpu/ab/lf-HEAD:--offload,false" --device cuda \
+#   scripts/ab_bench.sh ".gpu/ab/lf-8ba6377.xz .gpu/ab/lf-HEAD.xz:--offload,false" --device cuda \
 #     --shape llama8b --prompt-len 14336 --resp-len 2048 --segment-size 1 --keep-attention true \
 #     --keep-kv-layers 16 --steps 4 --warmup 1 --also 14336,2048,0
 #
 # Each build compiles its own kernels on a fresh machine (about a minute, in the first step on
 # builds before prepare_modules), and builds before 5cb9bfd draw random weights on the host (about
-# 45 s for llama8b): budget 2-3 minutes a build. Rows go to $OUT/ab.jsonl (or /tmp), each build's
-# stderr to $OUT/ab-NAME.err, and a table to stdout.
+# 45 s for llama8b): budget 2-3 minutes a build. A build named NAME.xz is decompressed (Python's
+# lzma; the GPU machine has no xz) into /tmp first. Rows go to $OUT/ab.jsonl (or /tmp), each
+# build's stderr to $OUT/ab-NAME.err, and a table to stdout.
 set -u
 if [ "${1:-}" = "--build" ]; then
   shift
@@ -32,9 +33,10 @@ if [ "${1:-}" = "--build" ]; then
     git -C "$root" worktree remove --force "$wt" 2>/dev/null || rm -rf "$wt"
     git -C "$root" worktree add -f --detach "$wt" "$sha" >/dev/null 2>&1
     (cd "$wt" && CARGO_TARGET_DIR=/tmp/lorafit-ab-target cargo build --release -q)
-    strip -o "$root/.gpu/ab/lf-$rev" /tmp/lorafit-ab-target/release/lorafit
+    strip -o "/tmp/lf-$rev" /tmp/lorafit-ab-target/release/lorafit
+    xz -T2 -6 -c "/tmp/lf-$rev" > "$root/.gpu/ab/lf-$rev.xz" && rm "/tmp/lf-$rev"
     git -C "$root" worktree remove --force "$wt"
-    echo "$rev ($sha): .gpu/ab/lf-$rev"
+    echo "$rev ($sha): .gpu/ab/lf-$rev.xz"
   done
   exit 0
 fi
@@ -44,7 +46,11 @@ out=${OUT:-/tmp}
 for spec in $builds; do
   bin=${spec%%:*}; extra=""
   [ "$spec" != "$bin" ] && extra=${spec#*:} && extra=${extra//,/ }
-  name=$(basename "$bin")
+  name=$(basename "$bin" .xz)
+  if [ "${bin%.xz}" != "$bin" ]; then
+    python3 -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], "wb"))' \
+      "$bin" "/tmp/$name" && chmod +x "/tmp/$name" && bin=/tmp/$name
+  fi
   "$bin" bench "$@" $extra 2>"$out/ab-$name.err" | grep '^RESULT' | sed "s/^RESULT {/{\"build\":\"$name\",/" \
     >> "$out/ab.jsonl" || echo "$name: no result (see $out/ab-$name.err)"
 done
