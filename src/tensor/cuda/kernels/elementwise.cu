@@ -650,7 +650,8 @@ extern "C" __global__ void lf_random_normal(void* y, int ydt, i64 n, u64 seed, f
 // sum is then added, each rounded to f32 (no fused multiply-add), the order of cuBLAS's
 // alpha · acc + beta · C. 256 threads, one output column each, LR_ROWS rows a block; grid
 // (ceil(out / 256), ceil(rows / LR_ROWS)). Each thread's B column sits in shared memory as
-// bs[k][thread] (conflict-free), xa's rows as broadcasts.
+// bs[k][thread] (conflict-free), xa's rows are read as broadcasts, four ranks a load (one
+// shared-memory load per 32 multiply-adds would otherwise bound the kernel, not the bytes).
 #define LR_COLS 256
 #define LR_ROWS 32
 #define LR_K 32
@@ -658,25 +659,34 @@ extern "C" __global__ void __launch_bounds__(LR_COLS)
 lf_lora_round_once(const float* base, const void* xa, int xadt, i64 ldxa, const void* b, int bdt,
                    float scale, void* y, int ydt, i64 rows, i64 out, int r) {
     __shared__ float bs[LR_K][LR_COLS];
-    __shared__ float xs[LR_ROWS][LR_K];
+    __shared__ __align__(16) float xs[LR_ROWS][LR_K];
     const int t = threadIdx.x;
     const i64 col = (i64)blockIdx.x * LR_COLS + t, r0 = (i64)blockIdx.y * LR_ROWS;
     float acc[LR_ROWS];
     #pragma unroll
     for (int i = 0; i < LR_ROWS; i++) acc[i] = 0.f;
     for (int k0 = 0; k0 < r; k0 += LR_K) {
-        const int kc = min(LR_K, r - k0);
+        // A chunk of kc ranks, zero-padded to kc4 (a multiple of 4) so that xa's rows are read
+        // four ranks at a time (one broadcast 16-byte load); the zeros add exact zeros.
+        const int kc = min(LR_K, r - k0), kc4 = (kc + 3) & ~3;
         __syncthreads();  // the previous chunk's reads are done
-        for (int k = 0; k < kc; k++) bs[k][t] = col < out ? ldf(b, bdt, col * r + k0 + k) : 0.f;
-        for (int j = t; j < LR_ROWS * kc; j += LR_COLS) {
-            const int i = j / kc, k = j % kc;
-            xs[i][k] = r0 + i < rows ? ldf(xa, xadt, (r0 + i) * ldxa + k0 + k) : 0.f;
+        for (int k = 0; k < kc4; k++)
+            bs[k][t] = k < kc && col < out ? ldf(b, bdt, col * r + k0 + k) : 0.f;
+        for (int j = t; j < LR_ROWS * kc4; j += LR_COLS) {
+            const int i = j / kc4, k = j % kc4;
+            xs[i][k] = k < kc && r0 + i < rows ? ldf(xa, xadt, (r0 + i) * ldxa + k0 + k) : 0.f;
         }
         __syncthreads();
-        for (int k = 0; k < kc; k++) {
-            const float bv = bs[k][t];
+        for (int k = 0; k < kc4; k += 4) {
+            const float b0 = bs[k][t], b1 = bs[k + 1][t], b2 = bs[k + 2][t], b3 = bs[k + 3][t];
             #pragma unroll
-            for (int i = 0; i < LR_ROWS; i++) acc[i] = fmaf(xs[i][k], bv, acc[i]);
+            for (int i = 0; i < LR_ROWS; i++) {
+                const float4 a = *(const float4*)&xs[i][k];
+                acc[i] = fmaf(a.x, b0, acc[i]);
+                acc[i] = fmaf(a.y, b1, acc[i]);
+                acc[i] = fmaf(a.z, b2, acc[i]);
+                acc[i] = fmaf(a.w, b3, acc[i]);
+            }
         }
     }
     if (col >= out) return;
