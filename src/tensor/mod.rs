@@ -699,7 +699,8 @@ pub fn lora_linear_rounded(
         y.to_dtype(out_dtype)
     };
     match x.device() {
-        Device::Cuda(c) if x.dtype() == w.dtype() => {
+        // (An empty product, which cuBLASLt refuses, takes the generic path.)
+        Device::Cuda(c) if x.dtype() == w.dtype() && t * k * n * r > 0 => {
             c.lora_linear_rounded(x, w, xa, b, scale, out_dtype, block)
         }
         _ => generic(),

@@ -924,28 +924,19 @@ fn gemm_epilogue(cx: &mut Ctx, r: &mut Rng) -> Result<()> {
             ("f32 C, one cast", once, true),
         ] {
             let s = share(&got.to_vec()?);
-            let in_range = (0.8..=1.2).contains(&s);
-            cx.push(ParityRow {
-                op: format!("matmul_acc {m}x{k}x{n} {what}: share of C kept"),
-                max_abs: s,
-                rel: (s - 1.0).abs(),
-                worst: 0,
-                bound: 0.2,
-                pass: in_range || !gated,
-                ms: None,
-                note: format!("{s:.3} of a C of ulp/8 kept (1: rounded once, 0: rounded away)"),
-            });
+            let op = format!("matmul_acc {m}x{k}x{n} {what}: share of C kept");
+            cx.push(share_row(op, s, gated, "a C of ulp/8"));
         }
         // linear_fwd's own sum: a positive rank-8 term of about an eighth of an ulp on average.
         // Rounding once moves each output by its term in expectation (where the f32 sum falls
         // within a bf16 interval is uniform), so the share Σ(y - plain) / Σ term is near 1.
         let rank = 8;
         let xa: Vec<f32> = r.bnormals(m * rank, 1.0).iter().map(|v| v.abs()).collect();
-        let mean_ulp = c.iter().map(|&v| v as f64).sum::<f64>() / c.len() as f64;
+        let mean_c = c.iter().map(|&v| v as f64).sum::<f64>() / c.len() as f64;
         let lb: Vec<f32> = rb(&r
             .normals(n * rank, 1.0)
             .iter()
-            .map(|v| v.abs() * (mean_ulp / (2.0 * rank as f64 * 0.8)) as f32)
+            .map(|v| v.abs() * (mean_c / (2.0 * rank as f64 * 0.8)) as f32)
             .collect::<Vec<_>>());
         let term = matmul(
             &cx.c(&xa, &[m, rank])?,
@@ -974,20 +965,26 @@ fn gemm_epilogue(cx: &mut Ctx, r: &mut Rng) -> Result<()> {
             }
         }
         let s = moved / total;
-        cx.push(ParityRow {
-            op: format!("lora_linear_rounded {m}x{k}x{n} r{rank} (linear_fwd): share of term kept"),
-            max_abs: s,
-            rel: (s - 1.0).abs(),
-            worst: 0,
-            bound: 0.2,
-            pass: (0.8..=1.2).contains(&s),
-            ms: None,
-            note: format!(
-                "{s:.3} of a term of about ulp/8 kept (1: rounded once, 0: rounded away)"
-            ),
-        });
+        let op =
+            format!("lora_linear_rounded {m}x{k}x{n} r{rank} (linear_fwd): share of term kept");
+        cx.push(share_row(op, s, true, "a term of about ulp/8"));
     }
     Ok(())
+}
+
+/// A `gemm_epilogue` row: the share `s` of `what` that survived the rounding, within [0.8, 1.2]
+/// when `gated` (else for information).
+fn share_row(op: String, s: f64, gated: bool, what: &str) -> ParityRow {
+    ParityRow {
+        op,
+        max_abs: s,
+        rel: (s - 1.0).abs(),
+        worst: 0,
+        bound: 0.2,
+        pass: (0.8..=1.2).contains(&s) || !gated,
+        ms: None,
+        note: format!("{s:.3} of {what} kept (1: rounded once, 0: rounded away)"),
+    }
 }
 
 fn gemm(cx: &mut Ctx, r: &mut Rng) -> Result<()> {
