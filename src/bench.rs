@@ -775,7 +775,10 @@ fn plan_only_line(a: &BenchArgs) -> Result<serde_json::Value> {
     let tokens = workload.pass_tokens(a.prefix_shared);
     let cfg = workload_config(a, &workload, &base_config(a));
     // Computing in bf16, as on every CUDA device.
-    let shape = step_shape_of(&cfg, &spec, 2, tokens, host_budget);
+    let mut shape = step_shape_of(&cfg, &spec, 2, tokens, host_budget);
+    if a.base_quant.kind().is_some() {
+        shape.dequantized = memory::largest_projection(&spec) * 2;
+    }
     let opts = plan_pass(a, &cfg, shape, budget);
     let plan = crate::train::trainer::keep_plan(&opts);
     let estimate = memory::estimate(shape, &plan);

@@ -137,6 +137,35 @@ pub struct ModelWeights {
 }
 
 impl ModelWeights {
+    /// Elements of the largest quantized weight (0 with none): a product dequantizes one weight
+    /// at a time into a dense temporary of this size (`Weight::dense`).
+    pub fn largest_quantized(&self) -> usize {
+        let layer_weights = self.layers.iter().flat_map(|l| {
+            [Some(&l.q), l.k.as_ref(), l.v.as_ref(), Some(&l.o)]
+                .into_iter()
+                .chain([Some(&l.gate), Some(&l.up), Some(&l.down)])
+                .chain(
+                    l.per_layer
+                        .iter()
+                        .flat_map(|b| [Some(&b.gate), Some(&b.proj)]),
+                )
+                .flatten()
+        });
+        [Some(&self.embed), self.lm_head.as_ref()]
+            .into_iter()
+            .flatten()
+            .chain(layer_weights)
+            .filter(|w| matches!(w, Weight::Quant(_)))
+            .map(|w| {
+                let (r, c) = w.rows_cols();
+                r * c
+            })
+            .max()
+            .unwrap_or(0)
+    }
+}
+
+impl ModelWeights {
     pub fn head(&self) -> &Weight {
         self.lm_head.as_ref().unwrap_or(&self.embed)
     }

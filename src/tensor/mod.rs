@@ -102,19 +102,24 @@ impl Device {
     }
 
     /// With `LORAFIT_MEMTRACE=1`, prints the live and peak bytes at `label` to stderr (host
-    /// counters: no sync), to find where a step's peak falls.
+    /// counters: no sync), to find where a step's peak falls; on the CPU, this thread's tensor
+    /// counts (`cpu_memory`).
     pub fn memtrace(&self, label: impl FnOnce() -> String) {
         static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
         if !*ON.get_or_init(|| std::env::var_os("LORAFIT_MEMTRACE").is_some_and(|v| v != "0")) {
             return;
         }
-        let m = self.memory();
-        let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
+        // GiB on a GPU; MiB on the CPU, whose tests trace models of a few MiB.
+        let (m, unit, shift) = match self {
+            Device::Cpu => (cpu_memory(), "MiB", 20),
+            Device::Cuda(c) => (c.memory(), "GiB", 30),
+        };
+        let at = |b: usize| b as f64 / (1u64 << shift) as f64;
         eprintln!(
-            "memtrace {:<28} live {:7.3} GiB  peak {:7.3} GiB",
+            "memtrace {:<28} live {:7.3} {unit}  peak {:7.3} {unit}",
             label(),
-            gib(m.live_bytes),
-            gib(m.peak_bytes)
+            at(m.live_bytes),
+            at(m.peak_bytes)
         );
     }
 

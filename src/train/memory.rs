@@ -47,6 +47,7 @@ pub fn estimate_bytes(
         host_budget: 0,
         nested: false,
         resident: 0,
+        dequantized: 0,
     };
     shape.terms(segment_size, keep_attention, 0).total()
 }
@@ -174,6 +175,9 @@ pub struct StepShape<'a> {
     /// Offloaded: the highest this many layers below the top keep their boundaries and kept
     /// tensors on the device (`ForwardPlan::resident_layers`).
     pub resident: usize,
+    /// Bytes of the dense temporary a product with the largest quantized base weight makes
+    /// (`ModelWeights::largest_quantized` in the compute dtype; 0 with a dense base).
+    pub dequantized: usize,
 }
 
 impl StepShape<'_> {
@@ -497,10 +501,37 @@ impl StepShape<'_> {
                 ),
             ]
         };
-        terms.push((
-            "the head",
-            self.head_chunk_rows.min(tokens) * spec.vocab * (4 + c) + tokens * h * c,
-        ));
+        // The head: a chunk of f32 logits with their coefficients, and the hidden rows it reads
+        // and returns. At segment size 1 it runs beside the top layer's activations, its MLP
+        // intermediates among them only when the top layer keeps them (`keep_top_mlp`). When it
+        // does not (the head holds more than the top layer's (T, I) gradient: short sequences),
+        // the head's peak has 3·T·I fewer values under it, and the step's peak may fall in the
+        // top layer's backward instead, which holds about that (T, I) gradient over its
+        // activations (H200: qwen1.5b and llama8b at 3584 / 512, offloaded, 0.09-0.11 GiB over
+        // the layer against 0.08-0.12 for the gradient; both counted in full, the estimate was
+        // 0.23-0.31 GiB, 6% and 2%, over the allocator's peak). `keep_top_mlp` is judged on all
+        // T tokens here and on the head's rows (at most T) in the step, so where the estimate
+        // finds the MLP not kept, the step does not keep it either.
+        let head_chunk = self.head_chunk_rows.min(tokens) * spec.vocab * (4 + c);
+        let head = head_chunk + tokens * h * c;
+        let top_i = spec
+            .layers
+            .last()
+            .map_or(spec.intermediate, |l| l.intermediate);
+        let top_mlp_recomputed = segment_size == 1
+            && !self.mlp_chunked
+            && !self.nested
+            && !keep_top_mlp(spec, tokens, head_chunk, c);
+        if top_mlp_recomputed {
+            let top_mlp = 3 * tokens * top_i * c;
+            terms.push((
+                "the head or the top layer's backward",
+                head.saturating_sub(top_mlp).max(tokens * top_i * c),
+            ));
+        } else {
+            terms.push(("the head", head));
+        }
+        terms.push(("a dequantized base weight", self.dequantized));
         terms.push(("per-layer inputs and shared k/v", pass_constants));
         Estimate { terms }
     }
@@ -730,28 +761,16 @@ pub fn describe_plan(plan: &KeepPlan) -> String {
 }
 
 /// Device bytes a model holds before its first step, estimated from its shape: the frozen
-/// weights (the seven projections in `base_quant`'s blocks, the rest in bf16), with a
-/// quantized base one projection's bf16 scratch for its dequantization, the LoRA adapter of
+/// weights (the seven projections in `base_quant`'s blocks, the rest in bf16), the LoRA adapter of
 /// `rank` on the seven projections with its gradients and AdamW moments (f32, 16 bytes a
 /// parameter), and 128 MiB of library workspaces and tables. What `lorafit bench --plan-only`
 /// plans against; the trainer reads the device's own figures instead.
 pub fn model_bytes(spec: &ModelSpec, base_quant: crate::model::BaseQuant, rank: usize) -> usize {
     let h = spec.hidden;
-    let (mut projections, mut largest, mut lora) = (0usize, 0usize, 0usize);
-    for (l, ls) in spec.layers.iter().enumerate() {
-        let (q, kv, i) = (spec.q_dim_of(l), spec.kv_dim_of(l), ls.intermediate);
-        let kv_count = match (ls.owns_kv(), ls.k_eq_v) {
-            (false, _) => 0,
-            (true, true) => 1,
-            (true, false) => 2,
-        };
-        let mut shapes = vec![(h, q), (q, h), (h, i), (h, i), (i, h)];
-        shapes.extend(std::iter::repeat_n((h, kv), kv_count));
-        for (inp, out) in shapes {
-            projections += inp * out;
-            largest = largest.max(inp * out);
-            lora += rank * (inp + out);
-        }
+    let (mut projections, mut lora) = (0usize, 0usize);
+    for (inp, out) in projection_shapes(spec) {
+        projections += inp * out;
+        lora += rank * (inp + out);
     }
     let head = if spec.tie_embeddings {
         0
@@ -760,14 +779,40 @@ pub fn model_bytes(spec: &ModelSpec, base_quant: crate::model::BaseQuant, rank: 
     };
     let per_layer = spec.per_layer_input * spec.n_layers * (spec.vocab + 2 * h);
     let dense = spec.vocab * h + head + per_layer + spec.n_layers * 4 * h;
-    let (projection_bytes, scratch) = match base_quant.kind() {
-        None => (projections * 2, 0),
+    // (A quantized base's dense temporary belongs to the step: `StepShape::dequantized`.)
+    let projection_bytes = match base_quant.kind() {
+        None => projections * 2,
         Some(kind) => {
             let (values, bytes) = kind.block();
-            (projections / values * bytes, largest * 2)
+            projections / values * bytes
         }
     };
-    projection_bytes + scratch + dense * 2 + lora * 16 + (128 << 20)
+    projection_bytes + dense * 2 + lora * 16 + (128 << 20)
+}
+
+/// `(in, out)` of every layer's projections (the ones quantize-on-load quantizes).
+fn projection_shapes(spec: &ModelSpec) -> impl Iterator<Item = (usize, usize)> + '_ {
+    let h = spec.hidden;
+    spec.layers.iter().enumerate().flat_map(move |(l, ls)| {
+        let (q, kv, i) = (spec.q_dim_of(l), spec.kv_dim_of(l), ls.intermediate);
+        let kv_count = match (ls.owns_kv(), ls.k_eq_v) {
+            (false, _) => 0,
+            (true, true) => 1,
+            (true, false) => 2,
+        };
+        [(h, q), (q, h), (h, i), (h, i), (i, h)]
+            .into_iter()
+            .chain(std::iter::repeat_n((h, kv), kv_count))
+    })
+}
+
+/// Elements of the largest layer projection: the dense temporary a product with a quantized
+/// base weight makes.
+pub fn largest_projection(spec: &ModelSpec) -> usize {
+    projection_shapes(spec)
+        .map(|(i, o)| i * o)
+        .max()
+        .unwrap_or(0)
 }
 
 /// Bytes a step may use for activations: the device's free memory now (weights and adapters
@@ -910,6 +955,7 @@ mod tests {
             host_budget: 0,
             nested: false,
             resident: 0,
+            dequantized: 0,
         }
     }
 
@@ -1338,6 +1384,61 @@ mod tests {
         assert_eq!(cgroup_headroom("9223372036854771712\n", &used, 0), None);
         // Over the limit: nothing left.
         assert_eq!(cgroup_headroom("1000", "2000", 0), Some(0));
+    }
+
+    /// The estimate over the H200's allocator peaks at segment size 1 (`peak_gib` against
+    /// `live_before_gib` plus the estimate; rows of docs/bench and docs/memory, each with its
+    /// plan): short sequences whose top layer recomputes its MLP (the first four, and llama70b
+    /// at 3584 with its q4_0 base's dense temporary), long ones that keep it, on the device and
+    /// offloaded with resident layers. All within 1% (before the head's term knew that the top
+    /// MLP is not kept at short lengths, the first four were 2-6% over).
+    #[test]
+    fn estimates_match_the_h200_peaks_at_segment_size_1() {
+        // shape, P, R, kv layers, offloaded, resident layers, live before, measured peak (GiB).
+        let rows = [
+            ("qwen1.5b", 3584, 512, 27, true, 0, 3.223, 3.759),
+            ("qwen1.5b", 3584, 512, 27, true, 4, 3.223, 3.892),
+            ("llama8b", 3584, 512, 31, true, 0, 15.711, 16.735),
+            ("llama8b", 3584, 512, 31, true, 3, 15.711, 16.982),
+            ("llama70b", 3584, 512, 79, false, 0, 43.376, 63.652),
+            ("llama70b", 14336, 2048, 79, false, 0, 43.376, 122.725),
+            ("llama8b", 14336, 2048, 31, true, 0, 15.711, 19.826),
+            ("llama8b", 14336, 2048, 31, true, 7, 15.711, 22.792),
+            ("llama8b", 14336, 2048, 31, false, 0, 15.711, 34.658),
+            ("llama8b", 28672, 4096, 31, false, 0, 15.711, 53.233),
+            ("llama8b", 28672, 4096, 31, true, 8, 15.711, 30.491),
+            ("qwen1.5b", 57344, 8192, 27, false, 0, 3.223, 28.971),
+            ("qwen1.5b", 57344, 8192, 27, true, 0, 3.223, 10.604),
+            ("llama8b", 114688, 16384, 11, true, 24, 15.711, 126.506),
+            ("qwen1.5b", 114688, 16384, 27, false, 0, 3.223, 54.489),
+        ];
+        for (name, p, r, kv, offload, resident, live_before, measured) in rows {
+            let spec = crate::bench::named_shape(name).unwrap();
+            let quantized = name == "llama70b";
+            let shape = StepShape {
+                spec: &spec,
+                tokens: p + 2 * r,
+                mlp_chunked: false,
+                dtype_bytes: 2,
+                head_chunk_rows: crate::config::resolve_head_chunk(0, spec.vocab),
+                offload,
+                host_budget: 0,
+                nested: false,
+                resident,
+                dequantized: if quantized {
+                    largest_projection(&spec) * 2
+                } else {
+                    0
+                },
+            };
+            let predicted = live_before + shape.terms(1, true, kv).total() as f64 / GIB;
+            let ratio = predicted / measured;
+            assert!(
+                (0.99..=1.01).contains(&ratio),
+                "{name} {p}/{r}, offloaded {offload}, {resident} resident: predicted \
+                 {predicted:.3} GiB, measured {measured} GiB ({ratio:.4})"
+            );
+        }
     }
 
     #[test]

@@ -266,17 +266,20 @@ pub fn step_shape<'a>(
     model: &'a Model,
     tokens: usize,
 ) -> super::memory::StepShape<'a> {
-    step_shape_of(
+    let c = model.device.compute_dtype().size();
+    let mut shape = step_shape_of(
         cfg,
         &model.spec,
-        model.device.compute_dtype().size(),
+        c,
         tokens,
         super::memory::host_budget(&model.device, cfg.offload),
-    )
+    );
+    shape.dequantized = model.weights.largest_quantized() * c;
+    shape
 }
 
 /// [`step_shape`] of a model of `spec` computing in a dtype of `dtype_bytes`, with
-/// `host_budget` bytes of host memory for offload.
+/// `host_budget` bytes of host memory for offload (and a dense base: `dequantized` 0).
 pub fn step_shape_of<'a>(
     cfg: &TrainConfig,
     spec: &'a crate::model::ModelSpec,
@@ -294,6 +297,7 @@ pub fn step_shape_of<'a>(
         host_budget,
         nested: false,
         resident: 0,
+        dequantized: 0,
     }
 }
 
@@ -315,6 +319,7 @@ pub fn pass_estimate(model: &Model, tokens: usize, opts: &PassOptions) -> super:
         host_budget: 0,
         nested: opts.nested,
         resident: opts.resident_layers,
+        dequantized: model.weights.largest_quantized() * model.device.compute_dtype().size(),
     };
     super::memory::estimate(shape, &keep_plan(opts))
 }
