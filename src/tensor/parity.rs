@@ -1059,11 +1059,13 @@ fn gemm(cx: &mut Ctx, r: &mut Rng) -> Result<()> {
     }
     // linear_fwd's LoRA sum rounded once against the f32 reference: a rank the rounding kernel
     // adds itself and one above FUSED_LORA_RANK_MAX (cuBLAS adds it), both in several row
-    // blocks, with rows and columns off the kernel's tiles, xa as bf16 and as f32 on the device.
+    // blocks, with rows and columns off the kernel's tiles; xa in f32 beside a bf16 B too, at a
+    // small rank and above the fused ones (there both are widened for cuBLAS).
     for (t, k, n, rank, block, xa_dt) in [
         (333, 96, 300, 16, 100, bf),
         (333, 96, 300, 80, 128, bf),
         (70, 64, 520, 3, 70, DType::F32),
+        (90, 64, 200, 72, 40, DType::F32),
     ] {
         let x = r.bnormals(t * k, 1.0);
         let w = r.bnormals(n * k, 0.1);

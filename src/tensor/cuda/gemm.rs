@@ -694,9 +694,17 @@ impl CudaBackend {
         // At most 2^20 rows a block: the kernel's grid has a y dimension of rows / 32 (≤ 65535).
         let block = block.clamp(1, t.clamp(1, 1 << 20));
         let scratch = self.empty(&[block, out], DType::F32)?;
+        let fused = r <= FUSED_LORA_RANK_MAX;
+        // cuBLAS's term takes operands of one dtype: mixed ones are widened to f32 (lossless;
+        // both are `r` columns wide).
+        let widened = if !fused && xa.dtype() != b.dtype() {
+            Some((xa.to_dtype(DType::F32)?, b.to_dtype(DType::F32)?))
+        } else {
+            None
+        };
+        let (xa, b) = widened.as_ref().map_or((xa, b), |(xa, b)| (xa, b));
         let (xm, xam, sm) = (Mat::of(x)?, Mat::of(xa)?, Mat::of(&scratch)?);
         let (wm, bm) = (Mat::of(w)?, Mat::of(b)?);
-        let fused = r <= FUSED_LORA_RANK_MAX;
         for a in (0..t).step_by(block) {
             let rows = block.min(t - a);
             let name = || format!("gemm lora sum {rows}x{out}x{k} r{r}");
