@@ -414,6 +414,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
             "device_busy": (!busy.is_empty()).then(|| busy.iter().sum::<f64>() / busy.len() as f64), "pairs_per_s": 1.0 / med, "tokens_per_s": tokens as f64 / med,
             "model_tflops_per_step": flops / 1e12, "gemm_peak_tflops": peak_flops / 1e12, "mfu": flops / med / peak_flops,
             "peak_gib": gib(mem.peak_bytes), "predicted_peak_gib": gib(predicted), "live_before_gib": gib(live_before), "steps": a.steps,
+            "estimate_terms_gib": terms_json(&estimate),
         });
         println!("RESULT {line}");
     }
@@ -795,11 +796,25 @@ fn plan_only_line(a: &BenchArgs) -> Result<serde_json::Value> {
         "predicted_peak_gib": g(held + estimate.total()),
         "predicted_host_gib": g(memory::host_bytes(shape, &plan)),
         "largest_terms": estimate.largest(3),
+        "estimate_terms_gib": terms_json(&estimate),
     });
     if estimate.total() > budget {
         line["refused"] = serde_json::json!(refusal(&cfg, shape, &opts, &estimate, budget));
     }
     Ok(line)
+}
+
+/// The estimate's nonzero terms in GiB (three decimals), by name: what a measured peak is
+/// compared with term by term.
+fn terms_json(estimate: &memory::Estimate) -> serde_json::Value {
+    let gib = |b: usize| (b as f64 / (1u64 << 30) as f64 * 1000.0).round() / 1000.0;
+    estimate
+        .terms
+        .iter()
+        .filter(|(_, b)| *b > 0)
+        .map(|(name, b)| (name.to_string(), serde_json::json!(gib(*b))))
+        .collect::<serde_json::Map<_, _>>()
+        .into()
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -1079,6 +1094,22 @@ mod tests {
             refused.contains("the longest pass that fits is about"),
             "{l}"
         );
+        // The estimate's terms add up to the prediction; a short row's top layer recomputes its
+        // MLP, so its head shares the peak with the top layer's backward.
+        let l = line(
+            "--plan-only --shape qwen1.5b --prompt-len 3584 --resp-len 512 --gpu-gib 140.4 \
+             --host-gib 125 --memory-limit 4.2",
+        );
+        let terms = l["estimate_terms_gib"].as_object().unwrap();
+        let sum: f64 = terms.values().map(|v| v.as_f64().unwrap()).sum();
+        let held = l["model_gib"].as_f64().unwrap();
+        let peak = l["predicted_peak_gib"].as_f64().unwrap();
+        assert!((held + sum - peak).abs() < 0.02, "{l}");
+        assert!(
+            terms.contains_key("the head or the top layer's backward"),
+            "{l}"
+        );
+        assert!(peak <= 4.2 && l.get("refused").is_none(), "{l}");
         // Without the GPU's size there is nothing to plan against.
         let cli = Cli::parse_from(["bench", "--plan-only", "--shape", "llama8b"]);
         let err = plan_only_line(&cli.bench).unwrap_err().to_string();
