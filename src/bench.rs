@@ -302,6 +302,9 @@ pub fn run(a: BenchArgs) -> Result<()> {
         let tokens_in_pass = w.pass_tokens(a.prefix_shared);
         let cfg = workload_config(&a, w, &base);
         let budget = memory::budget(&device, cfg.memory_limit)?;
+        // The allocator refuses what would pass the limit (the trainer then retries on a smaller
+        // plan; here the row fails and says so).
+        device.set_memory_limit(cfg.memory_limit);
         let shape = step_shape(&cfg, &model, tokens_in_pass);
         let opts = plan_pass(&a, &cfg, shape, budget);
         // A workload whose plan does not fit is refused, as the trainer refuses it, with one

@@ -129,6 +129,14 @@ impl Device {
         }
     }
 
+    /// `memory_limit` in GiB as a cap on the live device bytes (`CudaBackend::set_memory_cap`;
+    /// None lifts it). Nothing on the CPU, whose limit only plans.
+    pub fn set_memory_limit(&self, gib: Option<f64>) {
+        if let Device::Cuda(c) = self {
+            c.set_memory_cap(gib.map(|g| (g * (1u64 << 30) as f64) as usize))
+        }
+    }
+
     /// Waits for queued device work (a host sync point; only at step or benchmark boundaries).
     pub fn synchronize(&self) -> Result<()> {
         match self {

@@ -610,6 +610,9 @@ pub fn train_with(
     let base_objective = cfg.objective();
     device.set_numerics(cfg.deterministic_attention, cfg.gemm_tuning)?;
     super::head::set_filter_eps(cfg.cce_filter_eps);
+    // The limit holds for the allocator too: a step past it fails as out of memory and runs
+    // again on a smaller plan.
+    device.set_memory_limit(cfg.memory_limit);
     let mut memory_budget = super::memory::budget(&device, cfg.memory_limit)?;
     if cfg.pack_tokens > 0 && model.spec.ropes[0].depends_on_length() {
         bail!(

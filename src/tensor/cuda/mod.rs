@@ -147,6 +147,8 @@ struct Inner {
     blocks: Mutex<BlockCache>,
     live: AtomicUsize,
     peak: AtomicUsize,
+    /// `memory_limit` as a cap on the live bytes (0: none; `set_memory_cap`).
+    cap: AtomicUsize,
     /// Which attention forward kernel serves head_dim 64 / 128: 0 chooses by grid size, 2 or 3
     /// forces that version (the parity suite checks both).
     attn_fwd_version: std::sync::atomic::AtomicU8,
@@ -541,7 +543,35 @@ fn device_cap() -> Option<usize> {
     })
 }
 
+/// Why an allocation of `bytes` with `live` bytes live is refused, as the driver refuses one out of
+/// memory: past `LORAFIT_DEVICE_CAP_GIB` (`env_cap`) or past `memory_limit` (`limit`,
+/// `CudaBackend::set_memory_cap`). None where it may go ahead.
+fn cap_refusal(
+    live: usize,
+    bytes: usize,
+    env_cap: Option<usize>,
+    limit: Option<usize>,
+) -> Option<String> {
+    let past = |cap: usize| live + bytes > cap;
+    if let Some(cap) = env_cap.filter(|&c| past(c)) {
+        return Some(format!(
+            "LORAFIT_DEVICE_CAP_GIB: {live} bytes live of a {cap}-byte cap"
+        ));
+    }
+    limit
+        .filter(|&c| past(c))
+        .map(|cap| format!("memory_limit: {live} bytes live of {cap}"))
+}
+
 impl CudaBackend {
+    /// Holds the live bytes to `bytes` (`memory_limit`; None lifts it): an allocation past it is
+    /// refused as one past the device's memory, so a step whose plan was estimated too low fails
+    /// as out of memory, and the trainer runs it again on a smaller plan, instead of the process
+    /// taking more than its share of a shared GPU.
+    pub fn set_memory_cap(&self, bytes: Option<usize>) {
+        self.inner.cap.store(bytes.unwrap_or(0), Ordering::Relaxed);
+    }
+
     /// Opens GPU `ordinal`: an error (not a panic) where the driver library or the GPU is missing.
     pub fn new(ordinal: usize) -> Result<Arc<CudaBackend>> {
         // SAFETY: probing only opens the library.
@@ -594,6 +624,7 @@ impl CudaBackend {
                 blocks: Mutex::new(BlockCache::default()),
                 live: AtomicUsize::new(0),
                 peak: AtomicUsize::new(0),
+                cap: AtomicUsize::new(0),
                 attn_fwd_version: std::sync::atomic::AtomicU8::new(0),
                 attn_bwd_version: std::sync::atomic::AtomicU8::new(0),
                 prof: if std::env::var_os("LORAFIT_PROFILE").is_some_and(|v| v != "0") {
@@ -807,14 +838,11 @@ impl CudaBackend {
 
     fn alloc(&self, bytes: usize) -> Result<CudaStorage> {
         self.inner.bind()?;
-        if let Some(cap) = device_cap() {
-            let live = self.inner.live.load(Ordering::Relaxed);
-            if live + bytes > cap {
-                bail!(
-                    "cuda: allocating {bytes} bytes: CUDA_ERROR_OUT_OF_MEMORY (LORAFIT_DEVICE_CAP_GIB: \
-                     {live} bytes live of a {cap}-byte cap)"
-                );
-            }
+        let live = self.inner.live.load(Ordering::Relaxed);
+        let limit = self.inner.cap.load(Ordering::Relaxed);
+        if let Some(refusal) = cap_refusal(live, bytes, device_cap(), (limit > 0).then_some(limit))
+        {
+            bail!("cuda: allocating {bytes} bytes: CUDA_ERROR_OUT_OF_MEMORY ({refusal})");
         }
         let n = block_size(bytes);
         let cached = if n <= BLOCK_CACHE_MAX {
@@ -1208,7 +1236,22 @@ impl CudaBackend {
 
 #[cfg(test)]
 mod tests {
-    use super::eighth_octave_up;
+    use super::{cap_refusal, eighth_octave_up};
+
+    /// An allocation that would take the live bytes past either cap is refused, naming the cap
+    /// and its figures; one that lands exactly on a cap, or with no cap, goes ahead. The text is
+    /// what `is_out_of_memory` recognises once `alloc` wraps it.
+    #[test]
+    fn allocations_past_a_cap_are_refused_as_out_of_memory() {
+        assert_eq!(cap_refusal(90, 10, None, Some(100)), None);
+        assert_eq!(cap_refusal(90, 11, None, None), None);
+        let limit = cap_refusal(90, 11, None, Some(100)).unwrap();
+        assert_eq!(limit, "memory_limit: 90 bytes live of 100");
+        let env = cap_refusal(90, 11, Some(95), Some(200)).unwrap();
+        assert!(env.starts_with("LORAFIT_DEVICE_CAP_GIB"), "{env}");
+        let err = anyhow::anyhow!("cuda: allocating 11 bytes: CUDA_ERROR_OUT_OF_MEMORY ({limit})");
+        assert!(crate::tensor::is_out_of_memory(&err));
+    }
 
     #[test]
     fn eighth_octave_rounding_is_within_an_eighth_and_idempotent() {
