@@ -1099,25 +1099,28 @@ fn gemm(cx: &mut Ctx, r: &mut Rng) -> Result<()> {
         cx.push(row);
     }
     // and its throughput at a long sequence's gate (two blocks, as linear_fwd sizes them at
-    // 18432 rows would be four), beside the base product alone
+    // 18432 rows would be four), beside the base product alone, at ranks 16 and 64 (the kernel's
+    // dot) and 128 (cuBLAS adds the term): what FUSED_LORA_RANK_MAX weighs
     {
-        let (t, k, n, rank) = (8192, 4096, 14336, 16);
+        let (t, k, n) = (8192, 4096, 14336);
         let x = cx.g(&r.bnormals(t * k, 1.0), &[t, k], bf)?;
         let w = cx.g(&r.bnormals(n * k, 0.02), &[n, k], bf)?;
-        let xa = cx.g(&r.bnormals(t * rank, 1.0), &[t, rank], bf)?;
-        let lb = cx.g(&r.bnormals(n * rank, 0.02), &[n, rank], bf)?;
         let base_ms = cx.time(5, || matmul(&x, false, &w, true, 1.0, bf).map(|_| ()))?;
-        let ms = cx.time(5, || {
-            lora_linear_rounded(&x, &w, &xa, &lb, 2.0, bf, t / 2).map(|_| ())
-        })?;
-        cx.push(timing(
-            "lora_linear_rounded 8192x4096x14336 r16 (2 blocks)",
-            ms,
-            format!(
-                "base product alone {base_ms:.3} ms: {:+.3} ms",
-                ms - base_ms
-            ),
-        ));
+        for rank in [16, 64, 128] {
+            let xa = cx.g(&r.bnormals(t * rank, 1.0), &[t, rank], bf)?;
+            let lb = cx.g(&r.bnormals(n * rank, 0.02), &[n, rank], bf)?;
+            let ms = cx.time(5, || {
+                lora_linear_rounded(&x, &w, &xa, &lb, 2.0, bf, t / 2).map(|_| ())
+            })?;
+            cx.push(timing(
+                &format!("lora_linear_rounded 8192x4096x14336 r{rank} (2 blocks)"),
+                ms,
+                format!(
+                    "base product alone {base_ms:.3} ms: {:+.3} ms",
+                    ms - base_ms
+                ),
+            ));
+        }
     }
     // a big shape: sampled rows of C compared, and the throughput
     {
