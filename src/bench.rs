@@ -767,10 +767,7 @@ fn plan_only_line(a: &BenchArgs) -> Result<serde_json::Value> {
     let held = memory::model_bytes(&spec, a.base_quant, a.rank);
     let free = ((gpu * gib) as usize).saturating_sub(held + CONTEXT_BYTES);
     let budget = match a.memory_limit {
-        Some(g) => {
-            let room = ((g * gib) as usize).saturating_sub(held);
-            room.saturating_sub(memory::limit_margin(room))
-        }
+        Some(g) => memory::plannable_under_limit((g * gib) as usize, held),
         None => free.saturating_sub(memory::free_margin(free)),
     };
     let host_budget = match (a.offload, a.host_gib) {

@@ -227,7 +227,7 @@ pub(crate) fn linear_fwd(
 }
 
 /// The largest f32 sum `linear_fwd` holds at once (`ops::lora_linear_rounded`'s row blocks).
-pub(crate) const ROUND_ONCE_BYTES: usize = 256 << 20;
+const ROUND_ONCE_BYTES: usize = 256 << 20;
 
 /// What `linear_fwd` keeps for the backward, without the projection itself (a recomputed layer
 /// whose output is not needed).

@@ -831,12 +831,9 @@ pub fn budget(device: &crate::tensor::Device, memory_limit: Option<f64>) -> anyh
         Some(g) => {
             let limit = (g * GIB) as usize;
             let held = device.memory().live_bytes;
-            let under_limit = limit.saturating_sub(held);
             match device {
-                crate::tensor::Device::Cpu => under_limit,
-                crate::tensor::Device::Cuda(_) => under_limit
-                    .saturating_sub(limit_margin(under_limit))
-                    .min(free),
+                crate::tensor::Device::Cpu => limit.saturating_sub(held),
+                crate::tensor::Device::Cuda(_) => plannable_under_limit(limit, held).min(free),
             }
         }
         None => free,
@@ -926,6 +923,13 @@ fn cgroup_headroom(limit: &str, usage: &str, reclaimable: usize) -> Option<usize
     Some(limit.saturating_sub(usage.saturating_sub(reclaimable as u64)) as usize)
 }
 
+/// Bytes a GPU step may plan under a memory limit of `limit` bytes with `held` bytes held: the
+/// room between them less `limit_margin` of it.
+pub fn plannable_under_limit(limit: usize, held: usize) -> usize {
+    let room = limit.saturating_sub(held);
+    room.saturating_sub(limit_margin(room))
+}
+
 /// The part of the room under a `memory_limit` that the planner leaves unplanned: 1%, at least
 /// 64 MiB. The limit caps the allocator (`Device::set_memory_limit`), and the estimates are that
 /// close: of the H200's segment-1 rows the most under-predicted was 0.4% of its activations
@@ -933,7 +937,7 @@ fn cgroup_headroom(limit: &str, usage: &str, reclaimable: usize) -> Option<usize
 /// (`estimates_match_the_h200_peaks_at_segment_size_1`); the floor holds what the first step
 /// allocates for good outside the estimate (cuBLASLt's 32 MiB workspace, created with the first
 /// product).
-pub fn limit_margin(room: usize) -> usize {
+fn limit_margin(room: usize) -> usize {
     (room / 100).max(64 << 20)
 }
 

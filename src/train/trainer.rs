@@ -266,16 +266,20 @@ pub fn step_shape<'a>(
     model: &'a Model,
     tokens: usize,
 ) -> super::memory::StepShape<'a> {
-    let c = model.device.compute_dtype().size();
     let mut shape = step_shape_of(
         cfg,
         &model.spec,
-        c,
+        model.device.compute_dtype().size(),
         tokens,
         super::memory::host_budget(&model.device, cfg.offload),
     );
-    shape.dequantized = model.weights.largest_quantized() * c;
+    shape.dequantized = dequantized_bytes(model);
     shape
+}
+
+/// `StepShape::dequantized` of `model`: its largest quantized weight, dense in the compute dtype.
+fn dequantized_bytes(model: &Model) -> usize {
+    model.weights.largest_quantized() * model.device.compute_dtype().size()
 }
 
 /// [`step_shape`] of a model of `spec` computing in a dtype of `dtype_bytes`, with
@@ -319,7 +323,7 @@ pub fn pass_estimate(model: &Model, tokens: usize, opts: &PassOptions) -> super:
         host_budget: 0,
         nested: opts.nested,
         resident: opts.resident_layers,
-        dequantized: model.weights.largest_quantized() * model.device.compute_dtype().size(),
+        dequantized: dequantized_bytes(model),
     };
     super::memory::estimate(shape, &keep_plan(opts))
 }
