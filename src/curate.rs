@@ -1,7 +1,8 @@
 //! `lorafit curate`: UltraFeedback-style ratings → preference JSONL that `lorafit train`
 //! reads, with the filters a preference set needs and a count of what each one removed.
 //!
-//! Input rows, one JSON object a line:
+//! Input rows, in any dataset file `lorafit train` reads (JSONL, a JSON array, CSV, Parquet;
+//! compressed or not; `data::rows`):
 //! * binarized: `{prompt, chosen, rejected, score_chosen, score_rejected}`, with `chosen` and
 //!   `rejected` as strings or as message lists (HuggingFaceH4/ultrafeedback_binarized repeats
 //!   the user turn at the head of each list; it is taken as the prompt);
@@ -20,6 +21,7 @@
 //! permutation; both files keep the input order. A malformed row is an error naming file,
 //! line and field (with `skip_bad_rows` it is counted instead).
 
+use crate::data::rows::Rows;
 use crate::data::{
     self, tokenize_pair, ChatTemplate, DatasetKind, Example, Message, PreferenceData,
     TextTokenizer, TokenizeOptions, TokenizeReport,
@@ -28,7 +30,7 @@ use anyhow::{bail, Context, Result};
 use serde_json::{json, Map, Value};
 use std::collections::HashSet;
 use std::fmt;
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufRead, Write};
 use std::path::Path;
 
 /// The filters' settings.
@@ -256,14 +258,13 @@ fn scores(obj: &Map<String, Value>, required: bool) -> Result<Option<(f64, f64)>
     })
 }
 
-/// One input line → a candidate, `Ok(None)` for a raw row with too few completions.
+/// One input row → a candidate, `Ok(None)` for a raw row with too few completions.
 fn parse_candidate(
-    text: &str,
+    value: Result<Value, String>,
     line: usize,
     opts: &CurateOptions,
 ) -> Result<Option<Candidate>, Bad> {
-    let value: Value =
-        serde_json::from_str(text).map_err(|e| Bad(None, format!("invalid JSON: {e}")))?;
+    let value = value.map_err(|e| Bad(None, e))?;
     let obj = value
         .as_object()
         .ok_or_else(|| Bad(None, "expected a JSON object".into()))?;
@@ -384,6 +385,16 @@ pub fn curate_reader(
     template: Option<&ChatTemplate>,
     opts: &CurateOptions,
 ) -> Result<(Vec<Value>, Vec<Value>, CurateReport)> {
+    curate_rows(Rows::jsonl(input, name), tok, template, opts)
+}
+
+/// [`curate_reader`] over the rows of any dataset file ([`Rows`]).
+pub fn curate_rows(
+    mut rows: Rows<'_>,
+    tok: &TextTokenizer,
+    template: Option<&ChatTemplate>,
+    opts: &CurateOptions,
+) -> Result<(Vec<Value>, Vec<Value>, CurateReport)> {
     if !(0.0..1.0).contains(&opts.valid_fraction) {
         bail!("--valid-fraction {} must be in [0, 1)", opts.valid_fraction);
     }
@@ -406,15 +417,11 @@ pub fn curate_reader(
     // cutting.
     let no_cut = TokenizeOptions::new(usize::MAX, usize::MAX - 1);
     let mut tok_report = TokenizeReport::default();
-    for (i, line) in input.lines().enumerate() {
-        let line_no = i + 1;
-        let text = line.with_context(|| format!("{name}:{line_no}: reading"))?;
-        if text.trim().is_empty() {
-            report.blank_lines += 1;
-            continue;
-        }
+    while let Some(row) = rows.next() {
+        let row = row?;
+        let at = rows.location(row.n);
         report.rows += 1;
-        let cand = match parse_candidate(&text, line_no, opts) {
+        let cand = match parse_candidate(row.value, row.n, opts) {
             Ok(Some(c)) => c,
             Ok(None) => {
                 report.too_few_completions += 1;
@@ -422,8 +429,8 @@ pub fn curate_reader(
             }
             Err(Bad(field, msg)) => {
                 let at = match field {
-                    Some(f) => format!("{name}:{line_no}: field \"{f}\": {msg}"),
-                    None => format!("{name}:{line_no}: {msg}"),
+                    Some(f) => format!("{at}: field \"{f}\": {msg}"),
+                    None => format!("{at}: {msg}"),
                 };
                 if opts.skip_bad_rows {
                     report.bad_rows += 1;
@@ -448,7 +455,7 @@ pub fn curate_reader(
             continue;
         }
         let pair = tokenize_pair(&cand.data, tok, template, &no_cut, &mut tok_report)
-            .with_context(|| format!("{name}:{line_no}: tokenizing"))?;
+            .with_context(|| format!("{at}: tokenizing"))?;
         if pair.max_len() > opts.max_tokens {
             report.too_long += 1;
             continue;
@@ -483,6 +490,7 @@ pub fn curate_reader(
             train.push(output_row(c));
         }
     }
+    report.blank_lines = rows.blank_lines();
     report.train = train.len();
     report.valid = valid.len();
     Ok((train, valid, report))
@@ -517,9 +525,8 @@ pub fn curate_file(
         opts.valid_fraction = 0.0;
     }
     let name = input.display().to_string();
-    let f = std::fs::File::open(input).with_context(|| format!("opening {name}"))?;
-    let (train, valid, report) =
-        curate_reader(BufReader::new(f), &name, &tok, template.as_ref(), &opts)?;
+    let rows = Rows::open(input).with_context(|| format!("opening {name}"))?;
+    let (train, valid, report) = curate_rows(rows, &tok, template.as_ref(), &opts)?;
     if train.is_empty() {
         bail!("{name}: no row survived the filters\n{report}");
     }

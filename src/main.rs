@@ -68,8 +68,8 @@ enum Cmd {
 
 #[derive(clap::Args)]
 struct CurateArgs {
-    /// Input JSONL (binarized {prompt, chosen, rejected, score_chosen, score_rejected} or raw
-    /// {instruction, completions[...]} rows).
+    /// Input rows (binarized {prompt, chosen, rejected, score_chosen, score_rejected} or raw
+    /// {instruction, completions[...]}) in any dataset format `train` reads.
     #[arg(long)]
     input: PathBuf,
     /// Preference JSONL to write (the training rows).
@@ -564,7 +564,7 @@ struct LintArgs {
     /// vocabulary size are read.
     #[arg(long, default_value = "smollm2")]
     model: String,
-    /// The dataset: JSONL, or Parquet by its `.parquet` name.
+    /// The dataset: JSONL, a JSON array, CSV / TSV or Parquet (gzip or zstd compressed or not).
     #[arg(long)]
     data: String,
     /// Which rows to expect and which TRL trainer's rules `trl` means.
@@ -613,7 +613,7 @@ struct EvalArgs {
     /// Before/after: two adapter folders, or `base` and an adapter folder.
     #[arg(long, num_args = 2, value_names = ["BEFORE", "AFTER"])]
     compare: Vec<String>,
-    /// Preference pairs (JSONL), or with --scorer ifeval a prompt file in IFEval's format
+    /// Preference pairs (any dataset format `train` reads), or with --scorer ifeval a prompt file in IFEval's format
     /// (default there: the bundled data/ifeval_prompts.jsonl).
     #[arg(long)]
     data: Option<String>,
@@ -651,7 +651,8 @@ struct KlArgs {
     /// The reference model of the same architecture (e.g. the f16/bf16 original).
     #[arg(long)]
     reference: String,
-    /// Calibration rows: preference or SFT data (JSONL, Parquet), or a .txt file of lines.
+    /// Calibration rows: preference or SFT data (any dataset format `train` reads), or a .txt
+    /// file of lines.
     #[arg(long)]
     data: PathBuf,
     /// The per-layer KL JSON to write.
@@ -740,7 +741,9 @@ fn apply_overrides(mut cfg: TrainConfig, a: &TrainArgs) -> Result<TrainConfig> {
                 .with_context(|| format!("--set {kv}"))?;
             table.insert(name, value);
         }
-        cfg = toml::from_str(&toml::to_string(&table)?).context("--set")?;
+        // Deserialised from the table itself: an error names the field and the value given,
+        // not a line of the merged settings the user never wrote.
+        cfg = table.try_into().context("--set")?;
     }
     Ok(cfg)
 }
@@ -837,9 +840,9 @@ fn run_lint(a: LintArgs) -> Result<bool> {
         for r in report.load.skip_reasons.iter().chain(&report.bad_rows) {
             println!("error: {r}");
         }
-        let parquet = data::dataset::is_parquet(std::path::Path::new(&a.data));
+        let numbered = report.load.numbered_rows;
         for row in rows.iter().filter(|r| !r.findings.is_empty()) {
-            let at = data::dataset::row_location(&a.data, parquet, row.line);
+            let at = data::rows::row_location(&a.data, numbered, row.line);
             let notes: Vec<String> = row.findings.iter().map(|f| f.to_string()).collect();
             println!("{at}: {}", notes.join("; "));
         }

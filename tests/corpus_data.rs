@@ -1,4 +1,5 @@
-//! The bad-input corpus of the data layer: malformed files and rows (JSONL and Parquet), wrong
+//! The bad-input corpus of the data layer: malformed files and rows (JSONL, JSON arrays, CSV /
+//! TSV, compressed JSONL and Parquet), wrong
 //! types, missing fields, empty strings, ids outside the model's vocabulary, templates that fail
 //! and chat-template files that cannot be used. Each must give an error that names the file and,
 //! where there is one, the line (the row for Parquet) and the field; rows that train but not as
@@ -68,7 +69,9 @@ const GOOD: &str = r#"{"prompt":"What is 2+2?","chosen":" 4","rejected":" 5"}"#;
 fn cases() -> Vec<Case> {
     let mut v = vec![
         jsonl("invalid-json", P, "{\"prompt\": ", E(Some(":1:"), None, "invalid JSON")),
-        jsonl("not-object", P, "[1,2]", E(Some(":1:"), None, "expected a JSON object, found a list")),
+        // A file that starts with `[` is one JSON array of rows; a list on a later line is a row.
+        jsonl("not-object", P, "[1,2]", E(Some(": row 1:"), None, "expected a JSON object, found a number")),
+        jsonl("list-row", P, "{\"prompt\":\"p\",\"chosen\":\"a\",\"rejected\":\"b\"}\n[1,2]", E(Some(":2:"), None, "expected a JSON object, found a list")),
         jsonl("string-row", P, "\"hello\"", E(Some(":1:"), None, "found a string")),
         jsonl("missing-chosen", P, r#"{"prompt":"p","rejected":"b"}"#, E(Some(":1:"), Some("chosen"), "missing")),
         jsonl("missing-rejected", P, r#"{"prompt":"p","chosen":"a"}"#, E(Some(":1:"), Some("rejected"), "missing")),
@@ -190,6 +193,41 @@ fn cases() -> Vec<Case> {
             vocab: None,
             expect: E(Some("row 1"), Some("chosen"), "missing"),
         },
+        // The other formats: a name with an extension is written as given.
+        jsonl("wrong-fields.csv", P, "prompt,chosen,rejected\nq,a\n", E(Some(":2:"), None, "2 fields, where the header has 3 columns")),
+        jsonl("unclosed-quote.csv", P, "prompt,chosen,rejected\nq,a,b\nq,\"a,b\nr,s,t\n", E(Some(":3:"), None, "never closed")),
+        jsonl("empty-prompt.csv", P, "prompt,chosen,rejected\n,a,b\n", E(Some(":2:"), Some("prompt"), "empty prompt")),
+        jsonl("bad-weight.csv", P, "prompt,chosen,rejected,weight\nq,a,b,heavy\n", E(Some(":2:"), Some("weight"), "found a string")),
+        jsonl("negative-weight.tsv", P, "prompt\tchosen\trejected\tweight\nq\ta\tb\t-1\n", E(Some(":2:"), Some("weight"), "expected a finite number >= 0")),
+        jsonl("no-header.csv", P, "", E(None, None, "no header row")),
+        jsonl("cut-array.json", P, &format!("[{GOOD},\n{{\"prompt\":"), E(Some(":2:"), None, "does not parse as JSON")),
+        jsonl("array-bad-row.json", P, &format!("[{GOOD}, {{\"prompt\":\"p\",\"chosen\":\"a\"}}]"), E(Some(": row 2:"), Some("rejected"), "missing")),
+        jsonl("rows-under-a-key.json", P, &format!("{{\n\"train\": [{GOOD}]\n}}"), E(None, None, "Its lists: \"train\" (1 items)")),
+        Case {
+            name: "bad-line.jsonl.gz",
+            content: {
+                let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+                std::io::Write::write_all(&mut gz, format!("{GOOD}\n{{bad\n").as_bytes()).unwrap();
+                gz.finish().unwrap()
+            },
+            kind: P,
+            template: None,
+            vocab: None,
+            expect: E(Some(":2:"), None, "invalid JSON"),
+        },
+        Case {
+            name: "cut.jsonl.gz",
+            content: {
+                let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+                std::io::Write::write_all(&mut gz, format!("{GOOD}\n{GOOD}\n").as_bytes()).unwrap();
+                let b = gz.finish().unwrap();
+                b[..b.len() - 12].to_vec()
+            },
+            kind: P,
+            template: None,
+            vocab: None,
+            expect: E(None, None, "reading"),
+        },
         jsonl("warn-chosen-equals-rejected", P, r#"{"prompt":"What is 2+2?","chosen":" 4","rejected":" 4"}"#, W(|r| r.identical_responses)),
         jsonl("warn-duplicate", P, &format!("{GOOD}\n{GOOD}\n"), W(|r| r.duplicates)),
         jsonl("warn-prompt-ends-assistant", P, r#"{"prompt":[{"role":"user","content":"x"},{"role":"assistant","content":"The answer"}],"chosen":[{"role":"assistant","content":" is 4"}],"rejected":[{"role":"assistant","content":" is 5"}]}"#, W(|r| r.prompt_ends_with_assistant)),
@@ -205,11 +243,7 @@ fn cases() -> Vec<Case> {
 
 fn run(c: &Case, skip_bad: bool) -> Result<CheckReport, String> {
     let dir = scratch();
-    let ext = if c.name.ends_with(".parquet") {
-        ""
-    } else {
-        ".jsonl"
-    };
+    let ext = if c.name.contains('.') { "" } else { ".jsonl" };
     let path = dir.join(format!("{}{ext}", c.name));
     std::fs::write(&path, &c.content).unwrap();
     let tok = tokenizer();
@@ -299,6 +333,23 @@ fn skip_bad_rows_skips_and_counts_each_bad_row() {
     assert!(
         shown.contains("errors: 2 (2 malformed rows, 0 rows failing a check), skipped"),
         "{shown}"
+    );
+    // The same in CSV: a record of the wrong width is a row error, skipped and counted.
+    let text = "prompt,chosen,rejected\nWhat is 2+2?, 4, 5\nonly,two\nWhat is 3+3?, 6, 7\n";
+    let c = jsonl("skip-bad.csv", P, text, E(None, None, ""));
+    let r = run(
+        &Case {
+            template: Some("chatml"),
+            ..c
+        },
+        true,
+    )
+    .unwrap();
+    assert_eq!((r.tokenize.rows, r.load.skipped), (2, 1));
+    assert!(
+        r.load.skip_reasons[0].contains("skip-bad.csv:3: 2 fields"),
+        "{:?}",
+        r.load.skip_reasons
     );
 
     // A row failing a check after parsing is skipped and counted too: with 262 rows of

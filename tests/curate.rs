@@ -341,9 +341,9 @@ fn curate_file_writes_both_files() {
     )
     .unwrap();
     assert_eq!((r.train, r.valid), (8, 2));
-    let (ex, _) = lorafit::data::load_jsonl(&out, DatasetKind::Preference, false).unwrap();
+    let (ex, _) = lorafit::data::load_dataset(&out, DatasetKind::Preference, false).unwrap();
     assert_eq!(ex.len(), 8);
-    let (ex, _) = lorafit::data::load_jsonl(&valid, DatasetKind::Preference, false).unwrap();
+    let (ex, _) = lorafit::data::load_dataset(&valid, DatasetKind::Preference, false).unwrap();
     assert_eq!(ex.len(), 2);
     let e = curate_file(
         &dir.join("missing.jsonl"),

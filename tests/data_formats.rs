@@ -143,7 +143,7 @@ fn parquet_files_in_the_hub_layouts() {
         )
         .unwrap();
         assert_eq!(
-            (rep.loaded, rep.chat_rows, rep.parquet),
+            (rep.loaded, rep.chat_rows, rep.numbered_rows),
             (3, 3, true),
             "{name}"
         );

@@ -17,14 +17,13 @@ use std::collections::hash_map::{DefaultHasher, Entry};
 use std::collections::HashMap;
 use std::fmt;
 use std::hash::{Hash, Hasher};
-use std::path::Path;
 
 use anyhow::Result;
 
 use super::dataset::{
-    is_parquet, load_dataset, read_jsonl, row_location, DatasetKind, Example, LoadReport,
-    PreferenceData, Role, SftData,
+    load_dataset, read_jsonl, DatasetKind, Example, LoadReport, PreferenceData, Role, SftData,
 };
+use super::rows::row_location;
 use super::template::ChatTemplate;
 use super::tokenize::{
     render_preference, render_sft, tokenize_pair, tokenize_sft_example, TextTokenizer, TokenRules,
@@ -313,7 +312,7 @@ impl fmt::Display for CheckReport {
     }
 }
 
-/// Reads `path` (JSONL or Parquet; `text` is the file's content when it is
+/// Reads `path` (any format `data::rows` reads; `text` is JSONL content when it is
 /// already in memory), tokenises and checks every row. A bad row is an error
 /// naming `file:line` (or `file: row N`) and its field, or with `skip_bad` is
 /// skipped and counted.
@@ -329,7 +328,7 @@ pub fn load_and_check(
         Some(t) => read_jsonl(std::io::Cursor::new(t), path, opts.kind, opts.skip_bad)?,
         None => load_dataset(path, opts.kind, opts.skip_bad)?,
     };
-    let parquet = is_parquet(Path::new(path)) && text.is_none();
+    let numbered = load.numbered_rows;
     let mut report = CheckReport {
         load,
         rules: Some(opts.tokenize.rules),
@@ -339,7 +338,7 @@ pub fn load_and_check(
     let mut rows = Vec::with_capacity(examples.len());
     let mut seen: HashMap<u64, usize> = HashMap::new();
     for ex in &examples {
-        let at = row_location(path, parquet, ex.line());
+        let at = row_location(path, numbered, ex.line());
         // The row's counts join the report only when the row is used.
         let mut row_counts = TokenizeReport::default();
         match check_row(ex, tok, template, opts, &mut row_counts) {

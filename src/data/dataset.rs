@@ -1,4 +1,4 @@
-//! JSONL training data: parsing and validating preference rows (ORPO/DPO) and
+//! Training data rows: parsing and validating preference rows (ORPO/DPO) and
 //! SFT rows into typed [`Example`]s.
 //!
 //! This module exists so that every malformed row is caught once, up front, with
@@ -25,17 +25,19 @@
 //! * Alpaca (SFT): `instruction`, optional `input` and `system`, `output`,
 //!   as a user turn and the assistant's reply
 //!
-//! Rows come from JSONL files or local Parquet files (what the Hugging Face
-//! Hub serves), with the same layouts.
+//! Rows come from any file [`super::rows`] reads (JSONL, a JSON array, CSV /
+//! TSV, local Parquet files as the Hugging Face Hub serves them; gzip or zstd
+//! compressed), with the same layouts.
 //!
 //! Text rows and chat rows are kept apart in the types ([`PreferenceData`],
 //! [`SftData`]) because they are turned into token sequences differently: chat
 //! rows go through the model's chat template, text rows are used as-is.
 
 use std::fmt;
-use std::fs::File;
-use std::io::{BufRead, BufReader};
+use std::io::BufRead;
 use std::path::Path;
+
+use super::rows::Rows;
 
 use anyhow::{bail, Context, Result};
 use serde::Serialize;
@@ -238,7 +240,7 @@ impl Example {
     }
 }
 
-/// What [`load_jsonl`] did, for the log.
+/// What [`load_dataset`] did, for the log.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct LoadReport {
     /// The file that was read, as given.
@@ -249,8 +251,8 @@ pub struct LoadReport {
     pub skipped: usize,
     /// Blank (whitespace-only) lines ignored.
     pub blank_lines: usize,
-    /// Rows are Parquet rows (messages say `row N`), not JSONL lines.
-    pub parquet: bool,
+    /// Rows are numbered as rows (Parquet, a JSON array: messages say `row N`), not as lines.
+    pub numbered_rows: bool,
     /// Rows in text form / chat form among `loaded`.
     pub text_rows: usize,
     pub chat_rows: usize,
@@ -313,43 +315,21 @@ impl fmt::Display for RowError {
 
 impl std::error::Error for RowError {}
 
-/// Reads a dataset file of `kind` rows: Parquet when the name ends in
-/// `.parquet`, JSONL otherwise (see [`load_jsonl`], [`load_parquet`]).
+/// Reads a dataset file of `kind` rows, in any format [`Rows::open`] reads (JSONL, a JSON
+/// array, CSV / TSV, Parquet; compressed with gzip or zstd).
+///
+/// A malformed row is an error naming `file:line: field "...": ...` (`file: row N` where rows
+/// are numbered); with `skip_bad` it is skipped instead and counted in the report, which keeps
+/// the reasons. A file that yields no example at all is an error either way.
 pub fn load_dataset(
     path: impl AsRef<Path>,
     kind: DatasetKind,
     skip_bad: bool,
 ) -> Result<(Vec<Example>, LoadReport)> {
     let path = path.as_ref();
-    if is_parquet(path) {
-        load_parquet(path, kind, skip_bad)
-    } else {
-        load_jsonl(path, kind, skip_bad)
-    }
-}
-
-/// Whether `path` names a Parquet file (by its extension).
-pub fn is_parquet(path: &Path) -> bool {
-    path.extension()
-        .and_then(|e| e.to_str())
-        .is_some_and(|e| e.eq_ignore_ascii_case("parquet"))
-}
-
-/// Reads a JSONL file of `kind` rows.
-///
-/// Blank lines are ignored (and counted). A malformed row is an error naming
-/// `file:line: field "...": ...`; with `skip_bad` it is skipped instead and
-/// counted in the report, which keeps the first few reasons. A file that
-/// yields no example at all is an error either way.
-pub fn load_jsonl(
-    path: impl AsRef<Path>,
-    kind: DatasetKind,
-    skip_bad: bool,
-) -> Result<(Vec<Example>, LoadReport)> {
-    let path = path.as_ref();
     let name = path.display().to_string();
-    let file = File::open(path).with_context(|| format!("opening {kind} dataset {name}"))?;
-    let (examples, report) = read_jsonl(BufReader::new(file), &name, kind, skip_bad)?;
+    let rows = Rows::open(path).with_context(|| format!("opening {kind} dataset {name}"))?;
+    let (examples, report) = collect_rows(rows, kind, skip_bad)?;
     ensure_some(&name, kind, &examples, &report)?;
     Ok((examples, report))
 }
@@ -370,136 +350,58 @@ fn ensure_some(
     Ok(())
 }
 
-/// Where a row sits in its file: a JSONL line or a Parquet row (both
-/// 1-based), written the way error messages name it.
-pub fn row_location(name: &str, parquet: bool, n: usize) -> String {
-    if parquet {
-        format!("{name}: row {n}")
-    } else {
-        format!("{name}:{n}")
-    }
-}
-
-/// Adds one parsed row to `examples` and `report`, or fails / skips and counts
-/// it. `at` is the row's [`row_location`].
-fn collect_row(
-    parsed: Result<Example, RowError>,
-    at: String,
-    skip_bad: bool,
-    examples: &mut Vec<Example>,
-    report: &mut LoadReport,
-) -> Result<()> {
-    match parsed {
-        Ok(ex) => {
-            if ex.is_chat() {
-                report.chat_rows += 1;
-            } else {
-                report.text_rows += 1;
-            }
-            report.loaded += 1;
-            examples.push(ex);
-        }
-        Err(err) => {
-            let msg = format!("{at}: {err}");
-            if !skip_bad {
-                bail!(msg);
-            }
-            report.skipped += 1;
-            report.skip_reasons.push(msg);
-        }
-    }
-    Ok(())
-}
-
-/// Reads a local Parquet file of `kind` rows (a Hugging Face Hub dataset
-/// shard): each row is read as a JSON object of its columns (lists of structs
-/// become lists of objects) and validated like a JSONL line; messages name
-/// `file: row N` (1-based). Snappy, zstd and gzip pages are read.
-pub fn load_parquet(
-    path: impl AsRef<Path>,
+/// Parses every row of `rows` into examples, or fails on the first bad one (`skip_bad`:
+/// skips and counts it).
+fn collect_rows(
+    mut rows: Rows<'_>,
     kind: DatasetKind,
     skip_bad: bool,
 ) -> Result<(Vec<Example>, LoadReport)> {
-    use parquet::file::reader::{FileReader, SerializedFileReader};
-    let path = path.as_ref();
-    let name = path.display().to_string();
-    let file = File::open(path).with_context(|| format!("opening {kind} dataset {name}"))?;
-    let reader = SerializedFileReader::new(file)
-        .map_err(|e| anyhow::anyhow!("{name}: not a readable Parquet file ({e})"))?;
-    let rows = reader
-        .get_row_iter(None)
-        .map_err(|e| anyhow::anyhow!("{name}: reading the Parquet schema ({e})"))?;
     let mut report = LoadReport {
-        path: name.clone(),
-        parquet: true,
+        path: rows.name().to_string(),
+        numbered_rows: rows.numbered(),
         ..Default::default()
     };
     let mut examples = Vec::new();
-    for (i, row) in rows.enumerate() {
-        let n = i + 1;
-        let row = row.map_err(|e| anyhow::anyhow!("{name}: row {n}: reading the row ({e})"))?;
-        let parsed = parse_row(&row.to_json_value(), kind, n);
-        collect_row(
-            parsed,
-            row_location(&name, true, n),
-            skip_bad,
-            &mut examples,
-            &mut report,
-        )?;
+    while let Some(row) = rows.next() {
+        let row = row?;
+        let parsed = row
+            .value
+            .map_err(RowError::row)
+            .and_then(|v| parse_row(&v, kind, row.n));
+        match parsed {
+            Ok(ex) => {
+                if ex.is_chat() {
+                    report.chat_rows += 1;
+                } else {
+                    report.text_rows += 1;
+                }
+                report.loaded += 1;
+                examples.push(ex);
+            }
+            Err(err) => {
+                let msg = format!("{}: {err}", rows.location(row.n));
+                if !skip_bad {
+                    bail!(msg);
+                }
+                report.skipped += 1;
+                report.skip_reasons.push(msg);
+            }
+        }
     }
-    ensure_some(&name, kind, &examples, &report)?;
+    report.blank_lines = rows.blank_lines();
     Ok((examples, report))
 }
 
-/// [`load_jsonl`] over any reader; `name` is used in messages. Unlike
-/// `load_jsonl` an empty input is not an error here.
+/// [`load_dataset`] over a JSONL stream; `name` is used in messages. Unlike `load_dataset` an
+/// empty input is not an error here.
 pub fn read_jsonl(
     reader: impl BufRead,
     name: &str,
     kind: DatasetKind,
     skip_bad: bool,
 ) -> Result<(Vec<Example>, LoadReport)> {
-    let mut reader = reader;
-    let mut report = LoadReport {
-        path: name.to_string(),
-        ..Default::default()
-    };
-    let mut examples = Vec::new();
-    let mut buf = Vec::new();
-    let mut line_no = 0usize;
-    loop {
-        buf.clear();
-        let n = reader
-            .read_until(b'\n', &mut buf)
-            .with_context(|| format!("{name}: reading line {}", line_no + 1))?;
-        if n == 0 {
-            break;
-        }
-        line_no += 1;
-        let parsed = match std::str::from_utf8(&buf) {
-            Ok(text) => {
-                let text = if line_no == 1 {
-                    text.trim_start_matches('\u{feff}')
-                } else {
-                    text
-                };
-                if text.trim().is_empty() {
-                    report.blank_lines += 1;
-                    continue;
-                }
-                parse_line(text, kind, line_no)
-            }
-            Err(e) => Err(RowError::row(format!("line is not valid UTF-8 ({e})"))),
-        };
-        collect_row(
-            parsed,
-            row_location(name, false, line_no),
-            skip_bad,
-            &mut examples,
-            &mut report,
-        )?;
-    }
-    Ok((examples, report))
+    collect_rows(Rows::jsonl(reader, name), kind, skip_bad)
 }
 
 /// Parses one non-blank JSONL line into an example. `line` is recorded in the
@@ -1239,20 +1141,20 @@ mod tests {
     }
 
     #[test]
-    fn load_jsonl_reports_path_and_empty_file() {
+    fn load_dataset_reports_path_and_empty_file() {
         let dir = std::env::temp_dir().join(format!("lorafit-data-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let p = dir.join("t.jsonl");
         std::fs::write(&p, "\u{feff}{\"text\":\"hello\"}\r\n").unwrap();
-        let (ex, rep) = load_jsonl(&p, DatasetKind::Sft, false).unwrap();
+        let (ex, rep) = load_dataset(&p, DatasetKind::Sft, false).unwrap();
         assert_eq!(ex.len(), 1);
         assert_eq!(rep.path, p.display().to_string());
         std::fs::write(&p, "\n\n").unwrap();
-        let e = load_jsonl(&p, DatasetKind::Sft, false)
+        let e = load_dataset(&p, DatasetKind::Sft, false)
             .unwrap_err()
             .to_string();
         assert!(e.contains("no SFT examples found"), "{e}");
-        let e = load_jsonl(dir.join("missing.jsonl"), DatasetKind::Sft, false)
+        let e = load_dataset(dir.join("missing.jsonl"), DatasetKind::Sft, false)
             .unwrap_err()
             .to_string();
         assert!(e.contains("missing.jsonl"), "{e}");

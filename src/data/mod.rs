@@ -1,4 +1,5 @@
-//! Training data for lorafit: loading JSONL rows ([`dataset`]), rendering chat
+//! Training data for lorafit: reading dataset files as rows ([`rows`]) and
+//! validating them as examples ([`dataset`]), rendering chat
 //! rows with the model's chat template ([`template`]) and turning examples into
 //! truncated token sequences by the configured rules ([`tokenize`]), and the
 //! pre-flight checks of every row that `lint` and `train` share ([`check`]).
@@ -10,13 +11,14 @@
 pub mod check;
 pub mod dataset;
 pub mod model_files;
+pub mod rows;
 pub mod template;
 pub mod tokenize;
 
 pub use check::{load_and_check, CheckOptions, CheckReport, CheckedRow, Finding, RowTokens};
 pub use dataset::{
-    load_dataset, load_jsonl, load_parquet, read_jsonl, DatasetKind, Example, LoadReport, Message,
-    PreferenceData, Role, RowError, SftData,
+    load_dataset, read_jsonl, DatasetKind, Example, LoadReport, Message, PreferenceData, Role,
+    RowError, SftData,
 };
 pub use template::ChatTemplate;
 pub use tokenize::{

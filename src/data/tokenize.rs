@@ -1276,7 +1276,7 @@ mod tests {
         let mut prompts = Vec::new();
         for (name, n) in [("train.jsonl", 240), ("valid.jsonl", 48)] {
             let (ex, rep) =
-                crate::data::load_jsonl(root.join(name), DatasetKind::Preference, false).unwrap();
+                crate::data::load_dataset(root.join(name), DatasetKind::Preference, false).unwrap();
             assert_eq!((rep.loaded, rep.chat_rows, rep.skipped), (n, n, 0));
             let mut set = std::collections::HashSet::new();
             for e in &ex {

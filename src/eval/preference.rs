@@ -56,7 +56,7 @@ pub struct Pairs {
 /// Reads and tokenises `path` as the trainer would (its length limits and chat template). A bad
 /// row is an error naming its line; nothing is skipped.
 pub fn load_pairs(path: &str, loaded: &Loaded, cfg: &TrainConfig) -> Result<Pairs> {
-    let (examples, _) = data::load_jsonl(path, DatasetKind::Preference, false)?;
+    let (examples, _) = data::load_dataset(path, DatasetKind::Preference, false)?;
     let opts = TokenizeOptions::new(cfg.max_seq_len, cfg.max_prompt_len);
     let (pairs, report) = data::tokenize_preferences(
         &examples,

@@ -164,9 +164,10 @@ impl TrainEvents for Console {
                 if let Some(bar) = self.bar.take() {
                     bar.finish();
                 }
+                let steps = step - self.start_step;
+                let plural = if steps == 1 { "" } else { "s" };
                 eprintln!(
-                    "trained {} steps (to step {step}) in {seconds:.1}s; adapter in {}",
-                    step - self.start_step,
+                    "trained {steps} step{plural} (to step {step}) in {seconds:.1}s; adapter in {}",
                     adapter_dir.display()
                 );
             }

@@ -1,0 +1,625 @@
+//! Dataset files as a stream of JSON rows, whatever the file holds: JSONL, one JSON array of rows,
+//! CSV or TSV with a header, or Parquet; JSONL, JSON and CSV also gzip- or zstd-compressed. Every
+//! reader of rows (training, `lint`, `eval`, `curate`) goes through [`Rows`], so a format read
+//! here is read everywhere, with the same locations in its messages: `file:LINE` for JSONL and
+//! CSV (a CSV record's first line), `file: row N` for Parquet and JSON arrays (a minified array
+//! is one line).
+//!
+//! The format comes from the file's first bytes where they tell (Parquet's `PAR1`, gzip's and
+//! zstd's magic numbers, a JSON array's `[`) and from its name where they do not (`.csv`, `.tsv`,
+//! before any `.gz` / `.zst`). A row that cannot be read (a JSONL line that is not JSON, a CSV
+//! record with the wrong number of fields) is a row error, which the caller reports or skips; a
+//! file that cannot be read past some point (a JSON array cut short, a quoted CSV field never
+//! closed) is an error of the whole read, since no later row can be trusted.
+
+use std::fs::File;
+use std::io::{BufRead, BufReader, Read};
+use std::path::Path;
+
+use anyhow::{bail, Context, Result};
+use serde_json::{Map, Value};
+
+/// One row of a file: its number (a line for JSONL and CSV, a 1-based row for Parquet and JSON
+/// arrays; see [`Rows::numbered`]) and its JSON object, or why it could not be read.
+#[derive(Debug)]
+pub struct Row {
+    pub n: usize,
+    pub value: Result<Value, String>,
+}
+
+/// The rows of one file, in order. Blank lines (JSONL, CSV) are skipped and counted.
+pub struct Rows<'a> {
+    name: String,
+    numbered: bool,
+    blank_lines: usize,
+    source: Source<'a>,
+}
+
+enum Source<'a> {
+    Lines {
+        reader: Box<dyn BufRead + 'a>,
+        line: usize,
+    },
+    Array(std::iter::Enumerate<std::vec::IntoIter<Value>>),
+    Csv(Csv),
+    Parquet(parquet::record::reader::RowIter<'static>, usize),
+}
+
+const GZIP_MAGIC: &[u8] = &[0x1f, 0x8b];
+const ZSTD_MAGIC: &[u8] = &[0x28, 0xb5, 0x2f, 0xfd];
+const PARQUET_MAGIC: &[u8] = b"PAR1";
+
+/// Where row `n` of a file sits, the way messages name it: `file:N` (a line) or `file: row N`.
+pub fn row_location(name: &str, numbered: bool, n: usize) -> String {
+    if numbered {
+        format!("{name}: row {n}")
+    } else {
+        format!("{name}:{n}")
+    }
+}
+
+impl<'a> Rows<'a> {
+    /// The rows of a JSONL stream; `name` is used in messages.
+    pub fn jsonl(reader: impl BufRead + 'a, name: &str) -> Rows<'a> {
+        Rows {
+            name: name.to_string(),
+            numbered: false,
+            blank_lines: 0,
+            source: Source::Lines {
+                reader: Box::new(reader),
+                line: 0,
+            },
+        }
+    }
+
+    /// Whether rows are numbered as rows (`file: row N`) rather than as lines.
+    pub fn numbered(&self) -> bool {
+        self.numbered
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Blank lines skipped so far.
+    pub fn blank_lines(&self) -> usize {
+        self.blank_lines
+    }
+
+    /// Where row `n` of this file sits, for messages.
+    pub fn location(&self, n: usize) -> String {
+        row_location(&self.name, self.numbered, n)
+    }
+}
+
+impl Rows<'static> {
+    /// Opens a dataset file, telling its format from its first bytes and its name.
+    pub fn open(path: &Path) -> Result<Rows<'static>> {
+        let name = path.display().to_string();
+        let file = File::open(path)?;
+        let mut reader = BufReader::new(file);
+        let head = reader.fill_buf()?.to_vec();
+        let lower = name.to_ascii_lowercase();
+        let (reader, inner_name): (Box<dyn BufRead>, &str) = if head.starts_with(GZIP_MAGIC) {
+            let decoder = flate2::bufread::MultiGzDecoder::new(reader);
+            let inner = lower.strip_suffix(".gz").unwrap_or(&lower);
+            (Box::new(BufReader::new(decoder)), inner)
+        } else if head.starts_with(ZSTD_MAGIC) {
+            let decoder = zstd::stream::read::Decoder::with_buffer(reader)
+                .with_context(|| format!("{name}: starting the zstd decoder"))?;
+            let inner = lower
+                .strip_suffix(".zst")
+                .or_else(|| lower.strip_suffix(".zstd"))
+                .unwrap_or(&lower);
+            (Box::new(BufReader::new(decoder)), inner)
+        } else if head.starts_with(PARQUET_MAGIC) || lower.ends_with(".parquet") {
+            return Rows::parquet(path, name);
+        } else {
+            (Box::new(reader), lower.as_str())
+        };
+        let delimiter = if inner_name.ends_with(".csv") {
+            Some(b',')
+        } else if inner_name.ends_with(".tsv") {
+            Some(b'\t')
+        } else {
+            None
+        };
+        let is_json = inner_name.ends_with(".json");
+        Rows::from_text(reader, name, delimiter, is_json)
+    }
+
+    fn parquet(path: &Path, name: String) -> Result<Rows<'static>> {
+        use parquet::file::reader::SerializedFileReader;
+        let reader = SerializedFileReader::new(File::open(path)?)
+            .map_err(|e| anyhow::anyhow!("{name}: not a readable Parquet file ({e})"))?;
+        let rows = parquet::record::reader::RowIter::from_file_into(Box::new(reader));
+        Ok(Rows {
+            name,
+            numbered: true,
+            blank_lines: 0,
+            source: Source::Parquet(rows, 0),
+        })
+    }
+
+    /// A text file (maybe decompressed): CSV / TSV by name, a JSON array by its first character,
+    /// JSONL otherwise.
+    fn from_text(
+        mut reader: Box<dyn BufRead>,
+        name: String,
+        delimiter: Option<u8>,
+        is_json: bool,
+    ) -> Result<Rows<'static>> {
+        if let Some(delimiter) = delimiter {
+            let text = read_text(&mut reader, &name)?;
+            let csv = Csv::new(text, delimiter, &name)?;
+            return Ok(Rows {
+                name,
+                numbered: false,
+                blank_lines: 0,
+                source: Source::Csv(csv),
+            });
+        }
+        let first = first_significant_byte(&mut reader)?;
+        if first == Some(b'[') || (is_json && first == Some(b'{')) {
+            let text = read_text(&mut reader, &name)?;
+            let body = text.trim_start_matches('\u{feff}');
+            if first == Some(b'{') {
+                // A `.json` file of one object per line is JSONL; one object over several lines
+                // is not a list of rows (often rows under a key, as `load_dataset`'s `field`).
+                if let Ok(Value::Object(obj)) = serde_json::from_str::<Value>(body) {
+                    if body.trim().lines().count() > 1 {
+                        bail!("{name}: {}", object_file_hint(&obj));
+                    }
+                }
+                let reader: Box<dyn BufRead> = Box::new(std::io::Cursor::new(text.into_bytes()));
+                return Ok(Rows::jsonl(reader, &name));
+            }
+            let items: Vec<Value> = serde_json::from_str(body).map_err(|e| {
+                anyhow::anyhow!(
+                    "{name}:{}:{}: the file starts a JSON array of rows, which does not parse \
+                     as JSON here ({e}); no row is read",
+                    e.line(),
+                    e.column()
+                )
+            })?;
+            return Ok(Rows {
+                name,
+                numbered: true,
+                blank_lines: 0,
+                source: Source::Array(items.into_iter().enumerate()),
+            });
+        }
+        Ok(Rows::jsonl(reader, &name))
+    }
+}
+
+/// What to say of a `.json` file that is one multi-line object.
+fn object_file_hint(obj: &Map<String, Value>) -> String {
+    let lists: Vec<String> = obj
+        .iter()
+        .filter_map(|(k, v)| v.as_array().map(|a| format!("\"{k}\" ({} items)", a.len())))
+        .collect();
+    let mut msg = String::from(
+        "one JSON object over several lines; a dataset file holds one row per line (JSONL) or \
+         one JSON array of rows",
+    );
+    if !lists.is_empty() {
+        msg.push_str(&format!(
+            ". Its lists: {}; to train on one, write its items one per line (for example \
+             `jq -c '.KEY[]' FILE > rows.jsonl`)",
+            lists.join(", ")
+        ));
+    }
+    msg
+}
+
+/// The first byte that is neither whitespace nor part of a UTF-8 byte-order mark, without
+/// consuming anything.
+fn first_significant_byte(reader: &mut Box<dyn BufRead>) -> Result<Option<u8>> {
+    let buf = reader.fill_buf()?;
+    Ok(buf
+        .iter()
+        .copied()
+        .find(|b| !b.is_ascii_whitespace() && ![0xef, 0xbb, 0xbf].contains(b)))
+}
+
+/// The whole (decompressed) file as text; invalid UTF-8 is an error naming its line.
+fn read_text(reader: &mut Box<dyn BufRead>, name: &str) -> Result<String> {
+    let mut bytes = Vec::new();
+    reader
+        .read_to_end(&mut bytes)
+        .with_context(|| format!("{name}: reading"))?;
+    String::from_utf8(bytes).map_err(|e| {
+        let at = e.utf8_error().valid_up_to();
+        let line = e.as_bytes()[..at].iter().filter(|&&b| b == b'\n').count() + 1;
+        anyhow::anyhow!("{name}:{line}: not valid UTF-8 text ({})", e.utf8_error())
+    })
+}
+
+impl Iterator for Rows<'_> {
+    type Item = Result<Row>;
+
+    fn next(&mut self) -> Option<Result<Row>> {
+        match &mut self.source {
+            Source::Lines { reader, line } => loop {
+                let mut buf = Vec::new();
+                match reader.read_until(b'\n', &mut buf) {
+                    Ok(0) => return None,
+                    Ok(_) => {}
+                    Err(e) => {
+                        let n = *line + 1;
+                        return Some(Err(anyhow::anyhow!("{}:{n}: reading ({e})", self.name)));
+                    }
+                }
+                *line += 1;
+                let n = *line;
+                let value = match std::str::from_utf8(&buf) {
+                    Ok(text) => {
+                        let text = if n == 1 {
+                            text.trim_start_matches('\u{feff}')
+                        } else {
+                            text
+                        };
+                        if text.trim().is_empty() {
+                            self.blank_lines += 1;
+                            continue;
+                        }
+                        serde_json::from_str(text).map_err(|e| format!("invalid JSON: {e}"))
+                    }
+                    Err(e) => Err(format!("line is not valid UTF-8 ({e})")),
+                };
+                return Some(Ok(Row { n, value }));
+            },
+            Source::Array(items) => items.next().map(|(i, value)| {
+                Ok(Row {
+                    n: i + 1,
+                    value: Ok(value),
+                })
+            }),
+            Source::Csv(csv) => {
+                let name = &self.name;
+                loop {
+                    match csv.record(name) {
+                        Err(e) => return Some(Err(e)),
+                        Ok(None) => return None,
+                        Ok(Some(Record::Blank)) => self.blank_lines += 1,
+                        Ok(Some(Record::Row(row))) => return Some(Ok(row)),
+                    }
+                }
+            }
+            Source::Parquet(rows, n) => rows.next().map(|row| {
+                *n += 1;
+                let n = *n;
+                let row = row.map_err(|e| {
+                    anyhow::anyhow!("{}: row {n}: reading the row ({e})", self.name)
+                })?;
+                Ok(Row {
+                    n,
+                    value: Ok(row.to_json_value()),
+                })
+            }),
+        }
+    }
+}
+
+/// A CSV (or TSV) text with a header row, read record by record as Python's `csv` module reads
+/// it: fields quoted with `"` may hold the delimiter, newlines and `""` (one quote); text after a
+/// closing quote joins the field; quotes inside an unquoted field are kept. Every cell is a
+/// string, except in a column named `weight`, where a number becomes a JSON number and an empty
+/// cell null (the row's default weight).
+struct Csv {
+    text: String,
+    pos: usize,
+    line: usize,
+    delimiter: u8,
+    header: Vec<String>,
+}
+
+enum Record {
+    Blank,
+    Row(Row),
+}
+
+impl Csv {
+    fn new(text: String, delimiter: u8, name: &str) -> Result<Csv> {
+        let mut csv = Csv {
+            pos: if text.starts_with('\u{feff}') { 3 } else { 0 },
+            text,
+            line: 1,
+            delimiter,
+            header: Vec::new(),
+        };
+        let header = loop {
+            match csv.fields(name)? {
+                None => bail!("{name}: no header row (the first line names the columns)"),
+                Some((_, fields)) if fields.len() == 1 && fields[0].is_empty() => continue,
+                Some((line, fields)) => break (line, fields),
+            }
+        };
+        let (line, fields) = header;
+        for (i, f) in fields.iter().enumerate() {
+            let f = f.trim();
+            if f.is_empty() {
+                bail!("{name}:{line}: header column {} has no name", i + 1);
+            }
+            if csv.header.iter().any(|h| h == f) {
+                bail!("{name}:{line}: header names column \"{f}\" twice");
+            }
+            csv.header.push(f.to_string());
+        }
+        Ok(csv)
+    }
+
+    /// The next record as a row, a blank line, or the end of the text.
+    fn record(&mut self, name: &str) -> Result<Option<Record>> {
+        let Some((line, fields)) = self.fields(name)? else {
+            return Ok(None);
+        };
+        if fields.len() == 1 && fields[0].is_empty() {
+            return Ok(Some(Record::Blank));
+        }
+        let value = if fields.len() != self.header.len() {
+            Err(format!(
+                "{} fields, where the header has {} columns ({})",
+                fields.len(),
+                self.header.len(),
+                self.header.join(", ")
+            ))
+        } else {
+            let mut obj = Map::new();
+            for (column, cell) in self.header.iter().zip(fields) {
+                obj.insert(column.clone(), cell_value(column, cell));
+            }
+            Ok(Value::Object(obj))
+        };
+        Ok(Some(Record::Row(Row { n: line, value })))
+    }
+
+    /// The fields of the next record and the line it starts on; `None` at the end of the text.
+    fn fields(&mut self, name: &str) -> Result<Option<(usize, Vec<String>)>> {
+        let bytes = self.text.as_bytes();
+        if self.pos >= bytes.len() {
+            return Ok(None);
+        }
+        let start_line = self.line;
+        let mut fields = Vec::new();
+        let mut field: Vec<u8> = Vec::new();
+        let mut i = self.pos;
+        loop {
+            // At the start of a field.
+            if i < bytes.len() && bytes[i] == b'"' {
+                i += 1;
+                loop {
+                    match bytes.get(i) {
+                        None => bail!(
+                            "{name}:{start_line}: a quoted field opened in the record that starts \
+                             on this line is never closed; no row after it is read"
+                        ),
+                        Some(b'"') if bytes.get(i + 1) == Some(&b'"') => {
+                            field.push(b'"');
+                            i += 2;
+                        }
+                        Some(b'"') => {
+                            i += 1;
+                            break;
+                        }
+                        Some(&b) => {
+                            if b == b'\n' {
+                                self.line += 1;
+                            }
+                            field.push(b);
+                            i += 1;
+                        }
+                    }
+                }
+            }
+            // Unquoted text, or text after a closing quote, up to the delimiter or the line's end.
+            while i < bytes.len() && bytes[i] != self.delimiter && bytes[i] != b'\n' {
+                field.push(bytes[i]);
+                i += 1;
+            }
+            if i < bytes.len() && bytes[i] == self.delimiter {
+                fields.push(take_field(&mut field));
+                i += 1;
+                continue;
+            }
+            // The record ends at a newline (its `\r` dropped) or at the end of the text.
+            if field.last() == Some(&b'\r') {
+                field.pop();
+            }
+            fields.push(take_field(&mut field));
+            if i < bytes.len() {
+                i += 1;
+                self.line += 1;
+            }
+            self.pos = i;
+            return Ok(Some((start_line, fields)));
+        }
+    }
+}
+
+/// The field's text (the input is UTF-8 and fields split at ASCII bytes, so it stays UTF-8).
+fn take_field(field: &mut Vec<u8>) -> String {
+    String::from_utf8(std::mem::take(field)).expect("fields split UTF-8 text at ASCII bytes")
+}
+
+fn cell_value(column: &str, cell: String) -> Value {
+    if column == "weight" {
+        if cell.trim().is_empty() {
+            return Value::Null;
+        }
+        if let Some(n) = cell
+            .trim()
+            .parse::<f64>()
+            .ok()
+            .and_then(serde_json::Number::from_f64)
+        {
+            return Value::Number(n);
+        }
+    }
+    Value::String(cell)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn write(dir: &Path, name: &str, bytes: &[u8]) -> std::path::PathBuf {
+        let p = dir.join(name);
+        std::fs::write(&p, bytes).unwrap();
+        p
+    }
+
+    type Read = Vec<(usize, Result<Value, String>)>;
+
+    /// Every row of a file, whether rows are numbered, and the blank lines skipped.
+    fn all(path: &Path) -> (Read, bool, usize) {
+        let mut rows = Rows::open(path).unwrap();
+        let got = rows
+            .by_ref()
+            .map(|r| r.map(|r| (r.n, r.value)).unwrap())
+            .collect();
+        (got, rows.numbered(), rows.blank_lines())
+    }
+
+    fn tmp(tag: &str) -> std::path::PathBuf {
+        let d = std::env::temp_dir().join(format!("lorafit-rows-{tag}-{}", std::process::id()));
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    }
+
+    #[test]
+    fn csv_quoting_as_python_reads_it() {
+        let d = tmp("csv");
+        let text = "\u{feff}prompt,chosen,rejected,weight\r\n\
+                    \"Say \"\"hi\"\", twice\",\"hi\nhi\",no,0.5\r\n\
+                    \r\n\
+                    plain,a\"b,\"c\"d,\n\
+                    short,row\n\
+                    last,x,y,2";
+        let p = write(&d, "t.csv", text.as_bytes());
+        let (rows, numbered, blank) = all(&p);
+        assert!(!numbered);
+        assert_eq!(blank, 1);
+        assert_eq!(rows.len(), 4);
+        assert_eq!(
+            rows[0],
+            (
+                2,
+                Ok(json!({"prompt": "Say \"hi\", twice", "chosen": "hi\nhi",
+                          "rejected": "no", "weight": 0.5}))
+            )
+        );
+        // A record's number is the line it starts on (the quoted newline moved the next one).
+        assert_eq!(
+            rows[1],
+            (
+                5,
+                Ok(
+                    json!({"prompt": "plain", "chosen": "a\"b", "rejected": "cd",
+                          "weight": null})
+                )
+            )
+        );
+        let (n, e) = &rows[2];
+        assert_eq!(*n, 6);
+        assert_eq!(
+            e.as_ref().unwrap_err(),
+            "2 fields, where the header has 4 columns (prompt, chosen, rejected, weight)"
+        );
+        assert_eq!(rows[3].0, 7);
+        assert_eq!(rows[3].1.as_ref().unwrap()["weight"], json!(2.0));
+    }
+
+    #[test]
+    fn tsv_and_broken_csv() {
+        let d = tmp("tsv");
+        let p = write(&d, "t.tsv", b"prompt\tchosen\trejected\nq\ta, b\tc\n");
+        let (rows, _, _) = all(&p);
+        assert_eq!(
+            rows,
+            vec![(
+                2,
+                Ok(json!({"prompt": "q", "chosen": "a, b", "rejected": "c"}))
+            )]
+        );
+        let p = write(
+            &d,
+            "open.csv",
+            b"prompt,chosen,rejected\nq,\"never closed\n,x\n",
+        );
+        let mut rows = Rows::open(&p).unwrap();
+        let e = rows.next().unwrap().unwrap_err().to_string();
+        assert!(
+            e.starts_with(&format!("{}:2: a quoted field", p.display())),
+            "{e}"
+        );
+        let p = write(&d, "dup.csv", b"prompt,chosen,prompt\n");
+        let e = Rows::open(&p).err().unwrap().to_string();
+        assert!(
+            e.ends_with(":1: header names column \"prompt\" twice"),
+            "{e}"
+        );
+        let p = write(&d, "noname.csv", b"prompt,,rejected\n");
+        let e = Rows::open(&p).err().unwrap().to_string();
+        assert!(e.ends_with(":1: header column 2 has no name"), "{e}");
+        let p = write(&d, "empty.csv", b"\n\n");
+        let e = Rows::open(&p).err().unwrap().to_string();
+        assert!(e.contains("no header row"), "{e}");
+    }
+
+    #[test]
+    fn json_arrays_objects_and_compression() {
+        let d = tmp("json");
+        let rows = json!([{"prompt": "a", "chosen": "b", "rejected": "c"}, 7]);
+        // A minified array: rows are numbered, not lined.
+        let p = write(&d, "a.json", rows.to_string().as_bytes());
+        let (got, numbered, _) = all(&p);
+        assert!(numbered);
+        assert_eq!(got, vec![(1, Ok(rows[0].clone())), (2, Ok(json!(7)))]);
+        // The same array pretty-printed, under any name, reads the same.
+        let pretty = serde_json::to_string_pretty(&rows).unwrap();
+        let p = write(&d, "a.jsonl", pretty.as_bytes());
+        assert_eq!(all(&p).0, got);
+        // A broken array is an error of the whole file, with its line and column.
+        let p = write(&d, "cut.json", b"[\n{\"prompt\": \"a\"},\n{\"prompt\": \n");
+        let e = Rows::open(&p).err().unwrap().to_string();
+        assert!(
+            e.starts_with(&format!("{}:4:0: the file starts", p.display())),
+            "{e}"
+        );
+        // One object over several lines: named as such, with its lists.
+        let p = write(
+            &d,
+            "o.json",
+            b"{\n\"data\": [{\"prompt\": \"a\"}],\n\"v\": 1\n}\n",
+        );
+        let e = Rows::open(&p).err().unwrap().to_string();
+        assert!(e.contains("Its lists: \"data\" (1 items)"), "{e}");
+        // A one-line object in a .json file is a JSONL file of one row.
+        let p = write(&d, "one.json", b"{\"prompt\": \"a\"}\n");
+        assert_eq!(all(&p).0, vec![(1, Ok(json!({"prompt": "a"})))]);
+        // gzip and zstd, the format from the name under the suffix or from the content.
+        let jsonl = b"{\"x\": 1}\n\n{\"x\": 2}\n";
+        let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+        std::io::Write::write_all(&mut gz, jsonl).unwrap();
+        let p = write(&d, "r.jsonl.gz", &gz.finish().unwrap());
+        let (got, numbered, blank) = all(&p);
+        assert_eq!(
+            (got, numbered, blank),
+            (
+                vec![(1, Ok(json!({"x": 1}))), (3, Ok(json!({"x": 2})))],
+                false,
+                1
+            )
+        );
+        let csv = zstd::stream::encode_all(&b"x,y\n1,2\n"[..], 1).unwrap();
+        let p = write(&d, "r.csv.zst", &csv);
+        assert_eq!(all(&p).0, vec![(2, Ok(json!({"x": "1", "y": "2"})))]);
+        // Text that is not UTF-8 names its line.
+        let p = write(&d, "bad.csv", b"x\n\xff\n");
+        let e = Rows::open(&p).err().unwrap().to_string();
+        assert!(e.contains("bad.csv:2: not valid UTF-8"), "{e}");
+    }
+}
