@@ -840,11 +840,9 @@ fn run_lint(a: LintArgs) -> Result<bool> {
         for r in report.load.skip_reasons.iter().chain(&report.bad_rows) {
             println!("error: {r}");
         }
-        let numbered = report.load.numbered_rows;
         for row in rows.iter().filter(|r| !r.findings.is_empty()) {
-            let at = data::rows::row_location(&a.data, numbered, row.line);
             let notes: Vec<String> = row.findings.iter().map(|f| f.to_string()).collect();
-            println!("{at}: {}", notes.join("; "));
+            println!("{}: {}", row.at, notes.join("; "));
         }
     }
     println!("{report}");

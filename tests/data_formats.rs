@@ -2,7 +2,8 @@
 //! UltraFeedback layout, ShareGPT, Alpaca, and local Parquet files (snappy, zstd, gzip pages) with
 //! the same layouts; and what `lorafit lint` (`data::check`) finds in a pair: BOS/EOS, a token
 //! merged across the boundary, where the two tokenizations differ, truncation and what it cut,
-//! length ratios, duplicates. Also: an SFT `{text}` row (no prompt) plans without a panic.
+//! length ratios, duplicates. Also: an SFT `{text}` row (no prompt) plans without a panic, and
+//! the shards of a split named by a pattern read as one dataset.
 
 mod common;
 use lorafit::data::dataset::{load_dataset, read_jsonl, DatasetKind, Example, RowWeight};
@@ -143,7 +144,7 @@ fn parquet_files_in_the_hub_layouts() {
         )
         .unwrap();
         assert_eq!(
-            (rep.loaded, rep.chat_rows, rep.numbered_rows),
+            (rep.loaded, rep.chat_rows, rep.files[0].numbered_rows),
             (3, 3, true),
             "{name}"
         );
@@ -301,7 +302,11 @@ fn lint_findings_per_pair_and_in_sum() {
         "{:?}",
         f[2]
     );
-    assert_eq!(f[3].last(), Some(&Finding::Duplicate(1)));
+    assert!(
+        matches!(f[3].last(), Some(Finding::Duplicate(at)) if at.ends_with(".jsonl:1")),
+        "{:?}",
+        f[3]
+    );
     assert_eq!(
         (
             rep.boundary_merges,
@@ -371,4 +376,82 @@ fn sft_text_rows_without_prompt_plan() {
     assert_eq!(plan.chosen.response.targets, [6, 7]);
     assert!(plan.chosen.prompt.rows.is_empty() && plan.chosen.prompt.targets.is_empty());
     assert!(lorafit::train::plan::Plan::sft(&[], &[5]).is_err());
+}
+
+/// The shards of one split, named by a pattern, are one dataset: their examples in name order,
+/// whatever each shard's format, each row named by its own file, and a duplicate across shards
+/// named by the first one's file.
+#[test]
+fn a_pattern_reads_the_shards_of_a_split_as_one_dataset() {
+    let dir = std::env::temp_dir().join(format!("lorafit-shards-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let row = |p: &str| format!(r#"{{"prompt":"{p}","chosen":" a","rejected":" b"}}"#);
+    std::fs::write(
+        dir.join("train-0.jsonl"),
+        format!("{}\n{}\n", row("Q1"), row("Q2")),
+    )
+    .unwrap();
+    std::fs::write(
+        dir.join("train-1.csv"),
+        "prompt,chosen,rejected\nQ3, a, b\nQ1, a, b\n",
+    )
+    .unwrap();
+    std::fs::write(dir.join("test-0.jsonl"), format!("{}\n", row("T"))).unwrap();
+    let spec = format!("{}/train-*", dir.display());
+    let (ex, rep) = load_dataset(&spec, DatasetKind::Preference, false).unwrap();
+    let prompts: Vec<&str> = ex
+        .iter()
+        .map(|e| match e {
+            Example::Preference {
+                data: PreferenceData::Text { prompt, .. },
+                ..
+            } => prompt.as_str(),
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    assert_eq!(prompts, ["Q1", "Q2", "Q3", "Q1"]);
+    assert_eq!(
+        (rep.loaded, rep.files.len(), rep.path.as_str()),
+        (4, 2, spec.as_str())
+    );
+    assert_eq!(
+        rep.location(2, 2),
+        format!("{}/train-1.csv:2", dir.display())
+    );
+    assert_eq!(
+        rep.location(1, 2),
+        format!("{}/train-0.jsonl:2", dir.display())
+    );
+
+    let (tok, t) = chatml();
+    let opts = CheckOptions {
+        kind: DatasetKind::Preference,
+        skip_bad: false,
+        tokenize: TokenizeOptions::new(256, 128),
+        compare: None,
+        model_vocab: tok.vocab_size(),
+    };
+    let (rows, rep) = load_and_check(&spec, None, &tok, Some(&t), &opts).unwrap();
+    assert_eq!(rep.duplicates, 1);
+    assert_eq!(rows[3].at, format!("{}/train-1.csv:3", dir.display()));
+    assert_eq!(
+        rows[3].findings.last(),
+        Some(&Finding::Duplicate(format!(
+            "{}/train-0.jsonl:1",
+            dir.display()
+        )))
+    );
+
+    // A bad row in the second shard is named by that shard.
+    std::fs::write(dir.join("train-1.csv"), "prompt,chosen,rejected\nQ3,, b\n").unwrap();
+    let e = load_dataset(&spec, DatasetKind::Preference, false)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.starts_with(&format!(
+            "{}/train-1.csv:2: field \"chosen\"",
+            dir.display()
+        )),
+        "{e}"
+    );
 }

@@ -23,7 +23,6 @@ use anyhow::Result;
 use super::dataset::{
     load_dataset, read_jsonl, DatasetKind, Example, LoadReport, PreferenceData, Role, SftData,
 };
-use super::rows::row_location;
 use super::template::ChatTemplate;
 use super::tokenize::{
     render_preference, render_sft, tokenize_pair, tokenize_sft_example, TextTokenizer, TokenRules,
@@ -78,8 +77,8 @@ pub enum Finding {
     LengthRatio(f64),
     /// chosen and rejected are the same text: no preference signal.
     IdenticalResponses,
-    /// The same row as an earlier one (its line).
-    Duplicate(usize),
+    /// The same row as an earlier one (where that one sits).
+    Duplicate(String),
     /// The prompt's last message is the assistant's.
     PromptEndsWithAssistant,
 }
@@ -117,7 +116,7 @@ impl fmt::Display for Finding {
             Finding::IdenticalResponses => {
                 f.write_str("chosen equals rejected (no preference signal)")
             }
-            Finding::Duplicate(line) => write!(f, "duplicate of the row at {line}"),
+            Finding::Duplicate(first) => write!(f, "duplicate of the row at {first}"),
             Finding::PromptEndsWithAssistant => {
                 f.write_str("the prompt ends with an assistant turn (the response continues it)")
             }
@@ -202,7 +201,8 @@ fn rules_differ(tok: &TextTokenizer, parts: &[(&'static str, &[u32], &[u32])]) -
 /// A checked row: its place, its ids and its findings.
 #[derive(Debug, Clone)]
 pub struct CheckedRow {
-    pub line: usize,
+    /// Where the row sits: `file:line` or `file: row N`.
+    pub at: String,
     /// The row's `weight` (1 unless a preference row sets one).
     pub weight: f64,
     pub tokens: RowTokens,
@@ -328,7 +328,6 @@ pub fn load_and_check(
         Some(t) => read_jsonl(std::io::Cursor::new(t), path, opts.kind, opts.skip_bad)?,
         None => load_dataset(path, opts.kind, opts.skip_bad)?,
     };
-    let numbered = load.numbered_rows;
     let mut report = CheckReport {
         load,
         rules: Some(opts.tokenize.rules),
@@ -336,9 +335,9 @@ pub fn load_and_check(
         ..Default::default()
     };
     let mut rows = Vec::with_capacity(examples.len());
-    let mut seen: HashMap<u64, usize> = HashMap::new();
-    for ex in &examples {
-        let at = row_location(path, numbered, ex.line());
+    let mut seen: HashMap<u64, String> = HashMap::new();
+    for (index, ex) in examples.iter().enumerate() {
+        let at = report.load.location(index, ex.line());
         // The row's counts join the report only when the row is used.
         let mut row_counts = TokenizeReport::default();
         match check_row(ex, tok, template, opts, &mut row_counts) {
@@ -353,16 +352,18 @@ pub fn load_and_check(
                 // report a false duplicate, never drop a row.
                 let key = h.finish();
                 match seen.entry(key) {
-                    Entry::Occupied(first) => findings.push(Finding::Duplicate(*first.get())),
+                    Entry::Occupied(first) => {
+                        findings.push(Finding::Duplicate(first.get().clone()))
+                    }
                     Entry::Vacant(slot) => {
-                        slot.insert(ex.line());
+                        slot.insert(at.clone());
                     }
                 }
                 for f in &findings {
                     report.count(f);
                 }
                 rows.push(CheckedRow {
-                    line: ex.line(),
+                    at: at.clone(),
                     weight: ex.weight(),
                     tokens,
                     findings,

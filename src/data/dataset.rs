@@ -37,7 +37,7 @@ use std::fmt;
 use std::io::BufRead;
 use std::path::Path;
 
-use super::rows::Rows;
+use super::rows::{dataset_files, row_location, Rows};
 
 use anyhow::{bail, Context, Result};
 use serde::Serialize;
@@ -251,14 +251,37 @@ pub struct LoadReport {
     pub skipped: usize,
     /// Blank (whitespace-only) lines ignored.
     pub blank_lines: usize,
-    /// Rows are numbered as rows (Parquet, a JSON array: messages say `row N`), not as lines.
-    pub numbered_rows: bool,
+    /// The files read, in order (one unless the setting was a pattern), each with the index of
+    /// its first example.
+    pub files: Vec<LoadedFile>,
     /// Rows in text form / chat form among `loaded`.
     pub text_rows: usize,
     pub chat_rows: usize,
     /// Every skip reason, each `file:line: ...` (the log shows the first
     /// [`MAX_SKIP_REASONS`]).
     pub skip_reasons: Vec<String>,
+}
+
+/// One file of a dataset, for naming where its rows sit.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct LoadedFile {
+    pub name: String,
+    /// Rows are numbered as rows (Parquet, a JSON array: messages say `row N`), not as lines.
+    pub numbered_rows: bool,
+    /// The index of the file's first example among all the dataset's examples.
+    pub first_example: usize,
+}
+
+impl LoadReport {
+    /// Where example `index` (of all the dataset's examples, in order), at line or row `n` of
+    /// its file, sits: `file:N` or `file: row N`.
+    pub fn location(&self, index: usize, n: usize) -> String {
+        let file = self.files.partition_point(|f| f.first_example <= index);
+        match self.files.get(file.saturating_sub(1)) {
+            Some(f) => row_location(&f.name, f.numbered_rows, n),
+            None => row_location(&self.path, false, n),
+        }
+    }
 }
 
 impl fmt::Display for LoadReport {
@@ -315,8 +338,9 @@ impl fmt::Display for RowError {
 
 impl std::error::Error for RowError {}
 
-/// Reads a dataset file of `kind` rows, in any format [`Rows::open`] reads (JSONL, a JSON
-/// array, CSV / TSV, Parquet; compressed with gzip or zstd).
+/// Reads a dataset of `kind` rows: a file in any format [`Rows::open`] reads (JSONL, a JSON
+/// array, CSV / TSV, Parquet; compressed with gzip or zstd), or the files a pattern names
+/// ([`dataset_files`]: the shards of one split), read in name order as one dataset.
 ///
 /// A malformed row is an error naming `file:line: field "...": ...` (`file: row N` where rows
 /// are numbered); with `skip_bad` it is skipped instead and counted in the report, which keeps
@@ -326,12 +350,39 @@ pub fn load_dataset(
     kind: DatasetKind,
     skip_bad: bool,
 ) -> Result<(Vec<Example>, LoadReport)> {
-    let path = path.as_ref();
-    let name = path.display().to_string();
-    let rows = Rows::open(path).with_context(|| format!("opening {kind} dataset {name}"))?;
-    let (examples, report) = collect_rows(rows, kind, skip_bad)?;
+    let name = path.as_ref().display().to_string();
+    let mut examples = Vec::new();
+    let mut report = LoadReport {
+        path: name.clone(),
+        ..Default::default()
+    };
+    for file in dataset_files(&name)? {
+        let shown = file.display().to_string();
+        let rows = Rows::open(&file).with_context(|| format!("opening {kind} dataset {shown}"))?;
+        let first_example = examples.len();
+        let (more, one) = collect_rows(rows, kind, skip_bad)?;
+        examples.extend(more);
+        report.add(one, first_example);
+    }
     ensure_some(&name, kind, &examples, &report)?;
     Ok((examples, report))
+}
+
+impl LoadReport {
+    /// Adds one file's report, whose examples start at `first_example`.
+    fn add(&mut self, file: LoadReport, first_example: usize) {
+        self.loaded += file.loaded;
+        self.skipped += file.skipped;
+        self.blank_lines += file.blank_lines;
+        self.text_rows += file.text_rows;
+        self.chat_rows += file.chat_rows;
+        self.skip_reasons.extend(file.skip_reasons);
+        self.files
+            .extend(file.files.into_iter().map(|f| LoadedFile {
+                first_example: f.first_example + first_example,
+                ..f
+            }));
+    }
 }
 
 fn ensure_some(
@@ -359,7 +410,11 @@ fn collect_rows(
 ) -> Result<(Vec<Example>, LoadReport)> {
     let mut report = LoadReport {
         path: rows.name().to_string(),
-        numbered_rows: rows.numbered(),
+        files: vec![LoadedFile {
+            name: rows.name().to_string(),
+            numbered_rows: rows.numbered(),
+            first_example: 0,
+        }],
         ..Default::default()
     };
     let mut examples = Vec::new();

@@ -1,4 +1,5 @@
-//! Dataset files as a stream of JSON rows, whatever the file holds: JSONL, one JSON array of rows,
+//! Dataset files as a stream of JSON rows (and a dataset setting as its files: one, or the
+//! shards a pattern names, [`dataset_files`]), whatever the file holds: JSONL, one JSON array of rows,
 //! CSV or TSV with a header, or Parquet; JSONL, JSON and CSV also gzip- or zstd-compressed. Every
 //! reader of rows (training, `lint`, `eval`, `curate`) goes through [`Rows`], so a format read
 //! here is read everywhere, with the same locations in its messages: `file:LINE` for JSONL and
@@ -48,6 +49,102 @@ enum Source<'a> {
 const GZIP_MAGIC: &[u8] = &[0x1f, 0x8b];
 const ZSTD_MAGIC: &[u8] = &[0x28, 0xb5, 0x2f, 0xfd];
 const PARQUET_MAGIC: &[u8] = b"PAR1";
+
+/// The files a dataset setting names: one file, or the files matching a pattern with `*` (any
+/// run of characters) or `?` (one character) in its last component (the shards of a split, as
+/// `data/train-*.parquet`), in name order. A folder is refused with the dataset files it
+/// holds: it may hold several splits, and which ones to read is the user's choice.
+pub fn dataset_files(spec: &str) -> Result<Vec<std::path::PathBuf>> {
+    let path = Path::new(spec);
+    let file_name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
+    if file_name.contains(['*', '?']) {
+        let dir = match path.parent() {
+            Some(d) if !d.as_os_str().is_empty() => d,
+            _ => Path::new("."),
+        };
+        if dir.to_str().is_some_and(|d| d.contains(['*', '?'])) {
+            bail!("{spec}: a pattern may only match file names, not folders");
+        }
+        let mut found: Vec<_> = std::fs::read_dir(dir)
+            .with_context(|| format!("{spec}: reading the folder {}", dir.display()))?
+            .filter_map(|e| e.ok())
+            .filter(|e| e.file_type().is_ok_and(|t| !t.is_dir()))
+            .filter(|e| {
+                e.file_name()
+                    .to_str()
+                    .is_some_and(|n| wildcard(file_name, n))
+            })
+            .map(|e| e.path())
+            .collect();
+        if found.is_empty() {
+            bail!("{spec}: no file matches the pattern");
+        }
+        found.sort();
+        return Ok(found);
+    }
+    if path.is_dir() {
+        let mut inside: Vec<String> = std::fs::read_dir(path)
+            .map(|rd| {
+                rd.filter_map(|e| e.ok())
+                    .filter(|e| e.file_type().is_ok_and(|t| !t.is_dir()))
+                    .filter_map(|e| e.file_name().to_str().map(str::to_string))
+                    .filter(|n| {
+                        let n = n.to_ascii_lowercase();
+                        [".jsonl", ".json", ".csv", ".tsv", ".parquet", ".gz", ".zst"]
+                            .iter()
+                            .any(|ext| n.ends_with(ext))
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        inside.sort();
+        let hint = if inside.is_empty() {
+            "it holds no dataset file (.jsonl, .json, .csv, .tsv, .parquet, compressed .gz / .zst)"
+                .to_string()
+        } else {
+            let shown: Vec<&str> = inside.iter().take(8).map(String::as_str).collect();
+            let more = inside.len().saturating_sub(8);
+            format!(
+                "it holds {}{}",
+                shown.join(", "),
+                if more > 0 {
+                    format!(" and {more} more")
+                } else {
+                    String::new()
+                }
+            )
+        };
+        bail!(
+            "{spec} is a folder: name a file in it, or a pattern for the shards of one split \
+             (as {spec}/train-*.parquet); {hint}"
+        );
+    }
+    Ok(vec![path.to_path_buf()])
+}
+
+/// Whether `name` matches `pattern`, where `*` is any run of characters and `?` one character.
+fn wildcard(pattern: &str, name: &str) -> bool {
+    let (p, n): (Vec<char>, Vec<char>) = (pattern.chars().collect(), name.chars().collect());
+    // The classic two-pointer match with backtracking to the last `*`.
+    let (mut i, mut j, mut star, mut mark) = (0, 0, None, 0);
+    while j < n.len() {
+        if i < p.len() && (p[i] == '?' || p[i] == n[j]) {
+            i += 1;
+            j += 1;
+        } else if i < p.len() && p[i] == '*' {
+            star = Some(i);
+            mark = j;
+            i += 1;
+        } else if let Some(s) = star {
+            i = s + 1;
+            mark += 1;
+            j = mark;
+        } else {
+            return false;
+        }
+    }
+    p[i..].iter().all(|&c| c == '*')
+}
 
 /// Where row `n` of a file sits, the way messages name it: `file:N` (a line) or `file: row N`.
 pub fn row_location(name: &str, numbered: bool, n: usize) -> String {
@@ -567,6 +664,42 @@ mod tests {
         let p = write(&d, "empty.csv", b"\n\n");
         let e = Rows::open(&p).err().unwrap().to_string();
         assert!(e.contains("no header row"), "{e}");
+    }
+
+    #[test]
+    fn patterns_name_shards_and_folders_are_refused() {
+        assert!(wildcard("train-*.parquet", "train-00001-of-00002.parquet"));
+        assert!(wildcard("t?ain*", "train"));
+        assert!(wildcard("*a*b", "xxaxxb"));
+        assert!(!wildcard("*a*b", "xxaxxbx"));
+        assert!(!wildcard("train-*.parquet", "test-00000-of-00001.parquet"));
+        let d = tmp("glob");
+        for n in ["train-1.jsonl", "train-0.jsonl", "test-0.jsonl"] {
+            write(&d, n, b"{}\n");
+        }
+        std::fs::create_dir_all(d.join("train-dir.jsonl")).unwrap();
+        let spec = format!("{}/train-*.jsonl", d.display());
+        let names: Vec<String> = dataset_files(&spec)
+            .unwrap()
+            .iter()
+            .map(|p| p.file_name().unwrap().to_string_lossy().into_owned())
+            .collect();
+        assert_eq!(names, ["train-0.jsonl", "train-1.jsonl"]);
+        let e = dataset_files(&format!("{}/valid-*.jsonl", d.display())).unwrap_err();
+        assert!(
+            e.to_string().ends_with("no file matches the pattern"),
+            "{e}"
+        );
+        let e = dataset_files(&d.display().to_string())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("is a folder")
+                && e.contains("it holds test-0.jsonl, train-0.jsonl, train-1.jsonl"),
+            "{e}"
+        );
+        let one = d.join("test-0.jsonl");
+        assert_eq!(dataset_files(&one.display().to_string()).unwrap(), [one]);
     }
 
     #[test]
