@@ -525,7 +525,7 @@ pub fn curate_file(
         opts.valid_fraction = 0.0;
     }
     let name = input.display().to_string();
-    let rows = Rows::open(input).with_context(|| format!("opening {name}"))?;
+    let rows = Rows::open(input)?;
     let (train, valid, report) = curate_rows(rows, &tok, template.as_ref(), &opts)?;
     if train.is_empty() {
         bail!("{name}: no row survived the filters\n{report}");

@@ -39,7 +39,7 @@ use std::path::Path;
 
 use super::rows::{dataset_files, row_location, Rows};
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 use serde::Serialize;
 use serde_json::{Map, Value};
 
@@ -357,8 +357,7 @@ pub fn load_dataset(
         ..Default::default()
     };
     for file in dataset_files(&name)? {
-        let shown = file.display().to_string();
-        let rows = Rows::open(&file).with_context(|| format!("opening {kind} dataset {shown}"))?;
+        let rows = Rows::open(&file)?;
         let first_example = examples.len();
         let (more, one) = collect_rows(rows, kind, skip_bad)?;
         examples.extend(more);

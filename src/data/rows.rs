@@ -49,6 +49,15 @@ enum Source<'a> {
 const GZIP_MAGIC: &[u8] = &[0x1f, 0x8b];
 const ZSTD_MAGIC: &[u8] = &[0x28, 0xb5, 0x2f, 0xfd];
 const PARQUET_MAGIC: &[u8] = b"PAR1";
+/// Arrow IPC: the file format's magic, and the stream format's continuation marker (what
+/// `datasets`' `save_to_disk` and its cache write).
+const ARROW_FILE_MAGIC: &[u8] = b"ARROW1";
+const ARROW_STREAM_MAGIC: &[u8] = &[0xff, 0xff, 0xff, 0xff];
+
+/// How to turn Arrow files into something lorafit reads.
+const ARROW_HINT: &str = "Arrow files (what the `datasets` library's save_to_disk and cache \
+     write) are not read; write the split as Parquet or JSONL first, e.g. \
+     `datasets.load_from_disk(DIR)[\"train\"].to_parquet(\"train.parquet\")`";
 
 /// The files a dataset setting names: one file, or the files matching a pattern with `*` (any
 /// run of characters) or `?` (one character) in its last component (the shards of a split, as
@@ -98,7 +107,18 @@ pub fn dataset_files(spec: &str) -> Result<Vec<std::path::PathBuf>> {
             })
             .unwrap_or_default();
         inside.sort();
-        let hint = if inside.is_empty() {
+        let arrow = std::fs::read_dir(path).is_ok_and(|mut rd| {
+            rd.any(|e| {
+                e.is_ok_and(|e| {
+                    e.file_name()
+                        .to_str()
+                        .is_some_and(|n| n.ends_with(".arrow"))
+                })
+            })
+        });
+        let hint = if arrow && inside.is_empty() {
+            format!("it holds .arrow files: {ARROW_HINT}")
+        } else if inside.is_empty() {
             "it holds no dataset file (.jsonl, .json, .csv, .tsv, .parquet, compressed .gz / .zst)"
                 .to_string()
         } else {
@@ -190,12 +210,16 @@ impl<'a> Rows<'a> {
 }
 
 impl Rows<'static> {
-    /// Opens a dataset file, telling its format from its first bytes and its name.
+    /// Opens a dataset file, telling its format from its first bytes and its name. Every
+    /// error names the file.
     pub fn open(path: &Path) -> Result<Rows<'static>> {
         let name = path.display().to_string();
-        let file = File::open(path)?;
+        let file = File::open(path).with_context(|| format!("opening dataset {name}"))?;
         let mut reader = BufReader::new(file);
-        let head = reader.fill_buf()?.to_vec();
+        let head = reader
+            .fill_buf()
+            .with_context(|| format!("reading {name}"))?
+            .to_vec();
         let lower = name.to_ascii_lowercase();
         let (reader, inner_name): (Box<dyn BufRead>, &str) = if head.starts_with(GZIP_MAGIC) {
             let decoder = flate2::bufread::MultiGzDecoder::new(reader);
@@ -211,6 +235,11 @@ impl Rows<'static> {
             (Box::new(BufReader::new(decoder)), inner)
         } else if head.starts_with(PARQUET_MAGIC) || lower.ends_with(".parquet") {
             return Rows::parquet(path, name);
+        } else if head.starts_with(ARROW_FILE_MAGIC)
+            || head.starts_with(ARROW_STREAM_MAGIC)
+            || lower.ends_with(".arrow")
+        {
+            bail!("{name}: {ARROW_HINT}");
         } else {
             (Box::new(reader), lower.as_str())
         };
@@ -227,7 +256,8 @@ impl Rows<'static> {
 
     fn parquet(path: &Path, name: String) -> Result<Rows<'static>> {
         use parquet::file::reader::SerializedFileReader;
-        let reader = SerializedFileReader::new(File::open(path)?)
+        let file = File::open(path).with_context(|| format!("opening dataset {name}"))?;
+        let reader = SerializedFileReader::new(file)
             .map_err(|e| anyhow::anyhow!("{name}: not a readable Parquet file ({e})"))?;
         let rows = parquet::record::reader::RowIter::from_file_into(Box::new(reader));
         Ok(Rows {
@@ -256,7 +286,8 @@ impl Rows<'static> {
                 source: Source::Csv(csv),
             });
         }
-        let first = first_significant_byte(&mut reader)?;
+        let first =
+            first_significant_byte(&mut reader).with_context(|| format!("reading {name}"))?;
         if first == Some(b'[') || (is_json && first == Some(b'{')) {
             let text = read_text(&mut reader, &name)?;
             let body = text.trim_start_matches('\u{feff}');
@@ -698,6 +729,20 @@ mod tests {
                 && e.contains("it holds test-0.jsonl, train-0.jsonl, train-1.jsonl"),
             "{e}"
         );
+        let saved = d.join("saved");
+        std::fs::create_dir_all(&saved).unwrap();
+        write(
+            &saved,
+            "data-00000-of-00001.arrow",
+            &[0xff, 0xff, 0xff, 0xff, 8, 0, 0, 0],
+        );
+        let e = dataset_files(&saved.display().to_string())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("it holds .arrow files: Arrow files"), "{e}");
+        let arrow = saved.join("data-00000-of-00001.arrow");
+        let e = Rows::open(&arrow).err().unwrap().to_string();
+        assert!(e.contains("to_parquet"), "{e}");
         let one = d.join("test-0.jsonl");
         assert_eq!(dataset_files(&one.display().to_string()).unwrap(), [one]);
     }
