@@ -455,3 +455,65 @@ fn a_pattern_reads_the_shards_of_a_split_as_one_dataset() {
         "{e}"
     );
 }
+
+/// Rows whose prompt is implicit in two whole texts split where TRL 1.16's `maybe_extract_prompt`
+/// splits them (its output for HH-style and random texts, made by
+/// scripts/make_implicit_prompt_fixture.py), and are refused exactly where TRL's split has no
+/// meaning: texts that never differ, that differ from the first character (TRL then takes the
+/// text up to its last character as the prompt) or share only whitespace, or a response that is
+/// only whitespace.
+#[test]
+fn implicit_text_prompts_split_as_trl_splits_them() {
+    let fixture: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(common::fixture("data/implicit_text_trl.json")).unwrap(),
+    )
+    .unwrap();
+    let mut split = 0;
+    for case in fixture["cases"].as_array().unwrap() {
+        let (c, r) = (
+            case["chosen"].as_str().unwrap(),
+            case["rejected"].as_str().unwrap(),
+        );
+        let trl: Vec<&str> = case["trl"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_str().unwrap())
+            .collect();
+        let row = serde_json::json!({"chosen": c, "rejected": r});
+        let never = c.starts_with(r) || r.starts_with(c);
+        let first_differs = c.chars().next() != r.chars().next();
+        match lorafit::data::dataset::parse_row(&row, DatasetKind::Preference, 1) {
+            Ok(Example::Preference {
+                data:
+                    PreferenceData::Text {
+                        prompt,
+                        chosen,
+                        rejected,
+                    },
+                ..
+            }) => {
+                assert!(!never && !first_differs, "{case}");
+                assert_eq!([prompt.as_str(), &chosen, &rejected], trl[..], "{case}");
+                split += 1;
+            }
+            Ok(other) => panic!("{case}: {other:?}"),
+            Err(e) => {
+                let e = e.to_string();
+                let why = if never {
+                    "never differ"
+                } else if first_differs || trl[0].trim().is_empty() {
+                    "share no leading text"
+                } else {
+                    assert!(
+                        trl[1].trim().is_empty() || trl[2].trim().is_empty(),
+                        "{case}: {e}"
+                    );
+                    "empty response"
+                };
+                assert!(e.contains(why), "{case}: {e}");
+            }
+        }
+    }
+    assert!(split >= 100, "only {split} rows split");
+}

@@ -780,14 +780,56 @@ fn parse_preference(obj: &Map<String, Value>) -> Result<PreferenceData, RowError
             }
         };
     }
-    // Implicit prompt: chosen and rejected are whole conversations.
+    // Implicit prompt: chosen and rejected are whole conversations, or whole texts (the
+    // Anthropic HH layout, "\n\nHuman: ...\n\nAssistant: ...").
     match (chosen, rejected) {
         (Field::Chat(chosen), Field::Chat(rejected)) => implicit_prompt(chosen, rejected),
+        (Field::Text(chosen), Field::Text(rejected)) => implicit_text_prompt(&chosen, &rejected),
         _ => Err(RowError::field(
             "prompt",
-            "missing (an implicit prompt needs \"chosen\" and \"rejected\" to be lists of messages)",
+            "missing, and \"chosen\" and \"rejected\" are not both texts or both lists of \
+             messages (an implicit prompt is their shared beginning)",
         )),
     }
+}
+
+/// The implicit prompt of two whole texts, as TRL's `extract_prompt` splits them (so that
+/// `tokenization = "trl"` gives TRL's ids): the text up to the first character where they
+/// differ, less a space just before it (which goes to the responses). Texts that never differ
+/// (equal, or one the beginning of the other) have no such point and are refused: TRL would cut
+/// them one character before the shorter one's end.
+fn implicit_text_prompt(chosen: &str, rejected: &str) -> Result<PreferenceData, RowError> {
+    let differ = chosen
+        .char_indices()
+        .zip(rejected.chars())
+        .find(|((_, a), b)| a != b)
+        .map(|((at, _), _)| at);
+    let Some(mut at) = differ else {
+        return Err(RowError::field(
+            "prompt",
+            "missing, and \"chosen\" and \"rejected\" never differ (equal, or one begins the \
+             other), so there is no point to split an implicit prompt at",
+        ));
+    };
+    if at > 0 && chosen[..at].ends_with(' ') {
+        at -= 1;
+    }
+    let prompt = &chosen[..at];
+    if prompt.trim().is_empty() {
+        return Err(RowError::field(
+            "prompt",
+            "missing, and \"chosen\" and \"rejected\" share no leading text to use as an \
+             implicit prompt",
+        ));
+    }
+    let (chosen, rejected) = (&chosen[at..], &rejected[at..]);
+    check_text_response("chosen", chosen)?;
+    check_text_response("rejected", rejected)?;
+    Ok(PreferenceData::Text {
+        prompt: prompt.to_string(),
+        chosen: chosen.to_string(),
+        rejected: rejected.to_string(),
+    })
 }
 
 /// A conversation whose last message is the assistant's completion.
@@ -1037,7 +1079,63 @@ mod tests {
             .starts_with("data/train.jsonl:1: field \"prompt\": missing, and"));
         let row = r#"{"chosen":"a","rejected":"b"}"#;
         assert!(err(DatasetKind::Preference, row)
-            .starts_with("data/train.jsonl:1: field \"prompt\": missing (an implicit prompt"));
+            .starts_with("data/train.jsonl:1: field \"prompt\": missing, and \"chosen\" and \"rejected\" share no leading text"));
+        for row in [
+            r#"{"chosen":"Q: x A: y","rejected":"Q: x A: y"}"#,
+            r#"{"chosen":"Q: x A: y","rejected":"Q: x A: yz"}"#,
+        ] {
+            assert!(
+                err(DatasetKind::Preference, row).contains("never differ"),
+                "{row}"
+            );
+        }
+        let row = r#"{"chosen":"Q: x","rejected":[{"role":"assistant","content":"b"}]}"#;
+        assert!(err(DatasetKind::Preference, row).contains("not both texts"));
+    }
+
+    /// Whole texts without a prompt split as TRL's `extract_prompt` splits them: at the first
+    /// character where they differ, a space before it going to the responses; the split may
+    /// fall inside the answers when they begin alike.
+    #[test]
+    fn implicit_text_prompt_splits_as_trl_does() {
+        let split = |c: &str, r: &str| {
+            let row = serde_json::json!({"chosen": c, "rejected": r}).to_string();
+            match read(DatasetKind::Preference, false, &row)
+                .unwrap()
+                .0
+                .remove(0)
+            {
+                Example::Preference {
+                    data:
+                        PreferenceData::Text {
+                            prompt,
+                            chosen,
+                            rejected,
+                        },
+                    ..
+                } => (prompt, chosen, rejected),
+                other => panic!("{other:?}"),
+            }
+        };
+        let own = |s: [&str; 3]| (s[0].to_string(), s[1].to_string(), s[2].to_string());
+        assert_eq!(
+            split(
+                "\n\nHuman: Hi\n\nAssistant: Hello!",
+                "\n\nHuman: Hi\n\nAssistant: Go away."
+            ),
+            own(["\n\nHuman: Hi\n\nAssistant:", " Hello!", " Go away."])
+        );
+        assert_eq!(
+            split(
+                "\n\nHuman: Hi\n\nAssistant: I think so",
+                "\n\nHuman: Hi\n\nAssistant: I don't"
+            ),
+            own(["\n\nHuman: Hi\n\nAssistant: I", " think so", " don't"])
+        );
+        // No space before the first difference: the split is right there.
+        assert_eq!(split("ab1", "ab2"), own(["ab", "1", "2"]));
+        // Characters, not bytes.
+        assert_eq!(split("héé x", "héé y"), own(["héé", " x", " y"]));
     }
 
     #[test]
