@@ -11,7 +11,8 @@
 //!   messages and `chosen`/`rejected` are lists of messages (usually one
 //!   assistant message)
 //! * preference, implicit prompt: no `prompt`; `chosen`/`rejected` are whole
-//!   conversations and the prompt is their longest common prefix of messages
+//!   conversations and the prompt is their longest common prefix of messages,
+//!   or whole texts (Anthropic HH) split where TRL's `extract_prompt` splits them
 //! * SFT: `{prompt, completion}` (strings or messages), `{messages}` (the final
 //!   assistant message is the completion, everything before it the prompt) or
 //!   `{text}` (plain text, every token trained)
