@@ -1292,12 +1292,12 @@ fn a_run_that_cannot_fit_its_limit_is_refused_before_the_first_step() {
             && e.contains("(0-based), the longest")
             && e.contains("under memory_limit")
             && e.contains("Largest terms: ")
-            && e.contains("the longest pass that fits is about "),
+            && e.contains("The longest pass that fits is about "),
         "{e}"
     );
     // The longest pass it names does fit.
     let fits: usize = e
-        .split("the longest pass that fits is about ")
+        .split("The longest pass that fits is about ")
         .nth(1)
         .and_then(|r| r.split(' ').next())
         .and_then(|n| n.parse().ok())

@@ -417,15 +417,20 @@ pub fn refuse_unless_longest_fits(
     let (_, smallest) = shape.smallest(cfg.mlp_chunk, cfg.offload);
     let advice = if fixed && smallest.total() <= budget {
         format!(
-            "the planner's smallest plan needs {:.2} GiB: unset segment_size, keep_attention, \
+            "The planner's smallest plan needs {:.2} GiB: unset segment_size, keep_attention, \
              keep_kv_layers and mlp_chunk to let it choose",
             gib(smallest.total())
         )
     } else {
         let longest = super::memory::longest_that_fits(shape, cfg.mlp_chunk, cfg.offload, budget);
+        let more = if cfg.memory_limit.is_some() {
+            "raise memory_limit"
+        } else {
+            "train on a device with more free memory"
+        };
         format!(
-            "the longest pass that fits is about {longest} tokens: lower max_seq_len and \
-             max_prompt_len, drop the longest rows, or raise memory_limit"
+            "The longest pass that fits is about {longest} tokens: lower max_seq_len and \
+             max_prompt_len, drop the longest rows, or {more}"
         )
     };
     let what = if tokens > item.plan(cfg.prefix_shared)?.tokens() {
