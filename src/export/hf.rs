@@ -159,26 +159,7 @@ fn is_weight_file(name: &str) -> bool {
 
 /// The names of every tensor in a Hugging Face folder's safetensors, in file order.
 fn folder_tensor_names(dir: &Path) -> Result<Vec<(PathBuf, Vec<String>)>> {
-    let index_path = dir.join("model.safetensors.index.json");
-    let files: Vec<PathBuf> = if index_path.exists() {
-        let text = std::fs::read_to_string(&index_path)
-            .with_context(|| format!("reading {}", index_path.display()))?;
-        let v: Value = serde_json::from_str(&text)
-            .with_context(|| format!("parsing {}", index_path.display()))?;
-        let map = v
-            .get("weight_map")
-            .and_then(|m| m.as_object())
-            .with_context(|| format!("{}: no weight_map", index_path.display()))?;
-        let mut files: Vec<String> = map
-            .values()
-            .filter_map(|f| f.as_str().map(String::from))
-            .collect();
-        files.sort();
-        files.dedup();
-        files.into_iter().map(|f| dir.join(f)).collect()
-    } else {
-        vec![dir.join("model.safetensors")]
-    };
+    let files = crate::model::weights::safetensors_files(dir)?;
     let mut out = Vec::new();
     for path in files {
         let f =

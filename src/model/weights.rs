@@ -259,33 +259,39 @@ pub struct SafetensorsFolder {
     dir: PathBuf,
 }
 
+/// The safetensors files of a Hugging Face folder: the shards its
+/// `model.safetensors.index.json` names (sorted, each once), or its one `model.safetensors`.
+pub(crate) fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>> {
+    let index_path = dir.join("model.safetensors.index.json");
+    if index_path.exists() {
+        let text = std::fs::read_to_string(&index_path)
+            .with_context(|| format!("reading {}", index_path.display()))?;
+        let v: serde_json::Value = serde_json::from_str(&text)
+            .with_context(|| format!("parsing {}", index_path.display()))?;
+        let map = v
+            .get("weight_map")
+            .and_then(|m| m.as_object())
+            .with_context(|| format!("{}: no weight_map", index_path.display()))?;
+        let mut files: Vec<String> = map
+            .values()
+            .filter_map(|f| f.as_str().map(String::from))
+            .collect();
+        files.sort();
+        files.dedup();
+        Ok(files.into_iter().map(|f| dir.join(f)).collect())
+    } else if dir.join("model.safetensors").exists() {
+        Ok(vec![dir.join("model.safetensors")])
+    } else {
+        bail!(
+            "{}: no model.safetensors or model.safetensors.index.json",
+            dir.display()
+        );
+    }
+}
+
 impl SafetensorsFolder {
     pub fn open(dir: &Path) -> Result<SafetensorsFolder> {
-        let index_path = dir.join("model.safetensors.index.json");
-        let names: Vec<PathBuf> = if index_path.exists() {
-            let text = std::fs::read_to_string(&index_path)
-                .with_context(|| format!("reading {}", index_path.display()))?;
-            let v: serde_json::Value = serde_json::from_str(&text)
-                .with_context(|| format!("parsing {}", index_path.display()))?;
-            let map = v
-                .get("weight_map")
-                .and_then(|m| m.as_object())
-                .with_context(|| format!("{}: no weight_map", index_path.display()))?;
-            let mut files: Vec<String> = map
-                .values()
-                .filter_map(|f| f.as_str().map(String::from))
-                .collect();
-            files.sort();
-            files.dedup();
-            files.into_iter().map(|f| dir.join(f)).collect()
-        } else if dir.join("model.safetensors").exists() {
-            vec![dir.join("model.safetensors")]
-        } else {
-            bail!(
-                "{}: no model.safetensors or model.safetensors.index.json",
-                dir.display()
-            );
-        };
+        let names = safetensors_files(dir)?;
         let mut files = Vec::new();
         let mut index = HashMap::new();
         for path in names {
