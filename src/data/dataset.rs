@@ -244,7 +244,7 @@ impl Example {
 /// What [`load_dataset`] did, for the log.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct LoadReport {
-    /// The file that was read, as given.
+    /// The dataset setting as given: a file, or a pattern naming shards.
     pub path: String,
     /// Rows turned into examples.
     pub loaded: usize,
@@ -282,6 +282,21 @@ impl LoadReport {
             Some(f) => row_location(&f.name, f.numbered_rows, n),
             None => row_location(&self.path, false, n),
         }
+    }
+
+    /// Adds one file's report, whose examples start at `first_example`.
+    fn add(&mut self, file: LoadReport, first_example: usize) {
+        self.loaded += file.loaded;
+        self.skipped += file.skipped;
+        self.blank_lines += file.blank_lines;
+        self.text_rows += file.text_rows;
+        self.chat_rows += file.chat_rows;
+        self.skip_reasons.extend(file.skip_reasons);
+        self.files
+            .extend(file.files.into_iter().map(|f| LoadedFile {
+                first_example: f.first_example + first_example,
+                ..f
+            }));
     }
 }
 
@@ -366,23 +381,6 @@ pub fn load_dataset(
     }
     ensure_some(&name, kind, &examples, &report)?;
     Ok((examples, report))
-}
-
-impl LoadReport {
-    /// Adds one file's report, whose examples start at `first_example`.
-    fn add(&mut self, file: LoadReport, first_example: usize) {
-        self.loaded += file.loaded;
-        self.skipped += file.skipped;
-        self.blank_lines += file.blank_lines;
-        self.text_rows += file.text_rows;
-        self.chat_rows += file.chat_rows;
-        self.skip_reasons.extend(file.skip_reasons);
-        self.files
-            .extend(file.files.into_iter().map(|f| LoadedFile {
-                first_example: f.first_example + first_example,
-                ..f
-            }));
-    }
 }
 
 fn ensure_some(
