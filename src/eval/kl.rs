@@ -37,8 +37,8 @@ pub struct KlOptions {
     pub model: String,
     /// The reference (unquantized) model: the same architecture.
     pub reference: String,
-    /// Calibration rows: a preference or SFT data file (JSONL or Parquet), or plain text with
-    /// one row per line (a `.txt` file).
+    /// Calibration rows: a preference or SFT data file (any format `data::rows` reads), or plain
+    /// text with one row per line (a `.txt` file).
     pub data: PathBuf,
     pub output: PathBuf,
     /// The first this many rows (0: all).

@@ -39,8 +39,8 @@ pub struct EvalOptions {
     pub adapter: Option<PathBuf>,
     /// Before/after: two subjects, each `base` or an adapter folder (empty: one run).
     pub compare: Vec<String>,
-    /// Preference pairs (JSONL), or for the ifeval scorer a prompt file (None there: the
-    /// bundled prompts).
+    /// Preference pairs (any dataset file `data::rows` reads), or for the ifeval scorer a prompt
+    /// file (None there: the bundled prompts).
     pub data: Option<String>,
     pub scorer: Scorer,
     pub device: Option<String>,
@@ -120,7 +120,7 @@ impl EvalOptions {
         if self.scorer == Scorer::Preference && self.data.is_none() {
             return Err(field_error(
                 "data",
-                "the preference scorer needs the preference pairs to score (JSONL)",
+                "the preference scorer needs the preference pairs to score (--data)",
             ));
         }
         if self.scorer == Scorer::Ifeval && self.max_new == 0 {

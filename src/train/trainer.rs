@@ -110,9 +110,10 @@ pub fn load_model_and_tokenizer(
     })
 }
 
-/// Reads, tokenises and checks a dataset file (JSONL or Parquet) for `method` (`data::check`:
-/// the same checks as `lorafit lint`), printing their summary. A bad row fails here, naming file,
-/// line and field, or with `skip_bad_rows` is skipped and counted, before the first step.
+/// Reads, tokenises and checks a dataset (any file `data::rows` reads, or the shards a pattern
+/// names) for `method` (`data::check`: the same checks as `lorafit lint`), printing their
+/// summary. A bad row fails here, naming file, line and field, or with `skip_bad_rows` is
+/// skipped and counted, before the first step.
 pub fn load_items(
     path: &str,
     text: Option<&str>,
