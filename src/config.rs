@@ -127,9 +127,10 @@ pub struct TrainConfig {
     /// encoded again). `lorafit eval --config plan.toml` and `generate --base-quant` score and
     /// generate on the same base; export merges into the files' own weights.
     pub base_quant: crate::model::BaseQuant,
-    /// Training JSONL.
+    /// Training data: a dataset file (JSONL, a JSON array, CSV / TSV, Parquet; gzip or zstd
+    /// compressed; `data::rows`), or a pattern naming the shards of one split.
     pub data: String,
-    /// Validation JSONL (optional).
+    /// Validation data (optional), in the same forms as `data`.
     pub valid: Option<String>,
     /// Output folder: adapter, checkpoints, metrics.jsonl, plan.toml.
     pub output: String,
