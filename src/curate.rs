@@ -385,12 +385,13 @@ pub fn curate_reader(
     template: Option<&ChatTemplate>,
     opts: &CurateOptions,
 ) -> Result<(Vec<Value>, Vec<Value>, CurateReport)> {
-    curate_rows(Rows::jsonl(input, name), tok, template, opts)
+    curate_rows(vec![Rows::jsonl(input, name)], tok, template, opts)
 }
 
-/// [`curate_reader`] over the rows of any dataset file ([`Rows`]).
+/// [`curate_reader`] over the rows of dataset files ([`Rows`]), one after the other (the shards
+/// of a split); prompts already seen in an earlier file count as duplicates.
 pub fn curate_rows(
-    mut rows: Rows<'_>,
+    sources: Vec<Rows<'_>>,
     tok: &TextTokenizer,
     template: Option<&ChatTemplate>,
     opts: &CurateOptions,
@@ -417,55 +418,58 @@ pub fn curate_rows(
     // cutting.
     let no_cut = TokenizeOptions::new(usize::MAX, usize::MAX - 1);
     let mut tok_report = TokenizeReport::default();
-    while let Some(row) = rows.next() {
-        let row = row?;
-        let at = rows.location(row.n);
-        report.rows += 1;
-        let cand = match parse_candidate(row.value, row.n, opts) {
-            Ok(Some(c)) => c,
-            Ok(None) => {
-                report.too_few_completions += 1;
-                continue;
-            }
-            Err(Bad(field, msg)) => {
-                let at = match field {
-                    Some(f) => format!("{at}: field \"{f}\": {msg}"),
-                    None => format!("{at}: {msg}"),
-                };
-                if opts.skip_bad_rows {
-                    report.bad_rows += 1;
-                    eprintln!("skipped {at}");
+    for mut rows in sources {
+        while let Some(row) = rows.next() {
+            let row = row?;
+            let at = rows.location(row.n);
+            report.rows += 1;
+            let cand = match parse_candidate(row.value, row.n, opts) {
+                Ok(Some(c)) => c,
+                Ok(None) => {
+                    report.too_few_completions += 1;
                     continue;
                 }
-                bail!("{at}");
+                Err(Bad(field, msg)) => {
+                    let at = match field {
+                        Some(f) => format!("{at}: field \"{f}\": {msg}"),
+                        None => format!("{at}: {msg}"),
+                    };
+                    if opts.skip_bad_rows {
+                        report.bad_rows += 1;
+                        eprintln!("skipped {at}");
+                        continue;
+                    }
+                    bail!("{at}");
+                }
+            };
+            if let Some((sc, sr)) = cand.scores {
+                if sc - sr < opts.min_score_gap {
+                    report.small_gap += 1;
+                    continue;
+                }
             }
-        };
-        if let Some((sc, sr)) = cand.scores {
-            if sc - sr < opts.min_score_gap {
-                report.small_gap += 1;
+            if responses_identical(&cand.data) {
+                report.identical += 1;
                 continue;
             }
+            if opts.dedupe && !seen.insert(prompt_key(&cand.data)) {
+                report.duplicate_prompt += 1;
+                continue;
+            }
+            let pair = tokenize_pair(&cand.data, tok, template, &no_cut, &mut tok_report)
+                .with_context(|| format!("{at}: tokenizing"))?;
+            if pair.max_len() > opts.max_tokens {
+                report.too_long += 1;
+                continue;
+            }
+            let (c, r) = (pair.chosen.len().max(1), pair.rejected.len().max(1));
+            if c.max(r) as f64 / c.min(r) as f64 > opts.max_length_ratio {
+                report.length_ratio += 1;
+                continue;
+            }
+            kept.push(cand);
         }
-        if responses_identical(&cand.data) {
-            report.identical += 1;
-            continue;
-        }
-        if opts.dedupe && !seen.insert(prompt_key(&cand.data)) {
-            report.duplicate_prompt += 1;
-            continue;
-        }
-        let pair = tokenize_pair(&cand.data, tok, template, &no_cut, &mut tok_report)
-            .with_context(|| format!("{at}: tokenizing"))?;
-        if pair.max_len() > opts.max_tokens {
-            report.too_long += 1;
-            continue;
-        }
-        let (c, r) = (pair.chosen.len().max(1), pair.rejected.len().max(1));
-        if c.max(r) as f64 / c.min(r) as f64 > opts.max_length_ratio {
-            report.length_ratio += 1;
-            continue;
-        }
-        kept.push(cand);
+        report.blank_lines += rows.blank_lines();
     }
     let n_valid = if opts.valid_fraction > 0.0 && kept.len() >= 2 {
         ((kept.len() as f64 * opts.valid_fraction).round() as usize).clamp(1, kept.len() - 1)
@@ -490,7 +494,6 @@ pub fn curate_rows(
             train.push(output_row(c));
         }
     }
-    report.blank_lines = rows.blank_lines();
     report.train = train.len();
     report.valid = valid.len();
     Ok((train, valid, report))
@@ -525,8 +528,11 @@ pub fn curate_file(
         opts.valid_fraction = 0.0;
     }
     let name = input.display().to_string();
-    let rows = Rows::open(input)?;
-    let (train, valid, report) = curate_rows(rows, &tok, template.as_ref(), &opts)?;
+    let sources = crate::data::rows::dataset_files(&name)?
+        .iter()
+        .map(|f| Rows::open(f))
+        .collect::<Result<Vec<_>>>()?;
+    let (train, valid, report) = curate_rows(sources, &tok, template.as_ref(), &opts)?;
     if train.is_empty() {
         bail!("{name}: no row survived the filters\n{report}");
     }

@@ -357,3 +357,37 @@ fn curate_file_writes_both_files() {
     assert!(format!("{e:#}").contains("missing.jsonl"), "{e:#}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Shards named by a pattern are curated as one input: a prompt seen in an earlier shard is a
+/// duplicate in a later one, a CSV shard reads beside a JSONL one, and a bad row is named by its
+/// own shard.
+#[test]
+fn curate_file_reads_the_shards_a_pattern_names() {
+    let dir = std::env::temp_dir().join(format!("lorafit-curate-shards-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let rows: String = (0..3)
+        .map(|i| format!("{}\n", bin(&format!("Prompt {i}"), "Yes indeed.", "No way.", 7.0, 1.0)))
+        .collect();
+    std::fs::write(dir.join("part-0.jsonl"), rows).unwrap();
+    std::fs::write(
+        dir.join("part-1.csv"),
+        "prompt,chosen,rejected\nPrompt 2,Yes indeed.,No way.\nPrompt 3,Sure.,Never.\n",
+    )
+    .unwrap();
+    let out = dir.join("train.jsonl");
+    let pattern = dir.join("part-*");
+    let model = fixture("gguf/spm_prefix.gguf");
+    let opts = CurateOptions {
+        min_score_gap: 0.0,
+        ..CurateOptions::default()
+    };
+    let r = curate_file(&pattern, &out, None, &model, &opts).unwrap();
+    assert_eq!((r.rows, r.duplicate_prompt, r.train), (5, 1, 4), "{r}");
+    std::fs::write(dir.join("part-1.csv"), "prompt,chosen,rejected\nPrompt 9,,No.\n").unwrap();
+    let e = curate_file(&pattern, &out, None, &model, &opts).err().unwrap();
+    assert!(
+        format!("{e:#}").contains("part-1.csv:2: field \"chosen\""),
+        "{e:#}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
