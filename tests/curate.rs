@@ -366,7 +366,12 @@ fn curate_file_reads_the_shards_a_pattern_names() {
     let dir = std::env::temp_dir().join(format!("lorafit-curate-shards-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let rows: String = (0..3)
-        .map(|i| format!("{}\n", bin(&format!("Prompt {i}"), "Yes indeed.", "No way.", 7.0, 1.0)))
+        .map(|i| {
+            format!(
+                "{}\n",
+                bin(&format!("Prompt {i}"), "Yes indeed.", "No way.", 7.0, 1.0)
+            )
+        })
         .collect();
     std::fs::write(dir.join("part-0.jsonl"), rows).unwrap();
     std::fs::write(
@@ -383,8 +388,14 @@ fn curate_file_reads_the_shards_a_pattern_names() {
     };
     let r = curate_file(&pattern, &out, None, &model, &opts).unwrap();
     assert_eq!((r.rows, r.duplicate_prompt, r.train), (5, 1, 4), "{r}");
-    std::fs::write(dir.join("part-1.csv"), "prompt,chosen,rejected\nPrompt 9,,No.\n").unwrap();
-    let e = curate_file(&pattern, &out, None, &model, &opts).err().unwrap();
+    std::fs::write(
+        dir.join("part-1.csv"),
+        "prompt,chosen,rejected\nPrompt 9,,No.\n",
+    )
+    .unwrap();
+    let e = curate_file(&pattern, &out, None, &model, &opts)
+        .err()
+        .unwrap();
     assert!(
         format!("{e:#}").contains("part-1.csv:2: field \"chosen\""),
         "{e:#}"
