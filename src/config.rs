@@ -120,7 +120,8 @@ pub enum Tokenization {
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct TrainConfig {
-    /// Hugging Face model folder, GGUF file, or "smollm2" (fetched and cached).
+    /// Hugging Face model folder, GGUF file, "smollm2" (fetched and cached), or a Hub id
+    /// (`org/name`) whose snapshot an earlier download left in the Hugging Face cache.
     pub model: String,
     /// Encode the seven projections of every layer on load: "none" (as the files hold them),
     /// "q8_0", "q4_0", "q4_1" or "q4_k" (`model::quantize_on_load`; a GGUF's projections are widened and

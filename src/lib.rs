@@ -11,6 +11,7 @@ pub mod curate;
 pub mod data;
 pub mod eval;
 pub mod export;
+pub mod hub_cache;
 pub mod infer;
 pub mod model;
 pub mod plot;

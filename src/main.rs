@@ -109,7 +109,8 @@ struct CurateArgs {
 
 #[derive(clap::Args)]
 struct ExportArgs {
-    /// Base model: Hugging Face folder, GGUF file or "smollm2".
+    /// Base model: Hugging Face folder, GGUF file, "smollm2", or a Hub id in the Hugging Face
+    /// cache.
     #[arg(long)]
     model: String,
     /// PEFT adapter folder (a run's adapter/, best/ or checkpoint).
@@ -277,7 +278,7 @@ struct TrainArgs {
 /// Model, adapter, device and decoding flags shared by `generate` and `chat`.
 #[derive(clap::Args, Clone)]
 struct DecodeArgs {
-    /// Hugging Face folder, .gguf file, or "smollm2".
+    /// Hugging Face folder, .gguf file, "smollm2", or a Hub id in the Hugging Face cache.
     #[arg(long, default_value = "smollm2")]
     model: String,
     /// Encode the base's projections on load, as the adapter's training run did (its plan.toml's
@@ -560,8 +561,8 @@ fn run_chat(a: ChatArgs) -> Result<()> {
 
 #[derive(clap::Args)]
 struct LintArgs {
-    /// Hugging Face model folder, GGUF file, or "smollm2"; only its tokenizer, chat template and
-    /// vocabulary size are read.
+    /// Hugging Face model folder, GGUF file, "smollm2", or a Hub id in the Hugging Face cache;
+    /// only its tokenizer, chat template and vocabulary size are read.
     #[arg(long, default_value = "smollm2")]
     model: String,
     /// The dataset: JSONL, a JSON array, CSV / TSV or Parquet (gzip or zstd compressed or not).
@@ -600,8 +601,8 @@ struct DemoArgs {
 
 #[derive(clap::Args)]
 struct EvalArgs {
-    /// A Hugging Face folder, a GGUF file or "smollm2" (default: the config's model, else
-    /// smollm2).
+    /// A Hugging Face folder, a GGUF file, "smollm2", or a Hub id in the Hugging Face cache
+    /// (default: the config's model, else smollm2).
     #[arg(long)]
     model: Option<String>,
     /// A PEFT adapter folder to score with the model.
@@ -644,8 +645,8 @@ struct EvalArgs {
 
 #[derive(clap::Args)]
 struct KlArgs {
-    /// The quantized model (GGUF file, Hugging Face folder or "smollm2"); its tokenizer reads
-    /// the data.
+    /// The quantized model (GGUF file, Hugging Face folder, "smollm2", or a Hub id in the Hugging
+    /// Face cache); its tokenizer reads the data.
     #[arg(long)]
     model: String,
     /// The reference model of the same architecture (e.g. the f16/bf16 original).

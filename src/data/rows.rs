@@ -135,97 +135,16 @@ pub fn dataset_files(spec: &str) -> Result<Vec<std::path::PathBuf>> {
         );
     }
     if !path.exists() {
-        if let Some(hint) = hub_dataset_hint(spec, hub_cache().as_deref()) {
+        let cache = crate::hub_cache::root();
+        if let Some(hint) = crate::hub_cache::dataset_hint(spec, cache.as_deref()) {
             bail!("{spec}: no such file. {hint}");
         }
     }
     Ok(vec![path.to_path_buf()])
 }
 
-/// The Hugging Face hub cache: `$HF_HUB_CACHE`, `$HF_HOME/hub`, or `~/.cache/huggingface/hub`.
-fn hub_cache() -> Option<std::path::PathBuf> {
-    let var = |k: &str| std::env::var_os(k).filter(|v| !v.is_empty());
-    var("HF_HUB_CACHE")
-        .map(Into::into)
-        .or_else(|| var("HF_HOME").map(|h| Path::new(&h).join("hub")))
-        .or_else(|| var("HOME").map(|h| Path::new(&h).join(".cache/huggingface/hub")))
-}
-
-/// For a setting shaped like a Hub dataset id (`org/name`, as TRL's `load_dataset` takes it)
-/// that is no file: lorafit reads local files only, so say where the hub cache (`cache`) keeps
-/// that dataset's files, if it does, and how to name one split's files.
-fn hub_dataset_hint(spec: &str, cache: Option<&Path>) -> Option<String> {
-    let (org, name) = spec.split_once('/')?;
-    let word = |s: &str| {
-        !s.is_empty()
-            && s.chars()
-                .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
-    };
-    if !word(org) || !word(name) || name.contains('/') {
-        return None;
-    }
-    let dir = cache.map(|c| c.join(format!("datasets--{org}--{name}")).join("snapshots"));
-    let mut found = Vec::new();
-    if let Some(dir) = dir.as_deref().filter(|d| d.is_dir()) {
-        collect_dataset_files(dir, dir, 4, &mut found);
-    }
-    found.sort();
-    let Some(first) = found.first() else {
-        return Some(format!(
-            "lorafit reads local files and does not download datasets; download {spec} first \
-             (for example `huggingface-cli download {spec} --repo-type dataset --local-dir \
-             {name}`) and name one split's files, as `{name}/data/train-*.parquet`"
-        ));
-    };
-    let dir = dir.expect("files were found under it");
-    let shown: Vec<String> = found
-        .iter()
-        .take(8)
-        .map(|f| f.display().to_string())
-        .collect();
-    let more = found.len().saturating_sub(8);
-    // The first file's shard pattern: its name up to the shard number (`train-00000-of-00002`).
-    let file_name = first.file_name().and_then(|n| n.to_str()).unwrap_or("");
-    let pattern = match file_name.split_once("-0") {
-        Some((split, _)) => first.with_file_name(format!("{split}-*")),
-        None => first.clone(),
-    };
-    let pattern = pattern.display();
-    Some(format!(
-        "lorafit reads local files and does not download datasets; the Hugging Face cache holds \
-         {spec}'s files under {}: {}{}. Name one split's files, as --data '{}/{pattern}'",
-        dir.display(),
-        shown.join(", "),
-        if more > 0 {
-            format!(" and {more} more")
-        } else {
-            String::new()
-        },
-        dir.display()
-    ))
-}
-
-/// Dataset files below `dir` (at most `depth` folders down), relative to `root`.
-fn collect_dataset_files(root: &Path, dir: &Path, depth: usize, out: &mut Vec<std::path::PathBuf>) {
-    let Ok(entries) = std::fs::read_dir(dir) else {
-        return;
-    };
-    for e in entries.filter_map(|e| e.ok()) {
-        let path = e.path();
-        if path.is_dir() {
-            if depth > 0 {
-                collect_dataset_files(root, &path, depth - 1, out);
-            }
-        } else if is_dataset_name(&e.file_name().to_string_lossy()) {
-            if let Ok(rel) = path.strip_prefix(root) {
-                out.push(rel.to_path_buf());
-            }
-        }
-    }
-}
-
 /// Whether a file name ends like a dataset file lorafit reads.
-fn is_dataset_name(name: &str) -> bool {
+pub(crate) fn is_dataset_name(name: &str) -> bool {
     let n = name.to_ascii_lowercase();
     [".jsonl", ".json", ".csv", ".tsv", ".parquet", ".gz", ".zst"]
         .iter()
@@ -835,44 +754,6 @@ mod tests {
         assert!(e.contains("to_parquet"), "{e}");
         let one = d.join("test-0.jsonl");
         assert_eq!(dataset_files(&one.display().to_string()).unwrap(), [one]);
-    }
-
-    #[test]
-    fn a_hub_dataset_id_is_answered_with_the_cache_files() {
-        let cache = tmp("hub");
-        let snap =
-            cache.join("datasets--HuggingFaceH4--ultrafeedback_binarized/snapshots/abc/data");
-        std::fs::create_dir_all(&snap).unwrap();
-        for n in [
-            "train_prefs-00000-of-00001.parquet",
-            "test_prefs-00000-of-00001.parquet",
-        ] {
-            write(&snap, n, b"PAR1");
-        }
-        write(&snap, "README.md", b"");
-        let id = "HuggingFaceH4/ultrafeedback_binarized";
-        let hint = hub_dataset_hint(id, Some(&cache)).unwrap();
-        let root = cache.join("datasets--HuggingFaceH4--ultrafeedback_binarized/snapshots");
-        assert!(
-            hint.contains(&format!(
-                "under {}: abc/data/test_prefs-00000-of-00001.parquet, \
-                 abc/data/train_prefs-00000-of-00001.parquet. Name one split's files, as \
-                 --data '{}/abc/data/test_prefs-*'",
-                root.display(),
-                root.display()
-            )),
-            "{hint}"
-        );
-        // Not in the cache: how to download it.
-        let hint = hub_dataset_hint("org/other", Some(&cache)).unwrap();
-        assert!(
-            hint.contains("huggingface-cli download org/other"),
-            "{hint}"
-        );
-        // Not shaped like an id: no hint.
-        for spec in ["train.jsonl", "a/b/c.jsonl", "/abs/x", "a b/c"] {
-            assert_eq!(hub_dataset_hint(spec, Some(&cache)), None, "{spec}");
-        }
     }
 
     #[test]

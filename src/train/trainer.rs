@@ -58,12 +58,32 @@ pub struct Loaded {
     pub model_path: PathBuf,
 }
 
-/// Resolves "smollm2" to the cached GGUF (fetching it once), else the given path.
+/// Resolves "smollm2" to the cached GGUF (fetching it once), a Hub id that is no local path
+/// (`org/name`) to its snapshot in the Hugging Face cache (`crate::hub_cache`), else the given
+/// path.
 pub fn resolve_model_path(s: &str) -> Result<PathBuf> {
     if s == "smollm2" {
-        model::smollm2::locate_or_fetch()
-    } else {
-        Ok(PathBuf::from(s))
+        return model::smollm2::locate_or_fetch();
+    }
+    let path = PathBuf::from(s);
+    if path.exists() || crate::hub_cache::hub_id(s).is_none() {
+        return Ok(path);
+    }
+    let cache = crate::hub_cache::root();
+    match crate::hub_cache::model_snapshot(s, cache.as_deref())? {
+        Some(snapshot) => {
+            eprintln!(
+                "model {s}: the Hugging Face cache's snapshot {}",
+                snapshot.display()
+            );
+            Ok(snapshot)
+        }
+        None => bail!(
+            "model {s}: no such path, and the Hugging Face cache ({}) does not hold it; lorafit \
+             downloads nothing: download it first (for example `huggingface-cli download {s}`) \
+             or name a local folder or .gguf file",
+            cache.map_or("not found".to_string(), |c| c.display().to_string())
+        ),
     }
 }
 
