@@ -35,10 +35,44 @@ pub fn hub_id(spec: &str) -> Option<(&str, &str)> {
     (word(org) && word(name)).then_some((org, name))
 }
 
-/// The cached snapshot of model `spec` (a Hub id that is no local path) under `cache`: the one
-/// `refs/main` names, else the only one there is. `None` when `spec` is not shaped like an id
-/// or the cache does not hold it; an error when it holds several snapshots and no `refs/main`.
+/// What lorafit loads from the cached snapshot of model `spec` (a Hub id that is no local path)
+/// under `cache`: the snapshot folder `refs/main` names, else the only one there is; in a
+/// snapshot of GGUF files (no `config.json`), its one `.gguf` file. `None` when `spec` is not
+/// shaped like an id or the cache does not hold it; an error when there are several snapshots
+/// and no `refs/main`, or several GGUF files to choose from.
 pub fn model_snapshot(spec: &str, cache: Option<&Path>) -> Result<Option<PathBuf>> {
+    let Some(snapshot) = snapshot_folder(spec, cache)? else {
+        return Ok(None);
+    };
+    if snapshot.join("config.json").is_file() {
+        return Ok(Some(snapshot));
+    }
+    let mut ggufs: Vec<PathBuf> = std::fs::read_dir(&snapshot)?
+        .filter_map(|e| e.ok())
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|e| e == "gguf"))
+        .collect();
+    ggufs.sort();
+    match ggufs.as_slice() {
+        [one] => Ok(Some(one.clone())),
+        [] => bail!(
+            "{spec}: its snapshot in the Hugging Face cache ({}) has neither config.json nor a \
+             .gguf file (an incomplete download?)",
+            snapshot.display()
+        ),
+        many => bail!(
+            "{spec}: its snapshot in the Hugging Face cache holds {} GGUF files; name one: {}",
+            many.len(),
+            many.iter()
+                .map(|p| p.display().to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+    }
+}
+
+/// The snapshot folder of model `spec` in the cache: `refs/main`'s, else the only one.
+fn snapshot_folder(spec: &str, cache: Option<&Path>) -> Result<Option<PathBuf>> {
     let (Some((org, name)), Some(cache)) = (hub_id(spec), cache) else {
         return Ok(None);
     };
@@ -50,7 +84,7 @@ pub fn model_snapshot(spec: &str, cache: Option<&Path>) -> Result<Option<PathBuf
     let mut found: Vec<PathBuf> = entries
         .filter_map(|e| e.ok())
         .map(|e| e.path())
-        .filter(|p| p.join("config.json").is_file())
+        .filter(|p| p.is_dir())
         .collect();
     found.sort();
     let main = std::fs::read_to_string(repo.join("refs").join("main"))
@@ -172,6 +206,19 @@ mod tests {
         assert_eq!(
             model_snapshot("HuggingFaceTB/SmolLM2-135M-Instruct", Some(&cache)).unwrap(),
             Some(repo.join("snapshots/bbb"))
+        );
+        // A snapshot of GGUF files: its one file, or the user names one of several.
+        let gguf = cache.join("models--org--m-GGUF/snapshots/ccc");
+        touch(&gguf.join("m.Q4_0.gguf"));
+        assert_eq!(
+            model_snapshot("org/m-GGUF", Some(&cache)).unwrap(),
+            Some(gguf.join("m.Q4_0.gguf"))
+        );
+        touch(&gguf.join("m.Q8_0.gguf"));
+        let e = model_snapshot("org/m-GGUF", Some(&cache)).unwrap_err();
+        assert!(
+            e.to_string().contains("holds 2 GGUF files; name one"),
+            "{e}"
         );
         // Not cached, or not an id: nothing to say.
         assert_eq!(model_snapshot("org/other", Some(&cache)).unwrap(), None);
