@@ -301,6 +301,20 @@ fn every_bad_data_input_is_named_or_counted() {
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
+/// The report of preference rows `text` (a file named `name`) read under ChatML with
+/// `skip_bad_rows`.
+fn skipping(name: &'static str, text: &str) -> CheckReport {
+    let c = jsonl(name, P, text, E(None, None, ""));
+    run(
+        &Case {
+            template: Some("chatml"),
+            ..c
+        },
+        true,
+    )
+    .unwrap()
+}
+
 #[test]
 fn skip_bad_rows_skips_and_counts_each_bad_row() {
     // Good rows around bad ones of each stage: a malformed row (parse), an id outside the
@@ -312,15 +326,7 @@ fn skip_bad_rows_skips_and_counts_each_bad_row() {
         r#"{"prompt":"p","chosen":5,"rejected":"b"}"#,
     ]
     .join("\n");
-    let c = jsonl("skip-bad", P, &text, E(None, None, ""));
-    let r = run(
-        &Case {
-            template: Some("chatml"),
-            ..c
-        },
-        true,
-    )
-    .unwrap();
+    let r = skipping("skip-bad", &text);
     assert_eq!((r.tokenize.rows, r.load.skipped, r.errors()), (2, 2, 2));
     let reasons = r.load.skip_reasons.join("\n");
     assert!(
@@ -338,15 +344,7 @@ fn skip_bad_rows_skips_and_counts_each_bad_row() {
     );
     // The same in CSV: a record of the wrong width is a row error, skipped and counted.
     let text = "prompt,chosen,rejected\nWhat is 2+2?, 4, 5\nonly,two\nWhat is 3+3?, 6, 7\n";
-    let c = jsonl("skip-bad.csv", P, text, E(None, None, ""));
-    let r = run(
-        &Case {
-            template: Some("chatml"),
-            ..c
-        },
-        true,
-    )
-    .unwrap();
+    let r = skipping("skip-bad.csv", text);
     assert_eq!((r.tokenize.rows, r.load.skipped), (2, 1));
     assert!(
         r.load.skip_reasons[0].contains("skip-bad.csv:3: 2 fields"),
