@@ -133,6 +133,10 @@ pub struct TrainConfig {
     pub data: String,
     /// Validation data (optional), in the same forms as `data`.
     pub valid: Option<String>,
+    /// Without `valid`: this fraction of the training rows (in (0, 0.5]; 0: none) held out for
+    /// validation, chosen by a permutation seeded with `seed` (as `train_test_split` would), so
+    /// a run has validation metrics without a file of its own. At least one row each side.
+    pub valid_fraction: f64,
     /// Output folder: adapter, checkpoints, metrics.jsonl, plan.toml.
     pub output: String,
     pub method: Method,
@@ -337,6 +341,7 @@ impl Default for TrainConfig {
             memory_limit: None,
             offload: None,
             pack_tokens: 0,
+            valid_fraction: 0.0,
             // Chunked stays the default on every device: the fused tier (`head = "fused"`) is
             // correct on CUDA (selftest cce rows) and cuts peak memory (qwen1.5b, 3584+512,
             // segment 1, H200: 4.25 vs 7.67 GiB) but its kernels (~90 TFLOP/s fwd, ~70 bwd) are
@@ -609,6 +614,15 @@ impl TrainConfig {
             }
         };
         let inf = f64::INFINITY;
+        if self.valid_fraction != 0.0 {
+            range("valid_fraction", self.valid_fraction, 0.0, 0.5, true, false)?;
+            if let Some(v) = &self.valid {
+                bail!(
+                    "valid = {v:?} and valid_fraction = {} both name validation rows: set one",
+                    self.valid_fraction
+                );
+            }
+        }
         range("lr", self.lr, 0.0, inf, false, true)?;
         // Checked even when `steps` overrides it: a bad value is never taken silently.
         range("epochs", self.epochs, 0.0, inf, true, true)?;

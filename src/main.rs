@@ -795,11 +795,7 @@ fn run_train(a: TrainArgs) -> Result<()> {
             &loaded.tokenizer,
         )?);
     }
-    let train_items = trainer::load_items(&cfg.data, None, cfg.method, &loaded, &cfg)?;
-    let valid_items = match &cfg.valid {
-        Some(v) => trainer::load_items(v, None, cfg.method, &loaded, &cfg)?,
-        None => vec![],
-    };
+    let (train_items, valid_items) = trainer::load_train_and_valid(&loaded, &cfg)?;
     eprintln!("{}", cfg.to_toml()?);
     trainer::train(
         &cfg,

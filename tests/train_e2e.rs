@@ -1318,3 +1318,66 @@ fn a_run_that_cannot_fit_its_limit_is_refused_before_the_first_step() {
     let metrics = std::fs::read_to_string(dir.join("metrics.jsonl")).unwrap_or_default();
     assert!(!metrics.contains("\"train\""), "{metrics}");
 }
+
+/// `valid_fraction` holds out a seeded share of the training rows as validation: the same rows
+/// for the same seed, other rows for another, each side in file order, the two sides together
+/// the whole file; and it refuses to be set beside `valid`, outside (0, 0.5], or on one row.
+#[test]
+fn valid_fraction_holds_out_seeded_training_rows() {
+    use lorafit::train::trainer::{hold_out, load_train_and_valid};
+    let dir = out_dir("valid_fraction");
+    let data = dir.join("train.jsonl");
+    let rows: String = (0..20)
+        .map(|i| {
+            format!(
+                "{{\"prompt\":\"w{}\",\"chosen\":\"w{}\",\"rejected\":\"w{}\"}}\n",
+                10 + i,
+                40 + i,
+                70 + i
+            )
+        })
+        .collect();
+    std::fs::write(&data, rows).unwrap();
+    let loaded = tiny_loaded();
+    let mut c = cfg(&dir, 1);
+    c.data = data.display().to_string();
+    c.valid_fraction = 0.2;
+    c.validate().unwrap();
+    let prompt = |it: &Item| match it {
+        Item::Pair(p) => p.prompt[0],
+        other => panic!("{:?}", std::mem::discriminant(other)),
+    };
+    let split = |c: &TrainConfig| {
+        let (t, v) = load_train_and_valid(&loaded, c).unwrap();
+        (
+            t.iter().map(prompt).collect::<Vec<_>>(),
+            v.iter().map(prompt).collect::<Vec<_>>(),
+        )
+    };
+    let (train_a, valid_a) = split(&c);
+    assert_eq!((train_a.len(), valid_a.len()), (16, 4));
+    assert_eq!(split(&c), (train_a.clone(), valid_a.clone()));
+    assert!(train_a.windows(2).all(|w| w[0] < w[1]) && valid_a.windows(2).all(|w| w[0] < w[1]));
+    let mut all: Vec<u32> = train_a.iter().chain(&valid_a).copied().collect();
+    all.sort();
+    assert_eq!(all, (10..30).collect::<Vec<u32>>());
+    c.seed = 1;
+    assert_ne!(split(&c).1, valid_a);
+
+    c.valid = Some(data.display().to_string());
+    assert!(c
+        .validate()
+        .unwrap_err()
+        .to_string()
+        .contains("both name validation rows"));
+    c.valid = None;
+    c.valid_fraction = 0.7;
+    assert!(c
+        .validate()
+        .unwrap_err()
+        .to_string()
+        .contains("valid_fraction = 0.7: expected a number in (0, 0.5]"));
+    // At least one row each side, and two rows to split at all.
+    assert_eq!(hold_out(vec![1, 2, 3], 0.01, 0).unwrap().1.len(), 1);
+    assert!(hold_out(vec![1], 0.5, 0).is_err());
+}

@@ -209,11 +209,7 @@ fn train_job(app: &App, job: &JobRow, cancel: &AtomicBool) -> Result<Outcome> {
     let cfg: TrainConfig = serde_json::from_str(&job.config).context("the job's stored config")?;
     let device = Device::parse(&cfg.device)?;
     let loaded = trainer::load_model_and_tokenizer(&cfg.model, &device, cfg.base_quant)?;
-    let train_items = trainer::load_items(&cfg.data, None, cfg.method, &loaded, &cfg)?;
-    let valid_items = match &cfg.valid {
-        Some(v) => trainer::load_items(v, None, cfg.method, &loaded, &cfg)?,
-        None => vec![],
-    };
+    let (train_items, valid_items) = trainer::load_train_and_valid(&loaded, &cfg)?;
     let resume = job.resume_from.as_ref().map(PathBuf::from);
     let mut listener = JobListener {
         app,

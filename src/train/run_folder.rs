@@ -237,6 +237,7 @@ const DATA_SETTINGS: &[&str] = &[
     "tokenization",
     "chat_template",
     "skip_bad_rows",
+    "valid_fraction",
     "seed",
     "grad_accum",
 ];

@@ -130,6 +130,57 @@ pub fn load_model_and_tokenizer(
     })
 }
 
+/// The run's training and validation examples: `cfg.data`, and `cfg.valid` or, with
+/// `valid_fraction`, that fraction of the training rows held out by a permutation seeded with
+/// `cfg.seed` (each side keeps the file's order). What was held out is said on stderr.
+pub fn load_train_and_valid(loaded: &Loaded, cfg: &TrainConfig) -> Result<(Vec<Item>, Vec<Item>)> {
+    let train = load_items(&cfg.data, None, cfg.method, loaded, cfg)?;
+    if let Some(v) = &cfg.valid {
+        return Ok((train, load_items(v, None, cfg.method, loaded, cfg)?));
+    }
+    if cfg.valid_fraction == 0.0 {
+        return Ok((train, Vec::new()));
+    }
+    let (train, valid) = hold_out(train, cfg.valid_fraction, cfg.seed)?;
+    eprintln!(
+        "valid_fraction = {}: {} of {} training rows held out for validation (seed {})",
+        cfg.valid_fraction,
+        valid.len(),
+        train.len() + valid.len(),
+        cfg.seed
+    );
+    Ok((train, valid))
+}
+
+/// Splits `items` into (train, held out): `round(n·fraction)` rows (at least 1, at most n − 1)
+/// chosen by a permutation seeded with `seed`, each side in the original order.
+pub fn hold_out<T>(items: Vec<T>, fraction: f64, seed: u64) -> Result<(Vec<T>, Vec<T>)> {
+    let n = items.len();
+    if n < 2 {
+        bail!("valid_fraction = {fraction}: {n} training row(s), and holding out rows needs at least 2");
+    }
+    let n_valid = ((n as f64 * fraction).round() as usize).clamp(1, n - 1);
+    let mut order: Vec<usize> = (0..n).collect();
+    let mut rng = crate::tensor::Rng(seed ^ 0x7A11_D05E);
+    for i in (1..n).rev() {
+        let j = (rng.next_u64() % (i as u64 + 1)) as usize;
+        order.swap(i, j);
+    }
+    let mut held = vec![false; n];
+    for &i in &order[..n_valid] {
+        held[i] = true;
+    }
+    let (mut train, mut valid) = (Vec::with_capacity(n - n_valid), Vec::with_capacity(n_valid));
+    for (item, h) in items.into_iter().zip(held) {
+        if h {
+            valid.push(item);
+        } else {
+            train.push(item);
+        }
+    }
+    Ok((train, valid))
+}
+
 /// Reads, tokenises and checks a dataset (any file `data::rows` reads, or the shards a pattern
 /// names) for `method` (`data::check`: the same checks as `lorafit lint`), printing their
 /// summary. A bad row fails here, naming file, line and field, or with `skip_bad_rows` is
