@@ -402,6 +402,39 @@ const TRL_NAMES: &[(&str, &str)] = &[
     ("logging_steps", "log_every"),
     ("save_steps", "save_every"),
     ("eval_steps", "eval_every"),
+    ("max_grad_norm", "grad_clip"),
+    ("lr_scheduler_type", "schedule"),
+    // PEFT's LoraConfig names, which TRL scripts pass through.
+    ("target_modules", "targets"),
+    ("lora_target_modules", "targets"),
+    ("use_rslora", "rslora"),
+];
+
+/// TRL and transformers settings that lorafit has no counterpart for, each with what lorafit
+/// does instead: a TRL config brought over is answered with every one of them at once, not
+/// silently run without them.
+const TRL_NOT_TAKEN: &[(&str, &str)] = &[
+    ("per_device_train_batch_size", "lorafit runs one example per micro-step (a pair's two answers share one prompt pass; pack_tokens packs short pairs into one sequence); the batch is grad_accum"),
+    ("per_device_eval_batch_size", "validation runs one example at a time"),
+    ("auto_find_batch_size", "the memory planner sizes each pass to the device (memory_limit)"),
+    ("gradient_checkpointing", "the memory planner chooses what to keep and what to recompute (segment_size, keep_attention, offload, memory_limit)"),
+    ("bf16", "on CUDA lorafit computes in bf16 with f32 sums, on the CPU in f32"),
+    ("fp16", "on CUDA lorafit computes in bf16 with f32 sums, on the CPU in f32"),
+    ("tf32", "lorafit's products are bf16 on CUDA and f32 on the CPU"),
+    ("optim", "the optimiser is AdamW (adam_beta1, adam_beta2, adam_eps, weight_decay, lora_plus_ratio)"),
+    ("report_to", "metrics.jsonl is always written; tensorboard = true adds event files"),
+    ("eval_strategy", "validation runs every eval_every steps"),
+    ("evaluation_strategy", "validation runs every eval_every steps"),
+    ("save_strategy", "checkpoints are written every save_every steps"),
+    ("logging_strategy", "a log line every log_every steps"),
+    ("max_completion_length", "max_seq_len and max_prompt_len bound a pair, as TRL's max_length and max_prompt_length"),
+    ("dataset_num_proc", "rows are tokenised once, before the first step"),
+    ("dataloader_num_workers", "rows are tokenised once, before the first step"),
+    ("remove_unused_columns", "columns a layout does not use are ignored"),
+    ("push_to_hub", "lorafit writes local files only"),
+    ("hub_model_id", "lorafit writes local files only"),
+    ("use_liger_kernel", "lorafit runs its own fused kernels"),
+    ("torch_compile", "lorafit runs its own fused kernels"),
 ];
 
 /// Edit distance between two short names (for "did you mean").
@@ -468,6 +501,9 @@ impl TrainConfig {
         if let Some((_, ours)) = TRL_NAMES.iter().find(|(trl, _)| *trl == key) {
             return Ok(ours.to_string());
         }
+        if let Some((_, instead)) = TRL_NOT_TAKEN.iter().find(|(trl, _)| *trl == key) {
+            bail!("`{key}` (TRL's) is not a lorafit setting: {instead}; remove it");
+        }
         let nearest = names
             .iter()
             .map(String::as_str)
@@ -490,12 +526,29 @@ impl TrainConfig {
             .unwrap_or("orpo")
             .to_string();
         let mut out = toml::Table::new();
+        // Every unknown name at once: a config brought from TRL may hold several.
+        let mut unknown = Vec::new();
         for (k, v) in table {
-            let name = TrainConfig::setting_name(&k, &method)?;
+            let name = match TrainConfig::setting_name(&k, &method) {
+                Ok(name) => name,
+                Err(e) => {
+                    unknown.push(e.to_string());
+                    continue;
+                }
+            };
             if out.contains_key(&name) {
                 bail!("setting `{name}` is given twice (as `{k}` and under another name)");
             }
             out.insert(name, v);
+        }
+        match unknown.as_slice() {
+            [] => {}
+            [one] => bail!("{one}"),
+            many => bail!(
+                "{} settings lorafit does not take:\n  {}",
+                many.len(),
+                many.join("\n  ")
+            ),
         }
         Ok(out)
     }

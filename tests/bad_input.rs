@@ -200,6 +200,35 @@ fn settings_files_take_trl_names_and_name_mistakes() {
         e.contains("typo.toml") && e.contains("did you mean `learning_rate`"),
         "{e}"
     );
+    // TRL's and PEFT's names for lorafit's settings, and TRL's settings lorafit does not take:
+    // all of those named at once, each with what lorafit does instead.
+    let p = write(
+        "trl_more.toml",
+        "max_grad_norm = 0.5\nlr_scheduler_type = \"constant\"\ntarget_modules = [\"q_proj\", \"v_proj\"]\n\
+         use_rslora = true\n",
+    );
+    let c = TrainConfig::from_toml_file(&p).unwrap();
+    assert_eq!(
+        (c.grad_clip, c.schedule.as_str(), c.rslora),
+        (0.5, "constant", true)
+    );
+    assert_eq!(c.targets, ["q_proj", "v_proj"]);
+    let e = err(&write(
+        "trl_only.toml",
+        "bf16 = true\ngradient_checkpointing = true\nper_device_train_batch_size = 2\nlearnig_rate = 1\n",
+    ));
+    assert!(
+        e.contains("trl_only.toml: 4 settings lorafit does not take:"),
+        "{e}"
+    );
+    for part in [
+        "`bf16` (TRL's) is not a lorafit setting: on CUDA lorafit computes in bf16",
+        "`gradient_checkpointing` (TRL's) is not a lorafit setting: the memory planner",
+        "`per_device_train_batch_size` (TRL's) is not a lorafit setting: lorafit runs one example per micro-step",
+        "did you mean `learning_rate`",
+    ] {
+        assert!(e.contains(part), "{part}: {e}");
+    }
     let e = err(&write("twice.toml", "lr = 1e-4\nlearning_rate = 2e-4\n"));
     assert!(e.contains("`lr` is given twice"), "{e}");
     let e = err(&write("run.yaml", "learning_rate: 1e-4\n"));
