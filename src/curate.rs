@@ -476,16 +476,7 @@ pub fn curate_rows(
     } else {
         0
     };
-    let mut order: Vec<usize> = (0..kept.len()).collect();
-    let mut rng = crate::tensor::Rng(opts.seed ^ 0xC0_2A7E);
-    for i in (1..order.len()).rev() {
-        let j = (rng.next_u64() % (i as u64 + 1)) as usize;
-        order.swap(i, j);
-    }
-    let mut is_valid = vec![false; kept.len()];
-    for &i in &order[..n_valid] {
-        is_valid[i] = true;
-    }
+    let is_valid = crate::tensor::Rng(opts.seed ^ 0xC0_2A7E).choose(kept.len(), n_valid);
     let (mut train, mut valid) = (Vec::new(), Vec::new());
     for (c, v) in kept.iter().zip(is_valid) {
         if v {

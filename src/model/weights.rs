@@ -163,9 +163,7 @@ impl ModelWeights {
             .max()
             .unwrap_or(0)
     }
-}
 
-impl ModelWeights {
     pub fn head(&self) -> &Weight {
         self.lm_head.as_ref().unwrap_or(&self.embed)
     }

@@ -160,16 +160,7 @@ pub fn hold_out<T>(items: Vec<T>, fraction: f64, seed: u64) -> Result<(Vec<T>, V
         bail!("valid_fraction = {fraction}: {n} training row(s), and holding out rows needs at least 2");
     }
     let n_valid = ((n as f64 * fraction).round() as usize).clamp(1, n - 1);
-    let mut order: Vec<usize> = (0..n).collect();
-    let mut rng = crate::tensor::Rng(seed ^ 0x7A11_D05E);
-    for i in (1..n).rev() {
-        let j = (rng.next_u64() % (i as u64 + 1)) as usize;
-        order.swap(i, j);
-    }
-    let mut held = vec![false; n];
-    for &i in &order[..n_valid] {
-        held[i] = true;
-    }
+    let held = crate::tensor::Rng(seed ^ 0x7A11_D05E).choose(n, n_valid);
     let (mut train, mut valid) = (Vec::with_capacity(n - n_valid), Vec::with_capacity(n_valid));
     for (item, h) in items.into_iter().zip(held) {
         if h {
