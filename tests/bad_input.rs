@@ -249,6 +249,56 @@ fn settings_files_take_trl_names_and_name_mistakes() {
         let e = err(&write(file, text));
         assert!(e.contains(file) && e.contains(setting), "{file}: {e}");
     }
+    // valid_fraction: a value of the wrong type fails the file; one out of range, or beside a
+    // valid file, fails the settings' check, naming the setting.
+    let e = err(&write("vf_type.toml", "valid_fraction = \"10%\"\n"));
+    assert!(
+        e.contains("vf_type.toml") && e.contains("valid_fraction"),
+        "{e}"
+    );
+    for (text, want) in [
+        (
+            "valid_fraction = 0.9\n",
+            "valid_fraction = 0.9: expected a number in (0, 0.5]",
+        ),
+        (
+            "valid_fraction = -0.1\n",
+            "valid_fraction = -0.1: expected a number in (0, 0.5]",
+        ),
+        (
+            "valid = \"v.jsonl\"\nvalid_fraction = 0.1\n",
+            "both name validation rows",
+        ),
+    ] {
+        let c =
+            TrainConfig::from_toml_file(&write("vf.toml", &format!("data = \"d.jsonl\"\n{text}")))
+                .unwrap();
+        let e = format!("{:#}", c.validate().unwrap_err());
+        assert!(e.contains(want), "{text}: {e}");
+    }
+}
+
+/// A model or dataset named by a Hub id that is no local path and not in the Hugging Face cache
+/// is refused, saying lorafit downloads nothing and how to get it; never a bare "no such file".
+#[test]
+fn hub_ids_not_in_the_cache_are_refused_with_how_to_get_them() {
+    let id = "lorafit-no-such-org/no-such-model";
+    let e = format!(
+        "{:#}",
+        lorafit::train::trainer::resolve_model_path(id).unwrap_err()
+    );
+    assert!(
+        e.contains(id) && e.contains("downloads nothing") && e.contains("huggingface-cli download"),
+        "{e}"
+    );
+    let e = format!(
+        "{:#}",
+        lorafit::data::load_dataset(id, lorafit::data::DatasetKind::Preference, false).unwrap_err()
+    );
+    assert!(
+        e.contains(id) && e.contains("does not download datasets"),
+        "{e}"
+    );
 }
 
 /// Gemma 4's own config fields (per-layer geometry, KV sharing, layer types): each bad value is
