@@ -447,7 +447,7 @@ fn bad_runs_are_errors_that_name_file_and_setting() {
         expect: vec![s("truncated.gguf")],
     });
     // A learning rate so large that the weights overflow: the step that goes non-finite stops
-    // the run, naming the step and the last checkpoint, which stays loadable.
+    // the run, naming the step, the example's row and the last checkpoint, which stays loadable.
     let blowup = fresh("blowup");
     cases.push(Case {
         name: "non_finite_step",
@@ -463,6 +463,9 @@ fn bad_runs_are_errors_that_name_file_and_setting() {
         expect: vec![
             s("step "),
             s("non-finite"),
+            // The example by its row: the file and the line a user can open.
+            s("the training example at "),
+            s("train.jsonl:"),
             s("checkpoint-000001"),
             s("is intact"),
         ],

@@ -82,7 +82,7 @@ fn pairs(n: usize, seed: u64, vocab: u64) -> Vec<TokenizedPair> {
 }
 
 fn items(n: usize, seed: u64) -> Vec<Item> {
-    pairs(n, seed, 128).into_iter().map(Item::Pair).collect()
+    pairs(n, seed, 128).into_iter().map(Item::pair).collect()
 }
 
 fn out_dir(name: &str) -> PathBuf {

@@ -107,7 +107,7 @@ fn pair_items(n: usize, seed: u64, vocab: usize) -> Vec<Item> {
     };
     (0..n)
         .map(|_| {
-            Item::Pair(TokenizedPair {
+            Item::pair(TokenizedPair {
                 prompt: ids(8, 0, v),
                 chosen: ids(5, 0, v / 4),
                 rejected: ids(5, v / 2, v),

@@ -133,14 +133,14 @@ fn pairs(n: usize, seed: u64, vocab: usize) -> Vec<TokenizedPair> {
 }
 
 fn pair_items(n: usize, seed: u64, vocab: usize) -> Vec<Item> {
-    pairs(n, seed, vocab).into_iter().map(Item::Pair).collect()
+    pairs(n, seed, vocab).into_iter().map(Item::pair).collect()
 }
 
 fn sft_items(n: usize, seed: u64, vocab: usize) -> Vec<Item> {
     pairs(n, seed, vocab)
         .into_iter()
         .map(|p| {
-            Item::Sft(TokenizedSft {
+            Item::sft(TokenizedSft {
                 prompt: p.prompt,
                 completion: p.chosen,
             })
@@ -1171,9 +1171,7 @@ fn record_batches_names_each_micro_steps_ids() {
         // The example is the one the data order picks at that position, with its own ids.
         let idx = lorafit::train::trainer::example_index(i, items.len(), c.seed);
         assert_eq!(line["example"], idx as u64);
-        let Item::Pair(p) = &items[idx] else {
-            panic!("pair items")
-        };
+        let p = items[idx].as_pair().expect("pair items");
         assert_eq!(line["prompt"], serde_json::json!(p.prompt));
         assert_eq!(line["chosen"], serde_json::json!(p.chosen));
         assert_eq!(line["rejected"], serde_json::json!(p.rejected));
@@ -1343,10 +1341,7 @@ fn valid_fraction_holds_out_seeded_training_rows() {
     c.data = data.display().to_string();
     c.valid_fraction = 0.2;
     c.validate().unwrap();
-    let prompt = |it: &Item| match it {
-        Item::Pair(p) => p.prompt[0],
-        other => panic!("{:?}", std::mem::discriminant(other)),
-    };
+    let prompt = |it: &Item| it.as_pair().expect("pair items").prompt[0];
     let split = |c: &TrainConfig| {
         let (t, v) = load_train_and_valid(&loaded, c).unwrap();
         (

@@ -73,7 +73,7 @@ pub fn load_pairs(path: &str, loaded: &Loaded, cfg: &TrainConfig) -> Result<Pair
     }
     Ok(Pairs {
         lines: examples.iter().map(|e| e.line()).collect(),
-        items: pairs.into_iter().map(Item::Pair).collect(),
+        items: pairs.into_iter().map(Item::pair).collect(),
     })
 }
 

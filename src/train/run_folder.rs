@@ -6,7 +6,7 @@
 //! (`CycleSchedule`), since only resuming can create it.
 
 use super::optim::Schedule;
-use super::trainer::Item;
+use super::trainer::{Item, ItemTokens};
 use crate::config::TrainConfig;
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
@@ -201,13 +201,14 @@ pub fn items_hash(items: &[Item]) -> String {
         }
     };
     for item in items {
-        let parts: Vec<&[u32]> = match item {
-            Item::Pair(p) | Item::WeightedPair(p, _) => vec![&p.prompt, &p.chosen, &p.rejected],
-            Item::Sft(s) => vec![&s.prompt, &s.completion],
+        let parts: Vec<&[u32]> = match &item.tokens {
+            ItemTokens::Pair(p) => vec![&p.prompt, &p.chosen, &p.rejected],
+            ItemTokens::Sft(s) => vec![&s.prompt, &s.completion],
         };
-        // A row's weight joins the hash only when it is not 1 (earlier runs' hashes stand).
-        if let Item::WeightedPair(_, w) = item {
-            eat(w.to_bits());
+        // A row's weight joins the hash only when it is not 1 (earlier runs' hashes stand); the
+        // row's place does not (moving the file keeps the run's data).
+        if item.weight != 1.0 {
+            eat(item.weight.to_bits());
         }
         eat(parts.len() as u64);
         for part in parts {

@@ -25,27 +25,63 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-/// A tokenised training or validation example.
-pub enum Item {
+/// A tokenised training or validation example, with its weight and where its row sits.
+pub struct Item {
+    pub tokens: ItemTokens,
+    /// The example's weight in the training loss: 1 unless its (preference) row sets a `weight`,
+    /// which scales its loss and gradient.
+    pub weight: f64,
+    /// Its row's place, `file:line` or `file: row N` (empty for examples made in code), so that a
+    /// step that fails names the row a user can open.
+    pub at: String,
+}
+
+/// The token ids of an `Item`.
+pub enum ItemTokens {
     Pair(data::TokenizedPair),
-    /// A preference pair whose row sets a `weight` other than 1 (its loss and gradient scaled).
-    WeightedPair(data::TokenizedPair, f64),
     Sft(data::TokenizedSft),
 }
 
 impl Item {
-    /// The example's weight in the training loss (1 unless its row set one).
-    pub fn weight(&self) -> f64 {
-        match self {
-            Item::WeightedPair(_, w) => *w,
-            _ => 1.0,
+    /// A preference pair of weight 1 made in code (no row to name).
+    pub fn pair(p: data::TokenizedPair) -> Item {
+        Item {
+            tokens: ItemTokens::Pair(p),
+            weight: 1.0,
+            at: String::new(),
+        }
+    }
+
+    /// An SFT example made in code (no row to name).
+    pub fn sft(s: data::TokenizedSft) -> Item {
+        Item {
+            tokens: ItemTokens::Sft(s),
+            weight: 1.0,
+            at: String::new(),
+        }
+    }
+
+    /// The pair's ids, for a preference example.
+    pub fn as_pair(&self) -> Option<&data::TokenizedPair> {
+        match &self.tokens {
+            ItemTokens::Pair(p) => Some(p),
+            ItemTokens::Sft(_) => None,
         }
     }
 
     pub fn plan(&self, prefix_shared: bool) -> Result<Plan> {
-        match self {
-            Item::Pair(p) | Item::WeightedPair(p, _) => Plan::pair(p, prefix_shared),
-            Item::Sft(s) => Plan::sft(&s.prompt, &s.completion),
+        match &self.tokens {
+            ItemTokens::Pair(p) => Plan::pair(p, prefix_shared),
+            ItemTokens::Sft(s) => Plan::sft(&s.prompt, &s.completion),
+        }
+    }
+
+    /// How an error names this example: its row's place, else its index among `data`'s examples.
+    pub fn describe(&self, idx: usize, data: &str) -> String {
+        if self.at.is_empty() {
+            format!("training example {idx} of {data} (0-based)")
+        } else {
+            format!("the training example at {}", self.at)
         }
     }
 }
@@ -205,10 +241,13 @@ pub fn load_items(
     log_tokenize(&report);
     Ok(rows
         .into_iter()
-        .map(|r| match r.tokens {
-            data::RowTokens::Pair(p) if r.weight != 1.0 => Item::WeightedPair(p, r.weight),
-            data::RowTokens::Pair(p) => Item::Pair(p),
-            data::RowTokens::Sft(s) => Item::Sft(s),
+        .map(|r| Item {
+            tokens: match r.tokens {
+                data::RowTokens::Pair(p) => ItemTokens::Pair(p),
+                data::RowTokens::Sft(s) => ItemTokens::Sft(s),
+            },
+            weight: r.weight,
+            at: r.at,
         })
         .collect())
 }
@@ -442,12 +481,12 @@ pub fn refuse_unless_longest_fits(
         return Ok(());
     }
     // The pass lengths without building every plan: a shared prompt runs once.
-    let length = |it: &Item| match it {
-        Item::Pair(p) | Item::WeightedPair(p, _) => {
+    let length = |it: &Item| match &it.tokens {
+        ItemTokens::Pair(p) => {
             let prompt = if cfg.prefix_shared { 1 } else { 2 };
             prompt * p.prompt.len() + p.chosen.len() + p.rejected.len()
         }
-        Item::Sft(s) => s.prompt.len() + s.completion.len(),
+        ItemTokens::Sft(s) => s.prompt.len() + s.completion.len(),
     };
     let Some((idx, item)) = items.iter().enumerate().max_by_key(|(_, it)| length(it)) else {
         return Ok(());
@@ -499,10 +538,7 @@ pub fn refuse_unless_longest_fits(
     let what = if tokens > item.plan(cfg.prefix_shared)?.tokens() {
         format!("a pack of pack_tokens = {}", cfg.pack_tokens)
     } else {
-        format!(
-            "training example {idx} of {} (0-based), the longest,",
-            cfg.data
-        )
+        format!("{}, the longest,", item.describe(idx, &cfg.data))
     };
     bail!(
         "{what} runs {tokens} tokens in one pass; its plan ({}) needs an estimated {:.2} GiB of \
@@ -798,7 +834,7 @@ pub fn train_with(
             };
             format!("step {step_no}: {what}; the run stopped and {kept}")
         };
-        let example = |idx: usize| format!("training example {idx} of {} (0-based)", cfg.data);
+        let example = |idx: usize| train_items[idx].describe(idx, &cfg.data);
         let objective = objective_now(base_objective, &state);
         let t0 = Instant::now();
         device.reset_peak();
@@ -861,7 +897,7 @@ pub fn train_with(
                     // The row's weight and the loss clip (validation stays unweighted and
                     // unclipped).
                     let scale = |idx: usize| ExampleScale {
-                        weight: train_items[idx].weight(),
+                        weight: train_items[idx].weight,
                         clip: cfg.loss_clip,
                     };
                     if cfg.pack_tokens == 0 {
@@ -1065,19 +1101,22 @@ pub fn train_with(
 /// One line of batches.jsonl: the example a micro-step trained on, as token ids.
 fn batch_record(step: usize, micro: usize, example: usize, item: &Item) -> serde_json::Value {
     let mut v = serde_json::json!({"step": step, "micro": micro, "example": example});
-    match item {
-        Item::Pair(p) | Item::WeightedPair(p, _) => {
+    if !item.at.is_empty() {
+        v["at"] = serde_json::json!(item.at);
+    }
+    match &item.tokens {
+        ItemTokens::Pair(p) => {
             v["prompt"] = serde_json::json!(p.prompt);
             v["chosen"] = serde_json::json!(p.chosen);
             v["rejected"] = serde_json::json!(p.rejected);
         }
-        Item::Sft(s) => {
+        ItemTokens::Sft(s) => {
             v["prompt"] = serde_json::json!(s.prompt);
             v["completion"] = serde_json::json!(s.completion);
         }
     }
-    if item.weight() != 1.0 {
-        v["weight"] = serde_json::json!(item.weight());
+    if item.weight != 1.0 {
+        v["weight"] = serde_json::json!(item.weight);
     }
     v
 }
