@@ -20,14 +20,19 @@ impl Rng {
     pub fn uniform(&mut self) -> f64 {
         (self.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
     }
-    /// `k` of `n` positions, marked true: the first `k` of a Fisher-Yates permutation of `0..n`
-    /// (a seeded held-out split that keeps every other row in place and in order).
-    pub fn choose(&mut self, n: usize, k: usize) -> Vec<bool> {
+    /// A Fisher-Yates permutation of `0..n` (the data order of an epoch, a held-out split).
+    pub fn permutation(&mut self, n: usize) -> Vec<usize> {
         let mut order: Vec<usize> = (0..n).collect();
         for i in (1..n).rev() {
             let j = (self.next_u64() % (i as u64 + 1)) as usize;
             order.swap(i, j);
         }
+        order
+    }
+    /// `k` of `n` positions, marked true: the first `k` of `permutation(n)` (a seeded held-out
+    /// split that keeps every other row in place and in order).
+    pub fn choose(&mut self, n: usize, k: usize) -> Vec<bool> {
+        let order = self.permutation(n);
         let mut chosen = vec![false; n];
         for &i in &order[..k.min(n)] {
             chosen[i] = true;

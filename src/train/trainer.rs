@@ -278,14 +278,40 @@ pub struct TrainerState {
 
 /// Example index at data position `pos`: a fresh seeded permutation per epoch.
 pub fn example_index(pos: usize, n: usize, seed: u64) -> usize {
-    let epoch = pos / n;
-    let mut perm: Vec<usize> = (0..n).collect();
-    let mut rng = Rng(seed ^ 0xDA7A_0000 ^ (epoch as u64).wrapping_mul(0x9E37_79B9));
-    for i in (1..n).rev() {
-        let j = (rng.next_u64() % (i as u64 + 1)) as usize;
-        perm.swap(i, j);
+    DataOrder::new(n, seed).index(pos)
+}
+
+/// The data order over `n` examples (`example_index`), keeping the permutation of the epoch last
+/// asked for: the train loop asks at every micro-step, and drawing the permutation each time
+/// cost `n` draws and an allocation per micro-step.
+pub struct DataOrder {
+    n: usize,
+    seed: u64,
+    epoch: Option<(usize, Vec<usize>)>,
+}
+
+impl DataOrder {
+    pub fn new(n: usize, seed: u64) -> DataOrder {
+        DataOrder {
+            n,
+            seed,
+            epoch: None,
+        }
     }
-    perm[pos % n]
+
+    pub fn index(&mut self, pos: usize) -> usize {
+        let epoch = pos / self.n;
+        let seed = self.seed;
+        let perm = match &mut self.epoch {
+            Some((e, perm)) if *e == epoch => perm,
+            slot => {
+                let perm = Rng(seed ^ 0xDA7A_0000 ^ (epoch as u64).wrapping_mul(0x9E37_79B9))
+                    .permutation(self.n);
+                &mut slot.insert((epoch, perm)).1
+            }
+        };
+        perm[pos % self.n]
+    }
 }
 
 pub struct TrainOutcome {
@@ -632,6 +658,7 @@ pub fn train_with(
     run_folder::prepare(&out_dir, checkpoint.is_some(), cfg.overwrite)?;
 
     let n = train_items.len();
+    let mut order = DataOrder::new(n, cfg.seed);
     let planned_steps = if cfg.steps > 0 {
         cfg.steps
     } else {
@@ -857,7 +884,7 @@ pub fn train_with(
                 // packs of consecutive examples up to that many tokens.
                 let mut micros = Vec::with_capacity(cfg.grad_accum);
                 for micro in 0..cfg.grad_accum {
-                    let idx = example_index(state.position, n, cfg.seed);
+                    let idx = order.index(state.position);
                     state.position += 1;
                     let plan = train_items[idx].plan(cfg.prefix_shared)?;
                     if batches.is_some() {
@@ -1403,4 +1430,30 @@ pub fn load_checkpoint(
         }
     }
     Ok((lora, adam, state))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The kept epoch's permutation answers as a fresh draw at every position, across epochs
+    /// and back (a step retried after running out of memory goes back to its first position),
+    /// and each epoch visits every example once.
+    #[test]
+    fn the_data_order_keeps_its_epoch_and_visits_each_example_once_an_epoch() {
+        let (n, seed) = (7, 11);
+        let mut order = DataOrder::new(n, seed);
+        let fresh = |pos: usize| DataOrder::new(n, seed).index(pos);
+        for pos in (0..3 * n).chain([2, 3 * n - 1, n]) {
+            assert_eq!(order.index(pos), fresh(pos), "position {pos}");
+        }
+        for epoch in 0..3 {
+            let mut seen: Vec<usize> = (0..n).map(|i| order.index(epoch * n + i)).collect();
+            seen.sort();
+            assert_eq!(seen, (0..n).collect::<Vec<_>>(), "epoch {epoch}");
+        }
+        let first: Vec<usize> = (0..n).map(|i| order.index(i)).collect();
+        let second: Vec<usize> = (0..n).map(|i| order.index(n + i)).collect();
+        assert_ne!(first, second, "each epoch draws its own order");
+    }
 }
