@@ -71,12 +71,17 @@ pub fn model_snapshot(spec: &str, cache: Option<&Path>) -> Result<Option<PathBuf
     }
 }
 
+/// The cache's folder of repository `org/name` of `kind` ("models" or "datasets").
+fn repo_folder(cache: &Path, kind: &str, org: &str, name: &str) -> PathBuf {
+    cache.join(format!("{kind}--{org}--{name}"))
+}
+
 /// The snapshot folder of model `spec` in the cache: `refs/main`'s, else the only one.
 fn snapshot_folder(spec: &str, cache: Option<&Path>) -> Result<Option<PathBuf>> {
     let (Some((org, name)), Some(cache)) = (hub_id(spec), cache) else {
         return Ok(None);
     };
-    let repo = cache.join(format!("models--{org}--{name}"));
+    let repo = repo_folder(cache, "models", org, name);
     let snapshots = repo.join("snapshots");
     let Ok(entries) = std::fs::read_dir(&snapshots) else {
         return Ok(None);
@@ -108,11 +113,8 @@ fn snapshot_folder(spec: &str, cache: Option<&Path>) -> Result<Option<PathBuf>> 
 /// dataset's files, if it does, and the pattern naming one split's shards; else how to download
 /// it. `None` when `spec` is not shaped like an id.
 pub fn dataset_hint(spec: &str, cache: Option<&Path>) -> Option<String> {
-    let (_, name) = hub_id(spec)?;
-    let dir = cache.map(|c| {
-        c.join(format!("datasets--{}", spec.replace('/', "--")))
-            .join("snapshots")
-    });
+    let (org, name) = hub_id(spec)?;
+    let dir = cache.map(|c| repo_folder(c, "datasets", org, name).join("snapshots"));
     let mut found = Vec::new();
     if let Some(dir) = dir.as_deref().filter(|d| d.is_dir()) {
         collect_dataset_files(dir, dir, 4, &mut found);
