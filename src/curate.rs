@@ -347,34 +347,12 @@ fn output_row(c: &Candidate) -> Value {
     row
 }
 
-/// The tokenizer and chat template of a model folder or GGUF file, without its weights.
+/// The tokenizer and chat template of a model folder or GGUF file, without its weights (a
+/// folder's `config.json` is read only for an EOS token its tokenizer lacks).
 pub fn load_text_tokenizer(model: &Path) -> Result<(TextTokenizer, Option<ChatTemplate>)> {
-    if model.is_dir() {
-        let tok = TextTokenizer::from_file(model.join("tokenizer.json"))?;
-        let tok = if tok.eos_id().is_none() {
-            let spec = crate::model::ModelSpec::from_config_file(&model.join("config.json"))?;
-            tok.with_eos_id(spec.eos_token_id)
-        } else {
-            tok
-        };
-        let template = ChatTemplate::from_tokenizer_config(model.join("tokenizer_config.json"))?;
-        return Ok((tok, template));
-    }
-    let g = crate::model::gguf::GgufFile::open(model)?;
-    let (tok, info) = data::gguf_tokenizer::load_gguf_tokenizer(&g)?;
-    let name = |id: Option<u32>| id.and_then(|i| tok.id_to_token(i)).unwrap_or_default();
-    let template = match &info.chat_template {
-        Some(t) => Some(ChatTemplate::new(
-            t.clone(),
-            name(info.bos_id),
-            name(info.eos_id),
-        )?),
-        None => None,
-    };
-    Ok((
-        TextTokenizer::new(tok, info.bos_id, info.eos_id, info.add_bos)?,
-        template,
-    ))
+    data::model_files::load_tokenizer(model, || {
+        Ok(crate::model::ModelSpec::from_config_file(&model.join("config.json"))?.eos_token_id)
+    })
 }
 
 /// Reads `input`, filters, splits, and returns `(train rows, validation rows, report)`.

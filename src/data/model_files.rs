@@ -1,8 +1,9 @@
 //! A model's tokenizer, chat template and vocabulary size, read from its files without loading
 //! its weights: what `lorafit lint` needs to check a dataset against a model in seconds, however
-//! large the model. The rules are the ones training uses (`train::trainer::load_model_and_tokenizer`):
-//! a Hugging Face folder's `tokenizer.json` + `tokenizer_config.json` (EOS from `config.json` when
-//! the tokenizer config names none), or a GGUF file's embedded tokenizer and template.
+//! large the model, and how training (`train::trainer::load_model_and_tokenizer`) and `curate`
+//! read the tokenizer too, so that all three follow one rule: a Hugging Face folder's
+//! `tokenizer.json` + `tokenizer_config.json` (EOS from `config.json` when the tokenizer names
+//! none), or a GGUF file's embedded tokenizer and template.
 
 use std::path::Path;
 
@@ -26,17 +27,38 @@ pub fn load_model_tokens(path: &Path) -> Result<ModelTokens> {
     if path.is_dir() {
         let spec = ModelSpec::from_config_file(&path.join("config.json"))
             .with_context(|| format!("reading {}", path.join("config.json").display()))?;
-        let tok = TextTokenizer::from_file(path.join("tokenizer.json"))?;
-        let tok = match (tok.eos_id(), spec.eos_token_id) {
-            (None, Some(e)) => tok.with_eos_id(Some(e)),
-            _ => tok,
-        };
-        let template = ChatTemplate::from_tokenizer_config(path.join("tokenizer_config.json"))?;
+        let (tokenizer, template) = load_tokenizer(path, || Ok(spec.eos_token_id))?;
         return Ok(ModelTokens {
-            tokenizer: tok,
+            tokenizer,
             template,
             vocab: spec.vocab,
         });
+    }
+    let (tokenizer, template) = load_tokenizer(path, || Ok(None))?;
+    // A GGUF's embedded vocabulary is its embedding's: one row per token.
+    let vocab = tokenizer.vocab_size();
+    Ok(ModelTokens {
+        tokenizer,
+        template,
+        vocab,
+    })
+}
+
+/// The tokenizer and chat template of the model folder or GGUF file at `path`, without its
+/// weights. A folder's tokenizer without an EOS token takes `folder_eos()` (its `config.json`'s
+/// `eos_token_id`, asked for only then); a GGUF's template gets the strings of its BOS and EOS.
+pub fn load_tokenizer(
+    path: &Path,
+    folder_eos: impl FnOnce() -> Result<Option<u32>>,
+) -> Result<(TextTokenizer, Option<ChatTemplate>)> {
+    if path.is_dir() {
+        let tok = TextTokenizer::from_file(path.join("tokenizer.json"))?;
+        let tok = match tok.eos_id() {
+            None => tok.with_eos_id(folder_eos()?),
+            Some(_) => tok,
+        };
+        let template = ChatTemplate::from_tokenizer_config(path.join("tokenizer_config.json"))?;
+        return Ok((tok, template));
     }
     let g = GgufFile::open(path)?;
     let (tok, info) = super::gguf_tokenizer::load_gguf_tokenizer(&g)?;
@@ -49,13 +71,10 @@ pub fn load_model_tokens(path: &Path) -> Result<ModelTokens> {
         )?),
         None => None,
     };
-    // A GGUF's embedded vocabulary is its embedding's: one row per token.
-    let vocab = tok.get_vocab_size(true);
-    Ok(ModelTokens {
-        tokenizer: TextTokenizer::new(tok, info.bos_id, info.eos_id, info.add_bos)?,
+    Ok((
+        TextTokenizer::new(tok, info.bos_id, info.eos_id, info.add_bos)?,
         template,
-        vocab,
-    })
+    ))
 }
 
 /// The `chat_template` setting's template, with the tokenizer's BOS/EOS strings.

@@ -131,33 +131,8 @@ pub fn load_model_and_tokenizer(
 ) -> Result<Loaded> {
     let path = resolve_model_path(model_arg)?;
     let model = model::load_quantized(&path, device, quant)?;
-    let (tokenizer, template) = if path.is_dir() {
-        let tok = TextTokenizer::from_file(path.join("tokenizer.json"))?;
-        let tok = match (tok.eos_id(), model.spec.eos_token_id) {
-            (None, Some(e)) => tok.with_eos_id(Some(e)),
-            _ => tok,
-        };
-        (
-            tok,
-            ChatTemplate::from_tokenizer_config(path.join("tokenizer_config.json"))?,
-        )
-    } else {
-        let g = model::gguf::GgufFile::open(&path)?;
-        let (tok, info) = data::gguf_tokenizer::load_gguf_tokenizer(&g)?;
-        let name = |id: Option<u32>| id.and_then(|i| tok.id_to_token(i)).unwrap_or_default();
-        let template = match &info.chat_template {
-            Some(t) => Some(ChatTemplate::new(
-                t.clone(),
-                name(info.bos_id),
-                name(info.eos_id),
-            )?),
-            None => None,
-        };
-        (
-            TextTokenizer::new(tok, info.bos_id, info.eos_id, info.add_bos)?,
-            template,
-        )
-    };
+    let (tokenizer, template) =
+        data::model_files::load_tokenizer(&path, || Ok(model.spec.eos_token_id))?;
     Ok(Loaded {
         model,
         tokenizer,
