@@ -628,6 +628,10 @@ struct EvalArgs {
     config: Option<PathBuf>,
     #[arg(long, value_enum)]
     method: Option<Method>,
+    /// A Jinja chat template file (or a tokenizer_config.json) to use instead of the config's
+    /// or the model's.
+    #[arg(long)]
+    chat_template: Option<String>,
     /// Most new tokens per reply (--scorer ifeval).
     #[arg(long, default_value_t = 256)]
     max_new: usize,
@@ -788,13 +792,7 @@ fn run_train(a: TrainArgs) -> Result<()> {
         None => "settings (flags)".to_string(),
     })?;
     let device = Device::parse(&cfg.device)?;
-    let mut loaded = trainer::load_model_and_tokenizer(&cfg.model, &device, cfg.base_quant)?;
-    if let Some(t) = &cfg.chat_template {
-        loaded.template = Some(data::model_files::template_from_setting(
-            t,
-            &loaded.tokenizer,
-        )?);
-    }
+    let loaded = trainer::load_configured(&cfg, &device)?;
     let (train_items, valid_items) = trainer::load_train_and_valid(&loaded, &cfg)?;
     eprintln!("{}", cfg.to_toml()?);
     trainer::train(
@@ -903,7 +901,7 @@ fn run_demo(a: DemoArgs) -> Result<()> {
     };
     let before = gen(None)?;
     let base_scores =
-        eval::preference::score_pairs(&loaded.model, None, &valid_items, None, &cfg, "base")?;
+        eval::preference::score_pairs(&loaded.model, None, &valid_items, &cfg, "base")?;
     let out = trainer::train(&cfg, None, &loaded, &train_items, &valid_items)?;
     let mut lora = lorafit::model::Lora::load_peft(&out.adapter_dir, &loaded.model.spec, &device)?;
     let after = gen(Some(&lora))?;
@@ -912,7 +910,6 @@ fn run_demo(a: DemoArgs) -> Result<()> {
         &loaded.model,
         Some(&mut lora),
         &valid_items,
-        None,
         &cfg,
         &adapter_name,
     )?;
@@ -943,6 +940,7 @@ fn run_eval(a: EvalArgs) -> Result<()> {
         device: a.device,
         config: a.config,
         method: a.method,
+        chat_template: a.chat_template,
         max_new: a.max_new,
         limit: a.limit,
         out: a.out,

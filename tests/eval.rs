@@ -1,8 +1,11 @@
 //! `lorafit eval`'s library on a tiny random Qwen2-style model (CPU): per-example preference
 //! scores average to exactly the trainer's validation metrics, the base model scores as the
 //! untrained adapter does, DPO's base scores are its closed form, comparisons subtract per
-//! example, pairs read from a file keep their lines, and a verifiable-instruction run over the
-//! model's own generations scores them as the checkers say.
+//! example, pairs read from a file keep their rows and are read with the run's chat template,
+//! and a verifiable-instruction run over the model's own generations scores them as the
+//! checkers say.
+
+mod common;
 
 use lorafit::config::{Method, TrainConfig};
 use lorafit::data::{TextTokenizer, TokenizedPair};
@@ -116,17 +119,10 @@ fn per_example_scores_average_to_the_trainers_metrics() {
     let out = train(&c, None, &loaded, &train_items, &valid_items).unwrap();
     let mut lora = Lora::load_peft(&out.adapter_dir, &loaded.model.spec, &Device::Cpu).unwrap();
 
-    let base =
-        preference::score_pairs(&loaded.model, None, &valid_items, None, &c, "base").unwrap();
-    let trained = preference::score_pairs(
-        &loaded.model,
-        Some(&mut lora),
-        &valid_items,
-        None,
-        &c,
-        "adapter",
-    )
-    .unwrap();
+    let base = preference::score_pairs(&loaded.model, None, &valid_items, &c, "base").unwrap();
+    let trained =
+        preference::score_pairs(&loaded.model, Some(&mut lora), &valid_items, &c, "adapter")
+            .unwrap();
     let reference = evaluate(&loaded.model, &mut lora, &valid_items, &c).unwrap();
 
     // The same code path and the same summation order: bit-equal means.
@@ -179,7 +175,7 @@ fn dpo_base_scores_are_the_closed_form() {
         method: Method::Dpo,
         ..cfg(&out_dir("dpo"), 1)
     };
-    let run = preference::score_pairs(&loaded.model, None, &items(4, 3), None, &c, "base").unwrap();
+    let run = preference::score_pairs(&loaded.model, None, &items(4, 3), &c, "base").unwrap();
     for e in &run.examples {
         assert!(
             (e.metrics["loss"] - std::f64::consts::LN_2).abs() < 1e-6,
@@ -195,13 +191,12 @@ fn dpo_base_scores_are_the_closed_form() {
         method: Method::Sft,
         ..cfg(&out_dir("sft"), 1)
     };
-    let err =
-        preference::score_pairs(&loaded.model, None, &items(1, 3), None, &sft, "base").unwrap_err();
+    let err = preference::score_pairs(&loaded.model, None, &items(1, 3), &sft, "base").unwrap_err();
     assert!(err.to_string().contains("preference objective"), "{err}");
 }
 
 #[test]
-fn pairs_from_a_file_keep_their_lines() {
+fn pairs_from_a_file_keep_their_rows() {
     let loaded = tiny_loaded();
     let dir = out_dir("file");
     let path = dir.join("pairs.jsonl");
@@ -213,12 +208,15 @@ fn pairs_from_a_file_keep_their_lines() {
     .unwrap();
     let c = cfg(&dir, 1);
     let p = preference::load_pairs(path.to_str().unwrap(), &loaded, &c).unwrap();
-    assert_eq!(p.lines, vec![1, 3]);
-    let run =
-        preference::score_pairs(&loaded.model, None, &p.items, Some(&p.lines), &c, "base").unwrap();
-    assert_eq!(run.examples[1].line, Some(3));
+    let rows: Vec<&str> = p.iter().map(|i| i.at.as_str()).collect();
+    assert!(
+        rows[0].ends_with("pairs.jsonl:1") && rows[1].ends_with("pairs.jsonl:3"),
+        "{rows:?}"
+    );
+    let run = preference::score_pairs(&loaded.model, None, &p, &c, "base").unwrap();
+    assert_eq!(run.examples[1].at.as_deref(), Some(rows[1]));
     let json = serde_json::to_value(&run).unwrap();
-    assert_eq!(json["examples"][1]["line"], 3);
+    assert_eq!(json["examples"][1]["at"], rows[1]);
     assert_eq!(json["subject"], "base");
 
     // A bad row names its line.
@@ -231,6 +229,47 @@ fn pairs_from_a_file_keep_their_lines() {
         msg.contains("pairs.jsonl:1: field \"rejected\": missing"),
         "{msg}"
     );
+}
+
+/// `lorafit eval --config runs/x/plan.toml` reads the pairs as the run read its data: a run
+/// whose `chat_template` setting gave a template-less model one scores chat rows with it, where
+/// the model alone refuses them.
+#[test]
+fn pairs_are_read_with_the_runs_chat_template() {
+    let dir = out_dir("template");
+    let model = common::tiny_run::model_folder(&dir);
+    let template = dir.join("plain.jinja");
+    std::fs::write(
+        &template,
+        "{% for m in messages %}{{ m['content'] }} {% endfor %}",
+    )
+    .unwrap();
+    let data = dir.join("chat.jsonl");
+    std::fs::write(
+        &data,
+        r#"{"prompt": [{"role": "user", "content": "w5 w6"}], "chosen": [{"role": "assistant", "content": "w9"}], "rejected": [{"role": "assistant", "content": "w200"}]}"#,
+    )
+    .unwrap();
+    let with = TrainConfig {
+        model: model.display().to_string(),
+        chat_template: Some(template.display().to_string()),
+        ..cfg(&dir, 1)
+    };
+    let loaded = lorafit::train::trainer::load_configured(&with, &Device::Cpu).unwrap();
+    let pairs = preference::load_pairs(data.to_str().unwrap(), &loaded, &with).unwrap();
+    assert!(pairs[0].at.ends_with("chat.jsonl:1"), "{}", pairs[0].at);
+    let run = preference::score_pairs(&loaded.model, None, &pairs, &with, "base").unwrap();
+    assert!(run.overall["loss"].is_finite());
+
+    let without = TrainConfig {
+        chat_template: None,
+        ..with
+    };
+    let loaded = lorafit::train::trainer::load_configured(&without, &Device::Cpu).unwrap();
+    let err = preference::load_pairs(data.to_str().unwrap(), &loaded, &without)
+        .err()
+        .expect("chat rows without a template are refused");
+    assert!(format!("{err:#}").contains("template"), "{err:#}");
 }
 
 #[test]
@@ -312,7 +351,7 @@ fn before_after_charts_are_pngs_with_their_bars() {
         subject: subject.into(),
         examples: vec![preference::ExampleScore {
             index: 0,
-            line: Some(1),
+            at: Some("pairs.jsonl:1".into()),
             metrics: [
                 ("accuracy".to_string(), accuracy),
                 ("margin".into(), margin),

@@ -2,7 +2,7 @@
 //! ephemeral loopback port, with its own database and root) and drives it over HTTP with a tiny
 //! model: submit → events → done → adapter download; cancel and resume; the queue; a bad config
 //! (400 naming the field); a path escape (403); a missing token (401); 50 concurrent status
-//! requests during a run; a failing job; a kill -9 mid-run after which the restarted server
+//! requests during a run; a failing job; a job's chat template; a kill -9 mid-run after which the restarted server
 //! resumes the job to an adapter bit-identical to an uninterrupted run's; an eval job whose
 //! scores, report and chart are `lorafit eval`'s on the same inputs; an export job whose merged
 //! folder lorafit loads; and bad or escaping eval and export jobs (400 naming the field, 403).
@@ -336,7 +336,32 @@ fn a_path_outside_the_roots_is_a_403() {
             json!({"model": "model", "data": "train.jsonl", "output": "runs/../../x"}),
             "output",
         ),
+        // Every file a job reads, the template and the KL file included.
+        (
+            json!({"model": "model", "data": "train.jsonl", "chat_template": "/etc/hostname"}),
+            "chat_template",
+        ),
+        (
+            json!({"model": "model", "data": "train.jsonl", "rank_scaling": "by_kl",
+                   "rank_kl_file": outside}),
+            "rank_kl_file",
+        ),
+        (
+            json!({"kind": "eval", "model": "model", "data": "train.jsonl",
+                   "chat_template": "up/outside.jsonl"}),
+            "chat_template",
+        ),
+        (
+            json!({"kind": "eval", "data": "train.jsonl", "config": "escaping.toml"}),
+            "chat_template",
+        ),
     ];
+    // A config inside the roots whose template is not.
+    std::fs::write(
+        ws.root.join("escaping.toml"),
+        "model = \"model\"\nchat_template = \"/etc/hostname\"\n",
+    )
+    .unwrap();
     assert_all_refused(&server, cases.iter().map(|(b, f)| (b, *f)), 403);
     assert!(server.get("/jobs").json()["jobs"]
         .as_array()
@@ -484,6 +509,32 @@ fn a_failing_job_is_marked_failed_and_the_queue_goes_on() {
     assert_eq!(job["message"], reason);
     server.events(good_id).until("done");
     assert_eq!(server.job(good_id)["state"], "done");
+}
+
+/// A train job's `chat_template` setting is the template its data is read with, as with
+/// `lorafit train`: chat rows on a model without a template train with it.
+#[test]
+fn a_train_job_reads_chat_rows_with_its_chat_template() {
+    let ws = Workspace::new("template");
+    let row = json!({
+        "prompt": [{"role": "user", "content": "w5 w6 w7"}],
+        "chosen": [{"role": "assistant", "content": "w9 w10"}],
+        "rejected": [{"role": "assistant", "content": "w200 w201"}],
+    });
+    std::fs::write(ws.root.join("chat.jsonl"), format!("{row}\n{row}\n")).unwrap();
+    std::fs::write(
+        ws.root.join("plain.jinja"),
+        "{% for m in messages %}{{ m['content'] }} {% endfor %}",
+    )
+    .unwrap();
+    let server = Server::start(&ws, &[]);
+    let mut cfg = tiny_job(1);
+    cfg["data"] = json!("chat.jsonl");
+    cfg["valid"] = json!("chat.jsonl");
+    cfg["chat_template"] = json!("plain.jinja");
+    let id = server.submit(&cfg);
+    server.events(id).until("done");
+    assert_eq!(server.job(id)["state"], "done");
 }
 
 #[test]

@@ -2,20 +2,20 @@
 //! overall accuracy, margin, lw, lr, nll and loss, and before/after comparisons with per-example
 //! deltas.
 //!
-//! The numbers are the trainer's own: each example goes through `train::step::queue_example`
-//! with the configured objective and `train = false`, exactly as `train::trainer::evaluate`
-//! does, so the overall means here equal the validation metrics a training run logs. This module
-//! only keeps the per-example values the trainer averages away.
+//! The numbers are the trainer's own: the pairs are read and checked by the trainer's loader
+//! (`train::trainer::load_items`: the run's tokenization rules, chat template and length limits)
+//! and each goes through `train::trainer::score_example`, as validation does, so the overall
+//! means here equal the validation metrics a training run logs. This module only keeps the
+//! per-example values the trainer averages away.
 //!
 //! The base model is scored through a fresh LoRA whose B matrices are zero (rank 1 on one
 //! projection): its update is exactly zero, so the logits are the base model's.
 
 use crate::config::TrainConfig;
-use crate::data::{self, DatasetKind, TokenizeOptions};
 use crate::model::lora::{LoraConfig, Target};
 use crate::model::{Lora, Model};
-use crate::train::step::{queue_example, reference_logps, Objective};
-use crate::train::trainer::{pass_options, Item, Loaded};
+use crate::train::step::Objective;
+use crate::train::trainer::{load_items, pass_options, score_example, Item, Loaded};
 use anyhow::{bail, Context, Result};
 use serde::Serialize;
 use std::collections::BTreeMap;
@@ -29,11 +29,11 @@ pub const HEADLINE: [&str; 6] = ["accuracy", "margin", "lw", "lr", "nll", "loss"
 /// DPO and SimPO have none, and `nll` is then `-lw`, the chosen response's mean NLL per token.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct ExampleScore {
-    /// 0-based position among the file's examples.
+    /// 0-based position among the scored examples.
     pub index: usize,
-    /// 1-based source line, when the pairs were read from a file.
+    /// The row it was read from (`file:line`, or `file: row N`), when the pairs came from a file.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub line: Option<usize>,
+    pub at: Option<String>,
     pub metrics: BTreeMap<String, f64>,
 }
 
@@ -47,34 +47,21 @@ pub struct PreferenceRun {
     pub overall: BTreeMap<String, f64>,
 }
 
-/// Pairs read from a preference JSONL file with the trainer's tokenisation, and their lines.
-pub struct Pairs {
-    pub items: Vec<Item>,
-    pub lines: Vec<usize>,
-}
-
-/// Reads and tokenises `path` as the trainer would (its length limits and chat template). A bad
-/// row is an error naming its line; nothing is skipped.
-pub fn load_pairs(path: &str, loaded: &Loaded, cfg: &TrainConfig) -> Result<Pairs> {
-    let (examples, _) = data::load_dataset(path, DatasetKind::Preference, false)?;
-    let opts = TokenizeOptions::new(cfg.max_seq_len, cfg.max_prompt_len);
-    let (pairs, report) = data::tokenize_preferences(
-        &examples,
-        &loaded.tokenizer,
-        loaded.template.as_ref(),
-        &opts,
-    )
-    .with_context(|| path.to_string())?;
-    if report.prompt_truncated > 0 || report.response_truncated > 0 {
-        eprintln!("{path}: {report}");
-    }
-    if pairs.is_empty() {
+/// Reads, checks and tokenises the preference pairs at `path` as the trainer reads its data (any
+/// dataset format; the run's tokenization rules, template and length limits; ids checked against
+/// the model's vocabulary). A bad row is an error naming its file, line and field; nothing is
+/// skipped, whatever `skip_bad_rows` says.
+pub fn load_pairs(path: &str, loaded: &Loaded, cfg: &TrainConfig) -> Result<Vec<Item>> {
+    preference_objective(cfg)?;
+    let strict = TrainConfig {
+        skip_bad_rows: false,
+        ..cfg.clone()
+    };
+    let items = load_items(path, None, cfg.method, loaded, &strict)?;
+    if items.is_empty() {
         bail!("{path}: no preference pairs");
     }
-    Ok(Pairs {
-        lines: examples.iter().map(|e| e.line()).collect(),
-        items: pairs.into_iter().map(Item::pair).collect(),
-    })
+    Ok(items)
 }
 
 /// A LoRA that leaves the model unchanged (B = 0), for scoring the base model.
@@ -88,17 +75,16 @@ pub fn identity_lora(model: &Model) -> Result<Lora> {
     Lora::new(&model.spec, config, &model.device)
 }
 
-/// Scores every item with `lora` (None: the base model). `lines`, when given, has one entry per
-/// item. `subject` names what was scored in the output.
+/// Scores every item with `lora` (None: the base model). `subject` names what was scored in the
+/// output; each example keeps its row (`Item::at`).
 pub fn score_pairs(
     model: &Model,
     lora: Option<&mut Lora>,
     items: &[Item],
-    lines: Option<&[usize]>,
     cfg: &TrainConfig,
     subject: &str,
 ) -> Result<PreferenceRun> {
-    score_pairs_with(model, lora, items, lines, cfg, subject, &mut |_| Ok(()))
+    score_pairs_with(model, lora, items, cfg, subject, &mut |_| Ok(()))
 }
 
 /// [`score_pairs`], calling `tick` with the number of items scored after each one (an error from
@@ -107,23 +93,11 @@ pub fn score_pairs_with(
     model: &Model,
     lora: Option<&mut Lora>,
     items: &[Item],
-    lines: Option<&[usize]>,
     cfg: &TrainConfig,
     subject: &str,
     tick: &mut dyn FnMut(usize) -> Result<()>,
 ) -> Result<PreferenceRun> {
-    let objective = cfg.objective();
-    if !objective.is_preference() {
-        bail!(
-            "preference scoring needs a preference objective (ORPO, DPO, SimPO), not {:?}",
-            cfg.method
-        );
-    }
-    if let Some(l) = lines {
-        if l.len() != items.len() {
-            bail!("{} lines given for {} items", l.len(), items.len());
-        }
-    }
+    let objective = preference_objective(cfg)?;
     let mut base;
     let lora = match lora {
         Some(l) => l,
@@ -137,33 +111,12 @@ pub fn score_pairs_with(
     let bar = indicatif::ProgressBar::new(items.len() as u64);
     let mut examples = Vec::with_capacity(items.len());
     for (index, item) in items.iter().enumerate() {
-        let line = lines.map(|l| l[index]);
-        let at = || match line {
-            Some(l) => format!("example on line {l}"),
-            None => format!("example {index}"),
-        };
-        let plan = item.plan(cfg.prefix_shared).with_context(at)?;
-        let reference = match objective {
-            Objective::Dpo { .. } => Some(reference_logps(model, &plan, &opts).with_context(at)?),
-            _ => None,
-        };
-        let out = queue_example(
-            model,
-            lora,
-            &plan,
-            &objective,
-            reference.as_ref(),
-            &opts,
-            false,
-            1.0,
-        )
-        .and_then(|q| q.finish())
-        .with_context(at)?;
-        let mut metrics: BTreeMap<String, f64> = out
-            .metrics
-            .into_iter()
-            .map(|(k, v)| (k.to_string(), v))
-            .collect();
+        let mut metrics: BTreeMap<String, f64> =
+            score_example(model, lora, item, &objective, cfg, &opts)
+                .with_context(|| item.describe_as("scored", index, "the pairs"))?
+                .into_iter()
+                .map(|(k, v)| (k.to_string(), v))
+                .collect();
         let nll = metrics
             .get("nll_loss")
             .or(metrics.get("nll"))
@@ -174,7 +127,7 @@ pub fn score_pairs_with(
         }
         examples.push(ExampleScore {
             index,
-            line,
+            at: (!item.at.is_empty()).then(|| item.at.clone()),
             metrics,
         });
         bar.inc(1);
@@ -186,6 +139,18 @@ pub fn score_pairs_with(
         overall: mean_metrics(&examples),
         examples,
     })
+}
+
+/// The run's objective, which must compare a chosen and a rejected response.
+fn preference_objective(cfg: &TrainConfig) -> Result<Objective> {
+    let objective = cfg.objective();
+    if !objective.is_preference() {
+        bail!(
+            "preference scoring needs a preference objective (ORPO, DPO, SimPO), not {:?}",
+            cfg.method
+        );
+    }
+    Ok(objective)
 }
 
 fn mean_metrics(examples: &[ExampleScore]) -> BTreeMap<String, f64> {
@@ -206,7 +171,7 @@ fn mean_metrics(examples: &[ExampleScore]) -> BTreeMap<String, f64> {
 pub struct ExampleDelta {
     pub index: usize,
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub line: Option<usize>,
+    pub at: Option<String>,
     pub before: BTreeMap<String, f64>,
     pub after: BTreeMap<String, f64>,
     pub delta: BTreeMap<String, f64>,
@@ -244,7 +209,7 @@ pub fn compare(before: PreferenceRun, after: PreferenceRun) -> Result<Preference
         .zip(&after.examples)
         .map(|(b, a)| ExampleDelta {
             index: b.index,
-            line: b.line,
+            at: b.at.clone(),
             before: b.metrics.clone(),
             after: a.metrics.clone(),
             delta: delta(&b.metrics, &a.metrics),

@@ -47,6 +47,10 @@ pub struct EvalOptions {
     /// A TOML config (e.g. a run's plan.toml): the objective, its settings and length limits.
     pub config: Option<PathBuf>,
     pub method: Option<Method>,
+    /// A Jinja chat template file (or a tokenizer_config.json) instead of the config's or the
+    /// model's.
+    #[serde(default)]
+    pub chat_template: Option<String>,
     /// Most new tokens per reply (ifeval).
     pub max_new: usize,
     /// Score only the first N pairs or prompts (0: all).
@@ -68,6 +72,7 @@ impl Default for EvalOptions {
             scorer: Scorer::Preference,
             device: None,
             config: None,
+            chat_template: None,
             method: None,
             max_new: 256,
             limit: 0,
@@ -170,6 +175,9 @@ impl EvalOptions {
         if let Some(m) = self.method {
             cfg.method = m;
         }
+        if let Some(t) = &self.chat_template {
+            cfg.chat_template = Some(t.clone());
+        }
         Ok(cfg)
     }
 }
@@ -227,7 +235,7 @@ pub fn run(
     opts.validate()?;
     let cfg = opts.train_config()?;
     let device = Device::parse(&cfg.device)?;
-    let loaded = trainer::load_model_and_tokenizer(&cfg.model, &device, cfg.base_quant)?;
+    let loaded = trainer::load_configured(&cfg, &device)?;
     let mut adapters = Vec::new();
     for s in opts.subjects() {
         let lora = match &s {
@@ -245,7 +253,7 @@ pub fn run(
         Scorer::Preference => {
             let data = opts.data.as_deref().context("data: the preference pairs")?;
             let pairs = preference::load_pairs(data, &loaded, &cfg)?;
-            let n = take(pairs.items.len());
+            let n = take(pairs.len());
             let mut runs = Vec::new();
             for (i, (name, lora)) in adapters.iter_mut().enumerate() {
                 let mut tick = |done: usize| {
@@ -258,8 +266,7 @@ pub fn run(
                 runs.push(preference::score_pairs_with(
                     &loaded.model,
                     lora.as_mut(),
-                    &pairs.items[..n],
-                    Some(&pairs.lines[..n]),
+                    &pairs[..n],
                     &cfg,
                     name,
                     &mut tick,

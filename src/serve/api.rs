@@ -257,8 +257,10 @@ fn json_to_toml(key: &str, v: &Value) -> Result<Option<toml::Value>, String> {
 }
 
 /// A submitted config as the CLI reads a settings file: TRL's names normalised, unknown names
-/// refused with the nearest one, types checked, then `TrainConfig::validate`. Returns the config
-/// and whether the request named an output folder.
+/// refused with the nearest one, types checked. `TrainConfig::validate` runs once the config's
+/// paths are confined (`Submission::confine`, `validated`), since they name files in the roots,
+/// not in the server's working folder. Returns the config and whether the request named an
+/// output folder.
 pub fn parse_config(body: &Value) -> ApiResult<(TrainConfig, bool)> {
     let Value::Object(map) = body else {
         return Err(ApiError::bad_request(
@@ -277,9 +279,13 @@ pub fn parse_config(body: &Value) -> ApiResult<(TrainConfig, bool)> {
     let cfg: TrainConfig = table
         .try_into()
         .map_err(|e: toml::de::Error| ApiError::bad_request(format!("invalid config: {e}")))?;
-    cfg.validate()
-        .map_err(|e| ApiError::bad_request(format!("{e:#}")))?;
     Ok((cfg, named_output))
+}
+
+/// `TrainConfig::validate` as a 400.
+fn validated(cfg: &TrainConfig) -> ApiResult<()> {
+    cfg.validate()
+        .map_err(|e| ApiError::bad_request(format!("{e:#}")))
 }
 
 /// Confines every path the config reads to the roots and makes it canonical.
@@ -295,6 +301,12 @@ fn confine(app: &App, cfg: &mut TrainConfig) -> ApiResult<()> {
     if let Some(w) = &cfg.warm_start {
         cfg.warm_start = Some(roots.existing("warm_start", w)?.display().to_string());
     }
+    if let Some(t) = &cfg.chat_template {
+        cfg.chat_template = Some(roots.existing("chat_template", t)?.display().to_string());
+    }
+    if let Some(k) = &cfg.rank_kl_file {
+        cfg.rank_kl_file = Some(roots.existing("rank_kl_file", k)?.display().to_string());
+    }
     Ok(())
 }
 
@@ -308,7 +320,8 @@ pub const EVAL_JSON: &str = "eval.json";
 pub const EVAL_REPORT: &str = "report.md";
 
 const EVAL_FIELDS: &str =
-    "kind, model, adapter, compare, data, scorer, device, config, method, max_new, limit, output";
+    "kind, model, adapter, compare, data, scorer, device, config, method, chat_template, max_new, \
+     limit, output";
 const EXPORT_FIELDS: &str =
     "kind, model, adapter, output, format, dtype, adapter_type, merged_type, check";
 
@@ -382,6 +395,7 @@ fn parse_eval(map: &serde_json::Map<String, Value>) -> ApiResult<(EvalOptions, O
             "device" => o.device = Some(want_str(k, v)?),
             "config" => o.config = Some(want_str(k, v)?.into()),
             "method" => o.method = Some(want_choice::<crate::config::Method>(k, v)?),
+            "chat_template" => o.chat_template = Some(want_str(k, v)?),
             "max_new" => o.max_new = want_usize(k, v)?,
             "limit" => o.limit = want_usize(k, v)?,
             "output" => output = Some(want_str(k, v)?),
@@ -511,17 +525,24 @@ impl Submission {
             })
         };
         match self {
-            Submission::Train(cfg) => confine(app, cfg),
+            Submission::Train(cfg) => {
+                confine(app, cfg)?;
+                validated(cfg)
+            }
             Submission::Eval(o) => {
                 if let Some(c) = &o.config {
                     let c = roots.existing("config", &c.display().to_string())?;
-                    if o.model.is_none() {
-                        // The config file's model is as confined as one named here.
-                        let cfg = TrainConfig::from_toml_file(&c)
-                            .map_err(|e| ApiError::bad_request(format!("config: {e:#}")))?;
-                        o.model = Some(cfg.model);
-                    }
+                    // The config file's model and chat template are as confined as ones named
+                    // here; the template is passed on by its confined path.
+                    let cfg = TrainConfig::from_toml_file(&c)
+                        .map_err(|e| ApiError::bad_request(format!("config: {e:#}")))?;
+                    o.model = o.model.take().or(Some(cfg.model));
+                    o.chat_template = o.chat_template.take().or(cfg.chat_template);
                     o.config = Some(c);
+                }
+                if let Some(t) = &o.chat_template {
+                    o.chat_template =
+                        Some(roots.existing("chat_template", t)?.display().to_string());
                 }
                 o.model = Some(model(o.model.as_deref().unwrap_or("smollm2"))?);
                 if let Some(a) = &o.adapter {
@@ -1056,7 +1077,11 @@ mod tests {
         assert_eq!(cfg.valid, None);
         assert_eq!(cfg.targets, ["q", "v"]);
 
-        let err = |body: Value| parse_config(&body).unwrap_err();
+        let err = |body: Value| {
+            parse_config(&body)
+                .and_then(|(cfg, _)| validated(&cfg))
+                .unwrap_err()
+        };
         let e = err(json!({"data": "d", "lerning_rate": 1e-4}));
         assert_eq!(e.status, StatusCode::BAD_REQUEST);
         assert!(

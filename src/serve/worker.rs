@@ -208,7 +208,7 @@ fn fail(app: &App, id: i64, step: i64, reason: &str) -> Result<()> {
 fn train_job(app: &App, job: &JobRow, cancel: &AtomicBool) -> Result<Outcome> {
     let cfg: TrainConfig = serde_json::from_str(&job.config).context("the job's stored config")?;
     let device = Device::parse(&cfg.device)?;
-    let loaded = trainer::load_model_and_tokenizer(&cfg.model, &device, cfg.base_quant)?;
+    let loaded = trainer::load_configured(&cfg, &device)?;
     let (train_items, valid_items) = trainer::load_train_and_valid(&loaded, &cfg)?;
     let resume = job.resume_from.as_ref().map(PathBuf::from);
     let mut listener = JobListener {

@@ -76,12 +76,18 @@ impl Item {
         }
     }
 
-    /// How an error names this example: its row's place, else its index among `data`'s examples.
+    /// How an error names this training example: its row's place, else its index among
+    /// `data`'s examples.
     pub fn describe(&self, idx: usize, data: &str) -> String {
+        self.describe_as("training", idx, data)
+    }
+
+    /// [`Item::describe`] for an example of another role (`validation`, `scored`).
+    pub fn describe_as(&self, role: &str, idx: usize, data: &str) -> String {
         if self.at.is_empty() {
-            format!("training example {idx} of {data} (0-based)")
+            format!("{role} example {idx} of {data} (0-based)")
         } else {
-            format!("the training example at {}", self.at)
+            format!("the {role} example at {}", self.at)
         }
     }
 }
@@ -121,6 +127,21 @@ pub fn resolve_model_path(s: &str) -> Result<PathBuf> {
             cache.map_or("not found".to_string(), |c| c.display().to_string())
         ),
     }
+}
+
+/// What a run of `cfg` reads its data and trains with: its model and base encoding, the model's
+/// tokenizer, and its chat template or the `chat_template` setting's. Training (the command and
+/// the job server's jobs) and `lorafit eval` load through here, so that a run's `plan.toml`
+/// gives eval the template it trained with.
+pub fn load_configured(cfg: &TrainConfig, device: &Device) -> Result<Loaded> {
+    let mut loaded = load_model_and_tokenizer(&cfg.model, device, cfg.base_quant)?;
+    if let Some(t) = &cfg.chat_template {
+        loaded.template = Some(data::model_files::template_from_setting(
+            t,
+            &loaded.tokenizer,
+        )?);
+    }
+    Ok(loaded)
 }
 
 /// The model (its projections encoded as `quant` on load) and its tokenizer and template.
@@ -575,29 +596,44 @@ pub fn evaluate_objective(
         items.len()
     };
     let mut sums: BTreeMap<String, f64> = BTreeMap::new();
-    for item in &items[..n] {
-        let plan = item.plan(cfg.prefix_shared)?;
-        let reference = match objective {
-            Objective::Dpo { .. } => Some(reference_logps(model, &plan, &opts)?),
-            _ => None,
-        };
-        let out = queue_example(
-            model,
-            lora,
-            &plan,
-            &objective,
-            reference.as_ref(),
-            &opts,
-            false,
-            1.0,
-        )?
-        .finish()?;
-        for (k, v) in out.metrics {
-            *sums.entry(metric_name(k).to_string()).or_default() += v;
+    for (i, item) in items[..n].iter().enumerate() {
+        let metrics = score_example(model, lora, item, &objective, cfg, &opts)
+            .with_context(|| item.describe_as("validation", i, "the validation data"))?;
+        for (k, v) in metrics {
+            *sums.entry(k.to_string()).or_default() += v;
         }
     }
     sums.values_mut().for_each(|v| *v /= n as f64);
     Ok(sums)
+}
+
+/// One example's objective metrics without gradients (DPO's reference logps included), as
+/// validation and `lorafit eval` compute them: `opts` are `pass_options` with no memory plan.
+pub fn score_example(
+    model: &Model,
+    lora: &mut Lora,
+    item: &Item,
+    objective: &Objective,
+    cfg: &TrainConfig,
+    opts: &PassOptions,
+) -> Result<Vec<(&'static str, f64)>> {
+    let plan = item.plan(cfg.prefix_shared)?;
+    let reference = match objective {
+        Objective::Dpo { .. } => Some(reference_logps(model, &plan, opts)?),
+        _ => None,
+    };
+    let out = queue_example(
+        model,
+        lora,
+        &plan,
+        objective,
+        reference.as_ref(),
+        opts,
+        false,
+        1.0,
+    )?
+    .finish()?;
+    Ok(out.metrics)
 }
 
 /// Runs training as configured, reporting to the console. `resume` continues from a checkpoint
@@ -997,7 +1033,7 @@ pub fn train_with(
             loss += out.loss / cfg.grad_accum as f64;
             tokens += out.tokens;
             for (k, v) in out.metrics {
-                *sums.entry(metric_name(k).to_string()).or_default() += v / cfg.grad_accum as f64;
+                *sums.entry(k.to_string()).or_default() += v / cfg.grad_accum as f64;
             }
         }
         if let (Some(c), Objective::Orpo { .. }) = (&state.orpo_lambda, objective) {
@@ -1146,14 +1182,6 @@ fn observe_lambda(state: &mut TrainerState, m: &mut BTreeMap<String, f64>, p: &L
     }
     m.insert("orpo_lambda".to_string(), c.lambda);
     m.insert("orpo_lambda_phase".to_string(), c.phase.code());
-}
-
-/// The objective's metric names as metrics.jsonl and the console write them. The objectives
-/// already report TRL's `logps/chosen` and `logps/rejected` (means for ORPO and SimPO, sums for
-/// DPO, as TRL logs them) beside lorafit's own mean logps `lw` and `lr`; renaming `lw`/`lr` onto
-/// those names would add two different quantities into one key, so every name passes through.
-pub fn metric_name(k: &str) -> &str {
-    k
 }
 
 /// The trainer state to continue from checkpoint `dir`: its settings must keep the adapter
