@@ -50,6 +50,9 @@ pub struct CurateOptions {
     /// Score of a raw row's completions: a numeric field, or `annotations`.
     pub score_field: String,
     pub skip_bad_rows: bool,
+    /// A Jinja chat template file (or a tokenizer_config.json) instead of the model's, for
+    /// message rows on a model without one (`chat_template` of `lorafit train`).
+    pub chat_template: Option<String>,
 }
 
 impl Default for CurateOptions {
@@ -63,6 +66,7 @@ impl Default for CurateOptions {
             seed: 0,
             score_field: "overall_score".into(),
             skip_bad_rows: false,
+            chat_template: None,
         }
     }
 }
@@ -492,6 +496,10 @@ pub fn curate_file(
 ) -> Result<CurateReport> {
     let (tok, template) = load_text_tokenizer(model)
         .with_context(|| format!("loading the tokenizer of {}", model.display()))?;
+    let template = match &opts.chat_template {
+        Some(t) => Some(data::model_files::template_from_setting(t, &tok)?),
+        None => template,
+    };
     let mut opts = opts.clone();
     if valid_output.is_none() {
         opts.valid_fraction = 0.0;

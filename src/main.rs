@@ -81,6 +81,9 @@ struct CurateArgs {
     /// Model whose tokenizer and chat template measure the token cap and length ratio.
     #[arg(long, default_value = "smollm2")]
     model: String,
+    /// A Jinja chat template file (or a tokenizer_config.json) to use instead of the model's.
+    #[arg(long)]
+    chat_template: Option<String>,
     /// Least score_chosen - score_rejected a pair keeps (0: scores optional).
     #[arg(long, default_value_t = 1.0)]
     min_score_gap: f64,
@@ -148,6 +151,7 @@ fn run_curate(a: CurateArgs) -> Result<()> {
         seed: a.seed,
         score_field: a.score_field,
         skip_bad_rows: a.skip_bad_rows,
+        chat_template: a.chat_template,
     };
     let report = lorafit::curate::curate_file(
         &a.input,

@@ -313,6 +313,39 @@ fn bad_rows_are_named_by_file_line_and_field() {
     assert!(train[0].get("score_chosen").is_none());
 }
 
+/// Message rows need a chat template to be measured: a model without one refuses them, and
+/// `chat_template` (`--chat-template`) supplies one, as `lorafit train`'s setting does.
+#[test]
+fn message_rows_are_measured_with_the_chat_template_setting() {
+    let dir = std::env::temp_dir().join(format!("lorafit-curate-tpl-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let input = dir.join("in.jsonl");
+    let row = |i: usize| {
+        json!({
+            "prompt": format!("Prompt {i}"),
+            "chosen": [{"role": "user", "content": format!("Prompt {i}")},
+                       {"role": "assistant", "content": "Yes indeed."}],
+            "rejected": [{"role": "user", "content": format!("Prompt {i}")},
+                         {"role": "assistant", "content": "No way."}],
+            "score_chosen": 7.0, "score_rejected": 1.0,
+        })
+    };
+    let rows: String = (0..4).map(|i| format!("{}\n", row(i))).collect();
+    std::fs::write(&input, rows).unwrap();
+    let model = fixture("gguf/spm_prefix.gguf");
+    let out = dir.join("out.jsonl");
+    let e = curate_file(&input, &out, None, &model, &CurateOptions::default())
+        .err()
+        .expect("message rows without a template");
+    assert!(format!("{e:#}").contains("template"), "{e:#}");
+    let opts = CurateOptions {
+        chat_template: Some(fixture("smollm2_chat_template.jinja").display().to_string()),
+        ..CurateOptions::default()
+    };
+    let r = curate_file(&input, &out, None, &model, &opts).unwrap();
+    assert_eq!(r.train, 4);
+}
+
 #[test]
 fn curate_file_writes_both_files() {
     let dir = std::env::temp_dir().join(format!("lorafit-curate-{}", std::process::id()));
