@@ -292,6 +292,10 @@ struct DecodeArgs {
     /// A PEFT adapter folder, applied unmerged.
     #[arg(long)]
     adapter: Option<PathBuf>,
+    /// A Jinja chat template file (or a tokenizer_config.json) to use instead of the model's:
+    /// the adapter's training run's `chat_template`, for a model without one.
+    #[arg(long)]
+    chat_template: Option<String>,
     #[arg(long, default_value = "cpu")]
     device: String,
     /// The most tokens generated per reply.
@@ -338,7 +342,12 @@ impl DecodeArgs {
 
     fn load(&self) -> Result<(trainer::Loaded, Option<lorafit::model::Lora>)> {
         let device = Device::parse(&self.device)?;
-        let loaded = trainer::load_model_and_tokenizer(&self.model, &device, self.base_quant)?;
+        let loaded = trainer::load_with_template(
+            &self.model,
+            &device,
+            self.base_quant,
+            self.chat_template.as_deref(),
+        )?;
         let lora = match &self.adapter {
             Some(p) => Some(lorafit::model::Lora::load_peft(
                 p,

@@ -335,8 +335,7 @@ fn message_rows_are_measured_with_the_chat_template_setting() {
     let model = fixture("gguf/spm_prefix.gguf");
     let out = dir.join("out.jsonl");
     let e = curate_file(&input, &out, None, &model, &CurateOptions::default())
-        .err()
-        .expect("message rows without a template");
+        .expect_err("message rows without a template");
     assert!(format!("{e:#}").contains("template"), "{e:#}");
     let opts = CurateOptions {
         chat_template: Some(fixture("smollm2_chat_template.jinja").display().to_string()),

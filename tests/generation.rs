@@ -536,3 +536,39 @@ fn smollm2_cached_generation_equals_uncached() {
     );
     assert!(!got.is_empty());
 }
+
+/// `lorafit generate --chat-template FILE` renders the prompt with that template in place of the
+/// model's (here the model has none): a template that puts three words before the messages makes
+/// a prompt three tokens longer than the plain text the model alone gets.
+#[test]
+fn generate_renders_with_the_chat_template_flag() {
+    let dir = std::env::temp_dir().join(format!("lorafit-gen-template-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let model = common::tiny_run::model_folder(&dir);
+    let template = dir.join("prefixed.jinja");
+    std::fs::write(
+        &template,
+        "w7 w7 w7 {% for m in messages %}{{ m['content'] }} {% endfor %}",
+    )
+    .unwrap();
+    let prefill = |extra: &[&std::ffi::OsStr]| -> usize {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_lorafit"))
+            .args(["generate", "--max-new-tokens", "2", "--model"])
+            .arg(&model)
+            .args(extra)
+            .arg("w5 w6")
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr).to_string();
+        assert!(out.status.success(), "{err}");
+        let after = err
+            .split("prefill ")
+            .nth(1)
+            .unwrap_or_else(|| panic!("{err}"));
+        after.split(' ').next().unwrap().parse().unwrap()
+    };
+    let plain = prefill(&[]);
+    let templated = prefill(&["--chat-template".as_ref(), template.as_os_str()]);
+    assert_eq!(templated, plain + 3);
+}

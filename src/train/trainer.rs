@@ -134,8 +134,24 @@ pub fn resolve_model_path(s: &str) -> Result<PathBuf> {
 /// the job server's jobs) and `lorafit eval` load through here, so that a run's `plan.toml`
 /// gives eval the template it trained with.
 pub fn load_configured(cfg: &TrainConfig, device: &Device) -> Result<Loaded> {
-    let mut loaded = load_model_and_tokenizer(&cfg.model, device, cfg.base_quant)?;
-    if let Some(t) = &cfg.chat_template {
+    load_with_template(
+        &cfg.model,
+        device,
+        cfg.base_quant,
+        cfg.chat_template.as_deref(),
+    )
+}
+
+/// [`load_model_and_tokenizer`] with `chat_template` (a Jinja file or a tokenizer_config.json),
+/// when given, in place of the model's template (`generate` and `chat` take the training run's).
+pub fn load_with_template(
+    model_arg: &str,
+    device: &Device,
+    quant: model::BaseQuant,
+    chat_template: Option<&str>,
+) -> Result<Loaded> {
+    let mut loaded = load_model_and_tokenizer(model_arg, device, quant)?;
+    if let Some(t) = chat_template {
         loaded.template = Some(data::model_files::template_from_setting(
             t,
             &loaded.tokenizer,
