@@ -685,6 +685,9 @@ struct KlArgs {
     /// cpu, cuda or cuda:N.
     #[arg(long, default_value = "cpu")]
     device: String,
+    /// A Jinja chat template file (or a tokenizer_config.json) to use instead of the model's.
+    #[arg(long)]
+    chat_template: Option<String>,
 }
 
 fn run_kl(a: KlArgs) -> Result<()> {
@@ -696,6 +699,7 @@ fn run_kl(a: KlArgs) -> Result<()> {
         max_rows: a.max_rows,
         max_len: a.max_len,
         device: a.device,
+        chat_template: a.chat_template,
     };
     let file = eval::kl::run(&opts)?;
     print!("{}", eval::kl::format_table(&file));

@@ -24,7 +24,7 @@ use crate::data::{self, DatasetKind, RowTokens, TokenizeOptions};
 use crate::model::{self, Model, ModelSpec};
 use crate::tensor::{DType, Device};
 use crate::train::rank_scaling::{KlFile, LayerKl};
-use crate::train::trainer::{load_model_and_tokenizer, resolve_model_path, Loaded};
+use crate::train::trainer::{load_with_template, resolve_model_path, Loaded};
 use anyhow::{bail, Context, Result};
 use rayon::prelude::*;
 use std::path::{Path, PathBuf};
@@ -46,6 +46,9 @@ pub struct KlOptions {
     /// The first this many tokens of each row.
     pub max_len: usize,
     pub device: String,
+    /// A Jinja chat template file (or a tokenizer_config.json) instead of the model's, for
+    /// message rows on a model without one.
+    pub chat_template: Option<String>,
 }
 
 /// An error naming the first architectural quantity in which `model` and `reference` differ
@@ -268,8 +271,13 @@ pub fn layer_kl(
 /// layer with a progress bar over the rows, and writes `opts.output`.
 pub fn run(opts: &KlOptions) -> Result<KlFile> {
     let device = Device::parse(&opts.device)?;
-    let mut loaded = load_model_and_tokenizer(&opts.model, &device, crate::model::BaseQuant::None)
-        .with_context(|| format!("loading --model {}", opts.model))?;
+    let mut loaded = load_with_template(
+        &opts.model,
+        &device,
+        crate::model::BaseQuant::None,
+        opts.chat_template.as_deref(),
+    )
+    .with_context(|| format!("loading --model {}", opts.model))?;
     let ref_path = resolve_model_path(&opts.reference)?;
     let mut reference = model::load(&ref_path, &device)
         .with_context(|| format!("loading --reference {}", opts.reference))?;
