@@ -279,6 +279,22 @@ fn bad_runs_are_errors_that_name_file_and_setting() {
         ],
     });
     data_file(&root.join("other.jsonl"), 8, 99);
+    let weightless = file(
+        &root,
+        "weightless.jsonl",
+        &std::fs::read_to_string(root.join("other.jsonl"))
+            .unwrap()
+            .replace("}\n", ", \"weight\": 0}\n"),
+    );
+    cases.push(Case {
+        name: "all_weights_zero",
+        out: fresh("all_weights_zero"),
+        args: vec![s("--set"), format!("data={weightless}")],
+        expect: vec![
+            s("weightless.jsonl"),
+            s("every training example has weight 0"),
+        ],
+    });
     cases.push(Case {
         name: "resume_other_data",
         out: done.clone(),

@@ -183,6 +183,15 @@ pub fn load_model_and_tokenizer(
 /// `cfg.seed` (each side keeps the file's order). What was held out is said on stderr.
 pub fn load_train_and_valid(loaded: &Loaded, cfg: &TrainConfig) -> Result<(Vec<Item>, Vec<Item>)> {
     let train = load_items(&cfg.data, None, cfg.method, loaded, cfg)?;
+    // Weight 0 is allowed per row, but a run of nothing else has a zero loss and gradient at
+    // every step: the adapter would leave as it came.
+    if !train.is_empty() && train.iter().all(|i| i.weight == 0.0) {
+        bail!(
+            "{}: every training example has weight 0, so every step's loss and gradient are \
+             zero and the adapter cannot change; give the rows to train on a weight above 0",
+            cfg.data
+        );
+    }
     if let Some(v) = &cfg.valid {
         return Ok((train, load_items(v, None, cfg.method, loaded, cfg)?));
     }
