@@ -183,6 +183,21 @@ pub fn load_model_and_tokenizer(
 /// `cfg.seed` (each side keeps the file's order). What was held out is said on stderr.
 pub fn load_train_and_valid(loaded: &Loaded, cfg: &TrainConfig) -> Result<(Vec<Item>, Vec<Item>)> {
     let train = load_items(&cfg.data, None, cfg.method, loaded, cfg)?;
+    let (train, valid) = if let Some(v) = &cfg.valid {
+        (train, load_items(v, None, cfg.method, loaded, cfg)?)
+    } else if cfg.valid_fraction == 0.0 {
+        (train, Vec::new())
+    } else {
+        let (train, valid) = hold_out(train, cfg.valid_fraction, cfg.seed)?;
+        eprintln!(
+            "valid_fraction = {}: {} of {} training rows held out for validation (seed {})",
+            cfg.valid_fraction,
+            valid.len(),
+            train.len() + valid.len(),
+            cfg.seed
+        );
+        (train, valid)
+    };
     // Weight 0 is allowed per row, but a run of nothing else has a zero loss and gradient at
     // every step: the adapter would leave as it came.
     if !train.is_empty() && train.iter().all(|i| i.weight == 0.0) {
@@ -192,20 +207,6 @@ pub fn load_train_and_valid(loaded: &Loaded, cfg: &TrainConfig) -> Result<(Vec<I
             cfg.data
         );
     }
-    if let Some(v) = &cfg.valid {
-        return Ok((train, load_items(v, None, cfg.method, loaded, cfg)?));
-    }
-    if cfg.valid_fraction == 0.0 {
-        return Ok((train, Vec::new()));
-    }
-    let (train, valid) = hold_out(train, cfg.valid_fraction, cfg.seed)?;
-    eprintln!(
-        "valid_fraction = {}: {} of {} training rows held out for validation (seed {})",
-        cfg.valid_fraction,
-        valid.len(),
-        train.len() + valid.len(),
-        cfg.seed
-    );
     Ok((train, valid))
 }
 
