@@ -111,6 +111,13 @@ impl CheckRow {
     pub fn passed(&self) -> bool {
         self.rel.is_finite() && self.rel <= self.bound
     }
+
+    /// Whether the artefact's own error is as large as the adapter's effect: within the bound,
+    /// and yet it may carry little of the update (a young adapter merged into bf16 weights,
+    /// whose rounding is coarser than the update).
+    pub fn rounding_hides_adapter(&self) -> bool {
+        self.adapter_effect > 0.0 && self.max_abs >= self.adapter_effect
+    }
 }
 
 /// Compares `got` with the trainer's `want` (same prompts), given the base's logits.
@@ -193,6 +200,7 @@ pub fn row_json(r: &CheckRow) -> serde_json::Value {
         "rel": r.rel,
         "bound": r.bound,
         "adapter_effect": r.adapter_effect,
+        "rounding_hides_adapter": r.rounding_hides_adapter(),
         "passed": r.passed(),
     })
 }
@@ -226,5 +234,37 @@ pub fn format_rows(rows: &[CheckRow]) -> String {
             if r.passed() { "ok" } else { "FAILED" }
         ));
     }
+    for r in rows.iter().filter(|r| r.rounding_hides_adapter()) {
+        s.push_str(&format!(
+            "note: {}: its rounding moves the logits by up to {:.3e}, at least as much as the adapter \
+             itself ({:.3e}), so it may carry little of the update; a finer type \
+             (--dtype f32 for a merged folder, --merged-type f16 for a merged GGUF) or the \
+             adapter unmerged keeps it\n",
+            r.artefact, r.max_abs, r.adapter_effect
+        ));
+    }
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An artefact whose error is at least the adapter's effect is flagged (in the table and
+    /// in check.json) though it passes its bound; one that carries the adapter well is not.
+    #[test]
+    fn an_artefact_whose_rounding_is_as_large_as_the_adapter_is_noted() {
+        let base = [1.0f32, -2.0, 3.0, 0.5];
+        let want = [1.001f32, -2.0, 3.0, 0.5];
+        let coarse = [1.0f32, -2.004, 3.0, 0.5];
+        let fine = [1.001f32, -2.0, 3.0, 0.50001];
+        let hidden = compare("merged-hf", GgmlType::BF16, 20, &want, &coarse, &base, 2);
+        let kept = compare("adapter.gguf", GgmlType::F32, 20, &want, &fine, &base, 2);
+        assert!(hidden.passed() && kept.passed());
+        assert!(hidden.rounding_hides_adapter() && !kept.rounding_hides_adapter());
+        let table = format_rows(&[hidden.clone(), kept]);
+        assert_eq!(table.matches("note: ").count(), 1, "{table}");
+        assert!(table.contains("note: merged-hf: its rounding"), "{table}");
+        assert_eq!(row_json(&hidden)["rounding_hides_adapter"], true);
+    }
 }
