@@ -574,26 +574,37 @@ fn run_chat(a: ChatArgs) -> Result<()> {
 
 #[derive(clap::Args)]
 struct LintArgs {
-    /// Hugging Face model folder, GGUF file, "smollm2", or a Hub id in the Hugging Face cache;
-    /// only its tokenizer, chat template and vocabulary size are read.
-    #[arg(long, default_value = "smollm2")]
-    model: String,
-    /// The dataset: JSONL, a JSON array, CSV / TSV or Parquet (gzip or zstd compressed or not).
+    /// A training config (or a run's plan.toml): the model, data, method, tokenization, chat
+    /// template and length limits to check with, each unless its flag is given.
     #[arg(long)]
-    data: String,
-    /// Which rows to expect and which TRL trainer's rules `trl` means.
-    #[arg(long, value_enum, default_value = "orpo")]
-    method: Method,
-    /// The tokenization to check; the other one is compared with it.
-    #[arg(long, value_enum, default_value = "separate")]
-    tokenization: Tokenization,
-    /// A Jinja chat template file (or a tokenizer_config.json) to use instead of the model's.
+    config: Option<PathBuf>,
+    /// Hugging Face model folder, GGUF file, "smollm2", or a Hub id in the Hugging Face cache;
+    /// only its tokenizer, chat template and vocabulary size are read (default: the config's,
+    /// else smollm2).
+    #[arg(long)]
+    model: Option<String>,
+    /// The dataset: JSONL, a JSON array, CSV / TSV or Parquet (gzip or zstd compressed or not)
+    /// (default: the config's `data`).
+    #[arg(long)]
+    data: Option<String>,
+    /// Which rows to expect and which TRL trainer's rules `trl` means (default: the config's,
+    /// else orpo).
+    #[arg(long, value_enum)]
+    method: Option<Method>,
+    /// The tokenization to check; the other one is compared with it (default: the config's,
+    /// else separate).
+    #[arg(long, value_enum)]
+    tokenization: Option<Tokenization>,
+    /// A Jinja chat template file (or a tokenizer_config.json) to use instead of the model's
+    /// (default: the config's `chat_template`).
     #[arg(long)]
     chat_template: Option<String>,
-    #[arg(long, default_value_t = TrainConfig::default().max_seq_len)]
-    max_seq_len: usize,
-    #[arg(long, default_value_t = TrainConfig::default().max_prompt_len)]
-    max_prompt_len: usize,
+    /// Default: the config's, else 2048.
+    #[arg(long)]
+    max_seq_len: Option<usize>,
+    /// Default: the config's, else 1024.
+    #[arg(long)]
+    max_prompt_len: Option<usize>,
     /// Print the summary only, not one line per row with findings.
     #[arg(long)]
     quiet: bool,
@@ -825,29 +836,49 @@ fn run_train(a: TrainArgs) -> Result<()> {
 /// `lorafit lint`: every row checked as `train` would (`data::check`), findings per row, the
 /// summary, and exit status 1 when a row is unusable.
 fn run_lint(a: LintArgs) -> Result<bool> {
-    let path = trainer::resolve_model_path(&a.model)?;
+    // The flags over the config's settings over the defaults.
+    let cfg = match &a.config {
+        Some(p) => TrainConfig::from_toml_file(p)?,
+        None => TrainConfig::default(),
+    };
+    let model = a.model.unwrap_or(cfg.model);
+    let data = match (a.data, a.config.as_ref()) {
+        (Some(d), _) => d,
+        (None, Some(_)) if !cfg.data.trim().is_empty() => cfg.data,
+        (None, Some(p)) => bail!(
+            "--data: {} names no data; name the file to check",
+            p.display()
+        ),
+        (None, None) => bail!("--data: name the file to check (or --config, a run's settings)"),
+    };
+    let method = a.method.unwrap_or(cfg.method);
+    let tokenization = a.tokenization.unwrap_or(cfg.tokenization);
+    let chat_template = a.chat_template.or(cfg.chat_template);
+    let max_seq_len = a.max_seq_len.unwrap_or(cfg.max_seq_len);
+    let max_prompt_len = a.max_prompt_len.unwrap_or(cfg.max_prompt_len);
+    let path = trainer::resolve_model_path(&model)?;
     let mut m = data::model_files::load_model_tokens(&path)?;
-    if let Some(t) = &a.chat_template {
+    if let Some(t) = &chat_template {
         m.template = Some(data::model_files::template_from_setting(t, &m.tokenizer)?);
     }
-    let rules = data::TokenRules::resolve(a.tokenization, a.method);
-    let other = match a.tokenization {
+    let rules = data::TokenRules::resolve(tokenization, method);
+    let other = match tokenization {
         Tokenization::Separate => Tokenization::Trl,
         Tokenization::Trl => Tokenization::Separate,
     };
     let opts = data::CheckOptions {
-        kind: if a.method == Method::Sft {
+        kind: if method == Method::Sft {
             data::DatasetKind::Sft
         } else {
             data::DatasetKind::Preference
         },
         skip_bad: true,
-        tokenize: data::TokenizeOptions::new(a.max_seq_len, a.max_prompt_len).with_rules(rules),
-        compare: Some(data::TokenRules::resolve(other, a.method)),
+        tokenize: data::TokenizeOptions::new(max_seq_len, max_prompt_len).with_rules(rules),
+        compare: Some(data::TokenRules::resolve(other, method)),
         model_vocab: m.vocab,
     };
     let (rows, report) =
-        data::load_and_check(&a.data, None, &m.tokenizer, m.template.as_ref(), &opts)?;
+        data::load_and_check(&data, None, &m.tokenizer, m.template.as_ref(), &opts)?;
     if !a.quiet {
         for r in report.load.skip_reasons.iter().chain(&report.bad_rows) {
             println!("error: {r}");

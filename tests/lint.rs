@@ -1,0 +1,77 @@
+//! `lorafit lint` as a user runs it: the checks of a run's own settings file (`--config`: its
+//! model, data, tokenization and limits), each overridden by its flag, and an error that says
+//! what to name when no data is given.
+
+mod common;
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+fn lint(dir: &Path, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_lorafit"))
+        .current_dir(dir)
+        .arg("lint")
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn lint_reads_a_runs_settings_and_its_flags_win() {
+    let dir = std::env::temp_dir().join(format!("lorafit-lint-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let model = common::tiny_run::model_folder(&dir);
+    common::tiny_run::data_file(&dir.join("train.jsonl"), 5, 1);
+    common::tiny_run::data_file(&dir.join("other.jsonl"), 3, 2);
+    std::fs::write(
+        dir.join("run.toml"),
+        format!(
+            "model = {:?}\ndata = \"train.jsonl\"\ntokenization = \"trl\"\nmax_seq_len = 64\nmax_prompt_len = 32\n",
+            model.display().to_string()
+        ),
+    )
+    .unwrap();
+
+    let o = lint(&dir, &["--config", "run.toml", "--quiet"]);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        o.status.success(),
+        "{out}{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(
+        out.starts_with("train.jsonl: 5 rows used") && out.contains("tokenization trl"),
+        "{out}"
+    );
+
+    let o = lint(
+        &dir,
+        &[
+            "--config",
+            "run.toml",
+            "--data",
+            "other.jsonl",
+            "--tokenization",
+            "separate",
+            "--quiet",
+        ],
+    );
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        out.starts_with("other.jsonl: 3 rows used") && out.contains("tokenization separate"),
+        "{out}"
+    );
+
+    std::fs::write(
+        dir.join("nodata.toml"),
+        format!("model = {:?}\n", model.display().to_string()),
+    )
+    .unwrap();
+    for args in [&["--config", "nodata.toml"][..], &[][..]] {
+        let o = lint(&dir, args);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.contains("--data"), "{args:?}: {err}");
+    }
+}
