@@ -66,6 +66,32 @@ impl DpoLossType {
     }
 }
 
+/// How the learning rate falls after its linear warm-up (the `schedule` setting, by the names of
+/// Hugging Face's `lr_scheduler_type`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LrDecay {
+    /// The peak to the end (`constant`; `constant_with_warmup` is the same here, since every
+    /// schedule warms up for `warmup_steps` or `warmup_ratio`).
+    Constant,
+    /// Half a cosine from the peak to zero at the cycle's end (`cosine`).
+    Cosine,
+    /// A straight line from the peak to zero at the cycle's end (`linear`, Hugging Face's
+    /// default).
+    Linear,
+}
+
+impl LrDecay {
+    /// The decay a `schedule` value names, if any.
+    pub fn parse(name: &str) -> Option<LrDecay> {
+        match name {
+            "constant" | "constant_with_warmup" => Some(LrDecay::Constant),
+            "cosine" => Some(LrDecay::Cosine),
+            "linear" => Some(LrDecay::Linear),
+            _ => None,
+        }
+    }
+}
+
 /// How ORPO's λ is set over a run (`train::lambda_controller`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -153,7 +179,8 @@ pub struct TrainConfig {
     /// Warm-up steps; unset derives them from `warmup_ratio` (TRL's `warmup_steps`). plan.toml
     /// records the number the run used.
     pub warmup_steps: Option<usize>,
-    /// Learning-rate schedule: "cosine" or "constant" (both after linear warmup).
+    /// Learning-rate schedule after the linear warm-up: "cosine", "linear" or "constant"
+    /// (`constant_with_warmup` is "constant"); `LrDecay`.
     pub schedule: String,
     pub weight_decay: f64,
     /// Global gradient-norm clip; 0 disables.
@@ -646,8 +673,11 @@ impl TrainConfig {
         if !(0.0..1.0).contains(&self.lora_dropout) {
             bail!("lora_dropout must be in [0, 1)");
         }
-        if !["cosine", "constant"].contains(&self.schedule.as_str()) {
-            bail!("schedule {:?}: expected cosine or constant", self.schedule);
+        if LrDecay::parse(&self.schedule).is_none() {
+            bail!(
+                "schedule {:?}: expected cosine, linear or constant (constant_with_warmup)",
+                self.schedule
+            );
         }
         // Numbers a run reads: each named with its allowed range.
         let range = |name: &str, v: f64, lo: f64, hi: f64, lo_open: bool, hi_open: bool| {

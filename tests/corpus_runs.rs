@@ -154,8 +154,12 @@ fn bad_runs_are_errors_that_name_file_and_setting() {
         ("dropout", "lora_dropout = 1.0", vec!["lora_dropout"]),
         (
             "schedule",
-            "schedule = \"linear\"",
-            vec!["schedule", "linear"],
+            "schedule = \"cosine_with_restarts\"",
+            vec![
+                "schedule",
+                "cosine_with_restarts",
+                "expected cosine, linear or constant",
+            ],
         ),
         (
             "rank_pattern",

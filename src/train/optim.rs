@@ -1,7 +1,7 @@
 //! The optimiser side of a step: AdamW state for every LoRA matrix, the learning-rate schedule
-//! (linear warmup, then cosine or constant), global-norm clipping and LoRA+.
+//! (linear warmup, then a cosine, a line or a constant), global-norm clipping and LoRA+.
 
-use crate::config::TrainConfig;
+use crate::config::{LrDecay, TrainConfig};
 use crate::model::Lora;
 use crate::tensor::{self as ops, AdamW, AdamWItem, DType, DeviceValues, NormClip, Tensor};
 use anyhow::{Context, Result};
@@ -31,7 +31,7 @@ pub struct Schedule {
     pub peak_lr: f64,
     pub warmup_steps: usize,
     pub total_steps: usize,
-    pub cosine: bool,
+    pub decay: LrDecay,
 }
 
 impl Schedule {
@@ -40,12 +40,13 @@ impl Schedule {
         if step < self.warmup_steps {
             return self.peak_lr * (step + 1) as f64 / self.warmup_steps as f64;
         }
-        if !self.cosine {
-            return self.peak_lr;
-        }
         let span = (self.total_steps - self.warmup_steps).max(1) as f64;
         let progress = ((step - self.warmup_steps) as f64 / span).min(1.0);
-        self.peak_lr * 0.5 * (1.0 + (std::f64::consts::PI * progress).cos())
+        match self.decay {
+            LrDecay::Constant => self.peak_lr,
+            LrDecay::Cosine => self.peak_lr * 0.5 * (1.0 + (std::f64::consts::PI * progress).cos()),
+            LrDecay::Linear => self.peak_lr * (1.0 - progress),
+        }
     }
 }
 

@@ -7,7 +7,7 @@
 
 use super::optim::Schedule;
 use super::trainer::{Item, ItemTokens};
-use crate::config::TrainConfig;
+use crate::config::{LrDecay, TrainConfig};
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use std::io::Write;
@@ -297,7 +297,7 @@ pub struct Cycle {
 /// their own (a warm restart) rather than the flat end of a finished cosine.
 pub struct CycleSchedule {
     pub peak_lr: f64,
-    pub cosine: bool,
+    pub decay: LrDecay,
     pub cycles: Vec<Cycle>,
 }
 
@@ -315,7 +315,7 @@ impl CycleSchedule {
                     peak_lr: self.peak_lr,
                     warmup_steps: c.warmup,
                     total_steps: c.end.saturating_sub(start),
-                    cosine: self.cosine,
+                    decay: self.decay,
                 };
                 return s.lr(step.saturating_sub(start));
             }
@@ -333,12 +333,12 @@ mod tests {
     fn a_second_cycle_restarts_the_schedule_at_the_old_end() {
         let one = CycleSchedule {
             peak_lr: 1.0,
-            cosine: true,
+            decay: LrDecay::Cosine,
             cycles: vec![Cycle { end: 10, warmup: 2 }],
         };
         let two = CycleSchedule {
             peak_lr: 1.0,
-            cosine: true,
+            decay: LrDecay::Cosine,
             cycles: vec![Cycle { end: 10, warmup: 2 }, Cycle { end: 20, warmup: 2 }],
         };
         for s in 0..10 {
@@ -350,6 +350,30 @@ mod tests {
         assert_eq!(two.lr(12), 1.0);
         let expect = 0.5 * (1.0 + (std::f64::consts::PI * 7.0 / 8.0).cos());
         assert!((two.lr(19) - expect).abs() < 1e-15, "{}", two.lr(19));
+    }
+
+    /// `linear` falls on a straight line from the peak after warm-up to zero at the cycle's end
+    /// (Hugging Face's `get_linear_schedule_with_warmup` on the same 0-based step), and
+    /// `constant_with_warmup` is `constant`.
+    #[test]
+    fn linear_decay_reaches_zero_at_the_end() {
+        let s = |decay| CycleSchedule {
+            peak_lr: 2.0,
+            decay,
+            cycles: vec![Cycle { end: 12, warmup: 2 }],
+        };
+        let linear = s(LrDecay::Linear);
+        assert_eq!((linear.lr(0), linear.lr(1), linear.lr(2)), (1.0, 2.0, 2.0));
+        for step in 2..12 {
+            let hf = 2.0 * (12 - step) as f64 / 10.0;
+            assert!((linear.lr(step) - hf).abs() < 1e-15, "step {step}");
+        }
+        assert_eq!(
+            LrDecay::parse("constant_with_warmup"),
+            Some(LrDecay::Constant)
+        );
+        assert_eq!(LrDecay::parse("cosine_with_restarts"), None);
+        assert_eq!(s(LrDecay::Constant).lr(11), 2.0);
     }
 
     #[test]
