@@ -34,8 +34,10 @@ pub struct BenchArgs {
     /// Tokens of each response R.
     #[arg(long, default_value_t = 512)]
     pub resp_len: usize,
+    /// Timed steps per workload.
     #[arg(long, default_value_t = 6)]
     pub steps: usize,
+    /// Untimed steps first (GEMM tuning and first allocations fall in them).
     #[arg(long, default_value_t = 2)]
     pub warmup: usize,
     /// Segment size (0: keep all activations); unset: chosen from free memory.
@@ -86,6 +88,7 @@ pub struct BenchArgs {
     /// true, false; unset: when no plan fits the device otherwise). For every workload.
     #[arg(long)]
     pub offload: Option<bool>,
+    /// The head tier (`TrainConfig::head`).
     #[arg(long, value_enum, default_value = "chunked")]
     pub head: HeadTier,
     /// Rows per head chunk (0: automatic, about 256 MiB of f32 logits).
@@ -94,8 +97,10 @@ pub struct BenchArgs {
     /// Share the prompt between chosen and rejected (one forward over [P; Rc; Rr]).
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     pub prefix_shared: bool,
+    /// cuda, cuda:N or cpu.
     #[arg(long, default_value = "cuda")]
     pub device: String,
+    /// LoRA rank on the seven projections.
     #[arg(long, default_value_t = 16)]
     pub rank: usize,
     /// The bit-reproducible two-kernel attention backward (`TrainConfig::deterministic_attention`).

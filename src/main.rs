@@ -99,6 +99,7 @@ struct CurateArgs {
     /// Share of the kept rows held out (with --valid-output).
     #[arg(long, default_value_t = 0.05)]
     valid_fraction: f64,
+    /// Seed of the validation split's permutation.
     #[arg(long, default_value_t = 0)]
     seed: u64,
     /// A raw row's completion score: a numeric field (overall_score, fine-grained_score) or
@@ -222,32 +223,52 @@ struct TrainArgs {
     /// TOML file with TrainConfig fields; flags override it.
     #[arg(long)]
     config: Option<PathBuf>,
+    /// Hugging Face folder, .gguf file, "smollm2", or a Hub id in the Hugging Face cache
+    /// (default: smollm2).
     #[arg(long)]
     model: Option<String>,
+    /// Training rows: JSONL, a JSON array, CSV / TSV or Parquet (gzip or zstd compressed or
+    /// not), or a pattern naming the shards of one split ('data/train-*.parquet').
     #[arg(long)]
     data: Option<String>,
+    /// Validation rows (same formats); without it `valid_fraction` (0.05) of the training rows
+    /// are held out.
     #[arg(long)]
     valid: Option<String>,
+    /// The run's folder: checkpoints, adapter, metrics, plan.toml (default: runs/lorafit).
     #[arg(long)]
     output: Option<String>,
+    /// The objective (default: orpo).
     #[arg(long, value_enum)]
     method: Option<Method>,
+    /// cpu, cuda or cuda:N (default: cpu).
     #[arg(long)]
     device: Option<String>,
+    /// Optimiser steps (default: from --epochs).
     #[arg(long)]
     steps: Option<usize>,
+    /// Passes over the training rows, when --steps is not given (default: 1).
     #[arg(long)]
     epochs: Option<f64>,
+    /// Peak learning rate (default by method: 1e-5 ORPO, 2e-4 SFT, 5e-6 DPO, 1e-6 SimPO; TRL's
+    /// learning_rate).
     #[arg(long)]
     lr: Option<f64>,
+    /// LoRA rank (default: 16).
     #[arg(long)]
     rank: Option<usize>,
+    /// LoRA alpha (default: 2 × rank, a scale of 2).
     #[arg(long)]
     alpha: Option<f64>,
+    /// Examples per optimiser step (default: 1; TRL's gradient_accumulation_steps).
     #[arg(long)]
     grad_accum: Option<usize>,
+    /// Layers per recomputed segment: 0 keeps every activation (default: chosen by the memory
+    /// planner).
     #[arg(long)]
     segment_size: Option<usize>,
+    /// Seed of the adapter's initialisation, the data order, LoRA dropout and the held-out split
+    /// (default: 0).
     #[arg(long)]
     seed: Option<u64>,
     /// How rows become token ids: separate (prompt and responses encoded apart) or trl (TRL
@@ -296,6 +317,7 @@ struct DecodeArgs {
     /// the adapter's training run's `chat_template`, for a model without one.
     #[arg(long)]
     chat_template: Option<String>,
+    /// cpu, cuda or cuda:N.
     #[arg(long, default_value = "cpu")]
     device: String,
     /// The most tokens generated per reply.
@@ -316,6 +338,7 @@ struct DecodeArgs {
     /// Penalty on tokens already in the sequence (1: off).
     #[arg(long, default_value_t = 1.0)]
     repetition_penalty: f32,
+    /// Seed of the sampler (with a temperature above 0).
     #[arg(long, default_value_t = 0)]
     seed: u64,
     /// A string that ends the reply (repeatable); the reply ends before it.
@@ -644,12 +667,14 @@ struct EvalArgs {
     data: Option<String>,
     #[arg(long, value_enum, default_value = "preference")]
     scorer: eval::Scorer,
+    /// cpu, cuda or cuda:N (default: the config's, else cpu).
     #[arg(long)]
     device: Option<String>,
     /// A TOML config (e.g. a run's plan.toml): the objective, its settings and the length
     /// limits the pairs are scored with.
     #[arg(long)]
     config: Option<PathBuf>,
+    /// The objective the pairs are scored with (default: the config's, else orpo).
     #[arg(long, value_enum)]
     method: Option<Method>,
     /// A Jinja chat template file (or a tokenizer_config.json) to use instead of the config's
