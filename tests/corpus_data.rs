@@ -450,3 +450,42 @@ fn row_weights_are_read() {
     let w: Vec<f64> = rows.iter().map(|r| r.weight).collect();
     assert_eq!(w, [1.0, 2.5, 0.0, 1.0]);
 }
+
+/// Rows are checked in parallel and gathered in file order: over 3000 rows (beyond the progress
+/// bar's threshold) with rows failing a check at lines 700, 1500 and 2900, the strict run names
+/// line 700, the skipping run lists the three in order, and a duplicate names the first of its
+/// copies, however the threads ran.
+#[test]
+fn parallel_checks_report_in_file_order() {
+    let good = |i: usize| format!(r#"{{"prompt":"Q{i}:","chosen":"a","rejected":"b"}}"#);
+    let bad = r#"{"prompt":"Q:","chosen":" Paris.","rejected":"b"}"#;
+    let lines: Vec<String> = (1..=3000)
+        .map(|line| match line {
+            700 | 1500 | 2900 => bad.to_string(),
+            2000 => good(10),
+            _ => good(line),
+        })
+        .collect();
+    let c = jsonl("ordered", P, &lines.join("\n"), E(None, None, ""));
+    let c = Case {
+        vocab: Some(262),
+        template: Some("chatml"),
+        ..c
+    };
+    let err = run(&c, false).unwrap_err();
+    assert!(err.contains("ordered.jsonl:700: field \"chosen\""), "{err}");
+    let r = run(&c, true).unwrap();
+    let at: Vec<&str> = r
+        .bad_rows
+        .iter()
+        .map(|b| b.split(": field").next().unwrap())
+        .collect();
+    assert!(
+        at.len() == 3
+            && at[0].ends_with("ordered.jsonl:700")
+            && at[1].ends_with("ordered.jsonl:1500")
+            && at[2].ends_with("ordered.jsonl:2900"),
+        "{at:?}"
+    );
+    assert_eq!((r.tokenize.rows, r.duplicates), (2997, 1));
+}

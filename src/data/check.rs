@@ -336,11 +336,26 @@ pub fn load_and_check(
     };
     let mut rows = Vec::with_capacity(examples.len());
     let mut seen: HashMap<u64, String> = HashMap::new();
-    for (index, ex) in examples.iter().enumerate() {
+    // Rows are rendered and tokenised in parallel (each alone), then gathered in file order:
+    // the report, the duplicates and the first failing row are those of a pass in order.
+    let bar = RowsBar::new(path, examples.len());
+    let checked: Vec<_> = {
+        use rayon::prelude::*;
+        examples
+            .par_iter()
+            .map(|ex| {
+                let mut row_counts = TokenizeReport::default();
+                let checked = check_row(ex, tok, template, opts, &mut row_counts);
+                bar.inc();
+                (checked, row_counts)
+            })
+            .collect()
+    };
+    drop(bar);
+    for (index, (ex, (checked, row_counts))) in examples.iter().zip(checked).enumerate() {
         let at = report.load.location(index, ex.line());
         // The row's counts join the report only when the row is used.
-        let mut row_counts = TokenizeReport::default();
-        match check_row(ex, tok, template, opts, &mut row_counts) {
+        match checked {
             Ok((tokens, mut findings)) => {
                 report.tokenize.add(&row_counts);
                 let mut h = DefaultHasher::new();
@@ -387,6 +402,42 @@ pub fn load_and_check(
         );
     }
     Ok((rows, report))
+}
+
+/// A progress bar over the rows being rendered and tokenised, on a terminal and for files of at
+/// least `RowsBar::MIN_ROWS` rows (a smaller file is done before a bar would be read); cleared
+/// when dropped, however the loop ends.
+struct RowsBar(Option<indicatif::ProgressBar>);
+
+impl RowsBar {
+    const MIN_ROWS: usize = 2000;
+
+    fn new(path: &str, rows: usize) -> RowsBar {
+        RowsBar((rows >= Self::MIN_ROWS).then(|| {
+            let bar = indicatif::ProgressBar::new(rows as u64);
+            if let Ok(style) = indicatif::ProgressStyle::with_template(
+                "{msg} {bar:30} {pos}/{len} rows [{elapsed_precise} < {eta_precise}]",
+            ) {
+                bar.set_style(style);
+            }
+            bar.set_message(format!("tokenizing {path}"));
+            bar
+        }))
+    }
+
+    fn inc(&self) {
+        if let Some(b) = &self.0 {
+            b.inc(1);
+        }
+    }
+}
+
+impl Drop for RowsBar {
+    fn drop(&mut self) {
+        if let Some(b) = &self.0 {
+            b.finish_and_clear();
+        }
+    }
 }
 
 /// Options with limits no row reaches: the ids before truncation.
