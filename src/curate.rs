@@ -370,6 +370,27 @@ pub fn curate_reader(
     curate_rows(vec![Rows::jsonl(input, name)], tok, template, opts)
 }
 
+/// Each candidate's (longest sequence, chosen, rejected) token counts, tokenised on every core,
+/// in order; an error names the row. No truncation: the cap is applied to the whole pair, as
+/// training would see it before cutting.
+fn token_lengths(
+    candidates: &[(String, Candidate)],
+    tok: &TextTokenizer,
+    template: Option<&ChatTemplate>,
+) -> Vec<Result<(usize, usize, usize)>> {
+    use rayon::prelude::*;
+    let no_cut = TokenizeOptions::new(usize::MAX, usize::MAX - 1);
+    candidates
+        .par_iter()
+        .map(|(at, cand)| {
+            let mut counts = TokenizeReport::default();
+            let pair = tokenize_pair(&cand.data, tok, template, &no_cut, &mut counts)
+                .with_context(|| format!("{at}: tokenizing"))?;
+            Ok((pair.max_len(), pair.chosen.len(), pair.rejected.len()))
+        })
+        .collect()
+}
+
 /// [`curate_reader`] over the rows of dataset files ([`Rows`]), one after the other (the shards
 /// of a split); prompts already seen in an earlier file count as duplicates.
 pub fn curate_rows(
@@ -395,11 +416,8 @@ pub fn curate_rows(
     }
     let mut report = CurateReport::default();
     let mut seen = HashSet::new();
-    let mut kept = Vec::new();
-    // No truncation: the cap is applied to the whole pair, as training would see it before
-    // cutting.
-    let no_cut = TokenizeOptions::new(usize::MAX, usize::MAX - 1);
-    let mut tok_report = TokenizeReport::default();
+    // The rows that pass the filters before tokenisation, with their places.
+    let mut candidates = Vec::new();
     for mut rows in sources {
         while let Some(row) = rows.next() {
             let row = row?;
@@ -421,6 +439,13 @@ pub fn curate_rows(
                         eprintln!("skipped {at}");
                         continue;
                     }
+                    // An earlier row that fails to tokenise comes first, as in a pass in order.
+                    if let Some(e) = token_lengths(&candidates, tok, template)
+                        .into_iter()
+                        .find_map(Result::err)
+                    {
+                        return Err(e);
+                    }
                     bail!("{at}");
                 }
             };
@@ -438,20 +463,26 @@ pub fn curate_rows(
                 report.duplicate_prompt += 1;
                 continue;
             }
-            let pair = tokenize_pair(&cand.data, tok, template, &no_cut, &mut tok_report)
-                .with_context(|| format!("{at}: tokenizing"))?;
-            if pair.max_len() > opts.max_tokens {
-                report.too_long += 1;
-                continue;
-            }
-            let (c, r) = (pair.chosen.len().max(1), pair.rejected.len().max(1));
-            if c.max(r) as f64 / c.min(r) as f64 > opts.max_length_ratio {
-                report.length_ratio += 1;
-                continue;
-            }
-            kept.push(cand);
+            candidates.push((at, cand));
         }
         report.blank_lines += rows.blank_lines();
+    }
+    // The token filters, taken in file order (the first row that fails to tokenise is the
+    // error, as in a pass in order).
+    let lengths = token_lengths(&candidates, tok, template);
+    let mut kept = Vec::new();
+    for ((_, cand), lengths) in candidates.into_iter().zip(lengths) {
+        let (longest, chosen, rejected) = lengths?;
+        if longest > opts.max_tokens {
+            report.too_long += 1;
+            continue;
+        }
+        let (c, r) = (chosen.max(1), rejected.max(1));
+        if c.max(r) as f64 / c.min(r) as f64 > opts.max_length_ratio {
+            report.length_ratio += 1;
+            continue;
+        }
+        kept.push(cand);
     }
     let n_valid = if opts.valid_fraction > 0.0 && kept.len() >= 2 {
         ((kept.len() as f64 * opts.valid_fraction).round() as usize).clamp(1, kept.len() - 1)

@@ -434,3 +434,33 @@ fn curate_file_reads_the_shards_a_pattern_names() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Rows are tokenised in parallel after the other filters, and the first failing row is still
+/// the error: here row 2 cannot be tokenised (messages, and the model has no template) and row
+/// 3 is malformed; row 2 is named.
+#[test]
+fn the_first_failing_row_is_named_whatever_its_stage() {
+    let dir = std::env::temp_dir().join(format!("lorafit-curate-order-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let input = dir.join("order.jsonl");
+    let rows = [
+        bin("Prompt 1", "Yes indeed.", "No way.", 7.0, 1.0),
+        json!({"prompt": "Prompt 2",
+               "chosen": [{"role": "user", "content": "Prompt 2"}, {"role": "assistant", "content": "Yes."}],
+               "rejected": [{"role": "user", "content": "Prompt 2"}, {"role": "assistant", "content": "No."}],
+               "score_chosen": 7.0, "score_rejected": 1.0}),
+        json!({"prompt": "Prompt 3", "chosen": 5, "rejected": "No.", "score_chosen": 7.0, "score_rejected": 1.0}),
+    ];
+    let text: String = rows.iter().map(|r| format!("{r}\n")).collect();
+    std::fs::write(&input, text).unwrap();
+    let e = curate_file(
+        &input,
+        &dir.join("out.jsonl"),
+        None,
+        &fixture("gguf/spm_prefix.gguf"),
+        &CurateOptions::default(),
+    )
+    .expect_err("row 2 cannot be tokenised");
+    let msg = format!("{e:#}");
+    assert!(msg.contains("order.jsonl:2: tokenizing"), "{msg}");
+}
