@@ -139,6 +139,11 @@ struct ExportArgs {
     /// trainer's (base + adapter); fails when one is outside its bound.
     #[arg(long)]
     check: bool,
+    /// A Jinja chat template file (or a tokenizer_config.json), the training run's
+    /// `chat_template`: written into the merged folder's tokenizer_config.json and the merged
+    /// GGUF in place of the base's.
+    #[arg(long)]
+    chat_template: Option<String>,
 }
 
 fn run_curate(a: CurateArgs) -> Result<()> {
@@ -175,6 +180,7 @@ fn run_export(a: ExportArgs) -> Result<()> {
         adapter_type: a.adapter_type,
         merged_type: a.merged_type,
         check: a.check,
+        chat_template: a.chat_template,
     };
     let report = lorafit::export::run(&plan)?;
     print!("{}", report.text(&plan));

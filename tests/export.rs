@@ -34,6 +34,7 @@ fn plan(model: &Path, adapter: &Path, out: &Path, formats: Vec<Format>) -> Expor
         adapter_type: AdapterType::F32,
         merged_type: MergedType::Keep,
         check: true,
+        chat_template: None,
     }
 }
 
@@ -516,4 +517,47 @@ fn export_refuses_bad_requests() {
         .unwrap();
     assert!(format!("{e:#}").contains("general.type"), "{e:#}");
     let _ = std::fs::remove_dir_all(&out);
+}
+
+/// `--chat-template`: the training run's template goes into the merged folder's
+/// tokenizer_config.json and the merged GGUF's `tokenizer.chat_template`, every other metadata
+/// key of the GGUF as the base's; a template file that does not compile stops the export before
+/// anything is written.
+#[test]
+fn the_runs_chat_template_goes_into_the_merged_artefacts() {
+    let dir = tmp("template");
+    let base = quantized_llama_gguf(&dir, GgmlType::Q8_0);
+    let spec = model::gguf_model::GgufSource::open(&base).unwrap().spec;
+    let adapter = random_adapter(&spec, &dir, 0.2);
+    let template = dir.join("run.jinja");
+    let source = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}";
+    std::fs::write(&template, source).unwrap();
+    let out = dir.join("out");
+    let mut p = plan(&base, &adapter, &out, vec![Format::Hf, Format::MergedGguf]);
+    p.check = false;
+    p.chat_template = Some(template.display().to_string());
+    run(&p).unwrap();
+    let config: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(out.join("merged-hf/tokenizer_config.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(config["chat_template"], source);
+    let g = GgufFile::open(&out.join("merged.gguf")).unwrap();
+    assert_eq!(g.get_str("tokenizer.chat_template").unwrap(), source);
+    let src = GgufFile::open(&base).unwrap();
+    let others = |f: &GgufFile| -> Vec<String> {
+        f.metadata()
+            .iter()
+            .filter(|(k, _)| k != "tokenizer.chat_template")
+            .map(|(k, v)| format!("{k}={v:?}"))
+            .collect()
+    };
+    assert_eq!(others(&g), others(&src));
+
+    std::fs::write(&template, "{% for m in messages %}").unwrap();
+    p.output = dir.join("out-bad");
+    let e = run(&p).err().expect("a template that does not compile");
+    assert!(format!("{e:#}").contains("chat_template"), "{e:#}");
+    assert!(!p.output.exists(), "nothing is written");
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -311,6 +311,7 @@ fn by_bits_adapter_reloads_with_the_same_logits() {
             adapter_type: AdapterType::F32,
             merged_type: MergedType::F16,
             check: true,
+            chat_template: None,
         })
         .unwrap();
         eprint!("{}", check::format_rows(&report.checks));

@@ -355,6 +355,11 @@ fn a_path_outside_the_roots_is_a_403() {
             json!({"kind": "eval", "data": "train.jsonl", "config": "escaping.toml"}),
             "chat_template",
         ),
+        (
+            json!({"kind": "export", "model": "model", "adapter": "model",
+                   "chat_template": "/etc/hostname"}),
+            "chat_template",
+        ),
     ];
     // A config inside the roots whose template is not.
     std::fs::write(

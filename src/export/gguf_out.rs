@@ -292,12 +292,14 @@ pub struct MergedGgufSummary {
 }
 
 /// Writes the merged GGUF of a GGUF base: every metadata key and untouched tensor copied as
-/// they are, each adapted projection dequantized, merged in the file's own row order, and
-/// requantized to its type (or f16).
+/// they are (but `tokenizer.chat_template`, which `chat_template` replaces when given), each
+/// adapted projection dequantized, merged in the file's own row order, and requantized to its
+/// type (or f16).
 pub fn write_merged_gguf(
     base: &Path,
     lora: &Lora,
     merged_type: MergedType,
+    chat_template: Option<&str>,
     path: &Path,
 ) -> Result<MergedGgufSummary> {
     ensure!(
@@ -315,6 +317,9 @@ pub fn write_merged_gguf(
     let mut w = GgufWriter::new();
     for (k, v) in src.file.metadata() {
         w.set(k, v.clone());
+    }
+    if let Some(t) = chat_template {
+        w.set_str("tokenizer.chat_template", t);
     }
     let mut merged = Vec::new();
     for info in src.file.tensor_infos() {

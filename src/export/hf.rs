@@ -413,6 +413,24 @@ pub fn merged_from_gguf(base: &Path, lora: &Lora, out: &Path, dtype: HfDtype) ->
     })
 }
 
+/// Sets `chat_template` in the merged folder's `tokenizer_config.json` (written with that key
+/// alone when the base had none), the template a run trained with in place of the base's.
+pub fn set_chat_template(dir: &Path, template: &str) -> Result<()> {
+    let path = dir.join("tokenizer_config.json");
+    let mut config: Value = match std::fs::read_to_string(&path) {
+        Ok(text) => {
+            serde_json::from_str(&text).with_context(|| format!("reading {}", path.display()))?
+        }
+        Err(_) => json!({}),
+    };
+    let Some(obj) = config.as_object_mut() else {
+        bail!("{}: not a JSON object", path.display());
+    };
+    obj.insert("chat_template".into(), json!(template));
+    std::fs::write(&path, serde_json::to_string_pretty(&config)?)
+        .with_context(|| format!("writing {}", path.display()))
+}
+
 /// `tokenizer.json` and `tokenizer_config.json` (special tokens, BOS policy, chat template)
 /// from a GGUF file's embedded tokenizer.
 fn write_gguf_tokenizer(src: &GgufSource, out: &Path) -> Result<()> {

@@ -54,6 +54,11 @@ pub struct ExportPlan {
     pub adapter_type: gguf_out::AdapterType,
     pub merged_type: gguf_out::MergedType,
     pub check: bool,
+    /// A Jinja chat template file (or a tokenizer_config.json): the training run's
+    /// `chat_template`, written into the merged folder's `tokenizer_config.json` and the merged
+    /// GGUF's `tokenizer.chat_template` in place of the base's.
+    #[serde(default)]
+    pub chat_template: Option<String>,
 }
 
 /// Where each artefact went, and the check's rows when asked for.
@@ -173,6 +178,16 @@ pub fn run_with(
         done += 1;
         progress(&ExportProgress { done, total, what })
     };
+    // Read (and compiled) before anything is written, so that a bad file stops the export.
+    let template = match &plan.chat_template {
+        Some(t) => Some(
+            crate::data::ChatTemplate::from_file(t, "", "")
+                .with_context(|| format!("chat_template = {t:?}"))?
+                .source()
+                .to_string(),
+        ),
+        None => None,
+    };
     let base = model::load(&plan.model, &device)?;
     let lora = Lora::load_peft(&plan.adapter, &base.spec, &device)
         .with_context(|| format!("adapter {}", plan.adapter.display()))?;
@@ -207,6 +222,9 @@ pub fn run_with(
                 } else {
                     hf::merged_from_hf(&plan.model, &base.spec, &lora, &dir, plan.hf_dtype)?
                 };
+                if let Some(t) = &template {
+                    hf::set_chat_template(&dir, t)?;
+                }
                 eprintln!(
                     "merged folder {}: {} tensors, {} with the adapter merged, {}",
                     dir.display(),
@@ -247,7 +265,13 @@ pub fn run_with(
             }
             Format::MergedGguf => {
                 let path = plan.output.join("merged.gguf");
-                let s = gguf_out::write_merged_gguf(&plan.model, &lora, plan.merged_type, &path)?;
+                let s = gguf_out::write_merged_gguf(
+                    &plan.model,
+                    &lora,
+                    plan.merged_type,
+                    template.as_deref(),
+                    &path,
+                )?;
                 let coarsest = s
                     .merged
                     .iter()

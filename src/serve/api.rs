@@ -323,7 +323,7 @@ const EVAL_FIELDS: &str =
     "kind, model, adapter, compare, data, scorer, device, config, method, chat_template, max_new, \
      limit, output";
 const EXPORT_FIELDS: &str =
-    "kind, model, adapter, output, format, dtype, adapter_type, merged_type, check";
+    "kind, model, adapter, output, format, dtype, adapter_type, merged_type, check, chat_template";
 
 fn want_str(field: &str, v: &Value) -> ApiResult<String> {
     match v {
@@ -418,6 +418,7 @@ fn parse_export(map: &serde_json::Map<String, Value>) -> ApiResult<(ExportPlan, 
         adapter_type: crate::export::gguf_out::AdapterType::F32,
         merged_type: crate::export::gguf_out::MergedType::Keep,
         check: false,
+        chat_template: None,
     };
     let mut output = None;
     for (k, v) in map {
@@ -442,6 +443,7 @@ fn parse_export(map: &serde_json::Map<String, Value>) -> ApiResult<(ExportPlan, 
             "adapter_type" => plan.adapter_type = want_choice(k, v)?,
             "merged_type" => plan.merged_type = want_choice(k, v)?,
             "check" => plan.check = want_bool(k, v)?,
+            "chat_template" => plan.chat_template = Some(want_str(k, v)?),
             _ => return Err(unknown_field("export", k, EXPORT_FIELDS)),
         }
     }
@@ -561,6 +563,10 @@ impl Submission {
             Submission::Export(p) => {
                 p.model = model(&p.model.display().to_string())?.into();
                 p.adapter = roots.existing("adapter", &p.adapter.display().to_string())?;
+                if let Some(t) = &p.chat_template {
+                    p.chat_template =
+                        Some(roots.existing("chat_template", t)?.display().to_string());
+                }
                 if p.model.as_os_str() != "smollm2" {
                     p.resolved_formats()
                         .map_err(|e| ApiError::bad_request(format!("format: {e:#}")))?;
