@@ -663,6 +663,16 @@ impl TrainConfig {
         })
     }
 
+    /// The decay `schedule` names (`LrDecay`).
+    pub fn lr_decay(&self) -> Result<LrDecay> {
+        LrDecay::parse(&self.schedule).ok_or_else(|| {
+            anyhow::anyhow!(
+                "schedule {:?}: expected cosine, linear or constant (constant_with_warmup)",
+                self.schedule
+            )
+        })
+    }
+
     pub fn validate(&self) -> Result<()> {
         if self.data.is_empty() {
             bail!("no training data: set `data` in the config or pass --data FILE.jsonl");
@@ -673,12 +683,7 @@ impl TrainConfig {
         if !(0.0..1.0).contains(&self.lora_dropout) {
             bail!("lora_dropout must be in [0, 1)");
         }
-        if LrDecay::parse(&self.schedule).is_none() {
-            bail!(
-                "schedule {:?}: expected cosine, linear or constant (constant_with_warmup)",
-                self.schedule
-            );
-        }
+        self.lr_decay()?;
         // Numbers a run reads: each named with its allowed range.
         let range = |name: &str, v: f64, lo: f64, hi: f64, lo_open: bool, hi_open: bool| {
             let ok = v.is_finite()

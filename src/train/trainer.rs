@@ -14,7 +14,7 @@ use super::step::{
     queue_example, queue_example_scaled, queue_packed, reference_logps, Objective, PackMember,
     PassOptions,
 };
-use crate::config::{LambdaSchedule, LrDecay, Method, TrainConfig};
+use crate::config::{LambdaSchedule, Method, TrainConfig};
 use crate::data::{self, ChatTemplate, DatasetKind, TextTokenizer, TokenRules, TokenizeOptions};
 use crate::model::{self, Lora, LoraConfig, Model};
 use crate::tensor::Rng;
@@ -760,8 +760,7 @@ pub fn train_with(
     };
     let schedule = CycleSchedule {
         peak_lr: cfg.learning_rate(),
-        decay: LrDecay::parse(&cfg.schedule)
-            .ok_or_else(|| anyhow::anyhow!("schedule {:?}: not a schedule", cfg.schedule))?,
+        decay: cfg.lr_decay()?,
         cycles: state.cycles.clone(),
     };
     let total_steps = schedule.total_steps();
