@@ -292,21 +292,13 @@ fn validated(cfg: &TrainConfig) -> ApiResult<()> {
 fn confine(app: &App, cfg: &mut TrainConfig) -> ApiResult<()> {
     let roots = &app.roots;
     if cfg.model != "smollm2" {
-        cfg.model = roots.existing("model", &cfg.model)?.display().to_string();
+        roots.confine("model", &mut cfg.model)?;
     }
-    cfg.data = roots.existing("data", &cfg.data)?.display().to_string();
-    if let Some(v) = &cfg.valid {
-        cfg.valid = Some(roots.existing("valid", v)?.display().to_string());
-    }
-    if let Some(w) = &cfg.warm_start {
-        cfg.warm_start = Some(roots.existing("warm_start", w)?.display().to_string());
-    }
-    if let Some(t) = &cfg.chat_template {
-        cfg.chat_template = Some(roots.existing("chat_template", t)?.display().to_string());
-    }
-    if let Some(k) = &cfg.rank_kl_file {
-        cfg.rank_kl_file = Some(roots.existing("rank_kl_file", k)?.display().to_string());
-    }
+    roots.confine("data", &mut cfg.data)?;
+    roots.confine_opt("valid", &mut cfg.valid)?;
+    roots.confine_opt("warm_start", &mut cfg.warm_start)?;
+    roots.confine_opt("chat_template", &mut cfg.chat_template)?;
+    roots.confine_opt("rank_kl_file", &mut cfg.rank_kl_file)?;
     Ok(())
 }
 
@@ -542,31 +534,23 @@ impl Submission {
                     o.chat_template = o.chat_template.take().or(cfg.chat_template);
                     o.config = Some(c);
                 }
-                if let Some(t) = &o.chat_template {
-                    o.chat_template =
-                        Some(roots.existing("chat_template", t)?.display().to_string());
-                }
+                roots.confine_opt("chat_template", &mut o.chat_template)?;
                 o.model = Some(model(o.model.as_deref().unwrap_or("smollm2"))?);
                 if let Some(a) = &o.adapter {
                     o.adapter = Some(roots.existing("adapter", &a.display().to_string())?);
                 }
                 for s in o.compare.iter_mut() {
                     if s != "base" {
-                        *s = roots.existing("compare", s)?.display().to_string();
+                        roots.confine("compare", s)?;
                     }
                 }
-                if let Some(d) = &o.data {
-                    o.data = Some(roots.existing("data", d)?.display().to_string());
-                }
+                roots.confine_opt("data", &mut o.data)?;
                 Ok(())
             }
             Submission::Export(p) => {
                 p.model = model(&p.model.display().to_string())?.into();
                 p.adapter = roots.existing("adapter", &p.adapter.display().to_string())?;
-                if let Some(t) = &p.chat_template {
-                    p.chat_template =
-                        Some(roots.existing("chat_template", t)?.display().to_string());
-                }
+                roots.confine_opt("chat_template", &mut p.chat_template)?;
                 if p.model.as_os_str() != "smollm2" {
                     p.resolved_formats()
                         .map_err(|e| ApiError::bad_request(format!("format: {e:#}")))?;

@@ -93,6 +93,24 @@ impl Roots {
         }
     }
 
+    /// [`Roots::existing`] in place: `given` becomes its canonical path inside a root.
+    pub fn confine(&self, field: &'static str, given: &mut String) -> Result<(), PathRefused> {
+        *given = self.existing(field, given)?.display().to_string();
+        Ok(())
+    }
+
+    /// [`Roots::confine`] for a setting that may be unset.
+    pub fn confine_opt(
+        &self,
+        field: &'static str,
+        given: &mut Option<String>,
+    ) -> Result<(), PathRefused> {
+        match given {
+            Some(g) => self.confine(field, g),
+            None => Ok(()),
+        }
+    }
+
     /// An existing file or folder inside a root, canonical.
     pub fn existing(&self, field: &'static str, given: &str) -> Result<PathBuf, PathRefused> {
         let abs = self.absolute(field, given)?;
