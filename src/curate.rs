@@ -527,10 +527,7 @@ pub fn curate_file(
 ) -> Result<CurateReport> {
     let (tok, template) = load_text_tokenizer(model)
         .with_context(|| format!("loading the tokenizer of {}", model.display()))?;
-    let template = match &opts.chat_template {
-        Some(t) => Some(data::model_files::template_from_setting(t, &tok)?),
-        None => template,
-    };
+    let template = data::model_files::run_template(opts.chat_template.as_deref(), template, &tok)?;
     let mut opts = opts.clone();
     if valid_output.is_none() {
         opts.valid_fraction = 0.0;

@@ -867,49 +867,58 @@ fn run_train(a: TrainArgs) -> Result<()> {
 /// `lorafit lint`: every row checked as `train` would (`data::check`), findings per row, the
 /// summary, and exit status 1 when a row is unusable.
 fn run_lint(a: LintArgs) -> Result<bool> {
-    // The flags over the config's settings over the defaults.
-    let cfg = match &a.config {
+    // The flags over the config's settings over the defaults: the run's settings as train
+    // reads them.
+    let mut cfg = match &a.config {
         Some(p) => TrainConfig::from_toml_file(p)?,
         None => TrainConfig::default(),
     };
-    let model = a.model.unwrap_or(cfg.model);
-    let data = match (a.data, a.config.as_ref()) {
-        (Some(d), _) => d,
-        (None, Some(_)) if !cfg.data.trim().is_empty() => cfg.data,
-        (None, Some(p)) => bail!(
-            "--data: {} names no data; name the file to check",
-            p.display()
-        ),
-        (None, None) => bail!("--data: name the file to check (or --config, a run's settings)"),
-    };
-    let method = a.method.unwrap_or(cfg.method);
-    let tokenization = a.tokenization.unwrap_or(cfg.tokenization);
-    let chat_template = a.chat_template.or(cfg.chat_template);
-    let max_seq_len = a.max_seq_len.unwrap_or(cfg.max_seq_len);
-    let max_prompt_len = a.max_prompt_len.unwrap_or(cfg.max_prompt_len);
-    let path = trainer::resolve_model_path(&model)?;
-    let mut m = data::model_files::load_model_tokens(&path)?;
-    if let Some(t) = &chat_template {
-        m.template = Some(data::model_files::template_from_setting(t, &m.tokenizer)?);
+    if let Some(m) = a.model {
+        cfg.model = m;
     }
-    let rules = data::TokenRules::resolve(tokenization, method);
-    let other = match tokenization {
+    if let Some(d) = a.data {
+        cfg.data = d;
+    }
+    if let Some(m) = a.method {
+        cfg.method = m;
+    }
+    if let Some(t) = a.tokenization {
+        cfg.tokenization = t;
+    }
+    if let Some(t) = a.chat_template {
+        cfg.chat_template = Some(t);
+    }
+    if let Some(n) = a.max_seq_len {
+        cfg.max_seq_len = n;
+    }
+    if let Some(n) = a.max_prompt_len {
+        cfg.max_prompt_len = n;
+    }
+    if cfg.data.trim().is_empty() {
+        match &a.config {
+            Some(p) => bail!(
+                "--data: {} names no data; name the file to check",
+                p.display()
+            ),
+            None => bail!("--data: name the file to check (or --config, a run's settings)"),
+        }
+    }
+    let path = trainer::resolve_model_path(&cfg.model)?;
+    let mut m = data::model_files::load_model_tokens(&path)?;
+    m.template =
+        data::model_files::run_template(cfg.chat_template.as_deref(), m.template, &m.tokenizer)?;
+    let other = match cfg.tokenization {
         Tokenization::Separate => Tokenization::Trl,
         Tokenization::Trl => Tokenization::Separate,
     };
     let opts = data::CheckOptions {
-        kind: if method == Method::Sft {
-            data::DatasetKind::Sft
-        } else {
-            data::DatasetKind::Preference
-        },
+        // Every row is checked and reported: an unusable one is a finding, not the end.
         skip_bad: true,
-        tokenize: data::TokenizeOptions::new(max_seq_len, max_prompt_len).with_rules(rules),
-        compare: Some(data::TokenRules::resolve(other, method)),
-        model_vocab: m.vocab,
+        compare: Some(data::TokenRules::resolve(other, cfg.method)),
+        ..trainer::check_options(&cfg, cfg.method, m.vocab)
     };
     let (rows, report) =
-        data::load_and_check(&data, None, &m.tokenizer, m.template.as_ref(), &opts)?;
+        data::load_and_check(&cfg.data, None, &m.tokenizer, m.template.as_ref(), &opts)?;
     if !a.quiet {
         for r in report.load.skip_reasons.iter().chain(&report.bad_rows) {
             println!("error: {r}");

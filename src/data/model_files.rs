@@ -77,6 +77,19 @@ pub fn load_tokenizer(
     ))
 }
 
+/// The template a run renders with: the `chat_template` setting's when it is set (with the
+/// tokenizer's BOS/EOS strings), else the model's own.
+pub fn run_template(
+    setting: Option<&str>,
+    model_template: Option<ChatTemplate>,
+    tok: &TextTokenizer,
+) -> Result<Option<ChatTemplate>> {
+    match setting {
+        Some(t) => Ok(Some(template_from_setting(t, tok)?)),
+        None => Ok(model_template),
+    }
+}
+
 /// The `chat_template` setting's template, with the tokenizer's BOS/EOS strings.
 pub fn template_from_setting(path: &str, tok: &TextTokenizer) -> Result<ChatTemplate> {
     let name = |id: Option<u32>| id.and_then(|i| tok.id_to_token(i)).unwrap_or_default();

@@ -151,12 +151,8 @@ pub fn load_with_template(
     chat_template: Option<&str>,
 ) -> Result<Loaded> {
     let mut loaded = load_model_and_tokenizer(model_arg, device, quant)?;
-    if let Some(t) = chat_template {
-        loaded.template = Some(data::model_files::template_from_setting(
-            t,
-            &loaded.tokenizer,
-        )?);
-    }
+    loaded.template =
+        data::model_files::run_template(chat_template, loaded.template, &loaded.tokenizer)?;
     Ok(loaded)
 }
 
@@ -241,18 +237,7 @@ pub fn load_items(
     loaded: &Loaded,
     cfg: &TrainConfig,
 ) -> Result<Vec<Item>> {
-    let rules = TokenRules::resolve(cfg.tokenization, method);
-    let opts = data::CheckOptions {
-        kind: if method == Method::Sft {
-            DatasetKind::Sft
-        } else {
-            DatasetKind::Preference
-        },
-        skip_bad: cfg.skip_bad_rows,
-        tokenize: TokenizeOptions::new(cfg.max_seq_len, cfg.max_prompt_len).with_rules(rules),
-        compare: None,
-        model_vocab: loaded.model.spec.vocab,
-    };
+    let opts = check_options(cfg, method, loaded.model.spec.vocab);
     let (rows, report) = data::load_and_check(
         path,
         text,
@@ -272,6 +257,24 @@ pub fn load_items(
             at: r.at,
         })
         .collect())
+}
+
+/// How a run of `cfg` reads and checks rows of `method` against a model of `model_vocab` tokens:
+/// the rows' kind, `skip_bad_rows`, the length limits and tokenization rules (`load_items`;
+/// `lorafit lint` adds the other tokenization to compare).
+pub fn check_options(cfg: &TrainConfig, method: Method, model_vocab: usize) -> data::CheckOptions {
+    let rules = TokenRules::resolve(cfg.tokenization, method);
+    data::CheckOptions {
+        kind: if method == Method::Sft {
+            DatasetKind::Sft
+        } else {
+            DatasetKind::Preference
+        },
+        skip_bad: cfg.skip_bad_rows,
+        tokenize: TokenizeOptions::new(cfg.max_seq_len, cfg.max_prompt_len).with_rules(rules),
+        compare: None,
+        model_vocab,
+    }
 }
 
 fn log_tokenize(report: &data::CheckReport) {
