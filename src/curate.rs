@@ -370,25 +370,12 @@ pub fn curate_reader(
     curate_rows(vec![Rows::jsonl(input, name)], tok, template, opts)
 }
 
-/// Each candidate's (longest sequence, chosen, rejected) token counts, tokenised on every core,
-/// in order; an error names the row. No truncation: the cap is applied to the whole pair, as
-/// training would see it before cutting.
-fn token_lengths(
-    candidates: &[(String, Candidate)],
-    tok: &TextTokenizer,
-    template: Option<&ChatTemplate>,
-) -> Vec<Result<(usize, usize, usize)>> {
-    use rayon::prelude::*;
-    let no_cut = TokenizeOptions::new(usize::MAX, usize::MAX - 1);
-    candidates
-        .par_iter()
-        .map(|(at, cand)| {
-            let mut counts = TokenizeReport::default();
-            let pair = tokenize_pair(&cand.data, tok, template, &no_cut, &mut counts)
-                .with_context(|| format!("{at}: tokenizing"))?;
-            Ok((pair.max_len(), pair.chosen.len(), pair.rejected.len()))
-        })
-        .collect()
+/// A row after the filters that need no tokens: a candidate and its place, or (without
+/// `skip_bad_rows`) the malformed row that ends the run, once every row before it is through
+/// the token filters.
+enum Pending {
+    Row(String, Candidate),
+    Bad(String),
 }
 
 /// [`curate_reader`] over the rows of dataset files ([`Rows`]), one after the other (the shards
@@ -416,9 +403,9 @@ pub fn curate_rows(
     }
     let mut report = CurateReport::default();
     let mut seen = HashSet::new();
-    // The rows that pass the filters before tokenisation, with their places.
-    let mut candidates = Vec::new();
-    for mut rows in sources {
+    // The rows that pass the filters before tokenisation, in order.
+    let mut pending = Vec::new();
+    'files: for mut rows in sources {
         while let Some(row) = rows.next() {
             let row = row?;
             let at = rows.location(row.n);
@@ -439,14 +426,8 @@ pub fn curate_rows(
                         eprintln!("skipped {at}");
                         continue;
                     }
-                    // An earlier row that fails to tokenise comes first, as in a pass in order.
-                    if let Some(e) = token_lengths(&candidates, tok, template)
-                        .into_iter()
-                        .find_map(Result::err)
-                    {
-                        return Err(e);
-                    }
-                    bail!("{at}");
+                    pending.push(Pending::Bad(at));
+                    break 'files;
                 }
             };
             if let Some((sc, sr)) = cand.scores {
@@ -463,27 +444,40 @@ pub fn curate_rows(
                 report.duplicate_prompt += 1;
                 continue;
             }
-            candidates.push((at, cand));
+            pending.push(Pending::Row(at, cand));
         }
         report.blank_lines += rows.blank_lines();
     }
-    // The token filters, taken in file order (the first row that fails to tokenise is the
-    // error, as in a pass in order).
-    let lengths = token_lengths(&candidates, tok, template);
+    // The token filters: rows tokenised on every core and taken in file order, so the first row
+    // that fails (to tokenise, or to parse) is the error, as in a pass in order. No truncation:
+    // the cap is applied to the whole pair, as training would see it before cutting.
+    let no_cut = TokenizeOptions::new(usize::MAX, usize::MAX - 1);
+    let lengths = |p: &Pending| match p {
+        Pending::Row(at, cand) => {
+            let mut counts = TokenizeReport::default();
+            let pair = tokenize_pair(&cand.data, tok, template, &no_cut, &mut counts)
+                .with_context(|| format!("{at}: tokenizing"))?;
+            Ok((pair.max_len(), pair.chosen.len(), pair.rejected.len()))
+        }
+        Pending::Bad(_) => Ok((0, 0, 0)),
+    };
     let mut kept = Vec::new();
-    for ((_, cand), lengths) in candidates.into_iter().zip(lengths) {
+    data::in_order_parallel(pending, lengths, |p, lengths: Result<_>| {
+        let cand = match p {
+            Pending::Row(_, cand) => cand,
+            Pending::Bad(at) => bail!("{at}"),
+        };
         let (longest, chosen, rejected) = lengths?;
+        let (c, r) = (chosen.max(1), rejected.max(1));
         if longest > opts.max_tokens {
             report.too_long += 1;
-            continue;
-        }
-        let (c, r) = (chosen.max(1), rejected.max(1));
-        if c.max(r) as f64 / c.min(r) as f64 > opts.max_length_ratio {
+        } else if c.max(r) as f64 / c.min(r) as f64 > opts.max_length_ratio {
             report.length_ratio += 1;
-            continue;
+        } else {
+            kept.push(cand);
         }
-        kept.push(cand);
-    }
+        Ok(())
+    })?;
     let n_valid = if opts.valid_fraction > 0.0 && kept.len() >= 2 {
         ((kept.len() as f64 * opts.valid_fraction).round() as usize).clamp(1, kept.len() - 1)
     } else {

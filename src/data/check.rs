@@ -336,30 +336,25 @@ pub fn load_and_check(
     };
     let mut rows = Vec::with_capacity(examples.len());
     let mut seen: HashMap<u64, String> = HashMap::new();
-    // Rows are rendered and tokenised in parallel (each alone), then gathered in file order:
-    // the report, the duplicates and the first failing row are those of a pass in order.
+    // Rows are rendered and tokenised in parallel (each alone), then taken in file order: the
+    // report, the duplicates and the first failing row are those of a pass in order.
     let bar = RowsBar::new(path, examples.len());
-    let checked: Vec<_> = {
-        use rayon::prelude::*;
-        examples
-            .par_iter()
-            .map(|ex| {
-                let mut row_counts = TokenizeReport::default();
-                let checked = check_row(ex, tok, template, opts, &mut row_counts);
-                bar.inc();
-                (checked, row_counts)
-            })
-            .collect()
+    let work = |ex: &Example| {
+        let mut row_counts = TokenizeReport::default();
+        let checked = check_row(ex, tok, template, opts, &mut row_counts);
+        bar.inc();
+        (checked, row_counts)
     };
-    drop(bar);
-    for (index, (ex, (checked, row_counts))) in examples.iter().zip(checked).enumerate() {
+    let mut index = 0;
+    super::in_order_parallel(examples, work, |ex, (checked, row_counts)| {
         let at = report.load.location(index, ex.line());
+        index += 1;
         // The row's counts join the report only when the row is used.
         match checked {
             Ok((tokens, mut findings)) => {
                 report.tokenize.add(&row_counts);
                 let mut h = DefaultHasher::new();
-                match ex {
+                match &ex {
                     Example::Preference { data, .. } => data.hash(&mut h),
                     Example::Sft { data, .. } => data.hash(&mut h),
                 }
@@ -392,7 +387,9 @@ pub fn load_and_check(
                 report.bad_rows.push(msg);
             }
         }
-    }
+        Ok(())
+    })?;
+    drop(bar);
     if rows.is_empty() {
         anyhow::bail!(
             "{path}: no usable {} rows ({} malformed, {} failing a check)",

@@ -27,3 +27,29 @@ pub use tokenize::{
     TokenizeReport, TokenizedPair, TokenizedSft,
 };
 pub mod gguf_tokenizer;
+
+/// Rows a call of [`in_order_parallel`] works on at once.
+const IN_ORDER_CHUNK: usize = 2048;
+
+/// `work` over `items` on every core, [`IN_ORDER_CHUNK`] items at a time, each item and its result
+/// handed to `take` in order. An error from `take` ends the run before the rest is worked on, so
+/// a strict check stops near its first bad row, as a pass in order would, and what `take` sees
+/// (counts, duplicates, the first error) is that pass's.
+pub fn in_order_parallel<T: Sync, R: Send>(
+    items: Vec<T>,
+    work: impl Fn(&T) -> R + Sync,
+    mut take: impl FnMut(T, R) -> anyhow::Result<()>,
+) -> anyhow::Result<()> {
+    use rayon::prelude::*;
+    let mut rest = items.into_iter();
+    loop {
+        let chunk: Vec<T> = rest.by_ref().take(IN_ORDER_CHUNK).collect();
+        if chunk.is_empty() {
+            return Ok(());
+        }
+        let results: Vec<R> = chunk.par_iter().map(&work).collect();
+        for (item, result) in chunk.into_iter().zip(results) {
+            take(item, result)?;
+        }
+    }
+}
