@@ -846,10 +846,7 @@ fn run_train(a: TrainArgs) -> Result<()> {
             cfg.output = run_dir.display().to_string();
         }
     }
-    cfg.validate().with_context(|| match &a.config {
-        Some(p) => format!("settings ({} and flags)", p.display()),
-        None => "settings (flags)".to_string(),
-    })?;
+    validate_settings(&cfg, a.config.as_deref())?;
     let device = Device::parse(&cfg.device)?;
     let loaded = trainer::load_configured(&cfg, &device)?;
     let (train_items, valid_items) = trainer::load_train_and_valid(&loaded, &cfg)?;
@@ -866,6 +863,15 @@ fn run_train(a: TrainArgs) -> Result<()> {
 
 /// `lorafit lint`: every row checked as `train` would (`data::check`), findings per row, the
 /// summary, and exit status 1 when a row is unusable.
+/// `TrainConfig::validate`, its error naming where the settings came from (a file and the flags,
+/// or the flags alone).
+fn validate_settings(cfg: &TrainConfig, config: Option<&std::path::Path>) -> Result<()> {
+    cfg.validate().with_context(|| match config {
+        Some(p) => format!("settings ({} and flags)", p.display()),
+        None => "settings (flags)".to_string(),
+    })
+}
+
 fn run_lint(a: LintArgs) -> Result<bool> {
     // The flags over the config's settings over the defaults: the run's settings as train
     // reads them.
@@ -903,6 +909,8 @@ fn run_lint(a: LintArgs) -> Result<bool> {
             None => bail!("--data: name the file to check (or --config, a run's settings)"),
         }
     }
+    // Settings train would refuse are refused here too, before any row is read.
+    validate_settings(&cfg, a.config.as_deref())?;
     let path = trainer::resolve_model_path(&cfg.model)?;
     let mut m = data::model_files::load_model_tokens(&path)?;
     m.template =

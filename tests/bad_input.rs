@@ -382,3 +382,51 @@ fn gemma4_config_errors_name_their_field() {
         let _ = std::fs::remove_dir_all(&d);
     }
 }
+
+/// A `chat_template` file that cannot be read or compiled is an error naming the setting and the
+/// file wherever a command takes one: loading a model for a run (train, eval, generate, chat,
+/// kl), curate, and export (before anything is written).
+#[test]
+fn chat_template_files_that_cannot_be_used_are_named() {
+    let d = scratch("template");
+    let model = common::fixture("models/qwen2");
+    let missing = d.join("missing.jinja").display().to_string();
+    let broken = d.join("broken.jinja");
+    std::fs::write(&broken, "{% for m in messages %}").unwrap();
+    let broken = broken.display().to_string();
+    for t in [&missing, &broken] {
+        // The fixture folder has no tokenizer; a GGUF with one stands in for the run's model.
+        let gguf = common::fixture("gguf/spm_prefix.gguf");
+        let e = lorafit::curate::curate_file(
+            &d.join("in.jsonl"),
+            &d.join("out.jsonl"),
+            None,
+            &gguf,
+            &lorafit::curate::CurateOptions {
+                chat_template: Some(t.clone()),
+                ..Default::default()
+            },
+        )
+        .expect_err("curate with an unusable template");
+        let e = format!("{e:#}");
+        assert!(e.contains("chat_template") && e.contains(t.as_str()), "{e}");
+
+        let out = d.join("export");
+        let e = lorafit::export::run(&lorafit::export::ExportPlan {
+            model: model.clone(),
+            adapter: d.join("no-adapter"),
+            output: out.clone(),
+            formats: vec![],
+            hf_dtype: lorafit::export::hf::HfDtype::Bf16,
+            adapter_type: lorafit::export::gguf_out::AdapterType::F32,
+            merged_type: lorafit::export::gguf_out::MergedType::Keep,
+            check: false,
+            chat_template: Some(t.clone()),
+        })
+        .err()
+        .expect("export with an unusable template");
+        let e = format!("{e:#}");
+        assert!(e.contains("chat_template") && e.contains(t.as_str()), "{e}");
+        assert!(!out.exists(), "nothing is written");
+    }
+}

@@ -75,3 +75,49 @@ fn lint_reads_a_runs_settings_and_its_flags_win() {
         assert!(err.contains("--data"), "{args:?}: {err}");
     }
 }
+
+/// A settings file lint cannot take is an error that names the file and the setting, before any
+/// row is read: a misspelt name, a value of the wrong type, limits that contradict each other.
+#[test]
+fn a_bad_settings_file_is_named_with_its_setting() {
+    let dir = std::env::temp_dir().join(format!("lorafit-lint-bad-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let model = common::tiny_run::model_folder(&dir);
+    common::tiny_run::data_file(&dir.join("train.jsonl"), 3, 1);
+    let head = format!(
+        "model = {:?}\ndata = \"train.jsonl\"\n",
+        model.display().to_string()
+    );
+    for (name, body, expect) in [
+        (
+            "typo.toml",
+            "tokenisation = \"trl\"\n",
+            vec!["typo.toml", "tokenisation"],
+        ),
+        (
+            "type.toml",
+            "max_seq_len = \"long\"\n",
+            vec!["type.toml", "max_seq_len"],
+        ),
+        (
+            "limits.toml",
+            "max_seq_len = 64\nmax_prompt_len = 64\n",
+            vec!["limits.toml", "max_prompt_len"],
+        ),
+        (
+            "template.toml",
+            "chat_template = \"no-such.jinja\"\n",
+            vec!["chat_template", "no-such.jinja"],
+        ),
+    ] {
+        std::fs::write(dir.join(name), format!("{head}{body}")).unwrap();
+        let o = lint(&dir, &["--config", name, "--quiet"]);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{name}: {err}");
+        for e in expect {
+            assert!(err.contains(e), "{name}: {err} does not name {e}");
+        }
+        assert!(!err.contains("panicked"), "{name}: {err}");
+    }
+}

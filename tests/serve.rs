@@ -271,6 +271,24 @@ fn a_bad_config_is_a_400_that_names_the_field() {
             json!({"data": "train.jsonl", "model": "no-such-model"}),
             "model",
         ),
+        // Files a job reads beside its data, named inside the roots but not there.
+        (
+            json!({"data": "train.jsonl", "chat_template": "no-such.jinja"}),
+            "chat_template",
+        ),
+        (
+            json!({"data": "train.jsonl", "rank_scaling": "by_kl", "rank_kl_file": "no-kl.json"}),
+            "rank_kl_file",
+        ),
+        (
+            json!({"kind": "eval", "data": "train.jsonl", "chat_template": "no-such.jinja"}),
+            "chat_template",
+        ),
+        (
+            json!({"kind": "export", "model": "model", "adapter": "model",
+                   "chat_template": "no-such.jinja"}),
+            "chat_template",
+        ),
     ];
     assert_all_refused(&server, cases.iter().map(|(b, f)| (b, *f)), 400);
     // Not JSON, not an object, not declared JSON, too large.
