@@ -926,7 +926,15 @@ fn run_lint(a: LintArgs) -> Result<bool> {
         ..trainer::check_options(&cfg, cfg.method, m.vocab)
     };
     let (rows, report) =
-        data::load_and_check(&cfg.data, None, &m.tokenizer, m.template.as_ref(), &opts)?;
+        match data::load_and_check(&cfg.data, None, &m.tokenizer, m.template.as_ref(), &opts) {
+            Ok(checked) => checked,
+            // The file was read and every row is unusable: the rows' errors, and status 1.
+            Err(e) if e.downcast_ref::<data::NoUsableRows>().is_some() => {
+                println!("error: {e:#}");
+                return Ok(false);
+            }
+            Err(e) => return Err(e),
+        };
     if !a.quiet {
         for r in report.load.skip_reasons.iter().chain(&report.bad_rows) {
             println!("error: {r}");

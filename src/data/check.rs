@@ -391,12 +391,18 @@ pub fn load_and_check(
     })?;
     drop(bar);
     if rows.is_empty() {
-        anyhow::bail!(
+        let summary = format!(
             "{path}: no usable {} rows ({} malformed, {} failing a check)",
             opts.kind,
             report.load.skipped,
             report.bad_rows.len()
         );
+        let reasons: Vec<String> = (report.load.skip_reasons.iter())
+            .chain(&report.bad_rows)
+            .cloned()
+            .collect();
+        let total = reasons.len();
+        return Err(super::NoUsableRows::new(summary, &reasons, total).into());
     }
     Ok((rows, report))
 }

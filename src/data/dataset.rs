@@ -390,14 +390,43 @@ fn ensure_some(
     report: &LoadReport,
 ) -> Result<()> {
     if examples.is_empty() {
-        bail!(
-            "{name}: no {kind} examples found ({} malformed rows skipped, {} blank lines)",
-            report.skipped,
-            report.blank_lines
+        let counts = format!(
+            "{name}: no {kind} examples found ({} malformed rows, {} blank lines)",
+            report.skipped, report.blank_lines
         );
+        return Err(NoUsableRows::new(counts, &report.skip_reasons, report.skipped).into());
     }
     Ok(())
 }
+
+/// A dataset none of whose rows can be used: the counts and the first reasons, each
+/// `file:line: ...`, so that the error says what to mend and not only how much failed.
+/// Commands that report on rows (`lint`) tell it apart from a file that cannot be read.
+#[derive(Debug)]
+pub struct NoUsableRows(String);
+
+impl NoUsableRows {
+    /// `summary` and the first [`MAX_SKIP_REASONS`] of `reasons` (of `total` in all).
+    pub fn new(summary: String, reasons: &[String], total: usize) -> NoUsableRows {
+        let mut text = summary;
+        for r in reasons.iter().take(MAX_SKIP_REASONS) {
+            text.push_str("\n  ");
+            text.push_str(r);
+        }
+        if total > MAX_SKIP_REASONS {
+            text.push_str(&format!("\n  ... and {} more", total - MAX_SKIP_REASONS));
+        }
+        NoUsableRows(text)
+    }
+}
+
+impl fmt::Display for NoUsableRows {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for NoUsableRows {}
 
 /// Parses every row of `rows` into examples, or fails on the first bad one (`skip_bad`:
 /// skips and counts it).

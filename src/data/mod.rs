@@ -17,8 +17,8 @@ pub mod tokenize;
 
 pub use check::{load_and_check, CheckOptions, CheckReport, CheckedRow, Finding, RowTokens};
 pub use dataset::{
-    load_dataset, read_jsonl, DatasetKind, Example, LoadReport, Message, PreferenceData, Role,
-    RowError, SftData,
+    load_dataset, read_jsonl, DatasetKind, Example, LoadReport, Message, NoUsableRows,
+    PreferenceData, Role, RowError, SftData,
 };
 pub use template::ChatTemplate;
 pub use tokenize::{

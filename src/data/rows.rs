@@ -242,7 +242,11 @@ impl Rows<'static> {
                 .or_else(|| lower.strip_suffix(".zstd"))
                 .unwrap_or(&lower);
             (Box::new(BufReader::new(decoder)), inner)
-        } else if head.starts_with(PARQUET_MAGIC) || lower.ends_with(".parquet") {
+        } else if head.starts_with(PARQUET_MAGIC)
+            || (lower.ends_with(".parquet") && !looks_like_json_text(&head))
+        {
+            // The bytes decide; the name only where they do not (a JSONL file named `.parquet`
+            // is read as the text it is).
             return Rows::parquet(path, name);
         } else if head.starts_with(ARROW_FILE_MAGIC)
             || head.starts_with(ARROW_STREAM_MAGIC)
@@ -252,6 +256,23 @@ impl Rows<'static> {
         } else {
             (Box::new(reader), lower.as_str())
         };
+        let mut reader = reader;
+        let inner_head = reader
+            .fill_buf()
+            .with_context(|| format!("reading {name}"))?;
+        if inner_head.starts_with(PARQUET_MAGIC) {
+            bail!(
+                "{name}: a compressed Parquet file; Parquet compresses its own pages and is read \
+                 from its footer, so decompress it first (for example `gunzip -k` or `zstd -d`)"
+            );
+        }
+        if let Some(encoding) = utf16_or_32(inner_head) {
+            bail!(
+                "{name}: the file is {encoding} text (it starts with that byte-order mark); \
+                 dataset files are read as UTF-8: convert it first (for example \
+                 `iconv -f {encoding} -t UTF-8 FILE > out`)"
+            );
+        }
         let delimiter = if inner_name.ends_with(".csv") {
             Some(b',')
         } else if inner_name.ends_with(".tsv") {
@@ -350,6 +371,32 @@ fn object_file_hint(obj: &Map<String, Value>) -> String {
     msg
 }
 
+/// Whether a file's first bytes are those of JSON text (after a UTF-8 byte-order mark and
+/// whitespace, an object or an array opens).
+fn looks_like_json_text(head: &[u8]) -> bool {
+    let body = head.strip_prefix(&[0xef, 0xbb, 0xbf][..]).unwrap_or(head);
+    matches!(
+        body.iter().find(|b| !b.is_ascii_whitespace()),
+        Some(b'{') | Some(b'[')
+    )
+}
+
+/// The encoding a UTF-16 or UTF-32 byte-order mark names, if the text starts with one
+/// (what Windows tools write as "Unicode").
+fn utf16_or_32(head: &[u8]) -> Option<&'static str> {
+    if head.starts_with(&[0xff, 0xfe, 0, 0]) {
+        Some("UTF-32LE")
+    } else if head.starts_with(&[0, 0, 0xfe, 0xff]) {
+        Some("UTF-32BE")
+    } else if head.starts_with(&[0xff, 0xfe]) {
+        Some("UTF-16LE")
+    } else if head.starts_with(&[0xfe, 0xff]) {
+        Some("UTF-16BE")
+    } else {
+        None
+    }
+}
+
 /// The first byte that is neither whitespace nor part of a UTF-8 byte-order mark, without
 /// consuming anything.
 fn first_significant_byte(reader: &mut Box<dyn BufRead>) -> Result<Option<u8>> {
@@ -428,15 +475,53 @@ impl Iterator for Rows<'_> {
                 *n += 1;
                 let n = *n;
                 let row = row.map_err(|e| {
-                    anyhow::anyhow!("{}: row {n}: reading the row ({e})", self.name)
+                    let codec = if e.to_string().contains("Disabled feature") {
+                        "; Parquet pages compressed with snappy, zstd, gzip or none are read: \
+                         write the file with one of them (pyarrow: `compression=\"zstd\"`)"
+                    } else {
+                        ""
+                    };
+                    anyhow::anyhow!("{}: row {n}: reading the row ({e}){codec}", self.name)
                 })?;
                 Ok(Row {
                     n,
-                    value: Ok(row.to_json_value()),
+                    value: parquet_row_value(&row),
                 })
             }),
         }
     }
+}
+
+/// A Parquet row as JSON. JSON has no NaN or infinity, and the Parquet crate writes them as
+/// null, which a `weight` column reads as its default: a non-finite number in a column is a
+/// row error naming the column instead. A decimal `weight` is read as the number it is.
+fn parquet_row_value(row: &parquet::record::Row) -> Result<Value, String> {
+    use parquet::record::Field;
+    let mut value = row.to_json_value();
+    for (column, field) in row.get_column_iter() {
+        let float = match field {
+            Field::Float16(x) => Some(f64::from(*x)),
+            Field::Float(x) => Some(f64::from(*x)),
+            Field::Double(x) => Some(*x),
+            _ => None,
+        };
+        if let Some(x) = float.filter(|x| !x.is_finite()) {
+            return Err(format!(
+                "field \"{column}\": {x}, where a finite number is expected"
+            ));
+        }
+        if let (Field::Decimal(_), Some(Value::String(text))) =
+            (field, value.get(column.as_str()))
+        {
+            if column == "weight" {
+                let number = text.parse::<f64>().ok().and_then(serde_json::Number::from_f64);
+                if let Some(n) = number {
+                    value[column.as_str()] = Value::Number(n);
+                }
+            }
+        }
+    }
+    Ok(value)
 }
 
 /// A CSV (or TSV) text with a header row, read record by record as Python's `csv` module reads
@@ -541,7 +626,8 @@ impl Csv {
                             break;
                         }
                         Some(&b) => {
-                            if b == b'\n' {
+                            // A line ends at `\n`, or at a `\r` alone (old Mac text).
+                            if b == b'\n' || (b == b'\r' && bytes.get(i + 1) != Some(&b'\n')) {
                                 self.line += 1;
                             }
                             field.push(b);
@@ -551,7 +637,11 @@ impl Csv {
                 }
             }
             // Unquoted text, or text after a closing quote, up to the delimiter or the line's end.
-            while i < bytes.len() && bytes[i] != self.delimiter && bytes[i] != b'\n' {
+            while i < bytes.len()
+                && bytes[i] != self.delimiter
+                && bytes[i] != b'\n'
+                && bytes[i] != b'\r'
+            {
                 field.push(bytes[i]);
                 i += 1;
             }
@@ -560,12 +650,13 @@ impl Csv {
                 i += 1;
                 continue;
             }
-            // The record ends at a newline (its `\r` dropped) or at the end of the text.
-            if field.last() == Some(&b'\r') {
-                field.pop();
-            }
+            // The record ends at `\n`, `\r\n` or a lone `\r` (as Python's `csv` reads old Mac
+            // text), or at the end of the text.
             fields.push(take_field(&mut field));
             if i < bytes.len() {
+                if bytes[i] == b'\r' && bytes.get(i + 1) == Some(&b'\n') {
+                    i += 1;
+                }
                 i += 1;
                 self.line += 1;
             }
@@ -667,6 +758,27 @@ mod tests {
         );
         assert_eq!(rows[3].0, 7);
         assert_eq!(rows[3].1.as_ref().unwrap()["weight"], json!(2.0));
+    }
+
+    #[test]
+    fn csv_with_old_mac_line_ends() {
+        let d = tmp("csv-cr");
+        let p = write(
+            &d,
+            "cr.csv",
+            b"prompt,chosen,rejected\ra,b,c\r\"two\rlines\",e,f\rg,h,i\r",
+        );
+        let (rows, _, blank) = all(&p);
+        assert_eq!(blank, 0);
+        let got: Vec<(usize, Value)> = rows.into_iter().map(|(n, v)| (n, v.unwrap())).collect();
+        assert_eq!(
+            got,
+            vec![
+                (2, json!({"prompt": "a", "chosen": "b", "rejected": "c"})),
+                (3, json!({"prompt": "two\rlines", "chosen": "e", "rejected": "f"})),
+                (5, json!({"prompt": "g", "chosen": "h", "rejected": "i"})),
+            ]
+        );
     }
 
     #[test]
