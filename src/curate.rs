@@ -510,6 +510,25 @@ fn write_jsonl(path: &Path, rows: &[Value]) -> Result<()> {
     Ok(())
 }
 
+/// Whether two paths name one file, whether or not it exists yet: their folders resolved
+/// (links and `..` followed) and their names compared.
+fn same_file(a: &Path, b: &Path) -> bool {
+    let resolve = |p: &Path| {
+        let folder = match p.parent() {
+            Some(f) if !f.as_os_str().is_empty() => f,
+            _ => Path::new("."),
+        };
+        (folder.canonicalize().ok(), p.file_name().map(|n| n.to_owned()))
+    };
+    match (a.canonicalize(), b.canonicalize()) {
+        (Ok(x), Ok(y)) => x == y,
+        _ => {
+            let (x, y) = (resolve(a), resolve(b));
+            x.0.is_some() && x == y
+        }
+    }
+}
+
 /// The `curate` command: reads `input`, writes `output` (and `valid_output`), returns the
 /// report.
 pub fn curate_file(
@@ -519,6 +538,15 @@ pub fn curate_file(
     model: &Path,
     opts: &CurateOptions,
 ) -> Result<CurateReport> {
+    if let Some(v) = valid_output {
+        if same_file(output, v) {
+            bail!(
+                "--output and --valid-output both name {}: the validation rows would replace \
+                 the training rows; name two files",
+                output.display()
+            );
+        }
+    }
     let (tok, template) = load_text_tokenizer(model)
         .with_context(|| format!("loading the tokenizer of {}", model.display()))?;
     let template = data::model_files::run_template(opts.chat_template.as_deref(), template, &tok)?;

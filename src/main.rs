@@ -237,8 +237,8 @@ struct TrainArgs {
     /// not), or a pattern naming the shards of one split ('data/train-*.parquet').
     #[arg(long)]
     data: Option<String>,
-    /// Validation rows (same formats); without it `valid_fraction` (0.05) of the training rows
-    /// are held out.
+    /// Validation rows (same formats); without it there is no validation unless the setting
+    /// `valid_fraction` (default 0: none; e.g. 0.05) holds out a share of the training rows.
     #[arg(long)]
     valid: Option<String>,
     /// The run's folder: checkpoints, adapter, metrics, plan.toml (default: runs/lorafit).

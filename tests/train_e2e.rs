@@ -312,6 +312,66 @@ fn resume_equals_uninterrupted() {
     assert_ne!(plain[6..], dropout[6..], "lora_dropout 0.1 changed nothing");
 }
 
+/// Resuming a run folder from an earlier checkpoint, with the run's later steps beside it, is
+/// refused (a later `--resume` of the folder would take up the old steps); with `overwrite` the
+/// later checkpoints, the final adapter and a later `best` go, and the branch runs as a resume
+/// into an empty folder would. A run that is not the checkpoint's is not written into.
+#[test]
+fn resuming_an_earlier_checkpoint_in_place_drops_the_later_steps_only_when_told() {
+    let loaded = tiny_loaded();
+    let v = loaded.model.spec.vocab;
+    let items = pair_items(16, 3, v);
+    let valid = pair_items(3, 4, v);
+    let dir = out_dir("branch");
+    let mut c = cfg(&dir, 12);
+    c.save_every = 4;
+    c.eval_every = 4;
+    run(&c, None, &loaded, &items, &valid);
+    let ckpt = dir.join("checkpoint-000004");
+    let e = train(&c, Some(&ckpt), &loaded, &items, &valid)
+        .err()
+        .expect("refused")
+        .to_string();
+    assert!(e.contains("went on past step 4"), "{e}");
+    assert!(
+        e.contains("checkpoint-000008, checkpoint-000012") && e.contains("adapter"),
+        "{e}"
+    );
+    assert!(dir.join("checkpoint-000012").is_dir(), "nothing deleted");
+
+    // The branch into an empty folder, for comparison.
+    let other = out_dir("branch-elsewhere");
+    let mut c2 = c.clone();
+    c2.output = other.display().to_string();
+    c2.lr = 5e-3;
+    let elsewhere = run(&c2, Some(&ckpt), &loaded, &items, &valid);
+    // Another run's folder is refused as a resume's output.
+    let mut c3 = c2.clone();
+    c3.output = dir.display().to_string();
+    let e = train(&c3, Some(&other.join("checkpoint-000008")), &loaded, &items, &valid)
+        .err()
+        .expect("refused")
+        .to_string();
+    assert!(e.contains("already holds a run"), "{e}");
+
+    let mut c4 = c2.clone();
+    c4.output = dir.display().to_string();
+    c4.overwrite = true;
+    let here = run(&c4, Some(&ckpt), &loaded, &items, &valid);
+    assert_eq!(here.losses, elsewhere.losses);
+    let names: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().to_string())
+        .filter(|n| n.starts_with("checkpoint-"))
+        .collect();
+    assert_eq!(names.len(), 3, "{names:?}");
+    let state = read_json(&dir.join("checkpoint-000012/trainer_state.json"));
+    let state_elsewhere = read_json(&other.join("checkpoint-000012/trainer_state.json"));
+    assert_eq!(state, state_elsewhere);
+    let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_dir_all(&other);
+}
+
 // ---------------------------------------------------------------------------------------------
 // 3. Gradient accumulation equals the summed batch, and the averaged update equals AdamW on the
 //    mean gradient

@@ -77,10 +77,13 @@ fn is_run_output(name: &str) -> bool {
 }
 
 /// Makes `out_dir` ready for a run. A folder that already holds a run is refused unless the run
-/// resumes into it or `overwrite` is set, in which case that run's outputs (and only those) are
-/// deleted first. Leftovers of a write that a kill interrupted (`.tmp-*`, `plots/*.tmp`) are
+/// resumes into it from one of its own checkpoints or `overwrite` is set, in which case that
+/// run's outputs (and only those) are deleted first. A resume from an earlier checkpoint of the
+/// folder's run, with later ones beside it, is refused too (a later `--resume` of the folder
+/// would take up the abandoned steps), unless `overwrite` deletes what the run wrote after that
+/// checkpoint. Leftovers of a write that a kill interrupted (`.tmp-*`, `plots/*.tmp`) are
 /// removed.
-pub fn prepare(out_dir: &Path, resuming: bool, overwrite: bool) -> Result<()> {
+pub fn prepare(out_dir: &Path, resume: Option<&Path>, overwrite: bool) -> Result<()> {
     std::fs::create_dir_all(out_dir).with_context(|| format!("creating {}", out_dir.display()))?;
     let mut outputs = Vec::new();
     for entry in
@@ -92,10 +95,27 @@ pub fn prepare(out_dir: &Path, resuming: bool, overwrite: bool) -> Result<()> {
             outputs.push((name, entry.path()));
         }
     }
+    outputs.sort();
     let holds_run = outputs.iter().any(|(n, _)| !n.starts_with(".tmp-"));
-    if holds_run && !resuming && !overwrite {
+    let own_checkpoint = resume.is_some_and(|c| {
+        let folder = c.parent().and_then(|p| p.canonicalize().ok());
+        folder.is_some() && folder == out_dir.canonicalize().ok()
+    });
+    if holds_run && !own_checkpoint && !overwrite {
+        let continue_it = match resume {
+            Some(c) => format!(
+                "resume {} into another folder (--output), or pass --overwrite (overwrite = \
+                 true) to delete the run that is there",
+                c.display()
+            ),
+            None => format!(
+                "pass --resume {} to continue it, or --overwrite (overwrite = true) to delete it \
+                 and start again",
+                out_dir.display()
+            ),
+        };
         bail!(
-            "output {} already holds a run ({}); pass --resume {} to continue it, or --overwrite (overwrite = true) to delete it and start again",
+            "output {} already holds a run ({}); {continue_it}",
             out_dir.display(),
             outputs
                 .iter()
@@ -103,8 +123,45 @@ pub fn prepare(out_dir: &Path, resuming: bool, overwrite: bool) -> Result<()> {
                 .filter(|n| !n.starts_with('.'))
                 .collect::<Vec<_>>()
                 .join(", "),
-            out_dir.display()
         );
+    }
+    // What the folder's run wrote after the checkpoint it resumes from.
+    let mut abandoned = Vec::new();
+    if let Some(c) = resume.filter(|_| own_checkpoint) {
+        let from = checkpoint_step(c)?;
+        for (name, path) in &outputs {
+            let later = name
+                .strip_prefix("checkpoint-")
+                .and_then(|n| n.parse::<usize>().ok())
+                .is_some_and(|n| n > from);
+            if later {
+                abandoned.push((name.clone(), path.clone()));
+            }
+        }
+        // A `best` saved after the checkpoint is what a kill leaves (the resumed steps save it
+        // again); beside later checkpoints it and the final adapter belong to the old steps.
+        if !abandoned.is_empty() {
+            for (name, path) in &outputs {
+                let old_best = name == "best" && checkpoint_step(path).is_ok_and(|n| n > from);
+                if old_best || name == "adapter" {
+                    abandoned.push((name.clone(), path.clone()));
+                }
+            }
+            if !overwrite {
+                bail!(
+                    "--resume {}: the folder's run went on past step {from} ({}); resumed here, \
+                     the new steps would sit beside those, and a later --resume of the folder \
+                     would take up the old ones. Pass --overwrite (overwrite = true) to delete \
+                     them, or resume into another folder (--output)",
+                    c.display(),
+                    abandoned
+                        .iter()
+                        .map(|(n, _)| n.as_str())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                );
+            }
+        }
     }
     // A plot whose write a kill interrupted leaves `plots/NAME.png.tmp` (`plot::write_png`).
     if let Ok(plots) = std::fs::read_dir(out_dir.join("plots")) {
@@ -115,8 +172,9 @@ pub fn prepare(out_dir: &Path, resuming: bool, overwrite: bool) -> Result<()> {
             }
         }
     }
+    let fresh = overwrite && !own_checkpoint;
     for (name, path) in outputs {
-        if (overwrite && !resuming) || name.starts_with(".tmp-") {
+        if fresh || name.starts_with(".tmp-") || abandoned.iter().any(|(n, _)| *n == name) {
             let removed = if path.is_dir() {
                 std::fs::remove_dir_all(&path)
             } else {
@@ -126,6 +184,19 @@ pub fn prepare(out_dir: &Path, resuming: bool, overwrite: bool) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The step a checkpoint folder (or `best`) was saved at, from its trainer state.
+pub fn checkpoint_step(dir: &Path) -> Result<usize> {
+    let path = dir.join(TRAINER_STATE);
+    let text =
+        std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+    let state: serde_json::Value =
+        serde_json::from_str(&text).with_context(|| format!("reading {}", path.display()))?;
+    state["step"]
+        .as_u64()
+        .map(|s| s as usize)
+        .with_context(|| format!("{}: no step", path.display()))
 }
 
 /// Cuts a line log back to the lines of steps up to `step`: later lines (the steps a resumed run

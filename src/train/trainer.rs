@@ -182,6 +182,10 @@ pub fn load_train_and_valid(loaded: &Loaded, cfg: &TrainConfig) -> Result<(Vec<I
     let (train, valid) = if let Some(v) = &cfg.valid {
         (train, load_items(v, None, cfg.method, loaded, cfg)?)
     } else if cfg.valid_fraction == 0.0 {
+        eprintln!(
+            "no validation: no valid file and valid_fraction = 0 (pass --valid FILE, or \
+             --set valid_fraction=0.05 to hold out a share of the training rows)"
+        );
         (train, Vec::new())
     } else {
         let (train, valid) = hold_out(train, cfg.valid_fraction, cfg.seed)?;
@@ -695,7 +699,7 @@ pub fn train_with(
     let lora_config = super::rank_scaling::lora_config(cfg, &model.spec, &loaded.model_path)?;
     let out_dir = PathBuf::from(&cfg.output);
     let checkpoint = resume.map(run_folder::find_checkpoint).transpose()?;
-    run_folder::prepare(&out_dir, checkpoint.is_some(), cfg.overwrite)?;
+    run_folder::prepare(&out_dir, checkpoint.as_deref(), cfg.overwrite)?;
 
     let n = train_items.len();
     let mut order = DataOrder::new(n, cfg.seed);
