@@ -833,9 +833,23 @@ fn output_named(a: &TrainArgs) -> Result<bool> {
 }
 
 fn run_train(a: TrainArgs) -> Result<()> {
-    let base = match &a.config {
-        Some(p) => TrainConfig::from_toml_file(p)?,
-        None => TrainConfig::default(),
+    let base = match (&a.config, &a.resume) {
+        (Some(p), _) => TrainConfig::from_toml_file(p)?,
+        // A resume without a config continues with the checkpoint's own settings.
+        (None, Some(r)) => {
+            let checkpoint = lorafit::train::run_folder::find_checkpoint(r)?;
+            let settings = checkpoint.join(lorafit::train::run_folder::RUN_SETTINGS);
+            if settings.is_file() {
+                eprintln!(
+                    "settings from {} (flags over them)",
+                    settings.display()
+                );
+                TrainConfig::from_toml_file(&settings)?
+            } else {
+                TrainConfig::default()
+            }
+        }
+        (None, None) => TrainConfig::default(),
     };
     let mut cfg = apply_overrides(base, &a)?;
     if let Some(r) = &a.resume {

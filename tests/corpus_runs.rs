@@ -81,6 +81,21 @@ fn poison_tensor(path: &Path, name: &str) {
     std::fs::write(path, bytes).unwrap();
 }
 
+/// Multiplies every f32 of tensor `name` in the safetensors file `path` by `by` (another base
+/// of the same shape).
+fn scale_tensor(path: &Path, name: &str, by: f32) {
+    let mut bytes = std::fs::read(path).unwrap();
+    let header_len = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + header_len]).unwrap();
+    assert_eq!(header[name]["dtype"], "F32", "{name}");
+    let at = |i: usize| 8 + header_len + header[name]["data_offsets"][i].as_u64().unwrap() as usize;
+    for v in bytes[at(0)..at(1)].chunks_exact_mut(4) {
+        let x = f32::from_le_bytes(v.try_into().unwrap()) * by;
+        v.copy_from_slice(&x.to_le_bytes());
+    }
+    std::fs::write(path, bytes).unwrap();
+}
+
 struct Case {
     name: &'static str,
     /// The output folder the case trains into.
@@ -313,6 +328,51 @@ fn bad_runs_are_errors_that_name_file_and_setting() {
             s("data: the training examples differ"),
             s("other.jsonl"),
         ],
+    });
+    let other_base = root.join("other_base");
+    copy_dir(&root.join("model"), &other_base);
+    scale_tensor(
+        &other_base.join("model.safetensors"),
+        "model.embed_tokens.weight",
+        3.0,
+    );
+    cases.push(Case {
+        name: "resume_other_base",
+        out: done.clone(),
+        args: resume_done(&[
+            "--set",
+            &format!("model={}", other_base.display()),
+            "--set",
+            "steps=6",
+        ]),
+        expect: vec![
+            s("checkpoint-000004"),
+            s("other_base"),
+            s("is not the one the checkpoint was trained on"),
+        ],
+    });
+    let branched = copy_of_done("branched");
+    cases.push(Case {
+        name: "resume_earlier_checkpoint_in_place",
+        out: branched.clone(),
+        args: vec![
+            s("--resume"),
+            branched.join("checkpoint-000002").display().to_string(),
+        ],
+        expect: vec![
+            s("checkpoint-000002"),
+            s("went on past step 2 (checkpoint-000004, adapter)"),
+            s("--overwrite"),
+        ],
+    });
+    cases.push(Case {
+        name: "resume_into_another_run",
+        out: branched.clone(),
+        args: vec![
+            s("--resume"),
+            done.join("checkpoint-000002").display().to_string(),
+        ],
+        expect: vec![s("branched"), s("already holds a run"), s("--output")],
     });
     cases.push(Case {
         name: "resume_finished",

@@ -245,3 +245,59 @@ fn kill_at_random_points_then_resume_equals_uninterrupted() {
     );
     let _ = std::fs::remove_dir_all(&root);
 }
+
+/// `lorafit train --resume OUT` alone continues with the run's own settings (the checkpoint's
+/// `run.toml`, flags over it): the same files as a resume that repeats every flag. A setting a
+/// resume changes is said.
+#[test]
+fn a_resume_without_settings_continues_with_the_checkpoints() {
+    let dir = scratch("bare-resume");
+    let setup = Setup {
+        model: model_folder(&dir),
+        train: dir.join("train.jsonl"),
+        valid: dir.join("valid.jsonl"),
+    };
+    data_file(&setup.train, 24, 1);
+    data_file(&setup.valid, 4, 2);
+    let (full, bare) = (dir.join("full"), dir.join("bare"));
+    for out in [&full, &bare] {
+        run_to_end(&setup, out, &["--set", &format!("steps={}", STEPS / 2)]);
+    }
+    run_to_end(&setup, &full, &["--resume", full.to_str().unwrap()]);
+    let o = Command::new(env!("CARGO_BIN_EXE_lorafit"))
+        .args(["train", "--resume"])
+        .arg(&bare)
+        .args(["--steps", &STEPS.to_string()])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(err.contains("settings from "), "{err}");
+    assert!(!err.contains("note: resumed with"), "{err}");
+    let (a, b) = (deterministic_files(&full), deterministic_files(&bare));
+    assert_eq!(
+        a.keys().collect::<Vec<_>>(),
+        b.keys().collect::<Vec<_>>()
+    );
+    for (name, bytes) in &a {
+        // plan.toml and run.toml name their own output folder.
+        if name.ends_with(".toml") {
+            continue;
+        }
+        assert!(*bytes == b[name], "{name} differs");
+    }
+    // A changed setting is said.
+    let o = Command::new(env!("CARGO_BIN_EXE_lorafit"))
+        .args(["train", "--resume"])
+        .arg(&bare)
+        .args(["--steps", &(STEPS + 2).to_string(), "--set", "lr=5e-3"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(
+        err.contains("note: resumed with lr: checkpoint 0.01, now 0.005"),
+        "{err}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -290,6 +290,62 @@ pub fn items_hash(items: &[Item]) -> String {
     format!("{h:016x}")
 }
 
+/// The identity of a base model's files, cheaply: for each weight file (a GGUF file, or a
+/// folder's `.safetensors`, `.gguf` and `.bin` files, and its `config.json`) its name, length
+/// and 16 samples of 4 KiB spread over it, FNV-1a hashed. Two bases of one shape (a model and
+/// its instruct variant) differ in it; a base moved or copied does not. `None` for a model that
+/// was built in memory (no such path).
+pub fn base_fingerprint(model_path: &Path) -> Result<Option<String>> {
+    use std::io::{Read, Seek, SeekFrom};
+    if !model_path.exists() {
+        return Ok(None);
+    }
+    let mut files = Vec::new();
+    if model_path.is_dir() {
+        for entry in std::fs::read_dir(model_path)
+            .with_context(|| format!("reading {}", model_path.display()))?
+        {
+            let path = entry?.path();
+            let name = path.file_name().unwrap_or_default().to_string_lossy();
+            let weights = [".safetensors", ".gguf", ".bin"]
+                .iter()
+                .any(|e| name.ends_with(e));
+            if weights || name == "config.json" {
+                files.push(path);
+            }
+        }
+        files.sort();
+    } else {
+        files.push(model_path.to_path_buf());
+    }
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut eat = |bytes: &[u8]| {
+        for &b in bytes {
+            h = (h ^ b as u64).wrapping_mul(0x0100_0000_01b3);
+        }
+    };
+    const SAMPLES: u64 = 16;
+    const SAMPLE: u64 = 4096;
+    let mut buf = vec![0u8; SAMPLE as usize];
+    for path in files {
+        let mut file =
+            std::fs::File::open(&path).with_context(|| format!("opening {}", path.display()))?;
+        let len = file.metadata()?.len();
+        eat(path.file_name().unwrap_or_default().as_encoded_bytes());
+        eat(&len.to_le_bytes());
+        let span = len.saturating_sub(SAMPLE);
+        for i in 0..SAMPLES {
+            let at = span / (SAMPLES - 1) * i;
+            file.seek(SeekFrom::Start(at))?;
+            let n = (SAMPLE.min(len - at)) as usize;
+            file.read_exact(&mut buf[..n])
+                .with_context(|| format!("reading {}", path.display()))?;
+            eat(&buf[..n]);
+        }
+    }
+    Ok(Some(format!("{h:016x}")))
+}
+
 /// Settings that fix the adapter's shape: a resumed run must keep them (the per-module ranks
 /// `rank_scaling` resolves, from the base model and `rank_kl_file`, are compared module by module
 /// with the checkpoint's adapter by the trainer).
@@ -353,6 +409,27 @@ pub fn check_resume(
         );
     }
     Ok(())
+}
+
+/// The settings a resume changes besides those `check_resume` refuses to change, each
+/// `name: checkpoint X, now Y` (where the run writes, what it is planned to, and overwriting are
+/// not changes of the training). Said on resuming, so a learning rate or a schedule that came
+/// from other flags than the run's is not a surprise.
+pub fn changed_settings(saved: &TrainConfig, now: &TrainConfig) -> Result<Vec<String>> {
+    let table = |c: &TrainConfig| -> Result<toml::Table> { Ok(toml::from_str(&c.to_toml()?)?) };
+    let (a, b) = (table(saved)?, table(now)?);
+    let quiet = ["output", "steps", "epochs", "warmup_steps", "overwrite", "data", "valid"];
+    let show = |v: Option<&toml::Value>| v.map_or("unset".to_string(), |v| v.to_string());
+    let mut keys: Vec<&String> = a.keys().chain(b.keys()).collect();
+    keys.sort();
+    keys.dedup();
+    Ok(keys
+        .into_iter()
+        .filter(|k| !quiet.contains(&k.as_str()))
+        .filter(|k| !SHAPE_SETTINGS.contains(&k.as_str()) && !DATA_SETTINGS.contains(&k.as_str()))
+        .filter(|k| a.get(*k) != b.get(*k))
+        .map(|k| format!("{k}: checkpoint {}, now {}", show(a.get(k)), show(b.get(k))))
+        .collect())
 }
 
 /// One warm-up + decay cycle of the schedule, ending at step `end` (exclusive, 0-based steps).

@@ -300,6 +300,10 @@ pub struct TrainerState {
     /// older checkpoints: one cycle of `total_steps`).
     #[serde(default)]
     pub cycles: Vec<Cycle>,
+    /// `run_folder::base_fingerprint` of the base model's files (absent in older checkpoints):
+    /// a resume on another base is refused.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub base_hash: Option<String>,
     /// The ORPO λ controller (`orpo_lambda_schedule = "adaptive"` only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub orpo_lambda: Option<LambdaController>,
@@ -711,6 +715,7 @@ pub fn train_with(
             .max(1.0) as usize
     };
     let data_hash = run_folder::items_hash(train_items);
+    let base_hash = run_folder::base_fingerprint(&loaded.model_path)?;
     let optim = OptimOptions::from_config(cfg);
 
     let mut lora = match &cfg.warm_start {
@@ -731,6 +736,7 @@ pub fn train_with(
         best_margin: None,
         total_steps: planned_steps,
         data_hash: Some(data_hash.clone()),
+        base_hash: base_hash.clone(),
         cycles: vec![Cycle {
             end: planned_steps,
             warmup: cfg.resolved_warmup(planned_steps),
@@ -742,7 +748,22 @@ pub fn train_with(
         check_finite_adapter(&l, &dir.display().to_string())?;
         (lora, adam) = (l, a);
         lora.config.dropout = cfg.lora_dropout;
+        if let (Some(was), Some(now)) = (&saved.base_hash, &base_hash) {
+            if was != now {
+                bail!(
+                    "--resume {}: the base model {} is not the one the checkpoint was trained on \
+                     (its files differ: fingerprint {now}, checkpoint {was}); resume on the \
+                     checkpoint's base, or start a new run on this one with --warm-start {}",
+                    dir.display(),
+                    loaded.model_path.display(),
+                    dir.display()
+                );
+            }
+        }
         state = resumed_state(dir, saved, cfg, planned_steps, &data_hash)?;
+        if state.base_hash.is_none() {
+            state.base_hash = base_hash;
+        }
         let diffs =
             super::rank_scaling::module_differences(&lora.config, &lora_config, &model.spec, 5);
         if !diffs.is_empty() {
@@ -1239,6 +1260,9 @@ fn resumed_state(
         let saved_cfg = TrainConfig::from_toml_file(&settings_path)?;
         let now = cfg.resolved(planned_steps, cfg.resolved_warmup(planned_steps));
         run_folder::check_resume(dir, &saved_cfg, saved.data_hash.as_deref(), &now, data_hash)?;
+        for change in run_folder::changed_settings(&saved_cfg, &now)? {
+            eprintln!("note: resumed with {change}");
+        }
         if saved_cfg.data != cfg.data {
             eprintln!(
                 "note: the training data moved ({} -> {}); its examples are the same",
@@ -1342,9 +1366,13 @@ pub fn check_finite_adapter(lora: &Lora, source: &str) -> Result<()> {
 /// plan.toml: the resolved settings (readable back with `--config`), headed by the schedule's
 /// cycles, the memory plan and the per-module ranks of `rank_scaling` (`ranks`) as comments.
 fn plan_toml(settings: &TrainConfig, cycles: &[Cycle], ranks: &[String]) -> Result<String> {
-    let mut head = String::from(
-        "# The run as resolved; `lorafit train --config plan.toml` trains it again.\n",
-    );
+    let mut head = String::from(if cycles.len() > 1 {
+        "# The run as resolved, continued past its planned end: `lorafit train --config \
+         plan.toml` trains these settings with one schedule over all the steps, not the \
+         cycles below (resume a checkpoint of this run with --steps to extend it again).\n"
+    } else {
+        "# The run as resolved; `lorafit train --config plan.toml` trains it again.\n"
+    });
     let mut start = 0;
     for (i, c) in cycles.iter().enumerate() {
         head.push_str(&format!(
