@@ -674,11 +674,24 @@ impl TrainConfig {
     }
 
     pub fn validate(&self) -> Result<()> {
+        const MAX_GRAD_ACCUM: usize = 1 << 16;
+        const MAX_STEPS: usize = 1 << 40;
         if self.data.is_empty() {
             bail!("no training data: set `data` in the config or pass --data FILE.jsonl");
         }
         if self.grad_accum == 0 || self.rank == 0 {
             bail!("grad_accum and rank must be at least 1");
+        }
+        // Bounds far past any real run, so that a typo is an error and not an allocation of a
+        // step's micro-step plans, or a step count no settings file can hold.
+        if self.grad_accum > MAX_GRAD_ACCUM {
+            bail!(
+                "grad_accum = {}: expected at most {MAX_GRAD_ACCUM} micro-steps a step",
+                self.grad_accum
+            );
+        }
+        if self.steps > MAX_STEPS {
+            bail!("steps = {}: expected at most {MAX_STEPS}", self.steps);
         }
         if !(0.0..1.0).contains(&self.lora_dropout) {
             bail!("lora_dropout must be in [0, 1)");
@@ -713,7 +726,7 @@ impl TrainConfig {
         }
         range("lr", self.lr, 0.0, inf, false, true)?;
         // Checked even when `steps` overrides it: a bad value is never taken silently.
-        range("epochs", self.epochs, 0.0, inf, true, true)?;
+        range("epochs", self.epochs, 0.0, 1e6, true, false)?;
         range("warmup_ratio", self.warmup_ratio, 0.0, 1.0, false, false)?;
         range("weight_decay", self.weight_decay, 0.0, inf, false, true)?;
         range("grad_clip", self.grad_clip, 0.0, inf, false, true)?;

@@ -250,13 +250,13 @@ struct TrainArgs {
     /// cpu, cuda or cuda:N (default: cpu).
     #[arg(long)]
     device: Option<String>,
-    /// Optimiser steps (default: from --epochs).
+    /// Optimiser steps (default, or 0: from --epochs).
     #[arg(long)]
     steps: Option<usize>,
     /// Passes over the training rows, when --steps is not given (default: 1).
     #[arg(long)]
     epochs: Option<f64>,
-    /// Peak learning rate (default by method: 1e-5 ORPO, 2e-4 SFT, 5e-6 DPO, 1e-6 SimPO; TRL's
+    /// Peak learning rate (default, or 0: by method: 1e-5 ORPO, 2e-4 SFT, 5e-6 DPO, 1e-6 SimPO; TRL's
     /// learning_rate).
     #[arg(long)]
     lr: Option<f64>,
@@ -833,6 +833,13 @@ fn output_named(a: &TrainArgs) -> Result<bool> {
 }
 
 fn run_train(a: TrainArgs) -> Result<()> {
+    if let (Some(r), Some(w)) = (&a.resume, &a.warm_start) {
+        bail!(
+            "--resume {} and --warm-start {w}: a resume continues a checkpoint (its adapter, \
+             optimiser and schedule), a warm start begins a new run from an adapter; give one",
+            r.display()
+        );
+    }
     let base = match (&a.config, &a.resume) {
         (Some(p), _) => TrainConfig::from_toml_file(p)?,
         // A resume without a config continues with the checkpoint's own settings.
@@ -865,13 +872,18 @@ fn run_train(a: TrainArgs) -> Result<()> {
     let loaded = trainer::load_configured(&cfg, &device)?;
     let (train_items, valid_items) = trainer::load_train_and_valid(&loaded, &cfg)?;
     eprintln!("{}", cfg.to_toml()?);
-    trainer::train(
+    lorafit::train::listeners::stop_on_interrupt()?;
+    let outcome = trainer::train(
         &cfg,
         a.resume.as_deref(),
         &loaded,
         &train_items,
         &valid_items,
     )?;
+    if outcome.stopped {
+        // Interrupted (Ctrl-C): a checkpoint was written, and the status says the run is not done.
+        std::process::exit(130);
+    }
     Ok(())
 }
 

@@ -55,6 +55,38 @@ impl Console {
     }
 }
 
+/// Set by the first Ctrl-C after [`stop_on_interrupt`]: the console asks the run to stop after
+/// its current step.
+static INTERRUPTED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// From now on, a first Ctrl-C (SIGINT) ends the run after its current step with a checkpoint
+/// (the console's `stop_requested`), so that a resume takes up where it stopped; a second one
+/// quits at once (status 130), as a Ctrl-C did before.
+pub fn stop_on_interrupt() -> Result<()> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_io()
+        .build()
+        .context("starting the Ctrl-C handler")?;
+    // Registered here, before training starts, not when the thread gets to it.
+    let first = runtime
+        .block_on(async { tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt()) })
+        .context("listening for Ctrl-C")?;
+    std::thread::spawn(move || {
+        let mut signal = first;
+        runtime.block_on(async {
+            signal.recv().await;
+            INTERRUPTED.store(true, std::sync::atomic::Ordering::SeqCst);
+            eprintln!(
+                "\ninterrupted: stopping after this step with a checkpoint (Ctrl-C again to quit now)"
+            );
+            signal.recv().await;
+            eprintln!("\ninterrupted again: quitting without a checkpoint of this step");
+            std::process::exit(130);
+        });
+    });
+    Ok(())
+}
+
 /// `h:mm:ss`.
 fn clock(seconds: f64) -> String {
     let s = if seconds.is_finite() {
@@ -89,6 +121,10 @@ pub fn step_line(s: &StepRecord, peak: &str) -> String {
 }
 
 impl TrainEvents for Console {
+    fn stop_requested(&self) -> bool {
+        INTERRUPTED.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
     fn event(&mut self, event: &TrainEvent<'_>) -> Result<()> {
         match event {
             TrainEvent::Started(r) => {
@@ -151,9 +187,12 @@ impl TrainEvents for Console {
                 if let Some(bar) = self.bar.take() {
                     bar.abandon();
                 }
+                let run = checkpoint.parent().unwrap_or(checkpoint);
                 eprintln!(
-                    "stopped at step {step}; checkpoint in {}",
-                    checkpoint.display()
+                    "stopped at step {step}; checkpoint in {} (continue with `lorafit train \
+                     --resume {}`)",
+                    checkpoint.display(),
+                    run.display()
                 );
             }
             TrainEvent::Finished {

@@ -250,12 +250,48 @@ pub fn with_module_ranks(mut base: LoraConfig, ranks: &[[Option<usize>; 7]]) -> 
 
 /// The adapter settings of a run: `cfg.lora_config()` with the ranks of `cfg.rank_scaling` on
 /// `spec`'s modules (`model_path`: the base model's file or folder).
+///
+/// A `rank_pattern` key that names none of the adapted modules is refused (it would change
+/// nothing), and so is an adapter with more parameters than the modules it adapts (a rank above
+/// `in·out / (in + out)` on average adds parameters, not expressiveness; a huge rank would
+/// otherwise end in an allocation failure).
 pub fn lora_config(cfg: &TrainConfig, spec: &ModelSpec, model_path: &Path) -> Result<LoraConfig> {
     let base = cfg.lora_config()?;
-    Ok(match module_ranks(cfg, spec, &base.targets, model_path)? {
+    let modules: Vec<(usize, Target)> = (0..spec.n_layers)
+        .flat_map(|l| base.targets.iter().map(move |&t| (l, t)))
+        .filter(|&(l, t)| t.dims(spec, l).is_some())
+        .collect();
+    for key in cfg.rank_pattern.keys() {
+        let matches = |name: &str| name == key || name.ends_with(&format!(".{key}"));
+        if !modules.iter().any(|&(l, t)| matches(&module_name(l, t))) {
+            let example = modules.first().map(|&(l, t)| module_name(l, t));
+            bail!(
+                "rank_pattern key {key:?} names none of the adapted modules (a key is a module's \
+                 name or a dot-separated end of it, as PEFT matches it, e.g. {:?} or {:?})",
+                example.as_deref().unwrap_or("q_proj"),
+                base.targets.first().map_or("q_proj", |t| t.module())
+            );
+        }
+    }
+    let config = match module_ranks(cfg, spec, &base.targets, model_path)? {
         Some(ranks) => with_module_ranks(base, &ranks),
         None => base,
-    })
+    };
+    let (mut adapter, mut adapted) = (0u128, 0u128);
+    for &(l, t) in &modules {
+        let (i, o) = t.dims(spec, l).unwrap_or_default();
+        adapter += config.resolve(l, t).0 as u128 * (i + o) as u128;
+        adapted += (i * o) as u128;
+    }
+    if adapter > adapted {
+        bail!(
+            "rank {}: the adapter would hold {adapter} parameters, more than the {adapted} of the \
+             modules it adapts; a rank above in·out / (in + out) of a module adds parameters \
+             and nothing it can express (ranks of 8 to 256 are usual)",
+            cfg.rank
+        );
+    }
+    Ok(config)
 }
 
 /// plan.toml's comment lines on the resolved ranks (none with `rank_scaling = "none"`): one

@@ -714,6 +714,13 @@ pub fn train_with(
             .ceil()
             .max(1.0) as usize
     };
+    if cfg.grad_accum > n {
+        eprintln!(
+            "note: grad_accum = {} is more than the {n} training examples: each step takes \
+             examples of more than one pass over the data",
+            cfg.grad_accum
+        );
+    }
     let data_hash = run_folder::items_hash(train_items);
     let base_hash = run_folder::base_fingerprint(&loaded.model_path)?;
     let optim = OptimOptions::from_config(cfg);
