@@ -281,6 +281,10 @@ pub struct TrainConfig {
     /// Validation examples used per evaluation; 0 = all.
     pub eval_limit: usize,
     pub save_every: usize,
+    /// Keep only this many step checkpoints (`checkpoint-NNNNNN`), the newest, deleting older
+    /// ones as new ones are written (TRL's `save_total_limit`); 0 keeps them all. `best/` and
+    /// `adapter/` are not counted.
+    pub save_total_limit: usize,
     /// Start from this PEFT adapter's weights (optimiser and schedule start fresh).
     pub warm_start: Option<String>,
     /// CUDA: the two-kernel attention backward, bit-reproducible from run to run (about 2.3×
@@ -379,6 +383,7 @@ impl Default for TrainConfig {
             eval_every: 50,
             eval_limit: 0,
             save_every: 100,
+            save_total_limit: 0,
             warm_start: None,
             deterministic_attention: false,
             gemm_tuning: true,

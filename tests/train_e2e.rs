@@ -372,6 +372,45 @@ fn resuming_an_earlier_checkpoint_in_place_drops_the_later_steps_only_when_told(
     let _ = std::fs::remove_dir_all(&other);
 }
 
+/// `save_total_limit` keeps the newest checkpoints only, and a run resumed from the newest
+/// ends as the uninterrupted one.
+#[test]
+fn save_total_limit_keeps_the_newest_checkpoints() {
+    let loaded = tiny_loaded();
+    let v = loaded.model.spec.vocab;
+    let items = pair_items(16, 3, v);
+    let dir = out_dir("limit");
+    let mut c = cfg(&dir, 12);
+    c.save_every = 2;
+    c.save_total_limit = 2;
+    c.steps = 7;
+    run(&c, None, &loaded, &items, &[]);
+    let names = |d: &Path| -> Vec<String> {
+        let mut n: Vec<String> = std::fs::read_dir(d)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().to_string())
+            .filter(|n| n.starts_with("checkpoint-") || n.starts_with(".tmp"))
+            .collect();
+        n.sort();
+        n
+    };
+    assert_eq!(names(&dir), ["checkpoint-000006", "checkpoint-000007"]);
+    c.steps = 12;
+    let resumed = run(&c, Some(&dir), &loaded, &items, &[]);
+    assert_eq!(names(&dir), ["checkpoint-000010", "checkpoint-000012"]);
+    let whole_dir = out_dir("limit-whole");
+    let mut w = cfg(&whole_dir, 12);
+    w.save_every = 2;
+    w.steps = 7;
+    run(&w, None, &loaded, &items, &[]);
+    w.steps = 12;
+    let whole = run(&w, Some(&whole_dir), &loaded, &items, &[]);
+    assert_eq!(resumed.losses, whole.losses);
+    assert_eq!(names(&whole_dir).len(), 7);
+    let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_dir_all(&whole_dir);
+}
+
 // ---------------------------------------------------------------------------------------------
 // 3. Gradient accumulation equals the summed batch, and the averaged update equals AdamW on the
 //    mean gradient

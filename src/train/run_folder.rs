@@ -84,6 +84,12 @@ fn is_run_output(name: &str) -> bool {
 /// checkpoint. Leftovers of a write that a kill interrupted (`.tmp-*`, `plots/*.tmp`) are
 /// removed.
 pub fn prepare(out_dir: &Path, resume: Option<&Path>, overwrite: bool) -> Result<()> {
+    if out_dir.exists() && !out_dir.is_dir() {
+        bail!(
+            "output {}: a file is there; the output is a folder (name another)",
+            out_dir.display()
+        );
+    }
     std::fs::create_dir_all(out_dir).with_context(|| format!("creating {}", out_dir.display()))?;
     let mut outputs = Vec::new();
     for entry in
@@ -114,15 +120,17 @@ pub fn prepare(out_dir: &Path, resume: Option<&Path>, overwrite: bool) -> Result
                 out_dir.display()
             ),
         };
+        let names: Vec<&str> = (outputs.iter())
+            .map(|(n, _)| n.as_str())
+            .filter(|n| !n.starts_with('.'))
+            .collect();
+        let mut listed = names.iter().take(8).copied().collect::<Vec<_>>().join(", ");
+        if names.len() > 8 {
+            listed.push_str(&format!(" and {} more", names.len() - 8));
+        }
         bail!(
-            "output {} already holds a run ({}); {continue_it}",
-            out_dir.display(),
-            outputs
-                .iter()
-                .map(|(n, _)| n.as_str())
-                .filter(|n| !n.starts_with('.'))
-                .collect::<Vec<_>>()
-                .join(", "),
+            "output {} already holds a run ({listed}); {continue_it}",
+            out_dir.display()
         );
     }
     // What the folder's run wrote after the checkpoint it resumes from.
@@ -182,6 +190,35 @@ pub fn prepare(out_dir: &Path, resume: Option<&Path>, overwrite: bool) -> Result
             };
             removed.with_context(|| format!("removing {}", path.display()))?;
         }
+    }
+    Ok(())
+}
+
+/// Deletes the oldest step checkpoints of `out_dir` beyond the newest `keep` (0: none
+/// deleted). Each is renamed to a `.tmp-` name first, so a kill midway leaves a whole
+/// checkpoint or a leftover that the next `prepare` removes, never a checkpoint a resume could
+/// take that lacks part of itself.
+pub fn prune_checkpoints(out_dir: &Path, keep: usize) -> Result<()> {
+    if keep == 0 {
+        return Ok(());
+    }
+    let mut steps: Vec<(usize, PathBuf)> = std::fs::read_dir(out_dir)
+        .with_context(|| format!("reading {}", out_dir.display()))?
+        .flatten()
+        .filter_map(|e| {
+            let name = e.file_name().to_string_lossy().to_string();
+            let step = name.strip_prefix("checkpoint-")?.parse::<usize>().ok()?;
+            Some((step, e.path()))
+        })
+        .collect();
+    steps.sort();
+    let old = steps.len().saturating_sub(keep);
+    for (step, path) in steps.into_iter().take(old) {
+        let doomed = out_dir.join(format!(".tmp-deleting-{}", checkpoint_name(step)));
+        std::fs::rename(&path, &doomed)
+            .with_context(|| format!("moving {} aside to delete it", path.display()))?;
+        std::fs::remove_dir_all(&doomed)
+            .with_context(|| format!("deleting {}", doomed.display()))?;
     }
     Ok(())
 }

@@ -907,6 +907,7 @@ pub fn train_with(
         if events.stop_requested() {
             let dir = out_dir.join(run_folder::checkpoint_name(state.step));
             save(&dir, &lora, &adam, &state)?;
+            run_folder::prune_checkpoints(&out_dir, cfg.save_total_limit)?;
             events.event(&TrainEvent::Checkpoint {
                 step: state.step,
                 path: &dir,
@@ -1166,6 +1167,7 @@ pub fn train_with(
         if cfg.save_every > 0 && state.step.is_multiple_of(cfg.save_every) && !last {
             let dir = out_dir.join(run_folder::checkpoint_name(state.step));
             save(&dir, &lora, &adam, &state)?;
+            run_folder::prune_checkpoints(&out_dir, cfg.save_total_limit)?;
             events.event(&TrainEvent::Checkpoint {
                 step: state.step,
                 path: &dir,
@@ -1178,6 +1180,7 @@ pub fn train_with(
     lora.save_peft(&adapter_dir, &loaded.model_path.display().to_string())?;
     let dir = out_dir.join(run_folder::checkpoint_name(state.step));
     save(&dir, &lora, &adam, &state)?;
+    run_folder::prune_checkpoints(&out_dir, cfg.save_total_limit)?;
     events.event(&TrainEvent::Checkpoint {
         step: state.step,
         path: &dir,
