@@ -74,6 +74,20 @@ def main():
     schema = pa.schema([("prompt", pa.string()), ("chosen", pa.string()), ("rejected", pa.string())])
     write("bad_rows.parquet", bad, "snappy", schema)
     write("bad_types.parquet", [{"prompt": "What is 2+2?", "chosen": 4, "rejected": " 5"}], "snappy")
+    # A NaN weight (JSON has no NaN: it must be a row error, not the default weight) and a
+    # decimal weight column (a number, as pandas writes decimal.Decimal values).
+    weighted = [
+        {"prompt": "What is 2+2?", "chosen": " 4", "rejected": " 5", "weight": 2.0},
+        {"prompt": "What is 2+3?", "chosen": " 5", "rejected": " 6", "weight": float("nan")},
+    ]
+    schema = pa.schema([("prompt", pa.string()), ("chosen", pa.string()), ("rejected", pa.string()), ("weight", pa.float64())])
+    write("nan_weight.parquet", weighted, "snappy", schema)
+    import decimal
+    dec = [
+        {"prompt": "What is 2+2?", "chosen": " 4", "rejected": " 5", "weight": decimal.Decimal("2.50")},
+    ]
+    schema = pa.schema([("prompt", pa.string()), ("chosen", pa.string()), ("rejected", pa.string()), ("weight", pa.decimal128(5, 2))])
+    write("decimal_weight.parquet", dec, "snappy", schema)
 
 
 if __name__ == "__main__":

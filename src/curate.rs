@@ -518,7 +518,10 @@ fn same_file(a: &Path, b: &Path) -> bool {
             Some(f) if !f.as_os_str().is_empty() => f,
             _ => Path::new("."),
         };
-        (folder.canonicalize().ok(), p.file_name().map(|n| n.to_owned()))
+        (
+            folder.canonicalize().ok(),
+            p.file_name().map(|n| n.to_owned()),
+        )
     };
     match (a.canonicalize(), b.canonicalize()) {
         (Ok(x), Ok(y)) => x == y,

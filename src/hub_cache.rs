@@ -120,7 +120,14 @@ pub fn dataset_hint(spec: &str, cache: Option<&Path>) -> Option<String> {
         collect_dataset_files(dir, dir, 4, &mut found);
     }
     found.sort();
-    let Some(first) = found.first() else {
+    // The example pattern names a training split where there is one (sorted by name, `test`
+    // comes before `train`).
+    let is_train = |f: &&PathBuf| {
+        f.file_name()
+            .and_then(|n| n.to_str())
+            .is_some_and(|n| n.starts_with("train"))
+    };
+    let Some(first) = found.iter().find(is_train).or(found.first()) else {
         return Some(format!(
             "lorafit reads local files and does not download datasets; download {spec} first \
              (for example `huggingface-cli download {spec} --repo-type dataset --local-dir \
@@ -245,7 +252,7 @@ mod tests {
             hint.contains(&format!(
                 "under {}: abc/data/test_prefs-00000-of-00001.parquet, \
                  abc/data/train_prefs-00000-of-00001.parquet. Name one split's files, as \
-                 --data '{}/abc/data/test_prefs-*'",
+                 --data '{}/abc/data/train_prefs-*'",
                 root.display(),
                 root.display()
             )),

@@ -847,10 +847,7 @@ fn run_train(a: TrainArgs) -> Result<()> {
             let checkpoint = lorafit::train::run_folder::find_checkpoint(r)?;
             let settings = checkpoint.join(lorafit::train::run_folder::RUN_SETTINGS);
             if settings.is_file() {
-                eprintln!(
-                    "settings from {} (flags over them)",
-                    settings.display()
-                );
+                eprintln!("settings from {} (flags over them)", settings.display());
                 TrainConfig::from_toml_file(&settings)?
             } else {
                 TrainConfig::default()

@@ -81,7 +81,7 @@ fn cases() -> Vec<Case> {
         jsonl("prompt-object", P, r#"{"prompt":{"x":1},"chosen":"a","rejected":"b"}"#, E(Some(":1:"), Some("prompt"), "found an object")),
         jsonl("empty-chosen", P, r#"{"prompt":"p","chosen":"  ","rejected":"b"}"#, E(Some(":1:"), Some("chosen"), "empty response")),
         jsonl("empty-rejected", P, r#"{"prompt":"p","chosen":"a","rejected":""}"#, E(Some(":1:"), Some("rejected"), "empty response")),
-        jsonl("weight-negative", P, &format!("{GOOD}\n{}", r#"{"prompt":"p","chosen":"a","rejected":"b","weight":-0.5}"#), E(Some(":2:"), Some("weight"), "-0.5: expected a finite number >= 0")),
+        jsonl("weight-negative", P, &format!("{GOOD}\n{}", r#"{"prompt":"p","chosen":"a","rejected":"b","weight":-0.5}"#), E(Some(":2:"), Some("weight"), "-0.5: expected a number in [0, 1e6]")),
         jsonl("weight-string", P, r#"{"prompt":"p","chosen":"a","rejected":"b","weight":"2"}"#, E(Some(":1:"), Some("weight"), "found a string")),
         jsonl("weight-list", P, r#"{"prompt":"p","chosen":"a","rejected":"b","weight":[1]}"#, E(Some(":1:"), Some("weight"), "found a list")),
         jsonl("empty-prompt", P, r#"{"prompt":"","chosen":"a","rejected":"b"}"#, E(Some(":1:"), Some("prompt"), "empty prompt")),
@@ -200,7 +200,7 @@ fn cases() -> Vec<Case> {
         jsonl("unclosed-quote.csv", P, "prompt,chosen,rejected\nq,a,b\nq,\"a,b\nr,s,t\n", E(Some(":3:"), None, "never closed")),
         jsonl("empty-prompt.csv", P, "prompt,chosen,rejected\n,a,b\n", E(Some(":2:"), Some("prompt"), "empty prompt")),
         jsonl("bad-weight.csv", P, "prompt,chosen,rejected,weight\nq,a,b,heavy\n", E(Some(":2:"), Some("weight"), "found a string")),
-        jsonl("negative-weight.tsv", P, "prompt\tchosen\trejected\tweight\nq\ta\tb\t-1\n", E(Some(":2:"), Some("weight"), "expected a finite number >= 0")),
+        jsonl("negative-weight.tsv", P, "prompt\tchosen\trejected\tweight\nq\ta\tb\t-1\n", E(Some(":2:"), Some("weight"), "expected a number in [0, 1e6]")),
         jsonl("no-header.csv", P, "", E(None, None, "no header row")),
         jsonl("cut-array.json", P, &format!("[{GOOD},\n{{\"prompt\":"), E(Some(":2:"), None, "does not parse as JSON")),
         jsonl("array-bad-row.json", P, &format!("[{GOOD}, {{\"prompt\":\"p\",\"chosen\":\"a\"}}]"), E(Some(": row 2:"), Some("rejected"), "missing")),
@@ -229,6 +229,41 @@ fn cases() -> Vec<Case> {
             template: None,
             vocab: None,
             expect: E(None, None, "reading"),
+        },
+        jsonl("weight-huge", P, &format!("{GOOD}\n{}", r#"{"prompt":"p","chosen":"a","rejected":"b","weight":1e308}"#), E(Some(":2:"), Some("weight"), "expected a number in [0, 1e6]")),
+        jsonl("h4-first-turns-differ", P, r#"{"prompt":"hi","chosen":[{"role":"user","content":"hi"},{"role":"assistant","content":"x"}],"rejected":[{"role":"user","content":"bye"},{"role":"assistant","content":"y"}]}"#, E(Some(":1:"), Some("prompt"), "their first turns differ")),
+        Case {
+            name: "nan-weight.parquet",
+            content: std::fs::read(common::fixture("data/nan_weight.parquet")).unwrap(),
+            kind: P,
+            template: None,
+            vocab: None,
+            expect: E(Some("row 2"), Some("weight"), "NaN, where a finite number is expected"),
+        },
+        Case {
+            name: "utf16.jsonl",
+            content: {
+                let mut b = vec![0xff, 0xfe];
+                b.extend(GOOD.encode_utf16().flat_map(|u| u.to_le_bytes()));
+                b
+            },
+            kind: P,
+            template: None,
+            vocab: None,
+            expect: E(None, None, "the file is UTF-16LE text"),
+        },
+        Case {
+            name: "h4.parquet.gz",
+            content: {
+                let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+                let parquet = std::fs::read(common::fixture("data/h4_snappy.parquet")).unwrap();
+                std::io::Write::write_all(&mut gz, &parquet).unwrap();
+                gz.finish().unwrap()
+            },
+            kind: P,
+            template: None,
+            vocab: None,
+            expect: E(None, None, "a compressed Parquet file"),
         },
         jsonl("warn-chosen-equals-rejected", P, r#"{"prompt":"What is 2+2?","chosen":" 4","rejected":" 4"}"#, W(|r| r.identical_responses)),
         jsonl("warn-duplicate", P, &format!("{GOOD}\n{GOOD}\n"), W(|r| r.duplicates)),

@@ -471,12 +471,20 @@ fn one_file_for_both_outputs_is_refused_before_anything_is_written() {
     std::fs::create_dir_all(&dir).unwrap();
     let input = dir.join("in.jsonl");
     let rows: String = (0..10)
-        .map(|i| format!("{}\n", bin(&format!("Question {i}?"), "Yes.", "No.", 8.0, 2.0)))
+        .map(|i| {
+            format!(
+                "{}\n",
+                bin(&format!("Question {i}?"), "Yes.", "No.", 8.0, 2.0)
+            )
+        })
         .collect();
     std::fs::write(&input, rows).unwrap();
     let out = dir.join("out.jsonl");
     // The same file named two ways: as given, and through its folder's `..`.
-    let again = dir.join("..").join(dir.file_name().unwrap()).join("out.jsonl");
+    let again = dir
+        .join("..")
+        .join(dir.file_name().unwrap())
+        .join("out.jsonl");
     let opts = CurateOptions {
         valid_fraction: 0.2,
         ..CurateOptions::default()

@@ -275,10 +275,7 @@ fn a_resume_without_settings_continues_with_the_checkpoints() {
     assert!(err.contains("settings from "), "{err}");
     assert!(!err.contains("note: resumed with"), "{err}");
     let (a, b) = (deterministic_files(&full), deterministic_files(&bare));
-    assert_eq!(
-        a.keys().collect::<Vec<_>>(),
-        b.keys().collect::<Vec<_>>()
-    );
+    assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
     for (name, bytes) in &a {
         // plan.toml and run.toml name their own output folder.
         if name.ends_with(".toml") {
@@ -323,19 +320,33 @@ fn ctrl_c_stops_with_a_checkpoint_and_the_resume_is_exact() {
     let metrics = cut.join("metrics.jsonl");
     let t0 = Instant::now();
     while std::fs::read_to_string(&metrics).map_or(0, |t| t.lines().count()) < 20 {
-        assert!(t0.elapsed().as_secs() < 120, "the run never reached step 20");
+        assert!(
+            t0.elapsed().as_secs() < 120,
+            "the run never reached step 20"
+        );
         std::thread::sleep(std::time::Duration::from_millis(5));
     }
     let pid = child.id().to_string();
-    assert!(Command::new("kill").args(["-INT", &pid]).status().unwrap().success());
+    assert!(Command::new("kill")
+        .args(["-INT", &pid])
+        .status()
+        .unwrap()
+        .success());
     let o = child.wait_with_output().unwrap();
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(130), "{err}");
     assert!(err.contains("stopped at step"), "{err}");
     let stopped_at = std::fs::read_to_string(&metrics).unwrap().lines().count();
-    assert!(stopped_at < 400, "the run ended before the interrupt reached it");
+    assert!(
+        stopped_at < 400,
+        "the run ended before the interrupt reached it"
+    );
     assert!(has_checkpoint(&cut));
-    run_to_end(&setup, &cut, &[&long[..], &["--resume", cut.to_str().unwrap()]].concat());
+    run_to_end(
+        &setup,
+        &cut,
+        &[&long[..], &["--resume", cut.to_str().unwrap()]].concat(),
+    );
     let (a, b) = (deterministic_files(&whole), deterministic_files(&cut));
     for name in ["metrics.jsonl", "adapter/adapter_model.safetensors"] {
         assert!(a[name] == b[name], "{name} differs");

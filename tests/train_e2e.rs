@@ -348,10 +348,16 @@ fn resuming_an_earlier_checkpoint_in_place_drops_the_later_steps_only_when_told(
     // Another run's folder is refused as a resume's output.
     let mut c3 = c2.clone();
     c3.output = dir.display().to_string();
-    let e = train(&c3, Some(&other.join("checkpoint-000008")), &loaded, &items, &valid)
-        .err()
-        .expect("refused")
-        .to_string();
+    let e = train(
+        &c3,
+        Some(&other.join("checkpoint-000008")),
+        &loaded,
+        &items,
+        &valid,
+    )
+    .err()
+    .expect("refused")
+    .to_string();
     assert!(e.contains("already holds a run"), "{e}");
 
     let mut c4 = c2.clone();

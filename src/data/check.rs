@@ -272,6 +272,9 @@ impl fmt::Display for CheckReport {
             t.total_tokens,
             t.max_seq_tokens
         )?;
+        if self.load.blank_lines > 0 {
+            write!(f, "; {} blank lines passed over", self.load.blank_lines)?;
+        }
         write!(
             f,
             "\n  errors: {} ({} malformed rows, {} rows failing a check){}",
@@ -383,6 +386,12 @@ pub fn load_and_check(
                 let msg = format!("{at}: {e:#}");
                 if !opts.skip_bad {
                     anyhow::bail!(msg);
+                }
+                // The chat / text counts are of the rows used.
+                if ex.is_chat() {
+                    report.load.chat_rows -= 1;
+                } else {
+                    report.load.text_rows -= 1;
                 }
                 report.bad_rows.push(msg);
             }

@@ -515,20 +515,27 @@ pub fn parse_row(value: &Value, kind: DatasetKind, line: usize) -> Result<Exampl
     }
 }
 
-/// A preference row's optional `weight`: a finite number >= 0; absent (or null) is 1.
+/// The largest row weight: weights are relative, and one times a loss must stay finite in f32
+/// (a weight of 1e308 passed the load and ended the run at its step with an infinite loss).
+pub const MAX_WEIGHT: f64 = 1e6;
+
+/// A preference row's optional `weight`: a number in [0, `MAX_WEIGHT`]; absent (or null) is 1.
 fn parse_weight(obj: &Map<String, Value>) -> Result<RowWeight, RowError> {
     match obj.get("weight") {
         None | Some(Value::Null) => Ok(RowWeight::default()),
         Some(Value::Number(n)) => match n.as_f64() {
-            Some(w) if w.is_finite() && w >= 0.0 => Ok(RowWeight(w)),
+            Some(w) if w.is_finite() && (0.0..=MAX_WEIGHT).contains(&w) => Ok(RowWeight(w)),
             _ => Err(RowError::field(
                 "weight",
-                format!("{n}: expected a finite number >= 0"),
+                format!("{n}: expected a number in [0, {MAX_WEIGHT:e}]"),
             )),
         },
         Some(other) => Err(RowError::field(
             "weight",
-            format!("expected a finite number >= 0, found {}", json_type(other)),
+            format!(
+                "expected a number in [0, {MAX_WEIGHT:e}], found {}",
+                json_type(other)
+            ),
         )),
     }
 }
@@ -747,7 +754,19 @@ fn parse_preference(obj: &Map<String, Value>) -> Result<PreferenceData, RowError
                 // string and chosen/rejected are whole conversations that
                 // start with it.
                 check_text_prompt(&prompt)?;
-                let data = implicit_prompt(chosen, rejected)?;
+                let data = implicit_prompt(chosen, rejected).map_err(|e| {
+                    if e.field.as_deref() == Some("prompt") {
+                        RowError::field(
+                            "prompt",
+                            "a string while \"chosen\" and \"rejected\" are whole \
+                             conversations, and those share no leading messages (their first \
+                             turns differ; the H4 layout repeats the prompt as the first user \
+                             turn of both)",
+                        )
+                    } else {
+                        e
+                    }
+                })?;
                 if let PreferenceData::Chat { prompt: shared, .. } = &data {
                     let found = shared
                         .iter()

@@ -510,11 +510,13 @@ fn parquet_row_value(row: &parquet::record::Row) -> Result<Value, String> {
                 "field \"{column}\": {x}, where a finite number is expected"
             ));
         }
-        if let (Field::Decimal(_), Some(Value::String(text))) =
-            (field, value.get(column.as_str()))
+        if let (Field::Decimal(_), Some(Value::String(text))) = (field, value.get(column.as_str()))
         {
             if column == "weight" {
-                let number = text.parse::<f64>().ok().and_then(serde_json::Number::from_f64);
+                let number = text
+                    .parse::<f64>()
+                    .ok()
+                    .and_then(serde_json::Number::from_f64);
                 if let Some(n) = number {
                     value[column.as_str()] = Value::Number(n);
                 }
@@ -775,10 +777,31 @@ mod tests {
             got,
             vec![
                 (2, json!({"prompt": "a", "chosen": "b", "rejected": "c"})),
-                (3, json!({"prompt": "two\rlines", "chosen": "e", "rejected": "f"})),
+                (
+                    3,
+                    json!({"prompt": "two\rlines", "chosen": "e", "rejected": "f"})
+                ),
                 (5, json!({"prompt": "g", "chosen": "h", "rejected": "i"})),
             ]
         );
+    }
+
+    /// The bytes decide a file's format where they can: JSONL named `.parquet` is read as JSONL;
+    /// a decimal Parquet weight is the number it is.
+    #[test]
+    fn content_over_name_and_decimal_weights() {
+        let d = tmp("named");
+        let p = write(
+            &d,
+            "rows.parquet",
+            b"{\"prompt\":\"q\",\"chosen\":\"a\",\"rejected\":\"b\"}\n",
+        );
+        let (rows, numbered, _) = all(&p);
+        assert!(!numbered);
+        assert_eq!(rows[0].1.as_ref().unwrap()["chosen"], json!("a"));
+        let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/data");
+        let (rows, _, _) = all(&fixture.join("decimal_weight.parquet"));
+        assert_eq!(rows[0].1.as_ref().unwrap()["weight"], json!(2.5));
     }
 
     #[test]

@@ -261,7 +261,7 @@ impl TokenRules {
         match self {
             TokenRules::Separate => "separate",
             TokenRules::TrlOrpo => "trl (ORPOTrainer)",
-            TokenRules::TrlDpo => "trl (DPOTrainer)",
+            TokenRules::TrlDpo => "trl (DPOTrainer, SFTTrainer)",
         }
     }
 }

@@ -13,7 +13,7 @@ use crate::model::Lora;
 use crate::plot::Canvas;
 use crate::tensor::Device;
 use crate::train::trainer;
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
@@ -233,6 +233,15 @@ pub fn run(
     progress: &mut dyn FnMut(&EvalProgress<'_>) -> Result<()>,
 ) -> Result<EvalOutcome> {
     opts.validate()?;
+    // Where the results go is checked before the scoring, not after it.
+    for p in opts.out.iter().chain(&opts.report) {
+        if p.is_dir() {
+            bail!("{}: a folder; name the file to write", p.display());
+        }
+        if let Some(dir) = p.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        }
+    }
     let cfg = opts.train_config()?;
     let device = Device::parse(&cfg.device)?;
     let loaded = trainer::load_configured(&cfg, &device)?;

@@ -69,7 +69,9 @@ pub fn stop_on_interrupt() -> Result<()> {
         .context("starting the Ctrl-C handler")?;
     // Registered here, before training starts, not when the thread gets to it.
     let first = runtime
-        .block_on(async { tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt()) })
+        .block_on(async {
+            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())
+        })
         .context("listening for Ctrl-C")?;
     std::thread::spawn(move || {
         let mut signal = first;

@@ -455,7 +455,15 @@ pub fn check_resume(
 pub fn changed_settings(saved: &TrainConfig, now: &TrainConfig) -> Result<Vec<String>> {
     let table = |c: &TrainConfig| -> Result<toml::Table> { Ok(toml::from_str(&c.to_toml()?)?) };
     let (a, b) = (table(saved)?, table(now)?);
-    let quiet = ["output", "steps", "epochs", "warmup_steps", "overwrite", "data", "valid"];
+    let quiet = [
+        "output",
+        "steps",
+        "epochs",
+        "warmup_steps",
+        "overwrite",
+        "data",
+        "valid",
+    ];
     let show = |v: Option<&toml::Value>| v.map_or("unset".to_string(), |v| v.to_string());
     let mut keys: Vec<&String> = a.keys().chain(b.keys()).collect();
     keys.sort();
