@@ -428,6 +428,9 @@ fn by_kl_ranks_come_from_the_kl_file_and_resume_keeps_them() {
     // Resuming with the same file continues; with a file that gives other ranks it is refused,
     // naming the modules.
     let checkpoint = run.join("checkpoint-000002");
+    // An earlier checkpoint of the folder: the run's later steps give way to the resumed ones.
+    let mut c = c.clone();
+    c.overwrite = true;
     train(&c, Some(&checkpoint), &l, &items, &[]).unwrap();
     write_kl_file(&kl, &[0.4, 0.1]);
     let e = format!(
