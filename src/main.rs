@@ -120,9 +120,13 @@ struct ExportArgs {
     /// PEFT adapter folder (a run's adapter/, best/ or checkpoint).
     #[arg(long)]
     adapter: PathBuf,
-    /// Folder for the artefacts: merged-hf/, adapter.gguf, merged.gguf.
+    /// Folder for the artefacts: merged-hf/, adapter.gguf, merged.gguf (and check.json,
+    /// check.safetensors). A folder holding an earlier export is refused unless --overwrite.
     #[arg(long)]
     output: PathBuf,
+    /// Delete an earlier export's artefacts in --output (those names alone) before writing.
+    #[arg(long)]
+    overwrite: bool,
     /// What to write (repeatable); default: hf and gguf-adapter, and merged-gguf for a GGUF base.
     #[arg(long = "format", value_enum)]
     formats: Vec<lorafit::export::Format>,
@@ -171,6 +175,9 @@ fn run_curate(a: CurateArgs) -> Result<()> {
 }
 
 fn run_export(a: ExportArgs) -> Result<()> {
+    if !a.overwrite {
+        lorafit::export::refuse_earlier_export(&a.output)?;
+    }
     let plan = lorafit::export::ExportPlan {
         model: trainer::resolve_model_path(&a.model)?,
         adapter: a.adapter,
