@@ -1,6 +1,7 @@
 //! Bad model input gives an error that names the file and the tensor, never a panic: a missing
 //! folder, an unknown architecture, a shape that disagrees with config.json, a truncated
-//! safetensors file, a missing tensor.
+//! safetensors file, a missing tensor. And the CLI refuses, saying why, what it would otherwise
+//! do wrongly in silence: a chat template file that is no template.
 
 mod common;
 use lorafit::tensor::Device;
@@ -383,9 +384,10 @@ fn gemma4_config_errors_name_their_field() {
     }
 }
 
-/// A `chat_template` file that cannot be read or compiled is an error naming the setting and the
-/// file wherever a command takes one: loading a model for a run (train, eval, generate, chat,
-/// kl), curate, and export (before anything is written).
+/// A `chat_template` file that cannot be read or compiled, or that is no chat template (a
+/// dataset compiles as Jinja but never shows the messages), is an error naming the setting and
+/// the file wherever a command takes one: loading a model for a run (train, eval, generate,
+/// chat, kl), curate, and export (before anything is written).
 #[test]
 fn chat_template_files_that_cannot_be_used_are_named() {
     let d = scratch("template");
@@ -394,7 +396,30 @@ fn chat_template_files_that_cannot_be_used_are_named() {
     let broken = d.join("broken.jinja");
     std::fs::write(&broken, "{% for m in messages %}").unwrap();
     let broken = broken.display().to_string();
-    for t in [&missing, &broken] {
+    let data = d.join("data.jsonl");
+    std::fs::write(
+        &data,
+        r#"{"prompt": "w5 w6", "chosen": "w9", "rejected": "w200"}"#,
+    )
+    .unwrap();
+    let data = data.display().to_string();
+    let tiny = common::tiny_run::model_folder(&d);
+    let (ok, err) = lorafit(
+        &[
+            "generate".as_ref(),
+            "--model".as_ref(),
+            tiny.as_os_str(),
+            "--chat-template".as_ref(),
+            data.as_ref(),
+            "w5".as_ref(),
+        ],
+        "",
+    );
+    assert!(
+        !ok && err.contains(data.as_str()) && err.contains("never shows the messages"),
+        "{err}"
+    );
+    for t in [&missing, &broken, &data] {
         // The fixture folder has no tokenizer; a GGUF with one stands in for the run's model.
         let gguf = common::fixture("gguf/spm_prefix.gguf");
         let e = lorafit::curate::curate_file(
@@ -429,4 +454,27 @@ fn chat_template_files_that_cannot_be_used_are_named() {
         assert!(e.contains("chat_template") && e.contains(t.as_str()), "{e}");
         assert!(!out.exists(), "nothing is written");
     }
+}
+
+/// `lorafit` run with `args`: whether it succeeded, and its stderr.
+fn lorafit(args: &[&std::ffi::OsStr], stdin: &str) -> (bool, String) {
+    use std::io::Write;
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_lorafit"))
+        .args(args)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(stdin.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
 }
