@@ -403,8 +403,8 @@ struct GenerateArgs {
     /// A system message before the prompt.
     #[arg(long)]
     system: Option<String>,
-    /// Use the prompt as raw text (no chat template).
-    #[arg(long)]
+    /// Use the prompt as raw text (no chat template, so neither --system nor --chat-template).
+    #[arg(long, conflicts_with_all = ["system", "chat_template"])]
     raw: bool,
     /// Check the KV cache on this device: along the greedy path of the whole-sequence forward,
     /// each step's cached next-token logits against the uncached ones (relative norm within
@@ -510,6 +510,9 @@ struct ChatArgs {
 fn run_generate(a: GenerateArgs) -> Result<()> {
     use lorafit::data::Message;
     use std::io::Write;
+    if a.check_uncached && a.decode.max_new_tokens == 0 {
+        bail!("--check-uncached compares generated tokens: --max-new-tokens must be at least 1");
+    }
     let (loaded, lora) = a.decode.load()?;
     let tok = &loaded.tokenizer;
     let ids = if a.raw {

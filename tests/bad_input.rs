@@ -1,7 +1,8 @@
 //! Bad model input gives an error that names the file and the tensor, never a panic: a missing
 //! folder, an unknown architecture, a shape that disagrees with config.json, a truncated
 //! safetensors file, a missing tensor. And the CLI refuses, saying why, what it would otherwise
-//! do wrongly in silence: a chat template file that is no template.
+//! do wrongly in silence: flags `generate` would ignore, a chat template file that is no
+//! template.
 
 mod common;
 use lorafit::tensor::Device;
@@ -477,4 +478,50 @@ fn lorafit(args: &[&std::ffi::OsStr], stdin: &str) -> (bool, String) {
         out.status.success(),
         String::from_utf8_lossy(&out.stderr).into_owned(),
     )
+}
+
+/// Flags `generate` would drop or a check that would check nothing are refused: `--raw` with
+/// `--system` or `--chat-template` (raw text has no template to put them in), and
+/// `--check-uncached` with `--max-new-tokens 0`.
+#[test]
+fn generate_refuses_flags_it_would_ignore() {
+    let d = scratch("generate-flags");
+    let model = common::tiny_run::model_folder(&d);
+    let template = d.join("plain.jinja");
+    std::fs::write(
+        &template,
+        "{% for m in messages %}{{ m['content'] }} {% endfor %}",
+    )
+    .unwrap();
+    let generate = |extra: &[&str]| {
+        let mut args: Vec<&std::ffi::OsStr> = vec!["generate".as_ref(), "--model".as_ref()];
+        args.push(model.as_os_str());
+        args.extend(extra.iter().map(std::ffi::OsStr::new));
+        args.push("w5 w6".as_ref());
+        lorafit(&args, "")
+    };
+    let (ok, err) = generate(&["--raw", "--system", "Be brief."]);
+    assert!(
+        !ok && err.contains("--raw") && err.contains("--system"),
+        "{err}"
+    );
+    let (ok, err) = generate(&["--raw", "--chat-template", template.to_str().unwrap()]);
+    assert!(
+        !ok && err.contains("--raw") && err.contains("--chat-template"),
+        "{err}"
+    );
+    let (ok, err) = generate(&["--check-uncached", "--max-new-tokens", "0"]);
+    assert!(
+        !ok && err.contains("--check-uncached") && err.contains("--max-new-tokens"),
+        "{err}"
+    );
+    // Each alone is fine.
+    for extra in [
+        &["--raw", "--max-new-tokens", "1"][..],
+        &["--system", "w7", "--max-new-tokens", "1"],
+        &["--check-uncached", "--max-new-tokens", "1"],
+    ] {
+        let (ok, err) = generate(extra);
+        assert!(ok, "{extra:?}: {err}");
+    }
 }
