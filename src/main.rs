@@ -523,9 +523,28 @@ fn run_generate(a: GenerateArgs) -> Result<()> {
         lorafit::infer::chat_prompt_ids(tok, loaded.template.as_ref(), &messages)?
     };
     let stops = lorafit::infer::default_stop_tokens(tok, loaded.template.as_ref(), &loaded.model);
+    let room = lorafit::infer::reply_room(&loaded.model, ids.len())?;
+    let context = lorafit::infer::context_length(&loaded.model);
     if a.check_uncached {
+        anyhow::ensure!(
+            room > 0,
+            "the prompt's {} tokens fill the model's context of {context}: no token is left to check",
+            ids.len()
+        );
+        if a.decode.max_new_tokens > room {
+            eprintln!(
+                "checking {room} steps, not {}: the prompt's {} tokens and {room} more fill the \
+                 model's context of {context}",
+                a.decode.max_new_tokens,
+                ids.len()
+            );
+        }
+        let steps = DecodeArgs {
+            max_new_tokens: a.decode.max_new_tokens.min(room),
+            ..a.decode.clone()
+        };
         return check_uncached(
-            &a.decode,
+            &steps,
             !a.no_f32_reference,
             &loaded,
             lora.as_ref(),
@@ -547,6 +566,14 @@ fn run_generate(a: GenerateArgs) -> Result<()> {
         },
     )?;
     println!();
+    let out = &report.outputs[0];
+    if out.stop == lorafit::infer::StopReason::Context {
+        eprintln!(
+            "(stopped at the model's context: the prompt's {} tokens and the reply's {} fill its {context})",
+            report.stats.prompt_tokens,
+            out.tokens.len()
+        );
+    }
     eprintln!("{}", report.stats.summary());
     Ok(())
 }
@@ -601,11 +628,24 @@ fn run_chat(a: ChatArgs) -> Result<()> {
             }
             _ => {}
         }
-        let (_, stats) = session.reply(line, &mut |delta| {
+        let replied = session.reply(line, &mut |delta| {
             let _ = write!(stdout, "{delta}");
             let _ = stdout.flush();
-        })?;
+        });
+        let (reply, stats) = match replied {
+            Err(e) if e.is::<lorafit::infer::PromptTooLong>() => {
+                eprintln!("(the conversation with this message: {e}; /reset starts a new one)");
+                continue;
+            }
+            other => other?,
+        };
         println!();
+        if reply.stop == lorafit::infer::StopReason::Context {
+            eprintln!(
+                "(stopped at the model's context of {} tokens; /reset starts a new conversation)",
+                lorafit::infer::context_length(&loaded.model)
+            );
+        }
         eprintln!("[{}]", stats.summary());
     }
     Ok(())

@@ -1,8 +1,8 @@
 //! Bad model input gives an error that names the file and the tensor, never a panic: a missing
 //! folder, an unknown architecture, a shape that disagrees with config.json, a truncated
 //! safetensors file, a missing tensor. And the CLI refuses, saying why, what it would otherwise
-//! do wrongly in silence: flags `generate` would ignore, a chat template file that is no
-//! template.
+//! do wrongly in silence: flags `generate` would ignore, a prompt past the model's context, a
+//! chat template file that is no template.
 
 mod common;
 use lorafit::tensor::Device;
@@ -524,4 +524,46 @@ fn generate_refuses_flags_it_would_ignore() {
         let (ok, err) = generate(extra);
         assert!(ok, "{extra:?}: {err}");
     }
+}
+
+/// A prompt longer than the model's context (the tiny model's 64 positions) is refused with both
+/// numbers, by `generate` and by a `chat` turn, after which the chat goes on.
+#[test]
+fn prompts_past_the_context_are_refused() {
+    let d = scratch("context");
+    let model = common::tiny_run::model_folder(&d);
+    let long: String = (0..70).map(|i| format!("w{} ", 2 + i)).collect();
+    let (ok, err) = lorafit(
+        &[
+            "generate".as_ref(),
+            "--model".as_ref(),
+            model.as_os_str(),
+            long.trim().as_ref(),
+        ],
+        "",
+    );
+    assert!(
+        !ok && err.contains("the prompt is 70 tokens, more than the model's context of 64 tokens"),
+        "{err}"
+    );
+    let (ok, err) = lorafit(
+        &[
+            "chat".as_ref(),
+            "--model".as_ref(),
+            model.as_os_str(),
+            "--max-new-tokens".as_ref(),
+            "2".as_ref(),
+        ],
+        &format!("{long}\nw5 w6\n/quit\n"),
+    );
+    assert!(ok, "{err}");
+    assert!(
+        err.contains("the prompt is 70 tokens, more than the model's context of 64 tokens")
+            && err.contains("/reset"),
+        "{err}"
+    );
+    assert!(
+        err.contains("sequence(s): prefill"),
+        "the next turn ran: {err}"
+    );
 }
