@@ -120,9 +120,13 @@ struct ExportArgs {
     /// PEFT adapter folder (a run's adapter/, best/ or checkpoint).
     #[arg(long)]
     adapter: PathBuf,
-    /// Folder for the artefacts: merged-hf/, adapter.gguf, merged.gguf.
+    /// Folder for the artefacts: merged-hf/, adapter.gguf, merged.gguf (and check.json,
+    /// check.safetensors). A folder holding an earlier export is refused unless --overwrite.
     #[arg(long)]
     output: PathBuf,
+    /// Delete an earlier export's artefacts in --output (those names alone) before writing.
+    #[arg(long)]
+    overwrite: bool,
     /// What to write (repeatable); default: hf and gguf-adapter, and merged-gguf for a GGUF base.
     #[arg(long = "format", value_enum)]
     formats: Vec<lorafit::export::Format>,
@@ -171,6 +175,9 @@ fn run_curate(a: CurateArgs) -> Result<()> {
 }
 
 fn run_export(a: ExportArgs) -> Result<()> {
+    if !a.overwrite {
+        lorafit::export::refuse_earlier_export(&a.output)?;
+    }
     let plan = lorafit::export::ExportPlan {
         model: trainer::resolve_model_path(&a.model)?,
         adapter: a.adapter,
@@ -396,8 +403,8 @@ struct GenerateArgs {
     /// A system message before the prompt.
     #[arg(long)]
     system: Option<String>,
-    /// Use the prompt as raw text (no chat template).
-    #[arg(long)]
+    /// Use the prompt as raw text (no chat template, so neither --system nor --chat-template).
+    #[arg(long, conflicts_with_all = ["system", "chat_template"])]
     raw: bool,
     /// Check the KV cache on this device: along the greedy path of the whole-sequence forward,
     /// each step's cached next-token logits against the uncached ones (relative norm within
@@ -503,6 +510,9 @@ struct ChatArgs {
 fn run_generate(a: GenerateArgs) -> Result<()> {
     use lorafit::data::Message;
     use std::io::Write;
+    if a.check_uncached && a.decode.max_new_tokens == 0 {
+        bail!("--check-uncached compares generated tokens: --max-new-tokens must be at least 1");
+    }
     let (loaded, lora) = a.decode.load()?;
     let tok = &loaded.tokenizer;
     let ids = if a.raw {
@@ -513,9 +523,28 @@ fn run_generate(a: GenerateArgs) -> Result<()> {
         lorafit::infer::chat_prompt_ids(tok, loaded.template.as_ref(), &messages)?
     };
     let stops = lorafit::infer::default_stop_tokens(tok, loaded.template.as_ref(), &loaded.model);
+    let room = lorafit::infer::reply_room(&loaded.model, ids.len())?;
+    let context = lorafit::infer::context_length(&loaded.model);
     if a.check_uncached {
+        anyhow::ensure!(
+            room > 0,
+            "the prompt's {} tokens fill the model's context of {context}: no token is left to check",
+            ids.len()
+        );
+        if a.decode.max_new_tokens > room {
+            eprintln!(
+                "checking {room} steps, not {}: the prompt's {} tokens and {room} more fill the \
+                 model's context of {context}",
+                a.decode.max_new_tokens,
+                ids.len()
+            );
+        }
+        let steps = DecodeArgs {
+            max_new_tokens: a.decode.max_new_tokens.min(room),
+            ..a.decode.clone()
+        };
         return check_uncached(
-            &a.decode,
+            &steps,
             !a.no_f32_reference,
             &loaded,
             lora.as_ref(),
@@ -537,6 +566,14 @@ fn run_generate(a: GenerateArgs) -> Result<()> {
         },
     )?;
     println!();
+    let out = &report.outputs[0];
+    if out.stop == lorafit::infer::StopReason::Context {
+        eprintln!(
+            "(stopped at the model's context: the prompt's {} tokens and the reply's {} fill its {context})",
+            report.stats.prompt_tokens,
+            out.tokens.len()
+        );
+    }
     eprintln!("{}", report.stats.summary());
     Ok(())
 }
@@ -591,11 +628,24 @@ fn run_chat(a: ChatArgs) -> Result<()> {
             }
             _ => {}
         }
-        let (_, stats) = session.reply(line, &mut |delta| {
+        let replied = session.reply(line, &mut |delta| {
             let _ = write!(stdout, "{delta}");
             let _ = stdout.flush();
-        })?;
+        });
+        let (reply, stats) = match replied {
+            Err(e) if e.is::<lorafit::infer::PromptTooLong>() => {
+                eprintln!("(the conversation with this message: {e}; /reset starts a new one)");
+                continue;
+            }
+            other => other?,
+        };
         println!();
+        if reply.stop == lorafit::infer::StopReason::Context {
+            eprintln!(
+                "(stopped at the model's context of {} tokens; /reset starts a new conversation)",
+                lorafit::infer::context_length(&loaded.model)
+            );
+        }
         eprintln!("[{}]", stats.summary());
     }
     Ok(())

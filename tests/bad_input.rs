@@ -1,6 +1,8 @@
 //! Bad model input gives an error that names the file and the tensor, never a panic: a missing
 //! folder, an unknown architecture, a shape that disagrees with config.json, a truncated
-//! safetensors file, a missing tensor.
+//! safetensors file, a missing tensor. And the CLI refuses, saying why, what it would otherwise
+//! do wrongly in silence: flags `generate` would ignore, a prompt past the model's context, a
+//! chat template file that is no template.
 
 mod common;
 use lorafit::tensor::Device;
@@ -383,9 +385,10 @@ fn gemma4_config_errors_name_their_field() {
     }
 }
 
-/// A `chat_template` file that cannot be read or compiled is an error naming the setting and the
-/// file wherever a command takes one: loading a model for a run (train, eval, generate, chat,
-/// kl), curate, and export (before anything is written).
+/// A `chat_template` file that cannot be read or compiled, or that is no chat template (a
+/// dataset compiles as Jinja but never shows the messages), is an error naming the setting and
+/// the file wherever a command takes one: loading a model for a run (train, eval, generate,
+/// chat, kl), curate, and export (before anything is written).
 #[test]
 fn chat_template_files_that_cannot_be_used_are_named() {
     let d = scratch("template");
@@ -394,7 +397,30 @@ fn chat_template_files_that_cannot_be_used_are_named() {
     let broken = d.join("broken.jinja");
     std::fs::write(&broken, "{% for m in messages %}").unwrap();
     let broken = broken.display().to_string();
-    for t in [&missing, &broken] {
+    let data = d.join("data.jsonl");
+    std::fs::write(
+        &data,
+        r#"{"prompt": "w5 w6", "chosen": "w9", "rejected": "w200"}"#,
+    )
+    .unwrap();
+    let data = data.display().to_string();
+    let tiny = common::tiny_run::model_folder(&d);
+    let (ok, err) = lorafit(
+        &[
+            "generate".as_ref(),
+            "--model".as_ref(),
+            tiny.as_os_str(),
+            "--chat-template".as_ref(),
+            data.as_ref(),
+            "w5".as_ref(),
+        ],
+        "",
+    );
+    assert!(
+        !ok && err.contains(data.as_str()) && err.contains("never shows the messages"),
+        "{err}"
+    );
+    for t in [&missing, &broken, &data] {
         // The fixture folder has no tokenizer; a GGUF with one stands in for the run's model.
         let gguf = common::fixture("gguf/spm_prefix.gguf");
         let e = lorafit::curate::curate_file(
@@ -429,4 +455,115 @@ fn chat_template_files_that_cannot_be_used_are_named() {
         assert!(e.contains("chat_template") && e.contains(t.as_str()), "{e}");
         assert!(!out.exists(), "nothing is written");
     }
+}
+
+/// `lorafit` run with `args`: whether it succeeded, and its stderr.
+fn lorafit(args: &[&std::ffi::OsStr], stdin: &str) -> (bool, String) {
+    use std::io::Write;
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_lorafit"))
+        .args(args)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(stdin.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// Flags `generate` would drop or a check that would check nothing are refused: `--raw` with
+/// `--system` or `--chat-template` (raw text has no template to put them in), and
+/// `--check-uncached` with `--max-new-tokens 0`.
+#[test]
+fn generate_refuses_flags_it_would_ignore() {
+    let d = scratch("generate-flags");
+    let model = common::tiny_run::model_folder(&d);
+    let template = d.join("plain.jinja");
+    std::fs::write(
+        &template,
+        "{% for m in messages %}{{ m['content'] }} {% endfor %}",
+    )
+    .unwrap();
+    let generate = |extra: &[&str]| {
+        let mut args: Vec<&std::ffi::OsStr> = vec!["generate".as_ref(), "--model".as_ref()];
+        args.push(model.as_os_str());
+        args.extend(extra.iter().map(std::ffi::OsStr::new));
+        args.push("w5 w6".as_ref());
+        lorafit(&args, "")
+    };
+    let (ok, err) = generate(&["--raw", "--system", "Be brief."]);
+    assert!(
+        !ok && err.contains("--raw") && err.contains("--system"),
+        "{err}"
+    );
+    let (ok, err) = generate(&["--raw", "--chat-template", template.to_str().unwrap()]);
+    assert!(
+        !ok && err.contains("--raw") && err.contains("--chat-template"),
+        "{err}"
+    );
+    let (ok, err) = generate(&["--check-uncached", "--max-new-tokens", "0"]);
+    assert!(
+        !ok && err.contains("--check-uncached") && err.contains("--max-new-tokens"),
+        "{err}"
+    );
+    // Each alone is fine.
+    for extra in [
+        &["--raw", "--max-new-tokens", "1"][..],
+        &["--system", "w7", "--max-new-tokens", "1"],
+        &["--check-uncached", "--max-new-tokens", "1"],
+    ] {
+        let (ok, err) = generate(extra);
+        assert!(ok, "{extra:?}: {err}");
+    }
+}
+
+/// A prompt longer than the model's context (the tiny model's 64 positions) is refused with both
+/// numbers, by `generate` and by a `chat` turn, after which the chat goes on.
+#[test]
+fn prompts_past_the_context_are_refused() {
+    let d = scratch("context");
+    let model = common::tiny_run::model_folder(&d);
+    let long: String = (0..70).map(|i| format!("w{} ", 2 + i)).collect();
+    let (ok, err) = lorafit(
+        &[
+            "generate".as_ref(),
+            "--model".as_ref(),
+            model.as_os_str(),
+            long.trim().as_ref(),
+        ],
+        "",
+    );
+    assert!(
+        !ok && err.contains("the prompt is 70 tokens, more than the model's context of 64 tokens"),
+        "{err}"
+    );
+    let (ok, err) = lorafit(
+        &[
+            "chat".as_ref(),
+            "--model".as_ref(),
+            model.as_os_str(),
+            "--max-new-tokens".as_ref(),
+            "2".as_ref(),
+        ],
+        &format!("{long}\nw5 w6\n/quit\n"),
+    );
+    assert!(ok, "{err}");
+    assert!(
+        err.contains("the prompt is 70 tokens, more than the model's context of 64 tokens")
+            && err.contains("/reset"),
+        "{err}"
+    );
+    assert!(
+        err.contains("sequence(s): prefill"),
+        "the next turn ran: {err}"
+    );
 }

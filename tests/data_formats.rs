@@ -517,3 +517,57 @@ fn implicit_text_prompts_split_as_trl_splits_them() {
     }
     assert!(split >= 100, "only {split} rows split");
 }
+
+/// Every real chat template the fixtures hold — Jinja files, tokenizer_config.json files, GGUF
+/// metadata — and SmolLM2's own GGUF template where the model is cached, passes the check a
+/// template read from a file must pass (it shows the messages it is given).
+#[test]
+fn every_real_chat_template_shows_the_messages() {
+    fn files(dir: &std::path::Path, found: &mut Vec<std::path::PathBuf>) {
+        for entry in std::fs::read_dir(dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                files(&path, found);
+            } else {
+                found.push(path);
+            }
+        }
+    }
+    let gguf_template = |path: &std::path::Path| -> Option<String> {
+        let g = lorafit::model::gguf::GgufFile::open(path).unwrap();
+        g.get("tokenizer.chat_template")
+            .map(|_| g.get_str("tokenizer.chat_template").unwrap().to_string())
+    };
+    let mut found = Vec::new();
+    files(&common::fixture(""), &mut found);
+    let mut checked = Vec::new();
+    for path in found {
+        let name = path.file_name().unwrap().to_string_lossy().into_owned();
+        let is_template_file = name.ends_with(".jinja")
+            || (name == "tokenizer_config.json"
+                && std::fs::read_to_string(&path)
+                    .unwrap()
+                    .contains("\"chat_template\""));
+        if is_template_file {
+            ChatTemplate::from_file(&path, "<s>", "</s>")
+                .unwrap_or_else(|e| panic!("{}: {e:#}", path.display()));
+            checked.push(path);
+        } else if name.ends_with(".gguf") {
+            if let Some(source) = gguf_template(&path) {
+                ChatTemplate::new(source, "<s>", "</s>")
+                    .and_then(|t| t.check_shows_messages())
+                    .unwrap_or_else(|e| panic!("{}: {e:#}", path.display()));
+                checked.push(path);
+            }
+        }
+    }
+    if let Some(path) = lorafit::model::smollm2::find() {
+        let source = gguf_template(&path).expect("SmolLM2's GGUF has a chat template");
+        ChatTemplate::new(source, "<|im_start|>", "<|im_end|>")
+            .and_then(|t| t.check_shows_messages())
+            .unwrap();
+        checked.push(path);
+    }
+    // smollm2_chat_template.jinja and the two trl_ids tokenizer configs at least.
+    assert!(checked.len() >= 3, "{checked:?}");
+}

@@ -1,6 +1,7 @@
 //! `lorafit export`: the GGUF writer read back by the project's reader, the adapter's llama.cpp
 //! names, shapes and q/k row order, and every artefact's logits against the trainer's own on
-//! the PyTorch fixture models and on quantized GGUF bases built here.
+//! the PyTorch fixture models and on quantized GGUF bases built here; an output folder holding
+//! an earlier export refused, or replaced with `--overwrite`.
 
 mod common;
 
@@ -560,4 +561,85 @@ fn the_runs_chat_template_goes_into_the_merged_artefacts() {
     assert!(format!("{e:#}").contains("chat_template"), "{e:#}");
     assert!(!p.output.exists(), "nothing is written");
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A folder holding an earlier export: `lorafit export` refuses it before writing anything,
+/// naming the earlier artefacts; with `--overwrite` (and through `export::run`) those artefacts
+/// are deleted first, so the folder holds the new export alone (no stale check.json reporting
+/// the earlier one) and keeps what else it held.
+#[test]
+fn an_output_folder_holding_an_export_is_refused_or_replaced() {
+    let base = fixture("models/llama");
+    let adapter = base.join("adapter");
+    let out = tmp("earlier");
+    std::fs::write(out.join("notes.txt"), "mine").unwrap();
+    let export = |extra: &[&str]| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_lorafit"))
+            .args(["export", "--model"])
+            .arg(&base)
+            .arg("--adapter")
+            .arg(&adapter)
+            .arg("--output")
+            .arg(&out)
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    let first = export(&["--check"]);
+    assert!(
+        first.status.success(),
+        "{}",
+        String::from_utf8_lossy(&first.stderr)
+    );
+    let earlier = [
+        "adapter.gguf",
+        "check.json",
+        "check.safetensors",
+        "merged-hf",
+    ];
+    for name in earlier {
+        assert!(out.join(name).exists(), "{name}");
+    }
+    let check_json = std::fs::read(out.join("check.json")).unwrap();
+
+    let refused = export(&["--format", "hf"]);
+    let err = String::from_utf8_lossy(&refused.stderr);
+    assert!(!refused.status.success(), "{err}");
+    assert!(
+        err.contains("already holds an export") && err.contains("--overwrite"),
+        "{err}"
+    );
+    for name in earlier {
+        assert!(err.contains(name), "{name} is named: {err}");
+    }
+    assert_eq!(
+        std::fs::read(out.join("check.json")).unwrap(),
+        check_json,
+        "nothing is written"
+    );
+    assert!(out.join("adapter.gguf").exists());
+
+    let replaced = export(&["--format", "hf", "--overwrite"]);
+    assert!(
+        replaced.status.success(),
+        "{}",
+        String::from_utf8_lossy(&replaced.stderr)
+    );
+    let mut left: Vec<String> = std::fs::read_dir(&out)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    left.sort();
+    assert_eq!(left, ["merged-hf", "notes.txt"]);
+
+    // The library call replaces as `--overwrite` does, and `refuse_earlier_export` names what
+    // it would replace.
+    let e = lorafit::export::refuse_earlier_export(&out).unwrap_err();
+    assert!(e.to_string().contains("merged-hf"), "{e}");
+    let mut p = plan(&base, &adapter, &out, vec![Format::GgufAdapter]);
+    p.check = false;
+    run(&p).unwrap();
+    assert!(!out.join("merged-hf").exists() && out.join("adapter.gguf").exists());
+    assert!(lorafit::export::earlier_artefacts(&tmp("earlier-empty")).is_empty());
+    let _ = std::fs::remove_dir_all(&out);
 }

@@ -7,7 +7,8 @@
 //! heads, KV-sharing layers reading their donor's cache, v norm, k = v, proportional RoPE,
 //! per-layer inputs and layer scalars) is among the families. The chat path's ids are the
 //! template's own rendering with one bos; the decode-attention op equals the full attention's
-//! rows; sampling is reproducible from its seed and its filters keep what they should.
+//! rows; sampling is reproducible from its seed and its filters keep what they should; a
+//! sequence keeps to the model's context.
 
 mod common;
 use common::*;
@@ -571,4 +572,97 @@ fn generate_renders_with_the_chat_template_flag() {
     let plain = prefill(&[]);
     let templated = prefill(&["--chat-template".as_ref(), template.as_os_str()]);
     assert_eq!(templated, plain + 3);
+}
+
+/// Generation keeps to the model's context (the llama fixture's 64 positions): a reply stops when
+/// it and the prompt fill it, with the cached and the uncached path alike; a prompt that fills it
+/// gets no token; a longer one is refused with both numbers.
+#[test]
+fn generation_keeps_to_the_models_context() {
+    let (model, lora) = load_family("llama");
+    let vocab = model.spec.vocab;
+    assert_eq!(infer::context_length(&model), 64);
+    let near_full = prompt(60, vocab, 1);
+    let opts = GenerateOptions::greedy(20, None);
+    let got =
+        infer::generate(&model, Some(&lora), std::slice::from_ref(&near_full), &opts).unwrap();
+    assert_eq!(got[0].tokens.len(), 4);
+    assert_eq!(got[0].stop, StopReason::Context);
+    let uncached = infer::generate_ids_uncached(&model, Some(&lora), &near_full, 20, None).unwrap();
+    assert_eq!(got[0].tokens, uncached);
+    // Exactly the room: the token limit is what stops it.
+    let exact = infer::generate(
+        &model,
+        Some(&lora),
+        &[near_full],
+        &GenerateOptions::greedy(4, None),
+    )
+    .unwrap();
+    assert_eq!(exact[0].stop, StopReason::MaxTokens);
+    assert_eq!(exact[0].tokens, uncached);
+
+    let full = prompt(64, vocab, 2);
+    let got = infer::generate(&model, Some(&lora), &[full], &opts).unwrap();
+    assert!(got[0].tokens.is_empty());
+    assert_eq!(got[0].stop, StopReason::Context);
+
+    let long = prompt(65, vocab, 3);
+    let e = infer::generate(&model, Some(&lora), std::slice::from_ref(&long), &opts).unwrap_err();
+    assert_eq!(
+        e.downcast_ref::<infer::PromptTooLong>(),
+        Some(&infer::PromptTooLong {
+            tokens: 65,
+            context: 64
+        })
+    );
+    let message = e.to_string();
+    assert!(
+        message.contains("65") && message.contains("64"),
+        "{message}"
+    );
+    assert!(infer::generate_ids_uncached(&model, None, &long, 4, None).is_err());
+    // In a batch the refused prompt is named.
+    let e = infer::generate(&model, None, &[prompt(3, vocab, 0), long], &opts).unwrap_err();
+    assert!(
+        format!("{e:#}").starts_with("generate: prompt 1: "),
+        "{e:#}"
+    );
+}
+
+/// `lorafit generate` at the context: a prompt that fills it says so on stderr (no token is
+/// generated), and `--check-uncached` checks the steps the context leaves, saying so.
+#[test]
+fn generate_says_where_the_context_stopped_it() {
+    let dir = std::env::temp_dir().join(format!("lorafit-gen-context-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let model = common::tiny_run::model_folder(&dir);
+    let words = |n: usize| {
+        (0..n)
+            .map(|i| format!("w{}", 2 + i % 200))
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    let generate = |extra: &[&str], prompt: &str| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_lorafit"))
+            .args(["generate", "--model"])
+            .arg(&model)
+            .args(extra)
+            .arg(prompt)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr).to_string();
+        assert!(out.status.success(), "{err}");
+        err
+    };
+    let err = generate(&["--max-new-tokens", "8"], &words(64));
+    assert!(
+        err.contains(
+            "stopped at the model's context: the prompt's 64 tokens and the reply's 0 fill its 64"
+        ),
+        "{err}"
+    );
+    let err = generate(&["--check-uncached", "--max-new-tokens", "5"], &words(62));
+    assert!(err.contains("checking 2 steps, not 5"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -14,6 +14,11 @@
 //! The boundary between prompt and response is found TRL's way: the prompt
 //! rendered with `add_generation_prompt=true` must be a prefix of the
 //! prompt+response rendered without it; the response text is the rest.
+//!
+//! A template read from a file (`chat_template`, `--chat-template`) must show
+//! the messages it is given (`ChatTemplate::check_shows_messages`): any text
+//! file compiles as Jinja, and a dataset or a tokenizer.json named by mistake
+//! would otherwise render its own text for every conversation.
 
 use std::io;
 use std::path::Path;
@@ -27,6 +32,12 @@ use serde::Serialize;
 use super::dataset::Message;
 
 const TEMPLATE_NAME: &str = "chat_template";
+
+/// The user message of the conversations a template from a file is probed with: words no
+/// template writes by itself, in lower case without padding (templates `trim` contents).
+const PROBE_USER: &str = "probe question 4711 for the template";
+const PROBE_SYSTEM: &str = "probe system message";
+const PROBE_ASSISTANT: &str = "probe answer";
 
 /// A compiled chat template plus the bos/eos strings it may refer to.
 pub struct ChatTemplate {
@@ -146,15 +157,79 @@ impl ChatTemplate {
         let path = path.as_ref();
         let is_json = path.extension().and_then(|e| e.to_str()) == Some("json");
         if is_json {
-            return Self::from_tokenizer_config(path)?
-                .ok_or_else(|| anyhow!("{}: has no \"chat_template\"", path.display()));
+            let template = Self::from_tokenizer_config(path)?
+                .ok_or_else(|| anyhow!("{}: has no \"chat_template\"", path.display()))?;
+            template
+                .check_shows_messages()
+                .with_context(|| path.display().to_string())?;
+            return Ok(template);
         }
         let text = std::fs::read_to_string(path)
             .with_context(|| format!("reading the chat template {}", path.display()))?;
         if text.trim().is_empty() {
             bail!("{}: the chat template file is empty", path.display());
         }
-        Self::new(text, bos_token, eos_token).with_context(|| path.display().to_string())
+        let template =
+            Self::new(text, bos_token, eos_token).with_context(|| path.display().to_string())?;
+        template
+            .check_shows_messages()
+            .with_context(|| path.display().to_string())?;
+        Ok(template)
+    }
+
+    /// Whether the template shows the conversation it is given: probe conversations — a user
+    /// message alone with the generation prompt; a system, user and assistant turn; a user and
+    /// assistant turn — must, for at least one the template accepts (Gemma 2's refuses a system
+    /// message), render to text holding the user's content. Every text file compiles as Jinja:
+    /// a dataset or a tokenizer.json given as the template renders its own text whatever the
+    /// messages, and this refuses it.
+    pub fn check_shows_messages(&self) -> Result<()> {
+        let probes: [(&[Message], bool); 3] = [
+            (&[Message::user(PROBE_USER)], true),
+            (
+                &[
+                    Message::system(PROBE_SYSTEM),
+                    Message::user(PROBE_USER),
+                    Message::assistant(PROBE_ASSISTANT),
+                ],
+                false,
+            ),
+            (
+                &[
+                    Message::user(PROBE_USER),
+                    Message::assistant(PROBE_ASSISTANT),
+                ],
+                false,
+            ),
+        ];
+        let mut rendered_without = None;
+        let mut first_error = None;
+        for (messages, add_generation_prompt) in probes {
+            match self.render(messages, add_generation_prompt) {
+                Ok(text) if text.contains(PROBE_USER) => return Ok(()),
+                Ok(text) => {
+                    rendered_without.get_or_insert(text);
+                }
+                Err(e) => {
+                    first_error.get_or_insert(e);
+                }
+            }
+        }
+        if let Some(text) = rendered_without {
+            let start: String = text.chars().take(60).collect();
+            bail!(
+                "not a chat template: it never shows the messages it is given (a conversation \
+                 whose user message is {PROBE_USER:?} renders as {start:?}{}, without it); a \
+                 chat template is Jinja over `messages`, such as a model's chat_template.jinja \
+                 or a tokenizer_config.json",
+                if start.len() < text.len() { "…" } else { "" }
+            );
+        }
+        let error = first_error.expect("each probe either rendered or failed");
+        Err(error.context(
+            "the chat template renders none of the probe conversations (a user message; a \
+             system, user and assistant turn; a user and assistant turn)",
+        ))
     }
 
     /// The Jinja source.
@@ -859,6 +934,61 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(bad.starts_with("chat template does not compile"), "{bad}");
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
+    /// A template from a file must show the messages: a dataset or any other text compiles as
+    /// Jinja and is refused, naming the file; one that refuses a system message is probed
+    /// without one; one that renders no probe conversation is refused with its own error.
+    #[test]
+    fn templates_from_files_must_show_the_messages() {
+        smol().check_shows_messages().unwrap();
+        let no_system = ChatTemplate::new(
+            "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}<{{ m['role'] }}>{{ m['content'] | trim }}{% endfor %}",
+            "",
+            "",
+        )
+        .unwrap();
+        no_system.check_shows_messages().unwrap();
+
+        let dir = std::env::temp_dir().join(format!("lorafit-tpl-probe-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let data = dir.join("data.jsonl");
+        std::fs::write(
+            &data,
+            "{\"prompt\": \"What is 2+2?\", \"chosen\": \"4\", \"rejected\": \"5\"}\n",
+        )
+        .unwrap();
+        let e = format!("{:#}", ChatTemplate::from_file(&data, "", "").unwrap_err());
+        assert!(
+            e.contains("data.jsonl") && e.contains("never shows the messages"),
+            "{e}"
+        );
+        assert!(e.contains("What is 2+2?"), "the rendering is quoted: {e}");
+        // A tokenizer_config.json whose template ignores the messages, the same.
+        let cfg = dir.join("tokenizer_config.json");
+        std::fs::write(&cfg, r#"{"chat_template": "{{ bos_token }}Hello"}"#).unwrap();
+        let e = format!("{:#}", ChatTemplate::from_file(&cfg, "", "").unwrap_err());
+        assert!(
+            e.contains("tokenizer_config.json") && e.contains("never shows the messages"),
+            "{e}"
+        );
+        // One that raises for every conversation: its own message, the file named.
+        let raises = dir.join("raises.jinja");
+        std::fs::write(&raises, "{{ raise_exception('tools are required') }}").unwrap();
+        let e = format!(
+            "{:#}",
+            ChatTemplate::from_file(&raises, "", "").unwrap_err()
+        );
+        assert!(
+            e.contains("raises.jinja")
+                && e.contains("renders none of the probe conversations")
+                && e.contains("tools are required"),
+            "{e}"
+        );
+        let smol_file = dir.join("smol.jinja");
+        std::fs::write(&smol_file, SMOLLM2).unwrap();
+        ChatTemplate::from_file(&smol_file, "<|im_start|>", "<|im_end|>").unwrap();
         std::fs::remove_dir_all(&dir).ok();
     }
 

@@ -10,6 +10,11 @@
 //!
 //! The merge maths live in `merge`, the GGUF container in `gguf_writer`, the ggml encoders in
 //! `quantize`. Everything runs on the CPU reference backend in f32.
+//!
+//! An output folder holds one export: `run` deletes an earlier export's artefacts
+//! (`ARTEFACTS`) before writing, so that none is left beside the new ones (a `check.json`
+//! reporting another adapter); `refuse_earlier_export` is the question to ask first where they
+//! must not be deleted unasked (`lorafit export` without `--overwrite`).
 
 pub mod check;
 pub mod gguf_out;
@@ -129,6 +134,62 @@ impl ExportPlan {
     }
 }
 
+/// Every name `run` writes into its output folder: the artefacts, the check's files, and the
+/// temporaries a GGUF is written through (left behind by a killed export).
+pub const ARTEFACTS: [&str; 7] = [
+    "merged-hf",
+    "adapter.gguf",
+    "merged.gguf",
+    "check.json",
+    "check.safetensors",
+    "adapter.gguf.tmp",
+    "merged.gguf.tmp",
+];
+
+/// The entries of `output` that an export writes (none where the folder does not exist).
+pub fn earlier_artefacts(output: &Path) -> Vec<PathBuf> {
+    ARTEFACTS
+        .iter()
+        .map(|name| output.join(name))
+        // symlink_metadata: a dangling link is an entry too.
+        .filter(|path| path.symlink_metadata().is_ok())
+        .collect()
+}
+
+/// An error naming the artefacts of an earlier export in `output`, where it holds any: an
+/// export beside them would leave those it does not write mixed with its own.
+pub fn refuse_earlier_export(output: &Path) -> Result<()> {
+    let found = earlier_artefacts(output);
+    if found.is_empty() {
+        return Ok(());
+    }
+    let names: Vec<String> = found
+        .iter()
+        .filter_map(|p| p.file_name())
+        .map(|n| n.to_string_lossy().into_owned())
+        .collect();
+    anyhow::bail!(
+        "output {} already holds an export ({}); pass --overwrite to delete those and export \
+         again, or name another folder",
+        output.display(),
+        names.join(", ")
+    )
+}
+
+/// Deletes the artefacts of an earlier export in `output` (`ARTEFACTS`, nothing else).
+fn remove_earlier_artefacts(output: &Path) -> Result<()> {
+    for path in earlier_artefacts(output) {
+        let is_dir = path.symlink_metadata().is_ok_and(|m| m.is_dir());
+        let removed = if is_dir {
+            std::fs::remove_dir_all(&path)
+        } else {
+            std::fs::remove_file(&path)
+        };
+        removed.with_context(|| format!("removing the earlier {}", path.display()))?;
+    }
+    Ok(())
+}
+
 fn is_gguf(path: &Path) -> bool {
     path.is_file() && path.extension().is_some_and(|e| e == "gguf")
 }
@@ -158,13 +219,16 @@ fn hf_ggml(d: hf::HfDtype) -> GgmlType {
     }
 }
 
-/// Writes the requested artefacts and, with `check`, compares each against the trainer.
+/// Writes the requested artefacts and, with `check`, compares each against the trainer. An
+/// earlier export's artefacts in the output folder are deleted first, once the base and the
+/// adapter have loaded (`refuse_earlier_export` asks before).
 pub fn run(plan: &ExportPlan) -> Result<ExportReport> {
     run_with(plan, &mut |_| Ok(()))
 }
 
 /// [`run`], calling `progress` after each artefact written and each one checked (an error from
-/// it, such as a stop request, ends the export).
+/// it, such as a stop request, ends the export). Deleting the earlier artefacts is what lets a
+/// stopped export run again into its own folder from the start.
 pub fn run_with(
     plan: &ExportPlan,
     progress: &mut dyn FnMut(&ExportProgress) -> Result<()>,
@@ -191,8 +255,6 @@ pub fn run_with(
     let base = model::load(&plan.model, &device)?;
     let lora = Lora::load_peft(&plan.adapter, &base.spec, &device)
         .with_context(|| format!("adapter {}", plan.adapter.display()))?;
-    std::fs::create_dir_all(&plan.output)
-        .with_context(|| format!("creating {}", plan.output.display()))?;
     let (arch, permutes) = if base_is_gguf {
         let src = model::gguf_model::GgufSource::open(&plan.model)?;
         // As for a Hugging Face Gemma 4 base (gguf_out::llama_cpp_arch).
@@ -210,6 +272,10 @@ pub fn run_with(
         // Only the GGUF adapter needs llama.cpp's architecture.
         ("", false)
     };
+    // Everything that can refuse the export has; what an earlier one wrote goes now.
+    remove_earlier_artefacts(&plan.output)?;
+    std::fs::create_dir_all(&plan.output)
+        .with_context(|| format!("creating {}", plan.output.display()))?;
 
     let mut written = Vec::new();
     let mut stored = Vec::new();

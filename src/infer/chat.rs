@@ -1,10 +1,12 @@
 //! A conversation with a model (`lorafit chat`): the messages so far, an optional system message,
 //! and one KV cache kept across turns. Each turn renders the whole conversation with the model's
-//! template; the tokens it shares with what the cache holds are not run again.
+//! template; the tokens it shares with what the cache holds are not run again. A turn whose
+//! conversation is longer than the model's context is refused (`PromptTooLong`), the
+//! conversation left as it was.
 
 use super::decode::Decoder;
 use super::sample::Sampler;
-use super::{chat_prompt_ids, decode_loop, GenerateOptions, GenerateStats, Generated};
+use super::{chat_prompt_ids, decode_loop, reply_room, GenerateOptions, GenerateStats, Generated};
 use crate::data::{ChatTemplate, Message, TextTokenizer};
 use crate::model::{Lora, Model};
 use anyhow::Result;
@@ -64,12 +66,15 @@ impl<'m> ChatSession<'m> {
     }
 
     /// Answers `user`, streaming the reply's text to `on_text`; the reply joins the conversation.
+    /// A conversation that no longer fits the model's context is a `PromptTooLong` error, and
+    /// `user` does not join it.
     pub fn reply(
         &mut self,
         user: &str,
         on_text: &mut dyn FnMut(&str),
     ) -> Result<(Generated, GenerateStats)> {
         let ids = self.prompt_ids(user)?;
+        reply_room(self.decoder.model(), ids.len())?;
         let reused = {
             let held = self.decoder.cache.ids(0);
             held.iter().zip(&ids).take_while(|(a, b)| a == b).count()

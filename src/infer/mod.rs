@@ -8,6 +8,10 @@
 //! `chat::ChatSession`. `generate_ids` and `chat` are the earlier greedy calls, now cached;
 //! `generate_ids_uncached` re-runs the whole forward per token and is the reference the cache is
 //! tested against.
+//!
+//! Every path keeps to the model's context (`context_length`): a prompt longer than it is refused
+//! (`PromptTooLong`), and a sequence stops when the prompt and its reply fill it
+//! (`StopReason::Context`), since past it the model decodes positions it was never trained on.
 
 pub mod chat;
 pub mod decode;
@@ -56,6 +60,47 @@ pub enum StopReason {
     StopToken(u32),
     StopString(String),
     MaxTokens,
+    /// The prompt and the reply filled the model's context (`context_length`).
+    Context,
+}
+
+/// The positions a model was trained for: its config's `max_position_embeddings` (a GGUF's
+/// `context_length`). A sequence holds at most this many tokens, prompt and reply together.
+pub fn context_length(model: &Model) -> usize {
+    model.spec.max_position_embeddings
+}
+
+/// A prompt with more tokens than the model's context.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PromptTooLong {
+    pub tokens: usize,
+    pub context: usize,
+}
+
+impl std::fmt::Display for PromptTooLong {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "the prompt is {} tokens, more than the model's context of {} tokens (its \
+             max_position_embeddings); past it the model decodes positions it was never trained on",
+            self.tokens, self.context
+        )
+    }
+}
+
+impl std::error::Error for PromptTooLong {}
+
+/// The most tokens a reply to a prompt of `prompt_tokens` can have before the two fill the
+/// model's context (0 when the prompt fills it alone); an error for a prompt longer than it.
+pub fn reply_room(model: &Model, prompt_tokens: usize) -> Result<usize, PromptTooLong> {
+    let context = context_length(model);
+    if prompt_tokens > context {
+        return Err(PromptTooLong {
+            tokens: prompt_tokens,
+            context,
+        });
+    }
+    Ok(context - prompt_tokens)
 }
 
 /// One sequence's output.
@@ -135,10 +180,22 @@ pub fn generate_stream(
     ensure!(!prompts.is_empty(), "generate: no prompt");
     for (i, p) in prompts.iter().enumerate() {
         ensure!(!p.is_empty(), "generate: prompt {i} has no tokens");
+        if let Err(e) = reply_room(model, p.len()) {
+            let e = anyhow::Error::new(e);
+            return Err(if prompts.len() > 1 {
+                e.context(format!("generate: prompt {i}"))
+            } else {
+                e
+            });
+        }
     }
     check_options(opts, tok)?;
     let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
-    let mut dec = Decoder::new(model, lora, prompts.len(), longest + opts.max_new_tokens)?;
+    // No sequence grows past the context, whatever `max_new_tokens` asks for.
+    let capacity = longest
+        .saturating_add(opts.max_new_tokens)
+        .min(context_length(model));
+    let mut dec = Decoder::new(model, lora, prompts.len(), capacity)?;
     let mut sampler = sample::Sampler::new(&opts.sampling, prompts.len())?;
     let t0 = Instant::now();
     let mut logits = Vec::with_capacity(prompts.len());
@@ -187,6 +244,12 @@ pub(crate) fn decode_loop(
     if opts.max_new_tokens == 0 {
         stop.fill(Some(StopReason::MaxTokens));
     }
+    let context = context_length(dec.model());
+    for (i, &seq) in seqs.iter().enumerate() {
+        if stop[i].is_none() && dec.cache.ids(seq).len() >= context {
+            stop[i] = Some(StopReason::Context);
+        }
+    }
     let t0 = Instant::now();
     loop {
         let mut feed = Vec::new();
@@ -219,6 +282,12 @@ pub(crate) fn decode_loop(
             }
             if tokens[i].len() >= opts.max_new_tokens {
                 stop[i] = Some(StopReason::MaxTokens);
+                continue;
+            }
+            // The cache holds the prompt and every token but this one: with it the sequence
+            // fills the context.
+            if dec.cache.ids(seq).len() + 1 >= context {
+                stop[i] = Some(StopReason::Context);
                 continue;
             }
             feed.push(i);
@@ -277,7 +346,8 @@ pub fn generate_ids(
 }
 
 /// `generate_ids` without a cache: every token re-runs the forward over the whole sequence. The
-/// reference the cached path is tested against (tests/generation.rs, the selftest).
+/// reference the cached path is tested against (tests/generation.rs, the selftest); it keeps to
+/// the context as the cached path does.
 pub fn generate_ids_uncached(
     model: &Model,
     lora: Option<&Lora>,
@@ -286,9 +356,10 @@ pub fn generate_ids_uncached(
     eos: Option<u32>,
 ) -> Result<Vec<u32>> {
     ensure!(!prompt_ids.is_empty(), "generate: the prompt has no tokens");
+    let room = reply_room(model, prompt_ids.len())?;
     let mut ids = prompt_ids.to_vec();
     let mut out = Vec::new();
-    for step in 0..max_new {
+    for step in 0..max_new.min(room) {
         let h = model.hidden_states(&ids, lora)?;
         let last = ops::slice_rows(&h, ids.len() - 1, ids.len())?;
         let logits = model.logits(&last, DType::F32)?.to_vec()?;
