@@ -1286,9 +1286,10 @@ fn record_batches_names_each_micro_steps_ids() {
     run(&cfg(&plain, 1), None, &loaded, &items, &[]);
     assert!(!plain.join("batches.jsonl").exists());
 
-    // A resume from step 2 into the same folder redoes steps 3 and 4 without duplicating them.
+    // A resume from step 2 into the same folder (its later steps given way: overwrite) redoes
+    // steps 3 and 4 without duplicating them.
     let mut resumed = c.clone();
-    resumed.overwrite = false;
+    resumed.overwrite = true;
     run(
         &resumed,
         Some(&dir.join("checkpoint-000002")),
