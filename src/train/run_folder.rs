@@ -76,12 +76,9 @@ fn is_run_output(name: &str) -> bool {
         || name.starts_with("events.out.tfevents.")
 }
 
-/// Makes `out_dir` ready for a run. A folder that already holds a run is refused unless the run
-/// resumes into it or `overwrite` is set, in which case that run's outputs (and only those) are
-/// deleted first. Leftovers of a write that a kill interrupted (`.tmp-*`, `plots/*.tmp`) are
-/// removed.
-pub fn prepare(out_dir: &Path, resuming: bool, overwrite: bool) -> Result<()> {
-    std::fs::create_dir_all(out_dir).with_context(|| format!("creating {}", out_dir.display()))?;
+/// The entries of `out_dir` that a run writes there (leftovers of an interrupted write
+/// included), by name.
+fn outputs_in(out_dir: &Path) -> Result<Vec<(String, PathBuf)>> {
     let mut outputs = Vec::new();
     for entry in
         std::fs::read_dir(out_dir).with_context(|| format!("reading {}", out_dir.display()))?
@@ -92,17 +89,40 @@ pub fn prepare(out_dir: &Path, resuming: bool, overwrite: bool) -> Result<()> {
             outputs.push((name, entry.path()));
         }
     }
-    let holds_run = outputs.iter().any(|(n, _)| !n.starts_with(".tmp-"));
-    if holds_run && !resuming && !overwrite {
+    outputs.sort();
+    Ok(outputs)
+}
+
+/// What a run left in `out_dir` (adapter, checkpoints, logs...), by name: empty when the folder
+/// holds no run or does not exist.
+pub fn run_outputs(out_dir: &Path) -> Result<Vec<String>> {
+    if !out_dir.exists() {
+        return Ok(Vec::new());
+    }
+    Ok(outputs_in(out_dir)?
+        .into_iter()
+        .map(|(name, _)| name)
+        .filter(|name| !name.starts_with(".tmp-"))
+        .collect())
+}
+
+/// Makes `out_dir` ready for a run. A folder that already holds a run is refused unless the run
+/// resumes into it or `overwrite` is set, in which case that run's outputs (and only those) are
+/// deleted first. Leftovers of a write that a kill interrupted (`.tmp-*`, `plots/*.tmp`) are
+/// removed.
+pub fn prepare(out_dir: &Path, resuming: bool, overwrite: bool) -> Result<()> {
+    std::fs::create_dir_all(out_dir).with_context(|| format!("creating {}", out_dir.display()))?;
+    let outputs = outputs_in(out_dir)?;
+    let held: Vec<&str> = outputs
+        .iter()
+        .map(|(name, _)| name.as_str())
+        .filter(|name| !name.starts_with(".tmp-"))
+        .collect();
+    if !held.is_empty() && !resuming && !overwrite {
         bail!(
             "output {} already holds a run ({}); pass --resume {} to continue it, or --overwrite (overwrite = true) to delete it and start again",
             out_dir.display(),
-            outputs
-                .iter()
-                .map(|(n, _)| n.as_str())
-                .filter(|n| !n.starts_with('.'))
-                .collect::<Vec<_>>()
-                .join(", "),
+            held.join(", "),
             out_dir.display()
         );
     }
