@@ -289,8 +289,23 @@ fn a_bad_config_is_a_400_that_names_the_field() {
                    "chat_template": "no-such.jinja"}),
             "chat_template",
         ),
+        // The device is checked at submit, as an eval job's is.
+        (
+            json!({"model": "model", "data": "train.jsonl", "device": "tpu"}),
+            "device",
+        ),
     ];
     assert_all_refused(&server, cases.iter().map(|(b, f)| (b, *f)), 400);
+    if lorafit::tensor::Device::check("cuda").is_err() {
+        let r = server.post(
+            "/jobs",
+            &json!({"model": "model", "data": "train.jsonl", "device": "cuda"}),
+        );
+        assert_eq!(r.status, 400, "{}", r.text());
+        let msg = r.json()["error"].as_str().unwrap().to_string();
+        assert!(msg.starts_with("device:"), "{msg}");
+        assert!(!msg.contains("--device"), "the API's words: {msg}");
+    }
     // Not JSON, not an object, not declared JSON, too large.
     let h = vec![("Content-Type".to_string(), "application/json".to_string())];
     let r = request(server.port, "POST", "/jobs", &h, Some(b"{not json"));
@@ -300,6 +315,34 @@ fn a_bad_config_is_a_400_that_names_the_field() {
     assert!(r.json()["error"].as_str().unwrap().contains("JSON object"));
     let r = request(server.port, "POST", "/jobs", &[], Some(b"{}"));
     assert_eq!(r.status, 415, "{}", r.text());
+    let msg = r.json()["error"].as_str().unwrap().to_string();
+    assert!(
+        msg.contains("POST /jobs needs `Content-Type: application/json` (the body is the job"),
+        "{msg}"
+    );
+    let r = request(server.port, "POST", "/jobs/1/cancel", &[], None);
+    assert_eq!(r.status, 415, "{}", r.text());
+    assert!(r.json()["error"]
+        .as_str()
+        .unwrap()
+        .contains("(an empty body is fine)"));
+    // An id that is not one is the API's JSON error, not the framework's text.
+    for path in [
+        "/jobs/abc",
+        "/jobs/99999999999999999999",
+        "/jobs/1.5/metrics",
+    ] {
+        let r = server.get(path);
+        assert_eq!(r.status, 400, "{path}: {}", r.text());
+        let msg = r.json()["error"].as_str().unwrap().to_string();
+        assert!(
+            msg.starts_with("id:") && msg.contains("not a job id"),
+            "{msg}"
+        );
+    }
+    let r = server.post("/jobs/abc/cancel", &json!({}));
+    assert_eq!(r.status, 400, "{}", r.text());
+    assert!(r.json()["error"].as_str().unwrap().starts_with("id:"));
     let big = format!("{{\"data\": \"{}\"}}", "x".repeat(100_000));
     let r = request(server.port, "POST", "/jobs", &h, Some(big.as_bytes()));
     assert_eq!(r.status, 413, "{}", r.text());
@@ -705,6 +748,197 @@ fn sigterm_checkpoints_the_running_job_and_the_next_server_resumes_it() {
     );
 }
 
+/// `lorafit serve` on the workspace's database with `--listen ADDR`, run to its end: it must
+/// fail; its stderr.
+fn refused_server(ws: &Workspace, db: &std::path::Path, listen: &str) -> String {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_lorafit"))
+        .args(["serve", "--listen", listen, "--db"])
+        .arg(db)
+        .arg("--root")
+        .arg(&ws.root)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(!out.status.success(), "the server started: {err}");
+    assert!(
+        out.stdout.is_empty(),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    err
+}
+
+fn state_messages(events: &[Sse]) -> Vec<&str> {
+    events
+        .iter()
+        .filter(|e| e.kind == "state")
+        .map(|e| e.data["message"].as_str().unwrap_or(""))
+        .collect()
+}
+
+#[test]
+fn a_second_server_on_the_same_database_is_refused_and_changes_nothing() {
+    let ws = Workspace::new("second");
+    let mut server = Server::start(&ws, &[]);
+    let id = server.submit(&tiny_job(100_000));
+    server.events(id).until("step");
+    let db = ws.db().display().to_string();
+    for listen in [
+        "127.0.0.1:0".to_string(),
+        format!("127.0.0.1:{}", server.port),
+    ] {
+        let err = refused_server(&ws, &ws.db(), &listen);
+        assert!(
+            err.contains(&format!(
+                "the job database {db} is in use by another lorafit serve"
+            )) && err.contains(&format!(
+                "(pid {}, http://127.0.0.1:{})",
+                server.child.id(),
+                server.port
+            )),
+            "{err}"
+        );
+    }
+    // The first server's job runs on, untouched: not rewound, still cancellable.
+    let step = server.job(id)["step"].as_i64().unwrap();
+    let job = server.wait_for(id, 60, |j| j["step"].as_i64().unwrap() > step + 2);
+    assert_eq!(job["state"], "running");
+    assert_eq!(job["plan"]["start_step"], 0);
+    assert_eq!(
+        server
+            .post(&format!("/jobs/{id}/cancel"), &json!({}))
+            .status,
+        200
+    );
+    let events = server.events(id).until("cancelled");
+    let messages = state_messages(&events);
+    assert!(
+        !messages.iter().any(|m| m.contains("interrupted")),
+        "the job was taken for an interrupted one: {messages:?}"
+    );
+
+    // A server that cannot listen changes nothing either: a job left running by a killed
+    // server stays as it was until a server that starts recovers it.
+    let second = server.submit(&tiny_job(100_000));
+    server.events(second).until("step");
+    server.kill();
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let listen = taken.local_addr().unwrap().to_string();
+    let err = refused_server(&ws, &ws.db(), &listen);
+    assert!(err.contains(&format!("listening on {listen}")), "{err}");
+    let record = lorafit::serve::db::Db::open(&ws.db())
+        .unwrap()
+        .job(second)
+        .unwrap()
+        .unwrap();
+    assert_eq!(record.state, lorafit::serve::db::JobState::Running);
+    assert!(record.step >= 1);
+    let server = Server::start(&ws, &[]);
+    let events = server.events(second).until("step");
+    let messages = state_messages(&events);
+    assert!(
+        messages.iter().any(|m| m.contains("interrupted at step")),
+        "{messages:?}"
+    );
+    let r = server.post(&format!("/jobs/{second}/cancel"), &json!({}));
+    assert_eq!(r.status, 200, "{}", r.text());
+    server.events(second).until("cancelled");
+
+    // A --db that is not a database is named.
+    let err = refused_server(&ws, &ws.root.join("train.jsonl"), "127.0.0.1:0");
+    assert!(
+        err.contains(&format!(
+            "opening the job database {}",
+            ws.root.join("train.jsonl").display()
+        )) && err.contains("not a database"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_jobs_own_folder_is_a_free_one_and_a_run_in_a_named_one_is_a_409() {
+    let ws = Workspace::new("freefolder");
+    // A run of an earlier database over the same root left `runs/job-1`.
+    std::fs::create_dir_all(ws.root.join("runs/job-1/adapter")).unwrap();
+    std::fs::write(ws.root.join("runs/job-1/plan.toml"), "").unwrap();
+    // An empty folder is free.
+    std::fs::create_dir_all(ws.root.join("runs/job-2")).unwrap();
+    let server = Server::start(&ws, &[]);
+    let root = ws.root.canonicalize().unwrap();
+    let first = server.submit(&tiny_job(2));
+    let second = server.submit(&tiny_job(2));
+    assert_eq!(
+        server.job(first)["output"],
+        root.join("runs/job-1-2").display().to_string()
+    );
+    assert_eq!(
+        server.job(second)["output"],
+        root.join("runs/job-2").display().to_string()
+    );
+    server.events(first).until("done");
+    server.events(second).until("done");
+
+    // A named folder that holds a run is refused at submit, naming the API's way to replace it.
+    let mut cfg = tiny_job(2);
+    cfg["output"] = json!("runs/job-1");
+    let r = server.post("/jobs", &cfg);
+    assert_eq!(r.status, 409, "{}", r.text());
+    let msg = r.json()["error"].as_str().unwrap().to_string();
+    assert!(
+        msg.starts_with("output:")
+            && msg.contains("already holds a run (adapter, plan.toml)")
+            && msg.contains("`\"overwrite\": true`")
+            && !msg.contains("--"),
+        "{msg}"
+    );
+    // Once its job is deleted, a job's folder is no one's, but the run in it still is.
+    server.delete(&format!("/jobs/{first}"));
+    cfg["output"] = json!("runs/job-1-2");
+    let r = server.post("/jobs", &cfg);
+    assert_eq!(r.status, 409, "{}", r.text());
+    cfg["overwrite"] = json!(true);
+    let id = server.submit(&cfg);
+    server.events(id).until("done");
+    // A job without output after those: its own folder, never one in use.
+    let id = server.submit(&tiny_job(1));
+    let output = server.job(id)["output"].as_str().unwrap().to_string();
+    assert_eq!(
+        output,
+        root.join(format!("runs/job-{id}")).display().to_string()
+    );
+}
+
+#[test]
+fn a_job_killed_before_its_first_checkpoint_starts_over_in_its_own_folder() {
+    let ws = Workspace::new("startover");
+    let mut server = Server::start(&ws, &[]);
+    let id = server.submit(&tiny_job(100_000));
+    server.events(id).until("step");
+    server.kill();
+    let server = Server::start(&ws, &[]);
+    let events = server.events(id).until("step");
+    let messages = state_messages(&events);
+    assert!(
+        messages
+            .iter()
+            .any(|m| m.contains("before any checkpoint; starting over")),
+        "{messages:?}"
+    );
+    let job = server.wait_for(id, 60, |j| {
+        j["state"] != "running" || j["step"].as_i64().unwrap() >= 2
+    });
+    assert_eq!(job["state"], "running", "{job}");
+    assert_eq!(job["plan"]["start_step"], 0);
+    let r = server.post(&format!("/jobs/{id}/cancel"), &json!({}));
+    assert_eq!(r.status, 200, "{}", r.text());
+    server.events(id).until("cancelled");
+    let n = server.job(id)["step"].as_i64().unwrap();
+    assert_eq!(
+        metric_steps(&server, id, "train"),
+        (1..=n).collect::<Vec<_>>()
+    );
+}
+
 /// Trains the workspace's tiny model for a few steps through the server; the adapter's folder
 /// (canonical) and the job's id.
 fn trained_adapter(server: &Server, ws: &Workspace) -> (std::path::PathBuf, i64) {
@@ -864,6 +1098,87 @@ fn an_export_job_writes_a_merged_folder_that_lorafit_loads() {
         .unwrap()
         .1;
     assert!(tarred == &on_disk);
+
+    // Whatever the job's folder holds downloads, names past ustar's 100 bytes included, and the
+    // archive is streamed: the server's memory does not grow with it.
+    let long_dir = out.join(format!("{}/{}", "d".repeat(120), "e".repeat(90)));
+    std::fs::create_dir_all(&long_dir).unwrap();
+    let long_name = format!("{}.json", "f".repeat(150));
+    std::fs::write(long_dir.join(&long_name), b"{\"deep\": true}").unwrap();
+    let big_size: u64 = 160 << 20;
+    std::fs::File::create(out.join("big.bin"))
+        .unwrap()
+        .set_len(big_size)
+        .unwrap();
+    let pid = server.child.id();
+    // Resets the peak resident size (VmHWM) to the current one.
+    let _ = std::fs::write(format!("/proc/{pid}/clear_refs"), "5");
+    let before = resident_kib(pid, "VmRSS");
+    let r = server.get(&format!("/jobs/{id}/result"));
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(
+        r.header("content-length"),
+        Some(r.body.len().to_string().as_str())
+    );
+    let grew_mib = (resident_kib(pid, "VmHWM") - before) / 1024;
+    assert!(
+        grew_mib < 64,
+        "a {} MiB download raised the server's peak memory by {grew_mib} MiB",
+        big_size >> 20
+    );
+    let files = lorafit::serve::tar::read_tar(&r.body).unwrap();
+    let deep = files
+        .iter()
+        .find(|f| f.0.ends_with(&long_name))
+        .expect("the long name is in the archive");
+    assert_eq!(
+        deep.0,
+        format!(
+            "job-2-export/{}/{}/{long_name}",
+            "d".repeat(120),
+            "e".repeat(90)
+        )
+    );
+    assert_eq!(deep.1, b"{\"deep\": true}");
+    let big = files
+        .iter()
+        .find(|f| f.0 == "job-2-export/big.bin")
+        .unwrap();
+    assert_eq!(big.1.len() as u64, big_size);
+
+    // An export job writes into a new or an empty folder only: its result is the whole folder.
+    std::fs::create_dir_all(ws.root.join("exports/empty")).unwrap();
+    let export_into = |output: &str| {
+        server.post(
+            "/jobs",
+            &json!({"kind": "export", "model": "model", "adapter": "runs/trained/adapter",
+                    "format": "gguf-adapter", "output": output}),
+        )
+    };
+    for taken in [".", "runs", "exports"] {
+        let r = export_into(taken);
+        assert_eq!(r.status, 409, "{taken}: {}", r.text());
+        let msg = r.json()["error"].as_str().unwrap().to_string();
+        assert!(
+            msg.starts_with("output:") && msg.contains("not empty"),
+            "{msg}"
+        );
+    }
+    let r = export_into("exports/empty");
+    assert_eq!(r.status, 201, "{}", r.text());
+    server
+        .events(r.json()["id"].as_i64().unwrap())
+        .until("done");
+}
+
+/// A line of /proc/PID/status in KiB (`VmRSS`, `VmHWM`).
+fn resident_kib(pid: u32, field: &str) -> i64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix(&format!("{field}:")))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or_else(|| panic!("no {field} in /proc/{pid}/status"))
 }
 
 #[test]

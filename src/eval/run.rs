@@ -138,7 +138,7 @@ impl EvalOptions {
             ));
         }
         if let Some(d) = &self.device {
-            Device::parse(d).map_err(|e| field_error("device", format!("{e:#}")))?;
+            Device::check(d).map_err(|e| field_error("device", format!("{e:#}")))?;
         }
         Ok(())
     }

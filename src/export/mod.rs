@@ -132,6 +132,12 @@ impl ExportPlan {
         );
         Ok(formats)
     }
+
+    /// How many steps [`run_with`] reports: each artefact written and, with `check`, each one
+    /// checked.
+    pub fn total_steps(&self) -> Result<usize> {
+        Ok(self.resolved_formats()?.len() * if self.check { 2 } else { 1 })
+    }
 }
 
 /// Every name `run` writes into its output folder: the artefacts, the check's files, and the
@@ -236,7 +242,7 @@ pub fn run_with(
     let device = Device::Cpu;
     let base_is_gguf = is_gguf(&plan.model);
     let formats = plan.resolved_formats()?;
-    let total = formats.len() * if plan.check { 2 } else { 1 };
+    let total = plan.total_steps()?;
     let mut done = 0;
     let mut step = |what: String| {
         done += 1;

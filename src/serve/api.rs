@@ -12,12 +12,13 @@
 //! preflight this server never grants, so a page elsewhere cannot drive a server on localhost.
 //! Bodies are limited to `MAX_BODY` bytes. Database work runs on tokio's blocking pool.
 
-use super::db::{EventRow, JobKind, JobRow, JobState};
+use super::db::{Db, EventRow, JobKind, JobRow, JobState};
 use super::paths::PathRefused;
 use super::App;
 use crate::config::TrainConfig;
 use crate::eval::{EvalOptions, Scorer};
 use crate::export::ExportPlan;
+use axum::body::{Body, Bytes};
 use axum::extract::rejection::JsonRejection;
 use axum::extract::{DefaultBodyLimit, Path, RawQuery, Request, State};
 use axum::http::{header, HeaderMap, Method, StatusCode};
@@ -82,11 +83,34 @@ impl From<PathRefused> for ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        (self.status, Json(json!({"error": self.message}))).into_response()
+        let message = super::wording::api_wording(&self.message);
+        (self.status, Json(json!({"error": message}))).into_response()
     }
 }
 
 type ApiResult<T> = Result<T, ApiError>;
+
+/// The `{id}` of a `/jobs/{id}` route; one that is not a job id is a 400 in the API's JSON
+/// (axum's own answer is plain text).
+struct JobId(i64);
+
+impl<S: Send + Sync> axum::extract::FromRequestParts<S> for JobId {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(
+        parts: &mut axum::http::request::Parts,
+        state: &S,
+    ) -> Result<JobId, ApiError> {
+        let Path(raw) = Path::<String>::from_request_parts(parts, state)
+            .await
+            .map_err(|e| ApiError::new(e.status(), e.body_text()))?;
+        raw.parse().map(JobId).map_err(|_| {
+            ApiError::bad_request(format!(
+                "id: {raw:?} is not a job id (a whole number, as in /jobs/1)"
+            ))
+        })
+    }
+}
 
 /// Runs `f` with the app on the blocking pool (SQLite and file work).
 async fn blocking<T, F>(app: &Arc<App>, f: F) -> ApiResult<T>
@@ -204,11 +228,17 @@ async fn guard(State(app): State<Arc<App>>, req: Request, next: Next) -> Respons
             .and_then(|v| v.to_str().ok())
             .is_some_and(|v| v.starts_with("application/json"));
         if !json_type {
+            let body = if req.uri().path() == "/jobs" {
+                "the body is the job, a JSON object"
+            } else {
+                "an empty body is fine"
+            };
             return ApiError::new(
                 StatusCode::UNSUPPORTED_MEDIA_TYPE,
                 format!(
-                    "{} needs `Content-Type: application/json` (an empty body is fine)",
-                    req.method()
+                    "{} {} needs `Content-Type: application/json` ({body})",
+                    req.method(),
+                    req.uri().path()
                 ),
             )
             .into_response();
@@ -521,7 +551,9 @@ impl Submission {
         match self {
             Submission::Train(cfg) => {
                 confine(app, cfg)?;
-                validated(cfg)
+                validated(cfg)?;
+                crate::tensor::Device::check(&cfg.device)
+                    .map_err(|e| ApiError::bad_request(format!("device: {e:#}")))
             }
             Submission::Eval(o) => {
                 if let Some(c) = &o.config {
@@ -558,6 +590,34 @@ impl Submission {
                 Ok(())
             }
         }
+    }
+
+    /// Refuses a named output folder the job would spoil or that would spoil its result: a
+    /// train job's that holds a run (unless `overwrite`), an export job's that is not new or
+    /// empty (its result is the whole folder).
+    fn check_output(&self, dir: &std::path::Path) -> ApiResult<()> {
+        match self {
+            Submission::Train(cfg) if !cfg.overwrite => {
+                let held = crate::train::run_folder::run_outputs(dir)?;
+                if !held.is_empty() {
+                    return Err(ApiError::conflict(format!(
+                        "output: {} already holds a run ({}); name another folder, or set \
+                         `\"overwrite\": true` to delete that run's outputs and start again",
+                        dir.display(),
+                        held.join(", ")
+                    )));
+                }
+            }
+            Submission::Export(_) if !is_empty_or_missing(dir)? => {
+                return Err(ApiError::conflict(format!(
+                    "output: {} is not empty; an export job writes into a new or empty folder \
+                     (its result is that whole folder), so name another",
+                    dir.display()
+                )));
+            }
+            _ => {}
+        }
+        Ok(())
     }
 
     /// Points the job's outputs into `dir`.
@@ -639,6 +699,38 @@ fn load_job(app: &App, id: i64) -> ApiResult<JobRow> {
     app.db().job(id)?.ok_or(ApiError::not_found(id))
 }
 
+/// Whether `dir` does not exist or is an empty folder.
+fn is_empty_or_missing(dir: &std::path::Path) -> anyhow::Result<bool> {
+    match std::fs::read_dir(dir) {
+        Ok(mut entries) => Ok(entries.next().is_none()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(true),
+        Err(e) => Err(anyhow::anyhow!("reading {}: {e}", dir.display())),
+    }
+}
+
+/// The folder of job `id` when it names none: `runs/job-N` under the first root, or the first
+/// free one of `runs/job-N-2`, `runs/job-N-3`… when that one is taken (by an earlier job, or by
+/// a run of another database over the same root). A free folder is missing or empty, and no
+/// other job records it.
+fn default_output(app: &App, db: &Db, id: i64) -> ApiResult<std::path::PathBuf> {
+    let mut n = 1;
+    loop {
+        let name = match n {
+            1 => format!("runs/job-{id}"),
+            n => format!("runs/job-{id}-{n}"),
+        };
+        let dir = app.roots.writable("output", &name)?;
+        if is_empty_or_missing(&dir)?
+            && db
+                .output_in_use(&dir.display().to_string(), Some(id))?
+                .is_none()
+        {
+            return Ok(dir);
+        }
+        n += 1;
+    }
+}
+
 async fn submit(
     State(app): State<Arc<App>>,
     body: Result<Json<Value>, JsonRejection>,
@@ -647,32 +739,27 @@ async fn submit(
     let (mut sub, named_output) = Submission::parse(&body)?;
     blocking(&app, move |app| {
         sub.confine(app)?;
-        let output = match &named_output {
-            Some(o) => {
-                let dir = app.roots.writable("output", o)?;
-                sub.set_output(&dir);
-                Some(dir.display().to_string())
-            }
-            None => None,
-        };
+        let named_output = named_output
+            .map(|o| app.roots.writable("output", &o))
+            .transpose()?;
         let id = {
             let db = app.db();
-            if let Some(output) = &output {
-                if let Some(other) = db.output_in_use(output, None)? {
+            if let Some(dir) = &named_output {
+                if let Some(other) = db.output_in_use(&dir.display().to_string(), None)? {
                     return Err(ApiError::conflict(format!(
-                        "output: {output} is the output folder of job {other}; name another"
+                        "output: {} is the output folder of job {other}; name another",
+                        dir.display()
                     )));
                 }
+                sub.check_output(dir)?;
+                sub.set_output(dir);
             }
+            let output = named_output.as_ref().map(|d| d.display().to_string());
             let id = db.insert_job(sub.kind(), &sub.to_json()?, output.as_deref().unwrap_or(""))?;
-            if output.is_none() {
-                // The default output is the job's own folder under the first root.
-                let dir = app
-                    .roots
-                    .writable("output", &format!("runs/job-{id}"))
-                    .inspect_err(|_| {
-                        let _ = db.delete_job(id);
-                    })?;
+            if named_output.is_none() {
+                let dir = default_output(app, &db, id).inspect_err(|_| {
+                    let _ = db.delete_job(id);
+                })?;
                 sub.set_output(&dir);
                 db.set_config(id, &sub.to_json()?, &dir.display().to_string())?;
             }
@@ -701,11 +788,11 @@ async fn list_jobs(State(app): State<Arc<App>>) -> ApiResult<Json<Value>> {
     .await
 }
 
-async fn job_status(State(app): State<Arc<App>>, Path(id): Path<i64>) -> ApiResult<Json<Value>> {
+async fn job_status(State(app): State<Arc<App>>, JobId(id): JobId) -> ApiResult<Json<Value>> {
     blocking(&app, move |app| Ok(Json(detail(app, &load_job(app, id)?)?))).await
 }
 
-async fn job_metrics(State(app): State<Arc<App>>, Path(id): Path<i64>) -> ApiResult<Json<Value>> {
+async fn job_metrics(State(app): State<Arc<App>>, JobId(id): JobId) -> ApiResult<Json<Value>> {
     blocking(&app, move |app| {
         load_job(app, id)?;
         let rows = app.db().metrics(id)?;
@@ -715,7 +802,7 @@ async fn job_metrics(State(app): State<Arc<App>>, Path(id): Path<i64>) -> ApiRes
     .await
 }
 
-async fn cancel(State(app): State<Arc<App>>, Path(id): Path<i64>) -> ApiResult<Json<Value>> {
+async fn cancel(State(app): State<Arc<App>>, JobId(id): JobId) -> ApiResult<Json<Value>> {
     blocking(&app, move |app| {
         let job = load_job(app, id)?;
         match job.state {
@@ -771,7 +858,7 @@ async fn cancel(State(app): State<Arc<App>>, Path(id): Path<i64>) -> ApiResult<J
     .await
 }
 
-async fn resume(State(app): State<Arc<App>>, Path(id): Path<i64>) -> ApiResult<Json<Value>> {
+async fn resume(State(app): State<Arc<App>>, JobId(id): JobId) -> ApiResult<Json<Value>> {
     blocking(&app, move |app| {
         let job = load_job(app, id)?;
         if !matches!(job.state, JobState::Cancelled | JobState::Failed) {
@@ -807,7 +894,7 @@ async fn resume(State(app): State<Arc<App>>, Path(id): Path<i64>) -> ApiResult<J
     .await
 }
 
-async fn delete_job(State(app): State<Arc<App>>, Path(id): Path<i64>) -> ApiResult<Json<Value>> {
+async fn delete_job(State(app): State<Arc<App>>, JobId(id): JobId) -> ApiResult<Json<Value>> {
     blocking(&app, move |app| {
         let job = load_job(app, id)?;
         if !job.state.is_terminal() {
@@ -848,18 +935,77 @@ fn download(content_type: &str, filename: &str, bytes: Vec<u8>) -> Response {
         .into_response()
 }
 
+/// How much of an archive is read ahead of the connection: a few chunks, whatever its size.
+const ARCHIVE_CHUNK: usize = 256 * 1024;
+const ARCHIVE_CHUNKS_AHEAD: usize = 4;
+
+/// Hands what the archive writer writes to the response body in chunks; a closed connection
+/// ends the writing.
+struct ChunkSender {
+    tx: tokio::sync::mpsc::Sender<std::io::Result<Bytes>>,
+    chunk: Vec<u8>,
+}
+
+impl std::io::Write for ChunkSender {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let n = buf.len().min(ARCHIVE_CHUNK - self.chunk.len());
+        self.chunk.extend_from_slice(&buf[..n]);
+        if self.chunk.len() == ARCHIVE_CHUNK {
+            self.flush()?;
+        }
+        Ok(n)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        if self.chunk.is_empty() {
+            return Ok(());
+        }
+        let chunk = std::mem::replace(&mut self.chunk, Vec::with_capacity(ARCHIVE_CHUNK));
+        self.tx
+            .blocking_send(Ok(Bytes::from(chunk)))
+            .map_err(|_| std::io::Error::new(std::io::ErrorKind::BrokenPipe, "the client left"))
+    }
+}
+
+/// A tar archive as a download, streamed: its members are listed here (an unreadable folder is
+/// an error answer), then written on the blocking pool as the client reads. A file that fails
+/// mid-way ends the connection early, which the client sees as a short download of the
+/// announced length.
+fn tar_download(archive: super::tar::Archive, filename: &str) -> Response {
+    let (tx, mut rx) = tokio::sync::mpsc::channel(ARCHIVE_CHUNKS_AHEAD);
+    let len = archive.len();
+    tokio::task::spawn_blocking(move || {
+        let mut sender = ChunkSender {
+            tx: tx.clone(),
+            chunk: Vec::with_capacity(ARCHIVE_CHUNK),
+        };
+        if let Err(e) = archive.write_to(&mut sender) {
+            let _ = tx.blocking_send(Err(std::io::Error::other(format!("{e:#}"))));
+        }
+    });
+    let stream = futures_util::stream::poll_fn(move |cx| rx.poll_recv(cx));
+    (
+        [
+            (header::CONTENT_TYPE, "application/x-tar".to_string()),
+            (
+                header::CONTENT_DISPOSITION,
+                format!("attachment; filename=\"{filename}\""),
+            ),
+            (header::CONTENT_LENGTH, len.to_string()),
+        ],
+        Body::from_stream(stream),
+    )
+        .into_response()
+}
+
 fn adapter_tar(job: &JobRow) -> ApiResult<Response> {
     let dir = std::path::Path::new(&job.output).join("adapter");
     let prefix = format!("job-{}-adapter", job.id);
-    let bytes = super::tar::tar_folder(&dir, &prefix)?;
-    Ok(download(
-        "application/x-tar",
-        &format!("{prefix}.tar"),
-        bytes,
-    ))
+    let archive = super::tar::Archive::folder(&dir, &prefix)?;
+    Ok(tar_download(archive, &format!("{prefix}.tar")))
 }
 
-async fn adapter(State(app): State<Arc<App>>, Path(id): Path<i64>) -> ApiResult<Response> {
+async fn adapter(State(app): State<Arc<App>>, JobId(id): JobId) -> ApiResult<Response> {
     blocking(&app, move |app| {
         let job = done_job(app, id, "adapter")?;
         if job.kind != JobKind::Train {
@@ -885,7 +1031,7 @@ fn query_format(query: Option<&str>) -> Option<String> {
 /// `?format=markdown` the report, `?format=png` a comparison's chart), an export's folder (tar).
 async fn result(
     State(app): State<Arc<App>>,
-    Path(id): Path<i64>,
+    JobId(id): JobId,
     RawQuery(query): RawQuery,
 ) -> ApiResult<Response> {
     blocking(&app, move |app| {
@@ -895,12 +1041,8 @@ async fn result(
             JobKind::Train => adapter_tar(&job),
             JobKind::Export => {
                 let prefix = format!("job-{id}-export");
-                let bytes = super::tar::tar_tree(out, &prefix)?;
-                Ok(download(
-                    "application/x-tar",
-                    &format!("{prefix}.tar"),
-                    bytes,
-                ))
+                let archive = super::tar::Archive::tree(out, &prefix)?;
+                Ok(tar_download(archive, &format!("{prefix}.tar")))
             }
             JobKind::Eval => {
                 let format = query_format(query.as_deref()).unwrap_or_else(|| "json".into());
@@ -1026,7 +1168,7 @@ impl EventStream {
 /// after `done`, `failed` or `cancelled` once the job is in that state.
 async fn job_events(
     State(app): State<Arc<App>>,
-    Path(id): Path<i64>,
+    JobId(id): JobId,
     headers: HeaderMap,
 ) -> ApiResult<Sse<impl futures_util::Stream<Item = Result<Event, Infallible>>>> {
     // Subscribe before reading the database, so that nothing falls between the two.

@@ -197,22 +197,24 @@ fn with_state((mut job, state): (JobRow, String)) -> Result<JobRow> {
 
 impl Db {
     pub fn open(path: &Path) -> Result<Db> {
-        let conn = Connection::open(path)
-            .with_context(|| format!("opening the job database {}", path.display()))?;
+        Db::open_file(path).with_context(|| format!("opening the job database {}", path.display()))
+    }
+
+    fn open_file(path: &Path) -> Result<Db> {
+        let conn = Connection::open(path)?;
         // journal_mode answers with the mode now in force; WAL is what we asked for.
         conn.pragma_update_and_check(None, "journal_mode", "WAL", |_| Ok(()))?;
         conn.pragma_update(None, "synchronous", "NORMAL")?;
         conn.pragma_update(None, "foreign_keys", "ON")?;
         conn.busy_timeout(std::time::Duration::from_secs(10))?;
-        conn.execute_batch(SCHEMA)
-            .with_context(|| format!("creating the tables of {}", path.display()))?;
+        conn.execute_batch(SCHEMA).context("creating its tables")?;
         // A database from before job kinds: every job in it was a training run.
         let has_kind = conn
             .prepare("SELECT 1 FROM pragma_table_info('jobs') WHERE name = 'kind'")?
             .exists([])?;
         if !has_kind {
             conn.execute_batch("ALTER TABLE jobs ADD COLUMN kind TEXT NOT NULL DEFAULT 'train'")
-                .with_context(|| format!("adding job kinds to {}", path.display()))?;
+                .context("adding job kinds")?;
         }
         Ok(Db { conn })
     }
@@ -443,6 +445,17 @@ impl Db {
         Ok(self.conn.last_insert_rowid())
     }
 
+    /// How many times job `id` has been started (its `running` state events; a rewind keeps
+    /// them).
+    pub fn times_started(&self, id: i64) -> Result<i64> {
+        Ok(self.conn.query_row(
+            "SELECT COUNT(*) FROM events WHERE job_id = ?1 AND kind = 'state' \
+             AND json_extract(data, '$.state') = 'running'",
+            [id],
+            |r| r.get(0),
+        )?)
+    }
+
     /// A job's events after `seq`, oldest first.
     pub fn events_after(&self, id: i64, seq: i64) -> Result<Vec<EventRow>> {
         let mut stmt = self.conn.prepare(
@@ -506,6 +519,10 @@ mod tests {
             db.add_checkpoint(id, 3, "/nowhere/checkpoint-000003", false)
                 .unwrap();
             db.add_event(id, "state", None, "{}").unwrap();
+            db.add_event(id, "state", None, r#"{"state": "running"}"#)
+                .unwrap();
+            db.add_event(id, "state", None, r#"{"state": "queued"}"#)
+                .unwrap();
         }
         let db = Db::open(&path).unwrap();
         let job = db.job(1).unwrap().unwrap();
@@ -529,7 +546,8 @@ mod tests {
             .into_iter()
             .map(|e| e.kind)
             .collect();
-        assert_eq!(kinds, vec!["step", "step", "state"]);
+        assert_eq!(kinds, vec!["step", "step", "state", "state", "state"]);
+        assert_eq!(db.times_started(1).unwrap(), 1);
         assert_eq!(
             db.latest_metrics(1, "train").unwrap().as_deref(),
             Some("{\"step\":2}")

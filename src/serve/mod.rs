@@ -10,7 +10,10 @@
 //!   device), through the trainer's events interface (`train::events`).
 //! - `db`: the SQLite file: jobs, states, events, metric rows, checkpoints.
 //! - `paths`: confinement of every path a job names to the `--root` folders.
-//! - `tar`: the adapter download's archive format.
+//! - `tar`: the downloads' archive format, written as the client reads.
+//! - `lock`: one server per database (a lock file beside it, held for the server's life).
+//! - `wording`: the library's command-line advice in a failing job's messages, in the API's
+//!   words.
 //!
 //! Data flows one way: a request writes a queued job into the database and wakes the worker;
 //! the worker's listener writes what the trainer reports into the database and publishes each
@@ -18,8 +21,10 @@
 
 pub mod api;
 pub mod db;
+pub mod lock;
 pub mod paths;
 pub mod tar;
+pub mod wording;
 pub mod worker;
 
 use anyhow::{bail, Context, Result};
@@ -181,6 +186,10 @@ fn recover(app: &App) -> Result<()> {
 }
 
 /// Runs the server until SIGINT or SIGTERM; a running job then checkpoints and is requeued.
+///
+/// The order matters: the database's lock is taken before anything reads it (a second server
+/// on one database stops there), and the address is bound before any job is recovered (a
+/// server that cannot listen stops having changed nothing).
 pub fn run(opts: ServeOptions) -> Result<()> {
     if !opts.listen.ip().is_loopback() && opts.token.is_none() {
         bail!(
@@ -193,6 +202,19 @@ pub fn run(opts: ServeOptions) -> Result<()> {
         std::fs::create_dir_all(parent)
             .with_context(|| format!("creating {}", parent.display()))?;
     }
+    let mut lock = lock::DbLock::acquire(&opts.db)?;
+
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    let listener = runtime
+        .block_on(tokio::net::TcpListener::bind(opts.listen))
+        .with_context(|| format!("listening on {}", opts.listen))?;
+    let addr = listener.local_addr()?;
+    lock.record_address(addr)?;
+
     let db = Db::open(&opts.db)?;
     let (app, wake_rx) = App::new(db, roots, opts.token.clone());
     recover(&app)?;
@@ -205,29 +227,24 @@ pub fn run(opts: ServeOptions) -> Result<()> {
             .context("starting the job worker thread")?
     };
 
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .context("starting the async runtime")?;
+    // The first line on stdout: scripts and tests read the port from it.
+    println!("listening on http://{addr}");
+    eprintln!(
+        "lorafit serve: http://{addr} | database {} | roots {} | token {}",
+        opts.db.display(),
+        app.roots
+            .dirs()
+            .iter()
+            .map(|r| r.display().to_string())
+            .collect::<Vec<_>>()
+            .join(", "),
+        if app.token.is_some() {
+            "required"
+        } else {
+            "not required (loopback)"
+        }
+    );
     let served: Result<()> = runtime.block_on(async {
-        let listener = tokio::net::TcpListener::bind(opts.listen)
-            .await
-            .with_context(|| format!("listening on {}", opts.listen))?;
-        let addr = listener.local_addr()?;
-        // The first line on stdout: scripts and tests read the port from it.
-        println!("listening on http://{addr}");
-        eprintln!(
-            "lorafit serve: http://{addr} | database {} | roots {} | token {}",
-            opts.db.display(),
-            app.roots
-                .dirs()
-                .iter()
-                .map(|r| r.display().to_string())
-                .collect::<Vec<_>>()
-                .join(", "),
-            if app.token.is_some() { "required" } else { "not required (loopback)" }
-        );
         // On a signal the server stops at once rather than draining connections: SSE streams
         // would hold a graceful shutdown open for as long as their clients stay.
         tokio::select! {
@@ -241,6 +258,7 @@ pub fn run(opts: ServeOptions) -> Result<()> {
     app.shutdown.store(true, Ordering::SeqCst);
     app.wake_worker();
     let _ = worker.join();
+    drop(lock);
     served
 }
 

@@ -122,7 +122,10 @@ fn run_job_with(
         .unwrap_or_else(|p| p.into_inner())
         .remove(&id);
 
-    let step = app.db().job(id)?.map(|j| j.step).unwrap_or(0);
+    let (step, total) = app
+        .db()
+        .job(id)?
+        .map_or((0, None), |j| (j.step, j.total_steps));
     match result {
         Ok(Ok(Outcome::Done(data))) => {
             app.db().set_resume_from(id, None)?;
@@ -140,20 +143,18 @@ fn run_job_with(
                 app.db().rewind_to(id, 0)?;
             }
             if cancel.load(Ordering::SeqCst) {
+                let state_message = cancelled_message(job.kind, step, total);
                 let message = match &checkpoint {
-                    Some(c) => format!("cancelled at step {step}; checkpoint in {c}"),
-                    None => format!("cancelled at step {step}"),
+                    Some(c) => format!("{state_message}; checkpoint in {c}"),
+                    None => state_message.clone(),
                 };
-                app.set_state(
-                    id,
-                    JobState::Cancelled,
-                    &format!("cancelled at step {step}"),
-                )?;
+                app.set_state(id, JobState::Cancelled, &state_message)?;
                 app.emit(
                     id,
                     "cancelled",
                     None,
-                    json!({"step": step, "checkpoint": checkpoint, "message": message}),
+                    json!({"step": step, "total_steps": total, "checkpoint": checkpoint,
+                           "message": message}),
                 )?;
             } else {
                 // The server is shutting down: the job goes back into the queue.
@@ -183,7 +184,32 @@ fn run_job_with(
     Ok(())
 }
 
+/// What a cancelled job had done: a training run's step, an eval's examples scored, an
+/// export's artefacts written and checked (the last two rerun from the start).
+fn cancelled_message(kind: JobKind, step: i64, total: Option<i64>) -> String {
+    let total = total.map_or("?".to_string(), |t| t.to_string());
+    match kind {
+        JobKind::Train => format!("cancelled at step {step}"),
+        JobKind::Eval if step == 0 => {
+            "cancelled before its first example was scored; resuming reruns it from the start"
+                .to_string()
+        }
+        JobKind::Eval => format!(
+            "cancelled after scoring {step} of {total} examples; resuming reruns it from the start"
+        ),
+        JobKind::Export if step == 0 => {
+            "cancelled before its first artefact was written; resuming reruns it from the start"
+                .to_string()
+        }
+        JobKind::Export => format!(
+            "cancelled after {step} of {total} export steps (each artefact written, then \
+             checked); resuming reruns it from the start"
+        ),
+    }
+}
+
 fn fail(app: &App, id: i64, step: i64, reason: &str) -> Result<()> {
+    let reason = &super::wording::api_wording(reason);
     // A failed job resumes, if asked, from its last complete checkpoint.
     let checkpoint = app.db().last_checkpoint(id)?;
     app.db()
@@ -206,11 +232,18 @@ fn fail(app: &App, id: i64, step: i64, reason: &str) -> Result<()> {
 
 /// Loads the job's model and data as `lorafit train` does and trains.
 fn train_job(app: &App, job: &JobRow, cancel: &AtomicBool) -> Result<Outcome> {
-    let cfg: TrainConfig = serde_json::from_str(&job.config).context("the job's stored config")?;
+    let mut cfg: TrainConfig =
+        serde_json::from_str(&job.config).context("the job's stored config")?;
+    let resume = job.resume_from.as_ref().map(PathBuf::from);
+    if resume.is_none() && app.db().times_started(job.id)? > 1 {
+        // Starting over (no checkpoint to resume from) after an earlier attempt: what that
+        // attempt wrote is replaced. The folder held no run when the job was submitted
+        // (`check_output`) and no other job writes there, so the run in it is this job's own.
+        cfg.overwrite = true;
+    }
     let device = Device::parse(&cfg.device)?;
     let loaded = trainer::load_configured(&cfg, &device)?;
     let (train_items, valid_items) = trainer::load_train_and_valid(&loaded, &cfg)?;
-    let resume = job.resume_from.as_ref().map(PathBuf::from);
     let mut listener = JobListener {
         app,
         id: job.id,
@@ -247,9 +280,7 @@ fn report_progress(
     total: usize,
     message: String,
 ) -> Result<()> {
-    if stop_requested(app, cancel) {
-        return Err(StopRequested.into());
-    }
+    // What was done is recorded before a stop request ends the run, so a cancel says it.
     app.db().set_progress(id, done as i64, total as i64)?;
     let every = total.div_ceil(100).max(1);
     if done.is_multiple_of(every) || done == total {
@@ -259,6 +290,9 @@ fn report_progress(
             Some(done as i64),
             json!({"step": done, "total_steps": total, "message": message}),
         )?;
+    }
+    if stop_requested(app, cancel) {
+        return Err(StopRequested.into());
     }
     Ok(())
 }
@@ -320,6 +354,8 @@ fn export_job(app: &App, job: &JobRow, cancel: &AtomicBool) -> Result<Outcome> {
         serde_json::from_str(&job.config).context("the job's stored settings")?;
     plan.model = trainer::resolve_model_path(&plan.model.display().to_string())?;
     let formats = plan.resolved_formats()?;
+    app.db()
+        .set_progress(job.id, 0, plan.total_steps()? as i64)?;
     app.emit(
         job.id,
         "started",
@@ -504,6 +540,64 @@ mod tests {
         assert_eq!(state, JobState::Failed);
         assert_eq!(reason, "training example 4: out of memory");
         assert!(app.db().next_queued().unwrap().is_none());
+    }
+
+    #[test]
+    fn a_cancelled_eval_or_export_says_what_it_had_done() {
+        let app = app("cancelmsg");
+        let cancelled = |kind: JobKind, work: &dyn Fn(&App, i64, &AtomicBool)| {
+            let id = app.db().insert_job(kind, "{}", "/out/x").unwrap();
+            let job = app.db().next_queued().unwrap().unwrap();
+            run_job_with(&app, job, |app, job, cancel| {
+                work(app, job.id, cancel);
+                cancel.store(true, Ordering::SeqCst);
+                stopped_or(StopRequested.into())
+            })
+            .unwrap();
+            let (state, message, _) = outcome_of(&app, id);
+            assert_eq!(state, JobState::Cancelled);
+            let event = app.db().events_after(id, 0).unwrap().pop().unwrap();
+            assert_eq!(event.kind, "cancelled");
+            let data: Value = serde_json::from_str(&event.data).unwrap();
+            (message, data)
+        };
+        // An export knows its steps from the start (export_job records 0 of them).
+        let (message, data) = cancelled(JobKind::Export, &|app, id, _| {
+            app.db().set_progress(id, 0, 4).unwrap();
+        });
+        assert!(
+            message.starts_with("cancelled before its first artefact was written"),
+            "{message}"
+        );
+        assert_eq!(
+            (data["step"].as_i64(), data["total_steps"].as_i64()),
+            (Some(0), Some(4))
+        );
+        let (message, data) = cancelled(JobKind::Export, &|app, id, cancel| {
+            app.db().set_progress(id, 0, 4).unwrap();
+            report_progress(app, id, cancel, 1, 4, "wrote adapter.gguf".into()).unwrap();
+            // The artefact in hand when the cancel came is finished and counted.
+            cancel.store(true, Ordering::SeqCst);
+            assert!(report_progress(app, id, cancel, 2, 4, "checked".into()).is_err());
+        });
+        assert!(
+            message.starts_with("cancelled after 2 of 4 export steps"),
+            "{message}"
+        );
+        assert_eq!(data["message"], message.as_str());
+        let (message, _) = cancelled(JobKind::Eval, &|_, _, _| {});
+        assert!(
+            message.starts_with("cancelled before its first example was scored"),
+            "{message}"
+        );
+        let (message, _) = cancelled(JobKind::Eval, &|app, id, cancel| {
+            report_progress(app, id, cancel, 3, 12, "3/12 scored".into()).unwrap();
+        });
+        assert!(
+            message.starts_with("cancelled after scoring 3 of 12 examples"),
+            "{message}"
+        );
+        assert!(!message.contains("step"), "{message}");
     }
 
     #[test]

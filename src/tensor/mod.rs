@@ -67,11 +67,27 @@ impl Device {
 
     /// Parses `cpu`, `cuda` or `cuda:N`.
     pub fn parse(s: &str) -> Result<Device> {
+        match Device::ordinal(s)? {
+            None => Ok(Device::Cpu),
+            Some(n) => Device::cuda(n),
+        }
+    }
+
+    /// Checks that [`Device::parse`] would find the device `s` names, without opening it.
+    pub fn check(s: &str) -> Result<()> {
+        match Device::ordinal(s)? {
+            None => Ok(()),
+            Some(n) => cuda::probe(n),
+        }
+    }
+
+    /// The GPU a device name names (None: the CPU).
+    fn ordinal(s: &str) -> Result<Option<usize>> {
         match s {
-            "cpu" => Ok(Device::Cpu),
-            "cuda" | "gpu" => Device::cuda(0),
+            "cpu" => Ok(None),
+            "cuda" | "gpu" => Ok(Some(0)),
             _ => match s.strip_prefix("cuda:").map(str::parse::<usize>) {
-                Some(Ok(n)) => Device::cuda(n),
+                Some(Ok(n)) => Ok(Some(n)),
                 _ => bail!("unknown device {s:?}: expected cpu, cuda or cuda:N"),
             },
         }

@@ -76,6 +76,36 @@ fn is_run_output(name: &str) -> bool {
         || name.starts_with("events.out.tfevents.")
 }
 
+/// The entries of `out_dir` that a run writes there (leftovers of an interrupted write
+/// included), by name.
+fn outputs_in(out_dir: &Path) -> Result<Vec<(String, PathBuf)>> {
+    let mut outputs = Vec::new();
+    for entry in
+        std::fs::read_dir(out_dir).with_context(|| format!("reading {}", out_dir.display()))?
+    {
+        let entry = entry?;
+        let name = entry.file_name().to_string_lossy().to_string();
+        if is_run_output(&name) {
+            outputs.push((name, entry.path()));
+        }
+    }
+    outputs.sort();
+    Ok(outputs)
+}
+
+/// What a run left in `out_dir` (adapter, checkpoints, logs...), by name: empty when the folder
+/// holds no run or does not exist.
+pub fn run_outputs(out_dir: &Path) -> Result<Vec<String>> {
+    if !out_dir.exists() {
+        return Ok(Vec::new());
+    }
+    Ok(outputs_in(out_dir)?
+        .into_iter()
+        .map(|(name, _)| name)
+        .filter(|name| !name.starts_with(".tmp-"))
+        .collect())
+}
+
 /// Makes `out_dir` ready for a run. A folder that already holds a run is refused unless the run
 /// resumes into it from one of its own checkpoints or `overwrite` is set, in which case that
 /// run's outputs (and only those) are deleted first. A resume from an earlier checkpoint of the
@@ -91,17 +121,7 @@ pub fn prepare(out_dir: &Path, resume: Option<&Path>, overwrite: bool) -> Result
         );
     }
     std::fs::create_dir_all(out_dir).with_context(|| format!("creating {}", out_dir.display()))?;
-    let mut outputs = Vec::new();
-    for entry in
-        std::fs::read_dir(out_dir).with_context(|| format!("reading {}", out_dir.display()))?
-    {
-        let entry = entry?;
-        let name = entry.file_name().to_string_lossy().to_string();
-        if is_run_output(&name) {
-            outputs.push((name, entry.path()));
-        }
-    }
-    outputs.sort();
+    let outputs = outputs_in(out_dir)?;
     let holds_run = outputs.iter().any(|(n, _)| !n.starts_with(".tmp-"));
     let own_checkpoint = resume.is_some_and(|c| {
         let folder = c.parent().and_then(|p| p.canonicalize().ok());

@@ -528,6 +528,26 @@ fn no_device(ordinal: usize, detail: &str) -> String {
     )
 }
 
+/// Whether GPU `ordinal` is there, without opening it: the driver is loaded and asked how many
+/// devices it sees (no context is created and no kernel compiled, so a server can check a job's
+/// device while another job trains on it).
+pub fn probe(ordinal: usize) -> Result<()> {
+    // SAFETY: probing only opens the library.
+    if !unsafe { sys::is_culib_present() } {
+        bail!(NO_DRIVER);
+    }
+    let count = catch("CUDA initialisation failed", || {
+        CudaContext::device_count().map_err(|e| anyhow!(no_device(ordinal, &format!("{e:?}"))))
+    })?;
+    if ordinal >= count.max(0) as usize {
+        bail!(no_device(
+            ordinal,
+            &format!("the driver sees {count} device(s)")
+        ));
+    }
+    Ok(())
+}
+
 #[allow(clippy::too_many_arguments)]
 /// `LORAFIT_DEVICE_CAP_GIB`: the allocator refuses, as the driver would when out of memory, any
 /// allocation that takes the live bytes past this many GiB, while the free memory the planner
