@@ -315,7 +315,7 @@ fn ctrl_c_stops_with_a_checkpoint_and_the_resume_is_exact() {
     let whole = dir.join("whole");
     run_to_end(&setup, &whole, &long);
     let cut = dir.join("cut");
-    let mut child = train_command(&setup, &cut, &long).spawn().unwrap();
+    let child = train_command(&setup, &cut, &long).spawn().unwrap();
     // Interrupted once training has begun (the handler is set just before the first step).
     let metrics = cut.join("metrics.jsonl");
     let t0 = Instant::now();

@@ -17,6 +17,7 @@ const REWORDED: &[(&str, &str)] = &[
         "set `data`",
     ),
     ("(--output DIR)", "(`output`)"),
+    ("(--output)", "(`output`)"),
     ("(--data)", "(`data`)"),
     ("pass --model PATH", "set `model`"),
     ("(--device cpu)", "(`\"device\": \"cpu\"`)"),
@@ -70,7 +71,7 @@ mod tests {
         std::fs::create_dir_all(dir.join("adapter")).unwrap();
         std::fs::write(dir.join("plan.toml"), "").unwrap();
 
-        let holds = run_folder::prepare(&dir, false, false).unwrap_err();
+        let holds = run_folder::prepare(&dir, None, false).unwrap_err();
         let cli = format!("{holds:#}");
         assert!(cli.contains("--overwrite"), "{cli}");
         let api = api_wording(&cli);
