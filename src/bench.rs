@@ -243,6 +243,10 @@ pub fn measure_gemm_peak(device: &Device) -> Result<f64> {
 }
 
 pub fn run(a: BenchArgs) -> Result<()> {
+    ensure!(
+        a.steps > 0 || a.plan_only || a.decode,
+        "--steps 0: nothing would be timed; give at least 1 (the warm-up steps are not timed)"
+    );
     if a.decode {
         return run_decode(&a);
     }

@@ -176,8 +176,8 @@ pub struct TrainConfig {
     /// Peak learning rate; 0 picks the method's default (ORPO 1e-5, SFT 2e-4, DPO 5e-6, SimPO 1e-6·…).
     pub lr: f64,
     pub warmup_ratio: f64,
-    /// Warm-up steps; unset derives them from `warmup_ratio` (TRL's `warmup_steps`). plan.toml
-    /// records the number the run used.
+    /// Warm-up steps; unset or 0 derives them from `warmup_ratio`, rounded up (TRL's
+    /// `warmup_steps`, as transformers reads it). plan.toml records the number the run used.
     pub warmup_steps: Option<usize>,
     /// Learning-rate schedule after the linear warm-up: "cosine", "linear" or "constant"
     /// (`constant_with_warmup` is "constant"); `LrDecay`.
@@ -440,6 +440,10 @@ const TRL_NAMES: &[(&str, &str)] = &[
     ("target_modules", "targets"),
     ("lora_target_modules", "targets"),
     ("use_rslora", "rslora"),
+    // PEFT's rank.
+    ("r", "rank"),
+    // TRL's DPOConfig.loss_type.
+    ("loss_type", "dpo_loss_type"),
 ];
 
 /// TRL and transformers settings that lorafit has no counterpart for, each with what lorafit
@@ -466,6 +470,9 @@ const TRL_NOT_TAKEN: &[(&str, &str)] = &[
     ("push_to_hub", "lorafit writes local files only"),
     ("hub_model_id", "lorafit writes local files only"),
     ("use_liger_kernel", "lorafit runs its own fused kernels"),
+    ("bias", "LoRA adapters train no bias (PEFT's bias = \"none\")"),
+    ("use_dora", "lorafit trains LoRA adapters, not DoRA"),
+    ("modules_to_save", "only the LoRA matrices train; no base module is trained or saved"),
     ("torch_compile", "lorafit runs its own fused kernels"),
 ];
 
@@ -571,6 +578,11 @@ impl TrainConfig {
             if out.contains_key(&name) {
                 bail!("setting `{name}` is given twice (as `{k}` and under another name)");
             }
+            // transformers' `max_steps = -1` (its default) means "from the epochs", lorafit's 0.
+            let v = match (&*name, v) {
+                ("steps", toml::Value::Integer(-1)) => toml::Value::Integer(0),
+                (_, v) => v,
+            };
             out.insert(name, v);
         }
         match unknown.as_slice() {
@@ -586,6 +598,13 @@ impl TrainConfig {
     }
 
     pub fn from_toml_file(path: &Path) -> Result<TrainConfig> {
+        TrainConfig::from_toml_file_for(path, None)
+    }
+
+    /// [`TrainConfig::from_toml_file`] for a run whose method is `method` when it is given
+    /// (a flag over the file's): TRL's `beta` then becomes that method's β (`dpo_beta`,
+    /// `simpo_beta`, ORPO's λ), not the one the file's own method, or its absence, would pick.
+    pub fn from_toml_file_for(path: &Path, method: Option<&str>) -> Result<TrainConfig> {
         let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("");
         if matches!(ext, "yaml" | "yml" | "json") {
             bail!(
@@ -596,8 +615,11 @@ impl TrainConfig {
         }
         let text =
             std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-        let table: toml::Table = toml::from_str(&text)
+        let mut table: toml::Table = toml::from_str(&text)
             .with_context(|| format!("{}: not a TOML file", path.display()))?;
+        if let Some(m) = method {
+            table.insert("method".into(), toml::Value::String(m.to_string()));
+        }
         let table =
             TrainConfig::normalize(table).with_context(|| format!("in {}", path.display()))?;
         table
@@ -625,8 +647,12 @@ impl TrainConfig {
     /// Warm-up steps of a run of `total_steps`: `warmup_steps` if set, else `warmup_ratio` of
     /// the steps, rounded; never more than the run.
     pub fn resolved_warmup(&self, total_steps: usize) -> usize {
+        // As transformers' `get_warmup_steps`: a positive `warmup_steps`, else the ratio's
+        // steps rounded up (`warmup_steps = 0`, TRL's default, is "from the ratio").
+        let from_ratio = (self.warmup_ratio * total_steps as f64).ceil() as usize;
         self.warmup_steps
-            .unwrap_or((self.warmup_ratio * total_steps as f64).round() as usize)
+            .filter(|&w| w > 0)
+            .unwrap_or(from_ratio)
             .min(total_steps)
     }
 
@@ -1016,6 +1042,44 @@ mod tests {
         let back = TrainConfig::from_toml_file(&path).unwrap();
         let _ = std::fs::remove_dir_all(&dir);
         assert_eq!(back.to_toml().unwrap(), text);
+    }
+
+    /// A TRL config's names: `beta` is the β of the method the run ends with (a flag's over the
+    /// file's), `max_steps = -1` is "from the epochs", `warmup_steps = 0` leaves the warm-up to
+    /// `warmup_ratio`, rounded up as transformers rounds it; PEFT's `r` and DPO's `loss_type`
+    /// are lorafit's `rank` and `dpo_loss_type`.
+    #[test]
+    fn trl_settings_mean_what_they_mean_in_trl() {
+        let dir = std::env::temp_dir().join(format!("lorafit-trl-cfg-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("trl.toml");
+        std::fs::write(
+            &path,
+            "beta = 0.05\nmax_steps = -1\nwarmup_steps = 0\nwarmup_ratio = 0.1\nr = 8\n\
+             loss_type = \"ipo\"\n",
+        )
+        .unwrap();
+        let orpo = TrainConfig::from_toml_file(&path).unwrap();
+        assert_eq!(orpo.orpo_lambda, 0.05);
+        assert_eq!((orpo.steps, orpo.rank), (0, 8));
+        assert_eq!(orpo.dpo_loss_type, DpoLossType::Ipo);
+        // 0.1 × 25 = 2.5 steps: 3, as transformers' ceil; warmup_steps = 0 is "from the ratio".
+        assert_eq!(orpo.resolved_warmup(25), 3);
+        let explicit = TrainConfig {
+            warmup_steps: Some(5),
+            ..orpo.clone()
+        };
+        assert_eq!(explicit.resolved_warmup(25), 5);
+        let dpo = TrainConfig::from_toml_file_for(&path, Some("dpo")).unwrap();
+        assert_eq!((dpo.method, dpo.dpo_beta), (Method::Dpo, 0.05));
+        assert_eq!(dpo.orpo_lambda, TrainConfig::default().orpo_lambda);
+        let simpo = TrainConfig::from_toml_file_for(&path, Some("simpo")).unwrap();
+        assert_eq!(simpo.simpo_beta, 0.05);
+        let e = TrainConfig::setting_name("use_dora", "orpo")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("not DoRA"), "{e}");
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

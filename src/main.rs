@@ -696,7 +696,8 @@ struct DemoArgs {
     model: String,
     #[arg(long, default_value = "cpu")]
     device: String,
-    #[arg(long, default_value_t = 120)]
+    /// Optimiser steps of the demo's run (at least 1).
+    #[arg(long, default_value_t = 120, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     steps: usize,
     #[arg(long, default_value = "runs/demo")]
     output: String,
@@ -839,18 +840,13 @@ fn apply_overrides(mut cfg: TrainConfig, a: &TrainArgs) -> Result<TrainConfig> {
     cfg.tensorboard |= a.tensorboard;
     if !a.set.is_empty() {
         let mut table: toml::Table = toml::from_str(&cfg.to_toml()?)?;
+        // TRL's `beta` is the β of the method the run ends with, whichever `--set` names it.
+        let method = run_method(a)?.unwrap_or_else(|| cfg_method_name(&cfg));
         for kv in &a.set {
             let (k, v) = kv
                 .split_once('=')
                 .with_context(|| format!("--set {kv}: expected KEY=VALUE"))?;
-            let value: toml::Value = toml::from_str::<toml::Table>(&format!("x = {v}"))
-                .map(|mut t| t.remove("x").unwrap())
-                .unwrap_or_else(|_| toml::Value::String(v.to_string()));
-            let method = table
-                .get("method")
-                .and_then(|m| m.as_str())
-                .unwrap_or("orpo")
-                .to_string();
+            let value = set_value(v);
             let name = TrainConfig::setting_name(k.trim(), &method)
                 .with_context(|| format!("--set {kv}"))?;
             table.insert(name, value);
@@ -860,6 +856,39 @@ fn apply_overrides(mut cfg: TrainConfig, a: &TrainArgs) -> Result<TrainConfig> {
         cfg = table.try_into().context("--set")?;
     }
     Ok(cfg)
+}
+
+/// A `--set` value: TOML, or else the text as a string (`--set method=dpo`).
+fn set_value(v: &str) -> toml::Value {
+    toml::from_str::<toml::Table>(&format!("x = {v}"))
+        .map(|mut t| t.remove("x").unwrap())
+        .unwrap_or_else(|_| toml::Value::String(v.to_string()))
+}
+
+fn cfg_method_name(cfg: &TrainConfig) -> String {
+    cfg_method_name_of(cfg.method).unwrap_or_else(|_| "orpo".into())
+}
+
+/// A method's name as settings write it (`dpo`).
+fn cfg_method_name_of(m: Method) -> Result<String> {
+    Ok(toml::Value::try_from(m)?
+        .as_str()
+        .context("a method's name")?
+        .to_string())
+}
+
+/// The method the flags give the run (the last `--set method=`, else `--method`), if they do.
+fn run_method(a: &TrainArgs) -> Result<Option<String>> {
+    let set = a.set.iter().rev().find_map(|kv| {
+        kv.split_once('=')
+            .filter(|(k, _)| k.trim() == "method")
+            .map(|(_, v)| set_value(v))
+    });
+    Ok(match (set, a.method) {
+        (Some(v), _) => v.as_str().map(str::to_string),
+        (None, Some(m)) => Some(cfg_method_name_of(m)?),
+        (None, None) => None,
+    })
 }
 
 /// Whether the output folder was named (flag, `--set`, or the config file), as opposed to left
@@ -891,7 +920,7 @@ fn run_train(a: TrainArgs) -> Result<()> {
         );
     }
     let base = match (&a.config, &a.resume) {
-        (Some(p), _) => TrainConfig::from_toml_file(p)?,
+        (Some(p), _) => TrainConfig::from_toml_file_for(p, run_method(&a)?.as_deref())?,
         // A resume without a config continues with the checkpoint's own settings.
         (None, Some(r)) => {
             let checkpoint = lorafit::train::run_folder::find_checkpoint(r)?;
@@ -948,8 +977,9 @@ fn validate_settings(cfg: &TrainConfig, config: Option<&std::path::Path>) -> Res
 fn run_lint(a: LintArgs) -> Result<bool> {
     // The flags over the config's settings over the defaults: the run's settings as train
     // reads them.
+    let method = a.method.map(cfg_method_name_of).transpose()?;
     let mut cfg = match &a.config {
-        Some(p) => TrainConfig::from_toml_file(p)?,
+        Some(p) => TrainConfig::from_toml_file_for(p, method.as_deref())?,
         None => TrainConfig::default(),
     };
     if let Some(m) = a.model {
@@ -1148,10 +1178,17 @@ fn main() {
         Cmd::Serve(a) => run_serve(a),
         Cmd::Selftest { device, seed } => {
             (|| {
-                let device = Device::parse(&device)?;
-                if !device.is_cuda() {
-                    bail!("selftest compares a CUDA device against the CPU reference: pass --device cuda");
+                if device == "cpu" {
+                    bail!("selftest compares a CUDA device against the CPU reference: pass --device cuda (or cuda:N)");
                 }
+                // Without a GPU there is nothing to compare: the device error's own advice
+                // (run on the CPU) does not apply here.
+                let device = Device::parse(&device).map_err(|e| {
+                    anyhow::anyhow!(
+                        "{}; selftest needs a GPU, since it compares one against the CPU reference",
+                        format!("{e:#}").replace(", or run on the CPU (--device cpu)", "")
+                    )
+                })?;
                 lorafit::selftest(&device, seed)
             })()
         }

@@ -567,3 +567,46 @@ fn prompts_past_the_context_are_refused() {
         "the next turn ran: {err}"
     );
 }
+
+/// Flags that would time nothing or run something else than asked are refused with what to
+/// give: `bench --steps 0` (it panicked), `demo --steps 0` (it ran a whole epoch), and
+/// `selftest` without a GPU or on the CPU (each pointed at the other).
+#[test]
+fn commands_refuse_counts_and_devices_that_do_nothing() {
+    let args = |a: &[&str]| -> Vec<std::ffi::OsString> { a.iter().map(|s| s.into()).collect() };
+    let run = |a: &[&str]| {
+        let a = args(a);
+        let refs: Vec<&std::ffi::OsStr> = a.iter().map(|s| s.as_os_str()).collect();
+        lorafit(&refs, "")
+    };
+    let (ok, err) = run(&[
+        "bench",
+        "--device",
+        "cpu",
+        "--shape",
+        "tiny",
+        "--prompt-len",
+        "16",
+        "--resp-len",
+        "8",
+        "--steps",
+        "0",
+        "--warmup",
+        "1",
+    ]);
+    assert!(
+        !ok && err.contains("--steps 0: nothing would be timed"),
+        "{err}"
+    );
+    assert!(!err.contains("panicked"), "{err}");
+    let (ok, err) = run(&["demo", "--steps", "0"]);
+    assert!(!ok && err.contains("'--steps <STEPS>'"), "{err}");
+    let (ok, err) = run(&["selftest", "--device", "cpu"]);
+    assert!(!ok && err.contains("pass --device cuda"), "{err}");
+    // Without a GPU (CI's machines): the advice is not to run it on the CPU.
+    let (ok, err) = run(&["selftest", "--device", "cuda:7"]);
+    if !ok {
+        assert!(err.contains("selftest needs a GPU"), "{err}");
+        assert!(!err.contains("--device cpu"), "{err}");
+    }
+}

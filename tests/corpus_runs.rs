@@ -884,3 +884,37 @@ fn config_json_zero_counts_never_panic() {
     assert!(failures.is_empty(), "{}", failures.join("\n"));
     let _ = std::fs::remove_dir_all(&d);
 }
+
+/// TRL's `beta` in a settings file is the β of the method the run ends with: the file's, or the
+/// one `--method` or a later `--set method=` gives (it went to ORPO's λ when the method came from
+/// a flag).
+#[test]
+fn trl_beta_follows_the_runs_method() {
+    let root = scratch("trl-beta");
+    model_folder(&root);
+    data_file(&root.join("train.jsonl"), 8, 1);
+    let config = file(&root, "trl.toml", "beta = 0.05\nmax_steps = 1\n");
+    for (args, key, want) in [
+        (vec!["--method", "dpo"], "dpo_beta", 0.05),
+        (
+            vec!["--set", "beta=0.07", "--set", "method=dpo"],
+            "dpo_beta",
+            0.07,
+        ),
+        (vec!["--set", "method=simpo"], "simpo_beta", 0.05),
+        (vec![], "orpo_lambda", 0.05),
+    ] {
+        let out = root.join(format!("run-{key}-{}", args.len()));
+        let mut a = vec![s("--config"), config.clone()];
+        a.extend(args.iter().map(|x| s(x)));
+        let o = train(&root, &out, &a);
+        assert!(
+            o.status.success(),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        let plan: toml::Table =
+            toml::from_str(&std::fs::read_to_string(out.join("plan.toml")).unwrap()).unwrap();
+        assert_eq!(plan[key].as_float(), Some(want), "{args:?}: {key}");
+    }
+}

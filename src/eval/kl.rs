@@ -270,6 +270,27 @@ pub fn layer_kl(
 /// One `lorafit kl` run: loads both models on the device, reads the rows, measures every
 /// layer with a progress bar over the rows, and writes `opts.output`.
 pub fn run(opts: &KlOptions) -> Result<KlFile> {
+    // Where the table goes is checked before the forward passes, not after them.
+    let out = &opts.output;
+    if out.is_dir() {
+        bail!(
+            "--output {}: a folder; name the JSON file to write",
+            out.display()
+        );
+    }
+    if let Some(dir) = out.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    let existed = out.exists();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(out)
+        .with_context(|| format!("--output {}: cannot be written", out.display()))?;
+    if !existed {
+        std::fs::remove_file(out).with_context(|| format!("removing {}", out.display()))?;
+    }
     let device = Device::parse(&opts.device)?;
     let mut loaded = load_with_template(
         &opts.model,
@@ -304,9 +325,6 @@ pub fn run(opts: &KlOptions) -> Result<KlFile> {
             .map(|(layer, &kl)| LayerKl { layer, kl })
             .collect(),
     };
-    if let Some(dir) = opts.output.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    }
     std::fs::write(&opts.output, serde_json::to_string_pretty(&file)? + "\n")
         .with_context(|| format!("writing {}", opts.output.display()))?;
     Ok(file)

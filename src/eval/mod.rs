@@ -115,6 +115,13 @@ pub fn run_ifeval_with(
     subject: &str,
     tick: &mut dyn FnMut(usize) -> Result<()>,
 ) -> Result<IfevalRun> {
+    if loaded.template.is_none() {
+        eprintln!(
+            "note: {} has no chat template: each instruction is given as plain text, not as a \
+             user turn (pass --chat-template FILE to score it as a chat model)",
+            loaded.model_path.display()
+        );
+    }
     let bar = indicatif::ProgressBar::new(prompts.len() as u64);
     let mut responses = Vec::with_capacity(prompts.len());
     for p in prompts {

@@ -157,7 +157,14 @@ impl EvalOptions {
     /// device and method given here.
     pub fn train_config(&self) -> Result<TrainConfig> {
         let mut cfg = match &self.config {
-            Some(p) => TrainConfig::from_toml_file(p)?,
+            // The method given here decides what the file's TRL `beta` is.
+            Some(p) => TrainConfig::from_toml_file_for(
+                p,
+                self.method
+                    .and_then(|m| toml::Value::try_from(m).ok())
+                    .as_ref()
+                    .and_then(|v| v.as_str()),
+            )?,
             None => TrainConfig {
                 model: "smollm2".into(),
                 ..TrainConfig::default()

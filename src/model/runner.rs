@@ -332,6 +332,23 @@ impl Model {
         self.forward_keeping(ids, lora, ctx, plan)
     }
 
+    /// Whether layer `l`'s k and v can be kept from the forward for its backward: not the top
+    /// layer's (its backward follows at once), not a layer that borrows another's, and not one
+    /// with k/v norms (their backward needs the inputs of the norm, which are recomputed).
+    pub fn can_keep_kv(&self, l: usize) -> bool {
+        l + 1 < self.spec.n_layers
+            && self.spec.layers[l].owns_kv()
+            && self.weights.layers[l].k_norm.is_none()
+            && self.weights.layers[l].v_norm.is_none()
+    }
+
+    /// How many of the first `n` layers keep their k/v under `keep_kv_layers = n`.
+    pub fn kv_layers_kept(&self, n: usize) -> usize {
+        (0..n.min(self.spec.n_layers))
+            .filter(|&l| self.can_keep_kv(l))
+            .count()
+    }
+
     /// `forward` keeping what `plan` says. Same numbers whatever it keeps: the kept tensors are
     /// the ones a recomputation would make. Returns the final hidden states of rows
     /// `[plan.read_from, T)`.
@@ -353,14 +370,7 @@ impl Model {
             nested,
             resident_layers,
         } = plan;
-        let keep_kv = |l: usize| {
-            segment_size > 0
-                && l < keep_kv_layers
-                && l + 1 < self.spec.n_layers
-                && self.spec.layers[l].owns_kv()
-                && self.weights.layers[l].k_norm.is_none()
-                && self.weights.layers[l].v_norm.is_none()
-        };
+        let keep_kv = |l: usize| segment_size > 0 && l < keep_kv_layers && self.can_keep_kv(l);
         let mut kinds = self.kinds(ctx, read_from, mlp_chunk)?;
         let donor_layers = self.spec.kv_donors();
         let mut donor_kv: DonorKv = (0..self.spec.n_layers).map(|_| None).collect();

@@ -849,6 +849,16 @@ pub fn train_with(
     listeners.push(listener);
     let mut events = Fanout(listeners);
 
+    if let Some(k) = cfg.keep_kv_layers.filter(|&k| k > 0) {
+        let kept = model.kv_layers_kept(k);
+        if kept < k {
+            eprintln!(
+                "note: keep_kv_layers = {k}: this model keeps the k/v of {kept} of those layers \
+                 (not the top layer's, one that shares another's, or one with k/v norms, which \
+                 are recomputed)"
+            );
+        }
+    }
     let auto = |v: Option<String>| v.unwrap_or_else(|| "auto".to_string());
     events.event(&TrainEvent::Started(&RunStart {
         method: format!("{:?}", cfg.method),
