@@ -470,15 +470,8 @@ fn one_file_for_both_outputs_is_refused_before_anything_is_written() {
     let dir = std::env::temp_dir().join(format!("lorafit-curate-same-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let input = dir.join("in.jsonl");
-    let rows: String = (0..10)
-        .map(|i| {
-            format!(
-                "{}\n",
-                bin(&format!("Question {i}?"), "Yes.", "No.", 8.0, 2.0)
-            )
-        })
-        .collect();
-    std::fs::write(&input, rows).unwrap();
+    let row = bin("Question?", "Yes.", "No.", 8.0, 2.0);
+    std::fs::write(&input, format!("{row}\n")).unwrap();
     let out = dir.join("out.jsonl");
     // The same file named two ways: as given, and through its folder's `..`.
     let again = dir
@@ -495,10 +488,5 @@ fn one_file_for_both_outputs_is_refused_before_anything_is_written() {
         .to_string();
     assert!(e.contains("--output and --valid-output both name"), "{e}");
     assert!(!out.exists(), "nothing is written");
-    // Two files: both written, the rows split between them.
-    let valid = dir.join("valid.jsonl");
-    let report = curate_file(&input, &out, Some(&valid), &model, &opts).unwrap();
-    let lines = |p: &std::path::Path| std::fs::read_to_string(p).unwrap().lines().count();
-    assert_eq!((lines(&out), lines(&valid)), (report.train, report.valid));
-    assert_eq!(report.train + report.valid, 10);
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -29,6 +29,20 @@ struct Setup {
     valid: PathBuf,
 }
 
+impl Setup {
+    /// The tiny model and `train` / `valid` rows of the word-level vocabulary under `root`.
+    fn new(root: &Path, train: usize, valid: usize) -> Setup {
+        let setup = Setup {
+            model: model_folder(root),
+            train: root.join("train.jsonl"),
+            valid: root.join("valid.jsonl"),
+        };
+        data_file(&setup.train, train, 1);
+        data_file(&setup.valid, valid, 2);
+        setup
+    }
+}
+
 fn train_command(s: &Setup, out: &Path, extra: &[&str]) -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_lorafit"));
     c.args(["train", "--model"])
@@ -128,13 +142,7 @@ fn has_checkpoint(dir: &Path) -> bool {
 #[test]
 fn kill_at_random_points_then_resume_equals_uninterrupted() {
     let root = scratch("run");
-    let setup = Setup {
-        model: model_folder(&root),
-        train: root.join("train.jsonl"),
-        valid: root.join("valid.jsonl"),
-    };
-    data_file(&setup.train, 12, 1);
-    data_file(&setup.valid, 3, 2);
+    let setup = Setup::new(&root, 12, 3);
 
     // Every run writes into the same folder (its path is part of the saved settings); the
     // uninterrupted run's outputs are moved aside once done.
@@ -252,13 +260,7 @@ fn kill_at_random_points_then_resume_equals_uninterrupted() {
 #[test]
 fn a_resume_without_settings_continues_with_the_checkpoints() {
     let dir = scratch("bare-resume");
-    let setup = Setup {
-        model: model_folder(&dir),
-        train: dir.join("train.jsonl"),
-        valid: dir.join("valid.jsonl"),
-    };
-    data_file(&setup.train, 24, 1);
-    data_file(&setup.valid, 4, 2);
+    let setup = Setup::new(&dir, 24, 4);
     let (full, bare) = (dir.join("full"), dir.join("bare"));
     for out in [&full, &bare] {
         run_to_end(&setup, out, &["--set", &format!("steps={}", STEPS / 2)]);
@@ -304,13 +306,7 @@ fn a_resume_without_settings_continues_with_the_checkpoints() {
 #[test]
 fn ctrl_c_stops_with_a_checkpoint_and_the_resume_is_exact() {
     let dir = scratch("ctrl-c");
-    let setup = Setup {
-        model: model_folder(&dir),
-        train: dir.join("train.jsonl"),
-        valid: dir.join("valid.jsonl"),
-    };
-    data_file(&setup.train, 24, 1);
-    data_file(&setup.valid, 4, 2);
+    let setup = Setup::new(&dir, 24, 4);
     let long = ["--set", "steps=400", "--set", "save_every=0"];
     let whole = dir.join("whole");
     run_to_end(&setup, &whole, &long);
