@@ -983,14 +983,24 @@ fn run_decode(a: &BenchArgs) -> Result<()> {
         a.new_tokens >= 2 && a.decode_prompt_len >= 1,
         "--decode needs --new-tokens of at least 2 and a prompt"
     );
+    // Every base is checked before the first is timed, not after the rows before it.
+    let mut bases = Vec::new();
     for base in &a.base {
-        let t_load = Instant::now();
         let quant = match base.as_str() {
             "bf16" => crate::model::BaseQuant::None,
             "q4_0" => crate::model::BaseQuant::Q4_0,
             "q8_0" => crate::model::BaseQuant::Q8_0,
             other => anyhow::bail!("--base {other:?}: expected bf16, q4_0 or q8_0"),
         };
+        ensure!(
+            device.is_cuda() || quant == crate::model::BaseQuant::None,
+            "--base {base}: a quantized random base is kept on a CUDA device; on the CPU pass \
+             --base bf16"
+        );
+        bases.push((base, quant));
+    }
+    for (base, quant) in bases {
+        let t_load = Instant::now();
         let weights = random_weights(&spec, quant, &device)?;
         let model = Model::new(spec.clone(), weights, device.clone());
         eprintln!(

@@ -694,6 +694,48 @@ impl TrainConfig {
         })
     }
 
+    /// Settings of another method than the run's that differ from their defaults: the run
+    /// takes them and does not use them (a DPO `label_smoothing` under ORPO), which a user who
+    /// set them should hear.
+    pub fn other_methods_settings(&self) -> Result<Vec<String>> {
+        const BY_METHOD: &[(Method, &[&str])] = &[
+            (
+                Method::Orpo,
+                &[
+                    "orpo_lambda",
+                    "orpo_lambda_schedule",
+                    "orpo_lambda_min",
+                    "orpo_lambda_max",
+                    "orpo_lambda_ramp",
+                    "orpo_lambda_backoff",
+                    "orpo_lambda_patience",
+                    "orpo_lambda_noise_floor",
+                    "orpo_lambda_warmup_max",
+                ],
+            ),
+            (
+                Method::Dpo,
+                &["dpo_beta", "label_smoothing", "dpo_loss_type"],
+            ),
+            (Method::Simpo, &["simpo_beta", "simpo_gamma"]),
+            (Method::Sft, &["sft_all_tokens"]),
+        ];
+        let table = |c: &TrainConfig| -> Result<toml::Table> { Ok(toml::from_str(&c.to_toml()?)?) };
+        let (now, default) = (table(self)?, table(&TrainConfig::default())?);
+        Ok(BY_METHOD
+            .iter()
+            .filter(|(m, _)| *m != self.method)
+            .flat_map(|(_, names)| names.iter())
+            .filter(|n| now.get(**n) != default.get(**n))
+            .map(|n| {
+                format!(
+                    "{n} = {}",
+                    now.get(*n).map_or("unset".into(), |v| v.to_string())
+                )
+            })
+            .collect())
+    }
+
     /// The decay `schedule` names (`LrDecay`).
     pub fn lr_decay(&self) -> Result<LrDecay> {
         LrDecay::parse(&self.schedule).ok_or_else(|| {
@@ -1075,6 +1117,12 @@ mod tests {
         assert_eq!(dpo.orpo_lambda, TrainConfig::default().orpo_lambda);
         let simpo = TrainConfig::from_toml_file_for(&path, Some("simpo")).unwrap();
         assert_eq!(simpo.simpo_beta, 0.05);
+        // Under ORPO the DPO `loss_type` is taken and not used: said.
+        assert_eq!(
+            orpo.other_methods_settings().unwrap(),
+            ["dpo_loss_type = \"ipo\""]
+        );
+        assert!(dpo.other_methods_settings().unwrap().is_empty());
         let e = TrainConfig::setting_name("use_dora", "orpo")
             .unwrap_err()
             .to_string();

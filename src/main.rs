@@ -944,6 +944,14 @@ fn run_train(a: TrainArgs) -> Result<()> {
         }
     }
     validate_settings(&cfg, a.config.as_deref())?;
+    let unused = cfg.other_methods_settings()?;
+    if !unused.is_empty() {
+        eprintln!(
+            "note: settings of another method than {:?}, taken and not used: {}",
+            cfg.method,
+            unused.join(", ")
+        );
+    }
     let device = Device::parse(&cfg.device)?;
     let loaded = trainer::load_configured(&cfg, &device)?;
     let (train_items, valid_items) = trainer::load_train_and_valid(&loaded, &cfg)?;

@@ -599,6 +599,13 @@ fn commands_refuse_counts_and_devices_that_do_nothing() {
         "{err}"
     );
     assert!(!err.contains("panicked"), "{err}");
+    // The decode bench's default bases include q4_0, kept on a GPU only: refused before the
+    // bf16 rows run, not after them.
+    let (ok, err) = run(&["bench", "--decode", "--device", "cpu", "--shape", "tiny"]);
+    assert!(
+        !ok && err.contains("--base q4_0") && !err.contains("RESULT"),
+        "{err}"
+    );
     let (ok, err) = run(&["demo", "--steps", "0"]);
     assert!(!ok && err.contains("'--steps <STEPS>'"), "{err}");
     let (ok, err) = run(&["selftest", "--device", "cpu"]);
