@@ -558,7 +558,17 @@ pub fn curate_file(
         opts.valid_fraction = 0.0;
     }
     let name = input.display().to_string();
-    let sources = crate::data::rows::dataset_files(&name)?
+    let files = crate::data::rows::dataset_files(&name)?;
+    for out in std::iter::once(output).chain(valid_output) {
+        if let Some(f) = files.iter().find(|f| same_file(f, out)) {
+            bail!(
+                "{} is both read (--input) and written: the output would replace the rows being \
+                 curated; name another output file",
+                f.display()
+            );
+        }
+    }
+    let sources = files
         .iter()
         .map(|f| Rows::open(f))
         .collect::<Result<Vec<_>>>()?;

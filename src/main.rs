@@ -846,9 +846,13 @@ fn apply_overrides(mut cfg: TrainConfig, a: &TrainArgs) -> Result<TrainConfig> {
             let (k, v) = kv
                 .split_once('=')
                 .with_context(|| format!("--set {kv}: expected KEY=VALUE"))?;
-            let value = set_value(v);
+            let mut value = set_value(v);
             let name = TrainConfig::setting_name(k.trim(), &method)
                 .with_context(|| format!("--set {kv}"))?;
+            // transformers' `max_steps = -1` means "from the epochs", lorafit's 0.
+            if name == "steps" && value.as_integer() == Some(-1) {
+                value = toml::Value::Integer(0);
+            }
             table.insert(name, value);
         }
         // Deserialised from the table itself: an error names the field and the value given,
@@ -919,6 +923,8 @@ fn run_train(a: TrainArgs) -> Result<()> {
             r.display()
         );
     }
+    // The checkpoint's run.toml, where a resume without a config reads its settings.
+    let mut run_settings = None;
     let base = match (&a.config, &a.resume) {
         (Some(p), _) => TrainConfig::from_toml_file_for(p, run_method(&a)?.as_deref())?,
         // A resume without a config continues with the checkpoint's own settings.
@@ -927,14 +933,50 @@ fn run_train(a: TrainArgs) -> Result<()> {
             let settings = checkpoint.join(lorafit::train::run_folder::RUN_SETTINGS);
             if settings.is_file() {
                 eprintln!("settings from {} (flags over them)", settings.display());
-                TrainConfig::from_toml_file(&settings)?
+                let cfg = TrainConfig::from_toml_file(&settings)?;
+                run_settings = Some(settings);
+                cfg
             } else {
+                eprintln!(
+                    "note: {} has no {} (an older checkpoint): the settings are the flags and \
+                     the defaults",
+                    checkpoint.display(),
+                    lorafit::train::run_folder::RUN_SETTINGS
+                );
                 TrainConfig::default()
             }
         }
         (None, None) => TrainConfig::default(),
     };
     let mut cfg = apply_overrides(base, &a)?;
+    if let Some(settings) = &run_settings {
+        // run.toml holds the steps its epochs gave; new epochs count again unless steps are given.
+        let steps_set = a.set.iter().any(|kv| {
+            kv.split_once('=')
+                .is_some_and(|(k, _)| matches!(k.trim(), "steps" | "max_steps"))
+        });
+        if a.epochs.is_some() && a.steps.is_none() && !steps_set {
+            cfg.steps = 0;
+        }
+        // Its paths are as the run was given them, relative to the folder it started in.
+        let paths = [
+            ("model", Some(&cfg.model)),
+            ("data", Some(&cfg.data)),
+            ("valid", cfg.valid.as_ref()),
+        ];
+        for (name, path) in paths {
+            let Some(path) = path else { continue };
+            let p = std::path::Path::new(path);
+            let hub_id = name == "model" && p.components().count() == 2 && !path.starts_with('.');
+            if p.is_relative() && !p.exists() && !hub_id {
+                bail!(
+                    "{name} = {path:?} (from {}) is relative to the folder the run was started \
+                     in, and is not found from here: run from that folder, or pass --{name}",
+                    settings.display()
+                );
+            }
+        }
+    }
     if let Some(r) = &a.resume {
         // Resuming without naming an output continues in the checkpoint's own run folder.
         if !output_named(&a)? {
@@ -1056,6 +1098,15 @@ fn run_lint(a: LintArgs) -> Result<bool> {
         }
     }
     println!("{report}");
+    // What train refuses in sum, not by row.
+    if !rows.is_empty() && rows.iter().all(|r| r.weight == 0.0) {
+        println!(
+            "error: {}: every row has weight 0; training on it is refused (every step's loss and \
+             gradient would be zero)",
+            cfg.data
+        );
+        return Ok(false);
+    }
     Ok(report.errors() == 0)
 }
 

@@ -617,3 +617,34 @@ fn commands_refuse_counts_and_devices_that_do_nothing() {
         assert!(!err.contains("--device cpu"), "{err}");
     }
 }
+
+/// A run folder given where an adapter is expected says where its adapter is.
+#[test]
+fn a_run_folder_as_adapter_names_its_adapter() {
+    let d = scratch("run-as-adapter");
+    let model = common::tiny_run::model_folder(&d);
+    let adapter = d.join("run").join("adapter");
+    std::fs::create_dir_all(&adapter).unwrap();
+    let fixture = common::fixture("models/qwen2/adapter");
+    for e in std::fs::read_dir(&fixture).unwrap() {
+        let p = e.unwrap().path();
+        std::fs::copy(&p, adapter.join(p.file_name().unwrap())).unwrap();
+    }
+    let run = d.join("run");
+    let (ok, err) = lorafit(
+        &[
+            "generate".as_ref(),
+            "--model".as_ref(),
+            model.as_os_str(),
+            "--adapter".as_ref(),
+            run.as_os_str(),
+            "w5 w6".as_ref(),
+        ],
+        "",
+    );
+    assert!(
+        !ok && err.contains("is a run folder, not an adapter"),
+        "{err}"
+    );
+    assert!(err.contains(&adapter.display().to_string()), "{err}");
+}

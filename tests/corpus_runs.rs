@@ -917,4 +917,12 @@ fn trl_beta_follows_the_runs_method() {
             toml::from_str(&std::fs::read_to_string(out.join("plan.toml")).unwrap()).unwrap();
         assert_eq!(plan[key].as_float(), Some(want), "{args:?}: {key}");
     }
+    // transformers' `max_steps = -1` through --set too: the steps come from the epochs (8 rows,
+    // one a step).
+    let out = root.join("run-max-steps");
+    let o = train(&root, &out, &[s("--set"), s("max_steps=-1")]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let plan: toml::Table =
+        toml::from_str(&std::fs::read_to_string(out.join("plan.toml")).unwrap()).unwrap();
+    assert_eq!(plan["steps"].as_integer(), Some(8));
 }

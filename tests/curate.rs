@@ -488,5 +488,13 @@ fn one_file_for_both_outputs_is_refused_before_anything_is_written() {
         .to_string();
     assert!(e.contains("--output and --valid-output both name"), "{e}");
     assert!(!out.exists(), "nothing is written");
+    // The input named as an output: refused, the input left as it was.
+    for (train, valid) in [(&input, None), (&out, Some(&input))] {
+        let e = curate_file(&input, train, valid.map(|v| v.as_path()), &model, &opts)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("is both read (--input) and written"), "{e}");
+    }
+    assert_eq!(std::fs::read_to_string(&input).unwrap(), format!("{row}\n"));
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -349,3 +349,75 @@ fn ctrl_c_stops_with_a_checkpoint_and_the_resume_is_exact() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A resume without a config reads the run's settings, whose paths are relative to the folder
+/// the run started in: from elsewhere it names the path and says so; from there, new `--epochs`
+/// count again (run.toml holds the steps the old epochs gave), and a changed validation file is
+/// said.
+#[test]
+fn a_bare_resume_names_relative_paths_and_counts_new_epochs() {
+    let dir = scratch("relative");
+    let setup = Setup::new(&dir, 8, 2);
+    let run = |cwd: &Path, args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_lorafit"))
+            .current_dir(cwd)
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    let o = run(
+        &dir,
+        &[
+            "train",
+            "--model",
+            "model",
+            "--data",
+            "train.jsonl",
+            "--output",
+            "r",
+            "--epochs",
+            "1",
+            "--rank",
+            "4",
+            "--set",
+            "save_every=2",
+            "--set",
+            "max_seq_len=48",
+            "--set",
+            "max_prompt_len=24",
+        ],
+    );
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let elsewhere = run(
+        dir.parent().unwrap(),
+        &[
+            "train",
+            "--resume",
+            dir.join("r").to_str().unwrap(),
+            "--epochs",
+            "2",
+        ],
+    );
+    let err = String::from_utf8_lossy(&elsewhere.stderr);
+    assert!(!elsewhere.status.success(), "{err}");
+    assert!(
+        err.contains("model = \"model\"") && err.contains("relative to the folder the run was"),
+        "{err}"
+    );
+    let valid = setup.valid.file_name().unwrap().to_str().unwrap();
+    let o = run(
+        &dir,
+        &["train", "--resume", "r", "--epochs", "2", "--valid", valid],
+    );
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(
+        err.contains("note: resumed with valid: checkpoint unset"),
+        "{err}"
+    );
+    // 8 rows a pass, one a step: two epochs are 16 steps.
+    let metrics = std::fs::read_to_string(dir.join("r/metrics.jsonl")).unwrap();
+    let last: serde_json::Value = serde_json::from_str(metrics.lines().last().unwrap()).unwrap();
+    assert_eq!(last["step"], 16, "{metrics}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

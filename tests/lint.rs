@@ -121,3 +121,37 @@ fn a_bad_settings_file_is_named_with_its_setting() {
         assert!(!err.contains("panicked"), "{name}: {err}");
     }
 }
+
+/// What train refuses in sum is an error of lint's too (status 1): rows whose every weight is 0,
+/// and a file without one usable row, whose rows' errors are printed.
+#[test]
+fn lint_fails_files_train_refuses_and_names_their_rows() {
+    let dir = std::env::temp_dir().join(format!("lorafit-lint-sum-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let model = common::tiny_run::model_folder(&dir);
+    common::tiny_run::data_file(&dir.join("train.jsonl"), 3, 1);
+    let weightless = std::fs::read_to_string(dir.join("train.jsonl"))
+        .unwrap()
+        .replace("}\n", ", \"weight\": 0}\n");
+    std::fs::write(dir.join("weightless.jsonl"), weightless).unwrap();
+    std::fs::write(
+        dir.join("bad.jsonl"),
+        "{\"prompt\":\"w2\",\"chosen\":\"w3\"}\n{\"prompt\":\"w2\",\"answer\":\"w3\"}\n",
+    )
+    .unwrap();
+    let m = model.to_str().unwrap();
+    let o = lint(&dir, &["--model", m, "--data", "weightless.jsonl"]);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert_eq!(o.status.code(), Some(1), "{out}");
+    assert!(out.contains("every row has weight 0"), "{out}");
+    let o = lint(&dir, &["--model", m, "--data", "bad.jsonl"]);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert_eq!(o.status.code(), Some(1), "{out}");
+    assert!(
+        out.contains("bad.jsonl:1: field \"rejected\": missing")
+            && out.contains("bad.jsonl:2: field \"chosen\": missing"),
+        "{out}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

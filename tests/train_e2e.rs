@@ -417,6 +417,59 @@ fn save_total_limit_keeps_the_newest_checkpoints() {
     let _ = std::fs::remove_dir_all(&whole_dir);
 }
 
+/// A listener that asks the run to stop before every step (a Ctrl-C or a cancel at once).
+struct StopAtOnce;
+
+impl lorafit::train::events::TrainEvents for StopAtOnce {
+    fn event(&mut self, _: &lorafit::train::events::TrainEvent<'_>) -> anyhow::Result<()> {
+        Ok(())
+    }
+    fn stop_requested(&self) -> bool {
+        true
+    }
+}
+
+/// A run stopped before its first step keeps a step-0 checkpoint; a resume of it stopped at
+/// once writes no new one; and the resume that trains logs the step-0 validation once, as the
+/// uninterrupted run does.
+#[test]
+fn a_stop_before_the_first_step_resumes_as_the_run_never_stopped() {
+    use lorafit::train::trainer::train_with;
+    let loaded = tiny_loaded();
+    let v = loaded.model.spec.vocab;
+    let (items, valid) = (pair_items(8, 3, v), pair_items(3, 4, v));
+    let whole = out_dir("stop0-whole");
+    let c = |dir: &Path| {
+        let mut c = cfg(dir, 4);
+        c.eval_every = 2;
+        c
+    };
+    run(&c(&whole), None, &loaded, &items, &valid);
+    let cut = out_dir("stop0-cut");
+    let stopped = train_with(&c(&cut), None, &loaded, &items, &valid, &mut StopAtOnce).unwrap();
+    assert!(stopped.stopped);
+    let step0 = cut.join("checkpoint-000000");
+    assert_eq!(stopped.adapter_dir, step0);
+    let again = train_with(
+        &c(&cut),
+        Some(&cut),
+        &loaded,
+        &items,
+        &valid,
+        &mut StopAtOnce,
+    )
+    .unwrap();
+    assert_eq!(
+        again.adapter_dir, step0,
+        "no new checkpoint of the same state"
+    );
+    run(&c(&cut), Some(&cut), &loaded, &items, &valid);
+    let metrics = |d: &Path| std::fs::read_to_string(d.join("metrics.jsonl")).unwrap();
+    assert_eq!(metrics(&cut), metrics(&whole));
+    let _ = std::fs::remove_dir_all(&whole);
+    let _ = std::fs::remove_dir_all(&cut);
+}
+
 // ---------------------------------------------------------------------------------------------
 // 3. Gradient accumulation equals the summed batch, and the averaged update equals AdamW on the
 //    mean gradient

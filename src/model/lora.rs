@@ -396,6 +396,14 @@ impl Lora {
     /// Reads a PEFT adapter folder onto `spec`'s layers; shapes are checked against the model.
     pub fn load_peft(dir: &Path, spec: &ModelSpec, device: &Device) -> Result<Lora> {
         let cfg_path = dir.join("adapter_config.json");
+        if !cfg_path.exists() && dir.join("adapter").join("adapter_config.json").is_file() {
+            bail!(
+                "{} is a run folder, not an adapter: its adapter is {} (best/ holds the best \
+                 validation margin's)",
+                dir.display(),
+                dir.join("adapter").display()
+            );
+        }
         let text = std::fs::read_to_string(&cfg_path)
             .with_context(|| format!("reading {}", cfg_path.display()))?;
         let v: serde_json::Value = serde_json::from_str(&text)

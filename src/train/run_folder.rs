@@ -347,10 +347,12 @@ pub fn items_hash(items: &[Item]) -> String {
     format!("{h:016x}")
 }
 
-/// The identity of a base model's files, cheaply: for each weight file (a GGUF file, or a
-/// folder's `.safetensors`, `.gguf` and `.bin` files, and its `config.json`) its name, length
-/// and 16 samples of 4 KiB spread over it, FNV-1a hashed. Two bases of one shape (a model and
-/// its instruct variant) differ in it; a base moved or copied does not. `None` for a model that
+/// The identity of a base model's weights, cheaply: for each weight file (a GGUF file, or a
+/// folder's `.safetensors`, `.gguf` and `.bin` files; not `config.json`, whose formatting and
+/// version fields change with the tool that wrote it) its name, length and 16 samples of 4 KiB
+/// spread over it, FNV-1a hashed. Two bases of one shape (a model and its instruct variant,
+/// different in every tensor) differ in it; a base moved or copied does not. A change confined
+/// to bytes between the samples is not seen. `None` for a model that
 /// was built in memory (no such path).
 pub fn base_fingerprint(model_path: &Path) -> Result<Option<String>> {
     use std::io::{Read, Seek, SeekFrom};
@@ -367,7 +369,7 @@ pub fn base_fingerprint(model_path: &Path) -> Result<Option<String>> {
             let weights = [".safetensors", ".gguf", ".bin"]
                 .iter()
                 .any(|e| name.ends_with(e));
-            if weights || name == "config.json" {
+            if weights {
                 files.push(path);
             }
         }
@@ -482,7 +484,6 @@ pub fn changed_settings(saved: &TrainConfig, now: &TrainConfig) -> Result<Vec<St
         "warmup_steps",
         "overwrite",
         "data",
-        "valid",
     ];
     let show = |v: Option<&toml::Value>| v.map_or("unset".to_string(), |v| v.to_string());
     let mut keys: Vec<&String> = a.keys().chain(b.keys()).collect();

@@ -811,7 +811,14 @@ pub fn train_with(
     )
     .with_context(|| format!("writing {}", out_dir.join("plan.toml").display()))?;
     for log in run_folder::LINE_LOGS {
-        run_folder::truncate_lines_after(&out_dir.join(log), state.step)?;
+        let path = out_dir.join(log);
+        if state.step == 0 && path.exists() {
+            // A run resumed at step 0 (stopped before its first step) logs its step-0
+            // validation again: nothing of the earlier start is kept.
+            std::fs::write(&path, b"").with_context(|| format!("emptying {}", path.display()))?;
+        } else {
+            run_folder::truncate_lines_after(&path, state.step)?;
+        }
     }
 
     let base_objective = cfg.objective();
@@ -915,9 +922,16 @@ pub fn train_with(
     let started = Instant::now();
     while state.step < total_steps {
         if events.stop_requested() {
-            let dir = out_dir.join(run_folder::checkpoint_name(state.step));
-            save(&dir, &lora, &adam, &state)?;
-            run_folder::prune_checkpoints(&out_dir, cfg.save_total_limit)?;
+            let dir = match &checkpoint {
+                // Stopped before a step since the resume: its checkpoint holds this state.
+                Some(c) if state.step == start_step => c.clone(),
+                _ => {
+                    let dir = out_dir.join(run_folder::checkpoint_name(state.step));
+                    save(&dir, &lora, &adam, &state)?;
+                    run_folder::prune_checkpoints(&out_dir, cfg.save_total_limit)?;
+                    dir
+                }
+            };
             events.event(&TrainEvent::Checkpoint {
                 step: state.step,
                 path: &dir,
