@@ -28,6 +28,9 @@ use cudarc::driver::{result as drv, sys};
 use std::collections::HashMap;
 use std::ffi::c_void;
 
+/// Rows a block of `lf_lora_round_once` writes (its `LR_ROWS`).
+const LORA_ROUND_ROWS: usize = 16;
+
 /// Heuristic candidates timed per shape.
 const CANDIDATES: usize = 8;
 /// Workspace offered to the algorithms (split-K reductions); NVIDIA recommends 32 MiB on Hopper.
@@ -691,8 +694,9 @@ impl CudaBackend {
         let (t, k) = x.rows_cols();
         let (out, r) = (w.dim(0), b.dim(1));
         let y = self.empty(&[t, out], out_dtype)?;
-        // At most 2^20 rows a block: the kernel's grid has a y dimension of rows / 32 (≤ 65535).
-        let block = block.clamp(1, t.clamp(1, 1 << 20));
+        // At most 65535 · LORA_ROUND_ROWS rows a block: the kernel's grid has a y dimension of
+        // rows / LORA_ROUND_ROWS.
+        let block = block.clamp(1, t.clamp(1, 65_535 * LORA_ROUND_ROWS));
         let scratch = self.empty(&[block, out], DType::F32)?;
         let fused = r <= FUSED_LORA_RANK_MAX;
         // cuBLAS's term takes operands of one dtype: mixed ones are widened to f32 (lossless;
@@ -729,7 +733,11 @@ impl CudaBackend {
                     )
                 })?;
             }
-            let grid = (out.div_ceil(256) as u32, rows.div_ceil(32) as u32, 1);
+            let grid = (
+                out.div_ceil(256) as u32,
+                rows.div_ceil(LORA_ROUND_ROWS) as u32,
+                1,
+            );
             self.launch(
                 "lf_lora_round_once",
                 grid,
