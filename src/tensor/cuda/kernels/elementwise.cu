@@ -314,6 +314,28 @@ extern "C" __global__ void lf_copy_cols(const void* src, i64 src_cols, i64 sc0, 
     }
 }
 
+// A K-extended GEMM operand, one row a block (src/tensor/cuda/gemm.rs, `lora_linear_folded`:
+// a LoRA projection whose adapter joins the base product's K dimension):
+// dst[r, :] = [a[r, 0:ka] | scale · b[r, 0:kb] | 0 …] over kd >= ka + kb columns, one dtype (dt);
+// rows of a lie lda elements apart, rows of b kb. a's part moves 16 bytes a thread when vec is
+// set (the host checked the pointers, ka, lda and kd for it). scale · b is rounded to dt (exact
+// for scale 1 and for the default LoRA scale 2). Grid (rows), any block size.
+extern "C" __global__ void lf_pack_k(const void* a, i64 lda, i64 ka, const void* b, i64 kb, float scale,
+                                     void* dst, i64 kd, int dt, int vec) {
+    const i64 row = blockIdx.x;
+    if (vec) {
+        const i64 es = dt ? 2 : 4;
+        const uint4* s = (const uint4*)((const char*)a + row * lda * es);
+        uint4* d = (uint4*)((char*)dst + row * kd * es);
+        for (i64 i = threadIdx.x; i < ka * es / 16; i += blockDim.x) d[i] = s[i];
+    } else {
+        for (i64 i = threadIdx.x; i < ka; i += blockDim.x)
+            stf(dst, dt, row * kd + i, ldf(a, dt, row * lda + i));
+    }
+    for (i64 j = threadIdx.x; j < kd - ka; j += blockDim.x)
+        stf(dst, dt, row * kd + ka + j, j < kb ? __fmul_rn(scale, ldf(b, dt, row * kb + j)) : 0.f);
+}
+
 // c = a + alpha * b; c may be a (add_assign).
 extern "C" __global__ void lf_add(const void* a, int adt, const void* b, int bdt, void* c, int cdt, float alpha,
                                   i64 n) {
