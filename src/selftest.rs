@@ -652,8 +652,10 @@ pub fn run(device: &Device, seed: u64) -> Result<()> {
 
 /// `linear_fwd`'s f32 sum rounded once (`ops::lora_linear_rounded`), in row blocks against all
 /// rows at once, and against the sum written out by two products into an f32 tensor and cast
-/// (the same arithmetic in another order of launches), on `device` (group `train`): each must
-/// give the same numbers up to a rare flip at a rounding tie.
+/// (the same arithmetic in another order of launches), and the adapter folded into the base
+/// product (`lora_linear_folded`: the scale of 2 is exact in B, only the order of the f32 sum
+/// differs), on `device` (group `train`): each must give the same numbers up to a rare flip at
+/// a rounding tie.
 fn round_once_blocks(device: &Device) -> Result<bool> {
     use crate::model::Target;
     let spec = ModelSpec::from_config_json(
@@ -677,13 +679,22 @@ fn round_once_blocks(device: &Device) -> Result<bool> {
     let x = Tensor::from_f32(&xs, &[t, spec.hidden], DType::BF16, device)?;
     let xa = crate::tensor::matmul(&x, false, p.a(), true, 1.0, DType::BF16)?;
     let w = model.weights.layers[0].gate.dense()?;
-    let rounded = |block: usize| -> Result<Vec<f32>> {
-        let y =
-            crate::tensor::lora_linear_rounded(&x, &w, &xa, p.b(), p.scale, DType::BF16, block)?;
+    let rounded = |block: usize, fold: bool| -> Result<Vec<f32>> {
+        let y = crate::tensor::lora_linear_rounded(
+            &x,
+            &w,
+            &xa,
+            p.b(),
+            p.scale,
+            DType::BF16,
+            block,
+            fold,
+        )?;
         y.to_vec()
     };
-    let whole = rounded(t)?;
-    let blocked = rounded(300)?;
+    let whole = rounded(t, false)?;
+    let blocked = rounded(300, false)?;
+    let folded = rounded(t, true)?;
     let mut written = crate::tensor::matmul(&xa, false, p.b(), true, p.scale, DType::F32)?;
     crate::tensor::matmul_acc(&mut written, &x, false, &w, true, 1.0, 1.0)?;
     let written = written.to_dtype(DType::BF16)?.to_vec()?;
@@ -693,6 +704,11 @@ fn round_once_blocks(device: &Device) -> Result<bool> {
         (
             "one block vs the sum written in f32 and cast",
             &whole,
+            &written,
+        ),
+        (
+            "the adapter folded into the base product vs the sum written in f32 and cast",
+            &folded,
             &written,
         ),
     ] {

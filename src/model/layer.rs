@@ -194,8 +194,9 @@ fn token_chunks(t: usize, c: usize) -> Vec<(usize, usize)> {
 /// the product before it adds C: selftest group `gemm_epilogue`) rounds it away, and the forward
 /// then sees a fraction of each update (`scripts/numerics_harness.py` on SmolLM2). A projection
 /// that feeds the f32 residual stream (o and down, without a sandwich norm) asks for f32 and
-/// keeps the sum as it is; the others round it to bf16 in row blocks of at most
-/// `ROUND_ONCE_BYTES` of f32 (`ops::lora_linear_rounded`).
+/// keeps the sum as it is; the others round it to bf16. `ops::lora_linear_rounded` holds at most
+/// `ROUND_ONCE_BYTES` of f32 sum at once, or on a GPU folds the adapter into the base product
+/// where that moves fewer bytes (not for a dequantized base, which would be copied again).
 pub(crate) fn linear_fwd(
     x: &Tensor,
     w: &Weight,
@@ -212,21 +213,15 @@ pub(crate) fn linear_fwd(
         Some(xa) => LoraSaved { xa },
         None => lora_input(x, p, dropout)?,
     };
+    let may_fold = matches!(w, Weight::Dense(_));
     let w = w.dense()?;
-    if dt == DType::F32 {
-        // The rank-r product writes y first and the base GEMM accumulates onto it: the base GEMM
-        // reads y in its epilogue almost for free, where the skinny product would read and write
-        // the whole (T, out) output a second time.
-        let mut y = ops::matmul(&saved.xa, false, p.b(), true, p.scale, dt)?;
-        ops::matmul_acc(&mut y, x, false, &w, true, 1.0, 1.0)?;
-        return Ok((y, Some(saved)));
-    }
     let block = (ROUND_ONCE_BYTES / (4 * w.dim(0).max(1))).max(256);
-    let y = ops::lora_linear_rounded(x, &w, &saved.xa, p.b(), p.scale, dt, block)?;
+    let y = ops::lora_linear_rounded(x, &w, &saved.xa, p.b(), p.scale, dt, block, may_fold)?;
     Ok((y, Some(saved)))
 }
 
-/// The largest f32 sum `linear_fwd` holds at once (`ops::lora_linear_rounded`'s row blocks).
+/// The largest f32 sum `linear_fwd` holds at once (`ops::lora_linear_rounded`'s row blocks), and
+/// the bytes a folded product's operand copies may take.
 const ROUND_ONCE_BYTES: usize = 256 << 20;
 
 /// What `linear_fwd` keeps for the backward, without the projection itself (a recomputed layer

@@ -696,7 +696,10 @@ pub fn matmul_acc(
 /// A LoRA projection's output `x Wᵀ + scale · xa Bᵀ`, both products summed in f32 and the sum
 /// rounded once to `out_dtype` (`model::layer::linear_fwd` says why), `block` rows at a time: the
 /// f32 sum of at most `block` rows exists at once. x `[T,K]`, w `[N,K]`, xa `[T,r]`, b `[N,r]`.
-/// On the CPU, which is f32 throughout, the blocks change nothing.
+/// On a GPU, where `may_fold` (false where `w` is itself a temporary, a dequantized base, which
+/// would then be held twice) and the copies pay (`cuda::gemm::adapter_fold_pays`), the adapter
+/// joins the base product's K dimension instead and no f32 sum is held (`lora_linear_folded`).
+/// On the CPU, which is f32 throughout, neither changes anything.
 #[allow(clippy::too_many_arguments)]
 pub fn lora_linear_rounded(
     x: &Tensor,
@@ -706,6 +709,7 @@ pub fn lora_linear_rounded(
     scale: f32,
     out_dtype: DType,
     block: usize,
+    may_fold: bool,
 ) -> Result<Tensor> {
     let ((t, k), (n, r)) = (x.rows_cols(), b.rows_cols());
     ensure!(
@@ -719,6 +723,9 @@ pub fn lora_linear_rounded(
     for o in [w, xa, b] {
         same_device(x, o, "lora_linear_rounded")?;
     }
+    // The rank-r product writes y first and the base GEMM accumulates onto it: the base GEMM
+    // reads y in its epilogue almost for free, where the skinny product would read and write the
+    // whole (T, N) output a second time.
     let generic = || -> Result<Tensor> {
         let mut y = matmul(xa, false, b, true, scale, DType::F32)?;
         matmul_acc(&mut y, x, false, w, true, 1.0, 1.0)?;
@@ -727,9 +734,24 @@ pub fn lora_linear_rounded(
         }
         y.to_dtype(out_dtype)
     };
+    // (An empty product, which cuBLASLt refuses, takes the generic path.)
+    let nonempty = t * k * n * r > 0;
+    let all_bf16 = [x, w, xa, b].iter().all(|o| o.dtype() == DType::BF16);
     match x.device() {
-        // (An empty product, which cuBLASLt refuses, takes the generic path.)
-        Device::Cuda(c) if x.dtype() == w.dtype() && t * k * n * r > 0 => {
+        Device::Cuda(c)
+            if nonempty && may_fold && all_bf16 && cuda::gemm::adapter_fold_pays(t, k, n, r) =>
+        {
+            // The operands' copies take at most the bytes of the f32 sum they replace; for an
+            // f32 output, which holds no f32 sum beside itself, a quarter of them.
+            let sum_bytes = block.min(t) * n * 4;
+            let budget = if out_dtype == DType::F32 {
+                sum_bytes / 4
+            } else {
+                sum_bytes
+            };
+            c.lora_linear_folded(x, w, xa, b, scale, out_dtype, budget)
+        }
+        Device::Cuda(c) if nonempty && x.dtype() == w.dtype() && out_dtype != DType::F32 => {
             c.lora_linear_rounded(x, w, xa, b, scale, out_dtype, block)
         }
         _ => generic(),
@@ -1442,7 +1464,8 @@ mod tests {
     use super::*;
 
     /// `lora_linear_rounded` on the CPU is `x Wᵀ + scale · xa Bᵀ` (summed in f64 here), and its
-    /// row blocks change nothing; mismatched shapes are refused with every shape named.
+    /// row blocks and `may_fold` change nothing; mismatched shapes are refused with every shape
+    /// named.
     #[test]
     fn lora_linear_rounded_is_the_sum_of_both_products() {
         let (t, k, n, r) = (7, 5, 6, 2);
@@ -1457,8 +1480,9 @@ mod tests {
             tx(&xa, &[t, r]),
             tx(&b, &[n, r]),
         );
-        let whole = lora_linear_rounded(&xt, &wt, &xat, &bt, 1.5, DType::BF16, t).unwrap();
-        let blocked = lora_linear_rounded(&xt, &wt, &xat, &bt, 1.5, DType::BF16, 3).unwrap();
+        let whole = lora_linear_rounded(&xt, &wt, &xat, &bt, 1.5, DType::BF16, t, false).unwrap();
+        let blocked = lora_linear_rounded(&xt, &wt, &xat, &bt, 1.5, DType::BF16, 3, false).unwrap();
+        let may_fold = lora_linear_rounded(&xt, &wt, &xat, &bt, 1.5, DType::BF16, t, true).unwrap();
         assert_eq!(whole.shape(), &[t, n]);
         for i in 0..t {
             for j in 0..n {
@@ -1472,7 +1496,8 @@ mod tests {
             }
         }
         assert_eq!(whole.to_vec().unwrap(), blocked.to_vec().unwrap());
-        let err = lora_linear_rounded(&xt, &wt, &tx(&xa, &[r, t]), &bt, 1.5, DType::BF16, t)
+        assert_eq!(whole.to_vec().unwrap(), may_fold.to_vec().unwrap());
+        let err = lora_linear_rounded(&xt, &wt, &tx(&xa, &[r, t]), &bt, 1.5, DType::BF16, t, true)
             .unwrap_err()
             .to_string();
         assert!(err.contains("xa [2, 7]"), "{err}");

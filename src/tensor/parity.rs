@@ -5,6 +5,7 @@
 //! events) are information only. Run on a GPU machine with
 //! `cargo test --release -- --ignored --nocapture cuda_parity_suite`.
 
+use super::cuda::gemm::adapter_fold_pays;
 use super::cuda::QuantKind;
 use super::*;
 use anyhow::Result;
@@ -955,6 +956,7 @@ fn gemm_epilogue(cx: &mut Ctx, r: &mut Rng) -> Result<()> {
             2.0,
             bf,
             m.div_ceil(3),
+            true,
         )?
         .to_vec()?;
         let (mut moved, mut total) = (0.0f64, 0.0f64);
@@ -965,8 +967,14 @@ fn gemm_epilogue(cx: &mut Ctx, r: &mut Rng) -> Result<()> {
             }
         }
         let s = moved / total;
-        let op =
-            format!("lora_linear_rounded {m}x{k}x{n} r{rank} (linear_fwd): share of term kept");
+        let how = if adapter_fold_pays(m, k, n, rank) {
+            "folded"
+        } else {
+            "f32 sum"
+        };
+        let op = format!(
+            "lora_linear_rounded {m}x{k}x{n} r{rank} (linear_fwd, {how}): share of term kept"
+        );
         cx.push(share_row(op, s, true, "a term of about ulp/8"));
     }
     Ok(())
@@ -1060,18 +1068,25 @@ fn gemm(cx: &mut Ctx, r: &mut Rng) -> Result<()> {
     // linear_fwd's LoRA sum rounded once against the f32 reference: a rank the rounding kernel
     // adds itself and one above FUSED_LORA_RANK_MAX (cuBLAS adds it), both in several row
     // blocks, with rows and columns off the kernel's tiles; xa in f32 beside a bf16 B too, at a
-    // small rank and above the fused ones (there both are widened for cuBLAS).
-    for (t, k, n, rank, block, xa_dt) in [
-        (333, 96, 300, 16, 100, bf),
-        (333, 96, 300, 80, 128, bf),
-        (70, 64, 520, 3, 70, DType::F32),
-        (90, 64, 200, 72, 40, DType::F32),
+    // small rank and above the fused ones (there both are widened for cuBLAS). Then the same
+    // sums with the adapter folded into the base product (`lora_linear_folded`, bf16 operands),
+    // in row blocks, a width off 16 bytes (the packing kernel's scalar path) and into f32 (o and
+    // down's output). A scale of 0.75 is rounded into B there (bf16: within the bf16 bound); the
+    // f32 row takes 2, exact in B, so that only the order of the f32 sums differs.
+    for (t, k, n, rank, block, xa_dt, fold, out_dt, scale) in [
+        (333, 96, 300, 16, 100, bf, false, bf, 0.75),
+        (333, 96, 300, 80, 128, bf, false, bf, 0.75),
+        (70, 64, 520, 3, 70, DType::F32, false, bf, 0.75),
+        (90, 64, 200, 72, 40, DType::F32, false, bf, 0.75),
+        (333, 96, 300, 16, 100, bf, true, bf, 0.75),
+        (333, 96, 300, 80, 700, bf, true, bf, 0.75),
+        (301, 92, 500, 3, 301, bf, true, bf, 0.75),
+        (333, 96, 300, 16, 100, bf, true, DType::F32, 2.0),
     ] {
         let x = r.bnormals(t * k, 1.0);
         let w = r.bnormals(n * k, 0.1);
         let xa = r.bnormals(t * rank, 1.0);
         let lb = r.bnormals(n * rank, 0.1);
-        let scale = 0.75;
         let want = lora_linear_rounded(
             &cx.c(&x, &[t, k])?,
             &cx.c(&w, &[n, k])?,
@@ -1080,6 +1095,7 @@ fn gemm(cx: &mut Ctx, r: &mut Rng) -> Result<()> {
             scale,
             DType::F32,
             t,
+            false,
         )?;
         let got = lora_linear_rounded(
             &cx.g(&x, &[t, k], bf)?,
@@ -1087,14 +1103,22 @@ fn gemm(cx: &mut Ctx, r: &mut Rng) -> Result<()> {
             &cx.g(&xa, &[t, rank], xa_dt)?,
             &cx.g(&lb, &[n, rank], bf)?,
             scale,
-            bf,
+            out_dt,
             block,
+            fold,
         )?;
+        ensure!(
+            !fold || adapter_fold_pays(t, k, n, rank),
+            "parity row {t}x{k}x{n} r{rank}: folding would not pay, so the row would not fold"
+        );
+        let how = if fold { "folded" } else { "f32 sum" };
         let row = cmp_t(
-            &format!("lora_linear_rounded {t}x{k}x{n} r{rank} blocks of {block} xa {xa_dt:?}"),
+            &format!(
+                "lora_linear_rounded {t}x{k}x{n} r{rank} {how} blocks of {block} xa {xa_dt:?} -> {out_dt:?}"
+            ),
             &got,
             &want,
-            BF16_FWD,
+            if out_dt == bf { BF16_FWD } else { F32_STAT },
         )?;
         cx.push(row);
     }
@@ -1109,17 +1133,24 @@ fn gemm(cx: &mut Ctx, r: &mut Rng) -> Result<()> {
         for rank in [16, 64, 128] {
             let xa = cx.g(&r.bnormals(t * rank, 1.0), &[t, rank], bf)?;
             let lb = cx.g(&r.bnormals(n * rank, 0.02), &[n, rank], bf)?;
-            let ms = cx.time(5, || {
-                lora_linear_rounded(&x, &w, &xa, &lb, 2.0, bf, t / 2).map(|_| ())
-            })?;
-            cx.push(timing(
-                &format!("lora_linear_rounded 8192x4096x14336 r{rank} (2 blocks)"),
-                ms,
-                format!(
-                    "base product alone {base_ms:.3} ms: {:+.3} ms",
-                    ms - base_ms
-                ),
-            ));
+            for fold in [false, true] {
+                let ms = cx.time(5, || {
+                    lora_linear_rounded(&x, &w, &xa, &lb, 2.0, bf, t / 2, fold).map(|_| ())
+                })?;
+                let how = if fold {
+                    "folded"
+                } else {
+                    "f32 sum in 2 blocks"
+                };
+                cx.push(timing(
+                    &format!("lora_linear_rounded 8192x4096x14336 r{rank} ({how})"),
+                    ms,
+                    format!(
+                        "base product alone {base_ms:.3} ms: {:+.3} ms",
+                        ms - base_ms
+                    ),
+                ));
+            }
         }
     }
     // a big shape: sampled rows of C compared, and the throughput

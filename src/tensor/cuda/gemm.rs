@@ -28,6 +28,9 @@ use cudarc::driver::{result as drv, sys};
 use std::collections::HashMap;
 use std::ffi::c_void;
 
+/// Rows a block of `lf_lora_round_once` writes (its `LR_ROWS`).
+const LORA_ROUND_ROWS: usize = 16;
+
 /// Heuristic candidates timed per shape.
 const CANDIDATES: usize = 8;
 /// Workspace offered to the algorithms (split-K reductions); NVIDIA recommends 32 MiB on Hopper.
@@ -691,8 +694,9 @@ impl CudaBackend {
         let (t, k) = x.rows_cols();
         let (out, r) = (w.dim(0), b.dim(1));
         let y = self.empty(&[t, out], out_dtype)?;
-        // At most 2^20 rows a block: the kernel's grid has a y dimension of rows / 32 (≤ 65535).
-        let block = block.clamp(1, t.clamp(1, 1 << 20));
+        // At most 65535 · LORA_ROUND_ROWS rows a block: the kernel's grid has a y dimension of
+        // rows / LORA_ROUND_ROWS.
+        let block = block.clamp(1, t.clamp(1, 65_535 * LORA_ROUND_ROWS));
         let scratch = self.empty(&[block, out], DType::F32)?;
         let fused = r <= FUSED_LORA_RANK_MAX;
         // cuBLAS's term takes operands of one dtype: mixed ones are widened to f32 (lossless;
@@ -729,7 +733,11 @@ impl CudaBackend {
                     )
                 })?;
             }
-            let grid = (out.div_ceil(256) as u32, rows.div_ceil(32) as u32, 1);
+            let grid = (
+                out.div_ceil(256) as u32,
+                rows.div_ceil(LORA_ROUND_ROWS) as u32,
+                1,
+            );
             self.launch(
                 "lf_lora_round_once",
                 grid,
@@ -755,9 +763,139 @@ impl CudaBackend {
     }
 }
 
+/// Whether `lora_linear_folded` moves fewer bytes than `lora_linear_rounded` for a `(t, k)` input,
+/// `out` outputs and rank `r`. Folding writes each output once in its own dtype where the f32
+/// sum's path writes and reads it as f32 first, 8 bytes an output more (bf16 output: an f32 base
+/// product, read back by the rounding kernel; f32 output: the rank-r product, read back by the
+/// base GEMM's epilogue); it pays for copying the input and the weight into their K-extended
+/// operands (about 4 bytes an element each: a read and a write of bf16) and for the `r`
+/// (rounded up to 8) extra columns of the product (at about 200 flops a byte of the H200's
+/// GEMM rate against its bandwidth). So q, gate, up and o fold on every long sequence; k, v (few
+/// outputs) and down (a wide input) do not, nor does decoding's one row.
+pub(crate) fn adapter_fold_pays(t: usize, k: usize, out: usize, r: usize) -> bool {
+    let (t, k, out) = (t as f64, k as f64, out as f64);
+    let extra_k = r.next_multiple_of(8) as f64;
+    let saved = 8.0 * t * out;
+    let spent = 4.0 * k * (t + out) + 2.0 * t * out * extra_k / 200.0;
+    saved > spent
+}
+
+#[allow(clippy::too_many_arguments)]
+impl CudaBackend {
+    /// `x Wᵀ + scale · xa Bᵀ` as one product over a K-extended operand pair,
+    /// `[x | xa | 0] · [W | scale · B | 0]ᵀ`: cuBLASLt accumulates both terms in f32 and rounds
+    /// the sum once into `out_dtype`, with no f32 sum in memory (`adapter_fold_pays` weighs the
+    /// copies against it). `[W | scale · B]` is built once a call, the input's side for at most
+    /// `budget` bytes of rows at a time (less the weight's copy; at least 2048 rows, which keep
+    /// the product efficient). All operands bf16 (the caller checked dtypes and shapes).
+    /// `scale · B` is rounded to bf16, exact for a power of two (the default scale is 2); the f32
+    /// sum's path multiplies in f32.
+    pub fn lora_linear_folded(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        xa: &Tensor,
+        b: &Tensor,
+        scale: f32,
+        out_dtype: DType,
+        budget: usize,
+    ) -> Result<Tensor> {
+        let (t, k) = x.rows_cols();
+        let (out, r) = (w.dim(0), b.dim(1));
+        // The adapter's columns padded to 16 bytes, so that rows of both operands stay aligned
+        // for cuBLASLt and the packing kernel's vector copies.
+        let kd = k + r.next_multiple_of(8);
+        let bf = DType::BF16;
+        let y = self.empty(&[t, out], out_dtype)?;
+        let w_ext = self.empty(&[out, kd], bf)?;
+        self.pack_k(Mat::of(w)?, k, Mat::of(b)?, r, scale, &w_ext, out)?;
+        let rows = (budget.saturating_sub(out * kd * 2) / (kd * 2))
+            .max(2048)
+            .min(t);
+        let x_ext = self.empty(&[rows, kd], bf)?;
+        let (xm, xam, xem, wem, ym) = (
+            Mat::of(x)?,
+            Mat::of(xa)?,
+            Mat::of(&x_ext)?,
+            Mat::of(&w_ext)?,
+            Mat::of(&y)?,
+        );
+        for a in (0..t).step_by(rows) {
+            let n = rows.min(t - a);
+            self.pack_k(xm.rows_from(a), k, xam.rows_from(a), r, 1.0, &x_ext, n)?;
+            let name = || format!("gemm lora folded {n}x{out}x{kd} r{r}");
+            self.profiled(name, || {
+                self.gemm_at(
+                    ym.rows_from(a),
+                    (xem, false),
+                    (wem, true),
+                    (n, kd, out),
+                    (1.0, 0.0),
+                )
+            })?;
+        }
+        Ok(y)
+    }
+
+    /// Rows `[0, rows)` of `dst` `[·, kd]` = `[a | scale · b | 0]` (`lf_pack_k`), `a` `k` and
+    /// `b` `r` columns wide, all bf16.
+    fn pack_k(
+        &self,
+        a: Mat,
+        k: usize,
+        b: Mat,
+        r: usize,
+        scale: f32,
+        dst: &Tensor,
+        rows: usize,
+    ) -> Result<()> {
+        let kd = dst.rows_cols().1;
+        // 16-byte copies: both rows' starts and a's width on 16 bytes (8 bf16).
+        let vec = a.ptr.is_multiple_of(16)
+            && cuda_ptr(dst)?.is_multiple_of(16)
+            && [k, a.ld, kd].iter().all(|e| e.is_multiple_of(8));
+        self.launch(
+            "lf_pack_k",
+            (rows as u32, 1, 1),
+            256,
+            0,
+            &[
+                Arg::P(a.ptr),
+                Arg::I64(a.ld as i64),
+                Arg::I64(k as i64),
+                Arg::P(b.ptr),
+                Arg::I64(r as i64),
+                Arg::F32(scale),
+                Arg::P(cuda_ptr(dst)?),
+                Arg::I64(kd as i64),
+                dt(DType::BF16),
+                Arg::I32(vec as i32),
+            ],
+        )
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The projections that fold their adapter into the base product: q, gate, up and o on a
+    /// training pass of llama8b (hidden 4096, 8 kv heads of 128, MLP 14336) and qwen1.5b
+    /// (1536, 2 kv heads of 128, 8960); not k and v (few outputs), down (a wide input) or one
+    /// row of decoding; a rank of 256 still folds the gate (its extra columns cost less than the
+    /// f32 sum's bytes).
+    #[test]
+    fn the_adapter_folds_where_its_copies_cost_less_than_the_f32_sum() {
+        for (t, hidden, kv, mlp) in [(16_384, 4096, 1024, 14_336), (4608, 1536, 256, 8960)] {
+            let folds = |k: usize, out: usize| adapter_fold_pays(t, k, out, 16);
+            assert!(folds(hidden, hidden), "q and o at {t} rows");
+            assert!(folds(hidden, mlp), "gate and up at {t} rows");
+            assert!(!folds(hidden, kv), "k and v at {t} rows");
+            assert!(!folds(mlp, hidden), "down at {t} rows");
+            assert!(!adapter_fold_pays(1, hidden, mlp, 16), "one row");
+        }
+        assert!(adapter_fold_pays(4608, 1536, 8960, 256));
+    }
 
     #[test]
     fn buckets_round_up_by_an_eighth_of_an_octave() {

@@ -20,7 +20,7 @@ pub mod compile;
 mod decode;
 mod dequant;
 mod elementwise;
-mod gemm;
+pub(crate) mod gemm;
 mod objective;
 mod offload;
 pub use offload::{Fetched, HostCopy};
