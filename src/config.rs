@@ -556,6 +556,20 @@ impl TrainConfig {
         bail!("unknown setting `{key}` (settings: {})", names.join(", "))
     }
 
+    /// A TRL setting whose value means something lorafit names otherwise: TRL's CPOConfig
+    /// names SimPO a loss type, lorafit a method (with no CPO NLL term, which TRL's default
+    /// `cpo_alpha = 1` adds), so it is refused with what to write.
+    pub fn check_trl_value(key: &str, value: &toml::Value) -> Result<()> {
+        if key == "loss_type" && value.as_str() == Some("simpo") {
+            bail!(
+                "`loss_type = \"simpo\"` (TRL's CPOConfig) is lorafit's `method = \"simpo\"`, \
+                 with simpo_beta and simpo_gamma (TRL's beta and simpo_gamma) and no CPO NLL \
+                 term (TRL's cpo_alpha = 0): set the method instead"
+            );
+        }
+        Ok(())
+    }
+
     /// A settings table with TRL's names renamed to lorafit's; an unknown name, or one given
     /// twice under two names, is an error.
     pub fn normalize(table: toml::Table) -> Result<toml::Table> {
@@ -568,6 +582,10 @@ impl TrainConfig {
         // Every unknown name at once: a config brought from TRL may hold several.
         let mut unknown = Vec::new();
         for (k, v) in table {
+            if let Err(e) = TrainConfig::check_trl_value(&k, &v) {
+                unknown.push(e.to_string());
+                continue;
+            }
             let name = match TrainConfig::setting_name(&k, &method) {
                 Ok(name) => name,
                 Err(e) => {
@@ -1123,6 +1141,9 @@ mod tests {
             ["dpo_loss_type = \"ipo\""]
         );
         assert!(dpo.other_methods_settings().unwrap().is_empty());
+        std::fs::write(&path, "loss_type = \"simpo\"\n").unwrap();
+        let e = format!("{:#}", TrainConfig::from_toml_file(&path).unwrap_err());
+        assert!(e.contains("method = \"simpo\""), "{e}");
         let e = TrainConfig::setting_name("use_dora", "orpo")
             .unwrap_err()
             .to_string();

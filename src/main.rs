@@ -847,6 +847,8 @@ fn apply_overrides(mut cfg: TrainConfig, a: &TrainArgs) -> Result<TrainConfig> {
                 .split_once('=')
                 .with_context(|| format!("--set {kv}: expected KEY=VALUE"))?;
             let mut value = set_value(v);
+            TrainConfig::check_trl_value(k.trim(), &value)
+                .with_context(|| format!("--set {kv}"))?;
             let name = TrainConfig::setting_name(k.trim(), &method)
                 .with_context(|| format!("--set {kv}"))?;
             // transformers' `max_steps = -1` means "from the epochs", lorafit's 0.
@@ -985,7 +987,7 @@ fn run_train(a: TrainArgs) -> Result<()> {
             cfg.output = run_dir.display().to_string();
         }
     }
-    validate_settings(&cfg, a.config.as_deref())?;
+    validate_settings(&cfg, a.config.as_deref().or(run_settings.as_deref()))?;
     let unused = cfg.other_methods_settings()?;
     if !unused.is_empty() {
         eprintln!(
@@ -1013,10 +1015,8 @@ fn run_train(a: TrainArgs) -> Result<()> {
     Ok(())
 }
 
-/// `lorafit lint`: every row checked as `train` would (`data::check`), findings per row, the
-/// summary, and exit status 1 when a row is unusable.
-/// `TrainConfig::validate`, its error naming where the settings came from (a file and the flags,
-/// or the flags alone).
+/// `TrainConfig::validate`, its error naming where the settings came from (a file, a resumed
+/// run's settings, and the flags, or the flags alone).
 fn validate_settings(cfg: &TrainConfig, config: Option<&std::path::Path>) -> Result<()> {
     cfg.validate().with_context(|| match config {
         Some(p) => format!("settings ({} and flags)", p.display()),
@@ -1024,6 +1024,8 @@ fn validate_settings(cfg: &TrainConfig, config: Option<&std::path::Path>) -> Res
     })
 }
 
+/// `lorafit lint`: every row checked as `train` would (`data::check`), findings per row, the
+/// summary, and exit status 1 when a row is unusable.
 fn run_lint(a: LintArgs) -> Result<bool> {
     // The flags over the config's settings over the defaults: the run's settings as train
     // reads them.
@@ -1254,6 +1256,20 @@ fn main() {
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");
+        if disk_full(&e) {
+            eprintln!(
+                "the disk is full: free space there (a run resumes from its last checkpoint \
+                 with --resume)"
+            );
+        }
         std::process::exit(2);
     }
+}
+
+/// Whether an error comes from a write that found no space left.
+fn disk_full(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| {
+        c.downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.kind() == std::io::ErrorKind::StorageFull)
+    })
 }

@@ -253,6 +253,22 @@ fn cases() -> Vec<Case> {
             expect: E(None, None, "the file is UTF-16LE text"),
         },
         Case {
+            name: "utf16be-no-bom.jsonl",
+            content: GOOD.encode_utf16().flat_map(|u| u.to_be_bytes()).collect(),
+            kind: P,
+            template: None,
+            vocab: None,
+            expect: E(None, None, "looks like UTF-16BE text without a byte-order mark"),
+        },
+        Case {
+            name: "utf32le-no-bom.jsonl",
+            content: GOOD.chars().flat_map(|c| (c as u32).to_le_bytes()).collect(),
+            kind: P,
+            template: None,
+            vocab: None,
+            expect: E(None, None, "looks like UTF-32LE text without a byte-order mark"),
+        },
+        Case {
             name: "h4.parquet.gz",
             content: {
                 let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());

@@ -273,6 +273,13 @@ impl Rows<'static> {
                  `iconv -f {encoding} -t UTF-8 FILE > out`)"
             );
         }
+        if let Some(encoding) = wide_text_without_bom(inner_head) {
+            bail!(
+                "{name}: the file looks like {encoding} text without a byte-order mark (a zero \
+                 byte beside each character); dataset files are read as UTF-8: convert it first \
+                 (for example `iconv -f {encoding} -t UTF-8 FILE > out`)"
+            );
+        }
         let delimiter = if inner_name.ends_with(".csv") {
             Some(b',')
         } else if inner_name.ends_with(".tsv") {
@@ -391,6 +398,39 @@ fn utf16_or_32(head: &[u8]) -> Option<&'static str> {
     } else if head.starts_with(&[0xff, 0xfe]) {
         Some("UTF-16LE")
     } else if head.starts_with(&[0xfe, 0xff]) {
+        Some("UTF-16BE")
+    } else {
+        None
+    }
+}
+
+/// The encoding of text written two or four bytes a character with no byte-order mark, judged
+/// from its first bytes: in such text of Latin letters, digits and JSON or CSV punctuation,
+/// every character has zero bytes at the same places, which UTF-8 text never has (a NUL is not
+/// text). `None` where the head is too short to tell or has no such pattern.
+fn wide_text_without_bom(head: &[u8]) -> Option<&'static str> {
+    let head = &head[..head.len().min(256) / 4 * 4];
+    if head.len() < 8 {
+        return None;
+    }
+    // Zero bytes counted by their place in each group of four.
+    let mut zeros = [0usize; 4];
+    for (i, &b) in head.iter().enumerate() {
+        if b == 0 {
+            zeros[i % 4] += 1;
+        }
+    }
+    let groups = head.len() / 4;
+    // Most characters of such a file are one unit wide: 90% of the groups carry the pattern.
+    let most = |n: usize| n * 10 >= groups * 9;
+    let none = |n: usize| n * 10 <= groups;
+    if most(zeros[1]) && most(zeros[2]) && most(zeros[3]) && none(zeros[0]) {
+        Some("UTF-32LE")
+    } else if most(zeros[0]) && most(zeros[1]) && most(zeros[2]) && none(zeros[3]) {
+        Some("UTF-32BE")
+    } else if most(zeros[1]) && most(zeros[3]) && none(zeros[0]) && none(zeros[2]) {
+        Some("UTF-16LE")
+    } else if most(zeros[0]) && most(zeros[2]) && none(zeros[1]) && none(zeros[3]) {
         Some("UTF-16BE")
     } else {
         None
@@ -702,6 +742,24 @@ mod tests {
     }
 
     type Read = Vec<(usize, Result<Value, String>)>;
+
+    #[test]
+    fn wide_text_is_told_from_utf8_by_its_zero_bytes() {
+        let text =
+            r#"{"prompt":"Wie heißt 東京 auf Deutsch? 🙂","chosen":"Tokio","rejected":"Kyoto"}"#;
+        assert_eq!(wide_text_without_bom(text.as_bytes()), None);
+        let le: Vec<u8> = text.encode_utf16().flat_map(|u| u.to_le_bytes()).collect();
+        let be: Vec<u8> = text.encode_utf16().flat_map(|u| u.to_be_bytes()).collect();
+        assert_eq!(wide_text_without_bom(&le), Some("UTF-16LE"));
+        assert_eq!(wide_text_without_bom(&be), Some("UTF-16BE"));
+        let be32: Vec<u8> = text
+            .chars()
+            .flat_map(|c| (c as u32).to_be_bytes())
+            .collect();
+        assert_eq!(wide_text_without_bom(&be32), Some("UTF-32BE"));
+        // Too short to judge: a few bytes are read as whatever they are.
+        assert_eq!(wide_text_without_bom(&le[..6]), None);
+    }
 
     /// Every row of a file, whether rows are numbered, and the blank lines skipped.
     fn all(path: &Path) -> (Read, bool, usize) {

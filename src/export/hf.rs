@@ -129,6 +129,7 @@ fn write_shards(dir: &Path, tensors: Vec<OutTensor>) -> Result<usize> {
         meta.insert("format".to_string(), "pt".to_string());
         let path = dir.join(&file);
         safetensors::serialize_to_file(views, Some(meta), &path)
+            .map_err(crate::model::weights::safetensors_error)
             .with_context(|| format!("writing {}", path.display()))?;
         for t in shard {
             weight_map.insert(t.name.clone(), file.clone());

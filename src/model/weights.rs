@@ -209,8 +209,19 @@ pub fn write_f32_safetensors(
         })
         .collect::<Result<_>>()?;
     safetensors::serialize_to_file(views, None, path)
+        .map_err(safetensors_error)
         .with_context(|| format!("writing {}", path.display()))?;
     Ok(())
+}
+
+/// A safetensors error as one cause: its I/O variant's message already holds the OS error that
+/// it also gives as its source, so a chained report (`{:#}`) would say it twice ("No space left
+/// on device (os error 28): No space left on device (os error 28)").
+pub fn safetensors_error(e: safetensors::SafeTensorError) -> anyhow::Error {
+    match e {
+        safetensors::SafeTensorError::IoError(io) => io.into(),
+        other => other.into(),
+    }
 }
 
 /// Every value of tensor `name` (from `source`) is finite, or an error naming the tensor, the
@@ -644,4 +655,27 @@ pub fn random_normal(n: usize, seed: u64, std: f32) -> Vec<f32> {
             }
         });
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A write that finds no space names the OS error once (`/dev/full` answers every write
+    /// with ENOSPC).
+    #[test]
+    fn a_full_disk_is_said_once() {
+        let full = Path::new("/dev/full");
+        if !full.exists() {
+            eprintln!("SKIPPED a_full_disk_is_said_once: this system has no /dev/full");
+            return;
+        }
+        let tensors = vec![("x".to_string(), vec![4096], vec![1.0f32; 4096])];
+        let e = write_f32_safetensors(full, &tensors).unwrap_err();
+        let msg = format!("{e:#}");
+        assert_eq!(msg.matches("os error 28").count(), 1, "{msg}");
+        assert!(e.chain().any(|c| c
+            .downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.kind() == std::io::ErrorKind::StorageFull)));
+    }
 }

@@ -1477,20 +1477,28 @@ pub fn save_checkpoint(
         dir.file_name().unwrap().to_string_lossy()
     ));
     let _ = std::fs::remove_dir_all(&tmp);
-    lora.save_peft(&tmp, &model_path.display().to_string())?;
-    let mut tensors: Vec<(String, Vec<usize>, Vec<f32>)> = Vec::new();
-    for (i, (m, v)) in adam.m.iter().zip(&adam.v).enumerate() {
-        tensors.push((format!("m.{i}"), m.shape().to_vec(), m.to_vec()?));
-        tensors.push((format!("v.{i}"), v.shape().to_vec(), v.to_vec()?));
-    }
-    crate::model::weights::write_f32_safetensors(&tmp.join("optimizer.safetensors"), &tensors)?;
-    std::fs::write(
-        tmp.join("trainer_state.json"),
-        serde_json::to_string_pretty(state)?,
-    )?;
-    for (name, text) in extra {
-        std::fs::write(tmp.join(name), text)
-            .with_context(|| format!("writing {}", tmp.join(name).display()))?;
+    let write_all = || -> Result<()> {
+        lora.save_peft(&tmp, &model_path.display().to_string())?;
+        let mut tensors: Vec<(String, Vec<usize>, Vec<f32>)> = Vec::new();
+        for (i, (m, v)) in adam.m.iter().zip(&adam.v).enumerate() {
+            tensors.push((format!("m.{i}"), m.shape().to_vec(), m.to_vec()?));
+            tensors.push((format!("v.{i}"), v.shape().to_vec(), v.to_vec()?));
+        }
+        crate::model::weights::write_f32_safetensors(&tmp.join("optimizer.safetensors"), &tensors)?;
+        let state_path = tmp.join("trainer_state.json");
+        std::fs::write(&state_path, serde_json::to_string_pretty(state)?)
+            .with_context(|| format!("writing {}", state_path.display()))?;
+        for (name, text) in extra {
+            std::fs::write(tmp.join(name), text)
+                .with_context(|| format!("writing {}", tmp.join(name).display()))?;
+        }
+        Ok(())
+    };
+    if let Err(e) = write_all() {
+        // A part-written checkpoint is no checkpoint: its space is given back (a full disk is
+        // the usual cause), and the earlier checkpoints stay as they were.
+        let _ = std::fs::remove_dir_all(&tmp);
+        return Err(e.context(format!("writing checkpoint {}", dir.display())));
     }
     let _ = std::fs::remove_dir_all(dir);
     std::fs::rename(&tmp, dir)
@@ -1533,6 +1541,57 @@ pub fn load_checkpoint(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A checkpoint whose writing fails leaves no part-written folder behind (its space is
+    /// given back), and the error names the checkpoint and the file.
+    #[test]
+    fn a_failed_checkpoint_write_leaves_no_temporary_folder() {
+        let spec = crate::model::ModelSpec::from_config_json(
+            &std::fs::read_to_string(
+                Path::new(env!("CARGO_MANIFEST_DIR"))
+                    .join("tests/fixtures/models/llama/config.json"),
+            )
+            .unwrap(),
+        )
+        .unwrap();
+        let lora = Lora::new(&spec, LoraConfig::default(), &Device::Cpu).unwrap();
+        let adam = AdamState::new(&lora).unwrap();
+        let state = TrainerState {
+            step: 3,
+            position: 3,
+            best_margin: None,
+            total_steps: 3,
+            data_hash: None,
+            base_hash: None,
+            cycles: vec![],
+            orpo_lambda: None,
+        };
+        let root = std::env::temp_dir().join(format!("lorafit-ckpt-fail-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        std::fs::create_dir_all(&root).unwrap();
+        let dir = root.join("checkpoint-000003");
+        // An extra file in a folder that does not exist fails after the adapter and optimiser
+        // are written, as a disk that fills up part-way does.
+        let e = save_checkpoint(
+            &dir,
+            &lora,
+            &adam,
+            &state,
+            &root,
+            &[("no/such/run.toml", "x")],
+        )
+        .unwrap_err();
+        let msg = format!("{e:#}");
+        assert!(
+            msg.contains("writing checkpoint") && msg.contains("run.toml"),
+            "{msg}"
+        );
+        let left: Vec<_> = std::fs::read_dir(&root).unwrap().collect();
+        assert!(left.is_empty(), "left behind: {left:?}");
+        save_checkpoint(&dir, &lora, &adam, &state, &root, &[("run.toml", "x")]).unwrap();
+        assert!(dir.join("trainer_state.json").is_file());
+        let _ = std::fs::remove_dir_all(&root);
+    }
 
     /// The kept epoch's permutation answers as a fresh draw at every position, across epochs
     /// and back (a step retried after running out of memory goes back to its first position),
