@@ -253,11 +253,12 @@ pub fn run(a: BenchArgs) -> Result<()> {
     if a.plan_only {
         return plan_only(&a);
     }
+    // The shape first: a misspelt name is said as such, also where no GPU is found.
+    let spec = named_shape(&a.shape)?;
     let device = Device::parse(&a.device)?;
     let base = base_config(&a);
     device.set_numerics(base.deterministic_attention, base.gemm_tuning)?;
     crate::train::head::set_filter_eps(base.cce_filter_eps);
-    let spec = named_shape(&a.shape)?;
     let t_load = Instant::now();
     let weights = random_weights(&spec, a.base_quant, &device)?;
     let mut model = Model::new(spec.clone(), weights, device.clone());
@@ -976,13 +977,13 @@ impl crate::model::weights::TensorSource for RandomQuantSource {
 /// `RESULT` JSON line each with decode tokens/s over the batch and per sequence.
 fn run_decode(a: &BenchArgs) -> Result<()> {
     use crate::infer::{generate_stream, GenerateOptions};
-    let device = Device::parse(&a.device)?;
-    device.set_numerics(false, a.gemm_tuning)?;
     let spec = named_shape(&a.shape)?;
     ensure!(
         a.new_tokens >= 2 && a.decode_prompt_len >= 1,
         "--decode needs --new-tokens of at least 2 and a prompt"
     );
+    let device = Device::parse(&a.device)?;
+    device.set_numerics(false, a.gemm_tuning)?;
     // Every base is checked before the first is timed, not after the rows before it.
     let mut bases = Vec::new();
     for base in &a.base {

@@ -5,6 +5,7 @@
 //! of it: a CPU reference backend and a CUDA backend with the same ops. A model family is one file
 //! in `model` that describes its layers; `model::runner` executes any family's layers.
 
+pub mod atomic_file;
 pub mod bench;
 pub mod config;
 pub mod curate;

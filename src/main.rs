@@ -1258,8 +1258,8 @@ fn main() {
         eprintln!("error: {e:#}");
         if disk_full(&e) {
             eprintln!(
-                "the disk is full: free space there (a run resumes from its last checkpoint \
-                 with --resume)"
+                "the disk is full: free space there and run the command again (a training run \
+                 resumes from its last checkpoint with --resume)"
             );
         }
         std::process::exit(2);

@@ -5,7 +5,7 @@
 //! deflate block whose only matches are runs (distance 1), which packs a chart's flat areas
 //! well enough (an 800×480 chart is tens of kilobytes) without a compression library.
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use std::path::Path;
 
 /// The palette: background, ink, grid, axis grey, then series colours (Tableau 10's first
@@ -585,9 +585,7 @@ pub fn encode_png(c: &Canvas) -> Vec<u8> {
 
 /// Writes `c` as a PNG file, whole (a temporary file renamed into place).
 pub fn write_png(path: &Path, c: &Canvas) -> Result<()> {
-    let tmp = path.with_extension("png.tmp");
-    std::fs::write(&tmp, encode_png(c)).with_context(|| format!("writing {}", tmp.display()))?;
-    std::fs::rename(&tmp, path).with_context(|| format!("writing {}", path.display()))
+    crate::atomic_file::write(path, &encode_png(c))
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -570,7 +570,8 @@ fn prompts_past_the_context_are_refused() {
 
 /// Flags that would time nothing or run something else than asked are refused with what to
 /// give: `bench --steps 0` (it panicked), `demo --steps 0` (it ran a whole epoch), and
-/// `selftest` without a GPU or on the CPU (each pointed at the other).
+/// `selftest` without a GPU or on the CPU (each pointed at the other); a misspelt bench shape is
+/// named before the device is looked for.
 #[test]
 fn commands_refuse_counts_and_devices_that_do_nothing() {
     let args = |a: &[&str]| -> Vec<std::ffi::OsString> { a.iter().map(|s| s.into()).collect() };
@@ -606,6 +607,19 @@ fn commands_refuse_counts_and_devices_that_do_nothing() {
         !ok && err.contains("--base q4_0") && !err.contains("RESULT"),
         "{err}"
     );
+    // A misspelt shape is said as such on the default device (CUDA), GPU or not, and in
+    // both of bench's modes.
+    for decode in [false, true] {
+        let mut a = vec!["bench", "--shape", "llama-8b", "--steps", "1"];
+        if decode {
+            a.push("--decode");
+        }
+        let (ok, err) = run(&a);
+        assert!(
+            !ok && err.contains("\"llama-8b\" is not a known name"),
+            "{err}"
+        );
+    }
     let (ok, err) = run(&["demo", "--steps", "0"]);
     assert!(!ok && err.contains("'--steps <STEPS>'"), "{err}");
     let (ok, err) = run(&["selftest", "--device", "cpu"]);

@@ -9,7 +9,6 @@
 
 use crate::model::gguf::{GgmlType, MetaValue};
 use anyhow::{bail, ensure, Context, Result};
-use std::io::Write;
 use std::path::Path;
 
 const DEFAULT_ALIGNMENT: usize = 32;
@@ -136,15 +135,7 @@ impl GgufWriter {
 
     /// Writes the file atomically (a temporary beside it, then a rename).
     pub fn write(&self, path: &Path) -> Result<()> {
-        let bytes = self.to_bytes()?;
-        let tmp = path.with_extension("gguf.tmp");
-        let mut f =
-            std::fs::File::create(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
-        f.write_all(&bytes)
-            .with_context(|| format!("writing {}", tmp.display()))?;
-        drop(f);
-        std::fs::rename(&tmp, path).with_context(|| format!("writing {}", path.display()))?;
-        Ok(())
+        crate::atomic_file::write(path, &self.to_bytes()?)
     }
 }
 

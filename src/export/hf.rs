@@ -128,9 +128,11 @@ fn write_shards(dir: &Path, tensors: Vec<OutTensor>) -> Result<usize> {
         let mut meta = HashMap::new();
         meta.insert("format".to_string(), "pt".to_string());
         let path = dir.join(&file);
-        safetensors::serialize_to_file(views, Some(meta), &path)
-            .map_err(crate::model::weights::safetensors_error)
-            .with_context(|| format!("writing {}", path.display()))?;
+        crate::atomic_file::write_with(&path, |tmp| {
+            safetensors::serialize_to_file(views, Some(meta), tmp)
+                .map_err(crate::model::weights::safetensors_error)
+                .with_context(|| format!("writing {}", tmp.display()))
+        })?;
         for t in shard {
             weight_map.insert(t.name.clone(), file.clone());
             total += t.data.len();

@@ -355,9 +355,9 @@ impl Lora {
             host.push((peft_key(l, t, false), p.a.shape().to_vec(), p.a.to_vec()?));
             host.push((peft_key(l, t, true), p.b.shape().to_vec(), p.b.to_vec()?));
         }
-        let tmp = dir.join("adapter_model.safetensors.tmp");
-        super::weights::write_f32_safetensors(&tmp, &host)?;
-        std::fs::rename(&tmp, dir.join("adapter_model.safetensors"))?;
+        crate::atomic_file::write_with(&dir.join("adapter_model.safetensors"), |tmp| {
+            super::weights::write_f32_safetensors(tmp, &host)
+        })?;
         let c = &self.config;
         let mut rank_pattern = serde_json::Map::new();
         for (k, v) in &c.rank_pattern {
