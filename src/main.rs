@@ -1009,8 +1009,9 @@ fn run_train(a: TrainArgs) -> Result<()> {
         &valid_items,
     )?;
     if outcome.stopped {
-        // Interrupted (Ctrl-C): a checkpoint was written, and the status says the run is not done.
-        std::process::exit(130);
+        // Interrupted (Ctrl-C or SIGTERM): a checkpoint was written, and the status says the run
+        // is not done.
+        std::process::exit(lorafit::train::listeners::stop_status());
     }
     Ok(())
 }

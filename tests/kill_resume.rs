@@ -301,8 +301,9 @@ fn a_resume_without_settings_continues_with_the_checkpoints() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// Ctrl-C (SIGINT) during training stops the run after its step with a checkpoint (status 130);
-/// a resume then ends as the uninterrupted run does: the same metrics and adapter.
+/// Ctrl-C (SIGINT) or SIGTERM (a scheduler's or `docker stop`'s) during training stops the run
+/// after its step with a checkpoint (status 130 or 143); a resume then ends as the uninterrupted
+/// run does: the same metrics and adapter.
 #[test]
 fn ctrl_c_stops_with_a_checkpoint_and_the_resume_is_exact() {
     let dir = scratch("ctrl-c");
@@ -310,42 +311,44 @@ fn ctrl_c_stops_with_a_checkpoint_and_the_resume_is_exact() {
     let long = ["--set", "steps=400", "--set", "save_every=0"];
     let whole = dir.join("whole");
     run_to_end(&setup, &whole, &long);
-    let cut = dir.join("cut");
-    let child = train_command(&setup, &cut, &long).spawn().unwrap();
-    // Interrupted once training has begun (the handler is set just before the first step).
-    let metrics = cut.join("metrics.jsonl");
-    let t0 = Instant::now();
-    while std::fs::read_to_string(&metrics).map_or(0, |t| t.lines().count()) < 20 {
+    for (signal, status) in [("-INT", 130), ("-TERM", 143)] {
+        let cut = dir.join(format!("cut{signal}"));
+        let child = train_command(&setup, &cut, &long).spawn().unwrap();
+        // Interrupted once training has begun (the handler is set just before the first step).
+        let metrics = cut.join("metrics.jsonl");
+        let t0 = Instant::now();
+        while std::fs::read_to_string(&metrics).map_or(0, |t| t.lines().count()) < 20 {
+            assert!(
+                t0.elapsed().as_secs() < 120,
+                "the run never reached step 20"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        let pid = child.id().to_string();
+        assert!(Command::new("kill")
+            .args([signal, &pid])
+            .status()
+            .unwrap()
+            .success());
+        let o = child.wait_with_output().unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(status), "{signal}: {err}");
+        assert!(err.contains("stopped at step"), "{err}");
+        let stopped_at = std::fs::read_to_string(&metrics).unwrap().lines().count();
         assert!(
-            t0.elapsed().as_secs() < 120,
-            "the run never reached step 20"
+            stopped_at < 400,
+            "the run ended before the interrupt reached it"
         );
-        std::thread::sleep(std::time::Duration::from_millis(5));
-    }
-    let pid = child.id().to_string();
-    assert!(Command::new("kill")
-        .args(["-INT", &pid])
-        .status()
-        .unwrap()
-        .success());
-    let o = child.wait_with_output().unwrap();
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert_eq!(o.status.code(), Some(130), "{err}");
-    assert!(err.contains("stopped at step"), "{err}");
-    let stopped_at = std::fs::read_to_string(&metrics).unwrap().lines().count();
-    assert!(
-        stopped_at < 400,
-        "the run ended before the interrupt reached it"
-    );
-    assert!(has_checkpoint(&cut));
-    run_to_end(
-        &setup,
-        &cut,
-        &[&long[..], &["--resume", cut.to_str().unwrap()]].concat(),
-    );
-    let (a, b) = (deterministic_files(&whole), deterministic_files(&cut));
-    for name in ["metrics.jsonl", "adapter/adapter_model.safetensors"] {
-        assert!(a[name] == b[name], "{name} differs");
+        assert!(has_checkpoint(&cut));
+        run_to_end(
+            &setup,
+            &cut,
+            &[&long[..], &["--resume", cut.to_str().unwrap()]].concat(),
+        );
+        let (a, b) = (deterministic_files(&whole), deterministic_files(&cut));
+        for name in ["metrics.jsonl", "adapter/adapter_model.safetensors"] {
+            assert!(a[name] == b[name], "{signal}: {name} differs");
+        }
     }
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -55,35 +55,58 @@ impl Console {
     }
 }
 
-/// Set by the first Ctrl-C after [`stop_on_interrupt`]: the console asks the run to stop after
-/// its current step.
+/// Set by the first Ctrl-C or SIGTERM after [`stop_on_interrupt`]: the console asks the run to
+/// stop after its current step.
 static INTERRUPTED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
-/// From now on, a first Ctrl-C (SIGINT) ends the run after its current step with a checkpoint
-/// (the console's `stop_requested`), so that a resume takes up where it stopped; a second one
-/// quits at once (status 130), as a Ctrl-C did before.
+/// The exit status of a run stopped by a signal: 128 + its number (130 for Ctrl-C, 143 for
+/// SIGTERM), as a shell reports a process the signal ended.
+static STOP_STATUS: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(130);
+
+/// The exit status for a run that [`stop_on_interrupt`]'s signal stopped.
+pub fn stop_status() -> i32 {
+    STOP_STATUS.load(std::sync::atomic::Ordering::SeqCst)
+}
+
+/// From now on, a first Ctrl-C (SIGINT) or SIGTERM (what a job scheduler, `docker stop` or
+/// Kubernetes sends before killing) ends the run after its current step with a checkpoint (the
+/// console's `stop_requested`), so that a resume takes up where it stopped; a second one quits
+/// at once (status 130 or 143).
 pub fn stop_on_interrupt() -> Result<()> {
+    use tokio::signal::unix::{signal, SignalKind};
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_io()
         .build()
         .context("starting the Ctrl-C handler")?;
     // Registered here, before training starts, not when the thread gets to it.
-    let first = runtime
+    let (mut int, mut term) = runtime
         .block_on(async {
-            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())
+            Ok::<_, std::io::Error>((
+                signal(SignalKind::interrupt())?,
+                signal(SignalKind::terminate())?,
+            ))
         })
-        .context("listening for Ctrl-C")?;
+        .context("listening for Ctrl-C and SIGTERM")?;
     std::thread::spawn(move || {
-        let mut signal = first;
         runtime.block_on(async {
-            signal.recv().await;
+            // The signal's name and exit status.
+            macro_rules! next {
+                () => {
+                    tokio::select! {
+                        _ = int.recv() => ("interrupted", 130),
+                        _ = term.recv() => ("terminated (SIGTERM)", 143),
+                    }
+                };
+            }
+            let (what, status) = next!();
+            STOP_STATUS.store(status, std::sync::atomic::Ordering::SeqCst);
             INTERRUPTED.store(true, std::sync::atomic::Ordering::SeqCst);
             eprintln!(
-                "\ninterrupted: stopping after this step with a checkpoint (Ctrl-C again to quit now)"
+                "\n{what}: stopping after this step with a checkpoint (Ctrl-C again to quit now)"
             );
-            signal.recv().await;
-            eprintln!("\ninterrupted again: quitting without a checkpoint of this step");
-            std::process::exit(130);
+            let (what, status) = next!();
+            eprintln!("\n{what} again: quitting without a checkpoint of this step");
+            std::process::exit(status);
         });
     });
     Ok(())
