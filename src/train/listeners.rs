@@ -331,13 +331,18 @@ type PlotSpec = (
     &'static [(&'static str, &'static str)],
 );
 
+/// The files of the plots a run writes in `plots/` (what `--overwrite` deletes there).
+pub fn plot_files() -> impl Iterator<Item = &'static str> {
+    PLOTS.iter().map(|p| p.0)
+}
+
 /// The plots a run writes.
 const PLOTS: &[PlotSpec] = &[
     ("loss.png", "Loss", "loss", &[("loss", "loss")]),
     (
         "margin.png",
         "Margin",
-        "logps/chosen - logps/rejected",
+        "logps/chosen - logps/rejected (DPO: rewards/margins)",
         &[("margin", "margin")],
     ),
     (

@@ -25,10 +25,38 @@ pub fn checkpoint_name(step: usize) -> String {
     format!("checkpoint-{step:06}")
 }
 
+/// Whether `dir` holds a trainer state that another tool wrote: Hugging Face's Trainer (TRL's
+/// too) also names its folders `checkpoint-N` with a `trainer_state.json`, without lorafit's
+/// `position` and `total_steps`. A folder without a readable state is not judged foreign.
+fn foreign_checkpoint(dir: &Path) -> bool {
+    let Ok(text) = std::fs::read_to_string(dir.join(TRAINER_STATE)) else {
+        return false;
+    };
+    match serde_json::from_str::<serde_json::Value>(&text) {
+        Ok(state) => state.get("position").is_none() || state.get("total_steps").is_none(),
+        Err(_) => false,
+    }
+}
+
+/// Says what a foreign checkpoint is.
+fn foreign_note(name: &str) -> String {
+    format!(
+        "{name} was not written by lorafit (its {TRAINER_STATE} lacks lorafit's `position` and \
+         `total_steps`, as Hugging Face's Trainer writes it)"
+    )
+}
+
 /// The checkpoint `path` names: a checkpoint folder itself, or a run folder, whose latest whole
 /// checkpoint (the highest step with a trainer state) is taken.
 pub fn find_checkpoint(path: &Path) -> Result<PathBuf> {
     if path.join(TRAINER_STATE).is_file() {
+        if foreign_checkpoint(path) {
+            bail!(
+                "--resume {}: {}; lorafit resumes only its own checkpoints",
+                path.display(),
+                foreign_note("this checkpoint")
+            );
+        }
         return Ok(path.to_path_buf());
     }
     if !path.is_dir() {
@@ -38,6 +66,7 @@ pub fn find_checkpoint(path: &Path) -> Result<PathBuf> {
         );
     }
     let mut best: Option<(usize, PathBuf)> = None;
+    let mut foreign = Vec::new();
     for entry in std::fs::read_dir(path).with_context(|| format!("reading {}", path.display()))? {
         let entry = entry?;
         let name = entry.file_name().to_string_lossy().to_string();
@@ -47,9 +76,21 @@ pub fn find_checkpoint(path: &Path) -> Result<PathBuf> {
         else {
             continue;
         };
+        if foreign_checkpoint(&entry.path()) {
+            foreign.push(name);
+            continue;
+        }
         if entry.path().join(TRAINER_STATE).is_file() && best.as_ref().is_none_or(|b| step > b.0) {
             best = Some((step, entry.path()));
         }
+    }
+    if let Some(name) = foreign.first() {
+        bail!(
+            "--resume {}: {}; lorafit resumes only its own checkpoints, and does not mix its \
+             own with another tool's in one folder",
+            path.display(),
+            foreign_note(name)
+        );
     }
     match best {
         Some((_, p)) => Ok(p),
@@ -122,6 +163,17 @@ pub fn prepare(out_dir: &Path, resume: Option<&Path>, overwrite: bool) -> Result
     }
     std::fs::create_dir_all(out_dir).with_context(|| format!("creating {}", out_dir.display()))?;
     let outputs = outputs_in(out_dir)?;
+    // Another tool's checkpoints are neither taken for this run's nor deleted with it.
+    if let Some((name, _)) = (outputs.iter())
+        .find(|(n, p)| (n.starts_with("checkpoint-") || n == "best") && foreign_checkpoint(p))
+    {
+        bail!(
+            "output {}: {}; lorafit writes (and --overwrite deletes) only its own outputs: name \
+             another folder (--output)",
+            out_dir.display(),
+            foreign_note(name)
+        );
+    }
     let holds_run = outputs.iter().any(|(n, _)| !n.starts_with(".tmp-"));
     let own_checkpoint = resume.is_some_and(|c| {
         let folder = c.parent().and_then(|p| p.canonicalize().ok());
@@ -202,6 +254,18 @@ pub fn prepare(out_dir: &Path, resume: Option<&Path>, overwrite: bool) -> Result
     }
     let fresh = overwrite && !own_checkpoint;
     for (name, path) in outputs {
+        if fresh && name == "plots" && path.is_dir() {
+            // Only the plots a run draws: other files a user put there stay.
+            for file in super::listeners::plot_files() {
+                let plot = path.join(file);
+                if plot.is_file() {
+                    std::fs::remove_file(&plot)
+                        .with_context(|| format!("removing {}", plot.display()))?;
+                }
+            }
+            let _ = std::fs::remove_dir(&path);
+            continue;
+        }
         if fresh || name.starts_with(".tmp-") || abandoned.iter().any(|(n, _)| *n == name) {
             let removed = if path.is_dir() {
                 std::fs::remove_dir_all(&path)
@@ -588,6 +652,57 @@ mod tests {
         );
         assert_eq!(LrDecay::parse("cosine_with_restarts"), None);
         assert_eq!(s(LrDecay::Constant).lr(11), 2.0);
+    }
+
+    /// A folder holding Hugging Face Trainer checkpoints is not taken for a run: a new run and
+    /// `--overwrite` refuse it (nothing deleted), and `--resume` names the foreign checkpoint
+    /// instead of failing on its state. `--overwrite` of a lorafit run deletes the plots it drew
+    /// and keeps a user's own file in `plots/`.
+    #[test]
+    fn another_tools_checkpoints_are_neither_taken_nor_deleted() {
+        let d = std::env::temp_dir().join(format!("lorafit-foreign-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        let trl = d.join("trl");
+        std::fs::create_dir_all(trl.join("checkpoint-500")).unwrap();
+        std::fs::write(
+            trl.join("checkpoint-500").join(TRAINER_STATE),
+            r#"{"global_step": 500, "log_history": []}"#,
+        )
+        .unwrap();
+        for overwrite in [false, true] {
+            let e = prepare(&trl, None, overwrite).unwrap_err().to_string();
+            assert!(
+                e.contains("checkpoint-500 was not written by lorafit"),
+                "{e}"
+            );
+        }
+        assert!(trl.join("checkpoint-500").join(TRAINER_STATE).is_file());
+        let e = find_checkpoint(&trl).unwrap_err().to_string();
+        assert!(
+            e.contains("checkpoint-500 was not written by lorafit"),
+            "{e}"
+        );
+        let e = find_checkpoint(&trl.join("checkpoint-500"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("only its own checkpoints"), "{e}");
+
+        let run = d.join("run");
+        std::fs::create_dir_all(run.join("plots")).unwrap();
+        std::fs::create_dir_all(run.join(checkpoint_name(2))).unwrap();
+        std::fs::write(
+            run.join(checkpoint_name(2)).join(TRAINER_STATE),
+            r#"{"step": 2, "position": 2, "total_steps": 2}"#,
+        )
+        .unwrap();
+        std::fs::write(run.join("plots/loss.png"), b"png").unwrap();
+        std::fs::write(run.join("plots/mine.png"), b"png").unwrap();
+        assert_eq!(find_checkpoint(&run).unwrap(), run.join(checkpoint_name(2)));
+        prepare(&run, None, true).unwrap();
+        assert!(!run.join(checkpoint_name(2)).exists());
+        assert!(!run.join("plots/loss.png").exists());
+        assert!(run.join("plots/mine.png").is_file());
+        let _ = std::fs::remove_dir_all(&d);
     }
 
     #[test]
