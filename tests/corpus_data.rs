@@ -477,7 +477,8 @@ fn chat_template_setting_files_are_checked() {
     assert_eq!(text, "<|im_start|>hi<|im_end|>");
 }
 
-/// A preference row's `weight` reaches the checked rows (1 when absent or null; 0 allowed).
+/// A row's `weight` reaches the checked rows (1 when absent or null; 0 allowed), preference or
+/// SFT.
 #[test]
 fn row_weights_are_read() {
     let text = [
@@ -500,6 +501,30 @@ fn row_weights_are_read() {
     let (rows, _) = load_and_check(&path.display().to_string(), None, &tok, None, &opts).unwrap();
     let w: Vec<f64> = rows.iter().map(|r| r.weight).collect();
     assert_eq!(w, [1.0, 2.5, 0.0, 1.0]);
+    // SFT rows are weighted as preference rows are, and a bad weight is a row error there too.
+    let sft = scratch().join("sft-weights.jsonl");
+    std::fs::write(
+        &sft,
+        "{\"prompt\":\"Q:\",\"completion\":\" a\",\"weight\":3}\n{\"prompt\":\"Q:\",\"completion\":\" b\"}\n",
+    )
+    .unwrap();
+    let sft_opts = CheckOptions {
+        kind: lorafit::data::DatasetKind::Sft,
+        ..opts
+    };
+    let (rows, _) =
+        load_and_check(&sft.display().to_string(), None, &tok, None, &sft_opts).unwrap();
+    let w: Vec<f64> = rows.iter().map(|r| r.weight).collect();
+    assert_eq!(w, [3.0, 1.0]);
+    std::fs::write(
+        &sft,
+        "{\"prompt\":\"Q:\",\"completion\":\" a\",\"weight\":\"abc\"}\n",
+    )
+    .unwrap();
+    let e = load_and_check(&sft.display().to_string(), None, &tok, None, &sft_opts)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains(":1: field \"weight\""), "{e}");
 }
 
 /// Rows are checked in parallel and gathered in file order: over 3000 rows (beyond the progress

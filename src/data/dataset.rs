@@ -167,7 +167,7 @@ pub enum SftData {
     },
 }
 
-/// A preference row's `weight`: a finite number >= 0 (default 1) that scales the example's loss
+/// A row's `weight`: a finite number >= 0 (default 1) that scales the example's loss
 /// and gradient in training (`train::device_loss::ExampleScale`). Compared by value bits.
 #[derive(Debug, Clone, Copy)]
 pub struct RowWeight(pub f64);
@@ -200,6 +200,8 @@ pub enum Example {
     Sft {
         line: usize,
         data: SftData,
+        /// The row's `weight` field (1 when absent).
+        weight: RowWeight,
     },
 }
 
@@ -211,11 +213,10 @@ impl Example {
         }
     }
 
-    /// The row's weight in training (a preference row's `weight`; 1 for SFT rows).
+    /// The row's weight in training (its `weight` field; 1 when absent).
     pub fn weight(&self) -> f64 {
         match self {
-            Example::Preference { weight, .. } => weight.0,
-            Example::Sft { .. } => 1.0,
+            Example::Preference { weight, .. } | Example::Sft { weight, .. } => weight.0,
         }
     }
 
@@ -511,6 +512,7 @@ pub fn parse_row(value: &Value, kind: DatasetKind, line: usize) -> Result<Exampl
         DatasetKind::Sft => Ok(Example::Sft {
             line,
             data: parse_sft(obj)?,
+            weight: parse_weight(obj)?,
         }),
     }
 }
@@ -519,7 +521,7 @@ pub fn parse_row(value: &Value, kind: DatasetKind, line: usize) -> Result<Exampl
 /// (a weight of 1e308 passed the load and ended the run at its step with an infinite loss).
 pub const MAX_WEIGHT: f64 = 1e6;
 
-/// A preference row's optional `weight`: a number in [0, `MAX_WEIGHT`]; absent (or null) is 1.
+/// A row's optional `weight`: a number in [0, `MAX_WEIGHT`]; absent (or null) is 1.
 fn parse_weight(obj: &Map<String, Value>) -> Result<RowWeight, RowError> {
     match obj.get("weight") {
         None | Some(Value::Null) => Ok(RowWeight::default()),
@@ -1283,6 +1285,7 @@ mod tests {
             ex[0],
             Example::Sft {
                 line: 1,
+                weight: RowWeight::default(),
                 data: SftData::Text {
                     prompt: "Q: hi".into(),
                     completion: " A: hello".into()
@@ -1293,6 +1296,7 @@ mod tests {
             ex[1],
             Example::Sft {
                 line: 2,
+                weight: RowWeight::default(),
                 data: SftData::Chat {
                     prompt: vec![Message::system("S"), Message::user("U")],
                     completion: vec![Message::assistant("A")]
@@ -1303,6 +1307,7 @@ mod tests {
             ex[2],
             Example::Sft {
                 line: 3,
+                weight: RowWeight::default(),
                 data: SftData::Text {
                     prompt: String::new(),
                     completion: "Once upon a time.".into()

@@ -931,7 +931,7 @@ pub fn tokenize_sft(
     let mut out = Vec::with_capacity(examples.len());
     for ex in examples {
         match ex {
-            Example::Sft { line, data } => out.push(
+            Example::Sft { line, data, .. } => out.push(
                 tokenize_sft_example(data, tok, template, opts, &mut report)
                     .with_context(|| format!("line {line}"))?,
             ),
