@@ -435,6 +435,7 @@ const TRL_NAMES: &[(&str, &str)] = &[
     ("save_steps", "save_every"),
     ("eval_steps", "eval_every"),
     ("max_grad_norm", "grad_clip"),
+    ("adam_epsilon", "adam_eps"),
     ("lr_scheduler_type", "schedule"),
     // PEFT's LoraConfig names, which TRL scripts pass through.
     ("target_modules", "targets"),
@@ -474,6 +475,15 @@ const TRL_NOT_TAKEN: &[(&str, &str)] = &[
     ("use_dora", "lorafit trains LoRA adapters, not DoRA"),
     ("modules_to_save", "only the LoRA matrices train; no base module is trained or saved"),
     ("torch_compile", "lorafit runs its own fused kernels"),
+    ("rpo_alpha", "lorafit's DPO adds no NLL term (RPO); ORPO (method = \"orpo\") has one"),
+    ("cpo_alpha", "lorafit has no CPO; SimPO is method = \"simpo\" (no NLL term, TRL's cpo_alpha = 0)"),
+    ("reference_free", "DPO's reference is always the frozen base (the adapter off)"),
+    ("precompute_ref_log_probs", "DPO's reference log-probabilities are computed once per example and kept"),
+    ("padding_value", "lorafit does not pad: each sequence is as long as its tokens"),
+    ("truncation_mode", "truncation is lorafit's own: a prompt over max_prompt_len loses its first tokens, responses over what max_seq_len leaves their last (see \"Tokenization\" in the README)"),
+    ("model_init_kwargs", "the base loads as its files say (bf16 on CUDA, f32 on the CPU; base_quant quantizes it)"),
+    ("task_type", "lorafit trains adapters of causal language models only"),
+    ("peft_config", "the LoRA settings are lorafit's own: rank, alpha, targets, lora_dropout, rslora"),
 ];
 
 /// Edit distance between two short names (for "did you mean").
@@ -550,7 +560,10 @@ impl TrainConfig {
             .min_by_key(|n| edit_distance(key, n))
             .unwrap_or_default()
             .to_string();
-        if edit_distance(key, &nearest) <= 3 {
+        // A few letters off, or the same name shortened or lengthened (`adam_epsilon`).
+        let near = edit_distance(key, &nearest) <= 3
+            || (nearest.len() >= 4 && (key.starts_with(&nearest) || nearest.starts_with(key)));
+        if near {
             bail!("unknown setting `{key}` (did you mean `{nearest}`?)")
         }
         bail!("unknown setting `{key}` (settings: {})", names.join(", "))
@@ -570,6 +583,39 @@ impl TrainConfig {
         Ok(())
     }
 
+    /// The value of lorafit's setting `name` for a value written as TRL, PEFT or transformers
+    /// write it: `max_steps = -1` (transformers' default, "from the epochs") is 0, PEFT's
+    /// `target_modules = "all-linear"` is every target, TRL's one-element `loss_type` list is its
+    /// one name; a share of the steps (transformers' `*_steps` below 1) is refused with what to
+    /// give. Any other value is as given.
+    pub fn trl_value(name: &str, value: toml::Value) -> Result<toml::Value> {
+        use toml::Value as V;
+        Ok(match (name, value) {
+            ("steps", V::Integer(-1)) => V::Integer(0),
+            ("targets", V::String(s)) if s == "all-linear" => V::Array(
+                crate::model::Target::ALL
+                    .iter()
+                    .map(|t| V::String(t.module().to_string()))
+                    .collect(),
+            ),
+            ("dpo_loss_type", V::Array(a)) => match a.as_slice() {
+                [one @ V::String(_)] => one.clone(),
+                _ => bail!(
+                    "loss_type = {}: lorafit's DPO takes one loss type (sigmoid, ipo, hinge or \
+                     robust), not a weighted mix",
+                    V::Array(a.clone())
+                ),
+            },
+            ("log_every" | "save_every" | "eval_every", V::Float(f)) if f > 0.0 && f < 1.0 => {
+                bail!(
+                    "{name} = {f}: a share of the run's steps (transformers' meaning of a value \
+                     below 1) is not taken; give a number of steps"
+                )
+            }
+            (_, v) => v,
+        })
+    }
+
     /// A settings table with TRL's names renamed to lorafit's; an unknown name, or one given
     /// twice under two names, is an error.
     pub fn normalize(table: toml::Table) -> Result<toml::Table> {
@@ -579,6 +625,8 @@ impl TrainConfig {
             .unwrap_or("orpo")
             .to_string();
         let mut out = toml::Table::new();
+        // The name each setting was given as (`lr` for `learning_rate`, say).
+        let mut given_as: std::collections::HashMap<String, String> = Default::default();
         // Every unknown name at once: a config brought from TRL may hold several.
         let mut unknown = Vec::new();
         for (k, v) in table {
@@ -593,24 +641,42 @@ impl TrainConfig {
                     continue;
                 }
             };
-            if out.contains_key(&name) {
-                bail!("setting `{name}` is given twice (as `{k}` and under another name)");
+            if let Some(other) = given_as.get(&name) {
+                bail!("setting `{name}` is given twice (as `{other}` and as `{k}`)");
             }
-            // transformers' `max_steps = -1` (its default) means "from the epochs", lorafit's 0.
-            let v = match (&*name, v) {
-                ("steps", toml::Value::Integer(-1)) => toml::Value::Integer(0),
-                (_, v) => v,
+            let v = match TrainConfig::trl_value(&name, v) {
+                Ok(v) => v,
+                Err(e) => {
+                    unknown.push(e.to_string());
+                    continue;
+                }
             };
+            given_as.insert(name.clone(), k);
             out.insert(name, v);
         }
         match unknown.as_slice() {
             [] => {}
             [one] => bail!("{one}"),
-            many => bail!(
-                "{} settings lorafit does not take:\n  {}",
-                many.len(),
-                many.join("\n  ")
-            ),
+            many => {
+                // The list of settings once, after every name, not once a name.
+                let mut list = None;
+                let lines: Vec<&str> = many
+                    .iter()
+                    .map(|e| match e.split_once(" (settings: ") {
+                        Some((head, rest)) => {
+                            list = Some(rest.trim_end_matches(')'));
+                            head
+                        }
+                        None => e.as_str(),
+                    })
+                    .collect();
+                let list = list.map(|l| format!("\nsettings: {l}")).unwrap_or_default();
+                bail!(
+                    "{} settings lorafit does not take:\n  {}{list}",
+                    many.len(),
+                    lines.join("\n  ")
+                )
+            }
         }
         Ok(out)
     }
@@ -975,10 +1041,20 @@ impl TrainConfig {
             }
         }
         if self.max_prompt_len >= self.max_seq_len {
+            // The default 1024 under a max_seq_len set alone (TRL's max_length = 1024, say) is
+            // the usual cause: named, with the setting that lowers it.
+            let default = if self.max_prompt_len == TrainConfig::default().max_prompt_len {
+                ", its default"
+            } else {
+                ""
+            };
             bail!(
-                "max_prompt_len ({}) must be below max_seq_len ({})",
+                "max_prompt_len ({}{default}) must be below max_seq_len ({}), so that a response \
+                 keeps some tokens: set max_prompt_len (TRL's max_prompt_length) lower, e.g. \
+                 --set max_prompt_len={}",
                 self.max_prompt_len,
-                self.max_seq_len
+                self.max_seq_len,
+                self.max_seq_len / 2
             );
         }
         Ok(())
@@ -1141,6 +1217,28 @@ mod tests {
             ["dpo_loss_type = \"ipo\""]
         );
         assert!(dpo.other_methods_settings().unwrap().is_empty());
+        // transformers' and PEFT's spellings of values: adam_epsilon, "all-linear", a
+        // one-element loss_type list; a share of the steps is refused with what to give.
+        std::fs::write(
+            &path,
+            "adam_epsilon = 1e-6\ntarget_modules = \"all-linear\"\nloss_type = [\"ipo\"]\n",
+        )
+        .unwrap();
+        let c = TrainConfig::from_toml_file(&path).unwrap();
+        assert_eq!(c.adam_eps, 1e-6);
+        assert_eq!(c.targets, TrainConfig::default().targets);
+        assert_eq!(c.dpo_loss_type, DpoLossType::Ipo);
+        std::fs::write(&path, "eval_steps = 0.1\n").unwrap();
+        let e = format!("{:#}", TrainConfig::from_toml_file(&path).unwrap_err());
+        assert!(e.contains("give a number of steps"), "{e}");
+        // Several unknown names: each said, the list of settings once.
+        std::fs::write(&path, "foo_bar = 1\nbazqux = 2\nrpo_alpha = 1.0\n").unwrap();
+        let e = format!("{:#}", TrainConfig::from_toml_file(&path).unwrap_err());
+        assert_eq!(e.matches("settings: ").count(), 1, "{e}");
+        assert!(
+            e.contains("`bazqux`") && e.contains("no NLL term (RPO)"),
+            "{e}"
+        );
         std::fs::write(&path, "loss_type = \"simpo\"\n").unwrap();
         let e = format!("{:#}", TrainConfig::from_toml_file(&path).unwrap_err());
         assert!(e.contains("method = \"simpo\""), "{e}");

@@ -846,15 +846,13 @@ fn apply_overrides(mut cfg: TrainConfig, a: &TrainArgs) -> Result<TrainConfig> {
             let (k, v) = kv
                 .split_once('=')
                 .with_context(|| format!("--set {kv}: expected KEY=VALUE"))?;
-            let mut value = set_value(v);
+            let value = set_value(v);
             TrainConfig::check_trl_value(k.trim(), &value)
                 .with_context(|| format!("--set {kv}"))?;
             let name = TrainConfig::setting_name(k.trim(), &method)
                 .with_context(|| format!("--set {kv}"))?;
-            // transformers' `max_steps = -1` means "from the epochs", lorafit's 0.
-            if name == "steps" && value.as_integer() == Some(-1) {
-                value = toml::Value::Integer(0);
-            }
+            let value =
+                TrainConfig::trl_value(&name, value).with_context(|| format!("--set {kv}"))?;
             table.insert(name, value);
         }
         // Deserialised from the table itself: an error names the field and the value given,
