@@ -95,8 +95,9 @@ impl ChatTemplate {
     /// Reads `chat_template`, `bos_token` and `eos_token` from a Hugging Face
     /// `tokenizer_config.json`. The template may be a string or a list of
     /// `{name, template}` (the one named `default` is used, else the first).
-    /// When the config has no template, a sibling `chat_template.jinja` (how
-    /// newer transformers save it) is used. `Ok(None)` if there is neither.
+    /// A sibling `chat_template.jinja` (how newer transformers save it) wins
+    /// over the config's template, as in transformers. `Ok(None)` if there
+    /// is neither.
     pub fn from_tokenizer_config(path: impl AsRef<Path>) -> Result<Option<Self>> {
         let path = path.as_ref();
         let text =
@@ -112,20 +113,21 @@ impl ChatTemplate {
     }
 
     /// [`from_tokenizer_config`](Self::from_tokenizer_config) on parsed JSON;
-    /// `fallback_file` is a `chat_template.jinja` to use when the config has
-    /// no `chat_template`.
+    /// `template_file` is a `chat_template.jinja` beside it, used in place of
+    /// the config's `chat_template`.
     pub fn from_tokenizer_config_value(
         config: &serde_json::Value,
-        fallback_file: Option<&Path>,
+        template_file: Option<&Path>,
     ) -> Result<Option<Self>> {
         let bos = special_token_string(config, "bos_token")?;
         let eos = special_token_string(config, "eos_token")?;
+        if let Some(p) = template_file {
+            let template =
+                std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
+            return Ok(Some(Self::new(template, bos, eos)?));
+        }
         let template = match config.get("chat_template") {
-            None | Some(serde_json::Value::Null) => match fallback_file {
-                Some(p) => std::fs::read_to_string(p)
-                    .with_context(|| format!("reading {}", p.display()))?,
-                None => return Ok(None),
-            },
+            None | Some(serde_json::Value::Null) => return Ok(None),
             Some(serde_json::Value::String(s)) => s.clone(),
             Some(serde_json::Value::Array(list)) => {
                 let named = |want: Option<&str>| {
@@ -927,6 +929,14 @@ mod tests {
         std::fs::write(&cfg, r#"{"eos_token": "</s>"}"#).unwrap();
         assert!(ChatTemplate::from_tokenizer_config(&cfg).unwrap().is_none());
         std::fs::write(dir.join("chat_template.jinja"), "FROM FILE").unwrap();
+        let t = ChatTemplate::from_tokenizer_config(&cfg).unwrap().unwrap();
+        assert_eq!(t.source(), "FROM FILE");
+        // The file wins over the config's own template, as in transformers.
+        std::fs::write(
+            &cfg,
+            r#"{"eos_token": "</s>", "chat_template": "FROM CONFIG"}"#,
+        )
+        .unwrap();
         let t = ChatTemplate::from_tokenizer_config(&cfg).unwrap().unwrap();
         assert_eq!(t.source(), "FROM FILE");
 

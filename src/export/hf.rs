@@ -431,7 +431,14 @@ pub fn set_chat_template(dir: &Path, template: &str) -> Result<()> {
     };
     obj.insert("chat_template".into(), json!(template));
     std::fs::write(&path, serde_json::to_string_pretty(&config)?)
-        .with_context(|| format!("writing {}", path.display()))
+        .with_context(|| format!("writing {}", path.display()))?;
+    // transformers reads a `chat_template.jinja` beside the config in place of the config's
+    // template: a base's copy there would be the one a merged model runs with.
+    let file = dir.join("chat_template.jinja");
+    if file.exists() {
+        std::fs::write(&file, template).with_context(|| format!("writing {}", file.display()))?;
+    }
+    Ok(())
 }
 
 /// `tokenizer.json` and `tokenizer_config.json` (special tokens, BOS policy, chat template)
@@ -485,4 +492,34 @@ fn write_gguf_tokenizer(src: &GgufSource, out: &Path) -> Result<()> {
         serde_json::to_string_pretty(&config)?,
     )?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The run's template replaces the base's in both places transformers reads: the config's
+    /// `chat_template` and a `chat_template.jinja` beside it (which wins there).
+    #[test]
+    fn the_runs_template_replaces_the_bases_file_too() {
+        let dir = std::env::temp_dir().join(format!("lorafit-export-tpl-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(
+            dir.join("tokenizer_config.json"),
+            r#"{"eos_token": "</s>"}"#,
+        )
+        .unwrap();
+        std::fs::write(dir.join("chat_template.jinja"), "BASE").unwrap();
+        set_chat_template(&dir, "MINE").unwrap();
+        assert_eq!(
+            std::fs::read_to_string(dir.join("chat_template.jinja")).unwrap(),
+            "MINE"
+        );
+        let t = crate::data::ChatTemplate::from_tokenizer_config(dir.join("tokenizer_config.json"))
+            .unwrap()
+            .unwrap();
+        assert_eq!(t.source(), "MINE");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }
