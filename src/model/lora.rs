@@ -409,13 +409,25 @@ impl Lora {
         let v: serde_json::Value = serde_json::from_str(&text)
             .with_context(|| format!("parsing {}", cfg_path.display()))?;
         let field = |k: &str| v.get(k).filter(|x| !x.is_null());
-        let rank = field("r")
-            .and_then(|x| x.as_u64())
-            .with_context(|| format!("{}: field \"r\" missing", cfg_path.display()))?
-            as usize;
-        let alpha = field("lora_alpha")
-            .and_then(|x| x.as_f64())
-            .unwrap_or(rank as f64);
+        let rank = match field("r") {
+            None => bail!("{}: field \"r\" missing", cfg_path.display()),
+            Some(x) => x.as_u64().filter(|&r| r > 0).with_context(|| {
+                format!(
+                    "{}: field \"r\": {x}, where a whole number of at least 1 is expected",
+                    cfg_path.display()
+                )
+            })? as usize,
+        };
+        let alpha = match field("lora_alpha") {
+            None => rank as f64,
+            Some(x) => x.as_f64().filter(|a| a.is_finite()).with_context(|| {
+                format!(
+                    "{}: field \"lora_alpha\": {x}, where a number is expected",
+                    cfg_path.display()
+                )
+            })?,
+        };
+        check_plain_lora(&v).with_context(|| format!("{}", cfg_path.display()))?;
         let targets: Vec<Target> = match field("target_modules") {
             Some(serde_json::Value::Array(a)) => a
                 .iter()
@@ -467,6 +479,10 @@ impl Lora {
         let st = safetensors::SafeTensors::deserialize(&bytes)
             .with_context(|| format!("parsing {}", st_path.display()))?;
         let mut layers = Vec::with_capacity(spec.n_layers);
+        // Every tensor of the file is taken, or the adapter is not this model's (or its
+        // config names fewer targets than it holds): none is dropped without a word.
+        let mut untaken: std::collections::BTreeSet<String> =
+            st.names().into_iter().map(|n| n.to_string()).collect();
         for l in 0..spec.n_layers {
             let mut row: [Option<LoraPair>; 7] = Default::default();
             for &t in &config.targets {
@@ -474,6 +490,8 @@ impl Lora {
                 let Some((out, inp)) = t.dims(spec, l) else {
                     continue;
                 };
+                untaken.remove(&peft_key(l, t, false));
+                untaken.remove(&peft_key(l, t, true));
                 let read = |b: bool, want: [usize; 2]| -> Result<Vec<f32>> {
                     let key = peft_key(l, t, b);
                     let view = st.tensor(&key).with_context(|| {
@@ -495,6 +513,16 @@ impl Lora {
             }
             layers.push(row);
         }
+        if let Some(first) = untaken.iter().next() {
+            bail!(
+                "{}: {} tensors that this model's {} layers and the config's target_modules do \
+                 not take (the first: {first}); is it an adapter of another model, or was its \
+                 adapter_config.json edited?",
+                st_path.display(),
+                untaken.len(),
+                spec.n_layers
+            );
+        }
         let mut lora = Lora {
             config,
             layers,
@@ -504,6 +532,49 @@ impl Lora {
         lora.refresh_compute_copies()?;
         Ok(lora)
     }
+}
+
+/// PEFT settings that would make the adapter something other than plain LoRA on the listed
+/// modules: refused, since reading it as plain LoRA would give other numbers than PEFT's.
+fn check_plain_lora(config: &serde_json::Value) -> Result<()> {
+    let field = |k: &str| config.get(k).filter(|x| !x.is_null());
+    if let Some(t) = field("peft_type") {
+        ensure!(
+            t.as_str() == Some("LORA"),
+            "peft_type {t}: lorafit reads LoRA adapters only"
+        );
+    }
+    let refused = [
+        (
+            "use_dora",
+            field("use_dora").is_some_and(|x| x != &serde_json::json!(false)),
+            "a DoRA adapter (use_dora) has a magnitude vector that lorafit does not apply",
+        ),
+        (
+            "bias",
+            field("bias").is_some_and(|x| x.as_str() != Some("none")),
+            "trained biases (bias other than \"none\") are not applied by lorafit",
+        ),
+        (
+            "fan_in_fan_out",
+            field("fan_in_fan_out").is_some_and(|x| x != &serde_json::json!(false)),
+            "fan_in_fan_out (Conv1D weights) is not a layout lorafit reads",
+        ),
+        (
+            "layers_to_transform",
+            field("layers_to_transform").is_some(),
+            "an adapter on some layers only (layers_to_transform) is not read by lorafit",
+        ),
+        (
+            "modules_to_save",
+            field("modules_to_save").is_some_and(|x| x.as_array().is_none_or(|a| !a.is_empty())),
+            "fully trained modules (modules_to_save) are not applied by lorafit",
+        ),
+    ];
+    if let Some((name, _, why)) = refused.iter().find(|(_, hit, _)| *hit) {
+        bail!("field \"{name}\": {why}");
+    }
+    Ok(())
 }
 
 impl LoraPair {
@@ -526,5 +597,70 @@ impl LoraPair {
             a_compute: None,
             b_compute: None,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An adapter is read as PEFT would apply it, or refused: a config edited to fewer targets
+    /// than its tensors, an adapter of a deeper model, a non-numeric alpha, a fractional rank,
+    /// DoRA and PEFT's other variants each name the field or the tensor.
+    #[test]
+    fn adapters_that_are_not_plain_lora_on_this_model_are_refused() {
+        let config = |name: &str| {
+            ModelSpec::from_config_json(
+                &std::fs::read_to_string(
+                    Path::new(env!("CARGO_MANIFEST_DIR"))
+                        .join("tests/fixtures/models")
+                        .join(name)
+                        .join("config.json"),
+                )
+                .unwrap(),
+            )
+            .unwrap()
+        };
+        let spec = config("llama");
+        let dir = std::env::temp_dir().join(format!("lorafit-peft-read-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let lora = Lora::new(&spec, LoraConfig::default(), &Device::Cpu).unwrap();
+        lora.save_peft(&dir, "base").unwrap();
+        Lora::load_peft(&dir, &spec, &Device::Cpu).unwrap();
+        let path = dir.join("adapter_config.json");
+        let saved: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        let edited = |key: &str, value: serde_json::Value| {
+            let mut v = saved.clone();
+            v[key] = value.clone();
+            std::fs::write(&path, v.to_string()).unwrap();
+            match Lora::load_peft(&dir, &spec, &Device::Cpu) {
+                Ok(_) => panic!("{key} = {value}: read"),
+                Err(e) => format!("{e:#}"),
+            }
+        };
+        let e = edited("target_modules", serde_json::json!(["q_proj", "v_proj"]));
+        assert!(e.contains("20 tensors that this model's 2 layers"), "{e}");
+        let e = edited("lora_alpha", serde_json::json!("8"));
+        assert!(e.contains("field \"lora_alpha\""), "{e}");
+        let e = edited("r", serde_json::json!(4.0));
+        assert!(e.contains("field \"r\": 4.0"), "{e}");
+        let e = edited("use_dora", serde_json::json!(true));
+        assert!(e.contains("DoRA"), "{e}");
+        let e = edited("peft_type", serde_json::json!("LOHA"));
+        assert!(e.contains("LoRA adapters only"), "{e}");
+        let e = edited("layers_to_transform", serde_json::json!([0]));
+        assert!(e.contains("layers_to_transform"), "{e}");
+        std::fs::write(&path, saved.to_string()).unwrap();
+        // A model with fewer layers than the adapter's.
+        let mut shallow = spec.clone();
+        shallow.n_layers -= 1;
+        shallow.layers.pop();
+        let e = match Lora::load_peft(&dir, &shallow, &Device::Cpu) {
+            Ok(_) => panic!("an adapter of more layers was read"),
+            Err(e) => format!("{e:#}"),
+        };
+        assert!(e.contains("adapter of another model"), "{e}");
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }
