@@ -4,7 +4,9 @@
 //! naming the server that holds it (the file holds that server's pid and address). The lock
 //! goes with the process, a crash or `kill -9` included. The file stays on disk when the server
 //! stops: removing it could let a server that opened the old file and one that created a new
-//! one each hold "the" lock.
+//! one each hold "the" lock. A link to the database is the same database: a symbolic link's
+//! lock file is its target's, and the database file itself is locked too (by its inode, which a
+//! hard link shares).
 
 use anyhow::{bail, Context, Result};
 use std::fs::{File, TryLockError};
@@ -22,12 +24,16 @@ pub fn lock_path(db: &Path) -> PathBuf {
 /// The held lock; dropping it (or the process ending) releases it.
 pub struct DbLock {
     file: File,
+    /// The database file's own lock (none while the path is not a file, which is refused
+    /// later with its own message).
+    _db_file: Option<File>,
 }
 
 impl DbLock {
     /// Takes the lock of database `db`, or says which server holds it.
     pub fn acquire(db: &Path) -> Result<DbLock> {
-        let path = lock_path(db);
+        let real = db.canonicalize().unwrap_or_else(|_| db.to_path_buf());
+        let path = lock_path(&real);
         let file = File::options()
             .read(true)
             .write(true)
@@ -53,7 +59,34 @@ impl DbLock {
                 return Err(e).with_context(|| format!("locking {}", path.display()))
             }
         }
-        let mut lock = DbLock { file };
+        // The database itself (created empty where new, which SQLite takes for a new
+        // database): a server on a hard link to it has another lock file but this inode.
+        let db_file = if db.is_dir() {
+            None
+        } else {
+            let f = File::options()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(false)
+                .open(db)
+                .with_context(|| format!("opening the job database {}", db.display()))?;
+            match f.try_lock() {
+                Ok(()) => Some(f),
+                Err(TryLockError::WouldBlock) => bail!(
+                    "the job database {} is in use by another lorafit serve (through another path \
+                     to the same file); stop that server first, or give this one its own --db",
+                    db.display()
+                ),
+                Err(TryLockError::Error(e)) => {
+                    return Err(e).with_context(|| format!("locking {}", db.display()))
+                }
+            }
+        };
+        let mut lock = DbLock {
+            file,
+            _db_file: db_file,
+        };
         lock.record(&format!("pid {}", std::process::id()))
             .with_context(|| format!("writing {}", path.display()))?;
         Ok(lock)
@@ -98,6 +131,19 @@ mod tests {
                 )),
             "{e}"
         );
+        // A symbolic or hard link to it is the same database.
+        std::os::unix::fs::symlink(&db, dir.join("alias.sqlite")).unwrap();
+        let e = format!(
+            "{:#}",
+            DbLock::acquire(&dir.join("alias.sqlite")).err().unwrap()
+        );
+        assert!(e.contains("in use by another lorafit serve"), "{e}");
+        std::fs::hard_link(&db, dir.join("hard.sqlite")).unwrap();
+        let e = format!(
+            "{:#}",
+            DbLock::acquire(&dir.join("hard.sqlite")).err().unwrap()
+        );
+        assert!(e.contains("through another path to the same file"), "{e}");
         // Another database is another lock.
         DbLock::acquire(&dir.join("other.sqlite")).unwrap();
         drop(first);
