@@ -1159,11 +1159,21 @@ fn an_export_job_writes_a_merged_folder_that_lorafit_loads() {
         let r = export_into(taken);
         assert_eq!(r.status, 409, "{taken}: {}", r.text());
         let msg = r.json()["error"].as_str().unwrap().to_string();
+        // Not empty, and (the root and runs/) holding other jobs' outputs: either is said.
         assert!(
-            msg.starts_with("output:") && msg.contains("not empty"),
+            msg.starts_with("output:")
+                && (msg.contains("not empty") || msg.contains("output folder of job")),
             "{msg}"
         );
     }
+    // Inside another job's output: its download would hold this job's files.
+    let r = export_into("runs/trained/adapter/x");
+    assert_eq!(r.status, 409, "{}", r.text());
+    assert!(
+        r.text().contains("lies inside the output folder of job"),
+        "{}",
+        r.text()
+    );
     let r = export_into("exports/empty");
     assert_eq!(r.status, 201, "{}", r.text());
     server

@@ -747,8 +747,19 @@ async fn submit(
             if let Some(dir) = &named_output {
                 if let Some(other) = db.output_in_use(&dir.display().to_string(), None)? {
                     return Err(ApiError::conflict(format!(
-                        "output: {} is the output folder of job {other}; name another",
+                        "output: {} is, holds or lies inside the output folder of job {other} \
+                         (a job's result is its whole folder); name another",
                         dir.display()
+                    )));
+                }
+                // The default outputs' folder holds every unnamed job's output.
+                let defaults = app.roots.writable("output", "runs")?;
+                if defaults.starts_with(dir) {
+                    return Err(ApiError::conflict(format!(
+                        "output: {} holds {}, where jobs without a named output write; name \
+                         a folder inside it or beside it",
+                        dir.display(),
+                        defaults.display()
                     )));
                 }
                 sub.check_output(dir)?;

@@ -288,16 +288,25 @@ impl Db {
             .collect())
     }
 
-    /// Whether a job other than `except` writes into `output` and still exists.
+    /// A job other than `except`, still in the database, whose output folder is `output`, lies
+    /// inside it or holds it (a job's download is its whole folder: one inside another's would
+    /// put one job's files in the other's result).
     pub fn output_in_use(&self, output: &str, except: Option<i64>) -> Result<Option<i64>> {
-        Ok(self
+        let mut stmt = self
             .conn
-            .query_row(
-                "SELECT id FROM jobs WHERE output = ?1 AND id != ?2 LIMIT 1",
-                params![output, except.unwrap_or(-1)],
-                |r| r.get(0),
-            )
-            .optional()?)
+            .prepare("SELECT id, output FROM jobs WHERE id != ?1 AND output != '' ORDER BY id")?;
+        let rows = stmt.query_map(params![except.unwrap_or(-1)], |r| {
+            Ok((r.get::<_, i64>(0)?, r.get::<_, String>(1)?))
+        })?;
+        let mine = std::path::Path::new(output);
+        for row in rows {
+            let (id, theirs) = row?;
+            let theirs = std::path::Path::new(&theirs);
+            if mine.starts_with(theirs) || theirs.starts_with(mine) {
+                return Ok(Some(id));
+            }
+        }
+        Ok(None)
     }
 
     pub fn set_state(&self, id: i64, state: JobState, error: Option<&str>) -> Result<()> {
@@ -532,6 +541,10 @@ mod tests {
         assert_eq!(job.output, "/out/a");
         assert_eq!(db.output_in_use("/out/a", None).unwrap(), Some(1));
         assert_eq!(db.output_in_use("/out/a", Some(1)).unwrap(), None);
+        // Inside it or holding it is in use too; a sibling whose name starts alike is not.
+        assert_eq!(db.output_in_use("/out/a/adapter", None).unwrap(), Some(1));
+        assert_eq!(db.output_in_use("/out", None).unwrap(), Some(1));
+        assert_eq!(db.output_in_use("/out/ab", None).unwrap(), None);
         // The step-3 checkpoint's folder is gone: the step-2 one is the latest usable.
         let (step, path) = db.last_checkpoint(1).unwrap().unwrap();
         assert_eq!((step, path.as_str()), (2, ckpt.to_str().unwrap()));
