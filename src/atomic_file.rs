@@ -26,6 +26,32 @@ pub fn write_with(path: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Resul
     done
 }
 
+/// Checks, before long work whose result goes to file `path`, that the file can be written
+/// there: a folder in its place is refused, its folder is created, and the file is opened for
+/// writing (and removed again where it did not exist). `what` names it in errors (a flag).
+pub fn check_writable(path: &Path, what: &str) -> Result<()> {
+    if path.is_dir() {
+        anyhow::bail!(
+            "{what} {}: a folder; name the file to write",
+            path.display()
+        );
+    }
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    let existed = path.exists();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(path)
+        .with_context(|| format!("{what} {}: cannot be written", path.display()))?;
+    if !existed {
+        std::fs::remove_file(path).with_context(|| format!("removing {}", path.display()))?;
+    }
+    Ok(())
+}
+
 /// `bytes` as the whole of `path`.
 pub fn write(path: &Path, bytes: &[u8]) -> Result<()> {
     write_with(path, |tmp| {
@@ -53,6 +79,15 @@ mod tests {
         assert_eq!(std::fs::read(&path).unwrap(), b"first");
         assert!(!temporary_for(&path).exists());
         write(&path, b"second").unwrap();
+        // Checked before the work: a folder, a path through a file, a new file (not left).
+        let e = check_writable(&dir, "--out").unwrap_err().to_string();
+        assert!(e.contains("a folder; name the file to write"), "{e}");
+        assert!(check_writable(&path.join("x.json"), "--out").is_err());
+        let new = dir.join("sub/new.json");
+        check_writable(&new, "--out").unwrap();
+        assert!(!new.exists() && dir.join("sub").is_dir());
+        check_writable(&path, "--out").unwrap();
+        assert_eq!(std::fs::read(&path).unwrap(), b"second");
         assert_eq!(std::fs::read(&path).unwrap(), b"second");
         let _ = std::fs::remove_dir_all(&dir);
     }

@@ -271,26 +271,7 @@ pub fn layer_kl(
 /// layer with a progress bar over the rows, and writes `opts.output`.
 pub fn run(opts: &KlOptions) -> Result<KlFile> {
     // Where the table goes is checked before the forward passes, not after them.
-    let out = &opts.output;
-    if out.is_dir() {
-        bail!(
-            "--output {}: a folder; name the JSON file to write",
-            out.display()
-        );
-    }
-    if let Some(dir) = out.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    }
-    let existed = out.exists();
-    std::fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(false)
-        .open(out)
-        .with_context(|| format!("--output {}: cannot be written", out.display()))?;
-    if !existed {
-        std::fs::remove_file(out).with_context(|| format!("removing {}", out.display()))?;
-    }
+    crate::atomic_file::check_writable(&opts.output, "--output")?;
     let device = Device::parse(&opts.device)?;
     let mut loaded = load_with_template(
         &opts.model,

@@ -13,7 +13,7 @@ use crate::model::Lora;
 use crate::plot::Canvas;
 use crate::tensor::Device;
 use crate::train::trainer;
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
@@ -241,12 +241,13 @@ pub fn run(
 ) -> Result<EvalOutcome> {
     opts.validate()?;
     // Where the results go is checked before the scoring, not after it.
-    for p in opts.out.iter().chain(&opts.report) {
-        if p.is_dir() {
-            bail!("{}: a folder; name the file to write", p.display());
-        }
-        if let Some(dir) = p.parent().filter(|d| !d.as_os_str().is_empty()) {
-            std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    if let Some(p) = &opts.out {
+        crate::atomic_file::check_writable(p, "--out")?;
+    }
+    if let Some(p) = &opts.report {
+        crate::atomic_file::check_writable(p, "--report")?;
+        if !opts.compare.is_empty() {
+            crate::atomic_file::check_writable(&chart_path(p), "the report's chart")?;
         }
     }
     let cfg = opts.train_config()?;
