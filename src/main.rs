@@ -175,6 +175,12 @@ fn run_curate(a: CurateArgs) -> Result<()> {
 }
 
 fn run_export(a: ExportArgs) -> Result<()> {
+    if a.output.exists() && !a.output.is_dir() {
+        bail!(
+            "--output {}: a file is there; the output is a folder (name another)",
+            a.output.display()
+        );
+    }
     if !a.overwrite {
         lorafit::export::refuse_earlier_export(&a.output)?;
     }
@@ -1213,6 +1219,9 @@ fn run_eval(a: EvalArgs) -> Result<()> {
         out: a.out,
         report: a.report,
     };
+    // The options' fields are the job server's names; here they are flags.
+    opts.validate()
+        .map_err(|e| anyhow::anyhow!("--{}: {}", e.field.replace('_', "-"), e.message))?;
     let outcome = eval::run(&opts, &mut |_| Ok(()))?;
     print!("{}", outcome.text);
     Ok(())

@@ -620,6 +620,34 @@ fn commands_refuse_counts_and_devices_that_do_nothing() {
             "{err}"
         );
     }
+    // A file where export's output folder goes, and eval's options named as its flags.
+    let file = env!("CARGO_MANIFEST_DIR").to_string() + "/Cargo.toml";
+    let (ok, err) = run(&[
+        "export",
+        "--model",
+        "m",
+        "--adapter",
+        "a",
+        "--output",
+        &file,
+    ]);
+    assert!(
+        !ok && err.contains("a file is there; the output is a folder"),
+        "{err}"
+    );
+    let (ok, err) = run(&[
+        "eval",
+        "--model",
+        "m",
+        "--scorer",
+        "ifeval",
+        "--max-new",
+        "0",
+    ]);
+    assert!(
+        !ok && err.contains("--max-new: must be at least 1"),
+        "{err}"
+    );
     let (ok, err) = run(&["demo", "--steps", "0"]);
     assert!(!ok && err.contains("'--steps <STEPS>'"), "{err}");
     let (ok, err) = run(&["selftest", "--device", "cpu"]);

@@ -279,6 +279,14 @@ pub fn merged_from_hf(
                 .with_context(|| format!("copying {name}"))?;
         }
     }
+    if !out.join("tokenizer.json").exists() && !out.join("tokenizer.model").exists() {
+        eprintln!(
+            "note: {} has no tokenizer (tokenizer.json or tokenizer.model), so the merged folder \
+             has none either: copy the base model's tokenizer files into {} to load it with one",
+            base.display(),
+            out.display()
+        );
+    }
     let config_path = base.join("config.json");
     let mut config: Value = serde_json::from_str(
         &std::fs::read_to_string(&config_path)
