@@ -391,7 +391,7 @@ impl fmt::Display for TokenizeReport {
 
 /// A tokenised preference example. `prompt` is conditioned on; `chosen` and
 /// `rejected` are the trained response tokens that follow it.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct TokenizedPair {
     pub prompt: Vec<u32>,
     pub chosen: Vec<u32>,
@@ -411,7 +411,7 @@ impl TokenizedPair {
 
 /// A tokenised SFT example. `prompt` may be empty (a `{text}` row without
 /// bos): then the first completion token has nothing to be predicted from.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct TokenizedSft {
     pub prompt: Vec<u32>,
     pub completion: Vec<u32>,

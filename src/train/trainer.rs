@@ -37,6 +37,7 @@ pub struct Item {
 }
 
 /// The token ids of an `Item`.
+#[derive(PartialEq, Eq, Hash)]
 pub enum ItemTokens {
     Pair(data::TokenizedPair),
     Sft(data::TokenizedSft),
@@ -198,6 +199,20 @@ pub fn load_train_and_valid(loaded: &Loaded, cfg: &TrainConfig) -> Result<(Vec<I
         );
         (train, valid)
     };
+    // Validation on rows the run trains on measures memory, not generalisation: said.
+    if cfg.valid.is_some() && !valid.is_empty() {
+        let trained: std::collections::HashSet<&ItemTokens> =
+            train.iter().map(|i| &i.tokens).collect();
+        let shared = valid.iter().filter(|i| trained.contains(&i.tokens)).count();
+        if shared > 0 {
+            eprintln!(
+                "note: {shared} of the {} validation rows ({}) are also training rows (the same \
+                 tokens): validation on them measures what the run memorised",
+                valid.len(),
+                cfg.valid.as_deref().unwrap_or_default()
+            );
+        }
+    }
     // Weight 0 is allowed per row, but a run of nothing else has a zero loss and gradient at
     // every step: the adapter would leave as it came.
     if !train.is_empty() && train.iter().all(|i| i.weight == 0.0) {
