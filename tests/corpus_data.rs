@@ -73,6 +73,7 @@ fn cases() -> Vec<Case> {
         jsonl("not-object", P, "[1,2]", E(Some(": row 1:"), None, "expected a JSON object, found a number")),
         jsonl("list-row", P, "{\"prompt\":\"p\",\"chosen\":\"a\",\"rejected\":\"b\"}\n[1,2]", E(Some(":2:"), None, "expected a JSON object, found a list")),
         jsonl("string-row", P, "\"hello\"", E(Some(":1:"), None, "found a string")),
+        jsonl("preference-rows-in-sft", S, GOOD, E(Some(":1:"), None, "a preference row (\"chosen\" and \"rejected\"), where SFT needs")),
         jsonl("missing-chosen", P, r#"{"prompt":"p","rejected":"b"}"#, E(Some(":1:"), Some("chosen"), "missing")),
         jsonl("missing-rejected", P, r#"{"prompt":"p","chosen":"a"}"#, E(Some(":1:"), Some("rejected"), "missing")),
         jsonl("chosen-number", P, r#"{"prompt":"p","chosen":5,"rejected":"b"}"#, E(Some(":1:"), Some("chosen"), "found a number")),
@@ -193,7 +194,7 @@ fn cases() -> Vec<Case> {
             kind: P,
             template: None,
             vocab: None,
-            expect: E(Some("row 1"), Some("chosen"), "missing"),
+            expect: E(Some("row 1"), None, "an SFT row (it has \"output\""),
         },
         // The other formats: a name with an extension is written as given.
         jsonl("wrong-fields.csv", P, "prompt,chosen,rejected\nq,a\n", E(Some(":2:"), None, "2 fields, where the header has 3 columns")),

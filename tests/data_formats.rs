@@ -63,6 +63,7 @@ fn sharegpt_rows() {
         sft[0],
         Example::Sft {
             line: 1,
+            weight: RowWeight::default(),
             data: SftData::Chat {
                 prompt: vec![Message::system("Be brief."), Message::user("Hi")],
                 completion: vec![Message::assistant("Hello")],

@@ -503,6 +503,30 @@ pub fn parse_row(value: &Value, kind: DatasetKind, line: usize) -> Result<Exampl
             json_type(value)
         ))
     })?;
+    // A row of the other kind: the method, not the row, is what to change.
+    let has = |k: &str| obj.contains_key(k);
+    let sft_fields = ["completion", "text", "output"]
+        .into_iter()
+        .find(|&k| has(k));
+    match kind {
+        DatasetKind::Preference if !has("chosen") && !has("rejected") => {
+            if let Some(field) = sft_fields {
+                return Err(RowError::row(format!(
+                    "an SFT row (it has \"{field}\" and no \"chosen\"/\"rejected\"), where a \
+                     preference method (orpo, dpo, simpo) needs chosen and rejected; to train on \
+                     SFT rows pass --method sft"
+                )));
+            }
+        }
+        DatasetKind::Sft if has("chosen") && has("rejected") && sft_fields.is_none() => {
+            return Err(RowError::row(
+                "a preference row (\"chosen\" and \"rejected\"), where SFT needs a completion, \
+                 messages or text; to train on preference pairs pass --method orpo (or dpo, simpo)"
+                    .to_string(),
+            ));
+        }
+        _ => {}
+    }
     match kind {
         DatasetKind::Preference => Ok(Example::Preference {
             line,
