@@ -735,6 +735,21 @@ pub fn train_with(
              examples of more than one pass over the data",
             cfg.grad_accum
         );
+    } else if cfg.steps == 0 {
+        // Every step takes grad_accum examples: where they do not divide the epochs' examples,
+        // the last step takes the rest from the next pass's order (transformers would run a
+        // shorter last step).
+        let wanted = (cfg.epochs * n as f64).round() as usize;
+        let taken = planned_steps * cfg.grad_accum;
+        if taken > wanted {
+            eprintln!(
+                "note: {planned_steps} steps of grad_accum = {} take {taken} examples, {} more \
+                 than {} epoch(s) of {n}: the last step takes them from the next pass's order",
+                cfg.grad_accum,
+                taken - wanted,
+                cfg.epochs
+            );
+        }
     }
     let data_hash = run_folder::items_hash(train_items);
     let base_hash = run_folder::base_fingerprint(&loaded.model_path)?;
