@@ -516,11 +516,20 @@ struct ChatArgs {
 fn run_generate(a: GenerateArgs) -> Result<()> {
     use lorafit::data::Message;
     use std::io::Write;
-    if a.check_uncached && a.decode.max_new_tokens == 0 {
-        bail!("--check-uncached compares generated tokens: --max-new-tokens must be at least 1");
+    if a.decode.max_new_tokens == 0 {
+        bail!("--max-new-tokens 0: nothing would be generated; give at least 1");
+    }
+    if a.check_uncached && a.decode.temperature > 0.0 {
+        bail!(
+            "--check-uncached compares greedy decoding with and without the KV cache: leave \
+             --temperature at 0"
+        );
     }
     let (loaded, lora) = a.decode.load()?;
     let tok = &loaded.tokenizer;
+    if loaded.template.is_none() && !a.raw {
+        eprintln!("note: the model has no chat template; the prompt is given as plain text");
+    }
     let ids = if a.raw {
         lorafit::infer::chat_prompt_ids(tok, None, &[Message::user(a.prompt.as_str())])?
     } else {

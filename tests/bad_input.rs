@@ -512,7 +512,12 @@ fn generate_refuses_flags_it_would_ignore() {
     );
     let (ok, err) = generate(&["--check-uncached", "--max-new-tokens", "0"]);
     assert!(
-        !ok && err.contains("--check-uncached") && err.contains("--max-new-tokens"),
+        !ok && err.contains("--max-new-tokens 0: nothing would be generated"),
+        "{err}"
+    );
+    let (ok, err) = generate(&["--check-uncached", "--temperature", "1"]);
+    assert!(
+        !ok && err.contains("--check-uncached") && err.contains("--temperature"),
         "{err}"
     );
     // Each alone is fine.
