@@ -127,6 +127,10 @@ fn submit_follow_events_and_download_the_adapter() {
     let r = server.get(&format!("/jobs/{id}/adapter"));
     assert_eq!(r.status, 200, "{}", r.text());
     assert_eq!(r.header("content-type"), Some("application/x-tar"));
+    // A train job's result is a tar: another format is refused, not answered with it.
+    let bad = server.get(&format!("/jobs/{id}/result?format=markdown"));
+    assert_eq!(bad.status, 400, "{}", bad.text());
+    assert!(bad.text().contains("result is a tar"), "{}", bad.text());
     let files = lorafit::serve::tar::read_tar(&r.body).unwrap();
     let names: Vec<&str> = files.iter().map(|f| f.0.as_str()).collect();
     assert!(
@@ -452,6 +456,12 @@ fn a_token_is_required_when_configured_and_off_loopback() {
     let r = server.get("/jobs");
     assert_eq!(r.status, 401);
     assert_eq!(r.header("www-authenticate"), Some("Bearer"));
+    // The scheme's name in any case (RFC 7235): lowercase `bearer` with the right token passes.
+    let lower = vec![("Authorization".to_string(), format!("bearer {token}"))];
+    assert_eq!(
+        request(server.port, "GET", "/jobs", &lower, None).status,
+        200
+    );
     let wrong = vec![(
         "Authorization".to_string(),
         "Bearer s3cret-token-0123456780".to_string(),

@@ -207,7 +207,10 @@ async fn guard(State(app): State<Arc<App>>, req: Request, next: Next) -> Respons
             .headers()
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "));
+            // The scheme's name is case-insensitive (RFC 7235).
+            .and_then(|v| v.split_once(' '))
+            .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+            .map(|(_, token)| token);
         if !given.is_some_and(|g| same_token(g.trim().as_bytes(), token.as_bytes())) {
             let mut r = ApiError::new(
                 StatusCode::UNAUTHORIZED,
@@ -1048,6 +1051,16 @@ async fn result(
     blocking(&app, move |app| {
         let job = done_job(app, id, "result")?;
         let out = std::path::Path::new(&job.output);
+        // A train or export job's result is one tar: any other format asked for is refused,
+        // not answered with the tar.
+        if job.kind != JobKind::Eval {
+            if let Some(f) = query_format(query.as_deref()).filter(|f| f != "tar") {
+                return Err(ApiError::bad_request(format!(
+                    "format: {f:?}: a {} job's result is a tar (format=tar, or none)",
+                    job.kind.as_str()
+                )));
+            }
+        }
         match job.kind {
             JobKind::Train => adapter_tar(&job),
             JobKind::Export => {
