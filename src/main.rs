@@ -641,8 +641,30 @@ fn run_chat(a: ChatArgs) -> Result<()> {
                 session.set_system(Some(text));
                 continue;
             }
+            // A word after a slash is a mistyped command; a message that starts with a slash
+            // and a space, or a path ("/usr/bin ..."), goes to the model. `//text` sends "/text".
+            l if l.starts_with('/')
+                && !l.starts_with("//")
+                && l[1..]
+                    .chars()
+                    .next()
+                    .is_some_and(|c| c.is_ascii_alphabetic())
+                && !l[1..].split_whitespace().next().unwrap_or("").contains('/') =>
+            {
+                eprintln!(
+                    "(unknown command {}: the commands are /reset, /system TEXT, /quit; \
+                     start with // to send a message that begins with a slash)",
+                    l.split_whitespace().next().unwrap_or(l)
+                );
+                continue;
+            }
             _ => {}
         }
+        // `//text` is the message "/text".
+        let line = line
+            .strip_prefix('/')
+            .filter(|l| l.starts_with('/'))
+            .unwrap_or(line);
         let replied = session.reply(line, &mut |delta| {
             let _ = write!(stdout, "{delta}");
             let _ = stdout.flush();

@@ -559,7 +559,7 @@ fn prompts_past_the_context_are_refused() {
             "--max-new-tokens".as_ref(),
             "2".as_ref(),
         ],
-        &format!("{long}\nw5 w6\n/quit\n"),
+        &format!("{long}\n/bogus\nw5 w6\n/quit\n"),
     );
     assert!(ok, "{err}");
     assert!(
@@ -571,6 +571,9 @@ fn prompts_past_the_context_are_refused() {
         err.contains("sequence(s): prefill"),
         "the next turn ran: {err}"
     );
+    // A mistyped command is said, not sent to the model.
+    assert!(err.contains("(unknown command /bogus"), "{err}");
+    assert_eq!(err.matches("sequence(s): prefill").count(), 1, "{err}");
 }
 
 /// Flags that would time nothing or run something else than asked are refused with what to

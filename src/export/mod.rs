@@ -278,10 +278,16 @@ pub fn run_with(
         // Only the GGUF adapter needs llama.cpp's architecture.
         ("", false)
     };
-    // Everything that can refuse the export has; what an earlier one wrote goes now.
-    remove_earlier_artefacts(&plan.output)?;
+    // Everything that can refuse the export has; what an earlier one wrote goes now, once the
+    // folder is known to take new files (a folder that refuses them would be left half
+    // emptied).
     std::fs::create_dir_all(&plan.output)
         .with_context(|| format!("creating {}", plan.output.display()))?;
+    let probe = plan.output.join(".lorafit-write-check");
+    std::fs::write(&probe, b"")
+        .and_then(|()| std::fs::remove_file(&probe))
+        .with_context(|| format!("--output {}: cannot be written", plan.output.display()))?;
+    remove_earlier_artefacts(&plan.output)?;
 
     let mut written = Vec::new();
     let mut stored = Vec::new();
