@@ -479,11 +479,9 @@ impl Iterator for Rows<'_> {
                 let n = *line;
                 let value = match std::str::from_utf8(&buf) {
                     Ok(text) => {
-                        let text = if n == 1 {
-                            text.trim_start_matches('\u{feff}')
-                        } else {
-                            text
-                        };
+                        // A byte-order mark opens the file, or a line where files written
+                        // with one were joined (`cat a.jsonl b.jsonl`): not part of the row.
+                        let text = text.trim_start_matches('\u{feff}');
                         if text.trim().is_empty() {
                             self.blank_lines += 1;
                             continue;
@@ -775,6 +773,22 @@ mod tests {
         let d = std::env::temp_dir().join(format!("lorafit-rows-{tag}-{}", std::process::id()));
         std::fs::create_dir_all(&d).unwrap();
         d
+    }
+
+    /// JSONL files written with a byte-order mark and joined (`cat a.jsonl b.jsonl`): the
+    /// second file's mark opens a line in the middle, and is read as a mark there too.
+    #[test]
+    fn joined_jsonl_files_with_byte_order_marks() {
+        let d = tmp("bom");
+        let row = r#"{"prompt":"p","chosen":"a","rejected":"b"}"#;
+        let p = write(
+            &d,
+            "joined.jsonl",
+            format!("\u{feff}{row}\n\u{feff}{row}\n").as_bytes(),
+        );
+        let (got, _, _) = all(&p);
+        assert_eq!(got.len(), 2);
+        assert!(got.iter().all(|(_, v)| v.is_ok()), "{got:?}");
     }
 
     #[test]
