@@ -320,12 +320,32 @@ pub fn format_table(f: &KlFile) -> String {
     for l in &f.layers {
         s.push_str(&format!("{:>5}  {:.6e}\n", l.layer, l.kl));
     }
+    if f.layers.iter().all(|l| l.kl == 0.0) {
+        s.push_str(
+            "note: every layer's KL is 0: the two models hold the same weights (is --model the \
+             quantized one, and --reference its unquantized source?)\n",
+        );
+    }
     s
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A table of zeros (the same weights on both sides) says so.
+    #[test]
+    fn an_all_zero_table_says_the_models_are_the_same() {
+        let file = |kl: f64| KlFile {
+            model: "m".into(),
+            reference: "r".into(),
+            rows: 1,
+            tokens: 4,
+            layers: vec![LayerKl { layer: 0, kl: 0.0 }, LayerKl { layer: 1, kl }],
+        };
+        assert!(format_table(&file(0.0)).contains("hold the same weights"));
+        assert!(!format_table(&file(1e-3)).contains("note:"));
+    }
 
     #[test]
     fn kl_of_logits_matches_the_definition() {
