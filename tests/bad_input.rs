@@ -576,6 +576,41 @@ fn prompts_past_the_context_are_refused() {
     assert_eq!(err.matches("sequence(s): prefill").count(), 1, "{err}");
 }
 
+/// Training rows longer than the model's context (the tiny model's 64 positions) are said, with
+/// the max_seq_len that keeps them within it.
+#[test]
+fn rows_past_the_context_are_said() {
+    let d = scratch("train-context");
+    let model = common::tiny_run::model_folder(&d);
+    let prompt: String = (0..100).map(|i| format!("w{} ", 2 + i)).collect();
+    let row = format!(
+        r#"{{"prompt":"{}","chosen":"w3 w4","rejected":"w200 w201"}}"#,
+        prompt.trim()
+    );
+    let data = d.join("long.jsonl");
+    std::fs::write(&data, format!("{row}\n{row}\n")).unwrap();
+    let (ok, err) = lorafit(
+        &[
+            "train".as_ref(),
+            "--model".as_ref(),
+            model.as_os_str(),
+            "--data".as_ref(),
+            data.as_os_str(),
+            "--steps".as_ref(),
+            "1".as_ref(),
+            "--output".as_ref(),
+            d.join("run").as_os_str(),
+        ],
+        "",
+    );
+    assert!(ok, "{err}");
+    assert!(
+        err.contains("more than the model's context of 64 positions")
+            && err.contains("--set max_seq_len=64"),
+        "{err}"
+    );
+}
+
 /// Flags that would time nothing or run something else than asked are refused with what to
 /// give: `bench --steps 0` (it panicked), `demo --steps 0` (it ran a whole epoch), and
 /// `selftest` without a GPU or on the CPU (each pointed at the other); a misspelt bench shape is

@@ -199,6 +199,25 @@ pub fn load_train_and_valid(loaded: &Loaded, cfg: &TrainConfig) -> Result<(Vec<I
         );
         (train, valid)
     };
+    // Past the model's context (its max_position_embeddings) lie positions the base never
+    // trained on; generation refuses them, training says so.
+    let context = crate::infer::context_length(&loaded.model);
+    let longest = train
+        .iter()
+        .chain(&valid)
+        .map(|i| match &i.tokens {
+            ItemTokens::Pair(p) => p.max_len(),
+            ItemTokens::Sft(s) => s.len(),
+        })
+        .max()
+        .unwrap_or(0);
+    if longest > context {
+        eprintln!(
+            "note: the longest sequence has {longest} tokens, more than the model's context of \
+             {context} positions (max_position_embeddings): past it the base was never trained; \
+             --set max_seq_len={context} keeps every row within it"
+        );
+    }
     // Validation on rows the run trains on measures memory, not generalisation: said.
     if cfg.valid.is_some() && !valid.is_empty() {
         let trained: std::collections::HashSet<&ItemTokens> =
