@@ -573,6 +573,16 @@ impl TrainConfig {
     /// names SimPO a loss type, lorafit a method (with no CPO NLL term, which TRL's default
     /// `cpo_alpha = 1` adds), so it is refused with what to write.
     pub fn check_trl_value(key: &str, value: &toml::Value) -> Result<()> {
+        // PEFT scales an adapter of lora_alpha = 0 by 0; lorafit's alpha = 0 means 2 × rank.
+        let number = value
+            .as_float()
+            .or_else(|| value.as_integer().map(|i| i as f64));
+        if key == "lora_alpha" && number == Some(0.0) {
+            bail!(
+                "`lora_alpha = 0` scales PEFT's adapter by 0, where lorafit's alpha = 0 means \
+                 2 × rank: give the alpha (or leave it out for 2 × rank)"
+            );
+        }
         if key == "loss_type" && value.as_str() == Some("simpo") {
             bail!(
                 "`loss_type = \"simpo\"` (TRL's CPOConfig) is lorafit's `method = \"simpo\"`, \
@@ -836,8 +846,11 @@ impl TrainConfig {
         if self.data.is_empty() {
             bail!("no training data: set `data` in the config or pass --data FILE.jsonl");
         }
-        if self.grad_accum == 0 || self.rank == 0 {
-            bail!("grad_accum and rank must be at least 1");
+        if self.grad_accum == 0 {
+            bail!("grad_accum = 0: must be at least 1 (TRL's gradient_accumulation_steps)");
+        }
+        if self.rank == 0 {
+            bail!("rank = 0: must be at least 1 (PEFT's r, TRL's lora_r)");
         }
         // Bounds far past any real run, so that a typo is an error and not an allocation of a
         // step's micro-step plans, or a step count no settings file can hold.
@@ -1239,6 +1252,9 @@ mod tests {
             e.contains("`bazqux`") && e.contains("no NLL term (RPO)"),
             "{e}"
         );
+        std::fs::write(&path, "lora_alpha = 0\n").unwrap();
+        let e = format!("{:#}", TrainConfig::from_toml_file(&path).unwrap_err());
+        assert!(e.contains("scales PEFT's adapter by 0"), "{e}");
         std::fs::write(&path, "loss_type = \"simpo\"\n").unwrap();
         let e = format!("{:#}", TrainConfig::from_toml_file(&path).unwrap_err());
         assert!(e.contains("method = \"simpo\""), "{e}");

@@ -204,7 +204,7 @@ fn run_export(a: ExportArgs) -> Result<()> {
 struct ServeArgs {
     /// Address to listen on (port 0 picks a free port; the first stdout line names it). A
     /// non-loopback address needs --token-file.
-    #[arg(long, default_value = "127.0.0.1:8420")]
+    #[arg(long, default_value = "127.0.0.1:8420", value_parser = parse_listen)]
     listen: std::net::SocketAddr,
     /// The SQLite file holding jobs, events, metrics and checkpoints.
     #[arg(long, default_value = "lorafit-jobs.sqlite")]
@@ -899,6 +899,19 @@ fn apply_overrides(mut cfg: TrainConfig, a: &TrainArgs) -> Result<TrainConfig> {
     Ok(cfg)
 }
 
+/// `--listen`'s address: `IP:PORT`, or a host name and port (`localhost:0`) resolved to its
+/// first address.
+fn parse_listen(s: &str) -> std::result::Result<std::net::SocketAddr, String> {
+    use std::net::ToSocketAddrs;
+    if let Ok(addr) = s.parse() {
+        return Ok(addr);
+    }
+    s.to_socket_addrs()
+        .map_err(|e| format!("{s}: not an address (IP:PORT or HOST:PORT): {e}"))?
+        .next()
+        .ok_or_else(|| format!("{s}: the name has no address"))
+}
+
 /// A `--set` value: TOML, or else the text as a string (`--set method=dpo`).
 fn set_value(v: &str) -> toml::Value {
     toml::from_str::<toml::Table>(&format!("x = {v}"))
@@ -1311,4 +1324,22 @@ fn disk_full(e: &anyhow::Error) -> bool {
         c.downcast_ref::<std::io::Error>()
             .is_some_and(|io| io.kind() == std::io::ErrorKind::StorageFull)
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `--listen` takes an address or a host name with a port.
+    #[test]
+    fn listen_takes_names_and_addresses() {
+        assert_eq!(
+            parse_listen("127.0.0.1:0").unwrap(),
+            "127.0.0.1:0".parse().unwrap()
+        );
+        assert!(parse_listen("localhost:0").unwrap().ip().is_loopback());
+        assert!(parse_listen("localhost")
+            .unwrap_err()
+            .contains("not an address"));
+    }
 }
