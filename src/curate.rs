@@ -243,19 +243,23 @@ fn normalise_binarized(obj: &Map<String, Value>) -> Value {
 }
 
 fn scores(obj: &Map<String, Value>, required: bool) -> Result<Option<(f64, f64)>, Bad> {
-    let get = |k: &str| -> Result<Option<f64>, Bad> {
-        match obj.get(k) {
-            None | Some(Value::Null) if !required => Ok(None),
-            None | Some(Value::Null) => Err(Bad::field(
-                k,
-                "missing (the score gap filter needs it; --min-score-gap 0 makes scores optional)",
-            )),
-            Some(v) => number(v)
-                .filter(|x| x.is_finite())
-                .map(Some)
-                .ok_or_else(|| Bad::field(k, format!("expected a number, found {v}"))),
-        }
-    };
+    let get =
+        |k: &str| -> Result<Option<f64>, Bad> {
+            match obj.get(k) {
+                None | Some(Value::Null) if !required => Ok(None),
+                None | Some(Value::Null) => Err(Bad::field(
+                    k,
+                    format!(
+                    "{} (the score gap filter needs it; --min-score-gap 0 makes scores optional)",
+                    if obj.contains_key(k) { "null" } else { "missing" }
+                ),
+                )),
+                Some(v) => number(v)
+                    .filter(|x| x.is_finite())
+                    .map(Some)
+                    .ok_or_else(|| Bad::field(k, format!("expected a number, found {v}"))),
+            }
+        };
     Ok(match (get("score_chosen")?, get("score_rejected")?) {
         (Some(c), Some(r)) => Some((c, r)),
         _ => None,

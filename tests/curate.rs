@@ -254,6 +254,19 @@ fn bad_rows_are_named_by_file_line_and_field() {
             "score_chosen",
         ),
     ];
+    // A null score is said as null, not as missing.
+    let null_score = json!({"prompt": "p", "chosen": "a", "rejected": "b", "score_chosen": null, "score_rejected": 1});
+    let e = curate_reader(
+        std::io::Cursor::new(format!("{null_score}\n")),
+        "f.jsonl",
+        &tokenizer(),
+        None,
+        &CurateOptions::default(),
+    )
+    .err()
+    .unwrap()
+    .to_string();
+    assert!(e.contains("field \"score_chosen\": null"), "{e}");
     for (row, field) in cases {
         let e = curate_reader(
             std::io::Cursor::new(format!("{row}\n")),
