@@ -288,6 +288,11 @@ fn a_bad_config_is_a_400_that_names_the_field() {
             json!({"kind": "eval", "data": "train.jsonl", "chat_template": "no-such.jinja"}),
             "chat_template",
         ),
+        // An eval job takes lorafit eval's --base-quant, by name.
+        (
+            json!({"kind": "eval", "data": "train.jsonl", "base_quant": "q9"}),
+            "base_quant",
+        ),
         (
             json!({"kind": "export", "model": "model", "adapter": "model",
                    "chat_template": "no-such.jinja"}),
@@ -300,6 +305,11 @@ fn a_bad_config_is_a_400_that_names_the_field() {
         ),
     ];
     assert_all_refused(&server, cases.iter().map(|(b, f)| (b, *f)), 400);
+    let r = server.post(
+        "/jobs",
+        &json!({"kind": "eval", "data": "train.jsonl", "base_quant": "q9"}),
+    );
+    assert!(!r.text().contains("not a setting"), "{}", r.text());
     if lorafit::tensor::Device::check("cuda").is_err() {
         let r = server.post(
             "/jobs",

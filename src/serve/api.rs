@@ -345,8 +345,8 @@ pub const EVAL_JSON: &str = "eval.json";
 pub const EVAL_REPORT: &str = "report.md";
 
 const EVAL_FIELDS: &str =
-    "kind, model, adapter, compare, data, scorer, device, config, method, chat_template, max_new, \
-     limit, output";
+    "kind, model, adapter, compare, data, scorer, device, config, method, chat_template, \
+     base_quant, max_new, limit, output";
 const EXPORT_FIELDS: &str =
     "kind, model, adapter, output, format, dtype, adapter_type, merged_type, check, chat_template";
 
@@ -421,6 +421,7 @@ fn parse_eval(map: &serde_json::Map<String, Value>) -> ApiResult<(EvalOptions, O
             "config" => o.config = Some(want_str(k, v)?.into()),
             "method" => o.method = Some(want_choice::<crate::config::Method>(k, v)?),
             "chat_template" => o.chat_template = Some(want_str(k, v)?),
+            "base_quant" => o.base_quant = Some(want_choice::<crate::model::BaseQuant>(k, v)?),
             "max_new" => o.max_new = want_usize(k, v)?,
             "limit" => o.limit = want_usize(k, v)?,
             "output" => output = Some(want_str(k, v)?),
