@@ -225,7 +225,7 @@ fn page_submits_a_job_and_charts_it_live() {
 
     // Long enough that the page is open and following the job while it runs (at 300 steps a
     // fast machine finished the job before the page's first sample, and the chart was seen
-    // only whole).
+    // only whole; at 2000 steps of one example each, once too): 2000 steps of 8 examples.
     let steps = 2000;
     let fill = format!(
         r#"(() => {{
@@ -234,7 +234,7 @@ fn page_submits_a_job_and_charts_it_live() {
             set('f-model', 'model'); set('f-data', 'train.jsonl'); set('f-valid', 'valid.jsonl');
             set('f-method', 'orpo'); set('f-steps', '{steps}'); set('f-lr', '0.001');
             set('f-rank', '4');
-            set('f-extra', '{{"max_seq_len": 64, "max_prompt_len": 32, "eval_every": 100, "save_every": 0, "seed": 3}}');
+            set('f-extra', '{{"max_seq_len": 64, "max_prompt_len": 32, "eval_every": 100, "save_every": 0, "seed": 3, "grad_accum": 8}}');
             document.getElementById('submit-button').click();
             return true;
         }})()"#
