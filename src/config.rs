@@ -569,37 +569,33 @@ impl TrainConfig {
         bail!("unknown setting `{key}` (settings: {})", names.join(", "))
     }
 
-    /// A TRL setting whose value means something lorafit names otherwise: TRL's CPOConfig
-    /// names SimPO a loss type, lorafit a method (with no CPO NLL term, which TRL's default
-    /// `cpo_alpha = 1` adds), so it is refused with what to write.
-    pub fn check_trl_value(key: &str, value: &toml::Value) -> Result<()> {
-        // PEFT scales an adapter of lora_alpha = 0 by 0; lorafit's alpha = 0 means 2 × rank.
+    /// The value of lorafit's setting `name` for a value written as TRL, PEFT or transformers
+    /// write it: `max_steps = -1` (transformers' default, "from the epochs") is 0, PEFT's
+    /// `target_modules = "all-linear"` is every target, TRL's one-element `loss_type` list is its
+    /// one name; a share of the steps (transformers' `*_steps` below 1) is refused with what to
+    /// give. Two values mean something lorafit names otherwise and are refused with what to
+    /// write: TRL's CPOConfig names SimPO a loss type (lorafit a method, with no CPO NLL term,
+    /// which TRL's default `cpo_alpha = 1` adds), and PEFT scales an adapter of `lora_alpha = 0`
+    /// by 0 (lorafit's `alpha = 0` is 2 × rank). `given` is the name the value came under. Any
+    /// other value is as given.
+    pub fn trl_value(given: &str, name: &str, value: toml::Value) -> Result<toml::Value> {
+        use toml::Value as V;
         let number = value
             .as_float()
             .or_else(|| value.as_integer().map(|i| i as f64));
-        if key == "lora_alpha" && number == Some(0.0) {
+        if given == "lora_alpha" && number == Some(0.0) {
             bail!(
                 "`lora_alpha = 0` scales PEFT's adapter by 0, where lorafit's alpha = 0 means \
                  2 × rank: give the alpha (or leave it out for 2 × rank)"
             );
         }
-        if key == "loss_type" && value.as_str() == Some("simpo") {
+        if given == "loss_type" && value.as_str() == Some("simpo") {
             bail!(
                 "`loss_type = \"simpo\"` (TRL's CPOConfig) is lorafit's `method = \"simpo\"`, \
                  with simpo_beta and simpo_gamma (TRL's beta and simpo_gamma) and no CPO NLL \
                  term (TRL's cpo_alpha = 0): set the method instead"
             );
         }
-        Ok(())
-    }
-
-    /// The value of lorafit's setting `name` for a value written as TRL, PEFT or transformers
-    /// write it: `max_steps = -1` (transformers' default, "from the epochs") is 0, PEFT's
-    /// `target_modules = "all-linear"` is every target, TRL's one-element `loss_type` list is its
-    /// one name; a share of the steps (transformers' `*_steps` below 1) is refused with what to
-    /// give. Any other value is as given.
-    pub fn trl_value(name: &str, value: toml::Value) -> Result<toml::Value> {
-        use toml::Value as V;
         Ok(match (name, value) {
             ("steps", V::Integer(-1)) => V::Integer(0),
             ("targets", V::String(s)) if s == "all-linear" => V::Array(
@@ -640,10 +636,6 @@ impl TrainConfig {
         // Every unknown name at once: a config brought from TRL may hold several.
         let mut unknown = Vec::new();
         for (k, v) in table {
-            if let Err(e) = TrainConfig::check_trl_value(&k, &v) {
-                unknown.push(e.to_string());
-                continue;
-            }
             let name = match TrainConfig::setting_name(&k, &method) {
                 Ok(name) => name,
                 Err(e) => {
@@ -654,7 +646,7 @@ impl TrainConfig {
             if let Some(other) = given_as.get(&name) {
                 bail!("setting `{name}` is given twice (as `{other}` and as `{k}`)");
             }
-            let v = match TrainConfig::trl_value(&name, v) {
+            let v = match TrainConfig::trl_value(&k, &name, v) {
                 Ok(v) => v,
                 Err(e) => {
                     unknown.push(e.to_string());

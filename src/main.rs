@@ -883,13 +883,10 @@ fn apply_overrides(mut cfg: TrainConfig, a: &TrainArgs) -> Result<TrainConfig> {
             let (k, v) = kv
                 .split_once('=')
                 .with_context(|| format!("--set {kv}: expected KEY=VALUE"))?;
-            let value = set_value(v);
-            TrainConfig::check_trl_value(k.trim(), &value)
-                .with_context(|| format!("--set {kv}"))?;
             let name = TrainConfig::setting_name(k.trim(), &method)
                 .with_context(|| format!("--set {kv}"))?;
-            let value =
-                TrainConfig::trl_value(&name, value).with_context(|| format!("--set {kv}"))?;
+            let value = TrainConfig::trl_value(k.trim(), &name, set_value(v))
+                .with_context(|| format!("--set {kv}"))?;
             table.insert(name, value);
         }
         // Deserialised from the table itself: an error names the field and the value given,

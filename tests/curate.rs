@@ -254,22 +254,10 @@ fn bad_rows_are_named_by_file_line_and_field() {
             "score_chosen",
         ),
     ];
-    // A null score is said as null, not as missing.
-    let null_score = json!({"prompt": "p", "chosen": "a", "rejected": "b", "score_chosen": null, "score_rejected": 1});
-    let e = curate_reader(
-        std::io::Cursor::new(format!("{null_score}\n")),
-        "f.jsonl",
-        &tokenizer(),
-        None,
-        &CurateOptions::default(),
-    )
-    .err()
-    .unwrap()
-    .to_string();
-    assert!(e.contains("field \"score_chosen\": null"), "{e}");
-    for (row, field) in cases {
-        let e = curate_reader(
-            std::io::Cursor::new(format!("{row}\n")),
+    // The error curating `text` as f.jsonl gives.
+    let refused = |text: String| {
+        curate_reader(
+            std::io::Cursor::new(text),
             "f.jsonl",
             &tokenizer(),
             None,
@@ -277,22 +265,20 @@ fn bad_rows_are_named_by_file_line_and_field() {
         )
         .err()
         .unwrap()
-        .to_string();
+        .to_string()
+    };
+    // A null score is said as null, not as missing.
+    let null_score = json!({"prompt": "p", "chosen": "a", "rejected": "b", "score_chosen": null, "score_rejected": 1});
+    let e = refused(format!("{null_score}\n"));
+    assert!(e.contains("field \"score_chosen\": null"), "{e}");
+    for (row, field) in cases {
+        let e = refused(format!("{row}\n"));
         assert!(
             e.contains("f.jsonl:1") && e.contains(&format!("\"{field}\"")),
             "{field}: {e}"
         );
     }
-    let e = curate_reader(
-        std::io::Cursor::new("{not json\n"),
-        "f.jsonl",
-        &tokenizer(),
-        None,
-        &CurateOptions::default(),
-    )
-    .err()
-    .unwrap()
-    .to_string();
+    let e = refused("{not json\n".to_string());
     assert!(e.contains("f.jsonl:1: invalid JSON"), "{e}");
     // With skip_bad_rows the bad row is counted, the rest kept.
     let (train, _, r) = curate_reader(

@@ -281,12 +281,7 @@ pub fn run_with(
     // Everything that can refuse the export has; what an earlier one wrote goes now, once the
     // folder is known to take new files (a folder that refuses them would be left half
     // emptied).
-    std::fs::create_dir_all(&plan.output)
-        .with_context(|| format!("creating {}", plan.output.display()))?;
-    let probe = plan.output.join(".lorafit-write-check");
-    std::fs::write(&probe, b"")
-        .and_then(|()| std::fs::remove_file(&probe))
-        .with_context(|| format!("--output {}: cannot be written", plan.output.display()))?;
+    crate::atomic_file::check_writable(&plan.output.join(".lorafit-write-check"), "--output")?;
     remove_earlier_artefacts(&plan.output)?;
 
     let mut written = Vec::new();
