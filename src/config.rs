@@ -814,8 +814,17 @@ impl TrainConfig {
             .flat_map(|(_, names)| names.iter())
             .filter(|n| now.get(**n) != default.get(**n))
             .map(|n| {
+                // TRL's `beta` lands on one of these by method (`setting_name`): say so, as a
+                // user who wrote `beta` may not know the name.
+                let given_as = match *n {
+                    "orpo_lambda" => " (where `beta` goes under ORPO and SFT)",
+                    "dpo_beta" => " (where `beta` goes under DPO)",
+                    "simpo_beta" => " (where `beta` goes under SimPO)",
+                    "dpo_loss_type" => " (TRL's `loss_type`)",
+                    _ => "",
+                };
                 format!(
-                    "{n} = {}",
+                    "{n} = {}{given_as}",
                     now.get(*n).map_or("unset".into(), |v| v.to_string())
                 )
             })
@@ -1219,7 +1228,7 @@ mod tests {
         // Under ORPO the DPO `loss_type` is taken and not used: said.
         assert_eq!(
             orpo.other_methods_settings().unwrap(),
-            ["dpo_loss_type = \"ipo\""]
+            ["dpo_loss_type = \"ipo\" (TRL's `loss_type`)"]
         );
         assert!(dpo.other_methods_settings().unwrap().is_empty());
         // transformers' and PEFT's spellings of values: adam_epsilon, "all-linear", a

@@ -1199,6 +1199,33 @@ fn an_export_job_writes_a_merged_folder_that_lorafit_loads() {
     server
         .events(r.json()["id"].as_i64().unwrap())
         .until("done");
+
+    // An export written into a queued job's folder while it waits is not the job's to delete:
+    // the job fails naming it, and the file is left as it was.
+    let mut long = tiny_job(100_000);
+    long["output"] = json!("runs/long");
+    let long_id = server.submit(&long);
+    let r = export_into("exports/waited");
+    assert_eq!(r.status, 201, "{}", r.text());
+    let waiting = r.json()["id"].as_i64().unwrap();
+    server.events(long_id).until("step");
+    assert_eq!(server.job(waiting)["state"], "queued");
+    let foreign = ws.root.join("exports/waited/check.json");
+    std::fs::create_dir_all(foreign.parent().unwrap()).unwrap();
+    std::fs::write(&foreign, b"{\"someone\": \"else\"}").unwrap();
+    let r = server.post(&format!("/jobs/{long_id}/cancel"), &json!({}));
+    assert_eq!(r.status, 200, "{}", r.text());
+    let events = server.events(waiting).until("failed");
+    let reason = events.last().unwrap().data["reason"].as_str().unwrap();
+    assert!(
+        reason.contains("now holds an export (check.json)") && reason.contains("exports/waited"),
+        "{reason}"
+    );
+    assert_eq!(
+        std::fs::read(&foreign).unwrap(),
+        b"{\"someone\": \"else\"}",
+        "the file written while the job waited is untouched"
+    );
 }
 
 /// A line of /proc/PID/status in KiB (`VmRSS`, `VmHWM`).

@@ -353,6 +353,26 @@ fn export_job(app: &App, job: &JobRow, cancel: &AtomicBool) -> Result<Outcome> {
     let mut plan: crate::export::ExportPlan =
         serde_json::from_str(&job.config).context("the job's stored settings")?;
     plan.model = trainer::resolve_model_path(&plan.model.display().to_string())?;
+    if app.db().times_started(job.id)? <= 1 {
+        // The folder was new or empty when the job was submitted (`check_output`), so an
+        // export's artefacts in it on the first start were written by something else while the
+        // job waited: they are not the job's to delete. A rerun deletes its own earlier ones.
+        let found = crate::export::earlier_artefacts(&plan.output);
+        if !found.is_empty() {
+            let names: Vec<String> = found
+                .iter()
+                .filter_map(|p| p.file_name())
+                .map(|n| n.to_string_lossy().into_owned())
+                .collect();
+            anyhow::bail!(
+                "output {} was empty when the job was submitted but now holds an export ({}), \
+                 written while the job waited; it is left as it is: submit the export again \
+                 with another output",
+                plan.output.display(),
+                names.join(", ")
+            );
+        }
+    }
     let formats = plan.resolved_formats()?;
     app.db()
         .set_progress(job.id, 0, plan.total_steps()? as i64)?;
