@@ -359,6 +359,13 @@ pub fn run(a: BenchArgs) -> Result<()> {
                 live_before = device.memory().live_bytes;
             }
             device.synchronize()?;
+            if step == a.warmup {
+                // The profile counts the timed steps only: tuning and first allocations fall in
+                // the warm-up.
+                if let crate::tensor::Device::Cuda(c) = &device {
+                    c.profile_reset();
+                }
+            }
             let launches0 = launch_count(&device);
             let t = Instant::now();
             let queued =

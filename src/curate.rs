@@ -4,8 +4,12 @@
 //! Input rows, in any dataset file `lorafit train` reads (JSONL, a JSON array, CSV, Parquet;
 //! compressed or not; `data::rows`):
 //! * binarized: `{prompt, chosen, rejected, score_chosen, score_rejected}`, with `chosen` and
-//!   `rejected` as strings or as message lists (HuggingFaceH4/ultrafeedback_binarized repeats
-//!   the user turn at the head of each list; it is taken as the prompt);
+//!   `rejected` as strings or as message lists, read as `lorafit train` reads them
+//!   (`data::dataset::parse_row`): in HuggingFaceH4/ultrafeedback_binarized's layout, a string
+//!   prompt and whole conversations, the leading messages both conversations share are the
+//!   prompt and what follows in each its response. Two equal conversations have no response
+//!   to split off and are counted as identical responses. A missing, null or empty (a blank
+//!   CSV cell) score is refused unless `min_score_gap` is 0;
 //! * raw: `{instruction, completions: [{response, overall_score, annotations, ...}]}` as in
 //!   openbmb/UltraFeedback. The completion with the highest score becomes `chosen` and the one
 //!   with the lowest `rejected` (the first of equals), so the pair has the largest gap the row
@@ -18,8 +22,10 @@
 //! prompt + longer response under the model's tokenizer and chat template (as training
 //! tokenises them, without truncation), and a chosen/rejected token-length ratio above
 //! `max_length_ratio`. The survivors are split into train and validation rows by a seeded
-//! permutation; both files keep the input order. A malformed row is an error naming file,
-//! line and field (with `skip_bad_rows` it is counted instead).
+//! permutation; both files keep the input order. An output row is the pair as `lorafit train`
+//! reads it, with the scores the input gave and its `weight` (the one other field train reads
+//! from a preference row). A malformed row is an error naming file, line and field (with
+//! `skip_bad_rows` it is counted instead).
 
 use crate::data::rows::Rows;
 use crate::data::{
@@ -112,10 +118,25 @@ impl fmt::Display for CurateReport {
     }
 }
 
-/// A row that survived parsing: the pair and its scores.
+/// A row's `(score_chosen, score_rejected)`, each absent where the row has none.
+type Scores = (Option<f64>, Option<f64>);
+
+/// A row that survived parsing: the pair, its scores and its `weight` (`None` when the row has
+/// none, so that the output row has none either).
 struct Candidate {
     data: PreferenceData,
-    scores: Option<(f64, f64)>,
+    scores: Scores,
+    weight: Option<f64>,
+}
+
+/// What a well-formed row is.
+enum Parsed {
+    Pair(Candidate),
+    /// A raw row with fewer than two completions.
+    TooFewCompletions,
+    /// `chosen` and `rejected` are one conversation: no response follows their shared
+    /// messages, so it is an identical pair rather than a malformed row.
+    SameConversation(Scores),
 }
 
 /// Why a row is malformed: field and message (the caller adds file and line).
@@ -211,85 +232,96 @@ fn from_raw(obj: &Map<String, Value>, field: &str) -> Result<Option<ScoredRow>, 
         // All scores equal: any two completions, a zero gap.
         worst = usize::from(best == 0);
     }
-    let row = json!({
+    let mut row = json!({
         "prompt": prompt,
         "chosen": scored[best].0,
         "rejected": scored[worst].0,
     });
+    if let Some(w) = obj.get("weight") {
+        row["weight"] = w.clone();
+    }
     Ok(Some((row, (scored[best].1, scored[worst].1))))
 }
 
-/// A binarized row in the form `data::parse_row` reads: with a string prompt and message-list
-/// responses, the prompt becomes a user message and a copy of it at the head of each list is
-/// dropped.
-fn normalise_binarized(obj: &Map<String, Value>) -> Value {
-    let mut row = Value::Object(obj.clone());
-    let (Some(Value::String(p)), Some(Value::Array(c)), Some(Value::Array(r))) =
-        (obj.get("prompt"), obj.get("chosen"), obj.get("rejected"))
-    else {
-        return row;
-    };
-    let user = json!({"role": "user", "content": p});
-    let strip = |list: &Vec<Value>| -> Vec<Value> {
-        match list.first() {
-            Some(first) if first == &user => list[1..].to_vec(),
-            _ => list.clone(),
-        }
-    };
-    row["prompt"] = json!([user]);
-    row["chosen"] = Value::Array(strip(c));
-    row["rejected"] = Value::Array(strip(r));
-    row
-}
-
-fn scores(obj: &Map<String, Value>, required: bool) -> Result<Option<(f64, f64)>, Bad> {
-    let get =
-        |k: &str| -> Result<Option<f64>, Bad> {
-            match obj.get(k) {
-                None | Some(Value::Null) if !required => Ok(None),
-                None | Some(Value::Null) => Err(Bad::field(
-                    k,
-                    format!(
-                    "{} (the score gap filter needs it; --min-score-gap 0 makes scores optional)",
-                    if obj.contains_key(k) { "null" } else { "missing" }
-                ),
-                )),
-                Some(v) => number(v)
+/// The scores of a binarized row. Without `required` a score may be missing, null or a blank
+/// string (an empty CSV cell: the CSV reader gives every cell but a `weight` as a string).
+fn scores(obj: &Map<String, Value>, required: bool) -> Result<Scores, Bad> {
+    let get = |k: &str| -> Result<Option<f64>, Bad> {
+        let absent = match obj.get(k) {
+            None => "missing",
+            Some(Value::Null) => "null",
+            Some(Value::String(s)) if s.trim().is_empty() => "empty",
+            Some(v) => {
+                return number(v)
                     .filter(|x| x.is_finite())
                     .map(Some)
-                    .ok_or_else(|| Bad::field(k, format!("expected a number, found {v}"))),
+                    .ok_or_else(|| Bad::field(k, format!("expected a number, found {v}")))
             }
         };
-    Ok(match (get("score_chosen")?, get("score_rejected")?) {
-        (Some(c), Some(r)) => Some((c, r)),
-        _ => None,
-    })
+        if required {
+            Err(Bad::field(
+                k,
+                format!(
+                    "{absent} (the score gap filter needs it; --min-score-gap 0 makes scores \
+                     optional)"
+                ),
+            ))
+        } else {
+            Ok(None)
+        }
+    };
+    Ok((get("score_chosen")?, get("score_rejected")?))
 }
 
-/// One input row → a candidate, `Ok(None)` for a raw row with too few completions.
+/// Whether `chosen` and `rejected` are one list.
+fn same_list(obj: &Map<String, Value>) -> bool {
+    match (obj.get("chosen"), obj.get("rejected")) {
+        (Some(c @ Value::Array(_)), Some(r)) => c == r,
+        _ => false,
+    }
+}
+
+/// One input row, read as `lorafit train` reads it (a raw row is first made its best/worst
+/// pair).
 fn parse_candidate(
     value: Result<Value, String>,
     line: usize,
     opts: &CurateOptions,
-) -> Result<Option<Candidate>, Bad> {
+) -> Result<Parsed, Bad> {
     let value = value.map_err(|e| Bad(None, e))?;
     let obj = value
         .as_object()
         .ok_or_else(|| Bad(None, "expected a JSON object".into()))?;
+    let raw;
     let (row, scores) = if obj.contains_key("completions") {
         match from_raw(obj, &opts.score_field)? {
-            Some((row, s)) => (row, Some(s)),
-            None => return Ok(None),
+            Some((row, (sc, sr))) => {
+                raw = row;
+                (&raw, (Some(sc), Some(sr)))
+            }
+            None => return Ok(Parsed::TooFewCompletions),
         }
     } else {
-        (
-            normalise_binarized(obj),
-            scores(obj, opts.min_score_gap > 0.0)?,
-        )
+        (&value, scores(obj, opts.min_score_gap > 0.0)?)
     };
-    match data::dataset::parse_row(&row, DatasetKind::Preference, line) {
-        Ok(Example::Preference { data, .. }) => Ok(Some(Candidate { data, scores })),
-        Ok(_) => unreachable!("a preference row parses as a preference example"),
+    match data::dataset::parse_row(row, DatasetKind::Preference, line) {
+        Ok(Example::Preference { data, weight, .. }) => Ok(Parsed::Pair(Candidate {
+            data,
+            scores,
+            weight: row
+                .get("weight")
+                .is_some_and(|w| !w.is_null())
+                .then_some(weight.0),
+        })),
+        Ok(Example::Sft { .. }) => Err(Bad(
+            None,
+            "read as an SFT row where a preference row was asked for".into(),
+        )),
+        // Two equal conversations split into a prompt and an empty `chosen`, which `parse_row`
+        // refuses naming `chosen` (a malformed message is named by its index, `chosen[i]...`).
+        Err(e) if e.field.as_deref() == Some("chosen") && same_list(obj) => {
+            Ok(Parsed::SameConversation(scores))
+        }
         Err(e) => Err(Bad(e.field, e.message)),
     }
 }
@@ -330,7 +362,8 @@ fn messages_json(m: &[Message]) -> Value {
     )
 }
 
-/// The output row: what `lorafit train` reads, with the scores kept beside it.
+/// The output row: what `lorafit train` reads (the pair and its weight), with the scores kept
+/// beside it.
 fn output_row(c: &Candidate) -> Value {
     let mut row = match &c.data {
         PreferenceData::Text {
@@ -348,9 +381,14 @@ fn output_row(c: &Candidate) -> Value {
             "rejected": messages_json(rejected),
         }),
     };
-    if let Some((sc, sr)) = c.scores {
+    if let Some(sc) = c.scores.0 {
         row["score_chosen"] = json!(sc);
+    }
+    if let Some(sr) = c.scores.1 {
         row["score_rejected"] = json!(sr);
+    }
+    if let Some(w) = c.weight {
+        row["weight"] = json!(w);
     }
     row
 }
@@ -414,9 +452,13 @@ pub fn curate_rows(
             let row = row?;
             let at = rows.location(row.n);
             report.rows += 1;
-            let cand = match parse_candidate(row.value, row.n, opts) {
-                Ok(Some(c)) => c,
-                Ok(None) => {
+            let (cand, scores) = match parse_candidate(row.value, row.n, opts) {
+                Ok(Parsed::Pair(c)) => {
+                    let scores = c.scores;
+                    (Some(c), scores)
+                }
+                Ok(Parsed::SameConversation(scores)) => (None, scores),
+                Ok(Parsed::TooFewCompletions) => {
                     report.too_few_completions += 1;
                     continue;
                 }
@@ -434,16 +476,16 @@ pub fn curate_rows(
                     break 'files;
                 }
             };
-            if let Some((sc, sr)) = cand.scores {
+            if let (Some(sc), Some(sr)) = scores {
                 if sc - sr < opts.min_score_gap {
                     report.small_gap += 1;
                     continue;
                 }
             }
-            if responses_identical(&cand.data) {
+            let Some(cand) = cand.filter(|c| !responses_identical(&c.data)) else {
                 report.identical += 1;
                 continue;
-            }
+            };
             if opts.dedupe && !seen.insert(prompt_key(&cand.data)) {
                 report.duplicate_prompt += 1;
                 continue;

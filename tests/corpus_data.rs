@@ -282,6 +282,71 @@ fn cases() -> Vec<Case> {
             vocab: None,
             expect: E(None, None, "a compressed Parquet file"),
         },
+        Case {
+            name: "corrupt-metadata.parquet",
+            content: flipped_parquet(743),
+            kind: P,
+            template: None,
+            vocab: None,
+            expect: E(None, None, "not a readable Parquet file"),
+        },
+        Case {
+            name: "corrupt-page.parquet",
+            content: flipped_parquet(535),
+            kind: P,
+            template: None,
+            vocab: None,
+            expect: E(None, None, "not a readable Parquet file"),
+        },
+        Case {
+            name: "corrupt-levels.parquet",
+            content: flipped_parquet(759),
+            kind: P,
+            template: None,
+            vocab: None,
+            expect: E(None, None, "not a readable Parquet file"),
+        },
+        jsonl("tool-calls", S, TOOL_CALLS, E(Some(":1:"), Some("messages[1].tool_calls"), "tool calls are not read (lorafit trains on text turns): render them into \"content\" or drop the row")),
+        jsonl("openai-function-call", S, r#"{"messages":[{"role":"user","content":"Weather?"},{"role":"assistant","content":null,"function_call":{"name":"get_weather","arguments":"{}"}},{"role":"assistant","content":"Sunny."}]}"#, E(Some(":1:"), Some("messages[1].function_call"), "tool calls are not read")),
+        jsonl("tools-field", S, r#"{"messages":[{"role":"user","content":"Hi"},{"role":"assistant","content":"Hello"}],"tools":[{"type":"function","function":{"name":"f"}}]}"#, E(Some(":1:"), Some("tools"), "tool definitions are not read")),
+        jsonl("message-weight", S, r#"{"messages":[{"role":"user","content":"Hi"},{"role":"assistant","content":"Hello","weight":0},{"role":"user","content":"2+2?"},{"role":"assistant","content":"4","weight":1}]}"#, E(Some(":1:"), Some("messages[1].weight"), "per-message weights are not read")),
+        jsonl("preference-tool-calls", P, r#"{"prompt":[{"role":"user","content":"Weather?"}],"chosen":[{"role":"assistant","content":"","tool_calls":[{"type":"function","function":{"name":"w","arguments":"{}"}}]}],"rejected":[{"role":"assistant","content":"No idea."}]}"#, E(Some(":1:"), Some("chosen[0].tool_calls"), "tool calls are not read")),
+        jsonl("messages-in-preference", P, r#"{"messages":[{"role":"user","content":"Hi"},{"role":"assistant","content":"Hello"}]}"#, E(Some(":1:"), None, "an SFT row (it has \"messages\" and no \"chosen\"/\"rejected\"), where a preference method (orpo, dpo, simpo) needs chosen and rejected; to train on SFT rows pass --method sft")),
+        jsonl("conversations-in-preference", P, r#"{"conversations":[{"from":"human","value":"Hi"},{"from":"gpt","value":"Hello"}]}"#, E(Some(":1:"), None, "an SFT row (it has \"conversations\"")),
+        jsonl("text-in-preference", P, r#"{"text":"Once upon a time."}"#, E(Some(":1:"), None, "an SFT row (it has \"text\"")),
+        jsonl("rows-under-a-key-one-line.json", P, &format!("{{\"train\": [{GOOD}, {GOOD}]}}\n"), E(None, None, "Its lists: \"train\" (2 items); to train on one, write its items one per line (for example `jq -c '.KEY[]' FILE > rows.jsonl`)")),
+        jsonl("pandas-columns.json", P, r#"{"prompt":{"0":"a","1":"b"},"chosen":{"0":"x","1":"y"},"rejected":{"0":"z","1":"w"}}"#, E(None, None, "orient=\"records\", lines=True")),
+        jsonl("jq-pretty.json", P, &format!("{0}\n{0}\n", serde_json::to_string_pretty(&serde_json::from_str::<serde_json::Value>(GOOD).unwrap()).unwrap()), E(None, None, "2 JSON objects one after another, each over several lines (as `jq .` prints them)")),
+        jsonl("jq-pretty-jsonl", P, &format!("{0}\n{0}\n", serde_json::to_string_pretty(&serde_json::from_str::<serde_json::Value>(GOOD).unwrap()).unwrap()), E(None, None, "write them with `jq -c .")),
+        Case {
+            name: "rows.jsonl.bz2",
+            content: b"BZh91AY&SY\x12\x34\x56\x78rest of the stream".to_vec(),
+            kind: P,
+            template: None,
+            vocab: None,
+            expect: E(None, None, "bzip2-compressed: lorafit reads gzip and zstd; decompress it first"),
+        },
+        Case {
+            name: "rows.jsonl.xz",
+            content: b"\xfd7zXZ\x00\x00\x04\xe6\xd6\xb4\x46rest of the stream".to_vec(),
+            kind: P,
+            template: None,
+            vocab: None,
+            expect: E(None, None, "xz-compressed: lorafit reads gzip and zstd"),
+        },
+        Case {
+            name: "rows.zip",
+            content: b"PK\x03\x04\x14\x00\x00\x00\x08\x00rest of the archive".to_vec(),
+            kind: P,
+            template: None,
+            vocab: None,
+            expect: E(None, None, "a zip archive: lorafit reads gzip and zstd"),
+        },
+        jsonl("nan-weight.csv", P, "prompt,chosen,rejected,weight\nq,a,b,NaN\n", E(Some(":2:"), Some("weight"), "NaN, where a finite number is expected")),
+        jsonl("inf-weight.tsv", P, "prompt\tchosen\trejected\tweight\nq\ta\tb\tinf\n", E(Some(":2:"), Some("weight"), "inf, where a finite number is expected")),
+        jsonl("control-header.csv", P, "prompt,chosen,rejected,a\x1bb,a\x1bb\n", E(Some(":1:"), None, "header names column \"a\\u{1b}b\" twice")),
+        jsonl("warn-h4-tie", P, &h4_tie(), W(|r| r.identical_responses)),
+        jsonl("warn-implicit-chat-tie", P, r#"{"chosen":[{"role":"user","content":"What is 2+2?"},{"role":"assistant","content":" 4"}],"rejected":[{"role":"user","content":"What is 2+2?"},{"role":"assistant","content":" 4"}]}"#, W(|r| r.identical_responses)),
         jsonl("warn-chosen-equals-rejected", P, r#"{"prompt":"What is 2+2?","chosen":" 4","rejected":" 4"}"#, W(|r| r.identical_responses)),
         jsonl("warn-duplicate", P, &format!("{GOOD}\n{GOOD}\n"), W(|r| r.duplicates)),
         jsonl("warn-prompt-ends-assistant", P, r#"{"prompt":[{"role":"user","content":"x"},{"role":"assistant","content":"The answer"}],"chosen":[{"role":"assistant","content":" is 4"}],"rejected":[{"role":"assistant","content":" is 5"}]}"#, W(|r| r.prompt_ends_with_assistant)),
@@ -293,6 +358,27 @@ fn cases() -> Vec<Case> {
         }
     }
     v
+}
+
+/// An SFT row whose assistant turn is a tool call: its `content` is empty.
+const TOOL_CALLS: &str = r#"{"messages":[{"role":"user","content":"Weather in Paris?"},{"role":"assistant","content":"","tool_calls":[{"type":"function","function":{"name":"get_weather","arguments":"{\"city\":\"Paris\"}"}}]},{"role":"tool","content":"sunny","name":"get_weather"},{"role":"assistant","content":"It is sunny."}]}"#;
+
+/// An H4 UltraFeedback row whose chosen and rejected conversations are the same.
+fn h4_tie() -> String {
+    let conversation = serde_json::json!([
+        {"role": "user", "content": "What is 2+2?"},
+        {"role": "assistant", "content": " 4"}
+    ]);
+    serde_json::json!({"prompt": "What is 2+2?", "chosen": conversation, "rejected": conversation})
+        .to_string()
+}
+
+/// A text Parquet fixture with the byte at `offset` inverted: at 743 its footer's metadata, at 535
+/// a page's data, at 759 a column chunk's description (each made the `parquet` crate panic).
+fn flipped_parquet(offset: usize) -> Vec<u8> {
+    let mut b = std::fs::read(common::fixture("data/text_gzip.parquet")).unwrap();
+    b[offset] ^= 0xff;
+    b
 }
 
 fn run(c: &Case, skip_bad: bool) -> Result<CheckReport, String> {
@@ -403,6 +489,32 @@ fn skip_bad_rows_skips_and_counts_each_bad_row() {
         "{:?}",
         r.load.skip_reasons
     );
+
+    // Rows whose tool calls, tool definitions or per-message weights would be lost are row
+    // errors: skipped and counted, never trained as an empty turn.
+    let tools = r#"{"prompt":"p","chosen":"a","rejected":"b","tools":[{"type":"function"}]}"#;
+    let turn_weight = r#"{"prompt":[{"role":"user","content":"x","weight":0}],"chosen":[{"role":"assistant","content":"a"}],"rejected":[{"role":"assistant","content":"b"}]}"#;
+    let tool_call = r#"{"prompt":[{"role":"user","content":"x"}],"chosen":[{"role":"assistant","content":"","tool_calls":[{"type":"function"}]}],"rejected":[{"role":"assistant","content":"b"}]}"#;
+    let text = [GOOD, tools, turn_weight, tool_call].join("\n");
+    let r = skipping("skip-tools", &text);
+    assert_eq!((r.tokenize.rows, r.load.skipped), (1, 3));
+    let reasons = r.load.skip_reasons.join("\n");
+    for want in [
+        "skip-tools.jsonl:2: field \"tools\": tool definitions are not read",
+        "skip-tools.jsonl:3: field \"prompt[0].weight\": per-message weights are not read",
+        "skip-tools.jsonl:4: field \"chosen[0].tool_calls\": tool calls are not read",
+    ] {
+        assert!(reasons.contains(want), "{want}: {reasons}");
+    }
+
+    // Beyond five errors the summary says how many more there are.
+    let mut lines = vec![GOOD.to_string()];
+    lines.extend((1..=8).map(|i| format!("bad {i}")));
+    let r = skipping("skip-many", &lines.join("\n"));
+    let shown = r.to_string();
+    assert!(shown.contains("skip-many.jsonl:6: invalid JSON"), "{shown}");
+    assert!(!shown.contains("skip-many.jsonl:7:"), "{shown}");
+    assert!(shown.contains("\n    ... and 3 more"), "{shown}");
 
     // A row failing a check after parsing is skipped and counted too: with 262 rows of
     // embedding (the 259 specials and bytes, and a few more), single letters fit and the merged

@@ -1,6 +1,7 @@
 //! `lorafit curate`: each filter removes exactly the rows it should and counts them, raw
 //! UltraFeedback rows become their best/worst pair, binarized message rows become training
-//! rows, the validation split is seeded, and bad rows are named by file, line and field.
+//! rows as `lorafit train` reads them (with their weight), the validation split is seeded, and
+//! bad rows are named by file, line and field.
 
 mod common;
 
@@ -495,5 +496,202 @@ fn one_file_for_both_outputs_is_refused_before_anything_is_written() {
         assert!(e.contains("is both read (--input) and written"), "{e}");
     }
     assert_eq!(std::fs::read_to_string(&input).unwrap(), format!("{row}\n"));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+fn msg(role: &str, content: &str) -> Value {
+    json!({"role": role, "content": content})
+}
+
+/// An H4-layout row: a string prompt, and chosen/rejected as `shared` followed by each tail.
+fn h4(prompt: &str, shared: &[Value], chosen: &str, rejected: &str) -> Value {
+    let whole = |tail: &str| {
+        let mut m = shared.to_vec();
+        m.push(msg("assistant", tail));
+        Value::Array(m)
+    };
+    json!({"prompt": prompt, "chosen": whole(chosen), "rejected": whole(rejected),
+           "score_chosen": 9, "score_rejected": 2})
+}
+
+/// The pair `lorafit train` reads from a row.
+fn train_reads(row: &Value) -> lorafit::data::PreferenceData {
+    match lorafit::data::dataset::parse_row(row, DatasetKind::Preference, 1).unwrap() {
+        lorafit::data::Example::Preference { data, .. } => data,
+        other => panic!("not a preference row: {other:?}"),
+    }
+}
+
+/// H4 rows whose conversations share several leading turns, or open with a system message:
+/// the prompt is every shared message and the responses the differing tails, as `lorafit
+/// train` splits them, and the filters measure those tails.
+#[test]
+fn h4_rows_are_split_as_train_splits_them() {
+    let multi_turn = h4(
+        "Tell me a number",
+        &[
+            msg("user", "Tell me a number"),
+            msg("assistant", "7"),
+            msg("user", "Another one"),
+        ],
+        "8",
+        "banana",
+    );
+    let system = h4(
+        "Capital of France?",
+        &[
+            msg("system", "Be brief."),
+            msg("user", "Capital of France?"),
+        ],
+        "Paris",
+        "Lyon",
+    );
+    let (train, _, r) = run(
+        &[multi_turn.clone(), system.clone()],
+        &CurateOptions::default(),
+    );
+    assert_eq!(r.train, 2, "{r}");
+    assert_eq!(
+        train[0]["prompt"],
+        json!([
+            msg("user", "Tell me a number"),
+            msg("assistant", "7"),
+            msg("user", "Another one")
+        ])
+    );
+    assert_eq!(train[0]["chosen"], json!([msg("assistant", "8")]));
+    assert_eq!(train[0]["rejected"], json!([msg("assistant", "banana")]));
+    assert_eq!(
+        train[1]["prompt"],
+        json!([
+            msg("system", "Be brief."),
+            msg("user", "Capital of France?")
+        ])
+    );
+    assert_eq!(train[1]["chosen"], json!([msg("assistant", "Paris")]));
+    for (input, output) in [(&multi_turn, &train[0]), (&system, &train[1])] {
+        assert_eq!(train_reads(output), train_reads(input));
+    }
+
+    // The length ratio is of the tails: a long shared turn no longer hides a one-word chosen
+    // reply against a long rejected one.
+    let long = "many words in a row ".repeat(15);
+    let lopsided = h4(
+        "Tell me a story",
+        &[
+            msg("user", "Tell me a story"),
+            msg("assistant", &long),
+            msg("user", "Now say it in one word."),
+        ],
+        "Fine.",
+        &long,
+    );
+    let (train, _, r) = run(&[lopsided], &CurateOptions::default());
+    assert_eq!((r.length_ratio, train.len()), (1, 0), "{r}");
+
+    // Two equal conversations leave no response to split off: an identical pair, counted as
+    // such; a malformed message in them is still the row's error.
+    let same = h4("Hi?", &[msg("user", "Hi?")], "Hello.", "Hello.");
+    let (train, _, r) = run(
+        &[
+            same.clone(),
+            h4("Yo?", &[msg("user", "Yo?")], "Hey there.", "Go away."),
+        ],
+        &CurateOptions::default(),
+    );
+    assert_eq!((r.identical, r.train), (1, 1), "{r}");
+    assert_eq!(train[0]["prompt"], json!([msg("user", "Yo?")]));
+    let mut bad = same;
+    bad["chosen"][0]["role"] = json!("robot");
+    bad["rejected"] = bad["chosen"].clone();
+    let e = curate_reader(
+        std::io::Cursor::new(format!("{bad}\n")),
+        "f.jsonl",
+        &tokenizer(),
+        Some(&template()),
+        &CurateOptions::default(),
+    )
+    .err()
+    .unwrap()
+    .to_string();
+    assert!(e.contains("f.jsonl:1: field \"chosen[0].role\""), "{e}");
+}
+
+/// `weight`, which `lorafit train` reads, is carried to the output row (from binarized and raw
+/// rows); a row without one gets none, and a bad one is the row's error.
+#[test]
+fn weight_is_carried_to_the_output_row() {
+    let mut weighted = bin("Color of sky?", "Blue", "Green", 9.0, 2.0);
+    weighted["weight"] = json!(0.25);
+    let raw = json!({"instruction": "Explain snow.", "weight": 2,
+        "completions": [{"response": "Frozen water falls.", "overall_score": 8},
+                        {"response": "Magic.", "overall_score": 2}]});
+    let plain = bin("Color of grass?", "Green", "Red", 9.0, 2.0);
+    let (train, _, r) = run(&[weighted, raw, plain], &CurateOptions::default());
+    assert_eq!(r.train, 3, "{r}");
+    assert_eq!(train[0]["weight"], json!(0.25));
+    assert_eq!(train[1]["weight"], json!(2.0));
+    assert!(train[2].get("weight").is_none(), "{}", train[2]);
+    let ex = lorafit::data::dataset::parse_line(&train[0].to_string(), DatasetKind::Preference, 1)
+        .unwrap();
+    assert_eq!(ex.weight(), 0.25);
+    let mut bad = bin("p", "a b", "c d", 9.0, 2.0);
+    bad["weight"] = json!(-1);
+    let e = curate_reader(
+        std::io::Cursor::new(format!("{bad}\n")),
+        "f.jsonl",
+        &tokenizer(),
+        None,
+        &CurateOptions::default(),
+    )
+    .err()
+    .unwrap()
+    .to_string();
+    assert!(e.contains("f.jsonl:1: field \"weight\""), "{e}");
+}
+
+/// An empty CSV score cell is a missing score: kept without it when scores are optional (a
+/// score that is there is kept), named as empty when the gap filter needs it.
+#[test]
+fn empty_csv_score_cells_are_missing_scores() {
+    let dir = std::env::temp_dir().join(format!("lorafit-curate-csv-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let input = dir.join("scores.csv");
+    std::fs::write(
+        &input,
+        "prompt,chosen,rejected,score_chosen,score_rejected,weight\n\
+         What is 2+2?,4,5,,,\n\
+         Capital?,Paris,Lyon,8, ,0.5\n",
+    )
+    .unwrap();
+    let out = dir.join("out.jsonl");
+    let model = fixture("gguf/spm_prefix.gguf");
+    let optional = CurateOptions {
+        min_score_gap: 0.0,
+        ..CurateOptions::default()
+    };
+    let r = curate_file(&input, &out, None, &model, &optional).unwrap();
+    assert_eq!(r.train, 2, "{r}");
+    let rows: Vec<Value> = std::fs::read_to_string(&out)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(
+        rows[0],
+        json!({"prompt": "What is 2+2?", "chosen": "4", "rejected": "5"})
+    );
+    assert_eq!(
+        rows[1],
+        json!({"prompt": "Capital?", "chosen": "Paris", "rejected": "Lyon",
+               "score_chosen": 8.0, "weight": 0.5})
+    );
+    let e = curate_file(&input, &out, None, &model, &CurateOptions::default())
+        .err()
+        .unwrap();
+    assert!(
+        format!("{e:#}").contains("scores.csv:2: field \"score_chosen\": empty"),
+        "{e:#}"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -3,7 +3,9 @@
 //! the same layouts; and what `lorafit lint` (`data::check`) finds in a pair: BOS/EOS, a token
 //! merged across the boundary, where the two tokenizations differ, truncation and what it cut,
 //! length ratios, duplicates. Also: an SFT `{text}` row (no prompt) plans without a panic, and
-//! the shards of a split named by a pattern read as one dataset.
+//! the shards of a split named by a pattern read as one dataset; and files as other tools write
+//! them: Parquet `binary` columns and extra float columns, corrupt Parquet, old-Mac JSONL, pandas'
+//! CSV, `datasets`' save_to_disk folders.
 
 mod common;
 use lorafit::data::dataset::{load_dataset, read_jsonl, DatasetKind, Example, RowWeight};
@@ -571,4 +573,270 @@ fn every_real_chat_template_shows_the_messages() {
     }
     // smollm2_chat_template.jinja and the two trl_ids tokenizer configs at least.
     assert!(checked.len() >= 3, "{checked:?}");
+}
+
+/// One column of a Parquet file written by [`write_parquet`]: raw bytes (a `binary` column, no
+/// UTF-8 annotation) or doubles.
+enum Col {
+    Bytes(&'static str, Vec<Vec<u8>>),
+    Double(&'static str, Vec<f64>),
+}
+
+/// A Parquet file of required columns, one row group, no compression.
+fn write_parquet(path: &std::path::Path, columns: Vec<Col>) {
+    use parquet::data_type::{ByteArray, ByteArrayType, DoubleType};
+    use parquet::file::properties::WriterProperties;
+    use parquet::file::writer::SerializedFileWriter;
+    let fields: Vec<String> = columns
+        .iter()
+        .map(|c| match c {
+            Col::Bytes(name, _) => format!("REQUIRED BYTE_ARRAY {name};"),
+            Col::Double(name, _) => format!("REQUIRED DOUBLE {name};"),
+        })
+        .collect();
+    let schema = parquet::schema::parser::parse_message_type(&format!(
+        "message rows {{ {} }}",
+        fields.join(" ")
+    ))
+    .unwrap();
+    let file = std::fs::File::create(path).unwrap();
+    let props = std::sync::Arc::new(WriterProperties::builder().build());
+    let mut writer = SerializedFileWriter::new(file, std::sync::Arc::new(schema), props).unwrap();
+    let mut group = writer.next_row_group().unwrap();
+    for c in &columns {
+        let mut col = group.next_column().unwrap().unwrap();
+        match c {
+            Col::Bytes(_, v) => {
+                let v: Vec<ByteArray> = v.iter().map(|b| ByteArray::from(b.clone())).collect();
+                col.typed::<ByteArrayType>()
+                    .write_batch(&v, None, None)
+                    .unwrap();
+            }
+            Col::Double(_, v) => {
+                col.typed::<DoubleType>()
+                    .write_batch(v, None, None)
+                    .unwrap();
+            }
+        }
+        col.close().unwrap();
+    }
+    group.close().unwrap();
+    writer.close().unwrap();
+}
+
+fn scratch(tag: &str) -> std::path::PathBuf {
+    let d = std::env::temp_dir().join(format!("lorafit-formats-{tag}-{}", std::process::id()));
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// A Parquet `binary` column holds text as bytes: read as that text where it is UTF-8, a row error
+/// naming the row and field where it is not. A NaN in a column lorafit does not read is ignored;
+/// in `weight` it is a row error.
+#[test]
+fn parquet_binary_columns_and_extra_float_columns() {
+    let dir = scratch("binary");
+    let texts = |v: &[&str]| v.iter().map(|s| s.as_bytes().to_vec()).collect::<Vec<_>>();
+    let good = dir.join("binary.parquet");
+    write_parquet(
+        &good,
+        vec![
+            Col::Bytes("prompt", texts(&["What is 2+2?", "Wie heißt 東京?"])),
+            Col::Bytes("chosen", texts(&[" 4", " Tokio"])),
+            Col::Bytes("rejected", texts(&[" 5", " Kyoto"])),
+            Col::Double("score", vec![f64::NAN, f64::INFINITY]),
+        ],
+    );
+    let (ex, _) = load_dataset(&good, DatasetKind::Preference, false).unwrap();
+    assert_eq!(
+        ex[1],
+        Example::Preference {
+            line: 2,
+            data: PreferenceData::Text {
+                prompt: "Wie heißt 東京?".into(),
+                chosen: " Tokio".into(),
+                rejected: " Kyoto".into()
+            },
+            weight: RowWeight::default(),
+        }
+    );
+    let bad = dir.join("latin1.parquet");
+    write_parquet(
+        &bad,
+        vec![
+            Col::Bytes("prompt", texts(&["Q1", "Q2"])),
+            Col::Bytes("chosen", texts(&["a", "b"])),
+            Col::Bytes("rejected", vec![b"c".to_vec(), b"caf\xe9".to_vec()]),
+        ],
+    );
+    let e = load_dataset(&bad, DatasetKind::Preference, false)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.starts_with(&format!(
+            "{}: row 2: field \"rejected\": bytes that are not UTF-8 text",
+            bad.display()
+        )),
+        "{e}"
+    );
+    let weight = dir.join("inf_weight.parquet");
+    write_parquet(
+        &weight,
+        vec![
+            Col::Bytes("prompt", texts(&["Q1"])),
+            Col::Bytes("chosen", texts(&["a"])),
+            Col::Bytes("rejected", texts(&["b"])),
+            Col::Double("weight", vec![f64::INFINITY]),
+        ],
+    );
+    let e = load_dataset(&weight, DatasetKind::Preference, false)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.ends_with("row 1: field \"weight\": inf, where a finite number is expected"),
+        "{e}"
+    );
+}
+
+/// A Parquet file corrupted where the `parquet` crate panics (in its footer's metadata, in a
+/// page, in a column chunk's levels) is an error naming the file, and the process goes on.
+#[test]
+fn corrupt_parquet_is_an_error_not_a_panic() {
+    let dir = scratch("corrupt");
+    let fixture = std::fs::read(common::fixture("data/text_gzip.parquet")).unwrap();
+    for offset in [535, 743, 759] {
+        let mut bytes = fixture.clone();
+        bytes[offset] ^= 0xff;
+        let path = dir.join(format!("flipped-{offset}.parquet"));
+        std::fs::write(&path, bytes).unwrap();
+        let e = load_dataset(&path, DatasetKind::Preference, true)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.starts_with(&format!(
+                "{}: not a readable Parquet file (",
+                path.display()
+            )),
+            "{offset}: {e}"
+        );
+    }
+}
+
+/// Text files as other tools write them: JSONL with old-Mac line ends, JSONL named `.csv`, and
+/// pandas' `to_csv` (its index as a first column with no name) or a header with a trailing
+/// delimiter.
+#[test]
+fn text_files_as_other_tools_write_them() {
+    let dir = scratch("text");
+    let rows = [
+        r#"{"prompt":"What is 2+2?","chosen":" 4","rejected":" 5"}"#,
+        r#"{"prompt":"Capital of France?","chosen":" Paris","rejected":" Lyon"}"#,
+        r#"{"prompt":"Colour of the sky?","chosen":" Blue","rejected":" Green"}"#,
+    ];
+    let prompts = |path: &std::path::Path| -> Vec<(usize, String)> {
+        let (ex, _) =
+            load_dataset(path, DatasetKind::Preference, false).unwrap_or_else(|e| panic!("{e:#}"));
+        ex.iter()
+            .map(|e| match e {
+                Example::Preference {
+                    line,
+                    data: PreferenceData::Text { prompt, .. },
+                    ..
+                } => (*line, prompt.clone()),
+                other => panic!("{other:?}"),
+            })
+            .collect()
+    };
+    let want = vec![
+        (1, "What is 2+2?".to_string()),
+        (2, "Capital of France?".to_string()),
+        (3, "Colour of the sky?".to_string()),
+    ];
+    let cr = dir.join("cr.jsonl");
+    std::fs::write(&cr, format!("{}\r", rows.join("\r"))).unwrap();
+    assert_eq!(prompts(&cr), want);
+    let named_csv = dir.join("rows.csv");
+    std::fs::write(&named_csv, rows.join("\n")).unwrap();
+    assert_eq!(prompts(&named_csv), want);
+    let pandas = dir.join("pandas.csv");
+    std::fs::write(
+        &pandas,
+        ",prompt,chosen,rejected\n0,What is 2+2?, 4, 5\n1,Capital of France?, Paris, Lyon\n",
+    )
+    .unwrap();
+    // A CSV record is named by its line, the header's being 1.
+    let csv_want = vec![
+        (2, "What is 2+2?".to_string()),
+        (3, "Capital of France?".to_string()),
+    ];
+    assert_eq!(prompts(&pandas), csv_want);
+    let trailing = dir.join("trailing.csv");
+    std::fs::write(
+        &trailing,
+        "prompt,chosen,rejected,\nWhat is 2+2?, 4, 5,\nCapital of France?, Paris, Lyon,\n",
+    )
+    .unwrap();
+    assert_eq!(prompts(&trailing), csv_want);
+    // A column without a name between named ones is still refused.
+    let middle = dir.join("middle.csv");
+    std::fs::write(&middle, "prompt,,rejected\nq,a,b\n").unwrap();
+    let e = load_dataset(&middle, DatasetKind::Preference, false)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.ends_with("middle.csv:1: header column 2 has no name"),
+        "{e}"
+    );
+}
+
+/// A folder `datasets`' save_to_disk wrote, a Dataset or a DatasetDict, is answered with how to
+/// write it as Parquet; a broken symbolic link names its target.
+#[test]
+fn saved_datasets_folders_and_broken_links() {
+    let dir = scratch("saved");
+    let saved = dir.join("saved");
+    let split = dir.join("dict").join("train");
+    for d in [&saved, &split] {
+        std::fs::create_dir_all(d).unwrap();
+        std::fs::write(d.join("data-00000-of-00001.arrow"), [0xff; 8]).unwrap();
+        std::fs::write(d.join("dataset_info.json"), "{}").unwrap();
+        std::fs::write(d.join("state.json"), "{}").unwrap();
+    }
+    std::fs::write(
+        dir.join("dict").join("dataset_dict.json"),
+        r#"{"splits": ["train"]}"#,
+    )
+    .unwrap();
+    let e = load_dataset(&saved, DatasetKind::Preference, false)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("is a folder") && e.contains("it holds .arrow files: Arrow files"),
+        "{e}"
+    );
+    assert!(
+        e.contains("datasets.load_from_disk(DIR).to_parquet(\"train.parquet\")"),
+        "{e}"
+    );
+    let e = load_dataset(dir.join("dict"), DatasetKind::Preference, false)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("it holds a DatasetDict saved by `datasets` (splits train, as .arrow files)")
+            && e.contains("load_from_disk(DIR)[\"train\"].to_parquet"),
+        "{e}"
+    );
+    let link = dir.join("link.jsonl");
+    let _ = std::fs::remove_file(&link);
+    std::os::unix::fs::symlink("nowhere.jsonl", &link).unwrap();
+    let e = load_dataset(&link, DatasetKind::Preference, false)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains(&format!(
+            "{}: a symbolic link to nowhere.jsonl, which does not exist",
+            link.display()
+        )),
+        "{e}"
+    );
 }

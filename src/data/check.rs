@@ -22,6 +22,7 @@ use anyhow::Result;
 
 use super::dataset::{
     load_dataset, read_jsonl, DatasetKind, Example, LoadReport, PreferenceData, Role, SftData,
+    MAX_SKIP_REASONS,
 };
 use super::template::ChatTemplate;
 use super::tokenize::{
@@ -283,8 +284,12 @@ impl fmt::Display for CheckReport {
             self.bad_rows.len(),
             if self.errors() > 0 { ", skipped" } else { "" }
         )?;
-        for r in self.load.skip_reasons.iter().chain(&self.bad_rows).take(5) {
+        let reasons = self.load.skip_reasons.len() + self.bad_rows.len();
+        for r in (self.load.skip_reasons.iter().chain(&self.bad_rows)).take(MAX_SKIP_REASONS) {
             write!(f, "\n    {r}")?;
+        }
+        if reasons > MAX_SKIP_REASONS {
+            write!(f, "\n    ... and {} more", reasons - MAX_SKIP_REASONS)?;
         }
         write!(
             f,

@@ -26,6 +26,10 @@
 //! * Alpaca (SFT): `instruction`, optional `input` and `system`, `output`,
 //!   as a user turn and the assistant's reply
 //!
+//! Messages are text turns: a message's `tool_calls` or per-message `weight`, and a row's
+//! `tools`, are row errors naming the field, since dropping them would train on what the row does
+//! not say (an empty assistant turn where the call was).
+//!
 //! Rows come from any file [`super::rows`] reads (JSONL, a JSON array, CSV /
 //! TSV, local Parquet files as the Hugging Face Hub serves them; gzip or zstd
 //! compressed), with the same layouts.
@@ -503,6 +507,13 @@ pub fn parse_row(value: &Value, kind: DatasetKind, line: usize) -> Result<Exampl
             json_type(value)
         ))
     })?;
+    if obj.get("tools").is_some_and(is_set) {
+        return Err(RowError::field(
+            "tools",
+            "tool definitions are not read (lorafit trains on text turns, rendered without \
+             them): render them into the system message or drop the field",
+        ));
+    }
     // A row of the other kind: the method, not the row, is what to change.
     let has = |k: &str| obj.contains_key(k);
     let sft_fields = ["completion", "text", "output"]
@@ -510,7 +521,9 @@ pub fn parse_row(value: &Value, kind: DatasetKind, line: usize) -> Result<Exampl
         .find(|&k| has(k));
     match kind {
         DatasetKind::Preference if !has("chosen") && !has("rejected") => {
-            if let Some(field) = sft_fields {
+            let sft_layout =
+                sft_fields.or(["messages", "conversations"].into_iter().find(|&k| has(k)));
+            if let Some(field) = sft_layout {
                 return Err(RowError::row(format!(
                     "an SFT row (it has \"{field}\" and no \"chosen\"/\"rejected\"), where a \
                      preference method (orpo, dpo, simpo) needs chosen and rejected; to train on \
@@ -572,6 +585,17 @@ enum Field {
     Chat(Vec<Message>),
 }
 
+/// Whether an optional field holds something: not null, and not an empty list or object (as
+/// Parquet files with one schema for every row write an unused field).
+fn is_set(v: &Value) -> bool {
+    match v {
+        Value::Null => false,
+        Value::Array(a) => !a.is_empty(),
+        Value::Object(o) => !o.is_empty(),
+        _ => true,
+    }
+}
+
 fn json_type(v: &Value) -> &'static str {
     match v {
         Value::Null => "null",
@@ -623,6 +647,26 @@ fn parse_message(item: &Value, field: &str) -> Result<Message, RowError> {
             ),
         )
     })?;
+    // What a message may carry that a text turn cannot: refused rather than dropped.
+    if obj.get("tool_calls").is_some_and(is_set) || obj.get("function_call").is_some_and(is_set) {
+        let key = if obj.get("tool_calls").is_some_and(is_set) {
+            "tool_calls"
+        } else {
+            "function_call"
+        };
+        return Err(RowError::field(
+            format!("{field}.{key}"),
+            "tool calls are not read (lorafit trains on text turns): render them into \
+             \"content\" or drop the row",
+        ));
+    }
+    if obj.get("weight").is_some_and(|w| !w.is_null()) {
+        return Err(RowError::field(
+            format!("{field}.weight"),
+            "per-message weights are not read (lorafit trains the final response and weighs \
+             whole rows): drop it, or give the row a top-level \"weight\"",
+        ));
+    }
     // OpenAI/TRL messages are {role, content}; ShareGPT's are {from, value}.
     let (role_key, content_key) = if obj.contains_key("from") && !obj.contains_key("role") {
         ("from", "value")
@@ -726,11 +770,15 @@ fn implicit_prompt(
     chosen: Vec<Message>,
     rejected: Vec<Message>,
 ) -> Result<PreferenceData, RowError> {
-    let common = chosen
+    let mut common = chosen
         .iter()
         .zip(rejected.iter())
         .take_while(|(a, b)| a == b)
         .count();
+    if chosen == rejected {
+        // A tie: the last message is each response, counted as chosen == rejected.
+        common = common.saturating_sub(1);
+    }
     if common == 0 {
         return Err(RowError::field(
             "prompt",

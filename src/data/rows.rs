@@ -7,11 +7,12 @@
 //! is one line).
 //!
 //! The format comes from the file's first bytes where they tell (Parquet's `PAR1`, gzip's and
-//! zstd's magic numbers, a JSON array's `[`) and from its name where they do not (`.csv`, `.tsv`,
-//! before any `.gz` / `.zst`). A row that cannot be read (a JSONL line that is not JSON, a CSV
-//! record with the wrong number of fields) is a row error, which the caller reports or skips; a
-//! file that cannot be read past some point (a JSON array cut short, a quoted CSV field never
-//! closed) is an error of the whole read, since no later row can be trusted.
+//! zstd's magic numbers, JSON's `[` or `{`; bzip2, xz and zip are named and refused) and from its
+//! name where they do not (`.csv`, `.tsv`, before any `.gz` / `.zst`). A row that cannot be read
+//! (a JSONL line that is not JSON, a CSV record with the wrong number of fields) is a row error,
+//! which the caller reports or skips; a file that cannot be read past some point (a JSON array
+//! cut short, a quoted CSV field never closed, a corrupt Parquet file) is an error of the whole
+//! read, since no later row can be trusted.
 
 use std::fs::File;
 use std::io::{BufRead, BufReader, Read};
@@ -43,7 +44,8 @@ enum Source<'a> {
     },
     Array(std::iter::Enumerate<std::vec::IntoIter<Value>>),
     Csv(Csv),
-    Parquet(parquet::record::reader::RowIter<'static>, usize),
+    /// The rows (`None` once the reader has failed) and the rows read so far.
+    Parquet(Option<parquet::record::reader::RowIter<'static>>, usize),
 }
 
 const GZIP_MAGIC: &[u8] = &[0x1f, 0x8b];
@@ -57,7 +59,8 @@ const ARROW_STREAM_MAGIC: &[u8] = &[0xff, 0xff, 0xff, 0xff];
 /// How to turn Arrow files into something lorafit reads.
 const ARROW_HINT: &str = "Arrow files (what the `datasets` library's save_to_disk and cache \
      write) are not read; write the split as Parquet or JSONL first, e.g. \
-     `datasets.load_from_disk(DIR)[\"train\"].to_parquet(\"train.parquet\")`";
+     `datasets.load_from_disk(DIR).to_parquet(\"train.parquet\")` for a saved Dataset, \
+     `datasets.load_from_disk(DIR)[\"train\"].to_parquet(\"train.parquet\")` for a DatasetDict";
 
 /// The files a dataset setting names: one file, or the files matching a pattern with `*` (any
 /// run of characters) or `?` (one character) in its last component (the shards of a split, as
@@ -92,32 +95,61 @@ pub fn dataset_files(spec: &str) -> Result<Vec<std::path::PathBuf>> {
         return Ok(found);
     }
     if path.is_dir() {
-        let mut inside: Vec<String> = std::fs::read_dir(path)
+        let entries: Vec<(String, bool)> = std::fs::read_dir(path)
             .map(|rd| {
                 rd.filter_map(|e| e.ok())
-                    .filter(|e| e.file_type().is_ok_and(|t| !t.is_dir()))
-                    .filter_map(|e| e.file_name().to_str().map(str::to_string))
-                    .filter(|n| is_dataset_name(n))
+                    .filter_map(|e| {
+                        let dir = e.file_type().is_ok_and(|t| t.is_dir());
+                        e.file_name().to_str().map(|n| (n.to_string(), dir))
+                    })
                     .collect()
             })
             .unwrap_or_default();
-        inside.sort();
-        let arrow = std::fs::read_dir(path).is_ok_and(|mut rd| {
-            rd.any(|e| {
-                e.is_ok_and(|e| {
-                    e.file_name()
-                        .to_str()
-                        .is_some_and(|n| n.ends_with(".arrow"))
+        let has_arrow = |dir: &Path| {
+            std::fs::read_dir(dir).is_ok_and(|mut rd| {
+                rd.any(|e| {
+                    e.is_ok_and(|e| {
+                        e.file_name()
+                            .to_str()
+                            .is_some_and(|n| n.ends_with(".arrow"))
+                    })
                 })
             })
-        });
-        let hint = if arrow && inside.is_empty() {
-            format!("it holds .arrow files: {ARROW_HINT}")
+        };
+        // What `datasets`' save_to_disk writes: a Dataset's .arrow files with dataset_info.json
+        // and state.json, or a DatasetDict's dataset_dict.json and a folder of those per split.
+        let mut splits: Vec<&str> = entries
+            .iter()
+            .filter(|(n, dir)| *dir && has_arrow(&path.join(n)))
+            .map(|(n, _)| n.as_str())
+            .collect();
+        splits.sort();
+        let saved = has_arrow(path)
+            || !splits.is_empty()
+            || entries.iter().any(|(n, _)| n == "dataset_dict.json");
+        let metadata = ["dataset_info.json", "state.json", "dataset_dict.json"];
+        let mut inside: Vec<&str> = entries
+            .iter()
+            .filter(|(n, dir)| !dir && is_dataset_name(n))
+            .filter(|(n, _)| !(saved && metadata.contains(&n.as_str())))
+            .map(|(n, _)| n.as_str())
+            .collect();
+        inside.sort();
+        let hint = if saved && inside.is_empty() {
+            if splits.is_empty() {
+                format!("it holds .arrow files: {ARROW_HINT}")
+            } else {
+                format!(
+                    "it holds a DatasetDict saved by `datasets` (splits {}, as .arrow files): \
+                     {ARROW_HINT}",
+                    splits.join(", ")
+                )
+            }
         } else if inside.is_empty() {
             "it holds no dataset file (.jsonl, .json, .csv, .tsv, .parquet, compressed .gz / .zst)"
                 .to_string()
         } else {
-            let shown: Vec<&str> = inside.iter().take(8).map(String::as_str).collect();
+            let shown: Vec<&str> = inside.iter().take(8).copied().collect();
             let more = inside.len().saturating_sub(8);
             format!(
                 "it holds {}{}",
@@ -223,13 +255,30 @@ impl Rows<'static> {
     /// error names the file.
     pub fn open(path: &Path) -> Result<Rows<'static>> {
         let name = path.display().to_string();
-        let file = File::open(path).with_context(|| format!("opening dataset {name}"))?;
+        let file = match File::open(path) {
+            Ok(file) => file,
+            Err(e) => {
+                if let (Ok(target), false) = (std::fs::read_link(path), path.exists()) {
+                    bail!(
+                        "{name}: a symbolic link to {}, which does not exist",
+                        target.display()
+                    );
+                }
+                return Err(e).with_context(|| format!("opening dataset {name}"));
+            }
+        };
         let mut reader = BufReader::new(file);
         let head = reader
             .fill_buf()
             .with_context(|| format!("reading {name}"))?
             .to_vec();
         let lower = name.to_ascii_lowercase();
+        if let Some(kind) = other_compression(&head) {
+            bail!(
+                "{name}: {kind}: lorafit reads gzip and zstd; decompress it first (or write it \
+                 with gzip or zstd)"
+            );
+        }
         let (reader, inner_name): (Box<dyn BufRead>, &str) = if head.starts_with(GZIP_MAGIC) {
             let decoder = flate2::bufread::MultiGzDecoder::new(reader);
             let inner = lower.strip_suffix(".gz").unwrap_or(&lower);
@@ -280,7 +329,13 @@ impl Rows<'static> {
                  (for example `iconv -f {encoding} -t UTF-8 FILE > out`)"
             );
         }
-        let delimiter = if inner_name.ends_with(".csv") {
+        if let Some(kind) = other_compression(inner_head) {
+            bail!("{name}: {kind} inside; lorafit reads gzip and zstd: decompress it first");
+        }
+        // JSON text named `.csv` is read as the JSON it is.
+        let delimiter = if looks_like_json_text(inner_head) {
+            None
+        } else if inner_name.ends_with(".csv") {
             Some(b',')
         } else if inner_name.ends_with(".tsv") {
             Some(b'\t')
@@ -294,14 +349,18 @@ impl Rows<'static> {
     fn parquet(path: &Path, name: String) -> Result<Rows<'static>> {
         use parquet::file::reader::SerializedFileReader;
         let file = File::open(path).with_context(|| format!("opening dataset {name}"))?;
-        let reader = SerializedFileReader::new(file)
-            .map_err(|e| anyhow::anyhow!("{name}: not a readable Parquet file ({e})"))?;
-        let rows = parquet::record::reader::RowIter::from_file_into(Box::new(reader));
+        let rows = catch_panic(|| {
+            SerializedFileReader::new(file)
+                .map(|r| parquet::record::reader::RowIter::from_file_into(Box::new(r)))
+        })
+        .map_err(|e| format!("the Parquet reader failed: {e}"))
+        .and_then(|r| r.map_err(|e| e.to_string()))
+        .map_err(|e| anyhow::anyhow!("{name}: not a readable Parquet file ({e})"))?;
         Ok(Rows {
             name,
             numbered: true,
             blank_lines: 0,
-            source: Source::Parquet(rows, 0),
+            source: Source::Parquet(Some(rows), 0),
         })
     }
 
@@ -323,17 +382,50 @@ impl Rows<'static> {
                 source: Source::Csv(csv),
             });
         }
-        let first =
-            first_significant_byte(&mut reader).with_context(|| format!("reading {name}"))?;
-        if first == Some(b'[') || (is_json && first == Some(b'{')) {
+        if old_mac_text(
+            reader
+                .fill_buf()
+                .with_context(|| format!("reading {name}"))?,
+        ) {
+            // Lines that end at a lone `\r`: read as the lines they are.
+            let text = read_text(&mut reader, &name)?.replace('\r', "\n");
+            reader = Box::new(std::io::Cursor::new(text.into_bytes()));
+        }
+        let head = reader
+            .fill_buf()
+            .with_context(|| format!("reading {name}"))?;
+        let first = first_significant_byte(head);
+        // A line that is `{` alone opens no JSONL row: an object over several lines follows.
+        let open_brace_line = head.contains(&b'\n') && first_line(head).trim() == "{";
+        if first == Some(b'[') || (first == Some(b'{') && (is_json || open_brace_line)) {
             let text = read_text(&mut reader, &name)?;
             let body = text.trim_start_matches('\u{feff}');
             if first == Some(b'{') {
-                // A `.json` file of one object per line is JSONL; one object over several lines
-                // is not a list of rows (often rows under a key, as `load_dataset`'s `field`).
-                if let Ok(Value::Object(obj)) = serde_json::from_str::<Value>(body) {
-                    if body.trim().lines().count() > 1 {
-                        bail!("{name}: {}", object_file_hint(&obj));
+                match serde_json::from_str::<Value>(body) {
+                    // A `.json` file of one object per line is JSONL; one object over several
+                    // lines is not a list of rows (often rows under a key, as `load_dataset`'s
+                    // `field`), nor is one line that holds lists and no field of a row.
+                    Ok(Value::Object(obj)) => {
+                        let one_line = body.trim().lines().count() <= 1;
+                        let rows_under_a_key = obj.values().any(Value::is_array)
+                            && !obj.keys().any(|k| READ_FIELDS.contains(&k.as_str()));
+                        if let Some(hint) = columns_hint(&obj) {
+                            bail!("{name}: {hint}");
+                        }
+                        if !one_line || rows_under_a_key {
+                            bail!("{name}: {}", object_file_hint(&obj, one_line));
+                        }
+                    }
+                    Ok(_) => {}
+                    Err(_) => {
+                        if let Some(objects) = objects_over_lines(body) {
+                            bail!(
+                                "{name}: {objects} JSON objects one after another, each over \
+                                 several lines (as `jq .` prints them); a dataset file holds one \
+                                 row per line (JSONL): write them with `jq -c . {name} > \
+                                 rows.jsonl`"
+                            );
+                        }
                     }
                 }
                 let reader: Box<dyn BufRead> = Box::new(std::io::Cursor::new(text.into_bytes()));
@@ -358,15 +450,73 @@ impl Rows<'static> {
     }
 }
 
-/// What to say of a `.json` file that is one multi-line object.
-fn object_file_hint(obj: &Map<String, Value>) -> String {
+/// Whether text ends its lines with a lone `\r` (old Mac text): its head has a `\r` before its
+/// last byte and no `\n`. (A raw `\r` inside a JSON string is not JSON, so in JSONL it can only
+/// end a line or be blank space.)
+fn old_mac_text(head: &[u8]) -> bool {
+    head.len() > 1 && head[..head.len() - 1].contains(&b'\r') && !head.contains(&b'\n')
+}
+
+/// The first line of `head` that is not blank, as far as `head` holds it (a byte-order mark
+/// dropped).
+fn first_line(head: &[u8]) -> String {
+    let text = String::from_utf8_lossy(head);
+    text.trim_start_matches('\u{feff}')
+        .lines()
+        .find(|l| !l.trim().is_empty())
+        .unwrap_or("")
+        .to_string()
+}
+
+/// How many JSON objects `body` holds one after another, where there are two or more and they
+/// span more lines than there are objects (pretty-printed, as `jq .` writes them); `None` where
+/// it holds anything else.
+fn objects_over_lines(body: &str) -> Option<usize> {
+    let mut count = 0;
+    for value in serde_json::Deserializer::from_str(body).into_iter::<Value>() {
+        if !value.ok()?.is_object() {
+            return None;
+        }
+        count += 1;
+    }
+    let lines = body.lines().filter(|l| !l.trim().is_empty()).count();
+    (count >= 2 && lines > count).then_some(count)
+}
+
+/// What to say of a JSON object of columns, each an object from row index to value (what pandas'
+/// `DataFrame.to_json()` writes by default); `None` for any other object.
+fn columns_hint(obj: &Map<String, Value>) -> Option<String> {
+    let is_column = |v: &Value| {
+        v.as_object()
+            .is_some_and(|c| !c.is_empty() && c.keys().all(|k| k.parse::<u64>().is_ok()))
+    };
+    if obj.is_empty() || !obj.values().all(is_column) {
+        return None;
+    }
+    let names: Vec<&str> = obj.keys().map(String::as_str).collect();
+    Some(format!(
+        "one JSON object of columns ({}), each from row index to value, as pandas' \
+         `DataFrame.to_json()` writes by default; a dataset file holds one row per line: write \
+         it with `df.to_json(\"rows.jsonl\", orient=\"records\", lines=True)`",
+        names.join(", ")
+    ))
+}
+
+/// What to say of a `.json` file that is one object: over several lines, or on one line holding
+/// lists and no field of a row.
+fn object_file_hint(obj: &Map<String, Value>, one_line: bool) -> String {
     let lists: Vec<String> = obj
         .iter()
         .filter_map(|(k, v)| v.as_array().map(|a| format!("\"{k}\" ({} items)", a.len())))
         .collect();
-    let mut msg = String::from(
-        "one JSON object over several lines; a dataset file holds one row per line (JSONL) or \
-         one JSON array of rows",
+    let mut msg = format!(
+        "one JSON object {}; a dataset file holds one row per line (JSONL) or one JSON array of \
+         rows",
+        if one_line {
+            "that holds lists and no field of a row"
+        } else {
+            "over several lines"
+        }
     );
     if !lists.is_empty() {
         msg.push_str(&format!(
@@ -376,6 +526,25 @@ fn object_file_hint(obj: &Map<String, Value>) -> String {
         ));
     }
     msg
+}
+
+/// What a file compressed by a tool lorafit does not decompress is, from its magic number.
+fn other_compression(head: &[u8]) -> Option<&'static str> {
+    // bzip2: `BZh`, the block size, then a block's or the stream end's magic.
+    let bzip2 = head.len() >= 10
+        && head.starts_with(b"BZh")
+        && (b'1'..=b'9').contains(&head[3])
+        && (head[4..10] == [0x31, 0x41, 0x59, 0x26, 0x53, 0x59]
+            || head[4..10] == [0x17, 0x72, 0x45, 0x38, 0x50, 0x90]);
+    if bzip2 {
+        Some("bzip2-compressed")
+    } else if head.starts_with(&[0xfd, b'7', b'z', b'X', b'Z', 0]) {
+        Some("xz-compressed")
+    } else if head.starts_with(b"PK\x03\x04") || head.starts_with(b"PK\x05\x06") {
+        Some("a zip archive")
+    } else {
+        None
+    }
 }
 
 /// Whether a file's first bytes are those of JSON text (after a UTF-8 byte-order mark and
@@ -437,14 +606,11 @@ fn wide_text_without_bom(head: &[u8]) -> Option<&'static str> {
     }
 }
 
-/// The first byte that is neither whitespace nor part of a UTF-8 byte-order mark, without
-/// consuming anything.
-fn first_significant_byte(reader: &mut Box<dyn BufRead>) -> Result<Option<u8>> {
-    let buf = reader.fill_buf()?;
-    Ok(buf
-        .iter()
+/// The first byte of `head` that is neither whitespace nor part of a UTF-8 byte-order mark.
+fn first_significant_byte(head: &[u8]) -> Option<u8> {
+    head.iter()
         .copied()
-        .find(|b| !b.is_ascii_whitespace() && ![0xef, 0xbb, 0xbf].contains(b)))
+        .find(|b| !b.is_ascii_whitespace() && ![0xef, 0xbb, 0xbf].contains(b))
 }
 
 /// The whole (decompressed) file as text; invalid UTF-8 is an error naming its line.
@@ -509,59 +675,195 @@ impl Iterator for Rows<'_> {
                     }
                 }
             }
-            Source::Parquet(rows, n) => rows.next().map(|row| {
+            Source::Parquet(iter, n) => {
+                let rows = iter.as_mut()?;
+                let next = match catch_panic(|| {
+                    rows.next()
+                        .map(|row| row.map(|row| parquet_row_value(&row)))
+                }) {
+                    Ok(next) => next?,
+                    Err(panic) => {
+                        // The reader's state is unknown after a panic: nothing more is read.
+                        *iter = None;
+                        return Some(Err(anyhow::anyhow!(
+                            "{}: not a readable Parquet file (the Parquet reader failed at row \
+                             {}: {panic}); no row after it is read",
+                            self.name,
+                            *n + 1
+                        )));
+                    }
+                };
                 *n += 1;
                 let n = *n;
-                let row = row.map_err(|e| {
-                    let codec = if e.to_string().contains("Disabled feature") {
-                        "; Parquet pages compressed with snappy, zstd, gzip or none are read: \
-                         write the file with one of them (pyarrow: `compression=\"zstd\"`)"
-                    } else {
-                        ""
-                    };
-                    anyhow::anyhow!("{}: row {n}: reading the row ({e}){codec}", self.name)
-                })?;
-                Ok(Row {
-                    n,
-                    value: parquet_row_value(&row),
+                Some(match next {
+                    Ok(value) => Ok(Row { n, value }),
+                    Err(e) => {
+                        let codec = if e.to_string().contains("Disabled feature") {
+                            "; Parquet pages compressed with snappy, zstd, gzip or none are read: \
+                             write the file with one of them (pyarrow: `compression=\"zstd\"`)"
+                        } else {
+                            ""
+                        };
+                        Err(anyhow::anyhow!(
+                            "{}: row {n}: reading the row ({e}){codec}",
+                            self.name
+                        ))
+                    }
                 })
-            }),
+            }
         }
     }
 }
 
+/// The top-level fields some reader of rows reads: the row layouts of `data::dataset`, `weight`,
+/// `tools` (refused there), and `curate`'s raw rows and scores. A Parquet value JSON cannot hold
+/// (a NaN, bytes that are not UTF-8) is a row error in these and ignored in any other column.
+pub(crate) const READ_FIELDS: &[&str] = &[
+    "prompt",
+    "chosen",
+    "rejected",
+    "completion",
+    "messages",
+    "conversations",
+    "text",
+    "instruction",
+    "input",
+    "output",
+    "system",
+    "weight",
+    "tools",
+    "completions",
+    "score_chosen",
+    "score_rejected",
+];
+
 /// A Parquet row as JSON. JSON has no NaN or infinity, and the Parquet crate writes them as
-/// null, which a `weight` column reads as its default: a non-finite number in a column is a
-/// row error naming the column instead. A decimal `weight` is read as the number it is.
+/// null, which a `weight` column reads as its default: a non-finite number in a column lorafit
+/// reads ([`READ_FIELDS`]) is a row error naming the field instead. A `binary` column (bytes
+/// without the UTF-8 annotation, which the crate writes as base64) is read as the text its bytes
+/// are. A decimal `weight` is read as the number it is.
 fn parquet_row_value(row: &parquet::record::Row) -> Result<Value, String> {
     use parquet::record::Field;
-    let mut value = row.to_json_value();
+    let mut obj = Map::new();
     for (column, field) in row.get_column_iter() {
-        let float = match field {
-            Field::Float16(x) => Some(f64::from(*x)),
-            Field::Float(x) => Some(f64::from(*x)),
-            Field::Double(x) => Some(*x),
-            _ => None,
-        };
-        if let Some(x) = float.filter(|x| !x.is_finite()) {
-            return Err(format!(
-                "field \"{column}\": {x}, where a finite number is expected"
-            ));
-        }
-        if let (Field::Decimal(_), Some(Value::String(text))) = (field, value.get(column.as_str()))
-        {
-            if column == "weight" {
-                let number = text
+        let value = if READ_FIELDS.contains(&column.as_str()) {
+            let value = parquet_field_value(field, column)?;
+            match (field, value) {
+                (Field::Decimal(_), Value::String(text)) if column == "weight" => text
                     .parse::<f64>()
                     .ok()
-                    .and_then(serde_json::Number::from_f64);
-                if let Some(n) = number {
-                    value[column.as_str()] = Value::Number(n);
-                }
+                    .and_then(serde_json::Number::from_f64)
+                    .map_or(Value::String(text), Value::Number),
+                (_, value) => value,
             }
-        }
+        } else {
+            parquet_field_value(field, column).unwrap_or_else(|_| field.to_json_value())
+        };
+        obj.insert(column.clone(), value);
     }
-    Ok(value)
+    Ok(Value::Object(obj))
+}
+
+/// One Parquet value (at `path`, as `messages[1].content`) as JSON: bytes as UTF-8 text, and an
+/// error for what JSON cannot hold.
+fn parquet_field_value(field: &parquet::record::Field, path: &str) -> Result<Value, String> {
+    use parquet::record::Field;
+    let float = match field {
+        Field::Float16(x) => Some(f64::from(*x)),
+        Field::Float(x) => Some(f64::from(*x)),
+        Field::Double(x) => Some(*x),
+        _ => None,
+    };
+    if let Some(x) = float.filter(|x| !x.is_finite()) {
+        return Err(format!(
+            "field \"{path}\": {x}, where a finite number is expected"
+        ));
+    }
+    Ok(match field {
+        Field::Bytes(bytes) => match std::str::from_utf8(bytes.data()) {
+            Ok(text) => Value::String(text.to_string()),
+            Err(e) => {
+                return Err(format!(
+                    "field \"{path}\": bytes that are not UTF-8 text ({e})"
+                ))
+            }
+        },
+        Field::Group(row) => {
+            let mut obj = Map::new();
+            for (key, f) in row.get_column_iter() {
+                obj.insert(
+                    key.clone(),
+                    parquet_field_value(f, &format!("{path}.{key}"))?,
+                );
+            }
+            Value::Object(obj)
+        }
+        Field::ListInternal(list) => Value::Array(
+            list.elements()
+                .iter()
+                .enumerate()
+                .map(|(i, f)| parquet_field_value(f, &format!("{path}[{i}]")))
+                .collect::<Result<_, _>>()?,
+        ),
+        Field::MapInternal(map) => {
+            let mut obj = Map::new();
+            for (key, f) in map.entries() {
+                let key = match parquet_field_value(key, path)? {
+                    Value::String(k) => k,
+                    other => other.to_string(),
+                };
+                let value = parquet_field_value(f, &format!("{path}.{key}"))?;
+                obj.insert(key, value);
+            }
+            Value::Object(obj)
+        }
+        other => other.to_json_value(),
+    })
+}
+
+/// Held while [`catch_panic`] has the panic hook swapped, so that each call restores the hook it
+/// found.
+static HOOK_SWAP: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// Runs `f`, turning a panic into an error with the panic's message. The `parquet` crate panics
+/// on some corrupt files (an index out of range, a missing metadata field) where it should
+/// return an error; the panic hook is kept from printing for a panic on this thread while `f`
+/// runs, and is the previous one again after.
+fn catch_panic<T>(f: impl FnOnce() -> T) -> Result<T, String> {
+    use std::cell::Cell;
+    use std::panic::{self, AssertUnwindSafe, PanicHookInfo};
+    use std::sync::Arc;
+    type Hook = Box<dyn Fn(&PanicHookInfo<'_>) + Sync + Send + 'static>;
+    thread_local! {
+        static QUIET: Cell<bool> = const { Cell::new(false) };
+    }
+    let guard = HOOK_SWAP.lock().unwrap_or_else(|e| e.into_inner());
+    let previous: Arc<Hook> = Arc::new(panic::take_hook());
+    let outer = Arc::clone(&previous);
+    // Other threads' panics still reach the previous hook.
+    panic::set_hook(Box::new(move |info| {
+        if !QUIET.with(Cell::get) {
+            outer(info)
+        }
+    }));
+    QUIET.with(|q| q.set(true));
+    let result = panic::catch_unwind(AssertUnwindSafe(f));
+    QUIET.with(|q| q.set(false));
+    drop(panic::take_hook());
+    match Arc::try_unwrap(previous) {
+        Ok(hook) => panic::set_hook(hook),
+        Err(shared) => panic::set_hook(Box::new(move |info| shared(info))),
+    }
+    drop(guard);
+    result.map_err(|payload| {
+        if let Some(s) = payload.downcast_ref::<&str>() {
+            s.to_string()
+        } else if let Some(s) = payload.downcast_ref::<String>() {
+            s.clone()
+        } else {
+            "a panic without a message".to_string()
+        }
+    })
 }
 
 /// A CSV (or TSV) text with a header row, read record by record as Python's `csv` module reads
@@ -599,15 +901,25 @@ impl Csv {
             }
         };
         let (line, fields) = header;
+        let last = fields.len() - 1;
         for (i, f) in fields.iter().enumerate() {
             let f = f.trim();
-            if f.is_empty() {
+            // pandas' `to_csv` writes its index as a first column with no name, and a trailing
+            // delimiter leaves a last one: named as pandas reads them back, and ignored.
+            let f = if f.is_empty() && fields.len() > 1 && (i == 0 || i == last) {
+                format!("Unnamed: {i}")
+            } else if f.is_empty() {
                 bail!("{name}:{line}: header column {} has no name", i + 1);
+            } else {
+                f.to_string()
+            };
+            if csv.header.contains(&f) {
+                bail!(
+                    "{name}:{line}: header names column \"{}\" twice",
+                    f.escape_debug()
+                );
             }
-            if csv.header.iter().any(|h| h == f) {
-                bail!("{name}:{line}: header names column \"{f}\" twice");
-            }
-            csv.header.push(f.to_string());
+            csv.header.push(f);
         }
         Ok(csv)
     }
@@ -621,18 +933,32 @@ impl Csv {
             return Ok(Some(Record::Blank));
         }
         let value = if fields.len() != self.header.len() {
+            let columns: Vec<String> = self
+                .header
+                .iter()
+                .map(|h| h.escape_debug().to_string())
+                .collect();
             Err(format!(
                 "{} fields, where the header has {} columns ({})",
                 fields.len(),
                 self.header.len(),
-                self.header.join(", ")
+                columns.join(", ")
             ))
         } else {
             let mut obj = Map::new();
+            let mut bad = None;
             for (column, cell) in self.header.iter().zip(fields) {
-                obj.insert(column.clone(), cell_value(column, cell));
+                match cell_value(column, cell) {
+                    Ok(v) => {
+                        obj.insert(column.clone(), v);
+                    }
+                    Err(e) => bad = bad.or(Some(e)),
+                }
             }
-            Ok(Value::Object(obj))
+            match bad {
+                Some(e) => Err(e),
+                None => Ok(Value::Object(obj)),
+            }
         };
         Ok(Some(Record::Row(Row { n: line, value })))
     }
@@ -711,21 +1037,22 @@ fn take_field(field: &mut Vec<u8>) -> String {
     String::from_utf8(std::mem::take(field)).expect("fields split UTF-8 text at ASCII bytes")
 }
 
-fn cell_value(column: &str, cell: String) -> Value {
+/// A CSV cell as JSON: a string, except in a `weight` column (a number, null where empty, an
+/// error where the number is not finite).
+fn cell_value(column: &str, cell: String) -> Result<Value, String> {
     if column == "weight" {
         if cell.trim().is_empty() {
-            return Value::Null;
+            return Ok(Value::Null);
         }
-        if let Some(n) = cell
-            .trim()
-            .parse::<f64>()
-            .ok()
-            .and_then(serde_json::Number::from_f64)
-        {
-            return Value::Number(n);
+        if let Ok(x) = cell.trim().parse::<f64>() {
+            return serde_json::Number::from_f64(x)
+                .map(Value::Number)
+                .ok_or_else(|| {
+                    format!("field \"weight\": {x}, where a finite number is expected")
+                });
         }
     }
-    Value::String(cell)
+    Ok(Value::String(cell))
 }
 
 #[cfg(test)]
@@ -757,6 +1084,43 @@ mod tests {
         assert_eq!(wide_text_without_bom(&be32), Some("UTF-32BE"));
         // Too short to judge: a few bytes are read as whatever they are.
         assert_eq!(wide_text_without_bom(&le[..6]), None);
+    }
+
+    /// A panic in `f` is an error with its message, not printed; the hook found before is the
+    /// hook after, and a value is passed through.
+    #[test]
+    fn catch_panic_turns_a_panic_into_its_message() {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        use std::sync::Arc;
+        let ran = Arc::new(AtomicBool::new(false));
+        let here = std::thread::current().id();
+        let previous = {
+            let _swap = HOOK_SWAP.lock().unwrap_or_else(|e| e.into_inner());
+            let previous = std::panic::take_hook();
+            let ran = Arc::clone(&ran);
+            std::panic::set_hook(Box::new(move |_| {
+                if std::thread::current().id() == here {
+                    ran.store(true, Ordering::SeqCst);
+                }
+            }));
+            previous
+        };
+        let index = 3;
+        assert_eq!(
+            catch_panic(|| -> u8 { panic!("index {index} out of range") }),
+            Err("index 3 out of range".to_string())
+        );
+        assert_eq!(
+            catch_panic(|| -> u8 { panic!("static") }),
+            Err("static".into())
+        );
+        assert_eq!(catch_panic(|| 7), Ok(7));
+        assert!(!ran.load(Ordering::SeqCst));
+        let _swap = HOOK_SWAP.lock().unwrap_or_else(|e| e.into_inner());
+        assert!(std::panic::catch_unwind(|| panic!("after")).is_err());
+        drop(std::panic::take_hook());
+        std::panic::set_hook(previous);
+        assert!(ran.load(Ordering::SeqCst));
     }
 
     /// Every row of a file, whether rows are numbered, and the blank lines skipped.

@@ -812,6 +812,13 @@ impl CudaBackend {
 
     /// With `LORAFIT_PROFILE` set: the table of device time per kernel / GEMM class (name, calls,
     /// total ms, share), largest first; `None` otherwise.
+    /// Forgets the per-kernel times recorded so far (`LORAFIT_PROFILE`).
+    pub fn profile_reset(&self) {
+        if let Some(prof) = self.inner.prof.as_ref() {
+            prof.lock().unwrap().rows.clear();
+        }
+    }
+
     pub fn profile_report(&self) -> Option<String> {
         let prof = self.inner.prof.as_ref()?;
         let p = prof.lock().unwrap();
