@@ -445,6 +445,8 @@ const TRL_NAMES: &[(&str, &str)] = &[
     ("r", "rank"),
     // TRL's DPOConfig.loss_type.
     ("loss_type", "dpo_loss_type"),
+    // transformers' TrainingArguments.
+    ("overwrite_output_dir", "overwrite"),
 ];
 
 /// TRL and transformers settings that lorafit has no counterpart for, each with what lorafit
@@ -484,6 +486,14 @@ const TRL_NOT_TAKEN: &[(&str, &str)] = &[
     ("model_init_kwargs", "the base loads as its files say (bf16 on CUDA, f32 on the CPU; base_quant quantizes it)"),
     ("task_type", "lorafit trains adapters of causal language models only"),
     ("peft_config", "the LoRA settings are lorafit's own: rank, alpha, targets, lora_dropout, rslora"),
+    ("resume_from_checkpoint", "a run resumes with `lorafit train --resume DIR` (a checkpoint folder, or a run folder for its latest checkpoint)"),
+    ("load_best_model_at_end", "the final adapter is in adapter/, and best/ holds the adapter of the best validation margin"),
+    ("metric_for_best_model", "best/ holds the adapter of the best validation margin"),
+    ("greater_is_better", "best/ holds the adapter of the best (highest) validation margin"),
+    ("save_safetensors", "lorafit always saves safetensors"),
+    ("save_only_model", "lorafit always saves safetensors, and every checkpoint holds the adapter and the optimiser state (a resume needs both)"),
+    ("eval_on_start", "lorafit validates at step 0 whenever a validation set is given (valid, or valid_fraction)"),
+    ("data_seed", "seed governs the data order (and the held-out split)"),
 ];
 
 /// Edit distance between two short names (for "did you mean").
@@ -535,6 +545,9 @@ impl TrainConfig {
     /// lorafit's name for setting `key` (itself, or what a TRL name means under `method`), or an
     /// error that names the nearest setting.
     pub fn setting_name(key: &str, method: &str) -> Result<String> {
+        if key.is_empty() {
+            bail!("the setting's name is empty: give KEY=VALUE, as in `--set rank=8`");
+        }
         let names = TrainConfig::setting_names();
         if names.iter().any(|n| n == key) {
             return Ok(key.to_string());
@@ -618,8 +631,28 @@ impl TrainConfig {
                      below 1) is not taken; give a number of steps"
                 )
             }
+            (_, V::Integer(i)) if i < 0 && TrainConfig::whole_number_setting(name) => {
+                bail!("{given} = {i}: expected a whole number >= 0")
+            }
             (_, v) => v,
         })
+    }
+
+    /// Whether setting `name` takes a whole number (every such setting is unsigned).
+    fn whole_number_setting(name: &str) -> bool {
+        const OPTIONAL: [&str; 4] = [
+            "warmup_steps",
+            "segment_size",
+            "keep_kv_layers",
+            "mlp_chunk",
+        ];
+        if OPTIONAL.contains(&name) {
+            return true;
+        }
+        let defaults: toml::Table =
+            toml::from_str(&TrainConfig::default().to_toml().unwrap_or_default())
+                .unwrap_or_default();
+        defaults.get(name).is_some_and(|v| v.is_integer())
     }
 
     /// A settings table with TRL's names renamed to lorafit's; an unknown name, or one given
@@ -1264,6 +1297,50 @@ mod tests {
             .to_string();
         assert!(e.contains("not DoRA"), "{e}");
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// transformers' and TRL's run life-cycle settings: `overwrite_output_dir` is `overwrite`,
+    /// the others are answered with what lorafit does; an empty name and a negative whole number
+    /// are said as such.
+    #[test]
+    fn life_cycle_settings_and_bad_names_are_answered() {
+        assert_eq!(
+            TrainConfig::setting_name("overwrite_output_dir", "orpo").unwrap(),
+            "overwrite"
+        );
+        for (key, says) in [
+            ("resume_from_checkpoint", "--resume DIR"),
+            (
+                "load_best_model_at_end",
+                "best/ holds the adapter of the best validation margin",
+            ),
+            ("metric_for_best_model", "best validation margin"),
+            ("save_safetensors", "always saves safetensors"),
+            ("save_only_model", "adapter and the optimiser state"),
+            ("eval_on_start", "validates at step 0"),
+            ("data_seed", "seed governs the data order"),
+        ] {
+            let e = TrainConfig::setting_name(key, "orpo")
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(says) && !e.contains("unknown"), "{key}: {e}");
+        }
+        let e = TrainConfig::setting_name("", "orpo")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("name is empty"), "{e}");
+        for (given, name) in [("save_every", "save_every"), ("lora_r", "rank")] {
+            let e = TrainConfig::trl_value(given, name, toml::Value::Integer(-1))
+                .unwrap_err()
+                .to_string();
+            assert_eq!(e, format!("{given} = -1: expected a whole number >= 0"));
+        }
+        let e = TrainConfig::trl_value("segment_size", "segment_size", toml::Value::Integer(-2));
+        assert!(e.is_err());
+        let steps = TrainConfig::trl_value("max_steps", "steps", toml::Value::Integer(-1));
+        assert_eq!(steps.unwrap(), toml::Value::Integer(0));
+        let lr = TrainConfig::trl_value("lr", "lr", toml::Value::Integer(-1));
+        assert_eq!(lr.unwrap(), toml::Value::Integer(-1), "validate() says it");
     }
 
     #[test]

@@ -11,6 +11,64 @@ use lorafit::tensor::Device;
 use lorafit::train::trainer;
 use std::path::PathBuf;
 
+/// A write to standard output that failed. A closed pipe (`lorafit generate ... | head -c 5`)
+/// ends the command quietly with status 141, as a tool killed by SIGPIPE ends (Rust ignores
+/// the signal, so the write reports it instead); any other failure (`> /dev/full`) is an
+/// error, status 2.
+#[derive(Debug)]
+struct StdoutError(std::io::Error);
+
+impl std::fmt::Display for StdoutError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("writing to standard output")
+    }
+}
+
+impl std::error::Error for StdoutError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&self.0)
+    }
+}
+
+/// The status of a command whose reader closed its standard output: 128 + SIGPIPE.
+const EXIT_BROKEN_PIPE: i32 = 141;
+
+/// Writes `text` to standard output and flushes it, or returns a [`StdoutError`]
+/// (`println!` would panic instead).
+fn write_stdout(text: &str) -> Result<(), StdoutError> {
+    use std::io::Write;
+    let mut o = std::io::stdout().lock();
+    o.write_all(text.as_bytes())
+        .and_then(|()| o.flush())
+        .map_err(StdoutError)
+}
+
+/// Ends the process for a failed write to standard output (see [`StdoutError`]).
+fn exit_on_stdout_error(e: &StdoutError) -> ! {
+    if e.0.kind() == std::io::ErrorKind::BrokenPipe {
+        std::process::exit(EXIT_BROKEN_PIPE);
+    }
+    eprintln!("error: {e}: {}", e.0);
+    std::process::exit(2);
+}
+
+/// `print!` through [`write_stdout`]: an error to return rather than a panic.
+macro_rules! out {
+    ($($arg:tt)*) => {
+        write_stdout(&format!($($arg)*))
+    };
+}
+
+/// `println!` through [`write_stdout`].
+macro_rules! outln {
+    () => {
+        write_stdout("\n")
+    };
+    ($($arg:tt)*) => {
+        write_stdout(&format!("{}\n", format_args!($($arg)*)))
+    };
+}
+
 #[derive(Parser)]
 #[command(
     name = "lorafit",
@@ -170,7 +228,7 @@ fn run_curate(a: CurateArgs) -> Result<()> {
         &model,
         &opts,
     )?;
-    println!("{report}");
+    outln!("{report}")?;
     Ok(())
 }
 
@@ -180,9 +238,6 @@ fn run_export(a: ExportArgs) -> Result<()> {
             "--output {}: a file is there; the output is a folder (name another)",
             a.output.display()
         );
-    }
-    if !a.overwrite {
-        lorafit::export::refuse_earlier_export(&a.output)?;
     }
     let plan = lorafit::export::ExportPlan {
         model: trainer::resolve_model_path(&a.model)?,
@@ -195,8 +250,13 @@ fn run_export(a: ExportArgs) -> Result<()> {
         check: a.check,
         chat_template: a.chat_template,
     };
+    // Before the earlier export is named: --overwrite would not help here.
+    lorafit::export::refuse_inputs_in_artefacts(&plan)?;
+    if !a.overwrite {
+        lorafit::export::refuse_earlier_export(&plan.output)?;
+    }
     let report = lorafit::export::run(&plan)?;
-    print!("{}", report.text(&plan));
+    out!("{}", report.text(&plan))?;
     report.check_passed()
 }
 
@@ -383,6 +443,12 @@ impl DecodeArgs {
     }
 
     fn load(&self) -> Result<(trainer::Loaded, Option<lorafit::model::Lora>)> {
+        if self.stop.iter().any(String::is_empty) {
+            bail!(
+                "--stop \"\": an empty stop string would end every reply before its first \
+                 character; give the text that ends a reply"
+            );
+        }
         let device = Device::parse(&self.device)?;
         let loaded = trainer::load_with_template(
             &self.model,
@@ -469,13 +535,13 @@ fn check_uncached(
         .zip(&uncached)
         .take_while(|(a, b)| a == b)
         .count();
-    println!("cached:   {:?}", tok.decode(&cached)?);
-    println!("uncached: {:?}", tok.decode(&uncached)?);
-    println!(
+    outln!("cached:   {:?}", tok.decode(&cached)?)?;
+    outln!("uncached: {:?}", tok.decode(&uncached)?)?;
+    outln!(
         "free-running greedy: cached {} / uncached {} tokens, equal for the first {same}",
         cached.len(),
         uncached.len()
-    );
+    )?;
     // On a real model two bf16 paths can be further apart than the fixtures' 1e-2 (SmolLM2:
     // 3.6–5.7e-2) while each is as far from f32 as the other. With the f32 reference the check
     // is then that the cache adds no error of its own: its distance from f32 within 1.5× the
@@ -490,14 +556,14 @@ fn check_uncached(
         ),
         None => String::new(),
     };
-    println!(
+    outln!(
         "teacher-forced, {max_new} steps: cached vs uncached logits worst rel-norm {:.3e} (step {}) bound {bound:.0e}; greedy tokens differ at {} steps ({} not near ties){against_f32}  {}",
         check.worst_rel,
         check.worst_step,
         check.flips,
         check.bad_flips,
         if ok { "ok" } else { "FAIL" }
-    );
+    )?;
     if !ok {
         bail!("the KV cache's logits are outside the bound or its greedy tokens disagree");
     }
@@ -515,7 +581,6 @@ struct ChatArgs {
 
 fn run_generate(a: GenerateArgs) -> Result<()> {
     use lorafit::data::Message;
-    use std::io::Write;
     if a.decode.max_new_tokens == 0 {
         bail!("--max-new-tokens 0: nothing would be generated; give at least 1");
     }
@@ -524,6 +589,9 @@ fn run_generate(a: GenerateArgs) -> Result<()> {
             "--check-uncached compares greedy decoding with and without the KV cache: leave \
              --temperature at 0"
         );
+    }
+    if a.raw && a.prompt.is_empty() {
+        bail!("--raw \"\": the prompt is empty, so there is no text to continue; give the text");
     }
     let (loaded, lora) = a.decode.load()?;
     let tok = &loaded.tokenizer;
@@ -568,7 +636,8 @@ fn run_generate(a: GenerateArgs) -> Result<()> {
         );
     }
     let opts = a.decode.options(stops);
-    let mut stdout = std::io::stdout();
+    // The callback cannot return an error: a failed write ends the process from there, so
+    // that a closed pipe does not keep the model generating for no reader.
     let report = lorafit::infer::generate_stream(
         &loaded.model,
         lora.as_ref(),
@@ -576,11 +645,12 @@ fn run_generate(a: GenerateArgs) -> Result<()> {
         &opts,
         Some(tok),
         &mut |_, delta| {
-            let _ = write!(stdout, "{delta}");
-            let _ = stdout.flush();
+            if let Err(e) = write_stdout(delta) {
+                exit_on_stdout_error(&e);
+            }
         },
     )?;
-    println!();
+    outln!()?;
     let out = &report.outputs[0];
     if out.stop == lorafit::infer::StopReason::Context {
         eprintln!(
@@ -594,7 +664,7 @@ fn run_generate(a: GenerateArgs) -> Result<()> {
 }
 
 fn run_chat(a: ChatArgs) -> Result<()> {
-    use std::io::{BufRead, Write};
+    use std::io::BufRead;
     let (loaded, lora) = a.decode.load()?;
     let tok = &loaded.tokenizer;
     let stops = lorafit::infer::default_stop_tokens(tok, loaded.template.as_ref(), &loaded.model);
@@ -611,10 +681,8 @@ fn run_chat(a: ChatArgs) -> Result<()> {
     session.set_system(a.system.clone());
     eprintln!("chat with {} (/reset, /system TEXT, /quit)", a.decode.model);
     let stdin = std::io::stdin();
-    let mut stdout = std::io::stdout();
     loop {
-        print!("> ");
-        stdout.flush()?;
+        out!("> ")?;
         let mut line = String::new();
         if stdin.lock().read_line(&mut line)? == 0 {
             break;
@@ -666,8 +734,9 @@ fn run_chat(a: ChatArgs) -> Result<()> {
             .filter(|l| l.starts_with('/'))
             .unwrap_or(line);
         let replied = session.reply(line, &mut |delta| {
-            let _ = write!(stdout, "{delta}");
-            let _ = stdout.flush();
+            if let Err(e) = write_stdout(delta) {
+                exit_on_stdout_error(&e);
+            }
         });
         let (reply, stats) = match replied {
             Err(e) if e.is::<lorafit::infer::PromptTooLong>() => {
@@ -676,7 +745,7 @@ fn run_chat(a: ChatArgs) -> Result<()> {
             }
             other => other?,
         };
-        println!();
+        outln!()?;
         if reply.stop == lorafit::infer::StopReason::Context {
             eprintln!(
                 "(stopped at the model's context of {} tokens; /reset starts a new conversation)",
@@ -832,7 +901,7 @@ fn run_kl(a: KlArgs) -> Result<()> {
         chat_template: a.chat_template,
     };
     let file = eval::kl::run(&opts)?;
-    print!("{}", eval::kl::format_table(&file));
+    out!("{}", eval::kl::format_table(&file))?;
     eprintln!("wrote {}", opts.output.display());
     Ok(())
 }
@@ -1006,23 +1075,7 @@ fn run_train(a: TrainArgs) -> Result<()> {
             cfg.steps = 0;
         }
         // Its paths are as the run was given them, relative to the folder it started in.
-        let paths = [
-            ("model", Some(&cfg.model)),
-            ("data", Some(&cfg.data)),
-            ("valid", cfg.valid.as_ref()),
-        ];
-        for (name, path) in paths {
-            let Some(path) = path else { continue };
-            let p = std::path::Path::new(path);
-            let hub_id = name == "model" && p.components().count() == 2 && !path.starts_with('.');
-            if p.is_relative() && !p.exists() && !hub_id {
-                bail!(
-                    "{name} = {path:?} (from {}) is relative to the folder the run was started \
-                     in, and is not found from here: run from that folder, or pass --{name}",
-                    settings.display()
-                );
-            }
-        }
+        lorafit::train::run_folder::check_stored_paths(&cfg, settings)?;
     }
     if let Some(r) = &a.resume {
         // Resuming without naming an output continues in the checkpoint's own run folder.
@@ -1041,6 +1094,16 @@ fn run_train(a: TrainArgs) -> Result<()> {
             unused.join(", ")
         );
     }
+    // The output folder's problems before the model and data load (the run checks again).
+    let checkpoint = (a.resume.as_deref())
+        .map(lorafit::train::run_folder::find_checkpoint)
+        .transpose()?;
+    lorafit::train::run_folder::preflight(
+        std::path::Path::new(&cfg.output),
+        checkpoint.as_deref(),
+        cfg.overwrite,
+        cfg.steps,
+    )?;
     let device = Device::parse(&cfg.device)?;
     let loaded = trainer::load_configured(&cfg, &device)?;
     let (train_items, valid_items) = trainer::load_train_and_valid(&loaded, &cfg)?;
@@ -1131,28 +1194,28 @@ fn run_lint(a: LintArgs) -> Result<bool> {
             Ok(checked) => checked,
             // The file was read and every row is unusable: the rows' errors, and status 1.
             Err(e) if e.downcast_ref::<data::NoUsableRows>().is_some() => {
-                println!("error: {e:#}");
+                outln!("error: {e:#}")?;
                 return Ok(false);
             }
             Err(e) => return Err(e),
         };
     if !a.quiet {
         for r in report.load.skip_reasons.iter().chain(&report.bad_rows) {
-            println!("error: {r}");
+            outln!("error: {r}")?;
         }
         for row in rows.iter().filter(|r| !r.findings.is_empty()) {
             let notes: Vec<String> = row.findings.iter().map(|f| f.to_string()).collect();
-            println!("{}: {}", row.at, notes.join("; "));
+            outln!("{}: {}", row.at, notes.join("; "))?;
         }
     }
-    println!("{report}");
+    outln!("{report}")?;
     // What train refuses in sum, not by row.
     if !rows.is_empty() && rows.iter().all(|r| r.weight == 0.0) {
-        println!(
+        outln!(
             "error: {}: every row has weight 0; training on it is refused (every step's loss and \
              gradient would be zero)",
             cfg.data
-        );
+        )?;
         return Ok(false);
     }
     Ok(report.errors() == 0)
@@ -1228,18 +1291,18 @@ fn run_demo(a: DemoArgs) -> Result<()> {
         &adapter_name,
     )?;
     let comparison = eval::preference::compare(base_scores, trained_scores)?;
-    println!(
+    outln!(
         "\nheld-out preference pairs (demo/valid.jsonl):\n{}",
         eval::report::preference_comparison_table(&comparison)
-    );
+    )?;
     for (i, p) in DEMO_PROMPTS.iter().enumerate() {
-        println!(
+        outln!(
             "\nuser: {p}\n  before: {}\n  after:  {}",
             before[i].trim(),
             after[i].trim()
-        );
+        )?;
     }
-    println!("\nadapter (PEFT format): {}", out.adapter_dir.display());
+    outln!("\nadapter (PEFT format): {}", out.adapter_dir.display())?;
     Ok(())
 }
 
@@ -1264,7 +1327,7 @@ fn run_eval(a: EvalArgs) -> Result<()> {
     opts.validate()
         .map_err(|e| anyhow::anyhow!("--{}: {}", e.field.replace('_', "-"), e.message))?;
     let outcome = eval::run(&opts, &mut |_| Ok(()))?;
-    print!("{}", outcome.text);
+    out!("{}", outcome.text)?;
     Ok(())
 }
 
@@ -1304,6 +1367,9 @@ fn main() {
         }
     };
     if let Err(e) = result {
+        if let Some(s) = e.chain().find_map(|c| c.downcast_ref::<StdoutError>()) {
+            exit_on_stdout_error(s);
+        }
         eprintln!("error: {e:#}");
         if disk_full(&e) {
             eprintln!(

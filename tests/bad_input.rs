@@ -515,6 +515,13 @@ fn generate_refuses_flags_it_would_ignore() {
         !ok && err.contains("--max-new-tokens 0: nothing would be generated"),
         "{err}"
     );
+    // Empty strings a flag would act on are named by their flag.
+    let (ok, err) = generate(&["--stop", ""]);
+    assert!(!ok && err.contains("--stop \"\""), "{err}");
+    let mut args: Vec<&std::ffi::OsStr> = vec!["generate".as_ref(), "--model".as_ref()];
+    args.extend([model.as_os_str(), "--raw".as_ref(), "".as_ref()]);
+    let (ok, err) = lorafit(&args, "");
+    assert!(!ok && err.contains("--raw \"\""), "{err}");
     let (ok, err) = generate(&["--check-uncached", "--temperature", "1"]);
     assert!(
         !ok && err.contains("--check-uncached") && err.contains("--temperature"),
@@ -732,4 +739,255 @@ fn a_run_folder_as_adapter_names_its_adapter() {
         "{err}"
     );
     assert!(err.contains(&adapter.display().to_string()), "{err}");
+}
+
+/// A PEFT adapter folder (the qwen2 fixture's) with one value of one tensor replaced by NaN.
+fn adapter_with_a_nan(to: &Path) -> (PathBuf, String) {
+    std::fs::create_dir_all(to).unwrap();
+    let fixture = common::fixture("models/qwen2/adapter");
+    std::fs::copy(
+        fixture.join("adapter_config.json"),
+        to.join("adapter_config.json"),
+    )
+    .unwrap();
+    let mut tensors: Vec<(String, Vec<usize>, Vec<f32>)> =
+        common::read_safetensors(&fixture.join("adapter_model.safetensors"))
+            .into_iter()
+            .map(|(name, (shape, data))| (name, shape, data))
+            .collect();
+    tensors.sort_by(|a, b| a.0.cmp(&b.0));
+    let bad = tensors.iter_mut().find(|t| t.0.contains("lora_B")).unwrap();
+    bad.2[3] = f32::NAN;
+    let name = bad.0.clone();
+    lorafit::model::weights::write_f32_safetensors(&to.join("adapter_model.safetensors"), &tensors)
+        .unwrap();
+    (to.to_path_buf(), name)
+}
+
+/// A NaN in an adapter is refused where the adapter is read, naming the file, the tensor and
+/// the flat index, by every command that reads one: generate (and so chat), eval and export,
+/// which would otherwise write NaN weights.
+#[test]
+fn an_adapter_holding_a_nan_is_refused_when_read() {
+    let d = scratch("nan-adapter");
+    let model = common::tiny_run::model_folder(&d);
+    let (adapter, tensor) = adapter_with_a_nan(&d.join("adapter"));
+    let named = |e: &str| {
+        e.contains("adapter_model.safetensors")
+            && e.contains(&tensor)
+            && e.contains("non-finite value (NaN at index 3)")
+    };
+    let (ok, err) = lorafit(
+        &[
+            "generate".as_ref(),
+            "--model".as_ref(),
+            model.as_os_str(),
+            "--adapter".as_ref(),
+            adapter.as_os_str(),
+            "w5 w6".as_ref(),
+        ],
+        "",
+    );
+    assert!(!ok && named(&err), "{err}");
+    let out = d.join("export");
+    let e = lorafit::export::run(&lorafit::export::ExportPlan {
+        model: model.clone(),
+        adapter: adapter.clone(),
+        output: out.clone(),
+        formats: vec![lorafit::export::Format::Hf],
+        hf_dtype: lorafit::export::hf::HfDtype::Bf16,
+        adapter_type: lorafit::export::gguf_out::AdapterType::F32,
+        merged_type: lorafit::export::gguf_out::MergedType::Keep,
+        check: false,
+        chat_template: None,
+    })
+    .err()
+    .expect("an adapter with a NaN is exported");
+    assert!(named(&format!("{e:#}")), "{e:#}");
+    assert!(!out.join("merged-hf").exists(), "nothing is written");
+    let data = d.join("pairs.jsonl");
+    common::tiny_run::data_file(&data, 2, 0);
+    let e = lorafit::eval::run(
+        &lorafit::eval::EvalOptions {
+            model: Some(model.display().to_string()),
+            adapter: Some(adapter.clone()),
+            data: Some(data.display().to_string()),
+            ..Default::default()
+        },
+        &mut |_| Ok(()),
+    )
+    .expect_err("an adapter with a NaN is scored");
+    assert!(named(&format!("{e:#}")), "{e:#}");
+}
+
+/// Standard output that fails: a reader that closed the pipe ends the command quietly with
+/// status 141 (no panic), and another failure (/dev/full) is an error naming standard output,
+/// status 2; for generate (streaming) and export (its summary).
+#[test]
+fn failed_writes_to_standard_output_end_the_command_without_a_panic() {
+    let d = scratch("stdout");
+    let model = common::tiny_run::model_folder(&d);
+    let generate = |stdout: std::process::Stdio| {
+        let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_lorafit"))
+            .args(["generate", "--max-new-tokens", "20", "--model"])
+            .arg(&model)
+            .arg("w5 w6")
+            .stdout(stdout)
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        // A closed pipe: the reader is gone before the first write.
+        drop(child.stdout.take());
+        child.wait_with_output().unwrap()
+    };
+    let out = generate(std::process::Stdio::piped());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(141), "{err}");
+    assert!(!err.contains("panicked") && !err.contains("error"), "{err}");
+    if !Path::new("/dev/full").exists() {
+        return;
+    }
+    let full = || {
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open("/dev/full")
+            .unwrap()
+    };
+    let out = generate(full().into());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("error: writing to standard output: No space left on device"),
+        "{err}"
+    );
+    assert!(!err.contains("panicked"), "{err}");
+    let fixture = common::fixture("models/llama");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_lorafit"))
+        .args(["export", "--format", "gguf-adapter", "--model"])
+        .arg(&fixture)
+        .arg("--adapter")
+        .arg(fixture.join("adapter"))
+        .arg("--output")
+        .arg(d.join("export"))
+        .stdout(full())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("error: writing to standard output"), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+}
+
+/// The output folder's problems are found before the model and data load: a file in the way
+/// and a folder holding a run are refused naming the folder even with a model that does not
+/// exist, and an output path too long for the checkpoints' files is refused at the start.
+#[test]
+fn output_folder_problems_come_before_the_model_loads() {
+    let d = std::env::temp_dir().join(format!("lorafit-out-first-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(d.join("run/checkpoint-000002")).unwrap();
+    std::fs::write(
+        d.join("run/checkpoint-000002/trainer_state.json"),
+        r#"{"step": 2, "position": 2, "total_steps": 4}"#,
+    )
+    .unwrap();
+    std::fs::write(d.join("afile"), "x").unwrap();
+    let mut long = d.clone();
+    while long.as_os_str().len() < 4060 {
+        long = long.join("o".repeat(200));
+    }
+    for (output, says) in [
+        (d.join("afile"), "a file is there"),
+        (d.join("run"), "already holds a run"),
+        (long, "name a shorter output folder"),
+    ] {
+        let (ok, err) = lorafit(
+            &[
+                "train".as_ref(),
+                "--model".as_ref(),
+                d.join("no-such-model").as_os_str(),
+                "--data".as_ref(),
+                d.join("train.jsonl").as_os_str(),
+                "--output".as_ref(),
+                output.as_os_str(),
+            ],
+            "",
+        );
+        assert!(!ok && err.contains(says), "{err}");
+        assert!(
+            !err.contains("no-such-model"),
+            "the model was read first: {err}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+/// A final checkpoint that cannot be written after the adapter was (a file size limit stands in
+/// for a full disk) is said as such: the adapter is complete and kept, and the advice is not a
+/// resume or --overwrite that would train or delete it again.
+#[test]
+fn a_failed_final_checkpoint_keeps_the_finished_adapter() {
+    let d = std::env::temp_dir().join(format!("lorafit-final-ckpt-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    let model = common::tiny_run::model_folder(&d);
+    common::tiny_run::data_file(&d.join("train.jsonl"), 4, 1);
+    let out = d.join("run");
+    let args = format!(
+        "train --model {} --data {} --output {} --steps 2 --rank 4 --set save_every=0 \
+         --set max_seq_len=48 --set max_prompt_len=24",
+        model.display(),
+        d.join("train.jsonl").display(),
+        out.display()
+    );
+    let bin = env!("CARGO_BIN_EXE_lorafit");
+    // The adapter file fits the limit; the optimiser's moments, twice its size, do not.
+    let adapter_bytes = {
+        let probe = std::process::Command::new("sh")
+            .arg("-c")
+            .arg(format!("{bin} {args} --overwrite"))
+            .output()
+            .unwrap();
+        assert!(
+            probe.status.success(),
+            "{}",
+            String::from_utf8_lossy(&probe.stderr)
+        );
+        std::fs::metadata(out.join("adapter/adapter_model.safetensors"))
+            .unwrap()
+            .len()
+    };
+    // sh's `ulimit -f` counts 512-byte blocks.
+    let blocks = (adapter_bytes * 3 / 2).div_ceil(512);
+    let o = std::process::Command::new("sh")
+        .arg("-c")
+        .arg(format!(
+            "trap '' XFSZ; ulimit -f {blocks}; exec {bin} {args} --overwrite"
+        ))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "{err}");
+    assert!(
+        err.contains("adapter in") && err.contains("is complete"),
+        "{err}"
+    );
+    assert!(
+        err.contains("final checkpoint could not be written"),
+        "{err}"
+    );
+    assert!(!err.contains("resumes from its last checkpoint"), "{err}");
+    assert!(out.join("adapter/adapter_model.safetensors").is_file());
+    assert!(!out.join("checkpoint-000002").exists());
+    // A resume of the folder says its adapter is a finished run's, not "start again with
+    // --overwrite".
+    let (ok, err) = lorafit(
+        &["train".as_ref(), "--resume".as_ref(), out.as_os_str()],
+        "",
+    );
+    assert!(
+        !ok && err.contains("finished run's") && err.contains("would delete it"),
+        "{err}"
+    );
+    let _ = std::fs::remove_dir_all(&d);
 }

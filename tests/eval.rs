@@ -405,3 +405,61 @@ fn before_after_charts_are_pngs_with_their_bars() {
         "before {before} px, after {after} px"
     );
 }
+
+/// An output that is an input, or two outputs that are one file, are refused before anything
+/// is loaded or written: `eval --out` naming the `--data` file (by another path too), `--report
+/// X.png` with `--compare` (the markdown and its chart would be one file), `--out` equal to
+/// `--report`, and `kl --output` naming its `--data`; each input is left as it was.
+#[test]
+fn outputs_that_would_replace_an_input_or_each_other_are_refused() {
+    let dir = out_dir("clash");
+    let data = dir.join("pairs.jsonl");
+    let rows = "{\"prompt\": \"w2\", \"chosen\": \"w3\", \"rejected\": \"w4\"}\n";
+    std::fs::write(&data, rows).unwrap();
+    let opts = |out: Option<PathBuf>, report: Option<PathBuf>, compare: bool| eval::EvalOptions {
+        model: Some("smollm2".into()),
+        data: Some(data.display().to_string()),
+        compare: if compare {
+            vec!["base".into(), dir.join("adapter").display().to_string()]
+        } else {
+            vec![]
+        },
+        out,
+        report,
+        ..Default::default()
+    };
+    let refused = |o: eval::EvalOptions| match eval::run(&o, &mut |_| Ok(())) {
+        Ok(_) => panic!("{o:?} ran"),
+        Err(e) => format!("{e:#}"),
+    };
+    let e = refused(opts(Some(data.clone()), None, false));
+    assert!(e.contains("--out") && e.contains("--data"), "{e}");
+    let other_path = dir
+        .join(".")
+        .join("..")
+        .join(dir.file_name().unwrap())
+        .join("pairs.jsonl");
+    let e = refused(opts(Some(other_path), None, false));
+    assert!(e.contains("--out") && e.contains("--data"), "{e}");
+    let e = refused(opts(None, Some(dir.join("rr2.png")), true));
+    assert!(e.contains("--report") && e.contains("chart"), "{e}");
+    let same = dir.join("same.json");
+    let e = refused(opts(Some(same.clone()), Some(same.clone()), false));
+    assert!(e.contains("--out and --report"), "{e}");
+    let e = match eval::kl::run(&eval::kl::KlOptions {
+        model: "smollm2".into(),
+        reference: "smollm2".into(),
+        data: data.clone(),
+        output: data.clone(),
+        max_rows: 1,
+        max_len: 8,
+        device: "cpu".into(),
+        chat_template: None,
+    }) {
+        Ok(_) => panic!("kl wrote over its data"),
+        Err(e) => format!("{e:#}"),
+    };
+    assert!(e.contains("--output") && e.contains("--data"), "{e}");
+    assert_eq!(std::fs::read_to_string(&data).unwrap(), rows);
+    assert!(!dir.join("rr2.png").exists() && !same.exists());
+}

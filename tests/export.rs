@@ -643,3 +643,147 @@ fn an_output_folder_holding_an_export_is_refused_or_replaced() {
     assert!(lorafit::export::earlier_artefacts(&tmp("earlier-empty")).is_empty());
     let _ = std::fs::remove_dir_all(&out);
 }
+
+/// A base model or an adapter inside an artefact of the output folder (an earlier export's
+/// `merged-hf/` or `merged.gguf` used as the base) is refused before anything is deleted, with
+/// or without `--overwrite`: the export would delete it, then fail reading it.
+#[test]
+fn inputs_inside_the_artefacts_are_refused_before_anything_is_deleted() {
+    let dir = tmp("inputs-inside");
+    let fixture = fixture("models/llama");
+    let copy_dir = |from: &Path, to: &Path| {
+        std::fs::create_dir_all(to).unwrap();
+        for e in std::fs::read_dir(from).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_file() {
+                std::fs::copy(&p, to.join(p.file_name().unwrap())).unwrap();
+            }
+        }
+    };
+    let export = |model: &Path, adapter: &Path, out: &Path, extra: &[&str]| {
+        let o = std::process::Command::new(env!("CARGO_BIN_EXE_lorafit"))
+            .arg("export")
+            .arg("--model")
+            .arg(model)
+            .arg("--adapter")
+            .arg(adapter)
+            .arg("--output")
+            .arg(out)
+            .args(extra)
+            .output()
+            .unwrap();
+        (
+            o.status.success(),
+            String::from_utf8_lossy(&o.stderr).into_owned(),
+        )
+    };
+    // A Hugging Face base in OUTPUT/merged-hf.
+    let out = dir.join("ex-self");
+    let base = out.join("merged-hf");
+    copy_dir(&fixture, &base);
+    copy_dir(&fixture.join("adapter"), &base.join("adapter"));
+    let weights = std::fs::read(base.join("model.safetensors")).unwrap();
+    for extra in [&["--overwrite"][..], &[]] {
+        let (ok, err) = export(&base, &fixture.join("adapter"), &out, extra);
+        assert!(!ok, "{extra:?}");
+        assert!(
+            err.contains("--model") && err.contains("the base model would be lost"),
+            "{err}"
+        );
+    }
+    // The adapter inside the artefact, the base elsewhere; the output named another way.
+    let (ok, err) = export(
+        &fixture,
+        &base.join("adapter"),
+        &dir.join("ex-self/../ex-self/."),
+        &["--overwrite"],
+    );
+    assert!(
+        !ok && err.contains("--adapter") && err.contains("the adapter would be lost"),
+        "{err}"
+    );
+    let mut p = plan(&base, &fixture.join("adapter"), &out, vec![Format::Hf]);
+    p.check = false;
+    let e = run(&p).err().expect("a base inside merged-hf/ is exported");
+    assert!(e.to_string().contains("would be lost"), "{e}");
+    assert_eq!(
+        std::fs::read(base.join("model.safetensors")).unwrap(),
+        weights
+    );
+    assert!(base.join("adapter/adapter_config.json").is_file());
+
+    // A GGUF base at OUTPUT/merged.gguf.
+    let out = dir.join("ex-gg");
+    std::fs::create_dir_all(&out).unwrap();
+    let gguf = out.join("merged.gguf");
+    std::fs::copy(quantized_llama_gguf(&dir, GgmlType::Q8_0), &gguf).unwrap();
+    let bytes = std::fs::read(&gguf).unwrap();
+    let spec = model::gguf_model::GgufSource::open(&gguf).unwrap().spec;
+    let adapter = random_adapter(&spec, &dir, 0.2);
+    let (ok, err) = export(&gguf, &adapter, &out, &["--overwrite"]);
+    assert!(!ok && err.contains("the base model would be lost"), "{err}");
+    let mut p = plan(&gguf, &adapter, &out, vec![Format::MergedGguf]);
+    p.check = false;
+    assert!(run(&p).is_err());
+    assert_eq!(std::fs::read(&gguf).unwrap(), bytes, "the base is intact");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A merged GGUF counts the tensors whose bytes the merge changed: an adapter whose deltas are
+/// below the quantization step leaves every tensor as the base's, which the export says as a
+/// warning; deltas above it change them all, and no warning is given. With `--merged-type
+/// f16` the file's `general.file_type` says f16. The summary names formats as `--format` does.
+#[test]
+fn a_merged_gguf_says_when_requantizing_lost_the_adapter() {
+    let dir = tmp("lost-deltas");
+    let base = quantized_llama_gguf(&dir, GgmlType::Q4_0);
+    let spec = model::gguf_model::GgufSource::open(&base).unwrap().spec;
+
+    let tiny = random_adapter(&spec, &dir.join("tiny"), 1e-6);
+    let mut p = plan(
+        &base,
+        &tiny,
+        &dir.join("out-tiny"),
+        vec![Format::MergedGguf],
+    );
+    p.check = false;
+    let report = run(&p).unwrap();
+    assert_eq!(report.warnings.len(), 1, "{:?}", report.warnings);
+    let w = &report.warnings[0];
+    assert!(
+        w.contains("0 of ") && w.contains("below the Q4_0 step") && w.contains("--merged-type f16"),
+        "{w}"
+    );
+    assert!(
+        report.text(&p).starts_with("merged-gguf: "),
+        "{}",
+        report.text(&p)
+    );
+
+    let big = random_adapter(&spec, &dir.join("big"), 0.2);
+    let mut p = plan(&base, &big, &dir.join("out-big"), vec![Format::MergedGguf]);
+    p.check = false;
+    let report = run(&p).unwrap();
+    assert!(report.warnings.is_empty(), "{:?}", report.warnings);
+
+    p.output = dir.join("out-f16");
+    p.merged_type = MergedType::F16;
+    p.formats = vec![Format::MergedGguf, Format::GgufAdapter];
+    let report = run(&p).unwrap();
+    assert!(report.warnings.is_empty(), "{:?}", report.warnings);
+    let text = report.text(&p);
+    assert!(
+        text.contains("merged-gguf: ") && text.contains("gguf-adapter: "),
+        "{text}"
+    );
+    let g = GgufFile::open(&p.output.join("merged.gguf")).unwrap();
+    assert!(
+        matches!(
+            g.get("general.file_type"),
+            Some(MetaValue::U32(1) | MetaValue::I32(1))
+        ),
+        "{:?}",
+        g.get("general.file_type")
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

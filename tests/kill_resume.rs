@@ -8,6 +8,7 @@
 
 mod common;
 use common::tiny_run::{data_file, model_folder};
+use lorafit::train::run_folder::LOCK_FILE;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -88,7 +89,7 @@ fn deterministic_files(dir: &Path) -> BTreeMap<String, Vec<u8>> {
             let rel = p.strip_prefix(dir).unwrap().display().to_string();
             if p.is_dir() {
                 stack.push(p);
-            } else if rel != "timing.jsonl" && rel != "plan.toml" {
+            } else if !["timing.jsonl", "plan.toml", LOCK_FILE].contains(&rel.as_str()) {
                 out.insert(rel, std::fs::read(&p).unwrap());
             }
         }
@@ -334,6 +335,8 @@ fn ctrl_c_stops_with_a_checkpoint_and_the_resume_is_exact() {
         let err = String::from_utf8_lossy(&o.stderr);
         assert_eq!(o.status.code(), Some(status), "{signal}: {err}");
         assert!(err.contains("stopped at step"), "{err}");
+        // Only Ctrl-C is answered with what a second Ctrl-C does.
+        assert_eq!(err.contains("Ctrl-C again"), signal == "-INT", "{err}");
         let stopped_at = std::fs::read_to_string(&metrics).unwrap().lines().count();
         assert!(
             stopped_at < 400,
@@ -422,5 +425,144 @@ fn a_bare_resume_names_relative_paths_and_counts_new_epochs() {
     let metrics = std::fs::read_to_string(dir.join("r/metrics.jsonl")).unwrap();
     let last: serde_json::Value = serde_json::from_str(metrics.lines().last().unwrap()).unwrap();
     assert_eq!(last["step"], 16, "{metrics}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Inside a run folder, a bare checkpoint name is that folder's checkpoint (its run folder
+/// `.`): `--resume checkpoint-000004 --output . --overwrite` continues the run from it, deleting
+/// only the later steps, never the checkpoint it reads; without --overwrite the later steps
+/// are named.
+#[test]
+fn a_bare_checkpoint_name_resumes_in_its_own_folder() {
+    let dir = scratch("bare-name");
+    let setup = Setup::new(&dir, 8, 2);
+    let run = dir.join("r");
+    run_to_end(&setup, &run, &["--set", "steps=6", "--set", "save_every=2"]);
+    let resume = |extra: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_lorafit"))
+            .current_dir(&run)
+            .args(["train", "--resume", "checkpoint-000004", "--steps", "7"])
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    let o = resume(&[]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "{err}");
+    assert!(err.contains("went on past step 4"), "{err}");
+    let o = resume(&["--output", ".", "--overwrite"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    for kept in [
+        "checkpoint-000002",
+        "checkpoint-000004",
+        "checkpoint-000007",
+    ] {
+        assert!(
+            run.join(kept).join("trainer_state.json").is_file(),
+            "{kept}"
+        );
+    }
+    assert!(run.join("adapter/adapter_model.safetensors").is_file());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A run folder is locked for its run's life: a second run into it, or a resume of it, is
+/// refused naming the folder and the holder's pid; after a kill -9 the folder is free.
+#[test]
+fn a_second_process_cannot_train_into_a_running_folder() {
+    let dir = scratch("lock");
+    let setup = Setup::new(&dir, 12, 2);
+    let out = dir.join("run");
+    let long = ["--set", "steps=5000", "--set", "save_every=2"];
+    let mut child = train_command(&setup, &out, &long).spawn().unwrap();
+    let t0 = Instant::now();
+    while !has_checkpoint(&out) {
+        assert!(t0.elapsed().as_secs() < 120, "no checkpoint was written");
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    let pid = format!("pid {}", child.id());
+    for extra in [&["--overwrite"][..], &["--resume", out.to_str().unwrap()]] {
+        let o = train_command(&setup, &out, &[&long[..], extra].concat())
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success(), "{extra:?}: {err}");
+        assert!(
+            err.contains("another lorafit process") && err.contains(&pid),
+            "{extra:?}: {err}"
+        );
+        assert!(err.contains(&out.display().to_string()), "{err}");
+    }
+    assert!(
+        child.try_wait().unwrap().is_none(),
+        "the first run ended early"
+    );
+    // SIGKILL: the kernel releases the lock, and the folder takes a new run.
+    child.kill().unwrap();
+    child.wait().unwrap();
+    run_to_end(&setup, &out, &["--set", "steps=4", "--overwrite"]);
+    assert!(out.join("adapter/adapter_model.safetensors").is_file());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A run on the built-in `--model smollm2` resumes with `--resume run` alone (the model's name
+/// is no path relative to where the run started) and ends as the uninterrupted run; its
+/// adapter names the base by its Hub id, as PEFT loads it.
+#[test]
+fn a_smollm2_run_resumes_by_its_folder() {
+    if common::smollm2_or_skip("a_smollm2_run_resumes_by_its_folder").is_none() {
+        return;
+    }
+    let dir = scratch("smollm2");
+    data_file(&dir.join("train.jsonl"), 6, 1);
+    let lorafit = |args: &[&str]| {
+        let o = Command::new(env!("CARGO_BIN_EXE_lorafit"))
+            .current_dir(&dir)
+            .args(args)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr).to_string();
+        assert!(o.status.success(), "lorafit {args:?}: {err}");
+        err
+    };
+    lorafit(&[
+        "train",
+        "--model",
+        "smollm2",
+        "--data",
+        "train.jsonl",
+        "--output",
+        "run",
+        "--steps",
+        "4",
+        "--rank",
+        "2",
+        "--set",
+        "save_every=2",
+        "--set",
+        "max_seq_len=32",
+        "--set",
+        "max_prompt_len=16",
+    ]);
+    let run = dir.join("run");
+    let want = deterministic_files(&run);
+    let config: serde_json::Value =
+        serde_json::from_slice(&want["adapter/adapter_config.json"]).unwrap();
+    assert_eq!(
+        config["base_model_name_or_path"],
+        "HuggingFaceTB/SmolLM2-135M-Instruct"
+    );
+    // As a kill after step 2 leaves the folder.
+    std::fs::remove_dir_all(run.join("checkpoint-000004")).unwrap();
+    std::fs::remove_dir_all(run.join("adapter")).unwrap();
+    lorafit(&["train", "--resume", "run"]);
+    std::fs::remove_dir_all(run.join("checkpoint-000004")).unwrap();
+    std::fs::remove_dir_all(run.join("adapter")).unwrap();
+    lorafit(&["train", "--resume", "run", "--model", "smollm2"]);
+    let got = deterministic_files(&run);
+    for name in ["metrics.jsonl", "adapter/adapter_model.safetensors"] {
+        assert!(got[name] == want[name], "{name} differs");
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -1535,3 +1535,112 @@ fn valid_fraction_holds_out_seeded_training_rows() {
     assert_eq!(hold_out(vec![1, 2, 3], 0.01, 0).unwrap().1.len(), 1);
     assert!(hold_out(vec![1], 0.5, 0).is_err());
 }
+
+/// A warm-started run resumes from its checkpoint's weights without reading the warm-start
+/// adapter, which may have moved since.
+#[test]
+fn a_warm_started_run_resumes_after_its_adapter_moved() {
+    let loaded = tiny_loaded();
+    let items = pair_items(8, 3, loaded.model.spec.vocab);
+    let first = out_dir("warm-first");
+    run(&cfg(&first, 2), None, &loaded, &items, &[]);
+    let dir = out_dir("warm-run");
+    let mut c = cfg(&dir, 4);
+    c.save_every = 2;
+    c.warm_start = Some(first.join("adapter").display().to_string());
+    let whole = run(&c, None, &loaded, &items, &[]);
+    // As a kill after step 2 leaves it; then the warm-start adapter moves away.
+    std::fs::remove_dir_all(dir.join("checkpoint-000004")).unwrap();
+    std::fs::remove_dir_all(dir.join("adapter")).unwrap();
+    std::fs::rename(&first, first.with_extension("moved")).unwrap();
+    let resumed = run(&c, Some(&dir), &loaded, &items, &[]);
+    assert_eq!(resumed.losses, whole.losses[2..]);
+    let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_dir_all(first.with_extension("moved"));
+}
+
+/// A finished run extended with more steps warms its new cycle up for `warmup_ratio` of the
+/// added steps (the ratio the run was given), not for the warm-up the first cycle resolved to;
+/// a `warmup_steps` the run was given carries over.
+#[test]
+fn an_extension_warms_up_for_the_ratio_of_the_added_steps() {
+    let loaded = tiny_loaded();
+    let items = pair_items(8, 3, loaded.model.spec.vocab);
+    for (warmup_steps, want) in [(None, [3, 9]), (Some(2), [2, 2])] {
+        let dir = out_dir("extend-warmup");
+        let mut c = cfg(&dir, 10);
+        c.warmup_ratio = 0.3;
+        c.warmup_steps = warmup_steps;
+        run(&c, None, &loaded, &items, &[]);
+        // A resume without a config continues with the checkpoint's settings.
+        let mut again =
+            TrainConfig::from_toml_file(&dir.join("checkpoint-000010/run.toml")).unwrap();
+        again.steps = 40;
+        run(&again, Some(&dir), &loaded, &items, &[]);
+        let state = read_json(&dir.join("checkpoint-000040/trainer_state.json"));
+        let warmups: Vec<u64> = state["cycles"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| c["warmup"].as_u64().unwrap())
+            .collect();
+        assert_eq!(warmups, want, "warmup_steps {warmup_steps:?}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
+
+/// A resume into another folder stopped before its first step leaves a checkpoint in that
+/// folder, so that a resume of it continues this run (not the source's).
+#[test]
+fn a_resume_elsewhere_stopped_at_once_is_continued_from_its_own_folder() {
+    use lorafit::train::trainer::train_with;
+    let loaded = tiny_loaded();
+    let items = pair_items(8, 3, loaded.model.spec.vocab);
+    let src = out_dir("stop-src");
+    let mut c = cfg(&src, 4);
+    c.save_every = 2;
+    let whole = run(&c, None, &loaded, &items, &[]);
+    let dst = out_dir("stop-dst");
+    let mut d = c.clone();
+    d.output = dst.display().to_string();
+    let from = src.join("checkpoint-000002");
+    let stopped = train_with(&d, Some(&from), &loaded, &items, &[], &mut StopAtOnce).unwrap();
+    assert!(stopped.stopped);
+    assert_eq!(stopped.adapter_dir, dst.join("checkpoint-000002"));
+    let resumed = run(&d, Some(&dst), &loaded, &items, &[]);
+    assert_eq!(resumed.losses, whole.losses[2..]);
+    let _ = std::fs::remove_dir_all(&src);
+    let _ = std::fs::remove_dir_all(&dst);
+}
+
+/// A checkpoint whose optimizer.safetensors was cut short is refused naming the file.
+#[test]
+fn a_truncated_optimizer_file_is_named() {
+    let loaded = tiny_loaded();
+    let items = pair_items(8, 3, loaded.model.spec.vocab);
+    let dir = out_dir("cut-optimizer");
+    let mut c = cfg(&dir, 4);
+    c.save_every = 2;
+    run(&c, None, &loaded, &items, &[]);
+    let opt = dir.join("checkpoint-000002/optimizer.safetensors");
+    let len = std::fs::metadata(&opt).unwrap().len();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&opt)
+        .unwrap()
+        .set_len(len / 2)
+        .unwrap();
+    c.overwrite = true;
+    let e = train(
+        &c,
+        Some(&dir.join("checkpoint-000002")),
+        &loaded,
+        &items,
+        &[],
+    )
+    .err()
+    .expect("a cut optimizer file is refused");
+    let e = format!("{e:#}");
+    assert!(e.contains(&opt.display().to_string()), "{e}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

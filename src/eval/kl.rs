@@ -270,6 +270,18 @@ pub fn layer_kl(
 /// One `lorafit kl` run: loads both models on the device, reads the rows, measures every
 /// layer with a progress bar over the rows, and writes `opts.output`.
 pub fn run(opts: &KlOptions) -> Result<KlFile> {
+    let mut inputs: Vec<(String, PathBuf)> =
+        crate::data::rows::dataset_files(&opts.data.display().to_string())
+            .unwrap_or_else(|_| vec![opts.data.clone()])
+            .into_iter()
+            .map(|f| ("--data".to_string(), f))
+            .collect();
+    inputs.push(("--model".to_string(), PathBuf::from(&opts.model)));
+    inputs.push(("--reference".to_string(), PathBuf::from(&opts.reference)));
+    if let Some(t) = &opts.chat_template {
+        inputs.push(("--chat-template".to_string(), PathBuf::from(t)));
+    }
+    super::refuse_clashing_paths(&[("--output".to_string(), opts.output.clone())], &inputs)?;
     // Where the table goes is checked before the forward passes, not after them.
     crate::atomic_file::check_writable(&opts.output, "--output")?;
     let device = Device::parse(&opts.device)?;

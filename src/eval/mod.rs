@@ -20,6 +20,53 @@ use crate::model::Lora;
 use crate::train::trainer::Loaded;
 use anyhow::{Context, Result};
 use serde::Serialize;
+use std::path::{Path, PathBuf};
+
+/// Whether two paths name one file, whether or not it exists yet: their folders resolved
+/// (links and `..` followed) and their names compared.
+pub(crate) fn same_file(a: &Path, b: &Path) -> bool {
+    let resolve = |p: &Path| {
+        let folder = match p.parent() {
+            Some(f) if !f.as_os_str().is_empty() => f,
+            _ => Path::new("."),
+        };
+        (
+            folder.canonicalize().ok(),
+            p.file_name().map(|n| n.to_owned()),
+        )
+    };
+    match (a.canonicalize(), b.canonicalize()) {
+        (Ok(x), Ok(y)) => x == y,
+        _ => {
+            let (x, y) = (resolve(a), resolve(b));
+            x.0.is_some() && x == y
+        }
+    }
+}
+
+/// An error where an output file is one of the inputs, or two outputs are one file: the later
+/// write would replace the other file. Each path comes with what names it (`--out`).
+pub(crate) fn refuse_clashing_paths(
+    outputs: &[(String, PathBuf)],
+    inputs: &[(String, PathBuf)],
+) -> Result<()> {
+    for (i, (what, out)) in outputs.iter().enumerate() {
+        if let Some((input, _)) = inputs.iter().find(|(_, p)| same_file(p, out)) {
+            anyhow::bail!(
+                "{what} {} is also read ({input}): writing it would replace the input; name \
+                 another file",
+                out.display()
+            );
+        }
+        if let Some((other, _)) = outputs[..i].iter().find(|(_, p)| same_file(p, out)) {
+            anyhow::bail!(
+                "{other} and {what} are both {}: one would replace the other; name two files",
+                out.display()
+            );
+        }
+    }
+    Ok(())
+}
 
 /// The model's reply to one user message, greedy, at most `max_new` tokens. Every generation
 /// the evaluation makes goes through here, so a change of generation API is one line.

@@ -240,6 +240,7 @@ pub fn run(
     progress: &mut dyn FnMut(&EvalProgress<'_>) -> Result<()>,
 ) -> Result<EvalOutcome> {
     opts.validate()?;
+    refuse_clashing_paths(opts)?;
     // Where the results go is checked before the scoring, not after it.
     if let Some(p) = &opts.out {
         crate::atomic_file::check_writable(p, "--out")?;
@@ -327,6 +328,51 @@ pub fn run(
         eprintln!("wrote {}", path.display());
     }
     Ok(outcome)
+}
+
+/// The files a run reads that an output could name: the data (each shard), the config, the
+/// chat template, the model file and the adapters' files.
+fn input_files(opts: &EvalOptions) -> Vec<(String, PathBuf)> {
+    let mut inputs = Vec::new();
+    if let Some(d) = &opts.data {
+        let files = crate::data::rows::dataset_files(d).unwrap_or_else(|_| vec![PathBuf::from(d)]);
+        inputs.extend(files.into_iter().map(|f| ("--data".to_string(), f)));
+    }
+    for (flag, p) in [
+        ("--config", &opts.config),
+        ("--model", &opts.model.as_ref().map(PathBuf::from)),
+    ] {
+        if let Some(p) = p {
+            inputs.push((flag.to_string(), p.clone()));
+        }
+    }
+    if let Some(t) = &opts.chat_template {
+        inputs.push(("--chat-template".to_string(), PathBuf::from(t)));
+    }
+    for dir in opts.subjects().into_iter().flatten() {
+        for name in ["adapter_config.json", "adapter_model.safetensors"] {
+            inputs.push((format!("the adapter {}", dir.display()), dir.join(name)));
+        }
+    }
+    inputs
+}
+
+/// `out`, `report` and a comparison's chart are three files, none of them an input.
+fn refuse_clashing_paths(opts: &EvalOptions) -> Result<()> {
+    let mut outputs = Vec::new();
+    if let Some(p) = &opts.out {
+        outputs.push(("--out".to_string(), p.clone()));
+    }
+    if let Some(p) = &opts.report {
+        outputs.push(("--report".to_string(), p.clone()));
+        if !opts.compare.is_empty() {
+            outputs.push((
+                "the report's chart (--report with .png)".to_string(),
+                chart_path(p),
+            ));
+        }
+    }
+    super::refuse_clashing_paths(&outputs, &input_files(opts))
 }
 
 fn headline(overall: &std::collections::BTreeMap<String, f64>, key: &str) -> String {

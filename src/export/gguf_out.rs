@@ -284,11 +284,17 @@ pub fn read_adapter(path: &Path, spec: &ModelSpec, permutes: bool) -> Result<Lor
     Ok(lora)
 }
 
+/// llama.cpp's `general.file_type` of a file whose weights are mostly f16.
+pub const LLAMA_FTYPE_MOSTLY_F16: u32 = 1;
+
 /// What the merged GGUF changed: per merged tensor, its name, stored type and the relative
 /// RMS error its encoding added to the merged f32 values.
 pub struct MergedGgufSummary {
     pub merged: Vec<(String, GgmlType, f64)>,
     pub tensors: usize,
+    /// How many of `merged` are stored with other bytes than the base's: fewer where
+    /// requantizing rounded the merged weights back to the base's values.
+    pub changed: usize,
 }
 
 /// Writes the merged GGUF of a GGUF base: every metadata key and untouched tensor copied as
@@ -322,6 +328,7 @@ pub fn write_merged_gguf(
         w.set_str("tokenizer.chat_template", t);
     }
     let mut merged = Vec::new();
+    let mut changed = 0;
     for info in src.file.tensor_infos() {
         let raw = src.file.tensor_bytes(&info.name)?;
         let change = match targets.get(&info.name) {
@@ -371,6 +378,9 @@ pub fn write_merged_gguf(
             ty,
             if den > 0.0 { (num / den).sqrt() } else { 0.0 },
         ));
+        if ty != info.ggml_type || bytes != raw {
+            changed += 1;
+        }
         w.add_tensor(GgufTensor {
             name: info.name.clone(),
             dims: info.shape.clone(),
@@ -378,7 +388,20 @@ pub fn write_merged_gguf(
             data: bytes,
         })?;
     }
+    // The projections are most of the weights: with them in f16 the file is "mostly F16"
+    // (llama_ftype 1), not the base's type, whatever the embeddings and norms keep.
+    if merged_type == MergedType::F16 && !merged.is_empty() {
+        let ftype = match src.file.get("general.file_type") {
+            Some(MetaValue::I32(_)) => MetaValue::I32(LLAMA_FTYPE_MOSTLY_F16 as i32),
+            _ => MetaValue::U32(LLAMA_FTYPE_MOSTLY_F16),
+        };
+        w.set("general.file_type", ftype);
+    }
     let tensors = src.file.tensor_infos().len();
     w.write(path)?;
-    Ok(MergedGgufSummary { merged, tensors })
+    Ok(MergedGgufSummary {
+        merged,
+        tensors,
+        changed,
+    })
 }

@@ -46,6 +46,23 @@ pub enum Format {
     MergedGguf,
 }
 
+impl Format {
+    /// The name `--format` takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            Format::Hf => "hf",
+            Format::GgufAdapter => "gguf-adapter",
+            Format::MergedGguf => "merged-gguf",
+        }
+    }
+}
+
+impl std::fmt::Display for Format {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 /// A resolved export request: the flags of `lorafit export`, and the settings of an `export`
 /// job of `lorafit serve`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -70,6 +87,9 @@ pub struct ExportPlan {
 pub struct ExportReport {
     pub written: Vec<(Format, PathBuf)>,
     pub checks: Vec<CheckRow>,
+    /// What the export could write but the user should know (also printed on stderr), such as
+    /// a merged GGUF whose requantization erased the adapter's deltas.
+    pub warnings: Vec<String>,
 }
 
 impl ExportReport {
@@ -77,7 +97,7 @@ impl ExportReport {
     pub fn text(&self, plan: &ExportPlan) -> String {
         let mut out = String::new();
         for (f, path) in &self.written {
-            out.push_str(&format!("{f:?}: {}\n", path.display()));
+            out.push_str(&format!("{f}: {}\n", path.display()));
         }
         if plan.check {
             out.push_str(&check::format_rows(&self.checks));
@@ -182,6 +202,64 @@ pub fn refuse_earlier_export(output: &Path) -> Result<()> {
     )
 }
 
+/// An error where the base model or the adapter lies in (or is) an artefact path of `output`:
+/// `--overwrite` would delete it, or the export would write over it. Asked before anything is
+/// deleted or written.
+pub fn refuse_inputs_in_artefacts(plan: &ExportPlan) -> Result<()> {
+    let inputs = [
+        ("--model", "the base model", &plan.model),
+        ("--adapter", "the adapter", &plan.adapter),
+    ];
+    for name in ARTEFACTS {
+        let artefact = plan.output.join(name);
+        for (flag, what, input) in inputs {
+            if path_within(input, &artefact) {
+                anyhow::bail!(
+                    "{flag} {} lies in {}, which this export deletes and writes again: {what} \
+                     would be lost; move it out of --output {} or name another output folder",
+                    input.display(),
+                    artefact.display(),
+                    plan.output.display()
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Whether `inner` is `outer` or lies inside it, by their paths as given (made absolute,
+/// `.` and `..` removed) and by the files they resolve to (links followed).
+fn path_within(inner: &Path, outer: &Path) -> bool {
+    let lexical = |p: &Path| -> Option<PathBuf> {
+        let abs = std::path::absolute(p).ok()?;
+        let mut out = PathBuf::new();
+        for c in abs.components() {
+            match c {
+                std::path::Component::CurDir => {}
+                std::path::Component::ParentDir => {
+                    out.pop();
+                }
+                other => out.push(other),
+            }
+        }
+        Some(out)
+    };
+    if let (Some(i), Some(o)) = (lexical(inner), lexical(outer)) {
+        if i.starts_with(&o) {
+            return true;
+        }
+    }
+    // A link named like an artefact is deleted as a link, leaving what it points to: only a
+    // real entry's resolved path counts.
+    let is_link = outer
+        .symlink_metadata()
+        .is_ok_and(|m| m.file_type().is_symlink());
+    match (inner.canonicalize(), outer.canonicalize()) {
+        (Ok(i), Ok(o)) if !is_link => i.starts_with(o),
+        _ => false,
+    }
+}
+
 /// Deletes the artefacts of an earlier export in `output` (`ARTEFACTS`, nothing else).
 fn remove_earlier_artefacts(output: &Path) -> Result<()> {
     for path in earlier_artefacts(output) {
@@ -240,6 +318,7 @@ pub fn run_with(
     progress: &mut dyn FnMut(&ExportProgress) -> Result<()>,
 ) -> Result<ExportReport> {
     let device = Device::Cpu;
+    refuse_inputs_in_artefacts(plan)?;
     let base_is_gguf = is_gguf(&plan.model);
     let formats = plan.resolved_formats()?;
     let total = plan.total_steps()?;
@@ -286,6 +365,7 @@ pub fn run_with(
 
     let mut written = Vec::new();
     let mut stored = Vec::new();
+    let mut warnings = Vec::new();
     for &f in &formats {
         match f {
             Format::Hf => {
@@ -353,12 +433,17 @@ pub fn run_with(
                     .unwrap_or(GgmlType::F32);
                 let worst = s.merged.iter().map(|m| m.2).fold(0f64, f64::max);
                 eprintln!(
-                    "merged GGUF {}: {} tensors, {} merged (coarsest {coarsest}, largest relative \
-                     RMS encoding error {worst:.3e})",
+                    "merged GGUF {}: {} tensors, {} merged, {} of them changed by the merge \
+                     (coarsest {coarsest}, largest relative RMS encoding error {worst:.3e})",
                     path.display(),
                     s.tensors,
-                    s.merged.len()
+                    s.merged.len(),
+                    s.changed
                 );
+                if let Some(w) = lost_deltas_warning(&path, s.merged.len(), s.changed, coarsest) {
+                    eprintln!("warning: {w}");
+                    warnings.push(w);
+                }
                 stored.push((coarsest, s.merged.len()));
                 step(format!("wrote {}", path.display()))?;
                 written.push((f, path));
@@ -408,7 +493,45 @@ pub fn run_with(
             serde_json::to_string_pretty(&rows)?,
         )?;
     }
-    Ok(ExportReport { written, checks })
+    Ok(ExportReport {
+        written,
+        checks,
+        warnings,
+    })
+}
+
+/// The warning for a merged GGUF where requantizing gave some adapted tensors back their base
+/// bytes: the adapter's deltas there were below the type's step, so the file carries less of
+/// the adapter (none, where no tensor changed) than the export was asked for.
+fn lost_deltas_warning(
+    path: &Path,
+    merged: usize,
+    changed: usize,
+    coarsest: GgmlType,
+) -> Option<String> {
+    if changed == merged {
+        return None;
+    }
+    let fix = if coarsest == GgmlType::F16 {
+        "the adapter's deltas are below f16's precision there".to_string()
+    } else {
+        format!(
+            "the adapter's deltas are below the {coarsest} step; use --merged-type f16 to keep them"
+        )
+    };
+    Some(if changed == 0 {
+        format!(
+            "{}: 0 of {merged} adapted tensors changed by the merge, the file is the base's \
+             weights: {fix}",
+            path.display()
+        )
+    } else {
+        format!(
+            "{}: only {changed} of {merged} adapted tensors changed by the merge, the others \
+             kept their base bytes: {fix}",
+            path.display()
+        )
+    })
 }
 
 /// An artefact's logits on `prompts`, read back through lorafit's loaders.

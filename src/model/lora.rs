@@ -123,10 +123,25 @@ impl Default for LoraConfig {
 }
 
 fn pattern_lookup<T: Copy>(map: &BTreeMap<String, T>, name: &str) -> Option<T> {
-    // PEFT matches `(.*\.)?{key}$`: the key is the whole name or a dot-separated suffix of it.
     map.iter()
-        .find(|(k, _)| name == k.as_str() || name.ends_with(&format!(".{k}")))
+        .find(|(k, _)| pattern_matches(k, name))
         .map(|(_, v)| *v)
+}
+
+/// Whether a `rank_pattern` / `alpha_pattern` key applies to module `name`, as PEFT decides it
+/// (`re.match(rf"(.*\.)?({key})$", name)`): the key, a regular expression, matches the whole
+/// name or a part of it after a dot. A key that is not an expression the `regex` crate reads
+/// (look-arounds, back-references; `load_peft` refuses those) is taken as a plain name.
+pub fn pattern_matches(key: &str, name: &str) -> bool {
+    match pattern_regex(key) {
+        Ok(re) => re.is_match(name),
+        Err(_) => name == key || name.ends_with(&format!(".{key}")),
+    }
+}
+
+/// PEFT's full-name expression for a pattern key.
+fn pattern_regex(key: &str) -> Result<regex::Regex, regex::Error> {
+    regex::Regex::new(&format!(r"^(?:.*\.)?(?:{key})$"))
 }
 
 impl LoraConfig {
@@ -397,11 +412,16 @@ impl Lora {
     pub fn load_peft(dir: &Path, spec: &ModelSpec, device: &Device) -> Result<Lora> {
         let cfg_path = dir.join("adapter_config.json");
         if !cfg_path.exists() && dir.join("adapter").join("adapter_config.json").is_file() {
+            let best = dir.join("best");
             bail!(
-                "{} is a run folder, not an adapter: its adapter is {} (best/ holds the best \
-                 validation margin's)",
+                "{} is a run folder, not an adapter: its adapter is {}{}",
                 dir.display(),
-                dir.join("adapter").display()
+                dir.join("adapter").display(),
+                if best.join("adapter_config.json").is_file() {
+                    format!(" ({} holds the best validation margin's)", best.display())
+                } else {
+                    String::new()
+                }
             );
         }
         let text = std::fs::read_to_string(&cfg_path)
@@ -419,7 +439,8 @@ impl Lora {
             })? as usize,
         };
         let alpha = match field("lora_alpha") {
-            None => rank as f64,
+            // PEFT's LoraConfig default.
+            None => PEFT_DEFAULT_ALPHA,
             Some(x) => x.as_f64().filter(|a| a.is_finite()).with_context(|| {
                 format!(
                     "{}: field \"lora_alpha\": {x}, where a number is expected",
@@ -429,36 +450,37 @@ impl Lora {
         };
         check_plain_lora(&v).with_context(|| format!("{}", cfg_path.display()))?;
         let targets: Vec<Target> = match field("target_modules") {
-            Some(serde_json::Value::Array(a)) => a
-                .iter()
-                .map(|x| Target::parse(x.as_str().unwrap_or("")))
-                .collect::<Result<_>>()
-                .with_context(|| format!("{}: field \"target_modules\"", cfg_path.display()))?,
+            Some(serde_json::Value::Array(a)) => {
+                let mut targets = Vec::new();
+                for x in a {
+                    let t = peft_target(x).with_context(|| {
+                        format!("{}: field \"target_modules\"", cfg_path.display())
+                    })?;
+                    if !targets.contains(&t) {
+                        targets.push(t);
+                    }
+                }
+                targets
+            }
+            Some(serde_json::Value::String(re)) => bail!(
+                "{}: field \"target_modules\" is the string {re:?}, which PEFT reads as a regular \
+                 expression over module names; lorafit does not read those: list the module \
+                 names instead, e.g. [\"q_proj\", \"v_proj\"]",
+                cfg_path.display()
+            ),
             _ => bail!(
                 "{}: field \"target_modules\" must be a list of module names",
                 cfg_path.display()
             ),
         };
-        let map_usize = |k: &str| -> BTreeMap<String, usize> {
-            field(k)
-                .and_then(|x| x.as_object())
-                .map(|o| {
-                    o.iter()
-                        .filter_map(|(k, v)| v.as_u64().map(|n| (k.clone(), n as usize)))
-                        .collect()
-                })
-                .unwrap_or_default()
-        };
-        let map_f64 = |k: &str| -> BTreeMap<String, f64> {
-            field(k)
-                .and_then(|x| x.as_object())
-                .map(|o| {
-                    o.iter()
-                        .filter_map(|(k, v)| v.as_f64().map(|n| (k.clone(), n)))
-                        .collect()
-                })
-                .unwrap_or_default()
-        };
+        let rank_pattern = pattern_field(&v, "rank_pattern", |x| {
+            x.as_u64().filter(|&r| r > 0).map(|r| r as usize)
+        })
+        .with_context(|| format!("{}", cfg_path.display()))?;
+        let alpha_pattern = pattern_field(&v, "alpha_pattern", |x| {
+            x.as_f64().filter(|a| a.is_finite())
+        })
+        .with_context(|| format!("{}", cfg_path.display()))?;
         let config = LoraConfig {
             rank,
             alpha,
@@ -466,14 +488,24 @@ impl Lora {
             rslora: field("use_rslora")
                 .and_then(|x| x.as_bool())
                 .unwrap_or(false),
-            rank_pattern: map_usize("rank_pattern"),
-            alpha_pattern: map_f64("alpha_pattern"),
+            rank_pattern,
+            alpha_pattern,
             dropout: field("lora_dropout")
                 .and_then(|x| x.as_f64())
                 .unwrap_or(0.0) as f32,
             seed: 0,
         };
+        check_patterns(&config, spec).with_context(|| format!("{}", cfg_path.display()))?;
         let st_path = dir.join("adapter_model.safetensors");
+        if !st_path.exists() && dir.join("adapter_model.bin").exists() {
+            bail!(
+                "{}: the adapter's weights are in adapter_model.bin (a pickled PyTorch file), \
+                 which lorafit does not read; save the adapter with safetensors \
+                 (save_pretrained(..., safe_serialization=True), PEFT's default) to get \
+                 adapter_model.safetensors",
+                dir.display()
+            );
+        }
         let bytes =
             std::fs::read(&st_path).with_context(|| format!("reading {}", st_path.display()))?;
         let st = safetensors::SafeTensors::deserialize(&bytes)
@@ -504,8 +536,10 @@ impl Lora {
                         view.shape(),
                         want
                     );
-                    super::weights::view_to_f32(&view)
-                        .with_context(|| format!("{}: tensor {key}", st_path.display()))
+                    let data = super::weights::view_to_f32(&view)
+                        .with_context(|| format!("{}: tensor {key}", st_path.display()))?;
+                    super::weights::check_finite(&data, &key, &st_path.display().to_string())?;
+                    Ok(data)
                 };
                 let a = read(false, [r, inp])?;
                 let b = read(true, [out, r])?;
@@ -532,6 +566,116 @@ impl Lora {
         lora.refresh_compute_copies()?;
         Ok(lora)
     }
+}
+
+/// `lora_alpha` where an adapter_config.json has none: PEFT's `LoraConfig` default.
+pub const PEFT_DEFAULT_ALPHA: f64 = 8.0;
+
+/// One `target_modules` entry: a module name (`q_proj`) or a dotted end of a module's path
+/// (`self_attn.q_proj`), which PEFT matches as the end of each module's full name.
+fn peft_target(x: &serde_json::Value) -> Result<Target> {
+    let Some(name) = x.as_str() else {
+        bail!("{x} is not a module name");
+    };
+    let Some((_, last)) = name.rsplit_once('.') else {
+        return Target::parse(name);
+    };
+    let t = Target::parse(last).with_context(|| format!("{name:?}"))?;
+    ensure!(
+        t.path() == name || t.path().ends_with(&format!(".{name}")),
+        "{name:?} names {} by a path that is not the end of every layer's {} (the module's \
+         path in a layer is {}; a path naming some layers only is not read): list module names \
+         such as {:?} or {:?}",
+        t.module(),
+        t.module(),
+        t.path(),
+        t.module(),
+        t.path()
+    );
+    Ok(t)
+}
+
+/// `rank_pattern` or `alpha_pattern` of an adapter_config.json: each value read by `value`
+/// (an error naming the key where it is not one), each key an expression lorafit can match.
+fn pattern_field<T>(
+    config: &serde_json::Value,
+    field: &str,
+    value: impl Fn(&serde_json::Value) -> Option<T>,
+) -> Result<BTreeMap<String, T>> {
+    let mut out = BTreeMap::new();
+    let Some(x) = config.get(field).filter(|x| !x.is_null()) else {
+        return Ok(out);
+    };
+    let Some(map) = x.as_object() else {
+        bail!("field \"{field}\": {x}, where an object of module names is expected");
+    };
+    for (k, v) in map {
+        let Some(v) = value(v) else {
+            bail!(
+                "field \"{field}\": key {k:?}: {v}, where {} is expected",
+                if field == "rank_pattern" {
+                    "a whole number of at least 1"
+                } else {
+                    "a number"
+                }
+            );
+        };
+        if let Err(e) = pattern_regex(k) {
+            bail!(
+                "field \"{field}\": key {k:?} is a regular expression lorafit does not read \
+                 ({e}); name the modules (e.g. \"down_proj\" or \"model.layers.3.mlp.down_proj\")"
+            );
+        }
+        out.insert(k.clone(), v);
+    }
+    Ok(out)
+}
+
+/// Every pattern key applies to some adapted module of `spec`, and no module is matched by
+/// two keys of different values: PEFT takes the first key in the file's order, which the
+/// parsed JSON no longer holds.
+fn check_patterns(config: &LoraConfig, spec: &ModelSpec) -> Result<()> {
+    let modules: Vec<String> = (0..spec.n_layers)
+        .flat_map(|l| {
+            config
+                .targets
+                .iter()
+                .filter(move |t| t.dims(spec, l).is_some())
+                .map(move |&t| module_name(l, t))
+        })
+        .collect();
+    fn check<T: PartialEq + std::fmt::Display>(
+        field: &str,
+        map: &BTreeMap<String, T>,
+        modules: &[String],
+    ) -> Result<()> {
+        for key in map.keys() {
+            ensure!(
+                modules.iter().any(|m| pattern_matches(key, m)),
+                "field \"{field}\": key {key:?} matches none of the adapted modules of this \
+                 model (such as {:?}): is the adapter another model's?",
+                modules.first().map_or("", |m| m.as_str())
+            );
+        }
+        for m in modules {
+            let hits: Vec<(&String, &T)> =
+                map.iter().filter(|(k, _)| pattern_matches(k, m)).collect();
+            if let Some(((k1, v1), (k2, v2))) = hits
+                .iter()
+                .flat_map(|a| hits.iter().map(move |b| (*a, *b)))
+                .find(|(a, b)| a.1 != b.1)
+            {
+                bail!(
+                    "field \"{field}\": keys {k1:?} ({v1}) and {k2:?} ({v2}) both match {m}; \
+                     PEFT takes the first in the file, an order lorafit does not keep: give \
+                     one key per module"
+                );
+            }
+        }
+        Ok(())
+    }
+    check("rank_pattern", &config.rank_pattern, &modules)?;
+    check("alpha_pattern", &config.alpha_pattern, &modules)
 }
 
 /// PEFT settings that would make the adapter something other than plain LoRA on the listed
@@ -569,6 +713,43 @@ fn check_plain_lora(config: &serde_json::Value) -> Result<()> {
             "modules_to_save",
             field("modules_to_save").is_some_and(|x| x.as_array().is_none_or(|a| !a.is_empty())),
             "fully trained modules (modules_to_save) are not applied by lorafit",
+        ),
+        (
+            "alora_invocation_tokens",
+            field("alora_invocation_tokens").is_some(),
+            "an activated LoRA (alora_invocation_tokens) applies the adapter from its \
+             invocation tokens on, which lorafit does not do",
+        ),
+        (
+            "layer_replication",
+            field("layer_replication").is_some(),
+            "an adapter over replicated layers (layer_replication) is not read by lorafit",
+        ),
+        (
+            "exclude_modules",
+            field("exclude_modules").is_some_and(|x| x.as_array().is_none_or(|a| !a.is_empty())),
+            "an adapter that leaves out some of its target modules (exclude_modules) is not \
+             read by lorafit",
+        ),
+        (
+            "lora_bias",
+            field("lora_bias").is_some_and(|x| x != &serde_json::json!(false)),
+            "a bias on lora_B (lora_bias) is not applied by lorafit",
+        ),
+        (
+            "target_parameters",
+            field("target_parameters").is_some_and(|x| x.as_array().is_none_or(|a| !a.is_empty())),
+            "adapters on parameters (target_parameters) are not read by lorafit",
+        ),
+        (
+            "trainable_token_indices",
+            field("trainable_token_indices").is_some(),
+            "trained token embeddings (trainable_token_indices) are not applied by lorafit",
+        ),
+        (
+            "use_qalora",
+            field("use_qalora").is_some_and(|x| x != &serde_json::json!(false)),
+            "a QA-LoRA adapter (use_qalora) pools its input, which lorafit does not do",
         ),
     ];
     if let Some((name, _, why)) = refused.iter().find(|(_, hit, _)| *hit) {
@@ -661,6 +842,169 @@ mod tests {
             Err(e) => format!("{e:#}"),
         };
         assert!(e.contains("adapter of another model"), "{e}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    fn llama_spec() -> ModelSpec {
+        ModelSpec::from_config_json(
+            &std::fs::read_to_string(
+                Path::new(env!("CARGO_MANIFEST_DIR"))
+                    .join("tests/fixtures/models/llama/config.json"),
+            )
+            .unwrap(),
+        )
+        .unwrap()
+    }
+
+    /// PEFT's pattern keys are regular expressions matched against the whole module name or
+    /// its end after a dot.
+    #[test]
+    fn pattern_keys_match_as_peft_matches_them() {
+        let name = "model.layers.3.mlp.down_proj";
+        for key in [
+            "down_proj",
+            "mlp.down_proj",
+            name,
+            ".*_proj",
+            ".*\\.down_proj",
+            "layers\\.[0-9]+\\.mlp\\.(up|down)_proj",
+            "(?:gate|down)_proj",
+            "d{1}own_pr?oj",
+            "^model.*",
+        ] {
+            assert!(pattern_matches(key, name), "{key}");
+        }
+        for key in [
+            "own_proj",
+            "up_proj",
+            "layers.1.mlp.down_proj",
+            "q_proj|k_proj",
+            "^mlp.down_proj",
+            "down",
+        ] {
+            assert!(!pattern_matches(key, name), "{key}");
+        }
+        for bad in ["(?=down)_proj", "down_proj\\1", "*_proj", "(down_proj"] {
+            assert!(pattern_regex(bad).is_err(), "{bad}");
+        }
+    }
+
+    /// What PEFT reads, lorafit reads the same way or refuses naming the field: a regex
+    /// `alpha_pattern` applies to every module it matches, a missing `lora_alpha` is PEFT's 8,
+    /// dotted `target_modules` are module names, a regex string there is refused with what to
+    /// write, and options that change the maths (aLoRA, layer replication) are refused.
+    #[test]
+    fn peft_configs_are_read_as_peft_reads_them() {
+        let spec = llama_spec();
+        let dir = std::env::temp_dir().join(format!("lorafit-peft-forms-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let config = LoraConfig {
+            rank: 4,
+            alpha: 4.0,
+            ..LoraConfig::default()
+        };
+        Lora::new(&spec, config, &Device::Cpu)
+            .unwrap()
+            .save_peft(&dir, "base")
+            .unwrap();
+        let path = dir.join("adapter_config.json");
+        let saved: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        let load = |edit: &dyn Fn(&mut serde_json::Value)| {
+            let mut v = saved.clone();
+            edit(&mut v);
+            std::fs::write(&path, v.to_string()).unwrap();
+            Lora::load_peft(&dir, &spec, &Device::Cpu).map_err(|e| format!("{e:#}"))
+        };
+        let l = load(&|v| v["alpha_pattern"] = serde_json::json!({".*_proj": 64})).unwrap();
+        assert!(l.pairs().all(|(_, _, p)| p.scale == 16.0));
+        let l = load(&|v| v["alpha_pattern"] = serde_json::json!({"mlp\\..*": 8})).unwrap();
+        for (_, t, p) in l.pairs() {
+            let want = if t.path().starts_with("mlp.") {
+                2.0
+            } else {
+                1.0
+            };
+            assert_eq!(p.scale, want, "{t:?}");
+        }
+        let e = load(&|v| v["alpha_pattern"] = serde_json::json!({"q_proj": 8, ".*": 16}))
+            .err()
+            .unwrap();
+        assert!(e.contains("both match") && e.contains("q_proj"), "{e}");
+        let e = load(&|v| v["alpha_pattern"] = serde_json::json!({"(?=q)": 8}))
+            .err()
+            .unwrap();
+        assert!(e.contains("alpha_pattern") && e.contains("(?=q)"), "{e}");
+        let e = load(&|v| v["rank_pattern"] = serde_json::json!({"q_proj": "4"}))
+            .err()
+            .unwrap();
+        assert!(e.contains("rank_pattern") && e.contains("q_proj"), "{e}");
+        let l = load(&|v| {
+            v.as_object_mut().unwrap().remove("lora_alpha");
+        })
+        .unwrap();
+        assert_eq!(l.config.alpha, PEFT_DEFAULT_ALPHA);
+        assert!(l.pairs().all(|(_, _, p)| p.scale == 2.0));
+        let all: Vec<String> = Target::ALL.iter().map(|t| t.path()).collect();
+        let l = load(&|v| v["target_modules"] = serde_json::json!(all)).unwrap();
+        assert_eq!(l.config.targets, Target::ALL.to_vec());
+        let e = load(&|v| v["target_modules"] = serde_json::json!(".*q_proj"))
+            .err()
+            .unwrap();
+        assert!(
+            e.contains("target_modules") && e.contains("regular expression") && e.contains("list"),
+            "{e}"
+        );
+        let e = load(&|v| v["target_modules"] = serde_json::json!(["layers.0.self_attn.q_proj"]))
+            .err()
+            .unwrap();
+        assert!(e.contains("layers.0.self_attn.q_proj"), "{e}");
+        for (field, value) in [
+            ("alora_invocation_tokens", serde_json::json!([1, 2])),
+            ("layer_replication", serde_json::json!([[0, 1]])),
+        ] {
+            let e = load(&|v| v[field] = value.clone()).err().unwrap();
+            assert!(e.contains(&format!("field \"{field}\"")), "{e}");
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// A non-finite value in an adapter is refused naming the file, the tensor and its index;
+    /// a folder holding only `adapter_model.bin` is told to save with safetensors.
+    #[test]
+    fn non_finite_and_pickled_adapters_are_refused() {
+        let spec = llama_spec();
+        let dir = std::env::temp_dir().join(format!("lorafit-peft-nan-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let mut lora = Lora::new(&spec, LoraConfig::default(), &Device::Cpu).unwrap();
+        let p = lora.get_mut(1, Target::V).unwrap();
+        let mut a = p.a.to_vec().unwrap();
+        a[5] = f32::INFINITY;
+        p.a = Tensor::from_f32(&a, p.a.shape(), DType::F32, &Device::Cpu).unwrap();
+        lora.save_peft(&dir, "base").unwrap();
+        let e = format!(
+            "{:#}",
+            Lora::load_peft(&dir, &spec, &Device::Cpu).err().unwrap()
+        );
+        assert!(
+            e.contains("adapter_model.safetensors")
+                && e.contains(&peft_key(1, Target::V, false))
+                && e.contains("inf at index 5"),
+            "{e}"
+        );
+        std::fs::rename(
+            dir.join("adapter_model.safetensors"),
+            dir.join("adapter_model.bin"),
+        )
+        .unwrap();
+        let e = format!(
+            "{:#}",
+            Lora::load_peft(&dir, &spec, &Device::Cpu).err().unwrap()
+        );
+        assert!(
+            e.contains("adapter_model.bin") && e.contains("safetensors"),
+            "{e}"
+        );
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

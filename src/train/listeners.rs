@@ -101,15 +101,27 @@ pub fn stop_on_interrupt() -> Result<()> {
             let (what, status) = next!();
             STOP_STATUS.store(status, std::sync::atomic::Ordering::SeqCst);
             INTERRUPTED.store(true, std::sync::atomic::Ordering::SeqCst);
-            eprintln!(
-                "\n{what}: stopping after this step with a checkpoint (Ctrl-C again to quit now)"
-            );
+            let again = if status == 130 {
+                " (Ctrl-C again to quit now)"
+            } else {
+                ""
+            };
+            eprintln!("\n{what}: stopping after this step with a checkpoint{again}");
             let (what, status) = next!();
             eprintln!("\n{what} again: quitting without a checkpoint of this step");
             std::process::exit(status);
         });
     });
     Ok(())
+}
+
+/// `s` as a shell word: as it is when only safe characters make it, else in single quotes.
+pub fn shell_quote(s: &str) -> String {
+    let safe = |c: char| c.is_ascii_alphanumeric() || "-_./=:,+@%".contains(c);
+    if !s.is_empty() && s.chars().all(safe) {
+        return s.to_string();
+    }
+    format!("'{}'", s.replace('\'', "'\\''"))
 }
 
 /// `h:mm:ss`.
@@ -212,12 +224,16 @@ impl TrainEvents for Console {
                 if let Some(bar) = self.bar.take() {
                     bar.abandon();
                 }
-                let run = checkpoint.parent().unwrap_or(checkpoint);
+                // The checkpoint is in the run's own folder, which a resume continues.
+                let run = checkpoint
+                    .parent()
+                    .filter(|p| !p.as_os_str().is_empty())
+                    .unwrap_or(Path::new("."));
                 eprintln!(
                     "stopped at step {step}; checkpoint in {} (continue with `lorafit train \
                      --resume {}`)",
                     checkpoint.display(),
-                    run.display()
+                    shell_quote(&run.display().to_string())
                 );
             }
             TrainEvent::Finished {
@@ -460,5 +476,19 @@ impl TrainEvents for TensorBoard {
             }
             _ => Ok(()),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::shell_quote;
+
+    #[test]
+    fn hints_quote_paths_as_a_shell_reads_them() {
+        assert_eq!(shell_quote("runs/a-1"), "runs/a-1");
+        assert_eq!(shell_quote("my run"), "'my run'");
+        assert_eq!(shell_quote("it's"), "'it'\\''s'");
+        assert_eq!(shell_quote(""), "''");
+        assert_eq!(shell_quote("$HOME"), "'$HOME'");
     }
 }

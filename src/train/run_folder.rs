@@ -1,5 +1,6 @@
 //! A run's output folder and what may happen to it: a new run refuses a folder that already
-//! holds one (unless told to overwrite it), a resumed run checks that its settings keep the
+//! holds one (unless told to overwrite it) or that another process is training into (a lock
+//! held for the run's life), a resumed run checks that its settings keep the
 //! checkpoint's adapter shape and data, and cuts its line logs back to the checkpoint's step so
 //! that a run killed at any moment and resumed writes the same bytes as one never interrupted.
 //! The learning-rate schedule of a run continued past its planned end lives here too
@@ -46,9 +47,39 @@ fn foreign_note(name: &str) -> String {
     )
 }
 
+/// The step of a folder named as lorafit names its checkpoints (`checkpoint-` and digits only).
+fn checkpoint_name_step(name: &str) -> Option<usize> {
+    let digits = name.strip_prefix("checkpoint-")?;
+    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    digits.parse().ok()
+}
+
+/// Whether `dir`, named `checkpoint-NNNNNN`, is a whole lorafit checkpoint: its trainer state
+/// is there and is not another tool's.
+fn own_checkpoint(dir: &Path) -> bool {
+    dir.join(TRAINER_STATE).is_file() && !foreign_checkpoint(dir)
+}
+
 /// The checkpoint `path` names: a checkpoint folder itself, or a run folder, whose latest whole
-/// checkpoint (the highest step with a trainer state) is taken.
+/// checkpoint (the highest step with a trainer state) is taken. A bare name
+/// (`checkpoint-000006`) is a folder of the current one, so that the checkpoint's run folder
+/// (its parent) is `.`.
 pub fn find_checkpoint(path: &Path) -> Result<PathBuf> {
+    if path.is_file() {
+        bail!(
+            "--resume {}: a file, not a run folder or checkpoint (give the run's output folder, \
+             or one of its checkpoint-NNNNNN folders)",
+            path.display()
+        );
+    }
+    let mut parts = path.components();
+    let path = match (parts.next(), parts.next()) {
+        (Some(std::path::Component::Normal(_)), None) => Path::new(".").join(path),
+        _ => path.to_path_buf(),
+    };
+    let path = path.as_path();
     if path.join(TRAINER_STATE).is_file() {
         if foreign_checkpoint(path) {
             bail!(
@@ -70,10 +101,7 @@ pub fn find_checkpoint(path: &Path) -> Result<PathBuf> {
     for entry in std::fs::read_dir(path).with_context(|| format!("reading {}", path.display()))? {
         let entry = entry?;
         let name = entry.file_name().to_string_lossy().to_string();
-        let Some(step) = name
-            .strip_prefix("checkpoint-")
-            .and_then(|n| n.parse::<usize>().ok())
-        else {
+        let Some(step) = checkpoint_name_step(&name) else {
             continue;
         };
         if foreign_checkpoint(&entry.path()) {
@@ -94,6 +122,16 @@ pub fn find_checkpoint(path: &Path) -> Result<PathBuf> {
     }
     match best {
         Some((_, p)) => Ok(p),
+        // A run whose final checkpoint could not be written keeps its finished adapter, which
+        // --overwrite would delete.
+        None if path.join("adapter").join("adapter_model.safetensors").is_file() => bail!(
+            "--resume {}: no checkpoint in this folder (no checkpoint-NNNNNN/{TRAINER_STATE}), \
+             but its adapter/ is a finished run's: use that adapter as it is, or start a new \
+             run in another folder (--output), from its weights with --warm-start {}; \
+             --overwrite (overwrite = true) would delete it",
+            path.display(),
+            path.join("adapter").display()
+        ),
         None => bail!(
             "--resume {}: no checkpoint in this folder (no checkpoint-NNNNNN/{TRAINER_STATE}); start it again with --overwrite",
             path.display()
@@ -101,8 +139,13 @@ pub fn find_checkpoint(path: &Path) -> Result<PathBuf> {
     }
 }
 
-/// Whether `name`, an entry of an output folder, is something a run writes there.
-fn is_run_output(name: &str) -> bool {
+/// Whether `name`, an entry of an output folder at `path`, is something a run writes there: a
+/// folder named as lorafit names checkpoints counts only with a trainer state in it (another
+/// tool's too, which `prepare` refuses), so a user's `checkpoint-notes/` is not a run's.
+fn is_run_output(name: &str, path: &Path) -> bool {
+    if name.starts_with("checkpoint-") {
+        return checkpoint_name_step(name).is_some() && path.join(TRAINER_STATE).is_file();
+    }
     matches!(
         name,
         "adapter"
@@ -112,8 +155,7 @@ fn is_run_output(name: &str) -> bool {
             | "timing.jsonl"
             | "batches.jsonl"
             | "plots"
-    ) || name.starts_with("checkpoint-")
-        || name.starts_with(".tmp-")
+    ) || name.starts_with(".tmp-")
         || name.starts_with("events.out.tfevents.")
 }
 
@@ -126,7 +168,7 @@ fn outputs_in(out_dir: &Path) -> Result<Vec<(String, PathBuf)>> {
     {
         let entry = entry?;
         let name = entry.file_name().to_string_lossy().to_string();
-        if is_run_output(&name) {
+        if is_run_output(&name, &entry.path()) {
             outputs.push((name, entry.path()));
         }
     }
@@ -147,21 +189,74 @@ pub fn run_outputs(out_dir: &Path) -> Result<Vec<String>> {
         .collect())
 }
 
-/// Makes `out_dir` ready for a run. A folder that already holds a run is refused unless the run
-/// resumes into it from one of its own checkpoints or `overwrite` is set, in which case that
-/// run's outputs (and only those) are deleted first. A resume from an earlier checkpoint of the
-/// folder's run, with later ones beside it, is refused too (a later `--resume` of the folder
-/// would take up the abandoned steps), unless `overwrite` deletes what the run wrote after that
-/// checkpoint. Leftovers of a write that a kill interrupted (`.tmp-*`, `plots/*.tmp`) are
-/// removed.
-pub fn prepare(out_dir: &Path, resume: Option<&Path>, overwrite: bool) -> Result<()> {
-    if out_dir.exists() && !out_dir.is_dir() {
-        bail!(
-            "output {}: a file is there; the output is a folder (name another)",
-            out_dir.display()
-        );
+/// The lock file a run holds in its output folder for its life (`RunLock`); not a run output.
+pub const LOCK_FILE: &str = ".lorafit-lock";
+
+/// An exclusive lock on a run folder (`flock` on its `LOCK_FILE`, which holds the holder's pid),
+/// held for the run's life so that two processes never write one run. The kernel releases it
+/// when the process ends, `kill -9` included; the file stays (removing it could let one process
+/// lock the old file and another a new one).
+#[derive(Debug)]
+pub struct RunLock {
+    _file: std::fs::File,
+}
+
+impl RunLock {
+    /// Takes the lock of `out_dir` (an existing folder), or says which process holds it.
+    pub fn acquire(out_dir: &Path) -> Result<RunLock> {
+        use std::io::Seek;
+        let path = out_dir.join(LOCK_FILE);
+        let mut file = std::fs::File::options()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&path)
+            .with_context(|| {
+                format!(
+                    "output {}: cannot write there (creating {})",
+                    out_dir.display(),
+                    path.display()
+                )
+            })?;
+        match file.try_lock() {
+            Ok(()) => {}
+            Err(std::fs::TryLockError::WouldBlock) => {
+                let holder = std::fs::read_to_string(&path).unwrap_or_default();
+                let holder = match holder.trim() {
+                    "" => String::new(),
+                    pid => format!(" (pid {pid})"),
+                };
+                bail!(
+                    "output {}: another lorafit process{holder} is training into this folder; \
+                     wait for it to end (or stop it), or name another folder (--output)",
+                    out_dir.display()
+                );
+            }
+            Err(std::fs::TryLockError::Error(e)) => {
+                return Err(e).with_context(|| format!("locking {}", path.display()))
+            }
+        }
+        file.set_len(0)
+            .and_then(|()| file.rewind())
+            .and_then(|()| writeln!(file, "{}", std::process::id()))
+            .with_context(|| format!("writing {}", path.display()))?;
+        Ok(RunLock { _file: file })
     }
-    std::fs::create_dir_all(out_dir).with_context(|| format!("creating {}", out_dir.display()))?;
+}
+
+/// What `prepare` deletes in an output folder.
+enum Deletion {
+    /// A file or folder, whole.
+    Path(PathBuf),
+    /// The plots a run draws in this `plots/` folder (a user's own files there stay), and the
+    /// folder if that empties it.
+    Plots(PathBuf),
+}
+
+/// Checks that `out_dir` may take the run and says what `prepare` deletes there: the checks of
+/// [`prepare`], with nothing changed.
+fn plan_prepare(out_dir: &Path, resume: Option<&Path>, overwrite: bool) -> Result<Vec<Deletion>> {
     let outputs = outputs_in(out_dir)?;
     // Another tool's checkpoints are neither taken for this run's nor deleted with it.
     if let Some((name, _)) = (outputs.iter())
@@ -210,11 +305,7 @@ pub fn prepare(out_dir: &Path, resume: Option<&Path>, overwrite: bool) -> Result
     if let Some(c) = resume.filter(|_| own_checkpoint) {
         let from = checkpoint_step(c)?;
         for (name, path) in &outputs {
-            let later = name
-                .strip_prefix("checkpoint-")
-                .and_then(|n| n.parse::<usize>().ok())
-                .is_some_and(|n| n > from);
-            if later {
+            if checkpoint_name_step(name).is_some_and(|n| n > from) {
                 abandoned.push((name.clone(), path.clone()));
             }
         }
@@ -243,36 +334,184 @@ pub fn prepare(out_dir: &Path, resume: Option<&Path>, overwrite: bool) -> Result
             }
         }
     }
+    let mut doomed = Vec::new();
     // A plot whose write a kill interrupted leaves `plots/NAME.png.tmp` (`plot::write_png`).
     if let Ok(plots) = std::fs::read_dir(out_dir.join("plots")) {
         for entry in plots.flatten() {
             if entry.file_name().to_string_lossy().ends_with(".tmp") {
-                std::fs::remove_file(entry.path())
-                    .with_context(|| format!("removing {}", entry.path().display()))?;
+                doomed.push(Deletion::Path(entry.path()));
             }
         }
     }
     let fresh = overwrite && !own_checkpoint;
     for (name, path) in outputs {
         if fresh && name == "plots" && path.is_dir() {
-            // Only the plots a run draws: other files a user put there stay.
-            for file in super::listeners::plot_files() {
-                let plot = path.join(file);
-                if plot.is_file() {
-                    std::fs::remove_file(&plot)
-                        .with_context(|| format!("removing {}", plot.display()))?;
-                }
-            }
-            let _ = std::fs::remove_dir(&path);
-            continue;
+            doomed.push(Deletion::Plots(path));
+        } else if fresh || name.starts_with(".tmp-") || abandoned.iter().any(|(n, _)| *n == name) {
+            doomed.push(Deletion::Path(path));
         }
-        if fresh || name.starts_with(".tmp-") || abandoned.iter().any(|(n, _)| *n == name) {
-            let removed = if path.is_dir() {
-                std::fs::remove_dir_all(&path)
-            } else {
-                std::fs::remove_file(&path)
-            };
-            removed.with_context(|| format!("removing {}", path.display()))?;
+    }
+    // The checkpoint a resume reads from is never deleted, whatever names it (a bare name, a
+    // link, a leftover `.tmp-` folder).
+    if let Some(source) = resume.and_then(|c| c.canonicalize().ok()) {
+        for d in &doomed {
+            let Deletion::Path(path) = d else { continue };
+            if path.canonicalize().is_ok_and(|p| source.starts_with(&p)) {
+                bail!(
+                    "--resume {}: making {} ready for the run would delete {}, which holds \
+                     the checkpoint being resumed from; nothing was deleted. Resume from one of \
+                     the run's checkpoint-NNNNNN folders, or into another folder (--output) \
+                     without --overwrite (overwrite = true)",
+                    resume.unwrap_or(Path::new("")).display(),
+                    out_dir.display(),
+                    path.display()
+                );
+            }
+        }
+    }
+    Ok(doomed)
+}
+
+/// Checks, before the model and data load, what [`prepare`] would refuse and what would fail
+/// later: a file in the way, a folder that cannot be written or that another process is
+/// training into, one that already holds a run, and paths longer than the system takes (the
+/// longest a run of `steps` steps writes). Nothing is deleted, and a folder that did not exist
+/// is not left behind.
+pub fn preflight(
+    out_dir: &Path,
+    resume: Option<&Path>,
+    overwrite: bool,
+    steps: usize,
+) -> Result<()> {
+    check_path_lengths(out_dir, steps)?;
+    if out_dir.exists() && !out_dir.is_dir() {
+        bail!(
+            "output {}: a file is there; the output is a folder (name another)",
+            out_dir.display()
+        );
+    }
+    if out_dir.is_dir() {
+        let _lock = RunLock::acquire(out_dir)?;
+        plan_prepare(out_dir, resume, overwrite)?;
+        return Ok(());
+    }
+    // The folders a run would create, created and removed again: the first that cannot be
+    // is the error (a file among its parents, a read-only parent).
+    let mut created = Vec::new();
+    let mut at = Some(out_dir);
+    while let Some(dir) = at.filter(|d| !d.as_os_str().is_empty() && !d.exists()) {
+        created.push(dir.to_path_buf());
+        at = dir.parent();
+    }
+    let made = std::fs::create_dir_all(out_dir)
+        .with_context(|| format!("output {}: cannot create it", out_dir.display()));
+    for dir in &created {
+        let _ = std::fs::remove_dir(dir);
+    }
+    made
+}
+
+/// The longest path a run writes under its output folder, relative to it: a checkpoint of step
+/// `steps` (at least 6 digits) being deleted by `prune_checkpoints`.
+fn longest_output_path(steps: usize) -> String {
+    format!(
+        ".tmp-deleting-{}/adapter_model.safetensors.tmp",
+        checkpoint_name(steps.max(999_999))
+    )
+}
+
+/// Refuses an output folder whose run would write a path longer than Linux takes (4095 bytes,
+/// 255 a name), naming the path, rather than failing at the first checkpoint.
+fn check_path_lengths(out_dir: &Path, steps: usize) -> Result<()> {
+    const PATH_MAX: usize = 4095;
+    const NAME_MAX: usize = 255;
+    if let Some(long) = out_dir
+        .components()
+        .map(|c| c.as_os_str().len())
+        .find(|&n| n > NAME_MAX)
+    {
+        bail!(
+            "output {}: a name in it is {long} bytes long, more than the {NAME_MAX} a file \
+             system takes",
+            out_dir.display()
+        );
+    }
+    let longest = out_dir.join(longest_output_path(steps));
+    let len = longest.as_os_str().len();
+    if len > PATH_MAX {
+        bail!(
+            "output {}: the run would write paths of up to {len} bytes ({}), more than the \
+             {PATH_MAX} the system takes; name a shorter output folder",
+            out_dir.display(),
+            longest_output_path(steps)
+        );
+    }
+    Ok(())
+}
+
+/// Makes `out_dir` ready for a run and locks it for the run's life (the lock is taken before
+/// anything there is deleted or written, and held until the returned guard drops). A folder that
+/// already holds a run is refused unless the run resumes into it from one of its own checkpoints
+/// or `overwrite` is set, in which case that run's outputs (and only those) are deleted first;
+/// the checkpoint being resumed from is never among them. A resume from an earlier checkpoint
+/// of the folder's run, with later ones beside it, is refused too (a later `--resume` of the
+/// folder would take up the abandoned steps), unless `overwrite` deletes what the run wrote
+/// after that checkpoint. Leftovers of a write that a kill interrupted (`.tmp-*`,
+/// `plots/*.tmp`) are removed.
+pub fn prepare(out_dir: &Path, resume: Option<&Path>, overwrite: bool) -> Result<RunLock> {
+    if out_dir.exists() && !out_dir.is_dir() {
+        bail!(
+            "output {}: a file is there; the output is a folder (name another)",
+            out_dir.display()
+        );
+    }
+    std::fs::create_dir_all(out_dir).with_context(|| format!("creating {}", out_dir.display()))?;
+    let lock = RunLock::acquire(out_dir)?;
+    for deletion in plan_prepare(out_dir, resume, overwrite)? {
+        match deletion {
+            Deletion::Plots(path) => {
+                for file in super::listeners::plot_files() {
+                    let plot = path.join(file);
+                    if plot.is_file() {
+                        std::fs::remove_file(&plot)
+                            .with_context(|| format!("removing {}", plot.display()))?;
+                    }
+                }
+                let _ = std::fs::remove_dir(&path);
+            }
+            Deletion::Path(path) => {
+                let removed = if path.is_dir() {
+                    std::fs::remove_dir_all(&path)
+                } else {
+                    std::fs::remove_file(&path)
+                };
+                removed.with_context(|| format!("removing {}", path.display()))?;
+            }
+        }
+    }
+    Ok(lock)
+}
+
+/// Refuses a resume whose saved settings (`settings`, a checkpoint's run.toml) name the model,
+/// data or validation file by a path relative to the folder the run was started in that is not
+/// found from here. A built-in model name (`smollm2`) and a Hub id are names, not paths.
+pub fn check_stored_paths(cfg: &TrainConfig, settings: &Path) -> Result<()> {
+    let paths = [
+        ("model", Some(&cfg.model)),
+        ("data", Some(&cfg.data)),
+        ("valid", cfg.valid.as_ref()),
+    ];
+    for (name, path) in paths {
+        let Some(path) = path else { continue };
+        let p = Path::new(path);
+        let named = name == "model"
+            && (super::trainer::builtin_model(path) || crate::hub_cache::hub_id(path).is_some());
+        if p.is_relative() && !p.exists() && !named {
+            bail!(
+                "{name} = {path:?} (from {}) is relative to the folder the run was started in, \
+                 and is not found from here: run from that folder, or pass --{name}",
+                settings.display()
+            );
         }
     }
     Ok(())
@@ -290,9 +529,8 @@ pub fn prune_checkpoints(out_dir: &Path, keep: usize) -> Result<()> {
         .with_context(|| format!("reading {}", out_dir.display()))?
         .flatten()
         .filter_map(|e| {
-            let name = e.file_name().to_string_lossy().to_string();
-            let step = name.strip_prefix("checkpoint-")?.parse::<usize>().ok()?;
-            Some((step, e.path()))
+            let step = checkpoint_name_step(&e.file_name().to_string_lossy())?;
+            own_checkpoint(&e.path()).then(|| (step, e.path()))
         })
         .collect();
     steps.sort();
@@ -493,7 +731,10 @@ const DATA_SETTINGS: &[&str] = &[
     "grad_accum",
 ];
 
-/// Refuses a resume whose settings change the checkpoint's adapter shape or its data, naming
+/// Settings that fix the base weights the adapter is trained on (a quantized base's rounding).
+const BASE_SETTINGS: &[&str] = &["base_quant"];
+
+/// Refuses a resume whose settings change the checkpoint's adapter shape, base or data, naming
 /// every difference. `saved` and `now` are resolved settings (`TrainConfig::resolved`); the
 /// hashes are `items_hash` of the training examples.
 pub fn check_resume(
@@ -507,7 +748,11 @@ pub fn check_resume(
     let (a, b) = (table(saved)?, table(now)?);
     let show = |v: Option<&toml::Value>| v.map_or("unset".to_string(), |v| v.to_string());
     let mut diffs = Vec::new();
-    for key in SHAPE_SETTINGS.iter().chain(DATA_SETTINGS) {
+    for key in SHAPE_SETTINGS
+        .iter()
+        .chain(BASE_SETTINGS)
+        .chain(DATA_SETTINGS)
+    {
         if a.get(*key) != b.get(*key) {
             diffs.push(format!(
                 "{key}: checkpoint {}, now {}",
@@ -524,7 +769,7 @@ pub fn check_resume(
     }
     if !diffs.is_empty() {
         bail!(
-            "--resume {}: the settings change the checkpoint's adapter or data:\n  {}\n(resume with the checkpoint's settings, in {}/{RUN_SETTINGS}, or start a new run with --warm-start {} for a new optimiser and schedule)",
+            "--resume {}: the settings change the checkpoint's adapter, base or data:\n  {}\n(resume with the checkpoint's settings, in {}/{RUN_SETTINGS}, or start a new run with --warm-start {} for a new optimiser and schedule)",
             checkpoint.display(),
             diffs.join("\n  "),
             checkpoint.display(),
@@ -556,7 +801,11 @@ pub fn changed_settings(saved: &TrainConfig, now: &TrainConfig) -> Result<Vec<St
     Ok(keys
         .into_iter()
         .filter(|k| !quiet.contains(&k.as_str()))
-        .filter(|k| !SHAPE_SETTINGS.contains(&k.as_str()) && !DATA_SETTINGS.contains(&k.as_str()))
+        .filter(|k| {
+            ![SHAPE_SETTINGS, BASE_SETTINGS, DATA_SETTINGS]
+                .iter()
+                .any(|list| list.contains(&k.as_str()))
+        })
         .filter(|k| a.get(*k) != b.get(*k))
         .map(|k| format!("{k}: checkpoint {}, now {}", show(a.get(k)), show(b.get(k))))
         .collect())
@@ -703,6 +952,163 @@ mod tests {
         assert!(!run.join("plots/loss.png").exists());
         assert!(run.join("plots/mine.png").is_file());
         let _ = std::fs::remove_dir_all(&d);
+    }
+
+    /// A lorafit checkpoint folder (`checkpoint-NNNNNN` with its trainer state) of `step`.
+    fn fake_checkpoint(dir: &Path, step: usize) -> PathBuf {
+        let c = dir.join(checkpoint_name(step));
+        std::fs::create_dir_all(&c).unwrap();
+        std::fs::write(
+            c.join(TRAINER_STATE),
+            format!(r#"{{"step": {step}, "position": {step}, "total_steps": 9}}"#),
+        )
+        .unwrap();
+        c
+    }
+
+    fn scratch(name: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("lorafit-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    }
+
+    /// A bare checkpoint name is a folder of the current one (its run folder `.`), and a file
+    /// is said to be one; the checkpoint a resume reads is never deleted by --overwrite, which
+    /// refuses the combination before deleting anything.
+    #[test]
+    fn overwrite_never_deletes_the_checkpoint_being_resumed() {
+        let d = scratch("resume-source");
+        let bare = find_checkpoint(Path::new("checkpoint-000006"));
+        assert!(
+            bare.unwrap_err()
+                .to_string()
+                .contains("./checkpoint-000006"),
+            "a bare name is under ."
+        );
+        std::fs::write(d.join("data.jsonl"), "{}").unwrap();
+        let e = find_checkpoint(&d.join("data.jsonl"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("a file, not a run folder or checkpoint"), "{e}");
+
+        let run = d.join("run");
+        fake_checkpoint(&run, 2);
+        std::fs::write(run.join("metrics.jsonl"), "").unwrap();
+        // A checkpoint left under a temporary name (which `prepare` otherwise clears away).
+        let tmp = run.join(".tmp-checkpoint-000004");
+        std::fs::rename(fake_checkpoint(&run, 4), &tmp).unwrap();
+        for overwrite in [false, true] {
+            let e = prepare(&run, Some(&tmp), overwrite).err().unwrap();
+            let e = e.to_string();
+            assert!(e.contains("checkpoint being resumed from"), "{e}");
+            assert!(tmp.join(TRAINER_STATE).is_file());
+        }
+        assert!(run.join(checkpoint_name(2)).join(TRAINER_STATE).is_file());
+        assert!(run.join("metrics.jsonl").is_file(), "nothing was deleted");
+        let _ = std::fs::remove_dir_all(&d);
+    }
+
+    /// Only folders named and made as lorafit's checkpoints are a run's: --overwrite keeps a
+    /// user's `checkpoint-notes/` and a `checkpoint-000009/` without a trainer state, and
+    /// pruning does not count them.
+    #[test]
+    fn overwrite_deletes_only_lorafits_checkpoints() {
+        let d = scratch("own-checkpoints");
+        fake_checkpoint(&d, 1);
+        fake_checkpoint(&d, 2);
+        for mine in ["checkpoint-notes", "checkpoint-000009", "checkpoint-+3"] {
+            std::fs::create_dir_all(d.join(mine)).unwrap();
+            std::fs::write(d.join(mine).join("x.txt"), "mine").unwrap();
+        }
+        assert_eq!(
+            run_outputs(&d).unwrap(),
+            [checkpoint_name(1), checkpoint_name(2)]
+        );
+        prune_checkpoints(&d, 1).unwrap();
+        assert!(!d.join(checkpoint_name(1)).exists());
+        assert!(d.join(checkpoint_name(2)).exists());
+        prepare(&d, None, true).unwrap();
+        assert!(!d.join(checkpoint_name(2)).exists());
+        for mine in ["checkpoint-notes", "checkpoint-000009", "checkpoint-+3"] {
+            assert!(d.join(mine).join("x.txt").is_file(), "{mine} deleted");
+        }
+        let _ = std::fs::remove_dir_all(&d);
+    }
+
+    /// A second lock of a locked run folder is refused naming the folder and the holder's pid;
+    /// the lock file is no run output; the lock goes with its holder.
+    #[test]
+    fn a_locked_run_folder_refuses_a_second_run() {
+        let d = scratch("lock");
+        let held = prepare(&d, None, false).unwrap();
+        let e = prepare(&d, None, true).err().unwrap().to_string();
+        let pid = std::process::id().to_string();
+        assert!(
+            e.contains(&d.display().to_string()) && e.contains(&format!("pid {pid}")),
+            "{e}"
+        );
+        let e = preflight(&d, None, false, 10).unwrap_err().to_string();
+        assert!(e.contains("another lorafit process"), "{e}");
+        assert!(run_outputs(&d).unwrap().is_empty());
+        drop(held);
+        prepare(&d, None, false).unwrap();
+        let _ = std::fs::remove_dir_all(&d);
+    }
+
+    /// The output folder's problems are found by `preflight`, which leaves no folder it created.
+    #[test]
+    fn preflight_finds_the_output_folders_problems() {
+        let d = scratch("preflight");
+        std::fs::write(d.join("afile"), "x").unwrap();
+        let e = preflight(&d.join("afile"), None, false, 10).unwrap_err();
+        assert!(e.to_string().contains("a file is there"), "{e}");
+        let e = preflight(&d.join("afile/sub"), None, false, 10).unwrap_err();
+        assert!(format!("{e:#}").contains("cannot create it"), "{e:#}");
+        let long = d.join("x".repeat(200)).join("y".repeat(200));
+        let mut deep = long.clone();
+        while deep.as_os_str().len() < 4075 {
+            deep = deep.join("z".repeat(100));
+        }
+        let e = preflight(&deep, None, false, 10).unwrap_err().to_string();
+        assert!(e.contains("name a shorter output folder"), "{e}");
+        let e = preflight(&d.join("n".repeat(300)), None, false, 10).unwrap_err();
+        assert!(e.to_string().contains("more than the 255"), "{e}");
+        preflight(&d.join("new/run"), None, false, 10).unwrap();
+        assert!(!d.join("new").exists(), "a created folder is left");
+        fake_checkpoint(&d.join("run"), 1);
+        let e = preflight(&d.join("run"), None, false, 10).unwrap_err();
+        assert!(e.to_string().contains("already holds a run"), "{e}");
+        let _ = std::fs::remove_dir_all(&d);
+    }
+
+    /// A resume that changes the base's encoding (`base_quant`) is refused as one that changes
+    /// the adapter or data; a stored relative path is checked, a built-in model name is not.
+    #[test]
+    fn a_resume_keeps_the_base_encoding_and_built_in_names_are_no_paths() {
+        let saved = TrainConfig::default();
+        let now = TrainConfig {
+            base_quant: crate::model::BaseQuant::Q8_0,
+            ..TrainConfig::default()
+        };
+        let e = check_resume(Path::new("ck"), &saved, None, &now, "h")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("base_quant: checkpoint"), "{e}");
+        assert!(changed_settings(&saved, &now).unwrap().is_empty());
+
+        let settings = Path::new("run/checkpoint-000003/run.toml");
+        let mut cfg = TrainConfig {
+            model: "smollm2".into(),
+            data: "Cargo.toml".into(),
+            ..TrainConfig::default()
+        };
+        check_stored_paths(&cfg, settings).unwrap();
+        cfg.model = "HuggingFaceTB/SmolLM2-135M-Instruct".into();
+        check_stored_paths(&cfg, settings).unwrap();
+        cfg.model = "no-such-model-folder".into();
+        let e = check_stored_paths(&cfg, settings).unwrap_err().to_string();
+        assert!(e.contains("model = \"no-such-model-folder\""), "{e}");
     }
 
     #[test]

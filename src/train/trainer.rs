@@ -101,11 +101,37 @@ pub struct Loaded {
     pub model_path: PathBuf,
 }
 
+/// Whether `model` is the name of a model lorafit knows (`smollm2`), not a path.
+pub fn builtin_model(model: &str) -> bool {
+    model == "smollm2"
+}
+
+/// The Hub id of the built-in `smollm2`, as PEFT names its base.
+const SMOLLM2_HUB_ID: &str = "HuggingFaceTB/SmolLM2-135M-Instruct";
+
+/// What an adapter's `base_model_name_or_path` says for a run of model `given` (the setting)
+/// loaded from `path`: the Hub id for the built-in model and for one given as a Hub id, a Hugging
+/// Face folder's absolute path, and any other file (a GGUF, which PEFT cannot load) as its path.
+pub fn peft_base_name(given: &str, path: &Path) -> String {
+    if builtin_model(given) {
+        return SMOLLM2_HUB_ID.to_string();
+    }
+    if !Path::new(given).exists() && crate::hub_cache::hub_id(given).is_some() {
+        return given.to_string();
+    }
+    if path.is_dir() {
+        if let Ok(absolute) = path.canonicalize() {
+            return absolute.display().to_string();
+        }
+    }
+    path.display().to_string()
+}
+
 /// Resolves "smollm2" to the cached GGUF (fetching it once), a Hub id that is no local path
 /// (`org/name`) to its snapshot in the Hugging Face cache (`crate::hub_cache`), else the given
 /// path.
 pub fn resolve_model_path(s: &str) -> Result<PathBuf> {
-    if s == "smollm2" {
+    if builtin_model(s) {
         return model::smollm2::locate_or_fetch();
     }
     let path = PathBuf::from(s);
@@ -380,6 +406,35 @@ impl DataOrder {
         perm[pos % self.n]
     }
 }
+
+/// The error of a run whose final adapter was written whole and whose final checkpoint (or the
+/// pruning after it) failed: the adapter is the run's result; only extending the run needs the
+/// checkpoint.
+#[derive(Debug)]
+pub struct FinalCheckpointFailed {
+    pub adapter_dir: PathBuf,
+    pub step: usize,
+    /// Why the checkpoint failed (a full disk, say).
+    pub cause: String,
+}
+
+impl std::fmt::Display for FinalCheckpointFailed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "the run's adapter in {} is complete (step {}), but its final checkpoint could not \
+             be written ({}); the adapter is the run's result, kept as it is (--overwrite \
+             (overwrite = true) of this folder would delete it; to train further, start a run in another folder with \
+             --warm-start {})",
+            self.adapter_dir.display(),
+            self.step,
+            self.cause,
+            self.adapter_dir.display()
+        )
+    }
+}
+
+impl std::error::Error for FinalCheckpointFailed {}
 
 pub struct TrainOutcome {
     pub final_valid: Option<BTreeMap<String, f64>>,
@@ -737,7 +792,14 @@ pub fn train_with(
     let lora_config = super::rank_scaling::lora_config(cfg, &model.spec, &loaded.model_path)?;
     let out_dir = PathBuf::from(&cfg.output);
     let checkpoint = resume.map(run_folder::find_checkpoint).transpose()?;
-    run_folder::prepare(&out_dir, checkpoint.as_deref(), cfg.overwrite)?;
+    // Read before the folder is prepared: a checkpoint that cannot be read is refused before
+    // --overwrite deletes anything.
+    let mut from_checkpoint = (checkpoint.as_ref())
+        .map(|dir| load_checkpoint(dir, model, &device))
+        .transpose()?;
+    // Held until the run returns: no other process writes this folder meanwhile.
+    let _lock = run_folder::prepare(&out_dir, checkpoint.as_deref(), cfg.overwrite)?;
+    let base_name = peft_base_name(&cfg.model, &loaded.model_path);
 
     let n = train_items.len();
     let mut order = DataOrder::new(n, cfg.seed);
@@ -774,7 +836,10 @@ pub fn train_with(
     let base_hash = run_folder::base_fingerprint(&loaded.model_path)?;
     let optim = OptimOptions::from_config(cfg);
 
-    let mut lora = match &cfg.warm_start {
+    // A resume takes the weights from its checkpoint: the warm start its settings name (which
+    // may have moved since) is not read.
+    let warm_start = cfg.warm_start.as_ref().filter(|_| checkpoint.is_none());
+    let mut lora = match warm_start {
         Some(p) => {
             let mut l = Lora::load_peft(Path::new(p), &model.spec, &device)
                 .with_context(|| format!("warm start from {p}"))?;
@@ -799,8 +864,7 @@ pub fn train_with(
         }],
         orpo_lambda: None,
     };
-    if let Some(dir) = &checkpoint {
-        let (l, a, saved) = load_checkpoint(dir, model, &device)?;
+    if let (Some(dir), Some((l, a, saved))) = (&checkpoint, from_checkpoint.take()) {
         check_finite_adapter(&l, &dir.display().to_string())?;
         (lora, adam) = (l, a);
         lora.config.dropout = cfg.lora_dropout;
@@ -850,6 +914,10 @@ pub fn train_with(
     let total_steps = schedule.total_steps();
     let first_warmup = state.cycles.first().map_or(0, |c| c.warmup);
     let run_settings = cfg.resolved(total_steps, first_warmup);
+    // A checkpoint's settings keep `warmup_steps` as given (unset: from `warmup_ratio`), so
+    // that a resume extending the run warms its new cycle up for the ratio of the added steps.
+    let mut checkpoint_settings = run_settings.clone();
+    checkpoint_settings.warmup_steps = cfg.warmup_steps;
     std::fs::write(
         out_dir.join("plan.toml"),
         plan_toml(
@@ -958,10 +1026,10 @@ pub fn train_with(
         first_valid = Some(m);
     }
 
-    let settings_toml = run_settings.to_toml()?;
+    let settings_toml = checkpoint_settings.to_toml()?;
     let save = |dir: &Path, lora: &Lora, adam: &AdamState, state: &TrainerState| {
         let extra = [(run_folder::RUN_SETTINGS, settings_toml.as_str())];
-        save_checkpoint(dir, lora, adam, state, &loaded.model_path, &extra)
+        save_checkpoint(dir, lora, adam, state, &base_name, &extra)
     };
     // The newest whole checkpoint on disk, named when a step fails.
     let mut last_checkpoint = checkpoint.clone();
@@ -971,9 +1039,14 @@ pub fn train_with(
     let started = Instant::now();
     while state.step < total_steps {
         if events.stop_requested() {
+            let in_out_dir = |c: &Path| {
+                let parent = c.parent().and_then(|p| p.canonicalize().ok());
+                parent.is_some() && parent == out_dir.canonicalize().ok()
+            };
             let dir = match &checkpoint {
-                // Stopped before a step since the resume: its checkpoint holds this state.
-                Some(c) if state.step == start_step => c.clone(),
+                // Stopped before a step since the resume: its checkpoint holds this state (one
+                // of another folder is saved here, so that this run's folder continues it).
+                Some(c) if state.step == start_step && in_out_dir(c) => c.clone(),
                 _ => {
                     let dir = out_dir.join(run_folder::checkpoint_name(state.step));
                     save(&dir, &lora, &adam, &state)?;
@@ -1250,10 +1323,17 @@ pub fn train_with(
         }
     }
     let adapter_dir = out_dir.join("adapter");
-    lora.save_peft(&adapter_dir, &loaded.model_path.display().to_string())?;
+    lora.save_peft(&adapter_dir, &base_name)?;
     let dir = out_dir.join(run_folder::checkpoint_name(state.step));
-    save(&dir, &lora, &adam, &state)?;
-    run_folder::prune_checkpoints(&out_dir, cfg.save_total_limit)?;
+    save(&dir, &lora, &adam, &state)
+        .and_then(|()| run_folder::prune_checkpoints(&out_dir, cfg.save_total_limit))
+        .map_err(|e| {
+            anyhow::Error::new(FinalCheckpointFailed {
+                adapter_dir: adapter_dir.clone(),
+                step: state.step,
+                cause: format!("{e:#}"),
+            })
+        })?;
     events.event(&TrainEvent::Checkpoint {
         step: state.step,
         path: &dir,
@@ -1517,7 +1597,7 @@ pub fn save_checkpoint(
     lora: &Lora,
     adam: &AdamState,
     state: &TrainerState,
-    model_path: &Path,
+    base_name: &str,
     extra: &[(&str, &str)],
 ) -> Result<()> {
     let parent = dir.parent().unwrap_or(Path::new("."));
@@ -1527,7 +1607,7 @@ pub fn save_checkpoint(
     ));
     let _ = std::fs::remove_dir_all(&tmp);
     let write_all = || -> Result<()> {
-        lora.save_peft(&tmp, &model_path.display().to_string())?;
+        lora.save_peft(&tmp, base_name)?;
         let mut tensors: Vec<(String, Vec<usize>, Vec<f32>)> = Vec::new();
         for (i, (m, v)) in adam.m.iter().zip(&adam.v).enumerate() {
             tensors.push((format!("m.{i}"), m.shape().to_vec(), m.to_vec()?));
@@ -1570,7 +1650,8 @@ pub fn load_checkpoint(
     let opt_path = dir.join("optimizer.safetensors");
     let bytes =
         std::fs::read(&opt_path).with_context(|| format!("reading {}", opt_path.display()))?;
-    let st = safetensors::SafeTensors::deserialize(&bytes)?;
+    let st = safetensors::SafeTensors::deserialize(&bytes)
+        .with_context(|| format!("reading {}", opt_path.display()))?;
     let mut adam = AdamState::new(&lora)?;
     for i in 0..adam.m.len() {
         for (name, slot) in [
@@ -1580,7 +1661,16 @@ pub fn load_checkpoint(
             let view = st
                 .tensor(&name)
                 .with_context(|| format!("{}: tensor {name} missing", opt_path.display()))?;
-            let data = crate::model::weights::view_to_f32(&view)?;
+            let data = crate::model::weights::view_to_f32(&view)
+                .with_context(|| format!("{}: tensor {name}", opt_path.display()))?;
+            if data.len() != slot.shape().iter().product::<usize>() {
+                bail!(
+                    "{}: tensor {name} has {} values, the adapter's moments {:?}",
+                    opt_path.display(),
+                    data.len(),
+                    slot.shape()
+                );
+            }
             *slot = Tensor::from_f32(&data, slot.shape(), DType::F32, device)?;
         }
     }
@@ -1626,7 +1716,7 @@ mod tests {
             &lora,
             &adam,
             &state,
-            &root,
+            "base",
             &[("no/such/run.toml", "x")],
         )
         .unwrap_err();
@@ -1637,9 +1727,31 @@ mod tests {
         );
         let left: Vec<_> = std::fs::read_dir(&root).unwrap().collect();
         assert!(left.is_empty(), "left behind: {left:?}");
-        save_checkpoint(&dir, &lora, &adam, &state, &root, &[("run.toml", "x")]).unwrap();
+        save_checkpoint(&dir, &lora, &adam, &state, "base", &[("run.toml", "x")]).unwrap();
         assert!(dir.join("trainer_state.json").is_file());
         let _ = std::fs::remove_dir_all(&root);
+    }
+
+    /// An adapter names its base as PEFT loads it: the built-in model by its Hub id, a Hub id
+    /// as given, a folder by its absolute path, another file by its path.
+    #[test]
+    fn adapters_name_their_base_as_peft_loads_it() {
+        let fixture = Path::new("tests/fixtures/models/llama");
+        assert_eq!(
+            peft_base_name("smollm2", Path::new("/cache/x.gguf")),
+            "HuggingFaceTB/SmolLM2-135M-Instruct"
+        );
+        assert_eq!(
+            peft_base_name("Org/Model", Path::new("/hf/snapshots/abc")),
+            "Org/Model"
+        );
+        let folder = peft_base_name("tests/fixtures/models/llama", fixture);
+        assert!(Path::new(&folder).is_absolute(), "{folder}");
+        assert_eq!(Path::new(&folder), fixture.canonicalize().unwrap());
+        assert_eq!(
+            peft_base_name("m/model.gguf", Path::new("m/model.gguf")),
+            "m/model.gguf"
+        );
     }
 
     /// The kept epoch's permutation answers as a fresh draw at every position, across epochs
