@@ -1,10 +1,33 @@
 //! Files written whole or not at all: the bytes go to a temporary beside the file, which is
 //! renamed into place once written. A failed write (most often a full disk) removes the
 //! temporary, so that no part-written file is left taking the space, and an earlier file of
-//! that name stays as it was.
+//! that name stays as it was. `same_file` is the check before a write that an output is no
+//! input.
 
 use anyhow::{Context, Result};
 use std::path::{Path, PathBuf};
+
+/// Whether two paths name one file, whether or not it exists yet: their folders resolved
+/// (links and `..` followed) and their names compared.
+pub fn same_file(a: &Path, b: &Path) -> bool {
+    let resolve = |p: &Path| {
+        let folder = match p.parent() {
+            Some(f) if !f.as_os_str().is_empty() => f,
+            _ => Path::new("."),
+        };
+        (
+            folder.canonicalize().ok(),
+            p.file_name().map(|n| n.to_owned()),
+        )
+    };
+    match (a.canonicalize(), b.canonicalize()) {
+        (Ok(x), Ok(y)) => x == y,
+        _ => {
+            let (x, y) = (resolve(a), resolve(b));
+            x.0.is_some() && x == y
+        }
+    }
+}
 
 /// The temporary that `path` is written through: `NAME.tmp` beside it.
 pub fn temporary_for(path: &Path) -> PathBuf {

@@ -27,6 +27,7 @@
 //! from a preference row). A malformed row is an error naming file, line and field (with
 //! `skip_bad_rows` it is counted instead).
 
+use crate::atomic_file::same_file;
 use crate::data::rows::Rows;
 use crate::data::{
     self, tokenize_pair, ChatTemplate, DatasetKind, Example, Message, PreferenceData,
@@ -554,28 +555,6 @@ fn write_jsonl(path: &Path, rows: &[Value]) -> Result<()> {
     f.flush()
         .with_context(|| format!("writing {}", path.display()))?;
     Ok(())
-}
-
-/// Whether two paths name one file, whether or not it exists yet: their folders resolved
-/// (links and `..` followed) and their names compared.
-fn same_file(a: &Path, b: &Path) -> bool {
-    let resolve = |p: &Path| {
-        let folder = match p.parent() {
-            Some(f) if !f.as_os_str().is_empty() => f,
-            _ => Path::new("."),
-        };
-        (
-            folder.canonicalize().ok(),
-            p.file_name().map(|n| n.to_owned()),
-        )
-    };
-    match (a.canonicalize(), b.canonicalize()) {
-        (Ok(x), Ok(y)) => x == y,
-        _ => {
-            let (x, y) = (resolve(a), resolve(b));
-            x.0.is_some() && x == y
-        }
-    }
 }
 
 /// The `curate` command: reads `input`, writes `output` (and `valid_output`), returns the

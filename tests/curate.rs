@@ -36,6 +36,20 @@ fn run(
     .unwrap()
 }
 
+/// The error curating `text` as f.jsonl gives.
+fn refused(text: String, template: Option<&ChatTemplate>) -> String {
+    curate_reader(
+        std::io::Cursor::new(text),
+        "f.jsonl",
+        &tokenizer(),
+        template,
+        &CurateOptions::default(),
+    )
+    .err()
+    .unwrap()
+    .to_string()
+}
+
 fn bin(prompt: &str, chosen: &str, rejected: &str, sc: f64, sr: f64) -> Value {
     json!({"prompt": prompt, "chosen": chosen, "rejected": rejected,
            "score_chosen": sc, "score_rejected": sr})
@@ -255,31 +269,18 @@ fn bad_rows_are_named_by_file_line_and_field() {
             "score_chosen",
         ),
     ];
-    // The error curating `text` as f.jsonl gives.
-    let refused = |text: String| {
-        curate_reader(
-            std::io::Cursor::new(text),
-            "f.jsonl",
-            &tokenizer(),
-            None,
-            &CurateOptions::default(),
-        )
-        .err()
-        .unwrap()
-        .to_string()
-    };
     // A null score is said as null, not as missing.
     let null_score = json!({"prompt": "p", "chosen": "a", "rejected": "b", "score_chosen": null, "score_rejected": 1});
-    let e = refused(format!("{null_score}\n"));
+    let e = refused(format!("{null_score}\n"), None);
     assert!(e.contains("field \"score_chosen\": null"), "{e}");
     for (row, field) in cases {
-        let e = refused(format!("{row}\n"));
+        let e = refused(format!("{row}\n"), None);
         assert!(
             e.contains("f.jsonl:1") && e.contains(&format!("\"{field}\"")),
             "{field}: {e}"
         );
     }
-    let e = refused("{not json\n".to_string());
+    let e = refused("{not json\n".to_string(), None);
     assert!(e.contains("f.jsonl:1: invalid JSON"), "{e}");
     // With skip_bad_rows the bad row is counted, the rest kept.
     let (train, _, r) = curate_reader(
@@ -604,16 +605,7 @@ fn h4_rows_are_split_as_train_splits_them() {
     let mut bad = same;
     bad["chosen"][0]["role"] = json!("robot");
     bad["rejected"] = bad["chosen"].clone();
-    let e = curate_reader(
-        std::io::Cursor::new(format!("{bad}\n")),
-        "f.jsonl",
-        &tokenizer(),
-        Some(&template()),
-        &CurateOptions::default(),
-    )
-    .err()
-    .unwrap()
-    .to_string();
+    let e = refused(format!("{bad}\n"), Some(&template()));
     assert!(e.contains("f.jsonl:1: field \"chosen[0].role\""), "{e}");
 }
 
@@ -637,16 +629,7 @@ fn weight_is_carried_to_the_output_row() {
     assert_eq!(ex.weight(), 0.25);
     let mut bad = bin("p", "a b", "c d", 9.0, 2.0);
     bad["weight"] = json!(-1);
-    let e = curate_reader(
-        std::io::Cursor::new(format!("{bad}\n")),
-        "f.jsonl",
-        &tokenizer(),
-        None,
-        &CurateOptions::default(),
-    )
-    .err()
-    .unwrap()
-    .to_string();
+    let e = refused(format!("{bad}\n"), None);
     assert!(e.contains("f.jsonl:1: field \"weight\""), "{e}");
 }
 

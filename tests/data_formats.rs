@@ -447,9 +447,7 @@ fn a_pattern_reads_the_shards_of_a_split_as_one_dataset() {
 
     // A bad row in the second shard is named by that shard.
     std::fs::write(dir.join("train-1.csv"), "prompt,chosen,rejected\nQ3,, b\n").unwrap();
-    let e = load_dataset(&spec, DatasetKind::Preference, false)
-        .unwrap_err()
-        .to_string();
+    let e = refusal(&spec);
     assert!(
         e.starts_with(&format!(
             "{}/train-1.csv:2: field \"chosen\"",
@@ -624,6 +622,13 @@ fn write_parquet(path: &std::path::Path, columns: Vec<Col>) {
     writer.close().unwrap();
 }
 
+/// The error reading `path` as preference rows gives.
+fn refusal(path: impl AsRef<std::path::Path>) -> String {
+    load_dataset(path, DatasetKind::Preference, false)
+        .unwrap_err()
+        .to_string()
+}
+
 fn scratch(tag: &str) -> std::path::PathBuf {
     let d = std::env::temp_dir().join(format!("lorafit-formats-{tag}-{}", std::process::id()));
     std::fs::create_dir_all(&d).unwrap();
@@ -669,9 +674,7 @@ fn parquet_binary_columns_and_extra_float_columns() {
             Col::Bytes("rejected", vec![b"c".to_vec(), b"caf\xe9".to_vec()]),
         ],
     );
-    let e = load_dataset(&bad, DatasetKind::Preference, false)
-        .unwrap_err()
-        .to_string();
+    let e = refusal(&bad);
     assert!(
         e.starts_with(&format!(
             "{}: row 2: field \"rejected\": bytes that are not UTF-8 text",
@@ -689,9 +692,7 @@ fn parquet_binary_columns_and_extra_float_columns() {
             Col::Double("weight", vec![f64::INFINITY]),
         ],
     );
-    let e = load_dataset(&weight, DatasetKind::Preference, false)
-        .unwrap_err()
-        .to_string();
+    let e = refusal(&weight);
     assert!(
         e.ends_with("row 1: field \"weight\": inf, where a finite number is expected"),
         "{e}"
@@ -780,9 +781,7 @@ fn text_files_as_other_tools_write_them() {
     // A column without a name between named ones is still refused.
     let middle = dir.join("middle.csv");
     std::fs::write(&middle, "prompt,,rejected\nq,a,b\n").unwrap();
-    let e = load_dataset(&middle, DatasetKind::Preference, false)
-        .unwrap_err()
-        .to_string();
+    let e = refusal(&middle);
     assert!(
         e.ends_with("middle.csv:1: header column 2 has no name"),
         "{e}"
@@ -807,9 +806,7 @@ fn saved_datasets_folders_and_broken_links() {
         r#"{"splits": ["train"]}"#,
     )
     .unwrap();
-    let e = load_dataset(&saved, DatasetKind::Preference, false)
-        .unwrap_err()
-        .to_string();
+    let e = refusal(&saved);
     assert!(
         e.contains("is a folder") && e.contains("it holds .arrow files: Arrow files"),
         "{e}"
@@ -829,9 +826,7 @@ fn saved_datasets_folders_and_broken_links() {
     let link = dir.join("link.jsonl");
     let _ = std::fs::remove_file(&link);
     std::os::unix::fs::symlink("nowhere.jsonl", &link).unwrap();
-    let e = load_dataset(&link, DatasetKind::Preference, false)
-        .unwrap_err()
-        .to_string();
+    let e = refusal(&link);
     assert!(
         e.contains(&format!(
             "{}: a symbolic link to nowhere.jsonl, which does not exist",

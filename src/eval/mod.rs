@@ -16,33 +16,12 @@ pub mod run;
 
 pub use run::{run, EvalOptions, EvalOutcome, EvalProgress, Scorer};
 
+use crate::atomic_file::same_file;
 use crate::model::Lora;
 use crate::train::trainer::Loaded;
 use anyhow::{Context, Result};
 use serde::Serialize;
-use std::path::{Path, PathBuf};
-
-/// Whether two paths name one file, whether or not it exists yet: their folders resolved
-/// (links and `..` followed) and their names compared.
-pub(crate) fn same_file(a: &Path, b: &Path) -> bool {
-    let resolve = |p: &Path| {
-        let folder = match p.parent() {
-            Some(f) if !f.as_os_str().is_empty() => f,
-            _ => Path::new("."),
-        };
-        (
-            folder.canonicalize().ok(),
-            p.file_name().map(|n| n.to_owned()),
-        )
-    };
-    match (a.canonicalize(), b.canonicalize()) {
-        (Ok(x), Ok(y)) => x == y,
-        _ => {
-            let (x, y) = (resolve(a), resolve(b));
-            x.0.is_some() && x == y
-        }
-    }
-}
+use std::path::PathBuf;
 
 /// An error where an output file is one of the inputs, or two outputs are one file: the later
 /// write would replace the other file. Each path comes with what names it (`--out`).

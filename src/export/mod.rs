@@ -182,18 +182,22 @@ pub fn earlier_artefacts(output: &Path) -> Vec<PathBuf> {
         .collect()
 }
 
-/// An error naming the artefacts of an earlier export in `output`, where it holds any: an
-/// export beside them would leave those it does not write mixed with its own.
-pub fn refuse_earlier_export(output: &Path) -> Result<()> {
-    let found = earlier_artefacts(output);
-    if found.is_empty() {
-        return Ok(());
-    }
-    let names: Vec<String> = found
+/// The file names of `earlier_artefacts`.
+pub fn earlier_artefact_names(output: &Path) -> Vec<String> {
+    earlier_artefacts(output)
         .iter()
         .filter_map(|p| p.file_name())
         .map(|n| n.to_string_lossy().into_owned())
-        .collect();
+        .collect()
+}
+
+/// An error naming the artefacts of an earlier export in `output`, where it holds any: an
+/// export beside them would leave those it does not write mixed with its own.
+pub fn refuse_earlier_export(output: &Path) -> Result<()> {
+    let names = earlier_artefact_names(output);
+    if names.is_empty() {
+        return Ok(());
+    }
     anyhow::bail!(
         "output {} already holds an export ({}); pass --overwrite to delete those and export \
          again, or name another folder",

@@ -357,13 +357,8 @@ fn export_job(app: &App, job: &JobRow, cancel: &AtomicBool) -> Result<Outcome> {
         // The folder was new or empty when the job was submitted (`check_output`), so an
         // export's artefacts in it on the first start were written by something else while the
         // job waited: they are not the job's to delete. A rerun deletes its own earlier ones.
-        let found = crate::export::earlier_artefacts(&plan.output);
-        if !found.is_empty() {
-            let names: Vec<String> = found
-                .iter()
-                .filter_map(|p| p.file_name())
-                .map(|n| n.to_string_lossy().into_owned())
-                .collect();
+        let names = crate::export::earlier_artefact_names(&plan.output);
+        if !names.is_empty() {
             anyhow::bail!(
                 "output {} was empty when the job was submitted but now holds an export ({}), \
                  written while the job waited; it is left as it is: submit the export again \
