@@ -14,6 +14,14 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Instant;
 
+/// One test of this file at a time: the random kills are spread over the time one uninterrupted
+/// run takes, measured first, and a run beside it (the SmolLM2 one above all) would stretch that
+/// measurement on two cores, so that every later kill came after the end.
+fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    LOCK.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 const STEPS: usize = 12;
 
 fn scratch(name: &str) -> PathBuf {
@@ -142,6 +150,7 @@ fn has_checkpoint(dir: &Path) -> bool {
 
 #[test]
 fn kill_at_random_points_then_resume_equals_uninterrupted() {
+    let _one = one_at_a_time();
     let root = scratch("run");
     let setup = Setup::new(&root, 12, 3);
 
@@ -260,6 +269,7 @@ fn kill_at_random_points_then_resume_equals_uninterrupted() {
 /// resume changes is said.
 #[test]
 fn a_resume_without_settings_continues_with_the_checkpoints() {
+    let _one = one_at_a_time();
     let dir = scratch("bare-resume");
     let setup = Setup::new(&dir, 24, 4);
     let (full, bare) = (dir.join("full"), dir.join("bare"));
@@ -307,6 +317,7 @@ fn a_resume_without_settings_continues_with_the_checkpoints() {
 /// run does: the same metrics and adapter.
 #[test]
 fn ctrl_c_stops_with_a_checkpoint_and_the_resume_is_exact() {
+    let _one = one_at_a_time();
     let dir = scratch("ctrl-c");
     let setup = Setup::new(&dir, 24, 4);
     let long = ["--set", "steps=400", "--set", "save_every=0"];
@@ -362,6 +373,7 @@ fn ctrl_c_stops_with_a_checkpoint_and_the_resume_is_exact() {
 /// said.
 #[test]
 fn a_bare_resume_names_relative_paths_and_counts_new_epochs() {
+    let _one = one_at_a_time();
     let dir = scratch("relative");
     let setup = Setup::new(&dir, 8, 2);
     let run = |cwd: &Path, args: &[&str]| {
@@ -434,6 +446,7 @@ fn a_bare_resume_names_relative_paths_and_counts_new_epochs() {
 /// are named.
 #[test]
 fn a_bare_checkpoint_name_resumes_in_its_own_folder() {
+    let _one = one_at_a_time();
     let dir = scratch("bare-name");
     let setup = Setup::new(&dir, 8, 2);
     let run = dir.join("r");
@@ -471,6 +484,7 @@ fn a_bare_checkpoint_name_resumes_in_its_own_folder() {
 /// refused naming the folder and the holder's pid; after a kill -9 the folder is free.
 #[test]
 fn a_second_process_cannot_train_into_a_running_folder() {
+    let _one = one_at_a_time();
     let dir = scratch("lock");
     let setup = Setup::new(&dir, 12, 2);
     let out = dir.join("run");
@@ -511,6 +525,7 @@ fn a_second_process_cannot_train_into_a_running_folder() {
 /// adapter names the base by its Hub id, as PEFT loads it.
 #[test]
 fn a_smollm2_run_resumes_by_its_folder() {
+    let _one = one_at_a_time();
     if common::smollm2_or_skip("a_smollm2_run_resumes_by_its_folder").is_none() {
         return;
     }

@@ -1304,3 +1304,66 @@ fn bad_eval_and_export_jobs_are_refused_naming_the_field() {
         .unwrap()
         .is_empty());
 }
+
+/// Paths are checked again when a job starts, not only when it is submitted: a symbolic link
+/// made while the job waited cannot lead its output out of the roots. An output folder holding
+/// the job's own inputs, or an eval's earlier results, is a 409; a result deleted from the disk
+/// since is a 410.
+#[test]
+fn outputs_are_confined_when_the_job_runs_and_never_hold_its_inputs() {
+    let ws = Workspace::new("confined");
+    let server = Server::start(&ws, &[]);
+    let outside = ws.dir.join("outside");
+    std::fs::create_dir_all(&outside).unwrap();
+
+    let mut long = tiny_job(100_000);
+    long["output"] = json!("runs/long");
+    let long_id = server.submit(&long);
+    let mut later = tiny_job(2);
+    later["output"] = json!("later/out");
+    let later_id = server.submit(&later);
+    server.events(long_id).until("step");
+    std::os::unix::fs::symlink(&outside, ws.root.join("later")).unwrap();
+    let r = server.post(&format!("/jobs/{long_id}/cancel"), &json!({}));
+    assert_eq!(r.status, 200, "{}", r.text());
+    let events = server.events(later_id).until("failed");
+    let reason = events.last().unwrap().data["reason"].as_str().unwrap();
+    assert!(
+        reason.contains("refused to run") && reason.contains("output"),
+        "{reason}"
+    );
+    assert_eq!(
+        std::fs::read_dir(&outside).unwrap().count(),
+        0,
+        "nothing is written through the link"
+    );
+
+    // The base model's folder as a train job's output; an eval's earlier results.
+    let mut into_model = tiny_job(1);
+    into_model["output"] = json!("model");
+    let r = server.post("/jobs", &into_model);
+    assert_eq!(r.status, 409, "{}", r.text());
+    assert!(r.text().contains("the job's model"), "{}", r.text());
+    std::fs::create_dir_all(ws.root.join("notes")).unwrap();
+    std::fs::write(ws.root.join("notes/report.md"), "mine").unwrap();
+    let r = server.post(
+        "/jobs",
+        &json!({"kind": "eval", "model": "model", "data": "valid.jsonl", "output": "notes"}),
+    );
+    assert_eq!(r.status, 409, "{}", r.text());
+    assert!(r.text().contains("report.md"), "{}", r.text());
+    assert_eq!(
+        std::fs::read_to_string(ws.root.join("notes/report.md")).unwrap(),
+        "mine"
+    );
+
+    // A finished job's adapter deleted from the disk.
+    let mut done = tiny_job(1);
+    done["output"] = json!("runs/done");
+    let done_id = server.submit(&done);
+    server.events(done_id).until("done");
+    std::fs::remove_dir_all(ws.root.join("runs/done/adapter")).unwrap();
+    let r = server.get(&format!("/jobs/{done_id}/adapter"));
+    assert_eq!(r.status, 410, "{}", r.text());
+    assert!(r.text().contains("no longer on the disk"), "{}", r.text());
+}

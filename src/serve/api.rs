@@ -600,7 +600,30 @@ impl Submission {
     /// train job's that holds a run (unless `overwrite`), an export job's that is not new or
     /// empty (its result is the whole folder).
     fn check_output(&self, dir: &std::path::Path) -> ApiResult<()> {
+        // A job writing into a folder that holds what it reads would mix its outputs into its
+        // inputs (a run's files inside the base model, then exported with it).
+        if let Some((field, path)) = self.inputs().into_iter().find(|(_, p)| p.starts_with(dir)) {
+            return Err(ApiError::conflict(format!(
+                "output: {} is or holds the job's {field} ({}); name a folder of its own",
+                dir.display(),
+                path.display()
+            )));
+        }
         match self {
+            Submission::Eval(_) => {
+                let held: Vec<&str> = [EVAL_JSON, EVAL_REPORT, "report.png"]
+                    .into_iter()
+                    .filter(|name| dir.join(name).symlink_metadata().is_ok())
+                    .collect();
+                if !held.is_empty() {
+                    return Err(ApiError::conflict(format!(
+                        "output: {} already holds {}, which an eval job writes; name another \
+                         folder",
+                        dir.display(),
+                        held.join(", ")
+                    )));
+                }
+            }
             Submission::Train(cfg) if !cfg.overwrite => {
                 let held = crate::train::run_folder::run_outputs(dir)?;
                 if !held.is_empty() {
@@ -622,6 +645,43 @@ impl Submission {
             _ => {}
         }
         Ok(())
+    }
+
+    /// The files and folders the job reads, by field (canonical once `confine` has run; a
+    /// built-in model's name is no path and is left out).
+    fn inputs(&self) -> Vec<(&'static str, std::path::PathBuf)> {
+        let mut out: Vec<(&'static str, Option<String>)> = Vec::new();
+        match self {
+            Submission::Train(cfg) => {
+                out.push(("model", Some(cfg.model.clone())));
+                out.push(("data", Some(cfg.data.clone())));
+                out.push(("valid", cfg.valid.clone()));
+                out.push(("warm_start", cfg.warm_start.clone()));
+                out.push(("chat_template", cfg.chat_template.clone()));
+            }
+            Submission::Eval(o) => {
+                out.push(("model", o.model.clone()));
+                out.push(("data", o.data.clone()));
+                out.push((
+                    "adapter",
+                    o.adapter.as_ref().map(|p| p.display().to_string()),
+                ));
+                out.push(("config", o.config.as_ref().map(|p| p.display().to_string())));
+                out.push(("chat_template", o.chat_template.clone()));
+                for c in o.compare.iter().filter(|c| *c != "base") {
+                    out.push(("compare", Some(c.clone())));
+                }
+            }
+            Submission::Export(p) => {
+                out.push(("model", Some(p.model.display().to_string())));
+                out.push(("adapter", Some(p.adapter.display().to_string())));
+                out.push(("chat_template", p.chat_template.clone()));
+            }
+        }
+        out.into_iter()
+            .filter_map(|(field, p)| Some((field, std::path::PathBuf::from(p?))))
+            .filter(|(_, p)| p.is_absolute())
+            .collect()
     }
 
     /// Points the job's outputs into `dir`.
@@ -791,6 +851,42 @@ async fn submit(
         Ok((StatusCode::CREATED, Json(detail(app, &job)?)))
     })
     .await
+}
+
+/// A stored job's paths checked again, as the roots and the file system are now, before it
+/// runs: a symbolic link made since it was submitted, or a server restarted with other roots,
+/// must not lead it out. Its paths were stored canonical, so one that resolves anywhere else now
+/// is refused as well.
+pub(crate) fn paths_still_confined(app: &App, job: &JobRow) -> anyhow::Result<()> {
+    let stored = match job.kind {
+        JobKind::Train => Submission::Train(Box::new(serde_json::from_str(&job.config)?)),
+        JobKind::Eval => Submission::Eval(serde_json::from_str(&job.config)?),
+        JobKind::Export => Submission::Export(serde_json::from_str(&job.config)?),
+    };
+    let refused = |e: ApiError| anyhow::anyhow!("refused to run: {}", e.message);
+    for (field, path) in stored.inputs() {
+        let now = app.roots.existing(field, &path.display().to_string());
+        let now = now.map_err(|e| refused(e.into()))?;
+        anyhow::ensure!(
+            now == path,
+            "refused to run: {field} {} now resolves to {} (a symbolic link made since the job \
+             was submitted?)",
+            path.display(),
+            now.display()
+        );
+    }
+    let output = app
+        .roots
+        .writable("output", &job.output)
+        .map_err(|e| refused(e.into()))?;
+    anyhow::ensure!(
+        output == std::path::Path::new(&job.output),
+        "refused to run: output {} now resolves to {} (a symbolic link made since the job was \
+         submitted?)",
+        job.output,
+        output.display()
+    );
+    Ok(())
 }
 
 async fn list_jobs(State(app): State<Arc<App>>) -> ApiResult<Json<Value>> {
@@ -1013,8 +1109,26 @@ fn tar_download(archive: super::tar::Archive, filename: &str) -> Response {
         .into_response()
 }
 
+/// A 410 for a finished job whose result folder is gone from the disk (deleted or moved since),
+/// rather than the read's error.
+fn result_gone(job: &JobRow, dir: &std::path::Path) -> ApiResult<()> {
+    if dir.symlink_metadata().is_err() {
+        return Err(ApiError::new(
+            StatusCode::GONE,
+            format!(
+                "job {}'s result {} is no longer on the disk (deleted or moved since the job \
+                 ended)",
+                job.id,
+                dir.display()
+            ),
+        ));
+    }
+    Ok(())
+}
+
 fn adapter_tar(job: &JobRow) -> ApiResult<Response> {
     let dir = std::path::Path::new(&job.output).join("adapter");
+    result_gone(job, &dir)?;
     let prefix = format!("job-{}-adapter", job.id);
     let archive = super::tar::Archive::folder(&dir, &prefix)?;
     Ok(tar_download(archive, &format!("{prefix}.tar")))
@@ -1066,6 +1180,7 @@ async fn result(
             JobKind::Train => adapter_tar(&job),
             JobKind::Export => {
                 let prefix = format!("job-{id}-export");
+                result_gone(&job, out)?;
                 let archive = super::tar::Archive::tree(out, &prefix)?;
                 Ok(tar_download(archive, &format!("{prefix}.tar")))
             }

@@ -232,6 +232,7 @@ fn fail(app: &App, id: i64, step: i64, reason: &str) -> Result<()> {
 
 /// Loads the job's model and data as `lorafit train` does and trains.
 fn train_job(app: &App, job: &JobRow, cancel: &AtomicBool) -> Result<Outcome> {
+    super::api::paths_still_confined(app, job)?;
     let mut cfg: TrainConfig =
         serde_json::from_str(&job.config).context("the job's stored config")?;
     let resume = job.resume_from.as_ref().map(PathBuf::from);
@@ -308,6 +309,7 @@ fn stopped_or(e: anyhow::Error) -> Result<Outcome> {
 
 /// Runs `lorafit eval` with the job's settings; its files go into the job's output folder.
 fn eval_job(app: &App, job: &JobRow, cancel: &AtomicBool) -> Result<Outcome> {
+    super::api::paths_still_confined(app, job)?;
     let opts: crate::eval::EvalOptions =
         serde_json::from_str(&job.config).context("the job's stored settings")?;
     std::fs::create_dir_all(&job.output).with_context(|| format!("creating {}", job.output))?;
@@ -350,6 +352,7 @@ fn eval_job(app: &App, job: &JobRow, cancel: &AtomicBool) -> Result<Outcome> {
 
 /// Runs `lorafit export` with the job's plan; a check outside its bound fails the job.
 fn export_job(app: &App, job: &JobRow, cancel: &AtomicBool) -> Result<Outcome> {
+    super::api::paths_still_confined(app, job)?;
     let mut plan: crate::export::ExportPlan =
         serde_json::from_str(&job.config).context("the job's stored settings")?;
     plan.model = trainer::resolve_model_path(&plan.model.display().to_string())?;
