@@ -340,6 +340,23 @@ fn a_bad_config_is_a_400_that_names_the_field() {
         .as_str()
         .unwrap()
         .contains("(an empty body is fine)"));
+    // Media types compare without regard to case.
+    let h = vec![("Content-Type".to_string(), "Application/JSON".to_string())];
+    let r = request(server.port, "POST", "/jobs", &h, Some(b"[1]"));
+    assert_eq!(r.status, 400, "{}", r.text());
+    // An endpoint or a method the API lacks is a JSON error too: 404 and 405.
+    let r = server.get("/jobs/1/nope");
+    assert_eq!(r.status, 404, "{}", r.text());
+    assert!(r.json()["error"].as_str().unwrap().contains("/jobs/1/nope"));
+    for method in ["PUT", "OPTIONS"] {
+        let r = request(server.port, method, "/jobs", &h, None);
+        assert_eq!(r.status, 405, "{method}: {}", r.text());
+        assert!(
+            r.json()["error"].as_str().unwrap().contains(method),
+            "{}",
+            r.text()
+        );
+    }
     // An id that is not one is the API's JSON error, not the framework's text.
     for path in [
         "/jobs/abc",

@@ -150,6 +150,21 @@ pub fn router(app: Arc<App>) -> Router {
             get(|| async { page(PAGE_JS, "text/javascript; charset=utf-8") }),
         )
         .merge(jobs)
+        .fallback(|uri: axum::http::Uri| async move {
+            ApiError::new(
+                StatusCode::NOT_FOUND,
+                format!(
+                    "no such endpoint: {} (see the README's API table)",
+                    uri.path()
+                ),
+            )
+        })
+        .method_not_allowed_fallback(|method: Method, uri: axum::http::Uri| async move {
+            ApiError::new(
+                StatusCode::METHOD_NOT_ALLOWED,
+                format!("{method} is not a method of {}", uri.path()),
+            )
+        })
         .layer(DefaultBodyLimit::max(MAX_BODY))
         .with_state(app)
 }
@@ -224,12 +239,18 @@ async fn guard(State(app): State<Arc<App>>, req: Request, next: Next) -> Respons
             return r;
         }
     }
-    if req.method() != Method::GET && req.method() != Method::HEAD {
+    // Only POST carries a body; another method the route lacks is its 405.
+    if req.method() == Method::POST {
+        // Media types compare without regard to case (RFC 9110).
         let json_type = req
             .headers()
             .get(header::CONTENT_TYPE)
             .and_then(|v| v.to_str().ok())
-            .is_some_and(|v| v.starts_with("application/json"));
+            .is_some_and(|v| {
+                v.trim_start()
+                    .to_ascii_lowercase()
+                    .starts_with("application/json")
+            });
         if !json_type {
             let body = if req.uri().path() == "/jobs" {
                 "the body is the job, a JSON object"
