@@ -638,6 +638,23 @@ impl TrainConfig {
         })
     }
 
+    /// Refuses a value of the wrong type for setting `name`, naming the key it was written
+    /// under (`given`: `max_steps` for `steps`), which an error of the whole table, in lorafit's
+    /// names, would not.
+    pub fn check_type(given: &str, name: &str, value: &toml::Value) -> Result<()> {
+        // Every field has a default, so the one setting alone is a whole config.
+        let one = toml::Table::from_iter([(name.to_string(), value.clone())]);
+        if let Err(e) = one.try_into::<TrainConfig>() {
+            let ours = if given == name {
+                String::new()
+            } else {
+                format!(" (lorafit's `{name}`)")
+            };
+            bail!("setting `{given}`{ours}: {}", e.message().trim_end());
+        }
+        Ok(())
+    }
+
     /// Whether setting `name` takes a whole number (every such setting is unsigned).
     fn whole_number_setting(name: &str) -> bool {
         const OPTIONAL: [&str; 4] = [
@@ -655,8 +672,8 @@ impl TrainConfig {
         defaults.get(name).is_some_and(|v| v.is_integer())
     }
 
-    /// A settings table with TRL's names renamed to lorafit's; an unknown name, or one given
-    /// twice under two names, is an error.
+    /// A settings table with TRL's names renamed to lorafit's; an unknown name, one given twice
+    /// under two names, or a value of the wrong type (named as written) is an error.
     pub fn normalize(table: toml::Table) -> Result<toml::Table> {
         let method = table
             .get("method")
@@ -712,6 +729,9 @@ impl TrainConfig {
                     lines.join("\n  ")
                 )
             }
+        }
+        for (name, v) in &out {
+            TrainConfig::check_type(&given_as[name], name, v)?;
         }
         Ok(out)
     }

@@ -490,8 +490,20 @@ struct GenerateArgs {
     /// every step, slow for a large model); the check is then the 1e-2 bound alone.
     #[arg(long, requires = "check_uncached")]
     no_f32_reference: bool,
-    /// The user message (or, with --raw, the text to continue).
+    /// The user message (or, with --raw, the text to continue); `-` reads it from standard
+    /// input, all of it, less its trailing line breaks.
     prompt: String,
+}
+
+/// `generate`'s prompt: the argument, or for `-` standard input to its end, its trailing line
+/// breaks dropped as a shell's `"$(cat file)"` drops them (`echo text |` adds one).
+fn generate_prompt(arg: &str) -> Result<String> {
+    if arg != "-" {
+        return Ok(arg.to_string());
+    }
+    let text = std::io::read_to_string(std::io::stdin())
+        .context("generate -: reading the prompt from standard input")?;
+    Ok(text.trim_end_matches(['\n', '\r']).to_string())
 }
 
 /// `generate --check-uncached`: the KV cache against the whole-sequence forward on one prompt.
@@ -590,8 +602,13 @@ fn run_generate(a: GenerateArgs) -> Result<()> {
              --temperature at 0"
         );
     }
-    if a.raw && a.prompt.is_empty() {
-        bail!("--raw \"\": the prompt is empty, so there is no text to continue; give the text");
+    let prompt = generate_prompt(&a.prompt)?;
+    if a.raw && prompt.is_empty() {
+        let given = match a.prompt.as_str() {
+            "-" => "-: standard input is empty",
+            _ => "\"\": the prompt is empty",
+        };
+        bail!("--raw {given}, so there is no text to continue; give the text");
     }
     let (loaded, lora) = a.decode.load()?;
     let tok = &loaded.tokenizer;
@@ -599,10 +616,10 @@ fn run_generate(a: GenerateArgs) -> Result<()> {
         eprintln!("note: the model has no chat template; the prompt is given as plain text");
     }
     let ids = if a.raw {
-        lorafit::infer::chat_prompt_ids(tok, None, &[Message::user(a.prompt.as_str())])?
+        lorafit::infer::chat_prompt_ids(tok, None, &[Message::user(prompt.as_str())])?
     } else {
         let mut messages: Vec<Message> = a.system.iter().map(Message::system).collect();
-        messages.push(Message::user(a.prompt.as_str()));
+        messages.push(Message::user(prompt.as_str()));
         lorafit::infer::chat_prompt_ids(tok, loaded.template.as_ref(), &messages)?
     };
     let stops = lorafit::infer::default_stop_tokens(tok, loaded.template.as_ref(), &loaded.model);
@@ -955,6 +972,8 @@ fn apply_overrides(mut cfg: TrainConfig, a: &TrainArgs) -> Result<TrainConfig> {
             let name = TrainConfig::setting_name(k.trim(), &method)
                 .with_context(|| format!("--set {kv}"))?;
             let value = TrainConfig::trl_value(k.trim(), &name, set_value(v))
+                .with_context(|| format!("--set {kv}"))?;
+            TrainConfig::check_type(k.trim(), &name, &value)
                 .with_context(|| format!("--set {kv}"))?;
             table.insert(name, value);
         }

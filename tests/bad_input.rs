@@ -280,6 +280,48 @@ fn settings_files_take_trl_names_and_name_mistakes() {
     }
 }
 
+/// A value of the wrong type is named by the key the user wrote: TRL's name, with lorafit's
+/// beside it, in a settings file and in `--set` alike.
+#[test]
+fn a_value_of_the_wrong_type_is_named_as_written() {
+    use lorafit::config::TrainConfig;
+    let d = scratch("settings-types");
+    let file = d.join("trl.toml");
+    std::fs::write(&file, "max_steps = \"ten\"\n").unwrap();
+    let e = format!("{:#}", TrainConfig::from_toml_file(&file).unwrap_err());
+    assert!(
+        e.contains("trl.toml")
+            && e.contains("`max_steps` (lorafit's `steps`): invalid type: string \"ten\""),
+        "{e}"
+    );
+    std::fs::write(&file, "steps = \"ten\"\n").unwrap();
+    let e = format!("{:#}", TrainConfig::from_toml_file(&file).unwrap_err());
+    assert!(e.contains("setting `steps`: invalid type"), "{e}");
+    let data = d.join("train.jsonl");
+    for (set, written, ours) in [
+        ("learning_rate=true", "learning_rate", "lr"),
+        ("max_length=\"long\"", "max_length", "max_seq_len"),
+    ] {
+        let (ok, err) = lorafit(
+            &[
+                "train".as_ref(),
+                "--data".as_ref(),
+                data.as_os_str(),
+                "--set".as_ref(),
+                set.as_ref(),
+            ],
+            "",
+        );
+        assert!(
+            !ok && err.contains(&format!(
+                "--set {set}: setting `{written}` (lorafit's `{ours}`)"
+            )),
+            "{err}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&d);
+}
+
 /// A model or dataset named by a Hub id that is no local path and not in the Hugging Face cache
 /// is refused, saying lorafit downloads nothing and how to get it; never a bare "no such file".
 #[test]

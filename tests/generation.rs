@@ -666,3 +666,56 @@ fn generate_says_where_the_context_stopped_it() {
     assert!(err.contains("checking 2 steps, not 5"), "{err}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `lorafit generate -` reads the prompt from standard input, as Unix tools do: the same reply
+/// and prompt length as the prompt given as the argument (the line break `echo` adds dropped);
+/// `--raw` with an empty standard input is refused, saying so.
+#[test]
+fn generate_reads_a_prompt_of_dash_from_standard_input() {
+    use std::io::Write;
+    let dir = std::env::temp_dir().join(format!("lorafit-gen-stdin-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let model = common::tiny_run::model_folder(&dir);
+    let generate = |extra: &[&str], prompt: &str, stdin: &[u8]| {
+        let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_lorafit"))
+            .args(["generate", "--max-new-tokens", "4", "--model"])
+            .arg(&model)
+            .args(extra)
+            .arg(prompt)
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        // A command that does not read its input may end first: a closed pipe is no failure.
+        let _ = child.stdin.take().unwrap().write_all(stdin);
+        child.wait_with_output().unwrap()
+    };
+    let prefill = |err: &str| -> String {
+        let after = err
+            .split("prefill ")
+            .nth(1)
+            .unwrap_or_else(|| panic!("{err}"));
+        after.split(' ').next().unwrap().to_string()
+    };
+    for extra in [&[][..], &["--raw"][..]] {
+        let given = generate(extra, "w5 w6 w7", b"");
+        let piped = generate(extra, "-", b"w5 w6 w7\n");
+        let (given_err, piped_err) = (
+            String::from_utf8_lossy(&given.stderr),
+            String::from_utf8_lossy(&piped.stderr),
+        );
+        assert!(given.status.success(), "{given_err}");
+        assert!(piped.status.success(), "{piped_err}");
+        assert_eq!(prefill(&piped_err), prefill(&given_err), "{extra:?}");
+        assert_eq!(piped.stdout, given.stdout, "{extra:?}");
+    }
+    let out = generate(&["--raw"], "-", b"\n");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("--raw -: standard input is empty"),
+        "{err}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -671,6 +671,34 @@ fn kl_command_end_to_end() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// A `--data` file that is not there is said to be missing, by its path, as `train` says it;
+/// not as rows that are neither preference nor SFT rows.
+#[test]
+fn kl_says_a_missing_data_file_is_not_there() {
+    let dir = scratch("kl_missing");
+    let m = tiny_run::model_folder(&dir);
+    let missing = dir.join("missing.jsonl");
+    let s = |p: &Path| p.display().to_string();
+    let out = lorafit_kl(&[
+        "--model",
+        &s(&m),
+        "--reference",
+        &s(&m),
+        "--data",
+        &s(&missing),
+        "--output",
+        &s(&dir.join("kl.json")),
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains(&format!("opening dataset {}: No such file", s(&missing))),
+        "{err}"
+    );
+    assert!(!err.contains("neither preference nor SFT"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// The library measure on a GGUF base with quantized projections against its Hugging Face
 /// original: positive and finite per layer, the models unchanged afterwards; a model against
 /// itself gives exactly 0; a model with another number of layers is refused by name.

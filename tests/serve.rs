@@ -260,6 +260,11 @@ fn a_bad_config_is_a_400_that_names_the_field() {
             "lerning_rate",
         ),
         (json!({"data": "train.jsonl", "steps": "ten"}), "steps"),
+        // A type error names the key as written (TRL's), not only lorafit's name for it.
+        (
+            json!({"data": "train.jsonl", "max_steps": "ten"}),
+            "max_steps",
+        ),
         (json!({"data": "train.jsonl", "lr": -1.0}), "lr"),
         (
             json!({"data": "train.jsonl", "warmup_ratio": 2.0}),

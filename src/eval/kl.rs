@@ -169,6 +169,9 @@ pub fn calibration_rows(
             Ok((rows, _)) => rows,
             Err(pref) => match read(DatasetKind::Sft) {
                 Ok((rows, _)) => rows,
+                // The same failure both ways is the file's, not its rows' (a file that is not
+                // there, or cannot be read): said alone, as `train` says it.
+                Err(sft) if format!("{pref:#}") == format!("{sft:#}") => return Err(pref),
                 Err(sft) => bail!(
                     "{name}: neither preference nor SFT rows (nor plain text: that is a .txt file)\n  as preference rows: {pref:#}\n  as SFT rows: {sft:#}"
                 ),

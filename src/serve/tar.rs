@@ -1,12 +1,13 @@
 //! A minimal tar writer for downloads: the regular files of one folder (an adapter), or of a
 //! folder and its subfolders (an export's artefacts), sorted by name, under one top-level folder
-//! name. The archive is listed first ([`Archive::folder`], [`Archive::tree`]), which gives its
-//! exact length and refuses what it cannot hold before a byte is sent, then written file by file
-//! into any `Write` ([`Archive::write_to`]), so that a download of many gigabytes is streamed
-//! rather than built in memory. Headers are POSIX ustar; a name over 100 bytes or a file over
-//! ustar's 8 GiB gets a PAX extended header (`path`, `size`) before its own, as GNU tar, bsdtar
-//! and Python's tarfile read. Such a folder holds a handful of files, so a crate for the format
-//! would not pay for its compile time.
+//! name, less a run's lock file (`run_folder::LOCK_FILE`). The archive is listed first
+//! ([`Archive::folder`], [`Archive::tree`]), which gives its exact length and refuses what it
+//! cannot hold before a byte is sent, then written file by file into any `Write`
+//! ([`Archive::write_to`]), so that a download of many gigabytes is streamed rather than built
+//! in memory. Headers are POSIX ustar; a name over 100 bytes or a file over ustar's 8 GiB gets a
+//! PAX extended header (`path`, `size`) before its own, as GNU tar, bsdtar and Python's tarfile
+//! read. Such a folder holds a handful of files, so a crate for the format would not pay for its
+//! compile time.
 
 use anyhow::{bail, Context, Result};
 use std::io::{Read, Write};
@@ -202,7 +203,8 @@ fn list_folder(entries: &mut Vec<Entry>, dir: &Path, prefix: &str, recursive: bo
             list_folder(entries, &e.path(), &format!("{prefix}/{name}"), true)?;
             continue;
         }
-        if !kind.is_file() {
+        // A run's lock file is no result, though a run leaves it in its folder.
+        if !kind.is_file() || name == crate::train::run_folder::LOCK_FILE {
             continue;
         }
         let size = e
@@ -346,6 +348,11 @@ mod tests {
                 "export/sub/c.txt"
             ]
         );
+        // A run's lock file, left in its folder, is not archived.
+        std::fs::write(dir.join(crate::train::run_folder::LOCK_FILE), b"1\n").unwrap();
+        let locked = read_tar(&archived(&Archive::tree(&dir, "export").unwrap())).unwrap();
+        let locked_names: Vec<&str> = locked.iter().map(|f| f.0.as_str()).collect();
+        assert_eq!(locked_names, names);
         let mut bad = tar.clone();
         bad[BLOCK] ^= 1;
         assert!(read_tar(&bad).unwrap_err().to_string().contains("checksum"));
