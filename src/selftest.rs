@@ -683,7 +683,7 @@ fn round_once_blocks(device: &Device) -> Result<bool> {
         let y = crate::tensor::lora_linear_rounded(
             &x,
             &w,
-            &xa,
+            crate::tensor::Cols::all(&xa),
             p.b(),
             p.scale,
             DType::BF16,

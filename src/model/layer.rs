@@ -14,10 +14,31 @@ use super::runner::{Model, PassCtx};
 use super::weights::{Dense, Weight};
 use crate::tensor::{self as ops, AttnMask, AttnShape, DType, RopeTable, Tensor};
 use anyhow::Result;
+use std::sync::Arc;
 
-/// What a LoRA-carrying projection keeps for its backward: `xa = dropout(x) Aᵀ`, `(T, r)`.
+/// What a LoRA-carrying projection keeps for its backward: `xa = dropout(x) Aᵀ`, `(T, r)`: a
+/// tensor of its own, or columns `cols` of the product its shared-input group computed at once
+/// (`stacked_lora_inputs`), which the group's projections share instead of each copying theirs.
 pub struct LoraSaved {
-    xa: Tensor,
+    xa: Arc<Tensor>,
+    cols: std::ops::Range<usize>,
+}
+
+impl LoraSaved {
+    fn own(xa: Tensor) -> LoraSaved {
+        let cols = 0..xa.rows_cols().1;
+        LoraSaved {
+            xa: Arc::new(xa),
+            cols,
+        }
+    }
+    fn xa(&self) -> ops::Cols<'_> {
+        ops::Cols {
+            t: &self.xa,
+            start: self.cols.start,
+            end: self.cols.end,
+        }
+    }
 }
 
 /// What one layer's forward keeps for its backward.
@@ -202,7 +223,7 @@ pub(crate) fn linear_fwd(
     w: &Weight,
     lora: Option<&LoraPair>,
     dropout: Option<(f32, u64)>,
-    xa: Option<Tensor>,
+    xa: Option<LoraSaved>,
     out_dtype: DType,
 ) -> Result<(Tensor, Option<LoraSaved>)> {
     let dt = out_dtype;
@@ -210,13 +231,13 @@ pub(crate) fn linear_fwd(
         return Ok((ops::matmul(x, false, &*w.dense()?, true, 1.0, dt)?, None));
     };
     let saved = match xa {
-        Some(xa) => LoraSaved { xa },
+        Some(xa) => xa,
         None => lora_input(x, p, dropout)?,
     };
     let may_fold = matches!(w, Weight::Dense(_));
     let w = w.dense()?;
     let block = (ROUND_ONCE_BYTES / (4 * w.dim(0).max(1))).max(256);
-    let y = ops::lora_linear_rounded(x, &w, &saved.xa, p.b(), p.scale, dt, block, may_fold)?;
+    let y = ops::lora_linear_rounded(x, &w, saved.xa(), p.b(), p.scale, dt, block, may_fold)?;
     Ok((y, Some(saved)))
 }
 
@@ -234,30 +255,34 @@ fn lora_input(x: &Tensor, p: &LoraPair, dropout: Option<(f32, u64)>) -> Result<L
         }
         None => ops::matmul(x, false, p.a(), true, 1.0, dt)?,
     };
-    Ok(LoraSaved { xa })
+    Ok(LoraSaved::own(xa))
 }
 
 /// `x Aᵢᵀ` of every adapter of shared-input group `group` (`lora::SHARED_INPUT`) from one GEMM
-/// with the layer's stacked A, by target index; all None when the layer has no stacked A for the
-/// group or LoRA dropout is on (each projection then draws its own mask).
+/// with the layer's stacked A, by target index, each its columns of that one product; all None
+/// when the layer has no stacked A for the group or LoRA dropout is on (each projection then
+/// draws its own mask).
 pub(crate) fn stacked_lora_inputs(
     x: &Tensor,
     lora: Option<&Lora>,
     l: usize,
     group: usize,
     ctx: &PassCtx,
-) -> Result<[Option<Tensor>; 7]> {
-    let mut out: [Option<Tensor>; 7] = Default::default();
+) -> Result<[Option<LoraSaved>; 7]> {
+    let mut out: [Option<LoraSaved>; 7] = Default::default();
     let Some(st) = lora.and_then(|lo| lo.stacked(l, group)) else {
         return Ok(out);
     };
     if ctx.dropout_for(l, st.members[0].0).is_some() {
         return Ok(out);
     }
-    let xa = ops::matmul(x, false, &st.a, true, 1.0, x.dtype())?;
+    let xa = Arc::new(ops::matmul(x, false, &st.a, true, 1.0, x.dtype())?);
     let mut c0 = 0;
     for &(t, r) in &st.members {
-        out[t.index()] = Some(ops::slice_cols(&xa, c0, c0 + r)?);
+        out[t.index()] = Some(LoraSaved {
+            xa: xa.clone(),
+            cols: c0..c0 + r,
+        });
         c0 += r;
     }
     Ok(out)
@@ -266,10 +291,26 @@ pub(crate) fn stacked_lora_inputs(
 /// The LoRA part of a projection's backward without dropout: accumulates `dB += s · dyᵀ xa` and
 /// `dA += dxaᵀ x`, returns `dxa = s · dy B`.
 fn lora_bwd(dy: &Tensor, x: &Tensor, p: &mut LoraPair, saved: &LoraSaved) -> Result<Tensor> {
-    ops::matmul_acc(&mut p.grad_b, dy, true, &saved.xa, false, p.scale, 1.0)?;
+    grad_b_acc(dy, p, saved)?;
     let dxa = ops::matmul(dy, false, p.b(), false, p.scale, dy.dtype())?;
     ops::matmul_acc(&mut p.grad_a, &dxa, true, x, false, 1.0, 1.0)?;
     Ok(dxa)
+}
+
+/// `dB += s · dyᵀ xa`, xa read where its forward left it.
+fn grad_b_acc(dy: &Tensor, p: &mut LoraPair, saved: &LoraSaved) -> Result<()> {
+    let n = p.grad_b.rows_cols().1;
+    let dy = ops::Cols::all(dy);
+    ops::matmul_acc_cols(
+        &mut p.grad_b,
+        0..n,
+        dy,
+        true,
+        saved.xa(),
+        false,
+        p.scale,
+        1.0,
+    )
 }
 
 /// One projection of a shared-input group in `shared_input_bwd`: its output gradient, weight,
@@ -315,8 +356,12 @@ fn shared_input_bwd(
         return dx.ok_or_else(|| anyhow::anyhow!("shared_input_bwd: no projection"));
     };
     let lo = lora.expect("a stacked A comes from an adapter");
-    let mut dxa = Vec::with_capacity(stacked.len());
-    for &(t, _) in &stacked {
+    // Every adapter's dxa = s · dy B is written into its columns of one (T, Σr) matrix, which
+    // the dA products read in place and the dx product takes whole: nothing is copied.
+    let width = stacked.iter().map(|&(_, r)| r).sum();
+    let mut dxa = ops::scratch(&[x.dim(0), width], x.dtype(), x.device())?;
+    let mut c0 = 0;
+    for &(t, r) in &stacked {
         let m = members.iter().find(|m| m.target == t);
         let (Some(m), Some(p)) = (m, lo.get_mut(l, t)) else {
             anyhow::bail!("layer {l}: stacked adapter {t:?} has no projection backward");
@@ -324,9 +369,27 @@ fn shared_input_bwd(
         let saved = m
             .saved
             .ok_or_else(|| anyhow::anyhow!("layer {l} {t:?}: no saved LoRA input"))?;
-        dxa.push(lora_bwd(&m.dy, x, p, saved)?);
+        grad_b_acc(&m.dy, p, saved)?;
+        let (dy, b) = (ops::Cols::all(&m.dy), ops::Cols::all(p.b()));
+        ops::matmul_acc_cols(&mut dxa, c0..c0 + r, dy, false, b, false, p.scale, 0.0)?;
+        let window = ops::Cols {
+            t: &dxa,
+            start: c0,
+            end: c0 + r,
+        };
+        let kx = x.rows_cols().1;
+        ops::matmul_acc_cols(
+            &mut p.grad_a,
+            0..kx,
+            window,
+            true,
+            ops::Cols::all(x),
+            false,
+            1.0,
+            1.0,
+        )?;
+        c0 += r;
     }
-    let dxa = ops::concat_cols(&dxa.iter().collect::<Vec<_>>())?;
     let st = lo.stacked(l, group).expect("checked above");
     // The rank-r product first, the base GEMMs accumulate onto it (bf16 C). Unlike the forward's
     // sum this is not rounded once: cuBLASLt rounds each base product before it adds C, so a LoRA
@@ -368,7 +431,7 @@ fn linear_bwd(
     };
     match dropout {
         Some((prob, seed)) => {
-            ops::matmul_acc(&mut p.grad_b, dy, true, &saved.xa, false, p.scale, 1.0)?;
+            grad_b_acc(dy, p, saved)?;
             let dxa = ops::matmul(dy, false, p.b(), false, p.scale, dt)?;
             let dx_lora = ops::matmul(&dxa, false, p.a(), false, 1.0, dt)?;
             ops::matmul_acc(
@@ -587,7 +650,7 @@ impl Model {
         if kv_kept {
             for tg in [Target::K, Target::V] {
                 saved[tg.index()] = match (xa[tg.index()].take(), pair(tg)) {
-                    (Some(xa), _) => Some(LoraSaved { xa }),
+                    (Some(xa), _) => Some(xa),
                     (None, Some(p)) => Some(lora_input(xn, p, ctx.dropout_for(l, tg))?),
                     (None, None) => None,
                 };

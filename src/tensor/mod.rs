@@ -693,9 +693,142 @@ pub fn matmul_acc(
     dispatch!(&dev, cpu::matmul_acc(c, a, ta, b, tb, alpha, beta), cu => cu.matmul_acc(c, a, ta, b, tb, alpha, beta))
 }
 
+/// Columns `[start, end)` of a row-major matrix: an operand of `matmul_acc_cols` (and of
+/// `lora_linear_rounded`'s adapter input), read in place on a GPU, whose products take a leading
+/// dimension. The LoRA inputs of projections that share their input are one product's columns
+/// (`model::layer::stacked_lora_inputs`); read through a window, none of them is copied out.
+#[derive(Clone, Copy)]
+pub struct Cols<'a> {
+    pub t: &'a Tensor,
+    pub start: usize,
+    pub end: usize,
+}
+
+impl<'a> Cols<'a> {
+    /// Every column of `t`.
+    pub fn all(t: &'a Tensor) -> Cols<'a> {
+        Cols {
+            t,
+            start: 0,
+            end: t.rows_cols().1,
+        }
+    }
+    pub fn rows_cols(&self) -> (usize, usize) {
+        (self.t.rows_cols().0, self.end - self.start)
+    }
+    fn is_all(&self) -> bool {
+        self.start == 0 && self.end == self.t.rows_cols().1
+    }
+    /// The window as a tensor of its own: `t` itself when it spans every column, else a copy.
+    pub fn to_tensor(&self) -> Result<ColsTensor<'a>> {
+        Ok(if self.is_all() {
+            ColsTensor::Whole(self.t)
+        } else {
+            ColsTensor::Copied(slice_cols(self.t, self.start, self.end)?)
+        })
+    }
+}
+
+/// `Cols::to_tensor`'s answer: the tensor itself, or a copy of the window.
+pub enum ColsTensor<'a> {
+    Whole(&'a Tensor),
+    Copied(Tensor),
+}
+
+impl std::ops::Deref for ColsTensor<'_> {
+    type Target = Tensor;
+    fn deref(&self) -> &Tensor {
+        match self {
+            ColsTensor::Whole(t) => t,
+            ColsTensor::Copied(t) => t,
+        }
+    }
+}
+
+/// `c[:, cc] = beta · c[:, cc] + alpha · op(a) @ op(b)` over column windows: `matmul_acc` with
+/// each operand and the output a block of columns of a wider matrix. On a GPU every window is
+/// read and written in place where cuBLASLt can address it (both operands bf16 or all f32, rows
+/// aligned to 16 bytes); elsewhere (the CPU, odd widths) through copies, with the same result.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_acc_cols(
+    c: &mut Tensor,
+    cc: std::ops::Range<usize>,
+    a: Cols,
+    ta: bool,
+    b: Cols,
+    tb: bool,
+    alpha: f32,
+    beta: f32,
+) -> Result<()> {
+    let ccols = c.rows_cols().1;
+    for (w, name, cols) in [
+        (a.start..a.end, "a", a.t.rows_cols().1),
+        (b.start..b.end, "b", b.t.rows_cols().1),
+        (cc.clone(), "c", ccols),
+    ] {
+        ensure!(
+            w.start <= w.end && w.end <= cols,
+            "matmul_acc_cols: {name}'s columns {w:?} of {cols}"
+        );
+    }
+    same_device(a.t, b.t, "matmul_acc_cols")?;
+    same_device(a.t, c, "matmul_acc_cols")?;
+    if let Device::Cuda(cu) = c.device().clone() {
+        if cu.matmul_acc_cols(c, cc.clone(), a, ta, b, tb, alpha, beta)? {
+            return Ok(());
+        }
+    }
+    let (a, b) = (a.to_tensor()?, b.to_tensor()?);
+    if cc.start == 0 && cc.end == ccols {
+        return matmul_acc(c, &a, ta, &b, tb, alpha, beta);
+    }
+    let mut part = slice_cols(c, cc.start, cc.end)?;
+    matmul_acc(&mut part, &a, ta, &b, tb, alpha, beta)?;
+    write_cols(c, cc.start, &part)
+}
+
+/// `dst[:, start..start + src.cols] = src` (same rows and dtype).
+pub fn write_cols(dst: &mut Tensor, start: usize, src: &Tensor) -> Result<()> {
+    let ((r, w), (dr, dc)) = (src.rows_cols(), dst.rows_cols());
+    ensure!(
+        r == dr && start + w <= dc && src.dtype() == dst.dtype(),
+        "write_cols: {:?} {:?} at column {start} of {:?} {:?}",
+        src.shape(),
+        src.dtype(),
+        dst.shape(),
+        dst.dtype()
+    );
+    same_device(src, dst, "write_cols")?;
+    match dst.device().clone() {
+        Device::Cpu => {
+            let s = src.as_cpu()?.to_vec();
+            let d = dst.as_cpu_mut()?;
+            for (i, row) in s.chunks(w.max(1)).take(r).enumerate() {
+                d[i * dc + start..i * dc + start + w].copy_from_slice(row);
+            }
+            Ok(())
+        }
+        Device::Cuda(cu) => cu.write_cols(src, dst, start),
+    }
+}
+
+/// A tensor whose every element the caller overwrites before reading (zeros on the CPU; left
+/// unwritten on a GPU, which saves a launch).
+pub fn scratch(shape: &[usize], dtype: DType, device: &Device) -> Result<Tensor> {
+    match device {
+        Device::Cpu => Tensor::zeros(shape, dtype, device),
+        Device::Cuda(c) => c.scratch(shape, dtype),
+    }
+}
+
+/// The least bytes a folded projection into f32 may give its operands' copies
+/// (`lora_linear_rounded`).
+const FOLD_F32_FLOOR_BYTES: usize = 32 << 20;
+
 /// A LoRA projection's output `x Wᵀ + scale · xa Bᵀ`, both products summed in f32 and the sum
 /// rounded once to `out_dtype` (`model::layer::linear_fwd` says why), `block` rows at a time: the
-/// f32 sum of at most `block` rows exists at once. x `[T,K]`, w `[N,K]`, xa `[T,r]`, b `[N,r]`.
+/// f32 sum of at most `block` rows exists at once. x `[T,K]`, w `[N,K]`, xa `[T,r]` (a window of
+/// a wider product, read in place on a GPU), b `[N,r]`.
 /// On a GPU, where `may_fold` (false where `w` is itself a temporary, a dequantized base, which
 /// would then be held twice) and the copies pay (`cuda::gemm::adapter_fold_pays`), the adapter
 /// joins the base product's K dimension instead and no f32 sum is held (`lora_linear_folded`).
@@ -704,7 +837,7 @@ pub fn matmul_acc(
 pub fn lora_linear_rounded(
     x: &Tensor,
     w: &Tensor,
-    xa: &Tensor,
+    xa: Cols,
     b: &Tensor,
     scale: f32,
     out_dtype: DType,
@@ -717,17 +850,17 @@ pub fn lora_linear_rounded(
         "lora_linear_rounded: x {:?}, w {:?}, xa {:?}, b {:?}",
         x.shape(),
         w.shape(),
-        xa.shape(),
+        [xa.rows_cols().0, xa.rows_cols().1],
         b.shape()
     );
-    for o in [w, xa, b] {
+    for o in [w, xa.t, b] {
         same_device(x, o, "lora_linear_rounded")?;
     }
     // The rank-r product writes y first and the base GEMM accumulates onto it: the base GEMM
     // reads y in its epilogue almost for free, where the skinny product would read and write the
     // whole (T, N) output a second time.
     let generic = || -> Result<Tensor> {
-        let mut y = matmul(xa, false, b, true, scale, DType::F32)?;
+        let mut y = matmul(&*xa.to_tensor()?, false, b, true, scale, DType::F32)?;
         matmul_acc(&mut y, x, false, w, true, 1.0, 1.0)?;
         if y.dtype() == out_dtype {
             return Ok(y);
@@ -736,16 +869,19 @@ pub fn lora_linear_rounded(
     };
     // (An empty product, which cuBLASLt refuses, takes the generic path.)
     let nonempty = t * k * n * r > 0;
-    let all_bf16 = [x, w, xa, b].iter().all(|o| o.dtype() == DType::BF16);
+    let all_bf16 = [x, w, xa.t, b].iter().all(|o| o.dtype() == DType::BF16);
     match x.device() {
         Device::Cuda(c)
             if nonempty && may_fold && all_bf16 && cuda::gemm::adapter_fold_pays(t, k, n, r) =>
         {
             // The operands' copies take at most the bytes of the f32 sum they replace; for an
-            // f32 output, which holds no f32 sum beside itself, a quarter of them.
+            // f32 output, which holds no f32 sum beside itself, a quarter of them, or
+            // FOLD_F32_FLOOR_BYTES where that is more: qwen1.5b's o at 4608 rows then runs as
+            // one product instead of three row blocks (1.2 ms a step at 4.20 GiB on an H100,
+            // no change in the peak).
             let sum_bytes = block.min(t) * n * 4;
             let budget = if out_dtype == DType::F32 {
-                sum_bytes / 4
+                (sum_bytes / 4).max(FOLD_F32_FLOOR_BYTES)
             } else {
                 sum_bytes
             };
@@ -1480,9 +1616,13 @@ mod tests {
             tx(&xa, &[t, r]),
             tx(&b, &[n, r]),
         );
-        let whole = lora_linear_rounded(&xt, &wt, &xat, &bt, 1.5, DType::BF16, t, false).unwrap();
-        let blocked = lora_linear_rounded(&xt, &wt, &xat, &bt, 1.5, DType::BF16, 3, false).unwrap();
-        let may_fold = lora_linear_rounded(&xt, &wt, &xat, &bt, 1.5, DType::BF16, t, true).unwrap();
+        let whole = lora_linear_rounded(&xt, &wt, Cols::all(&xat), &bt, 1.5, DType::BF16, t, false)
+            .unwrap();
+        let blocked =
+            lora_linear_rounded(&xt, &wt, Cols::all(&xat), &bt, 1.5, DType::BF16, 3, false)
+                .unwrap();
+        let may_fold =
+            lora_linear_rounded(&xt, &wt, Cols::all(&xat), &bt, 1.5, DType::BF16, t, true).unwrap();
         assert_eq!(whole.shape(), &[t, n]);
         for i in 0..t {
             for j in 0..n {
@@ -1497,9 +1637,18 @@ mod tests {
         }
         assert_eq!(whole.to_vec().unwrap(), blocked.to_vec().unwrap());
         assert_eq!(whole.to_vec().unwrap(), may_fold.to_vec().unwrap());
-        let err = lora_linear_rounded(&xt, &wt, &tx(&xa, &[r, t]), &bt, 1.5, DType::BF16, t, true)
-            .unwrap_err()
-            .to_string();
+        let err = lora_linear_rounded(
+            &xt,
+            &wt,
+            Cols::all(&tx(&xa, &[r, t])),
+            &bt,
+            1.5,
+            DType::BF16,
+            t,
+            true,
+        )
+        .unwrap_err()
+        .to_string();
         assert!(err.contains("xa [2, 7]"), "{err}");
     }
 

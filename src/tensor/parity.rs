@@ -513,13 +513,21 @@ fn elementwise(cx: &mut Ctx, r: &mut Rng) -> Result<()> {
         let row = cmp_t("scatter_add_rows (f32 dst)", &got, &want, F32_TIGHT)?;
         cx.push(row);
     }
-    // logsoftmax_gather
-    for (rows, v) in [(19usize, 50_000usize), (3, 262_144)] {
+    // logsoftmax_gather: bf16 and f32 logits (the chunked head's), rows of a multiple of 4 (the
+    // kernels' 4-wide path) and not; targets at both ends of a row and one ignored row.
+    for (rows, v, ldt) in [
+        (19usize, 50_000usize, bf),
+        (3, 262_144, bf),
+        (7, 151_936, DType::F32),
+        (5, 50_001, DType::F32),
+    ] {
         let l = r.bnormals(rows * v, 3.0);
         let mut targets: Vec<u32> = (0..rows).map(|_| r.below(v) as u32).collect();
         targets[1] = u32::MAX;
+        targets[0] = v as u32 - 1;
+        targets[2] = 0;
         let (lpc, lsc) = logsoftmax_gather(&cx.c(&l, &[rows, v])?, &targets)?;
-        let lg = cx.g(&l, &[rows, v], bf)?;
+        let lg = cx.g(&l, &[rows, v], ldt)?;
         let (lpg, lsg) = logsoftmax_gather(&lg, &targets)?;
         let row = cmp_t(
             &format!("logsoftmax_gather logp V={v}"),
@@ -951,7 +959,7 @@ fn gemm_epilogue(cx: &mut Ctx, r: &mut Rng) -> Result<()> {
         let got = lora_linear_rounded(
             &ag,
             &bg,
-            &cx.g(&xa, &[m, rank], bf)?,
+            Cols::all(&cx.g(&xa, &[m, rank], bf)?),
             &cx.g(&lb, &[n, rank], bf)?,
             2.0,
             bf,
@@ -1073,15 +1081,20 @@ fn gemm(cx: &mut Ctx, r: &mut Rng) -> Result<()> {
     // in row blocks, a width off 16 bytes (the packing kernel's scalar path) and into f32 (o and
     // down's output). A scale of 0.75 is rounded into B there (bf16: within the bf16 bound); the
     // f32 row takes 2, exact in B, so that only the order of the f32 sums differs.
-    for (t, k, n, rank, block, xa_dt, fold, out_dt, scale) in [
-        (333, 96, 300, 16, 100, bf, false, bf, 0.75),
-        (333, 96, 300, 80, 128, bf, false, bf, 0.75),
-        (70, 64, 520, 3, 70, DType::F32, false, bf, 0.75),
-        (90, 64, 200, 72, 40, DType::F32, false, bf, 0.75),
-        (333, 96, 300, 16, 100, bf, true, bf, 0.75),
-        (333, 96, 300, 80, 700, bf, true, bf, 0.75),
-        (301, 92, 500, 3, 301, bf, true, bf, 0.75),
-        (333, 96, 300, 16, 100, bf, true, DType::F32, 2.0),
+    // Rows marked `win` read xa in place as columns [8, 8 + rank) of a wider product, as the
+    // projections of a shared-input group do.
+    for (t, k, n, rank, block, xa_dt, fold, out_dt, scale, win) in [
+        (333, 96, 300, 16, 100, bf, false, bf, 0.75, false),
+        (333, 96, 300, 80, 128, bf, false, bf, 0.75, false),
+        (70, 64, 520, 3, 70, DType::F32, false, bf, 0.75, false),
+        (90, 64, 200, 72, 40, DType::F32, false, bf, 0.75, false),
+        (333, 96, 300, 16, 100, bf, true, bf, 0.75, false),
+        (333, 96, 300, 80, 700, bf, true, bf, 0.75, false),
+        (301, 92, 500, 3, 301, bf, true, bf, 0.75, false),
+        (333, 96, 300, 16, 100, bf, true, DType::F32, 2.0, false),
+        (333, 96, 300, 16, 100, bf, false, bf, 0.75, true),
+        (333, 96, 300, 16, 100, bf, true, bf, 0.75, true),
+        (70, 64, 520, 3, 70, DType::F32, false, bf, 0.75, true),
     ] {
         let x = r.bnormals(t * k, 1.0);
         let w = r.bnormals(n * k, 0.1);
@@ -1090,17 +1103,31 @@ fn gemm(cx: &mut Ctx, r: &mut Rng) -> Result<()> {
         let want = lora_linear_rounded(
             &cx.c(&x, &[t, k])?,
             &cx.c(&w, &[n, k])?,
-            &cx.c(&xa, &[t, rank])?,
+            Cols::all(&cx.c(&xa, &[t, rank])?),
             &cx.c(&lb, &[n, rank])?,
             scale,
             DType::F32,
             t,
             false,
         )?;
+        let (xa_g, cols) = if win {
+            let wide = rank + 24;
+            let mut v = r.bnormals(t * wide, 1.0);
+            for (i, row) in xa.chunks(rank).enumerate() {
+                v[i * wide + 8..i * wide + 8 + rank].copy_from_slice(row);
+            }
+            (cx.g(&v, &[t, wide], xa_dt)?, 8..8 + rank)
+        } else {
+            (cx.g(&xa, &[t, rank], xa_dt)?, 0..rank)
+        };
         let got = lora_linear_rounded(
             &cx.g(&x, &[t, k], bf)?,
             &cx.g(&w, &[n, k], bf)?,
-            &cx.g(&xa, &[t, rank], xa_dt)?,
+            Cols {
+                t: &xa_g,
+                start: cols.start,
+                end: cols.end,
+            },
             &cx.g(&lb, &[n, rank], bf)?,
             scale,
             out_dt,
@@ -1114,11 +1141,69 @@ fn gemm(cx: &mut Ctx, r: &mut Rng) -> Result<()> {
         let how = if fold { "folded" } else { "f32 sum" };
         let row = cmp_t(
             &format!(
-                "lora_linear_rounded {t}x{k}x{n} r{rank} {how} blocks of {block} xa {xa_dt:?} -> {out_dt:?}"
+                "lora_linear_rounded {t}x{k}x{n} r{rank} {how} blocks of {block} xa {xa_dt:?}{} -> {out_dt:?}",
+                if win { " (columns of a wider product)" } else { "" }
             ),
             &got,
             &want,
             if out_dt == bf { BF16_FWD } else { F32_STAT },
+        )?;
+        cx.push(row);
+    }
+    // matmul_acc_cols: operands and output as column windows of wider matrices (in place on the
+    // GPU), transposed or not, into bf16 and f32 with and without beta, against the CPU's copies;
+    // the columns outside the output's window must come back as they were. The last row's
+    // window starts off 16 bytes (the copying path).
+    for (m, k, n, ta, tb, cdt, beta, c0) in [
+        (
+            300usize, 64usize, 48usize, false, false, bf, 0.0f32, 16usize,
+        ),
+        (48, 300, 64, true, false, DType::F32, 1.0, 16),
+        (300, 48, 16, false, true, bf, 1.0, 8),
+        (300, 40, 16, false, false, bf, 0.0, 3),
+    ] {
+        let a_st = if ta { (k, m) } else { (m, k) };
+        let b_st = if tb { (n, k) } else { (k, n) };
+        let (aw, bw, cw) = (a_st.1 + 16, b_st.1 + 24, n + 40);
+        let av = r.bnormals(a_st.0 * aw, 1.0);
+        let bv = r.bnormals(b_st.0 * bw, 1.0);
+        let cv = r.bnormals(m * cw, 1.0);
+        let run = |on_gpu: bool| -> Result<Tensor> {
+            let mk = |v: &[f32], shape: &[usize], dt: DType| {
+                if on_gpu {
+                    cx.g(v, shape, dt)
+                } else {
+                    cx.c(v, shape)
+                }
+            };
+            let a = mk(&av, &[a_st.0, aw], bf)?;
+            let b = mk(&bv, &[b_st.0, bw], bf)?;
+            let mut c = mk(&cv, &[m, cw], cdt)?;
+            let (a, b) = (
+                Cols {
+                    t: &a,
+                    start: 8,
+                    end: 8 + a_st.1,
+                },
+                Cols {
+                    t: &b,
+                    start: 16,
+                    end: 16 + b_st.1,
+                },
+            );
+            matmul_acc_cols(&mut c, c0..c0 + n, a, ta, b, tb, 0.5, beta)?;
+            Ok(c)
+        };
+        let (got, want) = (run(true)?, run(false)?);
+        let row = cmp_t(
+            &format!(
+                "matmul_acc_cols {m}x{k}x{n} {}{} -> {cdt:?} beta {beta} at column {c0}",
+                if ta { "T" } else { "N" },
+                if tb { "T" } else { "N" }
+            ),
+            &got,
+            &want,
+            if cdt == bf { BF16_FWD } else { F32_STAT },
         )?;
         cx.push(row);
     }
@@ -1135,7 +1220,8 @@ fn gemm(cx: &mut Ctx, r: &mut Rng) -> Result<()> {
             let lb = cx.g(&r.bnormals(n * rank, 0.02), &[n, rank], bf)?;
             for fold in [false, true] {
                 let ms = cx.time(5, || {
-                    lora_linear_rounded(&x, &w, &xa, &lb, 2.0, bf, t / 2, fold).map(|_| ())
+                    lora_linear_rounded(&x, &w, Cols::all(&xa), &lb, 2.0, bf, t / 2, fold)
+                        .map(|_| ())
                 })?;
                 let how = if fold {
                     "folded"

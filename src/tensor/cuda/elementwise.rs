@@ -416,6 +416,11 @@ impl CudaBackend {
         Ok(y)
     }
 
+    /// `dst[:, start..start + src.cols] = src` (`ops::write_cols`, which checked the shapes).
+    pub fn write_cols(&self, src: &Tensor, dst: &Tensor, start: usize) -> Result<()> {
+        self.copy_cols(src, 0, dst, start, src.rows_cols().1)
+    }
+
     /// `dst[:, dst_col0 + j] = src[:, src_col0 + j]` for `j < width` (same dtype and rows).
     fn copy_cols(
         &self,
@@ -545,6 +550,7 @@ impl CudaBackend {
                 Arg::P(cuda_ptr(&logp)?),
                 Arg::P(cuda_ptr(&lse)?),
                 Arg::I64(v as i64),
+                Arg::I32(vec4(&[logits], v)? as i32),
             ],
         )?;
         Ok((logp, lse))
@@ -617,6 +623,9 @@ impl CudaBackend {
         ];
         args.extend(cap.map(Arg::F32));
         args.push(Arg::I64(v as i64));
+        if cap.is_none() {
+            args.push(Arg::I32(vec4(&[logits, &d], v)? as i32));
+        }
         let name = if cap.is_some() {
             "lf_logsoftmax_gather_softcap_bwd"
         } else {
@@ -876,4 +885,14 @@ impl CudaBackend {
         }
         self.launch_multi("lf_cast_multi", &words, entries, chunks, vec![])
     }
+}
+
+/// Whether rows of `v` elements of every tensor in `ts` can be read and written 4 at a time
+/// (`ld4`/`st4`: 16 bytes for f32, 8 for bf16): `v % 4 == 0` and each start aligned to it.
+fn vec4(ts: &[&Tensor], v: usize) -> Result<bool> {
+    let mut ok = v.is_multiple_of(4);
+    for t in ts {
+        ok &= cuda_ptr(t)?.is_multiple_of(4 * t.dtype().size() as u64);
+    }
+    Ok(ok)
 }

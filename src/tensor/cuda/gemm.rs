@@ -21,7 +21,7 @@
 //! `LORAFIT_GEMM_TUNE=log` prints each shape's timings.
 
 use super::{catch, cuda_ptr, dt, eighth_octave_up, Arg, CudaBackend, HostCall};
-use crate::tensor::{DType, Tensor};
+use crate::tensor::{Cols, DType, Tensor};
 use anyhow::{anyhow, Result};
 use cudarc::cublaslt::sys as lt;
 use cudarc::driver::{result as drv, sys};
@@ -365,7 +365,7 @@ impl Gemms {
                     plan.c,
                     plan.c,
                     pref,
-                    CANDIDATES as i32,
+                    results.len() as i32,
                     results.as_mut_ptr(),
                     &mut count,
                 );
@@ -410,6 +410,15 @@ impl Mat {
             ptr: cuda_ptr(t)?,
             dtype: t.dtype(),
             ld: t.rows_cols().1,
+        })
+    }
+
+    /// The columns of a window, in place: its first element and the whole matrix's row length.
+    pub fn cols(w: Cols) -> Result<Mat> {
+        let m = Mat::of(w.t)?;
+        Ok(Mat {
+            ptr: m.ptr + (w.start * m.dtype.size()) as u64,
+            ..m
         })
     }
 
@@ -571,15 +580,18 @@ impl CudaBackend {
             .unwrap_or(0);
         if g.log {
             eprintln!(
-                "gemm tune {}x{}x{} {}{}: heuristic first {:.4} ms, chosen #{best} {:.4} ms ({} candidates)",
+                "gemm tune {}x{}x{} {}{} c_f32 {} reads_c {}: heuristic first {:.4} ms, chosen #{best} {:.4} ms ({} candidates: {:?})",
                 key.n,
                 key.m,
                 key.k,
                 if key.trans_b { "T" } else { "N" },
                 if key.trans_a { "T" } else { "N" },
+                key.c_f32,
+                key.reads_c,
                 times[0],
                 times[best],
-                times.len()
+                times.len(),
+                times.iter().map(|t| (t * 1e4).round() / 1e4).collect::<Vec<_>>()
             );
         }
         plan.algo = algos[best];
@@ -669,6 +681,74 @@ impl CudaBackend {
     }
 }
 
+#[allow(clippy::too_many_arguments)]
+impl CudaBackend {
+    /// `ops::matmul_acc_cols` in place, where cuBLASLt takes the windows as they lie: operands
+    /// both bf16 (output bf16 or f32) or all f32, and every window's first element and row
+    /// length on 16 bytes. Returns false, having done nothing, for any other case.
+    pub fn matmul_acc_cols(
+        &self,
+        c: &mut Tensor,
+        cc: std::ops::Range<usize>,
+        a: Cols,
+        ta: bool,
+        b: Cols,
+        tb: bool,
+        alpha: f32,
+        beta: f32,
+    ) -> Result<bool> {
+        let direct = matches!(
+            (a.t.dtype(), b.t.dtype(), c.dtype()),
+            (DType::BF16, DType::BF16, _) | (DType::F32, DType::F32, DType::F32)
+        );
+        let cw = Cols {
+            t: c,
+            start: cc.start,
+            end: cc.end,
+        };
+        let mats = [Mat::cols(a)?, Mat::cols(b)?, Mat::cols(cw)?];
+        if !direct
+            || mats
+                .iter()
+                .any(|m| m.ptr % 16 != 0 || (m.ld * m.dtype.size()) % 16 != 0)
+        {
+            return Ok(false);
+        }
+        let ((ar, ac), (br, bc), (cr, cn)) = (a.rows_cols(), b.rows_cols(), cw.rows_cols());
+        let (m, k) = if ta { (ac, ar) } else { (ar, ac) };
+        let (k2, n) = if tb { (bc, br) } else { (br, bc) };
+        anyhow::ensure!(
+            k == k2 && (cr, cn) == (m, n),
+            "matmul_acc_cols: [{ar}x{ac}]{} x [{br}x{bc}]{} into [{cr}x{cn}]",
+            if ta { "ᵀ" } else { "" },
+            if tb { "ᵀ" } else { "" }
+        );
+        if m == 0 || n == 0 || k == 0 {
+            // cuBLASLt refuses empty products; the copying path handles them.
+            return Ok(false);
+        }
+        self.inner.bind()?;
+        let dname = |d: DType| match d {
+            DType::F32 => "f32",
+            DType::BF16 => "bf16",
+        };
+        let pname = || {
+            format!(
+                "gemm {}->{} {}{} {m}x{n}x{k} (cols)",
+                dname(a.t.dtype()),
+                dname(cw.t.dtype()),
+                if ta { "T" } else { "N" },
+                if tb { "T" } else { "N" }
+            )
+        };
+        let [am, bm, cm] = mats;
+        self.profiled(pname, || {
+            self.gemm_at(cm, (am, ta), (bm, tb), (m, k, n), (alpha, beta))
+        })?;
+        Ok(true)
+    }
+}
+
 /// Ranks up to which `lora_linear_rounded` adds the adapter's product in its rounding kernel
 /// (an f32 dot of `r` terms per output on the CUDA cores, cheap beside the output's bytes at small
 /// r); above it cuBLAS accumulates the product onto the base output first.
@@ -685,7 +765,7 @@ impl CudaBackend {
         &self,
         x: &Tensor,
         w: &Tensor,
-        xa: &Tensor,
+        xa: Cols,
         b: &Tensor,
         scale: f32,
         out_dtype: DType,
@@ -701,13 +781,19 @@ impl CudaBackend {
         let fused = r <= FUSED_LORA_RANK_MAX;
         // cuBLAS's term takes operands of one dtype: mixed ones are widened to f32 (lossless;
         // both are `r` columns wide).
-        let widened = if !fused && xa.dtype() != b.dtype() {
-            Some((xa.to_dtype(DType::F32)?, b.to_dtype(DType::F32)?))
+        let widened = if !fused && xa.t.dtype() != b.dtype() {
+            Some((
+                xa.to_tensor()?.to_dtype(DType::F32)?,
+                b.to_dtype(DType::F32)?,
+            ))
         } else {
             None
         };
-        let (xa, b) = widened.as_ref().map_or((xa, b), |(xa, b)| (xa, b));
-        let (xm, xam, sm) = (Mat::of(x)?, Mat::of(xa)?, Mat::of(&scratch)?);
+        let (xam, b) = match &widened {
+            Some((xa, b)) => (Mat::of(xa)?, b),
+            None => (Mat::cols(xa)?, b),
+        };
+        let (xm, sm) = (Mat::of(x)?, Mat::of(&scratch)?);
         let (wm, bm) = (Mat::of(w)?, Mat::of(b)?);
         for a in (0..t).step_by(block) {
             let rows = block.min(t - a);
@@ -746,7 +832,7 @@ impl CudaBackend {
                 &[
                     Arg::P(sm.ptr),
                     Arg::P(xam.rows_from(a).ptr),
-                    dt(xa.dtype()),
+                    dt(xam.dtype),
                     Arg::I64(xam.ld as i64),
                     Arg::P(bm.ptr),
                     dt(b.dtype()),
@@ -794,7 +880,7 @@ impl CudaBackend {
         &self,
         x: &Tensor,
         w: &Tensor,
-        xa: &Tensor,
+        xa: Cols,
         b: &Tensor,
         scale: f32,
         out_dtype: DType,
@@ -815,7 +901,7 @@ impl CudaBackend {
         let x_ext = self.empty(&[rows, kd], bf)?;
         let (xm, xam, xem, wem, ym) = (
             Mat::of(x)?,
-            Mat::of(xa)?,
+            Mat::cols(xa)?,
             Mat::of(&x_ext)?,
             Mat::of(&w_ext)?,
             Mat::of(&y)?,
@@ -838,7 +924,7 @@ impl CudaBackend {
     }
 
     /// Rows `[0, rows)` of `dst` `[·, kd]` = `[a | scale · b | 0]` (`lf_pack_k`), `a` `k` and
-    /// `b` `r` columns wide, all bf16.
+    /// `b` `r` columns wide (each with its own row length), all bf16.
     fn pack_k(
         &self,
         a: Mat,
@@ -864,6 +950,7 @@ impl CudaBackend {
                 Arg::I64(a.ld as i64),
                 Arg::I64(k as i64),
                 Arg::P(b.ptr),
+                Arg::I64(b.ld as i64),
                 Arg::I64(r as i64),
                 Arg::F32(scale),
                 Arg::P(cuda_ptr(dst)?),

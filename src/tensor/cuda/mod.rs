@@ -224,6 +224,19 @@ impl Profile {
             // SAFETY: both events were recorded and the stream is idle.
             let ms = unsafe { drv::event::elapsed(e0, e1) }.map_err(|e| anyhow!("{e:?}"))? as f64;
             busy += ms;
+            // The device's idle time between the previous launch's end and this one's start,
+            // a row of its own per launch class, so that the table accounts for the whole span.
+            if i > 0 {
+                // SAFETY: as above.
+                let idle = unsafe { drv::event::elapsed(self.pool[i - 1].1, e0) }
+                    .map_err(|e| anyhow!("{e:?}"))? as f64;
+                let row = self
+                    .rows
+                    .entry(format!("(idle before) {name}"))
+                    .or_insert((0, 0.0));
+                row.0 += 1;
+                row.1 += idle.max(0.0);
+            }
             let row = self.rows.entry(name).or_insert((0, 0.0));
             row.0 += 1;
             row.1 += ms;
@@ -924,6 +937,11 @@ impl CudaBackend {
             }
         }
         std::mem::take(&mut cache.bytes)
+    }
+
+    /// `ops::scratch`: a tensor left unwritten.
+    pub fn scratch(&self, shape: &[usize], dtype: DType) -> Result<Tensor> {
+        self.empty(shape, dtype)
     }
 
     fn empty(&self, shape: &[usize], dtype: DType) -> Result<Tensor> {
