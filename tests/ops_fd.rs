@@ -1444,17 +1444,61 @@ fn segmented_backward_is_bit_identical() {
     }
 }
 
-/// Column slices and row / column concatenation (the stacked-LoRA plumbing) are plain copies.
+/// Column slices, writes into columns and row concatenation are plain copies; a product over
+/// column windows equals the product of the windows' copies.
 #[test]
 fn column_and_row_copies() {
     let x = t(&(0..12).map(|i| i as f32).collect::<Vec<_>>(), &[3, 4]);
     let s = ops::slice_cols(&x, 1, 3).unwrap();
     assert_eq!(s.shape(), &[3, 2]);
     assert_eq!(s.to_vec().unwrap(), [1., 2., 5., 6., 9., 10.]);
-    let c = ops::concat_cols(&[&s, &x]).unwrap();
-    assert_eq!(c.shape(), &[3, 6]);
-    assert_eq!(c.to_vec().unwrap()[..6], [1., 2., 0., 1., 2., 3.]);
-    assert_eq!(c.to_vec().unwrap()[12..], [9., 10., 8., 9., 10., 11.]);
+    let mut c = x.try_clone().unwrap();
+    ops::write_cols(&mut c, 2, &s).unwrap();
+    assert_eq!(
+        c.to_vec().unwrap(),
+        [0., 1., 1., 2., 4., 5., 5., 6., 8., 9., 9., 10.]
+    );
+    assert!(
+        ops::write_cols(&mut c, 3, &s).is_err(),
+        "past the last column"
+    );
+    // [3, 2] window of x times [2, 2] window of a [2, 3] matrix, into columns 1..3 of a [3, 4].
+    let b = t(&[1., 2., 3., 4., 5., 6.], &[2, 3]);
+    let mut y = t(&[1.0; 12], &[3, 4]);
+    let (xw, bw) = (
+        ops::Cols {
+            t: &x,
+            start: 1,
+            end: 3,
+        },
+        ops::Cols {
+            t: &b,
+            start: 1,
+            end: 3,
+        },
+    );
+    ops::matmul_acc_cols(&mut y, 1..3, xw, false, bw, false, 1.0, 1.0).unwrap();
+    let want = ops::matmul(
+        &s,
+        false,
+        &ops::slice_cols(&b, 1, 3).unwrap(),
+        false,
+        1.0,
+        ops::DType::F32,
+    )
+    .unwrap();
+    let (y, want) = (y.to_vec().unwrap(), want.to_vec().unwrap());
+    for i in 0..3 {
+        assert_eq!(
+            [y[i * 4], y[i * 4 + 3]],
+            [1., 1.],
+            "row {i}: columns outside the window"
+        );
+        assert_eq!(
+            [y[i * 4 + 1] - 1., y[i * 4 + 2] - 1.],
+            [want[i * 2], want[i * 2 + 1]]
+        );
+    }
     let r = ops::concat_rows(&[&s, &s]).unwrap();
     assert_eq!(r.shape(), &[6, 2]);
     assert_eq!(r.to_vec().unwrap()[6..], s.to_vec().unwrap());

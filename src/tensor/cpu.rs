@@ -514,18 +514,6 @@ pub fn slice_cols(x: &Tensor, start: usize, end: usize) -> Result<Tensor> {
     out(y, &[r, end - start])
 }
 
-pub fn concat_cols(xs: &[&Tensor], cols: usize) -> Result<Tensor> {
-    let r = xs[0].rows_cols().0;
-    let mut y = Vec::with_capacity(r * cols);
-    for i in 0..r {
-        for x in xs {
-            let w = x.rows_cols().1;
-            y.extend_from_slice(&x.as_cpu()?[i * w..(i + 1) * w]);
-        }
-    }
-    out(y, &[r, cols])
-}
-
 pub fn concat_rows(xs: &[&Tensor], rows: usize, cols: usize) -> Result<Tensor> {
     let mut y = Vec::with_capacity(rows * cols);
     for x in xs {

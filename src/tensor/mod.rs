@@ -1235,14 +1235,6 @@ fn check_concat<'a>(xs: &[&'a Tensor], op: &str, kept: fn(&Tensor) -> usize) -> 
     Ok(first)
 }
 
-/// Matrices with equal row counts and dtypes side by side: `[rows, Σ cols]`.
-pub fn concat_cols(xs: &[&Tensor]) -> Result<Tensor> {
-    let first = check_concat(xs, "concat_cols", |x| x.rows_cols().0)?;
-    let rows = first.rows_cols().0;
-    let cols: usize = xs.iter().map(|x| x.rows_cols().1).sum();
-    dispatch!(first.device(), cpu::concat_cols(xs, cols), cu => cu.concat_cols(xs, rows, cols))
-}
-
 /// Matrices with equal column counts and dtypes stacked: `[Σ rows, cols]`.
 pub fn concat_rows(xs: &[&Tensor]) -> Result<Tensor> {
     let first = check_concat(xs, "concat_rows", |x| x.rows_cols().1)?;

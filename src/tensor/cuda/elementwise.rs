@@ -404,18 +404,6 @@ impl CudaBackend {
         Ok(y)
     }
 
-    /// Side-by-side copies of `xs` (equal rows and dtype, checked by the caller).
-    pub fn concat_cols(&self, xs: &[&Tensor], rows: usize, cols: usize) -> Result<Tensor> {
-        let y = self.empty(&[rows, cols], xs[0].dtype())?;
-        let mut c0 = 0;
-        for x in xs {
-            let w = x.rows_cols().1;
-            self.copy_cols(x, 0, &y, c0, w)?;
-            c0 += w;
-        }
-        Ok(y)
-    }
-
     /// `dst[:, start..start + src.cols] = src` (`ops::write_cols`, which checked the shapes).
     pub fn write_cols(&self, src: &Tensor, dst: &Tensor, start: usize) -> Result<()> {
         self.copy_cols(src, 0, dst, start, src.rows_cols().1)
