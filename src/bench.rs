@@ -19,7 +19,8 @@ use crate::train::plan::Plan;
 use crate::train::step::PassOptions;
 use crate::train::step::{queue_example, Objective};
 use crate::train::trainer::{pass_options_for, step_shape, step_shape_of};
-use anyhow::{ensure, Context, Result};
+use anyhow::{bail, ensure, Context, Result};
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 #[derive(clap::Args, Debug)]
@@ -53,7 +54,7 @@ pub struct BenchArgs {
     pub keep_kv_layers: Option<usize>,
     /// Training: the seven projections of every layer as random blocks of this type kept
     /// quantized on the GPU and dequantized per use (`base_quant`; none, q8_0 or q4_0).
-    #[arg(long, value_enum, default_value = "none")]
+    #[arg(long, default_value = "none", value_parser = base_quant_parser())]
     pub base_quant: crate::model::BaseQuant,
     /// Keep the residual stream in bf16 instead of f32.
     #[arg(long)]
@@ -63,7 +64,7 @@ pub struct BenchArgs {
     pub mlp_chunk: Option<usize>,
     /// The most device memory the run may hold, in GiB (`TrainConfig::memory_limit`): the plan is
     /// the fastest whose estimate fits under it.
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     pub memory_limit: Option<f64>,
 
     /// Offloaded plans: keep the boundaries and kept tensors of the top N layers on the device
@@ -78,11 +79,11 @@ pub struct BenchArgs {
     pub plan_only: bool,
 
     /// With --plan-only: the GPU's memory in GiB (an H100 80, an H200 141, a 4090 24)
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     pub gpu_gib: Option<f64>,
 
     /// With --plan-only: host memory available for offload in GiB (unset: this machine's)
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     pub host_gib: Option<f64>,
     /// With segments, hold the layer boundaries in pinned host memory (`TrainConfig::offload`:
     /// true, false; unset: when no plan fits the device otherwise). For every workload.
@@ -110,7 +111,7 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     pub gemm_tuning: bool,
     /// The fused head's coefficient filter (`TrainConfig::cce_filter_eps`; 0 keeps every term).
-    #[arg(long, default_value_t = crate::tensor::cce::DEFAULT_FILTER_EPS)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = crate::tensor::cce::DEFAULT_FILTER_EPS)]
     pub cce_filter_eps: f32,
     /// Further workloads on the same loaded model, each
     /// `P,R[,SEG|auto[,MLP_CHUNK|auto[,KEEP_ATTENTION]]]`.
@@ -148,6 +149,15 @@ pub struct BenchArgs {
     pub with_adapter: bool,
 }
 
+/// `--base-quant`: the types a random base is drawn in (`random_weights`).
+fn base_quant_parser() -> impl clap::builder::TypedValueParser<Value = crate::model::BaseQuant> {
+    use clap::builder::TypedValueParser;
+    clap::builder::PossibleValuesParser::new(["none", "q8_0", "q4_0"]).map(|s| {
+        <crate::model::BaseQuant as clap::ValueEnum>::from_str(&s, false)
+            .expect("each offered value is a BaseQuant")
+    })
+}
+
 /// The anchor shapes (shared/anchors/torch_orpo_bench.py), as Hugging Face configs.
 pub fn named_shape(name: &str) -> Result<ModelSpec> {
     let json = match name {
@@ -163,9 +173,40 @@ pub fn named_shape(name: &str) -> Result<ModelSpec> {
         // sharing the k/v of layers 22 and 23, per-layer inputs of 256 over the full vocabulary).
         "gemma4-e4b" => r#"{"architectures":["Gemma4ForCausalLM"],"model_type":"gemma4_text","hidden_size":2560,"intermediate_size":10240,"num_hidden_layers":42,"num_attention_heads":8,"num_key_value_heads":2,"head_dim":256,"global_head_dim":512,"vocab_size":262144,"vocab_size_per_layer_input":262144,"hidden_size_per_layer_input":256,"num_kv_shared_layers":18,"sliding_window":512,"final_logit_softcapping":30.0,"rope_parameters":{"sliding_attention":{"rope_type":"default","rope_theta":10000.0},"full_attention":{"rope_type":"proportional","partial_rotary_factor":0.25,"rope_theta":1000000.0}},"rms_norm_eps":1e-6,"tie_word_embeddings":true}"#.to_string(),
         "tiny" => r#"{"architectures":["LlamaForCausalLM"],"hidden_size":128,"intermediate_size":256,"num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":2,"vocab_size":512,"tie_word_embeddings":false}"#.to_string(),
-        path => std::fs::read_to_string(path).with_context(|| format!("shape {path:?} is not a known name (qwen0.5b, qwen1.5b, llama8b, llama70b, minicpm5-1b, gemma2-2b, gemma3-4b, gemma4-e4b, tiny) nor a readable config.json"))?,
+        path => {
+            // A model folder's shape is its config.json.
+            let file = if Path::new(path).is_dir() {
+                Path::new(path).join("config.json")
+            } else {
+                PathBuf::from(path)
+            };
+            let json = std::fs::read_to_string(&file).with_context(|| format!("shape {path:?} is not a known name (qwen0.5b, qwen1.5b, llama8b, llama70b, minicpm5-1b, gemma2-2b, gemma3-4b, gemma4-e4b, tiny) nor a readable config.json"))?;
+            let spec = ModelSpec::from_config_json(&json)
+                .with_context(|| format!("--shape {}", file.display()))?;
+            check_dims(&spec).with_context(|| format!("--shape {}", file.display()))?;
+            return Ok(spec);
+        }
     };
     ModelSpec::from_config_json(&json)
+}
+
+/// Refuses a shape with a zero width or count, which would otherwise fail deep in the adapter's
+/// or the planner's arithmetic.
+fn check_dims(spec: &ModelSpec) -> Result<()> {
+    let dims = [
+        ("hidden_size", spec.hidden),
+        ("num_hidden_layers", spec.n_layers),
+        ("num_attention_heads", spec.n_heads),
+        ("num_key_value_heads", spec.n_kv_heads),
+        ("vocab_size", spec.vocab),
+    ];
+    for (name, v) in dims {
+        ensure!(v > 0, "{name} = 0: expected at least 1");
+    }
+    if let Some(l) = spec.layers.iter().position(|l| l.intermediate == 0) {
+        bail!("intermediate_size = 0 (layer {l}): expected at least 1");
+    }
+    Ok(())
 }
 
 /// Model FLOPs of one ORPO step (see the module doc), layer by layer from the spec's layer
@@ -247,6 +288,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         a.steps > 0 || a.plan_only || a.decode,
         "--steps 0: nothing would be timed; give at least 1 (the warm-up steps are not timed)"
     );
+    check_numbers(&a)?;
     if a.decode {
         return run_decode(&a);
     }
@@ -256,6 +298,30 @@ pub fn run(a: BenchArgs) -> Result<()> {
     // The shape first: a misspelt name is said as such, also where no GPU is found.
     let spec = named_shape(&a.shape)?;
     let device = Device::parse(&a.device)?;
+    let mut workloads = vec![first_workload(&a)];
+    for spec_str in &a.also {
+        workloads.push(Workload::parse(spec_str)?);
+    }
+    // Every workload's lengths before the model loads, as each names its flag.
+    for (i, w) in workloads.iter().enumerate() {
+        let what = |field: &str, flag: &str| match i {
+            0 => flag.to_string(),
+            _ => format!("--also {:?} ({field})", a.also[i - 1]),
+        };
+        w.check(
+            &what("field 1, P", "--prompt-len"),
+            &what("field 2, R", "--resp-len"),
+            a.prefix_shared,
+        )?;
+    }
+    check_model_fits(
+        &a.shape,
+        &spec,
+        a.base_quant,
+        a.rank,
+        &device,
+        a.memory_limit,
+    )?;
     let base = base_config(&a);
     device.set_numerics(base.deterministic_attention, base.gemm_tuning)?;
     crate::train::head::set_filter_eps(base.cce_filter_eps);
@@ -298,10 +364,6 @@ pub fn run(a: BenchArgs) -> Result<()> {
         return run_mix(&a, &cfg, &mut trainee, mix, peak_flops);
     }
 
-    let mut workloads = vec![first_workload(&a)];
-    for spec_str in &a.also {
-        workloads.push(Workload::parse(spec_str)?);
-    }
     for w in &workloads {
         let mut rng = crate::tensor::Rng(1);
         let mut tok = |n: usize| -> Vec<u32> {
@@ -322,7 +384,14 @@ pub fn run(a: BenchArgs) -> Result<()> {
         let estimate = crate::train::trainer::pass_estimate(&model, tokens_in_pass, &opts);
         if estimate.total() > budget {
             let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
-            let reason = refusal(&cfg, shape, &opts, &estimate, budget);
+            let reason = refusal(
+                &cfg,
+                shape,
+                &opts,
+                &estimate,
+                budget,
+                device.memory().live_bytes,
+            );
             eprintln!("refused: {reason}");
             let line = serde_json::json!({
                 "tool": "lorafit", "shape": a.shape, "P": w.prompt_len, "R": w.resp_len,
@@ -476,6 +545,28 @@ impl Workload {
         } else {
             2 * (self.prompt_len + self.resp_len)
         }
+    }
+
+    /// Refuses an empty prompt or response and a pass too long for the planner's arithmetic
+    /// (`memory::MAX_PASS_TOKENS`), naming the flag or field each length came from.
+    fn check(&self, prompt: &str, resp: &str, prefix_shared: bool) -> Result<()> {
+        let max = memory::MAX_PASS_TOKENS;
+        for (what, n) in [(prompt, self.prompt_len), (resp, self.resp_len)] {
+            ensure!(
+                n > 0,
+                "{what} = 0: a preference pair needs at least 1 token of prompt and of each \
+                 response"
+            );
+            ensure!(n <= max, "{what} = {n}: expected at most {max} tokens");
+        }
+        let tokens = self.pass_tokens(prefix_shared);
+        ensure!(
+            tokens <= max,
+            "{prompt} = {} and {resp} = {}: {tokens} tokens in one pass, expected at most {max}",
+            self.prompt_len,
+            self.resp_len
+        );
+        Ok(())
     }
 
     /// `P,R[,SEG|auto[,MLP_CHUNK|auto[,KEEP_ATTENTION]]]`.
@@ -681,6 +772,75 @@ fn pinned_bytes(device: &crate::tensor::Device) -> usize {
 
 /// The training knobs the benchmark shares with `lorafit train`, as a `TrainConfig`, so that
 /// each workload's pass options are resolved exactly as the trainer resolves them.
+/// Refuses the numbers a run would take silently wrong, as `TrainConfig::validate` refuses
+/// the settings they stand for.
+fn check_numbers(a: &BenchArgs) -> Result<()> {
+    let eps = a.cce_filter_eps;
+    ensure!(
+        eps.is_finite() && (0.0..1.0).contains(&eps),
+        "--cce-filter-eps {eps}: expected a number in [0, 1) (a coefficient |onehot - softmax| \
+         is below 1, so 1 or more drops every term and every gradient is 0)"
+    );
+    if let Some(g) = a.memory_limit {
+        ensure!(
+            g.is_finite() && g > 0.0,
+            "--memory-limit {g}: expected a number of GiB in (0, inf)"
+        );
+    }
+    if let Some(g) = a.host_gib {
+        ensure!(
+            g.is_finite() && g >= 0.0,
+            "--host-gib {g}: expected a number of GiB in [0, inf)"
+        );
+    }
+    if let Some(g) = a.gpu_gib {
+        ensure!(
+            g.is_finite() && g > 0.0,
+            "--gpu-gib {g}: expected a number of GiB in (0, inf)"
+        );
+    }
+    Ok(())
+}
+
+/// Refuses a model whose own bytes (`memory::model_bytes`; on the CPU in f32, twice its
+/// bf16 bytes) are more than the device has free, or than `--memory-limit`, before its weights
+/// are drawn: an allocation that large aborts the process.
+fn check_model_fits(
+    shape: &str,
+    spec: &ModelSpec,
+    quant: crate::model::BaseQuant,
+    rank: usize,
+    device: &Device,
+    memory_limit: Option<f64>,
+) -> Result<()> {
+    let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
+    let held = memory::model_bytes(spec, quant, rank);
+    let (need, free, what) = match device {
+        Device::Cpu => (
+            held.saturating_mul(2),
+            memory::host_available(),
+            "host memory available",
+        ),
+        Device::Cuda(c) => (held, Some(c.mem_info()?.0), "free device memory"),
+    };
+    if let Some(free) = free.filter(|&f| need > f) {
+        bail!(
+            "--shape {shape}: the model needs about {:.2} GiB and {:.2} GiB of {what} are left \
+             on {}",
+            gib(need),
+            gib(free),
+            device.name()
+        );
+    }
+    if let Some(g) = memory_limit.filter(|&g| (need as f64) > g * (1u64 << 30) as f64) {
+        bail!(
+            "--memory-limit {g}: the model alone needs about {:.2} GiB, more than the limit",
+            gib(need)
+        );
+    }
+    Ok(())
+}
+
 fn base_config(a: &BenchArgs) -> TrainConfig {
     TrainConfig {
         head: a.head,
@@ -740,8 +900,18 @@ fn refusal(
     opts: &PassOptions,
     estimate: &memory::Estimate,
     budget: usize,
+    held: usize,
 ) -> String {
     let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
+    if let Some(g) = cfg
+        .memory_limit
+        .filter(|&g| held as f64 >= g * (1u64 << 30) as f64)
+    {
+        return format!(
+            "the model alone holds {:.2} GiB, more than memory_limit = {g} GiB: raise the limit",
+            gib(held)
+        );
+    }
     format!(
         "{} tokens in one pass: the plan ({}) needs an estimated {:.2} GiB of activations and \
          {:.2} GiB are left for them; largest terms: {}; the longest pass that fits is about {} \
@@ -793,6 +963,7 @@ fn plan_only_line(a: &BenchArgs) -> Result<serde_json::Value> {
         (_, None) => memory::host_budget_of(memory::host_available().unwrap_or(0)),
     };
     let workload = first_workload(a);
+    workload.check("--prompt-len", "--resp-len", a.prefix_shared)?;
     let tokens = workload.pass_tokens(a.prefix_shared);
     let cfg = workload_config(a, &workload, &base_config(a));
     // Computing in bf16, as on every CUDA device.
@@ -816,7 +987,7 @@ fn plan_only_line(a: &BenchArgs) -> Result<serde_json::Value> {
         "estimate_terms_gib": terms_json(&estimate),
     });
     if estimate.total() > budget {
-        line["refused"] = serde_json::json!(refusal(&cfg, shape, &opts, &estimate, budget));
+        line["refused"] = serde_json::json!(refusal(&cfg, shape, &opts, &estimate, budget, held));
     }
     Ok(line)
 }

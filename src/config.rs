@@ -143,6 +143,30 @@ pub enum Tokenization {
     Trl,
 }
 
+/// How the command that checks the settings lets a user change one, for the hints of its
+/// errors: train's `--set KEY=VALUE`, or lint's own flags (`--max-prompt-len N`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SetHint {
+    Set,
+    Flags,
+}
+
+impl SetHint {
+    /// What to write to set `name` to `value`.
+    pub fn how(self, name: &str, value: impl std::fmt::Display) -> String {
+        match self {
+            SetHint::Set => format!("--set {name}={value}"),
+            SetHint::Flags => format!("--{} {value}", name.replace('_', "-")),
+        }
+    }
+}
+
+/// An f32 setting as the shortest decimal that reads back as the same f32 (`0.05`, not the
+/// `0.05000000074505806` of its f64 widening).
+fn shortest_f32<S: serde::Serializer>(v: &f32, s: S) -> std::result::Result<S::Ok, S::Error> {
+    s.serialize_f64(v.to_string().parse().unwrap_or(*v as f64))
+}
+
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct TrainConfig {
@@ -194,6 +218,7 @@ pub struct TrainConfig {
     pub rslora: bool,
     /// Learning-rate multiplier on B (LoRA+); 1 disables.
     pub lora_plus_ratio: f64,
+    #[serde(serialize_with = "shortest_f32")]
     pub lora_dropout: f32,
     pub targets: Vec<String>,
     pub rank_pattern: BTreeMap<String, usize>,
@@ -296,6 +321,7 @@ pub struct TrainConfig {
     /// processes).
     pub gemm_tuning: bool,
     /// Fused head tier: drop softmax-gradient terms below this in the backward (0: keep all).
+    #[serde(serialize_with = "shortest_f32")]
     pub cce_filter_eps: f32,
     /// Without a terminal (stderr is a file, nohup, a job server): one plain log line every this
     /// many optimiser steps (at least 1). On a terminal the progress bar shows every step.
@@ -650,7 +676,13 @@ impl TrainConfig {
             } else {
                 format!(" (lorafit's `{name}`)")
             };
-            bail!("setting `{given}`{ours}: {}", e.message().trim_end());
+            let message = e.message().trim_end();
+            let hint = if message.ends_with("expected a boolean") {
+                ": write true or false"
+            } else {
+                ""
+            };
+            bail!("setting `{given}`{ours}: {message}{hint}");
         }
         Ok(())
     }
@@ -895,6 +927,26 @@ impl TrainConfig {
     }
 
     pub fn validate(&self) -> Result<()> {
+        self.validate_as(&BTreeMap::new(), SetHint::Set)
+    }
+
+    /// [`TrainConfig::validate`], an error naming a setting by the key it was written under
+    /// (`given_as`: lorafit's name to the key, `orpo_lambda` to TRL's `beta`), its hints
+    /// written for the command that prints them (`hint`).
+    pub fn validate_as(&self, given_as: &BTreeMap<String, String>, hint: SetHint) -> Result<()> {
+        self.validate_inner(hint).map_err(|e| {
+            let message = e.to_string();
+            // Every range error begins `name = value: ...`.
+            let renamed = given_as.iter().find_map(|(name, given)| {
+                let rest = message.strip_prefix(name.as_str())?.strip_prefix(" = ")?;
+                let (value, why) = rest.split_once(": ")?;
+                (given != name).then(|| format!("{given} = {value} (lorafit's `{name}`): {why}"))
+            });
+            renamed.map_or(e, |m| anyhow::anyhow!(m))
+        })
+    }
+
+    fn validate_inner(&self, hint: SetHint) -> Result<()> {
         const MAX_GRAD_ACCUM: usize = 1 << 16;
         const MAX_STEPS: usize = 1 << 40;
         if self.data.is_empty() {
@@ -917,9 +969,6 @@ impl TrainConfig {
         if self.steps > MAX_STEPS {
             bail!("steps = {}: expected at most {MAX_STEPS}", self.steps);
         }
-        if !(0.0..1.0).contains(&self.lora_dropout) {
-            bail!("lora_dropout must be in [0, 1)");
-        }
         self.lr_decay()?;
         // Numbers a run reads: each named with its allowed range.
         let range = |name: &str, v: f64, lo: f64, hi: f64, lo_open: bool, hi_open: bool| {
@@ -939,6 +988,14 @@ impl TrainConfig {
             }
         };
         let inf = f64::INFINITY;
+        range(
+            "lora_dropout",
+            self.lora_dropout as f64,
+            0.0,
+            1.0,
+            false,
+            true,
+        )?;
         if self.valid_fraction != 0.0 {
             range("valid_fraction", self.valid_fraction, 0.0, 0.5, true, false)?;
             if let Some(v) = &self.valid {
@@ -1067,11 +1124,13 @@ impl TrainConfig {
         }
         range("simpo_beta", self.simpo_beta, 0.0, inf, true, true)?;
         range("simpo_gamma", self.simpo_gamma, 0.0, inf, false, true)?;
+        // The filter drops coefficients |(onehot - softmax)·softcap'| below it, and every such
+        // coefficient is below 1: at 1 or more every term is dropped and every gradient is 0.
         range(
             "cce_filter_eps",
             self.cce_filter_eps as f64,
             0.0,
-            inf,
+            1.0,
             false,
             true,
         )?;
@@ -1086,8 +1145,21 @@ impl TrainConfig {
                 );
             }
         }
-        if self.max_seq_len == 0 {
-            bail!("max_seq_len = 0: expected a whole number of tokens, at least 2");
+        let max_tokens = crate::train::memory::MAX_PASS_TOKENS / 2;
+        if !(2..=max_tokens).contains(&self.max_seq_len) {
+            bail!(
+                "max_seq_len = {}: expected a whole number of tokens in [2, {max_tokens}]",
+                self.max_seq_len
+            );
+        }
+        if self.max_prompt_len == 0 {
+            bail!("max_prompt_len = 0: expected a whole number of tokens, at least 1");
+        }
+        if self.pack_tokens > max_tokens {
+            bail!(
+                "pack_tokens = {}: expected at most {max_tokens} tokens",
+                self.pack_tokens
+            );
         }
         if let Some((k, _)) = self.rank_pattern.iter().find(|(_, &r)| r == 0) {
             bail!("rank_pattern.{k} = 0: expected a rank of at least 1");
@@ -1118,10 +1190,10 @@ impl TrainConfig {
             bail!(
                 "max_prompt_len ({}{default}) must be below max_seq_len ({}), so that a response \
                  keeps some tokens: set max_prompt_len (TRL's max_prompt_length) lower, e.g. \
-                 --set max_prompt_len={}",
+                 {}",
                 self.max_prompt_len,
                 self.max_seq_len,
-                self.max_seq_len / 2
+                hint.how("max_prompt_len", (self.max_seq_len / 2).max(1))
             );
         }
         Ok(())

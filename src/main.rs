@@ -324,31 +324,31 @@ struct TrainArgs {
     #[arg(long)]
     device: Option<String>,
     /// Optimiser steps (default, or 0: from --epochs).
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     steps: Option<usize>,
     /// Passes over the training rows, when --steps is not given (default: 1).
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     epochs: Option<f64>,
     /// Peak learning rate (default, or 0: by method: 1e-5 ORPO, 2e-4 SFT, 5e-6 DPO, 1e-6 SimPO; TRL's
     /// learning_rate).
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     lr: Option<f64>,
     /// LoRA rank (default: 16).
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     rank: Option<usize>,
     /// LoRA alpha (default: 2 × rank, a scale of 2).
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     alpha: Option<f64>,
     /// Examples per optimiser step (default: 1; TRL's gradient_accumulation_steps).
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     grad_accum: Option<usize>,
     /// Layers per recomputed segment: 0 keeps every activation (default: chosen by the memory
     /// planner).
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     segment_size: Option<usize>,
     /// Seed of the adapter's initialisation, the data order, LoRA dropout and the held-out split
     /// (default: 0).
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     seed: Option<u64>,
     /// How rows become token ids: separate (prompt and responses encoded apart) or trl (TRL
     /// 1.16's ids for the method).
@@ -369,7 +369,7 @@ struct TrainArgs {
     #[arg(long)]
     warm_start: Option<String>,
     /// Without a terminal, one plain log line every this many steps.
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     log_every: Option<usize>,
     /// Also write TensorBoard event files beside metrics.jsonl.
     #[arg(long)]
@@ -400,25 +400,30 @@ struct DecodeArgs {
     #[arg(long, default_value = "cpu")]
     device: String,
     /// The most tokens generated per reply.
-    #[arg(long, alias = "max-new", default_value_t = 256)]
+    #[arg(
+        long,
+        allow_negative_numbers = true,
+        alias = "max-new",
+        default_value_t = 256
+    )]
     max_new_tokens: usize,
     /// Sampling temperature (0: greedy).
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 0.0)]
     temperature: f32,
     /// Keep the k most likely tokens (0: off).
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 0)]
     top_k: usize,
     /// Keep the most likely tokens whose probabilities sum to p (1: off).
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 1.0)]
     top_p: f32,
     /// Keep the tokens at least this fraction as likely as the most likely one (0: off).
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 0.0)]
     min_p: f32,
     /// Penalty on tokens already in the sequence (1: off).
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 1.0)]
     repetition_penalty: f32,
     /// Seed of the sampler (with a temperature above 0).
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 0)]
     seed: u64,
     /// A string that ends the reply (repeatable); the reply ends before it.
     #[arg(long = "stop")]
@@ -681,6 +686,9 @@ fn run_generate(a: GenerateArgs) -> Result<()> {
 }
 
 fn run_chat(a: ChatArgs) -> Result<()> {
+    if a.decode.max_new_tokens == 0 {
+        bail!("--max-new-tokens 0: every reply would be empty; give at least 1");
+    }
     use std::io::BufRead;
     let (loaded, lora) = a.decode.load()?;
     let tok = &loaded.tokenizer;
@@ -1104,7 +1112,18 @@ fn run_train(a: TrainArgs) -> Result<()> {
             cfg.output = run_dir.display().to_string();
         }
     }
-    validate_settings(&cfg, a.config.as_deref().or(run_settings.as_deref()))?;
+    validate_settings(
+        &cfg,
+        a.config.as_deref().or(run_settings.as_deref()),
+        &a.set,
+        lorafit::config::SetHint::Set,
+    )?;
+    if cfg.steps > 0 && cfg.epochs != TrainConfig::default().epochs && run_settings.is_none() {
+        eprintln!(
+            "note: steps = {} sets the run's length: epochs = {} is not used",
+            cfg.steps, cfg.epochs
+        );
+    }
     let unused = cfg.other_methods_settings()?;
     if !unused.is_empty() {
         eprintln!(
@@ -1145,11 +1164,32 @@ fn run_train(a: TrainArgs) -> Result<()> {
 
 /// `TrainConfig::validate`, its error naming where the settings came from (a file, a resumed
 /// run's settings, and the flags, or the flags alone).
-fn validate_settings(cfg: &TrainConfig, config: Option<&std::path::Path>) -> Result<()> {
-    cfg.validate().with_context(|| match config {
-        Some(p) => format!("settings ({} and flags)", p.display()),
-        None => "settings (flags)".to_string(),
-    })
+fn validate_settings(
+    cfg: &TrainConfig,
+    config: Option<&std::path::Path>,
+    sets: &[String],
+    hint: lorafit::config::SetHint,
+) -> Result<()> {
+    // The key each setting was written under, the file's then the `--set`s', later over earlier.
+    let method = cfg_method_name(cfg);
+    let file_keys = config
+        .and_then(|p| std::fs::read_to_string(p).ok())
+        .and_then(|t| toml::from_str::<toml::Table>(&t).ok())
+        .map(|t| t.keys().cloned().collect::<Vec<_>>())
+        .unwrap_or_default();
+    let set_keys = sets
+        .iter()
+        .filter_map(|kv| kv.split_once('=').map(|(k, _)| k.trim().to_string()));
+    let given_as = file_keys
+        .into_iter()
+        .chain(set_keys)
+        .filter_map(|k| Some((TrainConfig::setting_name(&k, &method).ok()?, k)))
+        .collect();
+    cfg.validate_as(&given_as, hint)
+        .with_context(|| match config {
+            Some(p) => format!("settings ({} and flags)", p.display()),
+            None => "settings (flags)".to_string(),
+        })
 }
 
 /// `lorafit lint`: every row checked as `train` would (`data::check`), findings per row, the
@@ -1193,7 +1233,12 @@ fn run_lint(a: LintArgs) -> Result<bool> {
         }
     }
     // Settings train would refuse are refused here too, before any row is read.
-    validate_settings(&cfg, a.config.as_deref())?;
+    validate_settings(
+        &cfg,
+        a.config.as_deref(),
+        &[],
+        lorafit::config::SetHint::Flags,
+    )?;
     let path = trainer::resolve_model_path(&cfg.model)?;
     let mut m = data::model_files::load_model_tokens(&path)?;
     m.template =

@@ -1033,3 +1033,393 @@ fn a_failed_final_checkpoint_keeps_the_finished_adapter() {
     );
     let _ = std::fs::remove_dir_all(&d);
 }
+
+/// An edit of a fixture's config.json.
+type ConfigEdit = Box<dyn FnOnce(&mut serde_json::Value)>;
+/// Tensors (name, shape) to add to a fixture's checkpoint.
+type ExtraTensors = Vec<(&'static str, Vec<usize>)>;
+
+/// A copy of fixture `name` in `to`: its config.json with `edit` applied, its checkpoint with
+/// `extra` tensors (name, shape; filled with 0.01) beside the fixture's.
+fn edited_fixture(
+    name: &str,
+    to: &Path,
+    edit: impl FnOnce(&mut serde_json::Value),
+    extra: &[(&str, Vec<usize>)],
+) {
+    let src = common::fixture(&format!("models/{name}"));
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+    edit(&mut cfg);
+    std::fs::write(to.join("config.json"), cfg.to_string()).unwrap();
+    let mut tensors: Vec<(String, Vec<usize>, Vec<f32>)> =
+        common::read_safetensors(&src.join("model.safetensors"))
+            .into_iter()
+            .map(|(n, (s, d))| (n, s, d))
+            .collect();
+    for (n, s) in extra {
+        tensors.push((n.to_string(), s.clone(), vec![0.01; s.iter().product()]));
+    }
+    lorafit::model::weights::write_f32_safetensors(&to.join("model.safetensors"), &tensors)
+        .unwrap();
+}
+
+/// Tensors of layers at or past num_hidden_layers are an error that says how many layers the
+/// checkpoint has and what config.json says, not a model silently cut short.
+#[test]
+fn checkpoint_layers_past_num_hidden_layers_are_refused() {
+    let d = scratch("layers-lowered");
+    edited_fixture("llama", &d, |c| c["num_hidden_layers"] = 1.into(), &[]);
+    let e = load_err(&d);
+    assert!(
+        e.contains("2 layers")
+            && e.contains("num_hidden_layers")
+            && e.contains("model.layers.1.")
+            && e.contains("config.json")
+            && e.contains("model.safetensors"),
+        "{e}"
+    );
+    let _ = std::fs::remove_dir_all(&d);
+    let d = scratch("layers-extra");
+    edited_fixture(
+        "llama",
+        &d,
+        |_| {},
+        &[("model.layers.2.input_layernorm.weight", vec![64])],
+    );
+    let e = load_err(&d);
+    assert!(
+        e.contains("3 layers")
+            && e.contains("num_hidden_layers")
+            && e.contains("model.layers.2.input_layernorm.weight"),
+        "{e}"
+    );
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+/// A bias in the checkpoint that the model as config.json describes does not apply is an error
+/// naming the tensor and the config key: a Qwen2 checkpoint relabelled as Mistral or Llama, an
+/// o_proj or MLP bias beside a Llama's weights.
+#[test]
+fn biases_the_model_does_not_apply_are_refused() {
+    let relabel = |arch: &'static str, model_type: &'static str| -> ConfigEdit {
+        Box::new(move |c: &mut serde_json::Value| {
+            if arch.is_empty() {
+                c.as_object_mut().unwrap().remove("architectures");
+            } else {
+                c["architectures"] = serde_json::json!([arch]);
+            }
+            c["model_type"] = model_type.into();
+        })
+    };
+    let cases: Vec<(&str, ConfigEdit, ExtraTensors, [&str; 3])> = vec![
+        (
+            "qwen2",
+            relabel("MistralForCausalLM", "mistral"),
+            vec![],
+            ["_proj.bias", "attention_bias", "Qwen2ForCausalLM"],
+        ),
+        (
+            "qwen2",
+            relabel("LlamaForCausalLM", "llama"),
+            vec![],
+            ["_proj.bias", "attention_bias", "Qwen2ForCausalLM"],
+        ),
+        (
+            "qwen2",
+            relabel("", "llama"),
+            vec![],
+            ["_proj.bias", "attention_bias", "Qwen2ForCausalLM"],
+        ),
+        (
+            "llama",
+            Box::new(|_| {}),
+            vec![("model.layers.0.self_attn.o_proj.bias", vec![64])],
+            [
+                "model.layers.0.self_attn.o_proj.bias",
+                "attention_bias",
+                "model.safetensors",
+            ],
+        ),
+        (
+            "llama",
+            Box::new(|_| {}),
+            vec![("model.layers.1.mlp.down_proj.bias", vec![64])],
+            [
+                "model.layers.1.mlp.down_proj.bias",
+                "mlp_bias",
+                "model.safetensors",
+            ],
+        ),
+        (
+            "qwen2",
+            Box::new(|_| {}),
+            vec![("model.layers.1.self_attn.o_proj.bias", vec![64])],
+            [
+                "model.layers.1.self_attn.o_proj.bias",
+                "attention_bias",
+                "model.safetensors",
+            ],
+        ),
+    ];
+    for (i, (fixture, edit, extra, named)) in cases.into_iter().enumerate() {
+        let d = scratch(&format!("bias-{i}"));
+        edited_fixture(fixture, &d, edit, &extra);
+        let e = load_err(&d);
+        for n in named {
+            assert!(e.contains(n), "case {i} ({fixture}): no {n:?} in: {e}");
+        }
+        let _ = std::fs::remove_dir_all(&d);
+    }
+}
+
+/// attention_bias or mlp_bias set where transformers would then add biases lorafit does not
+/// apply (o_proj's, the MLP's) is refused naming the key; Mistral ignores attention_bias, as
+/// transformers does.
+#[test]
+fn bias_flags_the_family_cannot_apply_are_refused() {
+    for (fixture, key) in [
+        ("llama", "attention_bias"),
+        ("llama", "mlp_bias"),
+        ("minicpm5", "mlp_bias"),
+        ("qwen3", "attention_bias"),
+        ("gemma2", "attention_bias"),
+        ("minicpm", "attention_bias"),
+    ] {
+        let d = scratch(&format!("flag-{fixture}-{key}"));
+        edited_fixture(fixture, &d, |c| c[key] = true.into(), &[]);
+        let e = load_err(&d);
+        assert!(
+            e.contains(key) && e.contains("config.json"),
+            "{fixture} {key}: {e}"
+        );
+        let _ = std::fs::remove_dir_all(&d);
+    }
+    let d = scratch("flag-mistral");
+    edited_fixture("mistral", &d, |c| c["attention_bias"] = true.into(), &[]);
+    lorafit::model::load(&d, &Device::Cpu).unwrap();
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+/// Tensors transformers ignores too (rotary inverse-frequency buffers, a head beside tied
+/// embeddings) do not stop a load.
+#[test]
+fn unused_tensors_transformers_ignores_still_load() {
+    let d = scratch("unused-ok");
+    edited_fixture(
+        "llama_linear",
+        &d,
+        |_| {},
+        &[
+            ("model.layers.0.self_attn.rotary_emb.inv_freq", vec![8]),
+            ("model.layers.1.self_attn.rotary_emb.inv_freq", vec![8]),
+            ("lm_head.weight", vec![256, 64]),
+        ],
+    );
+    let m = lorafit::model::load(&d, &Device::Cpu).unwrap();
+    assert!(m.weights.lm_head.is_none());
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+/// An MLP activation the family does not implement is refused naming the key and the value
+/// (Llama-style families run SiLU only; Gemma 2/3 read hidden_activation, a tanh GELU).
+#[test]
+fn activations_the_family_does_not_run_are_refused() {
+    for (fixture, key, value) in [
+        ("llama", "hidden_act", "gelu"),
+        ("llama", "hidden_act", "swishy"),
+        ("mistral", "hidden_act", "gelu_pytorch_tanh"),
+        ("qwen2", "hidden_act", "relu"),
+        ("qwen3", "hidden_act", "gelu"),
+        ("minicpm", "hidden_act", "gelu"),
+        ("gemma2", "hidden_activation", "gelu"),
+        ("gemma3", "hidden_activation", "silu"),
+    ] {
+        let d = scratch(&format!("act-{fixture}-{value}"));
+        edited_fixture(fixture, &d, |c| c[key] = value.into(), &[]);
+        let e = load_err(&d);
+        assert!(
+            e.contains(key) && e.contains(&format!("{value:?}")) && e.contains("config.json"),
+            "{fixture} {key} {value}: {e}"
+        );
+        let _ = std::fs::remove_dir_all(&d);
+    }
+    for (fixture, key, value) in [
+        ("llama", "hidden_act", "swish"),
+        ("qwen2", "hidden_act", "silu"),
+        ("gemma2", "hidden_act", "gelu"),
+    ] {
+        let d = scratch(&format!("act-ok-{fixture}"));
+        edited_fixture(fixture, &d, |c| c[key] = value.into(), &[]);
+        lorafit::model::load(&d, &Device::Cpu)
+            .unwrap_or_else(|e| panic!("{fixture} {key} {value}: {e:#}"));
+        let _ = std::fs::remove_dir_all(&d);
+    }
+}
+
+/// Numbers with which the model would compute NaN (or nothing) are refused at config load,
+/// naming config.json and the key, not blamed later on the data.
+#[test]
+fn numbers_that_would_make_nan_are_refused() {
+    use serde_json::json;
+    let cases: Vec<(&str, &str, serde_json::Value, &str)> = vec![
+        ("llama", "rope_theta", json!(-1.0), "rope_theta"),
+        ("llama", "rope_theta", json!(0), "rope_theta"),
+        (
+            "llama",
+            "rope_parameters.rope_theta",
+            json!(-5.0),
+            "rope_theta",
+        ),
+        ("llama", "rope_parameters.factor", json!(0), "factor"),
+        (
+            "llama_linear",
+            "rope_parameters.factor",
+            json!(-2.0),
+            "factor",
+        ),
+        ("llama", "rms_norm_eps", json!(-1e-5), "rms_norm_eps"),
+        (
+            "llama",
+            "max_position_embeddings",
+            json!(0),
+            "max_position_embeddings",
+        ),
+        (
+            "llama",
+            "num_key_value_heads",
+            json!(0),
+            "num_key_value_heads",
+        ),
+        (
+            "llama",
+            "num_attention_heads",
+            json!(0),
+            "num_attention_heads",
+        ),
+        ("llama", "hidden_size", json!(0), "hidden_size"),
+        ("qwen2", "hidden_size", json!(0), "hidden_size"),
+        ("llama", "head_dim", json!(0), "head_dim"),
+        (
+            "minicpm",
+            "rope_scaling.short_factor",
+            json!([1, 1, 0, 1, 1, 1, 1, 1]),
+            "short_factor",
+        ),
+        (
+            "gemma3",
+            "rope_parameters.full_attention.factor",
+            json!(0),
+            "factor",
+        ),
+        (
+            "gemma3",
+            "rope_parameters.sliding_attention.rope_theta",
+            json!(-1),
+            "rope_theta",
+        ),
+    ];
+    for (i, (fixture, path, value, named)) in cases.into_iter().enumerate() {
+        let d = scratch(&format!("nan-{i}"));
+        edited_fixture(
+            fixture,
+            &d,
+            |c| {
+                let mut at = c;
+                let keys: Vec<&str> = path.split('.').collect();
+                for k in &keys[..keys.len() - 1] {
+                    at = &mut at[*k];
+                }
+                at[keys[keys.len() - 1]] = value.clone();
+            },
+            &[],
+        );
+        let loaded = std::panic::catch_unwind(|| lorafit::model::load(&d, &Device::Cpu));
+        let e = match loaded {
+            Err(_) => panic!("{fixture} {path} = {value}: panicked"),
+            Ok(Ok(_)) => panic!("{fixture} {path} = {value}: loaded"),
+            Ok(Err(e)) => format!("{e:#}"),
+        };
+        assert!(
+            e.contains(named) && e.contains("config.json"),
+            "{fixture} {path} = {value}: {e}"
+        );
+        let _ = std::fs::remove_dir_all(&d);
+    }
+}
+
+/// With both model.safetensors and model.safetensors.index.json in the folder, lorafit loads
+/// model.safetensors, as transformers does (here the shard lacks a tensor, so loading the shards
+/// would fail).
+#[test]
+fn a_single_file_beside_an_index_is_the_one_loaded() {
+    let d = scratch("single-and-index");
+    copy_fixture(&d);
+    let tensors = common::read_safetensors(&d.join("model.safetensors"));
+    let shard: Vec<(String, Vec<usize>, Vec<f32>)> = tensors
+        .iter()
+        .filter(|(n, _)| n.as_str() != "model.norm.weight")
+        .map(|(n, (s, v))| (n.clone(), s.clone(), v.clone()))
+        .collect();
+    lorafit::model::weights::write_f32_safetensors(
+        &d.join("model-00001-of-00001.safetensors"),
+        &shard,
+    )
+    .unwrap();
+    let map: serde_json::Map<String, serde_json::Value> = tensors
+        .keys()
+        .map(|n| (n.clone(), "model-00001-of-00001.safetensors".into()))
+        .collect();
+    std::fs::write(
+        d.join("model.safetensors.index.json"),
+        serde_json::json!({"metadata": {}, "weight_map": map}).to_string(),
+    )
+    .unwrap();
+    lorafit::model::load(&d, &Device::Cpu).unwrap();
+    let files = lorafit::model::weights::safetensors_files(&d).unwrap();
+    assert_eq!(files, vec![d.join("model.safetensors")]);
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+/// config.json problems are said in a user's words, without Rust's debug forms (`Some("…")`,
+/// `None`, serde's struct names).
+#[test]
+fn config_errors_read_without_debug_text() {
+    let cases: Vec<(&str, ConfigEdit, Vec<&str>)> = vec![
+        (
+            "gpt2",
+            Box::new(|c| {
+                c["architectures"] = serde_json::json!(["GPT2LMHeadModel"]);
+                c["model_type"] = "gpt2".into();
+            }),
+            vec!["GPT2LMHeadModel", "gpt2", "LlamaForCausalLM"],
+        ),
+        (
+            "none",
+            Box::new(|c| {
+                let o = c.as_object_mut().unwrap();
+                o.remove("architectures");
+                o.remove("model_type");
+            }),
+            vec!["architectures", "model_type", "LlamaForCausalLM"],
+        ),
+        (
+            "array",
+            Box::new(|c| *c = serde_json::json!([])),
+            vec!["JSON object"],
+        ),
+    ];
+    for (name, edit, named) in cases {
+        let d = scratch(&format!("words-{name}"));
+        edited_fixture("llama", &d, edit, &[]);
+        let e = load_err(&d);
+        for n in named {
+            assert!(e.contains(n), "{name}: no {n:?} in: {e}");
+        }
+        for bad in ["Some(", "None", "\"\"", "struct HfConfig", "elements"] {
+            assert!(!e.contains(bad), "{name}: {bad:?} in: {e}");
+        }
+        assert!(e.contains("config.json"), "{name}: {e}");
+        let _ = std::fs::remove_dir_all(&d);
+    }
+}

@@ -140,7 +140,7 @@ fn bad_runs_are_errors_that_name_file_and_setting() {
             "lr = -1e-4",
             vec!["lr = -0.0001", "expected a number in [0"],
         ),
-        ("lr_nan", "learning_rate = nan", vec!["lr = NaN"]),
+        ("lr_nan", "learning_rate = nan", vec!["learning_rate = NaN"]),
         (
             "epochs_negative",
             "epochs = -3.0\nsteps = 0",

@@ -787,3 +787,193 @@ fn a_merged_gguf_says_when_requantizing_lost_the_adapter() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A tokenizer.json that does not load stops an export with `--check` before anything is
+/// written, so that once it is mended the export runs into the same folder without
+/// `--overwrite`; without `--check` (it is only copied) the export warns and writes.
+#[test]
+fn a_tokenizer_that_does_not_load_stops_the_export_before_anything_is_written() {
+    let dir = tmp("bad-tokenizer");
+    let model = common::tiny_run::model_folder(&dir);
+    let adapter = fixture("models/qwen2/adapter");
+    let good = std::fs::read_to_string(model.join("tokenizer.json")).unwrap();
+    std::fs::write(
+        model.join("tokenizer.json"),
+        "{\"version\": \"1.0\", \"model\": {",
+    )
+    .unwrap();
+    let out = dir.join("out");
+    let e = run(&plan(&model, &adapter, &out, vec![]))
+        .err()
+        .expect("a tokenizer that does not load");
+    assert!(format!("{e:#}").contains("tokenizer.json"), "{e:#}");
+    assert!(
+        lorafit::export::earlier_artefacts(&out).is_empty(),
+        "written before the tokenizer was read: {:?}",
+        lorafit::export::earlier_artefacts(&out)
+    );
+    let mut unchecked = plan(&model, &adapter, &dir.join("unchecked"), vec![]);
+    unchecked.check = false;
+    let report = run(&unchecked).unwrap();
+    assert!(
+        report.warnings.iter().any(|w| w.contains("tokenizer.json")),
+        "{:?}",
+        report.warnings
+    );
+    std::fs::write(model.join("tokenizer.json"), good).unwrap();
+    lorafit::export::refuse_earlier_export(&out).unwrap();
+    let report = run(&plan(&model, &adapter, &out, vec![])).unwrap();
+    assert_rows(&report.checks);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `--model` given something other than a model lorafit reads: the error says what it is and
+/// what to pass instead — an adapter folder (its base named), a GGUF adapter, PyTorch weights,
+/// safetensors under other names, a GGUF inside the folder, a link into an unfinished download.
+#[test]
+fn a_model_path_that_is_no_model_says_what_it_holds() {
+    let dir = tmp("not-a-model");
+    let model = common::tiny_run::model_folder(&dir);
+    let adapter = fixture("models/qwen2/adapter");
+    let refused = |base: &Path| -> String {
+        let mut p = plan(base, &adapter, &dir.join("out"), vec![]);
+        p.check = false;
+        let e = run(&p).err().expect("not a model");
+        format!("{e:#}")
+    };
+
+    let peft = dir.join("peft");
+    std::fs::create_dir_all(&peft).unwrap();
+    let mut config: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(adapter.join("adapter_config.json")).unwrap(),
+    )
+    .unwrap();
+    config["base_model_name_or_path"] = "Qwen/Qwen2-0.5B".into();
+    std::fs::write(peft.join("adapter_config.json"), config.to_string()).unwrap();
+    let e = refused(&peft);
+    assert!(
+        e.contains("LoRA adapter folder")
+            && e.contains("--adapter")
+            && e.contains("--model Qwen/Qwen2-0.5B"),
+        "{e}"
+    );
+
+    let mut p = plan(
+        &model,
+        &adapter,
+        &dir.join("gguf-adapter"),
+        vec![Format::GgufAdapter],
+    );
+    p.check = false;
+    run(&p).unwrap();
+    let gguf_adapter = dir.join("gguf-adapter/adapter.gguf");
+    let e = refused(&gguf_adapter);
+    assert!(
+        e.contains("LoRA adapter in GGUF form") && e.contains("qwen2") && e.contains("--adapter"),
+        "{e}"
+    );
+    let lint = std::process::Command::new(env!("CARGO_BIN_EXE_lorafit"))
+        .args(["lint", "--data", "none.jsonl", "--model"])
+        .arg(&gguf_adapter)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&lint.stderr);
+    assert!(err.contains("LoRA adapter in GGUF form"), "{err}");
+
+    let weights = |setup: &dyn Fn(&Path)| -> String {
+        let folder = dir.join("weights");
+        let _ = std::fs::remove_dir_all(&folder);
+        std::fs::create_dir_all(&folder).unwrap();
+        for f in ["config.json", "tokenizer.json", "tokenizer_config.json"] {
+            std::fs::copy(model.join(f), folder.join(f)).unwrap();
+        }
+        setup(&folder);
+        refused(&folder)
+    };
+    let e = weights(&|f| std::fs::write(f.join("pytorch_model.bin"), b"").unwrap());
+    assert!(
+        e.contains("pytorch_model.bin")
+            && e.contains("safetensors only")
+            && e.contains("safe_serialization=True"),
+        "{e}"
+    );
+    let e = weights(&|f| {
+        std::fs::copy(
+            model.join("model.safetensors"),
+            f.join("weights.safetensors"),
+        )
+        .unwrap();
+    });
+    assert!(e.contains("weights.safetensors"), "{e}");
+    let e = weights(&|f| std::fs::write(f.join("model-q4.gguf"), b"").unwrap());
+    assert!(
+        e.contains("model-q4.gguf") && e.contains("pass the .gguf file itself"),
+        "{e}"
+    );
+    #[cfg(unix)]
+    {
+        let e = weights(&|f| {
+            std::os::unix::fs::symlink("../blobs/0123abcd", f.join("model.safetensors")).unwrap()
+        });
+        assert!(
+            e.contains("model.safetensors") && e.contains("download is incomplete"),
+            "{e}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The other files a merged folder takes from its base are read before anything is written: a
+/// GGUF's embedded tokenizer that does not convert, a base tokenizer_config.json the run's
+/// chat template cannot be written into.
+#[test]
+fn base_files_the_merged_folder_takes_are_read_before_anything_is_written() {
+    let dir = tmp("late-files");
+    let src = GgufFile::open(&fixture("gguf/minicpm.gguf")).unwrap();
+    let mut w = GgufWriter::new();
+    for (k, v) in src.metadata() {
+        w.set(k, v.clone());
+    }
+    w.set_str("tokenizer.ggml.model", "no-such-tokenizer");
+    for info in src.tensor_infos() {
+        w.add_tensor(GgufTensor {
+            name: info.name.clone(),
+            dims: info.shape.clone(),
+            ggml_type: info.ggml_type,
+            data: src.tensor_bytes(&info.name).unwrap().to_vec(),
+        })
+        .unwrap();
+    }
+    let base = dir.join("odd-tokenizer.gguf");
+    w.write(&base).unwrap();
+    let spec = model::gguf_model::GgufSource::open(&base).unwrap().spec;
+    let adapter = random_adapter(&spec, &dir, 0.2);
+    let mut p = plan(&base, &adapter, &dir.join("out"), vec![Format::Hf]);
+    p.check = false;
+    let e = run(&p).err().expect("a tokenizer that does not convert");
+    assert!(format!("{e:#}").contains("no-such-tokenizer"), "{e:#}");
+    assert!(lorafit::export::earlier_artefacts(&p.output).is_empty());
+
+    let model = common::tiny_run::model_folder(&dir);
+    std::fs::write(model.join("tokenizer_config.json"), "{\"eos_token\": ").unwrap();
+    let template = dir.join("run.jinja");
+    std::fs::write(
+        &template,
+        "{% for m in messages %}{{ m['content'] }}{% endfor %}",
+    )
+    .unwrap();
+    let mut p = plan(
+        &model,
+        &fixture("models/qwen2/adapter"),
+        &dir.join("out2"),
+        vec![],
+    );
+    p.check = false;
+    p.chat_template = Some(template.display().to_string());
+    let e = run(&p)
+        .err()
+        .expect("a tokenizer_config.json that is not JSON");
+    assert!(format!("{e:#}").contains("tokenizer_config.json"), "{e:#}");
+    assert!(lorafit::export::earlier_artefacts(&p.output).is_empty());
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -719,3 +719,232 @@ fn generate_reads_a_prompt_of_dash_from_standard_input() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `lorafit generate` (or `chat`) on `model` with `args` and the prompt, standard input given:
+/// its exit status, standard output and standard error.
+fn run_lorafit(
+    command: &str,
+    model: &std::path::Path,
+    args: &[&str],
+    stdin: &str,
+) -> (bool, String, String) {
+    use std::io::Write;
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_lorafit"))
+        .args([command, "--max-new-tokens", "3", "--model"])
+        .arg(model)
+        .args(args)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let _ = child.stdin.take().unwrap().write_all(stdin.as_bytes());
+    let out = child.wait_with_output().unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).to_string(),
+        String::from_utf8_lossy(&out.stderr).to_string(),
+    )
+}
+
+/// A temporary folder holding the tiny model (`tests/common/tiny_run.rs`).
+fn tiny_model(name: &str) -> (std::path::PathBuf, std::path::PathBuf) {
+    let dir = std::env::temp_dir().join(format!("lorafit-gen-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let model = common::tiny_run::model_folder(&dir);
+    (dir, model)
+}
+
+/// A model's own template that never shows the messages (a constant text, `messages` misspelt)
+/// is refused by `generate` and `chat` as `train` refuses it from a file, naming the file and
+/// `--chat-template`, rather than answering a prompt the model was never given.
+#[test]
+fn generate_and_chat_refuse_a_template_that_never_shows_the_messages() {
+    let (dir, model) = tiny_model("hides");
+    for template in [
+        "w5 w6",
+        "{% for m in mesages %}{{ m['content'] }} {% endfor %}",
+    ] {
+        let config = serde_json::json!({"eos_token": "w1", "chat_template": template});
+        std::fs::write(model.join("tokenizer_config.json"), config.to_string()).unwrap();
+        for (command, prompt) in [("generate", "w9 w10"), ("chat", "")] {
+            let args: &[&str] = if prompt.is_empty() { &[] } else { &[prompt] };
+            let (ok, _, err) = run_lorafit(command, &model, args, "w9 w10\n");
+            assert!(!ok, "{command} with {template:?}: {err}");
+            assert!(
+                err.contains("tokenizer_config.json")
+                    && err.contains("never shows the messages")
+                    && err.contains("--chat-template"),
+                "{command} with {template:?}: {err}"
+            );
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `generation_config.json`'s `eos_token_id` (an id or a list) ends a reply as in transformers'
+/// `generate`; one that cannot be read is a warning naming it, and generation runs.
+#[test]
+fn generate_stops_on_the_generation_configs_eos_token_id() {
+    let (dir, model) = tiny_model("genconfig");
+    let (ok, out, err) = run_lorafit("generate", &model, &["w9 w10"], "");
+    assert!(ok, "{err}");
+    let first: u32 = out.split_whitespace().next().unwrap()[1..].parse().unwrap();
+    let config = model.join("generation_config.json");
+    for eos in [serde_json::json!([1, first]), serde_json::json!(first)] {
+        std::fs::write(
+            &config,
+            serde_json::json!({"eos_token_id": eos}).to_string(),
+        )
+        .unwrap();
+        let (ok, out, err) = run_lorafit("generate", &model, &["w9 w10"], "");
+        assert!(
+            ok && out.trim().is_empty(),
+            "eos_token_id {eos}: {out:?} {err}"
+        );
+    }
+    let loaded = lorafit::train::trainer::load_model_and_tokenizer(
+        model.to_str().unwrap(),
+        &Device::Cpu,
+        lorafit::model::BaseQuant::None,
+    )
+    .unwrap();
+    let stops = infer::default_stop_tokens(&loaded.tokenizer, None, &loaded.model);
+    assert!(stops.contains(&first) && stops.contains(&1), "{stops:?}");
+    for broken in ["{\"eos_token_id\": [1,", "{\"eos_token_id\": \"w4\"}"] {
+        std::fs::write(&config, broken).unwrap();
+        let (ok, got, err) = run_lorafit("generate", &model, &["w9 w10"], "");
+        assert!(ok, "{err}");
+        assert_eq!(got, out);
+        assert!(
+            err.contains("warning: ") && err.contains("generation_config.json"),
+            "{err}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A folder with a SentencePiece `tokenizer.model` and no `tokenizer.json` says that lorafit
+/// reads tokenizer.json and how transformers writes it.
+#[test]
+fn a_folder_with_only_tokenizer_model_says_how_to_write_tokenizer_json() {
+    let (dir, model) = tiny_model("spm");
+    std::fs::rename(model.join("tokenizer.json"), model.join("tokenizer.model")).unwrap();
+    let (ok, _, err) = run_lorafit("generate", &model, &["w9"], "");
+    assert!(!ok);
+    assert!(
+        err.contains("tokenizer.model")
+            && err.contains("no tokenizer.json")
+            && err.contains("save_pretrained"),
+        "{err}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The minicpm GGUF fixture with `template` as its `tokenizer.chat_template`.
+fn gguf_with_template(path: &std::path::Path, template: &str) {
+    use lorafit::export::gguf_writer::{GgufTensor, GgufWriter};
+    let g = lorafit::model::gguf::GgufFile::open(&fixture("gguf/minicpm.gguf")).unwrap();
+    let mut w = GgufWriter::new();
+    for (k, v) in g.metadata() {
+        w.set(k, v.clone());
+    }
+    w.set_str("tokenizer.chat_template", template);
+    for info in g.tensor_infos() {
+        w.add_tensor(GgufTensor {
+            name: info.name.clone(),
+            dims: info.shape.clone(),
+            ggml_type: info.ggml_type,
+            data: g.tensor_bytes(&info.name).unwrap().to_vec(),
+        })
+        .unwrap();
+    }
+    w.write(path).unwrap();
+}
+
+/// A template that does not compile is named where it is: the folder's `chat_template.jinja`
+/// (not the tokenizer_config.json beside it), a GGUF's `tokenizer.chat_template`, each with
+/// `--chat-template`, which then renders in its place.
+#[test]
+fn template_errors_name_the_file_the_template_came_from() {
+    let (dir, model) = tiny_model("origin");
+    std::fs::write(model.join("chat_template.jinja"), "{% for %}").unwrap();
+    let good = dir.join("good.jinja");
+    std::fs::write(
+        &good,
+        "{% for m in messages %}{{ m['content'] }} {% endfor %}",
+    )
+    .unwrap();
+    let (ok, _, err) = run_lorafit("generate", &model, &["w9"], "");
+    assert!(!ok);
+    let jinja = model.join("chat_template.jinja").display().to_string();
+    let config = model.join("tokenizer_config.json").display().to_string();
+    assert!(
+        err.contains(&format!("chat template from {jinja}"))
+            && !err.contains(&config)
+            && err.contains("does not compile")
+            && err.contains("--chat-template"),
+        "{err}"
+    );
+    let good_arg = good.to_str().unwrap();
+    let (ok, _, err) = run_lorafit("generate", &model, &["--chat-template", good_arg, "w9"], "");
+    assert!(ok, "{err}");
+
+    let gguf = dir.join("templated.gguf");
+    gguf_with_template(&gguf, "{% if %}");
+    let (ok, _, err) = run_lorafit("generate", &gguf, &["hello"], "");
+    assert!(!ok);
+    assert!(
+        err.contains(&gguf.display().to_string())
+            && err.contains("tokenizer.chat_template")
+            && err.contains("does not compile")
+            && err.contains("--chat-template"),
+        "{err}"
+    );
+    let (ok, _, err) = run_lorafit(
+        "generate",
+        &gguf,
+        &["--chat-template", good_arg, "hello"],
+        "",
+    );
+    assert!(ok, "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A tokenizer.json whose model type the tokenizers library does not read names that type, not
+/// serde's untagged enum; a template that renders nothing for the conversation says so, not
+/// that prompt 0 has no tokens.
+#[test]
+fn tokenizer_and_template_errors_say_what_is_wrong() {
+    let (dir, model) = tiny_model("opaque");
+    let text = std::fs::read_to_string(model.join("tokenizer.json")).unwrap();
+    let original = text.clone();
+    let text = text.replace("\"WordLevel\"", "\"WordLevelV2\"");
+    std::fs::write(model.join("tokenizer.json"), text).unwrap();
+    let (ok, _, err) = run_lorafit("generate", &model, &["w9"], "");
+    assert!(!ok);
+    assert!(
+        err.contains("\"WordLevelV2\"")
+            && err.contains("not one the tokenizers library reads")
+            && !err.contains("untagged enum"),
+        "{err}"
+    );
+    std::fs::write(model.join("tokenizer.json"), original).unwrap();
+
+    // The messages are shown only after a system message: a user message alone renders nothing.
+    let template = "{% if messages[0]['role'] == 'system' %}{% for m in messages %}{{ m['content'] }} {% endfor %}{% endif %}";
+    let config = serde_json::json!({"eos_token": "w1", "chat_template": template});
+    std::fs::write(model.join("tokenizer_config.json"), config.to_string()).unwrap();
+    let (ok, _, err) = run_lorafit("generate", &model, &["w9"], "");
+    assert!(!ok);
+    assert!(
+        err.contains("rendered nothing for this conversation")
+            && err.contains("tokenizer_config.json")
+            && !err.contains("has no tokens"),
+        "{err}"
+    );
+    let (ok, _, err) = run_lorafit("generate", &model, &["--system", "w3", "w9"], "");
+    assert!(ok, "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -9,7 +9,9 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+use lorafit::export::gguf_writer::{GgufTensor, GgufWriter};
 use lorafit::model::gguf::{dequantize, GgmlType, GgufFile, MetaValue};
+use lorafit::tensor::Device;
 
 const SUPPORTED: [GgmlType; 8] = [
     GgmlType::F32,
@@ -308,7 +310,9 @@ fn truncated_fixture_never_panics() {
     assert!(e.contains(&last.name), "{e}");
     assert_names_file(&e, &p);
     // The trailing alignment padding after the last tensor is optional.
-    assert!(GgufFile::open(&write_temp("trunc-pad", &full[..end])).is_ok());
+    let p = write_temp("trunc-pad", &full[..end]);
+    assert!(GgufFile::open(&p).is_ok());
+    let _ = std::fs::remove_file(&p);
 }
 
 #[test]
@@ -340,6 +344,363 @@ fn corrupted_header_never_panics() {
         }
     }
     let _ = std::fs::remove_file(&p);
+}
+
+/// Files from before GGUF and big-endian GGUFs are named as such.
+#[test]
+fn old_ggml_and_big_endian_files_are_named() {
+    // The old formats' magics, written as little-endian u32s ("ggjt" is stored "tjgg").
+    for (stored, name) in [(b"tjgg", "ggjt"), (b"lmgg", "ggml"), (b"fmgg", "ggmf")] {
+        let mut bytes = stored.to_vec();
+        bytes.extend([3, 0, 0, 0]);
+        bytes.extend([0u8; 56]);
+        let (e, p) = open_err(&bytes, "ggml");
+        assert_names_file(&e, &p);
+        assert!(
+            e.contains("pre-GGUF GGML file") && e.contains(name) && e.contains("convert"),
+            "{e}"
+        );
+    }
+    let bytes = W::new(3u32.swap_bytes(), 0, 0).pad_and_data(&[]);
+    let (e, p) = open_err(&bytes, "big-endian");
+    assert_names_file(&e, &p);
+    assert!(e.contains("big-endian GGUF"), "{e}");
+    let mut bytes = W::new(3u32.swap_bytes(), 0, 0).pad_and_data(&[]);
+    bytes[..4].copy_from_slice(b"FUGG");
+    let (e, _) = open_err(&bytes, "big-endian-magic");
+    assert!(e.contains("big-endian GGUF"), "{e}");
+}
+
+/// The declared `(type id, dims)` of `layout_file`'s three tensors.
+type Declared<'a> = [(u32, &'a [u64]); 3];
+
+/// Three tensors laid out as GGUF writers do (each padded to 32 bytes): `blk.0.attn_norm.weight`
+/// (F32 [64], 256 bytes at 0), `blk.0.ffn_down.weight` (Q4_1 [64, 32], 1280 bytes at 256) and
+/// `output_norm.weight` (F32 [64], 256 bytes at 1536), each tensor's declared `(type id, dims)`
+/// given; `order` is the order of the tensor table.
+fn layout_file(declared: Declared, order: [usize; 3]) -> Vec<u8> {
+    let names = [
+        "blk.0.attn_norm.weight",
+        "blk.0.ffn_down.weight",
+        "output_norm.weight",
+    ];
+    let offsets = [0u64, 256, 1536];
+    let mut w = W::new(3, 3, 1);
+    w.kv_str("general.architecture", "x");
+    for i in order {
+        w.tensor(names[i], declared[i].1, declared[i].0, offsets[i]);
+    }
+    let data: Vec<u8> = (0..1792u32).map(|i| (i % 7) as u8).collect();
+    w.pad_and_data(&data)
+}
+
+/// A tensor whose type or dims were changed after writing (the data no longer spans the bytes
+/// up to the next tensor) is refused, naming it, its type and both sizes; tensors out of table
+/// order are fine.
+#[test]
+fn tensor_type_that_does_not_match_its_data_is_refused() {
+    const F32: u32 = 0;
+    const F16: u32 = 1;
+    const Q4_0: u32 = 2;
+    const Q4_1: u32 = 3;
+    const BF16: u32 = 30;
+    let norm: &[u64] = &[64];
+    let down: &[u64] = &[64, 32];
+    for order in [[0, 1, 2], [2, 0, 1]] {
+        let bytes = layout_file([(F32, norm), (Q4_1, down), (F32, norm)], order);
+        let p = write_temp("layout-ok", &bytes);
+        let f = GgufFile::open(&p).unwrap();
+        assert_eq!(f.tensor_f32("output_norm.weight").unwrap().len(), 64);
+        let _ = std::fs::remove_file(&p);
+    }
+    let cases: [(Declared, &[&str]); 6] = [
+        (
+            [(F16, norm), (Q4_1, down), (F32, norm)],
+            &[
+                "'blk.0.attn_norm.weight'",
+                "F16",
+                "takes 128 bytes",
+                "gives it 256 bytes",
+            ],
+        ),
+        (
+            [(BF16, norm), (Q4_1, down), (F32, norm)],
+            &[
+                "'blk.0.attn_norm.weight'",
+                "BF16",
+                "takes 128 bytes",
+                "gives it 256 bytes",
+            ],
+        ),
+        (
+            [(F32, norm), (Q4_0, down), (F32, norm)],
+            &[
+                "'blk.0.ffn_down.weight'",
+                "Q4_0",
+                "takes 1152 bytes",
+                "gives it 1280 bytes",
+            ],
+        ),
+        // The last tensor: its data must end within the alignment of the end of the file.
+        (
+            [(F32, norm), (Q4_1, down), (F16, norm)],
+            &[
+                "'output_norm.weight'",
+                "F16",
+                "takes 128 bytes",
+                "gives it 256 bytes",
+            ],
+        ),
+        // Dims that grew: the data would run into the next tensor's.
+        (
+            [(F32, &[128]), (Q4_1, down), (F32, norm)],
+            &[
+                "'blk.0.attn_norm.weight'",
+                "F32",
+                "takes 512 bytes",
+                "gives it 256 bytes",
+            ],
+        ),
+        (
+            [(F32, norm), (F16, down), (F32, norm)],
+            &[
+                "'blk.0.ffn_down.weight'",
+                "F16",
+                "takes 4096 bytes",
+                "gives it 1280 bytes",
+            ],
+        ),
+    ];
+    for (declared, want) in cases {
+        let (e, p) = open_err(&layout_file(declared, [0, 1, 2]), "layout");
+        assert_names_file(&e, &p);
+        for w in want {
+            assert!(e.contains(w), "missing {w:?} in: {e}");
+        }
+    }
+}
+
+/// A GGUF of the Llama fixture (all F32; common::llama_gguf), with `edit` applied to its
+/// metadata and tensors before it is written.
+fn llama_gguf_with(
+    tag: &str,
+    edit: impl FnOnce(&mut Vec<(String, MetaValue)>, &mut Vec<GgufTensor>),
+) -> PathBuf {
+    let base = temp_path(&format!("{tag}-base"));
+    common::llama_gguf::write_llama_gguf(&base, |_, _| GgmlType::F32);
+    let f = GgufFile::open(&base).unwrap();
+    let mut meta = f.metadata().to_vec();
+    let mut tensors: Vec<GgufTensor> = f
+        .tensor_infos()
+        .iter()
+        .map(|t| GgufTensor {
+            name: t.name.clone(),
+            dims: t.shape.clone(),
+            ggml_type: t.ggml_type,
+            data: f.tensor_bytes(&t.name).unwrap().to_vec(),
+        })
+        .collect();
+    drop(f);
+    let _ = std::fs::remove_file(&base);
+    edit(&mut meta, &mut tensors);
+    let mut w = GgufWriter::new();
+    for (k, v) in meta {
+        w.set(&k, v);
+    }
+    for t in tensors {
+        w.add_tensor(t).unwrap();
+    }
+    let p = temp_path(tag);
+    w.write(&p).unwrap();
+    p
+}
+
+fn set_key(meta: &mut Vec<(String, MetaValue)>, key: &str, v: Option<MetaValue>) {
+    meta.retain(|(k, _)| k != key);
+    if let Some(v) = v {
+        meta.push((key.to_string(), v));
+    }
+}
+
+/// The error of loading `p` on the CPU (the file is removed).
+fn load_err(p: &Path) -> String {
+    let r = lorafit::model::load(p, &Device::Cpu);
+    let _ = std::fs::remove_file(p);
+    match r {
+        Ok(_) => panic!("{}: expected an error", p.display()),
+        Err(e) => format!("{e:#}"),
+    }
+}
+
+fn loads(p: &Path) {
+    let r = lorafit::model::load(p, &Device::Cpu);
+    let _ = std::fs::remove_file(p);
+    if let Err(e) = r {
+        panic!("{}: {e:#}", p.display());
+    }
+}
+
+/// `rope.dimension_count` is the number of rotated dims, not the head size: a value other than
+/// the head size (partial RoPE, which lorafit does not run) is refused naming the key.
+#[test]
+fn rope_dimension_count_other_than_the_head_size_is_refused() {
+    let u32v = MetaValue::U32;
+    for key_length in [None, Some(u32v(16))] {
+        let p = llama_gguf_with("rope-dims", |m, _| {
+            set_key(m, "llama.attention.key_length", key_length.clone());
+            set_key(m, "llama.rope.dimension_count", Some(u32v(8)));
+        });
+        let e = load_err(&p);
+        assert!(
+            e.contains("llama.rope.dimension_count is 8") && e.contains("head size is 16"),
+            "{e}"
+        );
+        assert!(!e.contains("config.json"), "{e}");
+    }
+    loads(&llama_gguf_with("rope-dims-ok", |m, _| {
+        set_key(m, "llama.attention.key_length", None);
+        set_key(m, "llama.rope.dimension_count", Some(u32v(16)));
+    }));
+}
+
+/// A tensor whose shape disagrees with the metadata is named by its GGUF name (the Hugging
+/// Face name in parentheses), with the keys that imply the expected shape.
+#[test]
+fn shape_errors_name_the_gguf_tensor_and_the_metadata_keys() {
+    let p = llama_gguf_with("ffn-len", |m, _| {
+        set_key(m, "llama.feed_forward_length", Some(MetaValue::U32(80)));
+    });
+    let e = load_err(&p);
+    for want in [
+        "tensor blk.0.ffn_gate.weight (model.layers.0.mlp.gate_proj.weight) has shape [96, 64]",
+        "the GGUF's metadata (llama.feed_forward_length = 80, llama.embedding_length = 64) \
+         implies [80, 64]",
+    ] {
+        assert!(e.contains(want), "missing {want:?} in: {e}");
+    }
+    assert!(!e.contains("config.json"), "{e}");
+
+    let p = llama_gguf_with("kv-heads", |m, _| {
+        set_key(m, "llama.attention.head_count_kv", Some(MetaValue::U32(1)));
+    });
+    let e = load_err(&p);
+    assert!(
+        e.contains("tensor blk.0.attn_k.weight (model.layers.0.self_attn.k_proj.weight)")
+            && e.contains("llama.attention.head_count_kv = 1")
+            && e.contains("llama.attention.key_length = 16"),
+        "{e}"
+    );
+    assert!(!e.contains("config.json"), "{e}");
+
+    // A model-level tensor of the wrong size.
+    let p = llama_gguf_with("norm-dims", |_, t| {
+        let norm = t
+            .iter_mut()
+            .find(|t| t.name == "output_norm.weight")
+            .unwrap();
+        norm.dims = vec![32];
+        norm.data.truncate(32 * 4);
+    });
+    let e = load_err(&p);
+    assert!(
+        e.contains("tensor output_norm.weight (model.norm.weight) has shape [32]")
+            && e.contains("(llama.embedding_length = 64) implies [64]"),
+        "{e}"
+    );
+}
+
+/// A non-finite value is reported under the tensor's GGUF name.
+#[test]
+fn non_finite_values_name_the_gguf_tensor() {
+    for (name, hf) in [
+        ("output_norm.weight", "model.norm.weight"),
+        (
+            "blk.1.ffn_down.weight",
+            "model.layers.1.mlp.down_proj.weight",
+        ),
+    ] {
+        let p = llama_gguf_with("nan", |_, t| {
+            let t = t.iter_mut().find(|t| t.name == name).unwrap();
+            t.data[8..12].copy_from_slice(&f32::NAN.to_le_bytes());
+        });
+        let e = load_err(&p);
+        assert!(
+            e.contains(&format!("tensor {name} ({hf}) holds a non-finite value")),
+            "{e}"
+        );
+    }
+}
+
+/// token_embd's rows must be the vocabulary's size (tokenizer.ggml.tokens), as llama.cpp
+/// requires.
+#[test]
+fn token_embd_rows_must_match_the_vocabulary() {
+    let tokens = |n: usize| {
+        Some(MetaValue::Array(
+            (0..n).map(|i| MetaValue::String(format!("t{i}"))).collect(),
+        ))
+    };
+    let p = llama_gguf_with("vocab", |m, _| {
+        set_key(m, "tokenizer.ggml.tokens", tokens(200));
+    });
+    let e = load_err(&p);
+    assert!(
+        e.contains("token_embd.weight has 256 rows")
+            && e.contains("(tokenizer.ggml.tokens) has 200 tokens"),
+        "{e}"
+    );
+    loads(&llama_gguf_with("vocab-ok", |m, _| {
+        set_key(m, "tokenizer.ggml.tokens", tokens(256));
+    }));
+}
+
+/// A damaged copy of the built-in model says where it is and how to get a good one: deleting
+/// the cached file (lorafit fetches it again), or fixing LORAFIT_SMOLLM2_GGUF.
+#[test]
+fn damaged_builtin_model_says_how_to_replace_it() {
+    let cache = std::env::temp_dir().join(format!(
+        "lorafit-gguf-test-{}-builtin-cache",
+        std::process::id()
+    ));
+    let dir = cache.join("smollm2");
+    std::fs::create_dir_all(&dir).unwrap();
+    let full = std::fs::read(fixture("quant_ref.gguf")).unwrap();
+    let cached = dir.join(lorafit::model::smollm2::FILE_NAME);
+    std::fs::write(&cached, &full[..full.len() / 2]).unwrap();
+    let elsewhere = cache.join("elsewhere.gguf");
+    std::fs::write(&elsewhere, &full[..full.len() / 2]).unwrap();
+    let run = |env_file: Option<&Path>| {
+        let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_lorafit"));
+        c.args([
+            "generate",
+            "--max-new-tokens",
+            "1",
+            "--model",
+            "smollm2",
+            "hi",
+        ])
+        .env("LORAFIT_CACHE", &cache)
+        .env_remove("LORAFIT_SMOLLM2_GGUF");
+        if let Some(f) = env_file {
+            c.env("LORAFIT_SMOLLM2_GGUF", f);
+        }
+        let out = c.output().unwrap();
+        assert!(!out.status.success());
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let e = run(None);
+    assert!(
+        e.contains(&format!("smollm2 ({}) is damaged", cached.display()))
+            && e.contains("delete it and lorafit fetches it again"),
+        "{e}"
+    );
+    let e = run(Some(&elsewhere));
+    assert!(
+        e.contains(&format!("smollm2 ({}) is damaged", elsewhere.display()))
+            && e.contains("LORAFIT_SMOLLM2_GGUF points at it"),
+        "{e}"
+    );
+    let _ = std::fs::remove_dir_all(&cache);
 }
 
 // ---------- real model ----------

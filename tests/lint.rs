@@ -155,3 +155,31 @@ fn lint_fails_files_train_refuses_and_names_their_rows() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A LoRA adapter folder given as `--model` is named for what it is, with the flags to pass it
+/// and its base by (the base from its adapter_config.json), not as a missing config.json.
+#[test]
+fn lint_says_an_adapter_folder_given_as_the_model_is_one() {
+    let dir = std::env::temp_dir().join(format!("lorafit-lint-adapter-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let adapter = dir.join("adapter");
+    std::fs::create_dir_all(&adapter).unwrap();
+    let src = common::fixture("models/qwen2/adapter");
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("adapter_config.json")).unwrap())
+            .unwrap();
+    config["base_model_name_or_path"] = "Qwen/Qwen2-0.5B".into();
+    std::fs::write(adapter.join("adapter_config.json"), config.to_string()).unwrap();
+    common::tiny_run::data_file(&dir.join("train.jsonl"), 3, 1);
+    let o = lint(&dir, &["--model", "adapter", "--data", "train.jsonl"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("is a LoRA adapter folder")
+            && err.contains("--adapter adapter")
+            && err.contains("--model Qwen/Qwen2-0.5B")
+            && !err.contains("No such file"),
+        "{err}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -18,7 +18,12 @@
 //! A template read from a file (`chat_template`, `--chat-template`) must show
 //! the messages it is given (`ChatTemplate::check_shows_messages`): any text
 //! file compiles as Jinja, and a dataset or a tokenizer.json named by mistake
-//! would otherwise render its own text for every conversation.
+//! would otherwise render its own text for every conversation. Generation
+//! holds the model's own template to the same check
+//! (`ChatTemplate::generation_prompt`), since a prompt it drops is not seen.
+//!
+//! A template knows where it was read from (`origin`), so that its errors name
+//! that file (or GGUF key) and not the one that led to it.
 
 use std::io;
 use std::path::Path;
@@ -39,12 +44,22 @@ const PROBE_USER: &str = "probe question 4711 for the template";
 const PROBE_SYSTEM: &str = "probe system message";
 const PROBE_ASSISTANT: &str = "probe answer";
 
+/// How errors about a model's own template end: what to do instead.
+const HINT: &str = "set `chat_template` to another template (--chat-template FILE: a Jinja \
+                    file or a tokenizer_config.json)";
+
 /// A compiled chat template plus the bos/eos strings it may refer to.
 pub struct ChatTemplate {
     env: Environment<'static>,
     source: String,
     bos_token: String,
     eos_token: String,
+    /// Where the template was read from (a file, a GGUF's metadata key), for errors; empty for
+    /// one given as text.
+    origin: String,
+    /// Why a model's own template does not compile (`from_model_folder`, `from_gguf_metadata`):
+    /// said where it is used, so that a template given in its place still can be.
+    compile_error: Option<String>,
 }
 
 impl std::fmt::Debug for ChatTemplate {
@@ -53,6 +68,7 @@ impl std::fmt::Debug for ChatTemplate {
             .field("source", &self.source)
             .field("bos_token", &self.bos_token)
             .field("eos_token", &self.eos_token)
+            .field("origin", &self.origin)
             .finish()
     }
 }
@@ -64,6 +80,19 @@ struct RenderContext<'a> {
     bos_token: &'a str,
     eos_token: &'a str,
 }
+
+/// What rendering the probe conversations showed (`ChatTemplate::probe`).
+enum Probe {
+    /// One rendered with the user's message in it.
+    Shows,
+    /// Those that rendered (the first's text here) left the user's message out.
+    Hides(String),
+    /// None rendered: the first error.
+    Fails(anyhow::Error),
+}
+
+/// A template's parts as a tokenizer_config.json gives them: its Jinja source, bos and eos.
+type ConfigParts = (String, String, String);
 
 impl ChatTemplate {
     /// Compiles `template` (Jinja source). `bos_token`/`eos_token` are the
@@ -89,7 +118,38 @@ impl ChatTemplate {
             source,
             bos_token: bos_token.into(),
             eos_token: eos_token.into(),
+            origin: String::new(),
+            compile_error: None,
         })
+    }
+
+    /// The template, naming `origin` (the file or GGUF key it was read from) in its errors.
+    pub fn with_origin(mut self, origin: impl Into<String>) -> Self {
+        self.origin = origin.into();
+        self
+    }
+
+    /// Where the template was read from; empty for one given as text.
+    pub fn origin(&self) -> &str {
+        &self.origin
+    }
+
+    /// [`new`](Self::new) for a model's own template: one that does not compile is returned
+    /// all the same and fails where it is used ([`check_compiles`](Self::check_compiles),
+    /// [`render`](Self::render)).
+    fn new_or_deferred(parts: ConfigParts, origin: String) -> Self {
+        let (source, bos_token, eos_token) = parts;
+        match Self::new(source.clone(), bos_token.clone(), eos_token.clone()) {
+            Ok(t) => t.with_origin(origin),
+            Err(e) => ChatTemplate {
+                env: Environment::new(),
+                source,
+                bos_token,
+                eos_token,
+                origin,
+                compile_error: Some(format!("{e:#}")),
+            },
+        }
     }
 
     /// Reads `chat_template`, `bos_token` and `eos_token` from a Hugging Face
@@ -97,19 +157,39 @@ impl ChatTemplate {
     /// `{name, template}` (the one named `default` is used, else the first).
     /// A sibling `chat_template.jinja` (how newer transformers save it) wins
     /// over the config's template, as in transformers. `Ok(None)` if there
-    /// is neither.
+    /// is neither. Errors in the template name the file it came from.
     pub fn from_tokenizer_config(path: impl AsRef<Path>) -> Result<Option<Self>> {
-        let path = path.as_ref();
-        let text =
-            std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-        let config: serde_json::Value = serde_json::from_str(&text)
-            .with_context(|| format!("{}: invalid JSON", path.display()))?;
-        let sibling = path
-            .parent()
-            .map(|dir| dir.join("chat_template.jinja"))
-            .filter(|p| p.is_file());
-        Self::from_tokenizer_config_value(&config, sibling.as_deref())
-            .with_context(|| format!("chat template from {}", path.display()))
+        let Some((parts, origin)) = read_tokenizer_config(path.as_ref())? else {
+            return Ok(None);
+        };
+        let (source, bos, eos) = parts;
+        let template =
+            Self::new(source, bos, eos).with_context(|| format!("chat template from {origin}"))?;
+        Ok(Some(template.with_origin(origin)))
+    }
+
+    /// A model folder's own template: [`from_tokenizer_config`](Self::from_tokenizer_config)
+    /// on its `tokenizer_config.json`, except that a template that does not compile is
+    /// returned all the same and fails where it is used
+    /// ([`check_compiles`](Self::check_compiles), [`render`](Self::render)), so that a
+    /// template given in its place (`model_files::run_template`) can still be used.
+    pub fn from_model_folder(dir: &Path) -> Result<Option<Self>> {
+        Ok(read_tokenizer_config(&dir.join("tokenizer_config.json"))?
+            .map(|(parts, origin)| Self::new_or_deferred(parts, origin)))
+    }
+
+    /// A GGUF file's `tokenizer.chat_template`, kept as
+    /// [`from_model_folder`](Self::from_model_folder) keeps a folder's.
+    pub fn from_gguf_metadata(
+        path: &Path,
+        template: String,
+        bos_token: String,
+        eos_token: String,
+    ) -> Self {
+        Self::new_or_deferred(
+            (template, bos_token, eos_token),
+            format!("{} (its tokenizer.chat_template)", path.display()),
+        )
     }
 
     /// [`from_tokenizer_config`](Self::from_tokenizer_config) on parsed JSON;
@@ -119,36 +199,10 @@ impl ChatTemplate {
         config: &serde_json::Value,
         template_file: Option<&Path>,
     ) -> Result<Option<Self>> {
-        let bos = special_token_string(config, "bos_token")?;
-        let eos = special_token_string(config, "eos_token")?;
-        if let Some(p) = template_file {
-            let template =
-                std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
-            return Ok(Some(Self::new(template, bos, eos)?));
+        match config_parts(config, template_file)? {
+            Some((source, bos, eos)) => Ok(Some(Self::new(source, bos, eos)?)),
+            None => Ok(None),
         }
-        let template = match config.get("chat_template") {
-            None | Some(serde_json::Value::Null) => return Ok(None),
-            Some(serde_json::Value::String(s)) => s.clone(),
-            Some(serde_json::Value::Array(list)) => {
-                let named = |want: Option<&str>| {
-                    list.iter().find_map(|entry| {
-                        let name = entry.get("name").and_then(|n| n.as_str());
-                        let tpl = entry.get("template").and_then(|t| t.as_str())?;
-                        match want {
-                            Some(w) if name != Some(w) => None,
-                            _ => Some(tpl.to_string()),
-                        }
-                    })
-                };
-                named(Some("default"))
-                    .or_else(|| named(None))
-                    .ok_or_else(|| {
-                        anyhow!("\"chat_template\" is a list without any {{name, template}} entry")
-                    })?
-            }
-            Some(_) => bail!("\"chat_template\" must be a string or a list of {{name, template}}"),
-        };
-        Ok(Some(Self::new(template, bos, eos)?))
     }
 
     /// A template from a file: a Jinja file, or a `tokenizer_config.json`
@@ -176,7 +230,7 @@ impl ChatTemplate {
         template
             .check_shows_messages()
             .with_context(|| path.display().to_string())?;
-        Ok(template)
+        Ok(template.with_origin(path.display().to_string()))
     }
 
     /// Whether the template shows the conversation it is given: probe conversations — a user
@@ -186,6 +240,18 @@ impl ChatTemplate {
     /// a dataset or a tokenizer.json given as the template renders its own text whatever the
     /// messages, and this refuses it.
     pub fn check_shows_messages(&self) -> Result<()> {
+        match self.probe() {
+            Probe::Shows => Ok(()),
+            Probe::Hides(text) => Err(hides_messages(&text)),
+            Probe::Fails(error) => Err(error.context(
+                "the chat template renders none of the probe conversations (a user message; a \
+                 system, user and assistant turn; a user and assistant turn)",
+            )),
+        }
+    }
+
+    /// Renders the probe conversations of [`check_shows_messages`](Self::check_shows_messages).
+    fn probe(&self) -> Probe {
         let probes: [(&[Message], bool); 3] = [
             (&[Message::user(PROBE_USER)], true),
             (
@@ -208,7 +274,7 @@ impl ChatTemplate {
         let mut first_error = None;
         for (messages, add_generation_prompt) in probes {
             match self.render(messages, add_generation_prompt) {
-                Ok(text) if text.contains(PROBE_USER) => return Ok(()),
+                Ok(text) if text.contains(PROBE_USER) => return Probe::Shows,
                 Ok(text) => {
                     rendered_without.get_or_insert(text);
                 }
@@ -217,21 +283,67 @@ impl ChatTemplate {
                 }
             }
         }
-        if let Some(text) = rendered_without {
-            let start: String = text.chars().take(60).collect();
-            bail!(
-                "not a chat template: it never shows the messages it is given (a conversation \
-                 whose user message is {PROBE_USER:?} renders as {start:?}{}, without it); a \
-                 chat template is Jinja over `messages`, such as a model's chat_template.jinja \
-                 or a tokenizer_config.json",
-                if start.len() < text.len() { "…" } else { "" }
-            );
+        match rendered_without {
+            Some(text) => Probe::Hides(text),
+            None => Probe::Fails(first_error.expect("each probe either rendered or failed")),
         }
-        let error = first_error.expect("each probe either rendered or failed");
-        Err(error.context(
-            "the chat template renders none of the probe conversations (a user message; a \
-             system, user and assistant turn; a user and assistant turn)",
-        ))
+    }
+
+    /// An error for a template that does not compile (a model's own, kept by
+    /// [`from_model_folder`](Self::from_model_folder) or
+    /// [`from_gguf_metadata`](Self::from_gguf_metadata)), naming where it came from.
+    pub fn check_compiles(&self) -> Result<()> {
+        match &self.compile_error {
+            Some(e) => Err(self.with_hint(anyhow!("{e}"))),
+            None => Ok(()),
+        }
+    }
+
+    /// What `generate` and `chat` give the model for `messages`: their rendering with the
+    /// generation prompt. Refused, naming where the template came from, where
+    /// [`check_for_generation`](Self::check_for_generation) refuses the template or it renders
+    /// nothing for these messages: the model would be answering a prompt it was never given.
+    pub fn generation_prompt(&self, messages: &[Message]) -> Result<String> {
+        self.check_for_generation()?;
+        let text = self
+            .render(messages, true)
+            .map_err(|e| self.with_origin_context(e))?;
+        if text.trim().is_empty() {
+            let roles: Vec<&str> = messages.iter().map(|m| m.role.as_str()).collect();
+            return Err(self.with_hint(anyhow!(
+                "the chat template rendered nothing for this conversation (messages: {}), so \
+                 the model would be given no prompt",
+                roles.join(", ")
+            )));
+        }
+        Ok(text)
+    }
+
+    /// The template checks generation makes before any conversation: it compiles, and it
+    /// shows the messages it is given (the probe of
+    /// [`check_shows_messages`](Self::check_shows_messages), which `train` makes of a template
+    /// from a file). One that renders none of the probe conversations passes: the conversation
+    /// given may still render, and its own error says why not.
+    pub fn check_for_generation(&self) -> Result<()> {
+        self.check_compiles()?;
+        match self.probe() {
+            Probe::Hides(text) => Err(self.with_hint(hides_messages(&text))),
+            Probe::Shows | Probe::Fails(_) => Ok(()),
+        }
+    }
+
+    /// `e` naming the template's origin, where it has one.
+    fn with_origin_context(&self, e: anyhow::Error) -> anyhow::Error {
+        if self.origin.is_empty() {
+            e
+        } else {
+            e.context(format!("chat template from {}", self.origin))
+        }
+    }
+
+    /// `e` naming the template's origin, and what to do instead.
+    fn with_hint(&self, e: anyhow::Error) -> anyhow::Error {
+        anyhow!("{:#}; {HINT}", self.with_origin_context(e))
     }
 
     /// The Jinja source.
@@ -248,6 +360,7 @@ impl ChatTemplate {
     /// Renders `messages` like `apply_chat_template(messages, tokenize=False,
     /// add_generation_prompt=...)`.
     pub fn render(&self, messages: &[Message], add_generation_prompt: bool) -> Result<String> {
+        self.check_compiles()?;
         let tpl = self
             .env
             .get_template(TEMPLATE_NAME)
@@ -336,6 +449,74 @@ fn snippet(s: &str, at: usize) -> String {
         if start > 0 { "…" } else { "" },
         &s[start..end],
         if end < s.len() { "…" } else { "" }
+    )
+}
+
+/// The template parts of the `tokenizer_config.json` at `path` (or of the `chat_template.jinja`
+/// beside it, which wins, as in transformers) and the file its template came from; `None` when
+/// neither has one.
+fn read_tokenizer_config(path: &Path) -> Result<Option<(ConfigParts, String)>> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let config: serde_json::Value =
+        serde_json::from_str(&text).with_context(|| format!("{}: invalid JSON", path.display()))?;
+    let sibling = path
+        .parent()
+        .map(|dir| dir.join("chat_template.jinja"))
+        .filter(|p| p.is_file());
+    let parts = config_parts(&config, sibling.as_deref())
+        .with_context(|| format!("chat template from {}", path.display()))?;
+    let origin = sibling.as_deref().unwrap_or(path).display().to_string();
+    Ok(parts.map(|p| (p, origin)))
+}
+
+/// The template source, bos and eos strings of a parsed tokenizer_config.json, the source from
+/// `template_file` when given; `None` without a template.
+fn config_parts(
+    config: &serde_json::Value,
+    template_file: Option<&Path>,
+) -> Result<Option<ConfigParts>> {
+    let bos = special_token_string(config, "bos_token")?;
+    let eos = special_token_string(config, "eos_token")?;
+    if let Some(p) = template_file {
+        let template =
+            std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
+        return Ok(Some((template, bos, eos)));
+    }
+    let template = match config.get("chat_template") {
+        None | Some(serde_json::Value::Null) => return Ok(None),
+        Some(serde_json::Value::String(s)) => s.clone(),
+        Some(serde_json::Value::Array(list)) => {
+            let named = |want: Option<&str>| {
+                list.iter().find_map(|entry| {
+                    let name = entry.get("name").and_then(|n| n.as_str());
+                    let tpl = entry.get("template").and_then(|t| t.as_str())?;
+                    match want {
+                        Some(w) if name != Some(w) => None,
+                        _ => Some(tpl.to_string()),
+                    }
+                })
+            };
+            named(Some("default"))
+                .or_else(|| named(None))
+                .ok_or_else(|| {
+                    anyhow!("\"chat_template\" is a list without any {{name, template}} entry")
+                })?
+        }
+        Some(_) => bail!("\"chat_template\" must be a string or a list of {{name, template}}"),
+    };
+    Ok(Some((template, bos, eos)))
+}
+
+/// The error for a template that renders the probe conversations without their messages
+/// (`ChatTemplate::check_shows_messages`); `text` is one rendering.
+fn hides_messages(text: &str) -> anyhow::Error {
+    let start: String = text.chars().take(60).collect();
+    anyhow!(
+        "not a chat template: it never shows the messages it is given (a conversation whose \
+         user message is {PROBE_USER:?} renders as {start:?}{}, without it); a chat template is \
+         Jinja over `messages`, such as a model's chat_template.jinja or a tokenizer_config.json",
+        if start.len() < text.len() { "…" } else { "" }
     )
 }
 

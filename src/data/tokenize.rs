@@ -39,6 +39,11 @@ pub struct TextTokenizer {
     bos_id: Option<u32>,
     eos_id: Option<u32>,
     add_bos: bool,
+    /// Further ids that end a generated reply: a model folder's generation_config.json
+    /// `eos_token_id`s (what transformers' `generate` stops on).
+    generation_eos: Vec<u32>,
+    /// Why that generation_config.json could not be read, for generation to say.
+    generation_config_warning: Option<String>,
 }
 
 impl fmt::Debug for TextTokenizer {
@@ -69,6 +74,8 @@ impl TextTokenizer {
             bos_id,
             eos_id,
             add_bos,
+            generation_eos: Vec::new(),
+            generation_config_warning: None,
         })
     }
 
@@ -79,8 +86,7 @@ impl TextTokenizer {
     /// [`with_eos_id`](Self::with_eos_id)).
     pub fn from_file(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
-        let inner = Tokenizer::from_file(path)
-            .map_err(|e| anyhow!("loading tokenizer {}: {e}", path.display()))?;
+        let inner = Tokenizer::from_file(path).map_err(|e| tokenizer_file_error(path, e))?;
         let detected_bos = post_processor_bos(&inner)?;
         let mut bos_id = detected_bos;
         let mut eos_id = None;
@@ -125,6 +131,24 @@ impl TextTokenizer {
     pub fn with_eos_id(mut self, id: Option<u32>) -> Self {
         self.eos_id = id;
         self
+    }
+
+    /// The tokenizer with `ids` as further ids that end a generated reply (a model folder's
+    /// generation_config.json `eos_token_id`s), and `warning` where that file could not be read.
+    pub fn with_generation_eos(mut self, ids: Vec<u32>, warning: Option<String>) -> Self {
+        self.generation_eos = ids;
+        self.generation_config_warning = warning;
+        self
+    }
+
+    /// The ids of the model folder's generation_config.json `eos_token_id`.
+    pub fn generation_eos_ids(&self) -> &[u32] {
+        &self.generation_eos
+    }
+
+    /// Why the model folder's generation_config.json could not be read, naming it.
+    pub fn generation_config_warning(&self) -> Option<&str> {
+        self.generation_config_warning.as_deref()
     }
 
     pub fn inner(&self) -> &Tokenizer {
@@ -197,6 +221,51 @@ impl TextTokenizer {
             }
         }
         Ok(false)
+    }
+}
+
+/// The model types of `tokenizer.json` that the tokenizers library reads.
+const TOKENIZER_MODEL_TYPES: [&str; 4] = ["BPE", "Unigram", "WordLevel", "WordPiece"];
+
+/// The error for a `tokenizer.json` at `path` that the tokenizers library did not load
+/// (`error`), saying why where the file shows it: it is missing beside a SentencePiece
+/// `tokenizer.model`, is not JSON, or names a model type the library does not read (which it
+/// reports as an untagged enum that matched no variant).
+fn tokenizer_file_error(path: &Path, error: impl fmt::Display) -> anyhow::Error {
+    let sentencepiece = path.with_file_name("tokenizer.model");
+    if !path.exists() && sentencepiece.is_file() {
+        let dir = path.parent().unwrap_or(Path::new(".")).display();
+        return anyhow!(
+            "{dir} has a SentencePiece tokenizer.model but no tokenizer.json, and lorafit reads \
+             tokenizer.json: write it with transformers, `AutoTokenizer.from_pretrained(\"{dir}\")\
+             .save_pretrained(\"{dir}\")` (the fast tokenizer it converts to is saved as \
+             tokenizer.json; the conversion needs the sentencepiece package)"
+        );
+    }
+    let general = || anyhow!("loading tokenizer {}: {error}", path.display());
+    let Ok(text) = std::fs::read_to_string(path) else {
+        return general();
+    };
+    let json: serde_json::Value = match serde_json::from_str(&text) {
+        Ok(v) => v,
+        Err(e) => {
+            return anyhow!(
+                "loading tokenizer {}: not valid JSON ({e}): the file is damaged or cut short \
+                 (an interrupted download?)",
+                path.display()
+            )
+        }
+    };
+    match json.get("model").and_then(|m| m.get("type")) {
+        Some(serde_json::Value::String(t)) if !TOKENIZER_MODEL_TYPES.contains(&t.as_str()) => {
+            anyhow!(
+                "loading tokenizer {}: its model type (\"model\": {{\"type\": {t:?}}}) is not \
+                 one the tokenizers library reads (it reads {})",
+                path.display(),
+                TOKENIZER_MODEL_TYPES.join(", ")
+            )
+        }
+        _ => general(),
     }
 }
 

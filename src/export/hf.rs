@@ -216,7 +216,6 @@ pub fn merged_from_hf(
     let src = SafetensorsFolder::open(base)?;
     let spec = resolve_prefixes(spec, &src);
     let targets = deltas(&spec, lora)?;
-    std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
     let mut tensors = Vec::new();
     let mut merged = Vec::new();
     for (path, names) in folder_tensor_names(base)? {
@@ -270,6 +269,8 @@ pub fn merged_from_hf(
             base.display()
         );
     }
+    // Created once nothing above can fail, so that a refused export leaves no folder behind.
+    std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
     let count = write_shards(out, tensors)?;
     for entry in std::fs::read_dir(base).with_context(|| format!("reading {}", base.display()))? {
         let entry = entry?;
@@ -388,7 +389,7 @@ pub fn merged_from_gguf(base: &Path, lora: &Lora, out: &Path, dtype: HfDtype) ->
     }
     set_config_dtype(&mut config, dtype);
     let targets = deltas(spec, lora)?;
-    std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
+    let tokenizer = gguf_tokenizer_files(&src)?;
     let mut tensors = Vec::new();
     let mut merged = Vec::new();
     for name in hf_tensor_names(spec) {
@@ -410,12 +411,28 @@ pub fn merged_from_gguf(base: &Path, lora: &Lora, out: &Path, dtype: HfDtype) ->
             data: dtype.encode(&data),
         });
     }
+    std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
     let count = write_shards(out, tensors)?;
     std::fs::write(
         out.join("config.json"),
         serde_json::to_string_pretty(&config)?,
     )?;
-    write_gguf_tokenizer(&src, out)?;
+    match tokenizer {
+        Some((tokenizer, config)) => {
+            std::fs::write(
+                out.join("tokenizer.json"),
+                serde_json::to_string(&tokenizer)?,
+            )?;
+            std::fs::write(
+                out.join("tokenizer_config.json"),
+                serde_json::to_string_pretty(&config)?,
+            )?;
+        }
+        None => eprintln!(
+            "{}: no embedded tokenizer; the merged folder has none either",
+            base.display()
+        ),
+    }
     merged.sort();
     Ok(HfSummary {
         merged,
@@ -449,23 +466,17 @@ pub fn set_chat_template(dir: &Path, template: &str) -> Result<()> {
     Ok(())
 }
 
-/// `tokenizer.json` and `tokenizer_config.json` (special tokens, BOS policy, chat template)
-/// from a GGUF file's embedded tokenizer.
-fn write_gguf_tokenizer(src: &GgufSource, out: &Path) -> Result<()> {
+/// The `tokenizer.json` and `tokenizer_config.json` (special tokens, BOS policy, chat template)
+/// of a merged folder from a GGUF base, built from its embedded tokenizer; `None` where it has
+/// none. Built before anything is written, since a tokenizer that does not convert would stop
+/// the export after the tensors.
+pub fn gguf_tokenizer_files(src: &GgufSource) -> Result<Option<(Value, Value)>> {
     use crate::data::gguf_tokenizer::{tokenizer_info_from_gguf, tokenizer_json_from_gguf};
     let g = &src.file;
     if g.get("tokenizer.ggml.model").is_none() {
-        eprintln!(
-            "{}: no embedded tokenizer; the merged folder has none either",
-            g.path().display()
-        );
-        return Ok(());
+        return Ok(None);
     }
     let tokenizer = tokenizer_json_from_gguf(g)?;
-    std::fs::write(
-        out.join("tokenizer.json"),
-        serde_json::to_string(&tokenizer)?,
-    )?;
     let info = tokenizer_info_from_gguf(g)?;
     let tokens = g.get_str_array("tokenizer.ggml.tokens")?;
     let token = |id: Option<u32>, what: &str| -> Result<Value> {
@@ -495,11 +506,7 @@ fn write_gguf_tokenizer(src: &GgufSource, out: &Path) -> Result<()> {
     if let Some(t) = &info.chat_template {
         config["chat_template"] = json!(t);
     }
-    std::fs::write(
-        out.join("tokenizer_config.json"),
-        serde_json::to_string_pretty(&config)?,
-    )?;
-    Ok(())
+    Ok(Some((tokenizer, config)))
 }
 
 #[cfg(test)]

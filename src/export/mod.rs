@@ -341,7 +341,8 @@ pub fn run_with(
         ),
         None => None,
     };
-    let base = model::load(&plan.model, &device)?;
+    let base = model::load(&plan.model, &device)
+        .map_err(|e| crate::data::model_files::explain_model_error(&plan.model, e))?;
     let lora = Lora::load_peft(&plan.adapter, &base.spec, &device)
         .with_context(|| format!("adapter {}", plan.adapter.display()))?;
     let (arch, permutes) = if base_is_gguf {
@@ -361,6 +362,18 @@ pub fn run_with(
         // Only the GGUF adapter needs llama.cpp's architecture.
         ("", false)
     };
+    let mut warnings = preflight(plan, &formats)?;
+    // The check's prompts and the trainer's logits: a tokenizer that does not load stops the
+    // export here, not after the artefacts are written.
+    let reference = if plan.check {
+        let tok = load_tokenizer(&plan.model)?;
+        let prompts = check::check_prompts(tok.as_ref(), base.spec.vocab)?;
+        let want = check::logits(&base, Some(&lora), &prompts)?;
+        let plain = check::logits(&base, None, &prompts)?;
+        Some((prompts, want, plain))
+    } else {
+        None
+    };
     // Everything that can refuse the export has; what an earlier one wrote goes now, once the
     // folder is known to take new files (a folder that refuses them would be left half
     // emptied).
@@ -369,7 +382,6 @@ pub fn run_with(
 
     let mut written = Vec::new();
     let mut stored = Vec::new();
-    let mut warnings = Vec::new();
     for &f in &formats {
         match f {
             Format::Hf => {
@@ -456,26 +468,22 @@ pub fn run_with(
     }
 
     let mut checks = Vec::new();
-    if plan.check {
-        let tok = load_tokenizer(&plan.model)?;
-        let prompts = check::check_prompts(tok.as_ref(), base.spec.vocab)?;
-        let want = check::logits(&base, Some(&lora), &prompts)?;
-        let plain = check::logits(&base, None, &prompts)?;
+    if let Some((prompts, want, plain)) = &reference {
         check::write_reference(
             &plan.output.join("check.safetensors"),
-            &prompts,
-            &want,
+            prompts,
+            want,
             base.spec.vocab,
         )?;
         for ((f, path), &(ty, rounded)) in written.iter().zip(&stored) {
-            let got = artefact_logits(*f, path, &base, permutes, &prompts)?;
+            let got = artefact_logits(*f, path, &base, permutes, prompts)?;
             let row = check::compare(
                 &path.display().to_string(),
                 ty,
                 rounded,
-                &want,
+                want,
                 &got,
-                &plain,
+                plain,
                 base.spec.vocab,
             );
             step(format!(
@@ -502,6 +510,47 @@ pub fn run_with(
         checks,
         warnings,
     })
+}
+
+/// What would otherwise fail once some artefact is written, asked before anything is: the files
+/// the merged folder takes from the base (a GGUF's embedded tokenizer, a tokenizer_config.json
+/// the run's template goes into). Returns the warnings for what the export writes all the same
+/// (a tokenizer.json lorafit cannot read, copied as it is).
+fn preflight(plan: &ExportPlan, formats: &[Format]) -> Result<Vec<String>> {
+    let mut warnings = Vec::new();
+    let base_is_gguf = is_gguf(&plan.model);
+    if formats.contains(&Format::Hf) && base_is_gguf {
+        hf::gguf_tokenizer_files(&model::gguf_model::GgufSource::open(&plan.model)?)?;
+    }
+    if formats.contains(&Format::Hf) && !base_is_gguf {
+        let config = plan.model.join("tokenizer_config.json");
+        if plan.chat_template.is_some() && config.is_file() {
+            let text = std::fs::read_to_string(&config)
+                .with_context(|| format!("reading {}", config.display()))?;
+            let value: serde_json::Value = serde_json::from_str(&text).with_context(|| {
+                format!(
+                    "{}: not valid JSON, so the run's chat template cannot be written into the \
+                     merged folder's copy",
+                    config.display()
+                )
+            })?;
+            ensure!(
+                value.is_object(),
+                "{}: not a JSON object, so the run's chat template cannot be written into the \
+                 merged folder's copy",
+                config.display()
+            );
+        }
+        // Without --check the tokenizer is only copied; one that does not load is said.
+        if !plan.check {
+            if let Err(e) = load_tokenizer(&plan.model) {
+                let w = format!("{e:#}; the merged folder gets a copy of it as it is");
+                eprintln!("warning: {w}");
+                warnings.push(w);
+            }
+        }
+    }
+    Ok(warnings)
 }
 
 /// The warning for a merged GGUF where requantizing gave some adapted tensors back their base

@@ -30,6 +30,10 @@ impl<'m> ChatSession<'m> {
         template: Option<&'m ChatTemplate>,
         opts: GenerateOptions,
     ) -> Result<ChatSession<'m>> {
+        // Before the first message: a template that would drop every message ends the chat now.
+        if let Some(t) = template {
+            t.check_for_generation()?;
+        }
         Ok(ChatSession {
             decoder: Decoder::new(model, lora, 1, 512)?,
             sampler: Sampler::new(&opts.sampling, 1)?,

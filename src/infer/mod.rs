@@ -381,14 +381,16 @@ pub fn generate_ids_uncached(
 /// The prompt ids of a conversation as the model's own template renders it, with the generation
 /// prompt: the rendered text tokenised with one bos (the template's, or the tokenizer's when the
 /// template writes none and the tokenizer adds one), exactly as training tokenises prompts.
-/// Without a template the messages' contents are joined by newlines.
+/// Without a template the messages' contents are joined by newlines. A template that never
+/// shows the messages, or renders nothing for these, is refused
+/// (`ChatTemplate::generation_prompt`).
 pub fn chat_prompt_ids(
     tok: &TextTokenizer,
     template: Option<&ChatTemplate>,
     messages: &[Message],
 ) -> Result<Vec<u32>> {
     let text = match template {
-        Some(t) => t.render(messages, true)?,
+        Some(t) => t.generation_prompt(messages)?,
         None => messages
             .iter()
             .map(|m| m.content.as_str())
@@ -398,23 +400,28 @@ pub fn chat_prompt_ids(
     crate::data::tokenize::encode_prompt(tok, &text)
 }
 
-/// The tokens that end a reply: the tokenizer's eos, the model config's, and the template's eos
+/// The tokens that end a reply: the tokenizer's eos, the model config's, the template's eos
 /// token (an end-of-turn token such as `<|im_end|>` or `<end_of_turn>` where the template names
-/// one).
+/// one) and the model folder's generation_config.json `eos_token_id`s. A generation_config.json
+/// that could not be read is a warning on stderr.
 pub fn default_stop_tokens(
     tok: &TextTokenizer,
     template: Option<&ChatTemplate>,
     model: &Model,
 ) -> Vec<u32> {
+    if let Some(w) = tok.generation_config_warning() {
+        eprintln!("warning: {w}");
+    }
     let mut stops: Vec<u32> = Vec::new();
     let from_template = template
         .map(|t| t.eos_token())
         .filter(|s| !s.is_empty())
         .and_then(|s| tok.token_to_id(s));
-    for id in [tok.eos_id(), model.spec.eos_token_id, from_template]
+    let ids = [tok.eos_id(), model.spec.eos_token_id, from_template]
         .into_iter()
         .flatten()
-    {
+        .chain(tok.generation_eos_ids().iter().copied());
+    for id in ids {
         if !stops.contains(&id) {
             stops.push(id);
         }

@@ -22,6 +22,33 @@ pub enum Family {
     MiniCpm,
 }
 
+impl Family {
+    /// The Hugging Face architecture name of the family, for messages.
+    pub fn hf_name(self) -> &'static str {
+        match self {
+            Family::Llama => "LlamaForCausalLM",
+            Family::Mistral => "MistralForCausalLM",
+            Family::Qwen2 => "Qwen2ForCausalLM",
+            Family::Qwen3 => "Qwen3ForCausalLM",
+            Family::Gemma2 => "Gemma2ForCausalLM",
+            Family::Gemma3 => "Gemma3ForCausalLM",
+            Family::Gemma4 => "Gemma4ForCausalLM",
+            Family::MiniCpm => "MiniCPMForCausalLM",
+        }
+    }
+
+    /// Whether transformers' class for the family reads config key `key` (`attention_bias`,
+    /// `mlp_bias`): Mistral has no biases and Qwen2 always the same ones (q, k, v), whatever
+    /// `attention_bias` says; only Llama's MLP has biases, with `mlp_bias`.
+    pub fn reads_bias_key(self, key: &str) -> bool {
+        match key {
+            "attention_bias" => !matches!(self, Family::Mistral | Family::Qwen2),
+            "mlp_bias" => self == Family::Llama,
+            _ => false,
+        }
+    }
+}
+
 /// The architectures `from_config_json` accepts, for error messages.
 pub const SUPPORTED_ARCHITECTURES: &str = "LlamaForCausalLM (also MiniCPM5), MistralForCausalLM, \
 Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM (and the text model of \
@@ -211,7 +238,8 @@ pub struct ModelSpec {
     pub qkv_bias: bool,
     /// Per-head RMSNorm of q and k before RoPE (Qwen3, Gemma 3).
     pub qk_norm: bool,
-    /// The sliding layers' window in tokens (every layer's for Mistral; Gemma's local layers').
+    /// The sliding layers' window in tokens (every layer's for Mistral; Gemma's local layers';
+    /// Qwen2/3's from `max_window_layers` on).
     pub sliding_window: Option<usize>,
     pub max_position_embeddings: usize,
     pub bos_token_id: Option<u32>,
@@ -261,11 +289,32 @@ pub struct HfConfig {
     pub rope_parameters: Option<serde_json::Value>,
     pub tie_word_embeddings: Option<bool>,
     pub attention_bias: Option<bool>,
+    pub mlp_bias: Option<bool>,
+    pub hidden_act: Option<String>,
+    /// Present and `null` is `Some(Value::Null)`, absent is `None` (Qwen2/3 then default to 4096).
+    #[serde(default, deserialize_with = "present")]
     pub sliding_window: Option<serde_json::Value>,
     pub use_sliding_window: Option<bool>,
+    /// Qwen2/3 without `layer_types`: the layers from this one on slide.
+    pub max_window_layers: Option<usize>,
+    pub layer_types: Option<Vec<String>>,
     pub max_position_embeddings: Option<usize>,
     pub bos_token_id: Option<serde_json::Value>,
     pub eos_token_id: Option<serde_json::Value>,
+}
+
+/// A field's value as written, `null` included (serde reads a present `null` as an absent field).
+fn present<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<serde_json::Value>, D::Error> {
+    serde_json::Value::deserialize(d).map(Some)
+}
+
+/// `v` when it is a positive finite number, else an error naming `key`.
+pub(super) fn positive(key: &str, v: f64) -> Result<f64> {
+    if v.is_finite() && v > 0.0 {
+        Ok(v)
+    } else {
+        bail!("{key} is {v}; it must be a positive number")
+    }
 }
 
 fn first_id(v: &Option<serde_json::Value>) -> Option<u32> {
@@ -294,18 +343,80 @@ impl HfConfig {
         })
     }
 
+    /// Refuses sizes of 0 and numbers with which every forward would be NaN, naming the key.
+    fn check_numbers(&self) -> Result<()> {
+        let sizes = [
+            ("hidden_size", Some(self.hidden_size)),
+            ("num_hidden_layers", Some(self.num_hidden_layers)),
+            ("num_attention_heads", Some(self.num_attention_heads)),
+            ("num_key_value_heads", self.num_key_value_heads),
+            ("head_dim", self.head_dim),
+            ("vocab_size", Some(self.vocab_size)),
+            ("max_position_embeddings", self.max_position_embeddings),
+        ];
+        for (key, v) in sizes {
+            if v == Some(0) {
+                bail!("{key} is 0; it must be positive");
+            }
+        }
+        if let Some(theta) = self.rope_theta() {
+            let key = match self.rope_theta {
+                Some(_) => "rope_theta",
+                None => "rope_parameters.rope_theta",
+            };
+            positive(key, theta)?;
+        }
+        if let Some(eps) = self.rms_norm_eps {
+            if !(eps.is_finite() && eps >= 0.0) {
+                bail!("rms_norm_eps is {eps}; it must be a number >= 0");
+            }
+        }
+        Ok(())
+    }
+
+    /// `sliding_window` in tokens: `default` when the key is absent, `None` when it is `null`; 0
+    /// or anything but a whole number is an error.
+    pub fn window_or(&self, default: Option<usize>) -> Result<Option<usize>> {
+        match &self.sliding_window {
+            None => Ok(default),
+            Some(serde_json::Value::Null) => Ok(None),
+            Some(v) => match v.as_u64() {
+                Some(0) | None => {
+                    bail!("sliding_window is {v}; it must be a positive whole number or null")
+                }
+                Some(w) => Ok(Some(w as usize)),
+            },
+        }
+    }
+
+    /// The MLP activation of a SiLU family (Llama, Mistral, Qwen2/3, MiniCPM): `hidden_act`
+    /// `silu` or its alias `swish` (transformers' default `silu` when absent); any other value is
+    /// refused, since lorafit would run SiLU in its place.
+    pub fn require_silu(&self, family: Family) -> Result<()> {
+        match self.hidden_act.as_deref() {
+            None | Some("silu") | Some("swish") => Ok(()),
+            Some(other) => bail!(
+                "hidden_act {other:?} is not supported for {}: lorafit runs its MLP with SiLU \
+                 (hidden_act \"silu\" or \"swish\")",
+                family.hf_name()
+            ),
+        }
+    }
+
     /// A `ModelSpec` with this config's geometry and every layer a plain Llama layer (pre-norm,
     /// SiLU gate, one rotary table, `head_dim^-½` scores); families adjust what they change.
     pub fn llama_spec(&self, family: Family) -> Result<ModelSpec> {
+        self.check_numbers()?;
         let n_kv_heads = self.num_key_value_heads.unwrap_or(self.num_attention_heads);
         let head_dim = self
             .head_dim
             .unwrap_or(self.hidden_size / self.num_attention_heads.max(1));
-        let rope_scaling = parse_rope_scaling(
-            self.rope_scaling.as_ref().or(self.rope_parameters.as_ref()),
-            head_dim,
-            self.max_position_embeddings,
-        )?;
+        let (rope_key, rope_value) = match &self.rope_scaling {
+            Some(v) if !v.is_null() => ("rope_scaling", Some(v)),
+            _ => ("rope_parameters", self.rope_parameters.as_ref()),
+        };
+        let rope_scaling =
+            parse_rope_scaling(rope_key, rope_value, head_dim, self.max_position_embeddings)?;
         let rope_theta = self.rope_theta().unwrap_or(10000.0);
         let layer = LayerSpec {
             window: None,
@@ -369,6 +480,19 @@ impl ModelSpec {
     pub fn from_config_json(text: &str) -> Result<ModelSpec> {
         let raw: serde_json::Value =
             serde_json::from_str(text).context("config.json is not valid JSON")?;
+        if !raw.is_object() {
+            let what = match &raw {
+                serde_json::Value::Array(_) => "an array",
+                serde_json::Value::String(_) => "a string",
+                serde_json::Value::Number(_) => "a number",
+                serde_json::Value::Bool(_) => "a boolean",
+                _ => "null",
+            };
+            bail!(
+                "config.json holds {what}, not a JSON object of model settings \
+                 (\"architectures\", \"hidden_size\", …)"
+            );
+        }
         let arch = raw
             .get("architectures")
             .and_then(|a| a.get(0))
@@ -381,43 +505,58 @@ impl ModelSpec {
             .map(String::from);
         // Multimodal Gemma 3 checkpoints keep the language model's config under text_config.
         if arch == "Gemma3ForConditionalGeneration" || model_type.as_deref() == Some("gemma3") {
+            if let Some(text) = raw.get("text_config") {
+                refuse_unapplied_bias_flags(text, Family::Gemma3)?;
+            }
             return super::gemma::spec_from_multimodal(&raw);
         }
         if arch == "Gemma4ForConditionalGeneration" || model_type.as_deref() == Some("gemma4") {
+            if let Some(text) = raw.get("text_config") {
+                refuse_unapplied_bias_flags(text, Family::Gemma4)?;
+            }
             return super::gemma4::spec_from_multimodal(&raw);
         }
         if arch == "Gemma4ForCausalLM" || model_type.as_deref() == Some("gemma4_text") {
+            refuse_unapplied_bias_flags(&raw, Family::Gemma4)?;
             let spec = super::gemma4::spec_from_hf(&raw)?;
             spec.validate()?;
             return Ok(spec);
         }
+        let family = match (arch.as_str(), model_type.as_deref()) {
+            ("LlamaForCausalLM", _) | (_, Some("llama")) => Family::Llama,
+            ("MistralForCausalLM", _) | (_, Some("mistral")) => Family::Mistral,
+            ("Qwen2ForCausalLM", _) | (_, Some("qwen2")) => Family::Qwen2,
+            ("Qwen3ForCausalLM", _) | (_, Some("qwen3")) => Family::Qwen3,
+            ("Gemma2ForCausalLM", _) | (_, Some("gemma2")) => Family::Gemma2,
+            ("Gemma3ForCausalLM", _) | (_, Some("gemma3_text")) => Family::Gemma3,
+            ("MiniCPMForCausalLM", _) | (_, Some("minicpm")) => Family::MiniCpm,
+            _ => {
+                let named = match (arch.is_empty(), model_type.as_deref()) {
+                    (true, None) => "config.json names no architecture (it has neither \
+                                     \"architectures\" nor \"model_type\")"
+                        .to_string(),
+                    (true, Some(t)) => format!(
+                        "config.json names model_type {t}, with no \"architectures\", which \
+                         lorafit does not run"
+                    ),
+                    (false, None) => {
+                        format!("config.json names architecture {arch}, which lorafit does not run")
+                    }
+                    (false, Some(t)) => format!(
+                        "config.json names architecture {arch} (model_type {t}), which lorafit \
+                         does not run"
+                    ),
+                };
+                bail!("{named}; lorafit runs {SUPPORTED_ARCHITECTURES}");
+            }
+        };
+        refuse_unapplied_bias_flags(&raw, family)?;
         let c: HfConfig = serde_json::from_value(raw.clone())
             .context("config.json is not a valid model config")?;
-        let spec = match (arch.as_str(), model_type.as_deref()) {
-            ("LlamaForCausalLM", _) | (_, Some("llama")) => {
-                super::llama::spec_from_hf(&c, Family::Llama)?
-            }
-            ("MistralForCausalLM", _) | (_, Some("mistral")) => {
-                super::llama::spec_from_hf(&c, Family::Mistral)?
-            }
-            ("Qwen2ForCausalLM", _) | (_, Some("qwen2")) => {
-                super::llama::spec_from_hf(&c, Family::Qwen2)?
-            }
-            ("Qwen3ForCausalLM", _) | (_, Some("qwen3")) => {
-                super::llama::spec_from_hf(&c, Family::Qwen3)?
-            }
-            ("Gemma2ForCausalLM", _) | (_, Some("gemma2")) => {
-                super::gemma::spec_from_hf(&c, &raw, Family::Gemma2)?
-            }
-            ("Gemma3ForCausalLM", _) | (_, Some("gemma3_text")) => {
-                super::gemma::spec_from_hf(&c, &raw, Family::Gemma3)?
-            }
-            ("MiniCPMForCausalLM", _) | (_, Some("minicpm")) => {
-                super::minicpm::spec_from_hf(&c, &raw)?
-            }
-            _ => bail!(
-                "unsupported architecture {arch:?} (model_type {model_type:?}): lorafit runs {SUPPORTED_ARCHITECTURES}"
-            ),
+        let spec = match family {
+            Family::Gemma2 | Family::Gemma3 => super::gemma::spec_from_hf(&c, &raw, family)?,
+            Family::MiniCpm => super::minicpm::spec_from_hf(&c, &raw)?,
+            _ => super::llama::spec_from_hf(&c, family)?,
         };
         spec.validate()?;
         Ok(spec)
@@ -558,14 +697,44 @@ impl ModelSpec {
     }
 }
 
-fn num(v: &serde_json::Value, k: &str) -> Result<f64> {
-    v.get(k)
-        .and_then(|x| x.as_f64())
-        .with_context(|| format!("rope_scaling.{k} is missing"))
+/// Refuses `attention_bias` or `mlp_bias` set true where transformers' class for `family` would
+/// then add biases that lorafit does not apply: with `attention_bias` every family that reads it
+/// puts one on o_proj too, and no family's MLP here has biases.
+fn refuse_unapplied_bias_flags(cfg: &serde_json::Value, family: Family) -> Result<()> {
+    for (key, which) in [
+        ("attention_bias", "q_proj, k_proj, v_proj and o_proj"),
+        ("mlp_bias", "gate_proj, up_proj and down_proj"),
+    ] {
+        if cfg.get(key).and_then(|v| v.as_bool()) == Some(true) && family.reads_bias_key(key) {
+            bail!(
+                "{key} is true: {} then has biases on {which}, and lorafit does not apply {}. \
+                 If the checkpoint holds no such biases, set {key} to false in config.json; \
+                 otherwise lorafit cannot train this model",
+                family.hf_name(),
+                if key == "mlp_bias" {
+                    "them"
+                } else {
+                    "o_proj's"
+                }
+            );
+        }
+    }
+    Ok(())
 }
 
-/// `rope_scaling` (or transformers 5's `rope_parameters`) of one rotary table.
+/// A positive number `key.k` of a rope table.
+fn num(v: &serde_json::Value, key: &str, k: &str) -> Result<f64> {
+    let x = v
+        .get(k)
+        .and_then(|x| x.as_f64())
+        .with_context(|| format!("{key}.{k} is missing"))?;
+    positive(&format!("{key}.{k}"), x)
+}
+
+/// `rope_scaling` (or transformers 5's `rope_parameters`) of one rotary table; `key` names it in
+/// messages.
 pub fn parse_rope_scaling(
+    key: &str,
     v: Option<&serde_json::Value>,
     head_dim: usize,
     max_position_embeddings: Option<usize>,
@@ -581,27 +750,30 @@ pub fn parse_rope_scaling(
     Ok(match kind {
         "default" => RopeScaling::None,
         "linear" => RopeScaling::Linear {
-            factor: num(v, "factor")?,
+            factor: num(v, key, "factor")?,
         },
         "llama3" => RopeScaling::Llama3 {
-            factor: num(v, "factor")?,
-            low_freq_factor: num(v, "low_freq_factor")?,
-            high_freq_factor: num(v, "high_freq_factor")?,
-            original_max_position_embeddings: num(v, "original_max_position_embeddings")?,
+            factor: num(v, key, "factor")?,
+            low_freq_factor: num(v, key, "low_freq_factor")?,
+            high_freq_factor: num(v, key, "high_freq_factor")?,
+            original_max_position_embeddings: num(v, key, "original_max_position_embeddings")?,
         },
         "longrope" => {
             let factors = |k: &str| -> Result<Vec<f64>> {
                 let a = v
                     .get(k)
                     .and_then(|x| x.as_array())
-                    .with_context(|| format!("rope_scaling.{k} is missing"))?;
+                    .with_context(|| format!("{key}.{k} is missing"))?;
                 let f: Vec<f64> = a.iter().filter_map(|x| x.as_f64()).collect();
                 anyhow::ensure!(
                     f.len() == a.len() && f.len() == head_dim / 2,
-                    "rope_scaling.{k} has {} numbers, head_dim/2 is {}",
+                    "{key}.{k} has {} numbers, head_dim/2 is {}",
                     f.len(),
                     head_dim / 2
                 );
+                for (i, &x) in f.iter().enumerate() {
+                    positive(&format!("{key}.{k}[{i}]"), x)?;
+                }
                 Ok(f)
             };
             let original = v
@@ -609,11 +781,15 @@ pub fn parse_rope_scaling(
                 .and_then(|x| x.as_u64())
                 .map(|x| x as usize)
                 .or(max_position_embeddings)
-                .context("rope_scaling.original_max_position_embeddings is missing")?;
+                .with_context(|| format!("{key}.original_max_position_embeddings is missing"))?;
+            anyhow::ensure!(
+                original > 0,
+                "{key}.original_max_position_embeddings is 0; it must be positive"
+            );
             // As transformers: the given attention_factor, else sqrt(1 + ln(s) / ln(original))
             // with s = max_position_embeddings / original (1 when s <= 1).
             let attention_factor = match v.get("attention_factor").and_then(|x| x.as_f64()) {
-                Some(f) => f,
+                Some(f) => positive(&format!("{key}.attention_factor"), f)?,
                 None => {
                     let s = max_position_embeddings.unwrap_or(original) as f64 / original as f64;
                     if s <= 1.0 {
@@ -631,7 +807,7 @@ pub fn parse_rope_scaling(
             }
         }
         other => bail!(
-            "rope_scaling type {other:?} is not supported (supported: linear, llama3, longrope)"
+            "{key}: rope type {other:?} is not supported (supported: linear, llama3, longrope)"
         ),
     })
 }

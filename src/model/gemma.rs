@@ -6,7 +6,9 @@
 //! softcaps; Gemma 3 adds q/k norms and a second rotary table for its local layers
 //! (`rope_local_base_freq`, unscaled) beside the global one (`rope_theta`, `rope_scaling`).
 
-use super::config::{parse_rope_scaling, Activation, Family, HfConfig, ModelSpec, RopeSpec};
+use super::config::{
+    parse_rope_scaling, positive, Activation, Family, HfConfig, ModelSpec, RopeSpec,
+};
 use anyhow::{bail, Context, Result};
 use serde::Deserialize;
 
@@ -20,21 +22,23 @@ struct GemmaConfig {
     sliding_window_pattern: Option<usize>,
     rope_local_base_freq: Option<f64>,
     hidden_activation: Option<String>,
-    hidden_act: Option<String>,
 }
 
 /// `config.json` of a Gemma 2 or Gemma 3 text model, as a `ModelSpec`.
 pub fn spec_from_hf(c: &HfConfig, raw: &serde_json::Value, family: Family) -> Result<ModelSpec> {
     let g: GemmaConfig =
         serde_json::from_value(raw.clone()).context("config.json: Gemma fields")?;
+    // transformers' Gemma 2/3 MLPs read hidden_activation only (a hidden_act beside it is
+    // ignored); "gelu" there is the exact erf GELU, which lorafit does not run.
     let act = g
         .hidden_activation
         .as_deref()
-        .or(g.hidden_act.as_deref())
         .unwrap_or("gelu_pytorch_tanh");
-    if !matches!(act, "gelu_pytorch_tanh" | "gelu_tanh" | "gelu") {
+    if !matches!(act, "gelu_pytorch_tanh" | "gelu_tanh" | "gelu_new") {
         bail!(
-            "hidden_activation {act:?} is not supported for Gemma (supported: gelu_pytorch_tanh)"
+            "hidden_activation {act:?} is not supported for {}: lorafit runs the tanh GELU \
+             (hidden_activation \"gelu_pytorch_tanh\")",
+            family.hf_name()
         );
     }
     let mut spec = c.llama_spec(family)?;
@@ -75,12 +79,19 @@ pub fn spec_from_hf(c: &HfConfig, raw: &serde_json::Value, family: Family) -> Re
         if let Some(p) = per_type {
             let table = |key: &str, default_theta: f64| -> Result<RopeSpec> {
                 let v = p.get(key);
+                let name = format!("rope_parameters.{key}");
+                let theta = v
+                    .and_then(|v| v.get("rope_theta"))
+                    .and_then(|t| t.as_f64())
+                    .unwrap_or(default_theta);
                 Ok(RopeSpec {
-                    theta: v
-                        .and_then(|v| v.get("rope_theta"))
-                        .and_then(|t| t.as_f64())
-                        .unwrap_or(default_theta),
-                    scaling: parse_rope_scaling(v, spec.head_dim, c.max_position_embeddings)?,
+                    theta: positive(&format!("{name}.rope_theta"), theta)?,
+                    scaling: parse_rope_scaling(
+                        &name,
+                        v,
+                        spec.head_dim,
+                        c.max_position_embeddings,
+                    )?,
                     dims: spec.head_dim,
                 })
             };
@@ -94,7 +105,10 @@ pub fn spec_from_hf(c: &HfConfig, raw: &serde_json::Value, family: Family) -> Re
             )?)
         } else {
             Some(RopeSpec {
-                theta: g.rope_local_base_freq.unwrap_or(10000.0),
+                theta: positive(
+                    "rope_local_base_freq",
+                    g.rope_local_base_freq.unwrap_or(10000.0),
+                )?,
                 scaling: super::config::RopeScaling::None,
                 dims: spec.head_dim,
             })

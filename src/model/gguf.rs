@@ -501,7 +501,9 @@ impl<'a> Cursor<'a> {
 
 impl GgufFile {
     /// Memory-maps and parses `path`. Validates that every tensor has a known
-    /// type, a sane shape and lies entirely inside the file.
+    /// type, a sane shape and lies entirely inside the file, and that its data,
+    /// at the size its type and shape imply, fills its place in the data section
+    /// (up to the next tensor, less the alignment padding).
     pub fn open(path: &Path) -> Result<Self> {
         let file = File::open(path)
             .with_context(|| format!("GGUF {}: cannot open file", path.display()))?;
@@ -518,6 +520,17 @@ impl GgufFile {
         let mut c = Cursor { buf: &mmap, pos: 0 };
         let magic = c.array::<4>("magic")?;
         if &magic != GGUF_MAGIC {
+            if let Some(name) = ggml_magic(&magic) {
+                bail!(
+                    "a pre-GGUF GGML file (magic '{name}'), the format llama.cpp used before GGUF \
+                     (August 2023); lorafit reads GGUF only: convert it with llama.cpp's \
+                     convert_llama_ggml_to_gguf.py, or convert the original model with \
+                     convert_hf_to_gguf.py"
+                );
+            }
+            if &magic == b"FUGG" {
+                bail!("{}", BIG_ENDIAN);
+            }
             bail!(
                 "bad magic {:02x?} (expected \"GGUF\"); not a GGUF file",
                 magic
@@ -525,6 +538,14 @@ impl GgufFile {
         }
         let version = c.u32("version")?;
         if version != 2 && version != 3 {
+            // gguf-py writes the magic as "GGUF" in either byte order, the version in the file's.
+            if (1..=3).contains(&version.swap_bytes()) {
+                bail!(
+                    "{BIG_ENDIAN} (its version field reads {version} little-endian, {} \
+                     big-endian)",
+                    version.swap_bytes()
+                );
+            }
             bail!("unsupported GGUF version {version} (only v2 and v3 are supported)");
         }
         let n_tensors = c.len("tensor count")?;
@@ -604,6 +625,7 @@ impl GgufFile {
         if data_start > file_len && !tensors.is_empty() {
             bail!("truncated file: data section would start at {data_start} but file has {file_len} bytes");
         }
+        check_layout(&tensors, file_len.saturating_sub(data_start), alignment)?;
         for t in &tensors {
             let size = t.byte_size();
             let end = usize::try_from(t.offset)
@@ -613,11 +635,14 @@ impl GgufFile {
             match end {
                 Some(e) if e <= file_len => {}
                 _ => bail!(
-                    "tensor '{}' data (offset {} + {} bytes after data start {}) extends past end \
-                     of file ({} bytes); file truncated?",
+                    "tensor '{}' ({} with dims {:?}: {} bytes) at data offset {} (data start {}) \
+                     extends past end of file ({} bytes); file truncated, or its type or dims \
+                     changed?",
                     t.name,
-                    t.offset,
+                    t.ggml_type,
+                    t.shape,
                     size,
+                    t.offset,
                     data_start,
                     file_len
                 ),
@@ -781,6 +806,64 @@ impl GgufFile {
         })?;
         Ok(out)
     }
+}
+
+const BIG_ENDIAN: &str = "a big-endian GGUF; lorafit reads little-endian GGUF files only: \
+     convert it with gguf-py's gguf-convert-endian (`gguf-convert-endian FILE little`)";
+
+/// The pre-GGUF GGML formats, by their magic (a u32 written little-endian, so "ggjt" is
+/// stored as "tjgg"; either order is recognized).
+fn ggml_magic(magic: &[u8; 4]) -> Option<&'static str> {
+    let mut reversed = *magic;
+    reversed.reverse();
+    ["ggml", "ggmf", "ggjt"]
+        .into_iter()
+        .find(|name| name.as_bytes() == magic || name.as_bytes() == reversed)
+}
+
+/// Every GGUF writer (gguf-py, ggml's gguf.cpp) lays the tensors' data out back to back, each
+/// padded to the alignment, so in offset order each tensor's data, at the size its type and
+/// dims imply, must end before the next tensor's offset, less than one alignment short of it
+/// (the last tensor: of the end of the data section). A type or dims edited after writing
+/// breaks this, and would otherwise read another tensor's bytes or misread its own. Where the
+/// file ends before the next tensor starts (or the last tensor ends), the file is truncated:
+/// left to the end-of-file check.
+fn check_layout(tensors: &[TensorInfo], data_len: usize, alignment: usize) -> Result<()> {
+    let data_len = data_len as u64;
+    let mut by_offset: Vec<&TensorInfo> = tensors.iter().collect();
+    by_offset.sort_by_key(|t| (t.offset, t.byte_size()));
+    for (i, t) in by_offset.iter().enumerate() {
+        let next = by_offset.get(i + 1);
+        let limit = next.map_or(data_len, |n| n.offset);
+        let need = t.byte_size() as u64;
+        if limit > data_len || t.offset > limit {
+            break;
+        }
+        let given = limit - t.offset;
+        if next.is_none() && need > given {
+            break;
+        }
+        if need <= given && given - need < alignment as u64 {
+            continue;
+        }
+        let upto = match next {
+            Some(n) => format!(
+                "the next tensor, '{}', starts at data offset {}",
+                n.name, n.offset
+            ),
+            None => format!("the data section ends at {data_len}"),
+        };
+        bail!(
+            "tensor '{}' is {} with dims {:?}, which takes {need} bytes, but the file gives it \
+             {given} bytes (it starts at data offset {} and {upto}; writers pad each tensor to \
+             the alignment {alignment}): its type or dims do not match its data",
+            t.name,
+            t.ggml_type,
+            t.shape,
+            t.offset
+        );
+    }
+    Ok(())
 }
 
 fn short_debug(v: &MetaValue) -> String {

@@ -45,7 +45,7 @@
 
 use super::config::{Family, HfConfig, ModelSpec, RopeScaling};
 use super::gguf::{unpermute_qk_rows, GgmlType, GgufFile, MetaValue};
-use super::weights::{QuantWeight, TensorSource, Weight};
+use super::weights::{check_finite, QuantWeight, RandomSource, TensorSource, Weight};
 use crate::tensor::cuda::QuantKind;
 use crate::tensor::Device;
 use anyhow::{bail, ensure, Context, Result};
@@ -189,6 +189,98 @@ impl GgufSource {
             None
         }
     }
+
+    /// Refuses a tensor whose shape is not the one the metadata implies, naming the GGUF
+    /// tensor and the keys (checked here, before the loader's check, so that errors speak of
+    /// the GGUF's names rather than config.json's).
+    fn check_shape(&self, hf: &str, g: &str, shape: &[usize], want: &[usize]) -> Result<()> {
+        if shape == want {
+            return Ok(());
+        }
+        let dims: Vec<usize> = shape.iter().rev().copied().collect();
+        bail!(
+            "{}: tensor {g} ({hf}) has shape {shape:?} (GGUF dims {dims:?}), but the GGUF's \
+             metadata ({}) implies {want:?}",
+            self.describe(),
+            self.shape_keys(hf)
+        )
+    }
+
+    /// The metadata keys (with their values) behind the shape the model expects of `hf`.
+    fn shape_keys(&self, hf: &str) -> String {
+        let a = self.arch.name();
+        let key = |k: &str| {
+            let k = format!("{a}.{k}");
+            match self.file.get(&k) {
+                Some(v) if v.as_array().is_none() => format!("{k} = {}", short_value(v)),
+                _ => k,
+            }
+        };
+        let head = if self.arch == GgufArch::Gemma4 {
+            format!("{a}.attention.key_length / key_length_swa")
+        } else if self
+            .file
+            .get(&format!("{a}.attention.key_length"))
+            .is_some()
+        {
+            key("attention.key_length")
+        } else {
+            format!("head size = {a}.embedding_length / {a}.attention.head_count")
+        };
+        let hidden = key("embedding_length");
+        let vocab = "the rows of token_embd.weight".to_string();
+        let leaf = hf
+            .rsplit_once("layers.")
+            .and_then(|(_, rest)| rest.split_once('.'))
+            .map_or(hf, |(_, leaf)| leaf);
+        let keys = match leaf {
+            "self_attn.q_proj.weight" | "self_attn.o_proj.weight" => {
+                vec![key("attention.head_count"), head, hidden]
+            }
+            "self_attn.k_proj.weight" | "self_attn.v_proj.weight" => {
+                vec![key("attention.head_count_kv"), head, hidden]
+            }
+            "self_attn.q_proj.bias" => vec![key("attention.head_count"), head],
+            "self_attn.k_proj.bias" | "self_attn.v_proj.bias" => {
+                vec![key("attention.head_count_kv"), head]
+            }
+            "self_attn.q_norm.weight" | "self_attn.k_norm.weight" => vec![head],
+            "mlp.gate_proj.weight" | "mlp.up_proj.weight" | "mlp.down_proj.weight" => {
+                vec![key("feed_forward_length"), hidden]
+            }
+            "per_layer_input_gate.weight" | "per_layer_projection.weight" => {
+                vec![key("embedding_length_per_layer_input"), hidden]
+            }
+            "model.embed_tokens.weight" | "lm_head.weight" => vec![vocab, hidden],
+            "model.embed_tokens_per_layer.weight" => vec![
+                vocab,
+                key("block_count"),
+                key("embedding_length_per_layer_input"),
+            ],
+            "model.per_layer_model_projection.weight" => vec![
+                key("block_count"),
+                key("embedding_length_per_layer_input"),
+                hidden,
+            ],
+            "model.per_layer_projection_norm.weight" => {
+                vec![key("embedding_length_per_layer_input")]
+            }
+            _ => vec![hidden],
+        };
+        keys.join(", ")
+    }
+}
+
+fn short_value(v: &MetaValue) -> String {
+    match v {
+        MetaValue::String(s) => format!("{s:?}"),
+        MetaValue::F32(x) => x.to_string(),
+        MetaValue::F64(x) => x.to_string(),
+        MetaValue::Bool(b) => b.to_string(),
+        v => v
+            .as_i64()
+            .map_or_else(|| format!("{v:?}"), |x| x.to_string()),
+    }
 }
 
 impl TensorSource for GgufSource {
@@ -196,7 +288,19 @@ impl TensorSource for GgufSource {
         let g = self.name(name)?;
         let info = self.file.tensor_info(&g)?;
         let shape = info.torch_shape();
+        // The loader's own shape for each tensor (RandomSource knows it by name); the layer
+        // scalar is checked by its element count there.
+        let want = RandomSource {
+            spec: self.spec.clone(),
+            seed: 0,
+        }
+        .shape_of(name)
+        .filter(|_| !name.ends_with("layer_scalar"));
+        if let Some(want) = want {
+            self.check_shape(name, &g, &shape, &want)?;
+        }
         let mut data = self.file.tensor_f32(&g)?;
+        check_finite(&data, &format!("{g} ({name})"), &self.describe())?;
         // llama.cpp's converter permutes q and k rows (per head: [2, hd/2] -> [hd/2, 2]).
         if let Some(n_head) = self.permuted_heads(&g) {
             ensure!(
@@ -226,11 +330,7 @@ impl TensorSource for GgufSource {
             _ => return Ok(Weight::Dense(self.tensor(name, &want, device)?)),
         };
         let shape = info.torch_shape();
-        ensure!(
-            shape == want,
-            "{}: tensor {g} has shape {shape:?}, but the model needs {want:?}",
-            self.describe()
-        );
+        self.check_shape(name, &g, &shape, &want)?;
         let (rows, cols) = (shape[0], shape[1]);
         let raw = self.file.tensor_bytes(&g)?;
         let row_bytes = raw.len() / rows;
@@ -746,11 +846,49 @@ pub fn config_from_gguf(f: &GgufFile) -> Result<(GgufArch, Value)> {
         "{path}: token_embd.weight has shape {embd:?}, expected [vocab, {hidden}]"
     );
     let vocab = embd[0];
-    let head_dim = if m.has("attention.key_length") {
-        m.usize("attention.key_length")?
+    // llama.cpp sizes token_embd by the vocabulary and refuses any other row count.
+    if let Some(tokens) = f.get("tokenizer.ggml.tokens").and_then(MetaValue::as_array) {
+        ensure!(
+            tokens.len() == vocab,
+            "{path}: token_embd.weight has {vocab} rows (GGUF dims {:?}), but the vocabulary \
+             (tokenizer.ggml.tokens) has {} tokens",
+            embd.iter().rev().collect::<Vec<_>>(),
+            tokens.len()
+        );
+    }
+    // As llama.cpp: the head size is key_length, else embedding_length / head_count;
+    // rope.dimension_count is the number of rotated dims.
+    let (head_dim, head_dim_from) = if m.has("attention.key_length") {
+        (
+            m.usize("attention.key_length")?,
+            m.key("attention.key_length"),
+        )
     } else {
-        m.usize_or("rope.dimension_count", hidden / n_heads)?
+        (
+            hidden / n_heads,
+            format!(
+                "{} {hidden} / {} {n_heads}",
+                m.key("embedding_length"),
+                m.key("attention.head_count")
+            ),
+        )
     };
+    // Gemma 4 checks its two rotary dims itself.
+    if arch != GgufArch::Gemma4 && m.has("rope.dimension_count") {
+        let rotated = m.usize("rope.dimension_count")?;
+        ensure!(
+            rotated == head_dim,
+            "{path}: {} is {rotated}, but the head size is {head_dim} ({head_dim_from}): \
+             rotating only part of each head (partial RoPE) is not supported for architecture \
+             {arch_name}{}",
+            m.key("rope.dimension_count"),
+            if arch == GgufArch::Llama {
+                " (llama.cpp refuses it too)"
+            } else {
+                ""
+            }
+        );
+    }
     let max_pos = m.usize_or("context_length", 4096)?;
     let mut config = json!({
         "hidden_size": hidden,

@@ -19,6 +19,7 @@ struct MiniCpmConfig {
 pub fn spec_from_hf(c: &HfConfig, raw: &serde_json::Value) -> Result<ModelSpec> {
     let m: MiniCpmConfig =
         serde_json::from_value(raw.clone()).context("config.json: MiniCPM fields")?;
+    c.require_silu(Family::MiniCpm)?;
     let mut spec = c.llama_spec(Family::MiniCpm)?;
     // MiniCPM's configuration class ties the head unless told otherwise.
     spec.tie_embeddings = c.tie_word_embeddings.unwrap_or(true);

@@ -43,7 +43,12 @@ pub fn load_quantized(
     if path.is_dir() {
         let spec = ModelSpec::from_config_file(&path.join("config.json"))?;
         let src = weights::SafetensorsFolder::open(path)?;
-        build(spec, &src)
+        src.check_tensors(&spec)?;
+        let model = build(spec, &src)?;
+        if let Some(note) = src.unread_note(&model.spec) {
+            eprintln!("note: {note}");
+        }
+        Ok(model)
     } else if path.extension().is_some_and(|e| e == "gguf") {
         let src = gguf_model::GgufSource::open(path)?;
         build(src.spec.clone(), &src)

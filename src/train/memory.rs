@@ -151,6 +151,10 @@ const RESIDENT_SHARE_PERCENT: usize = 95;
 /// the `(T, I)` intermediates at one chunk's for one more gate/up projection in the backward.
 pub const AUTO_MLP_CHUNK: usize = 4096;
 
+/// The most tokens one pass may run: far past any model's context, and low enough that no
+/// estimate of a pass overflows.
+pub const MAX_PASS_TOKENS: usize = 1 << 26;
+
 /// Bytes of one layer's kept k and v.
 fn kv_bytes(spec: &ModelSpec, tokens: usize, dtype_bytes: usize) -> usize {
     tokens * 2 * spec.kv_dim() * dtype_bytes
@@ -766,28 +770,29 @@ pub fn describe_plan(plan: &KeepPlan) -> String {
 /// parameter), and 128 MiB of library workspaces and tables. What `lorafit bench --plan-only`
 /// plans against; the trainer reads the device's own figures instead.
 pub fn model_bytes(spec: &ModelSpec, base_quant: crate::model::BaseQuant, rank: usize) -> usize {
-    let h = spec.hidden;
-    let (mut projections, mut lora) = (0usize, 0usize);
+    // In f64, so that a shape too large for any memory gives a size that is refused (saturated
+    // at usize::MAX) rather than one that wrapped around; exact below 2^53 bytes.
+    let h = spec.hidden as f64;
+    let (mut projections, mut lora) = (0f64, 0f64);
     for (inp, out) in projection_shapes(spec) {
-        projections += inp * out;
-        lora += rank * (inp + out);
+        projections += inp as f64 * out as f64;
+        lora += rank as f64 * (inp as f64 + out as f64);
     }
-    let head = if spec.tie_embeddings {
-        0
-    } else {
-        spec.vocab * h
-    };
-    let per_layer = spec.per_layer_input * spec.n_layers * (spec.vocab + 2 * h);
-    let dense = spec.vocab * h + head + per_layer + spec.n_layers * 4 * h;
+    let vocab = spec.vocab as f64;
+    let layers = spec.n_layers as f64;
+    let head = if spec.tie_embeddings { 0.0 } else { vocab * h };
+    let per_layer = spec.per_layer_input as f64 * layers * (vocab + 2.0 * h);
+    let dense = vocab * h + head + per_layer + layers * 4.0 * h;
     // (A quantized base's dense temporary belongs to the step: `StepShape::dequantized`.)
     let projection_bytes = match base_quant.kind() {
-        None => projections * 2,
+        None => projections * 2.0,
         Some(kind) => {
             let (values, bytes) = kind.block();
-            projections / values * bytes
+            (projections / values as f64).floor() * bytes as f64
         }
     };
-    projection_bytes + dense * 2 + lora * 16 + (128 << 20)
+    // `as` saturates.
+    (projection_bytes + dense * 2.0 + lora * 16.0 + (128u64 << 20) as f64) as usize
 }
 
 /// `(in, out)` of every layer's projections (the ones quantize-on-load quantizes).

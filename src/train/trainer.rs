@@ -190,7 +190,8 @@ pub fn load_model_and_tokenizer(
     quant: model::BaseQuant,
 ) -> Result<Loaded> {
     let path = resolve_model_path(model_arg)?;
-    let model = model::load_quantized(&path, device, quant)?;
+    let model = model::load_quantized(&path, device, quant)
+        .map_err(|e| crate::data::model_files::explain_model_error(&path, e))?;
     let (tokenizer, template) =
         data::model_files::load_tokenizer(&path, || Ok(model.spec.eos_token_id))?;
     Ok(Loaded {
@@ -647,6 +648,17 @@ pub fn refuse_unless_longest_fits(
         return Ok(());
     }
     let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
+    let held = model.device.memory().live_bytes;
+    if let Some(g) = cfg
+        .memory_limit
+        .filter(|&g| held as f64 >= g * (1u64 << 30) as f64)
+    {
+        bail!(
+            "memory_limit = {g}: the model alone (weights, adapter and optimiser state) holds \
+             {:.2} GiB, more than the limit: raise memory_limit",
+            gib(held)
+        );
+    }
     let shape = step_shape(cfg, model, tokens);
     let available = match cfg.memory_limit {
         Some(g) => format!(
@@ -810,6 +822,18 @@ pub fn train_with(
             .ceil()
             .max(1.0) as usize
     };
+    // As `validate` refuses it against `steps`, now that the epochs' steps are known.
+    if let Some(w) = cfg
+        .warmup_steps
+        .filter(|&w| cfg.steps == 0 && checkpoint.is_none() && w > planned_steps)
+    {
+        bail!(
+            "warmup_steps = {w}: expected at most the run's {planned_steps} steps (epochs = {} \
+             of {n} examples, grad_accum = {})",
+            cfg.epochs,
+            cfg.grad_accum
+        );
+    }
     if cfg.grad_accum > n {
         eprintln!(
             "note: grad_accum = {} is more than the {n} training examples: each step takes \
