@@ -183,30 +183,10 @@ pub fn named_shape(name: &str) -> Result<ModelSpec> {
             let json = std::fs::read_to_string(&file).with_context(|| format!("shape {path:?} is not a known name (qwen0.5b, qwen1.5b, llama8b, llama70b, minicpm5-1b, gemma2-2b, gemma3-4b, gemma4-e4b, tiny) nor a readable config.json"))?;
             let spec = ModelSpec::from_config_json(&json)
                 .with_context(|| format!("--shape {}", file.display()))?;
-            check_dims(&spec).with_context(|| format!("--shape {}", file.display()))?;
             return Ok(spec);
         }
     };
     ModelSpec::from_config_json(&json)
-}
-
-/// Refuses a shape with a zero width or count, which would otherwise fail deep in the adapter's
-/// or the planner's arithmetic.
-fn check_dims(spec: &ModelSpec) -> Result<()> {
-    let dims = [
-        ("hidden_size", spec.hidden),
-        ("num_hidden_layers", spec.n_layers),
-        ("num_attention_heads", spec.n_heads),
-        ("num_key_value_heads", spec.n_kv_heads),
-        ("vocab_size", spec.vocab),
-    ];
-    for (name, v) in dims {
-        ensure!(v > 0, "{name} = 0: expected at least 1");
-    }
-    if let Some(l) = spec.layers.iter().position(|l| l.intermediate == 0) {
-        bail!("intermediate_size = 0 (layer {l}): expected at least 1");
-    }
-    Ok(())
 }
 
 /// Model FLOPs of one ORPO step (see the module doc), layer by layer from the spec's layer
@@ -903,14 +883,8 @@ fn refusal(
     held: usize,
 ) -> String {
     let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
-    if let Some(g) = cfg
-        .memory_limit
-        .filter(|&g| held as f64 >= g * (1u64 << 30) as f64)
-    {
-        return format!(
-            "the model alone holds {:.2} GiB, more than memory_limit = {g} GiB: raise the limit",
-            gib(held)
-        );
+    if let Some(m) = memory::model_over_limit(held, cfg.memory_limit) {
+        return m;
     }
     format!(
         "{} tokens in one pass: the plan ({}) needs an estimated {:.2} GiB of activations and \

@@ -353,10 +353,11 @@ impl HfConfig {
             ("head_dim", self.head_dim),
             ("vocab_size", Some(self.vocab_size)),
             ("max_position_embeddings", self.max_position_embeddings),
+            ("intermediate_size", Some(self.intermediate_size)),
         ];
         for (key, v) in sizes {
             if v == Some(0) {
-                bail!("{key} is 0; it must be positive");
+                bail!("{key} = 0: it must be positive");
             }
         }
         if let Some(theta) = self.rope_theta() {

@@ -78,6 +78,18 @@ impl Estimate {
 
 const GIB: f64 = (1u64 << 30) as f64;
 
+/// The refusal when the model alone (weights, adapter and optimiser state: `held` bytes) takes
+/// all of `memory_limit`, so that no plan of any length fits; `None` otherwise. The trainer's
+/// and bench's refusals both say it before naming any activation.
+pub fn model_over_limit(held: usize, memory_limit: Option<f64>) -> Option<String> {
+    let g = memory_limit.filter(|&g| held as f64 >= g * GIB)?;
+    Some(format!(
+        "memory_limit = {g}: the model alone (weights, adapter and optimiser state) holds \
+         {:.2} GiB, more than the limit: raise memory_limit",
+        held as f64 / GIB
+    ))
+}
+
 /// The share of one layer's activations that a layer's backward holds on top of what it reads
 /// (gradients of its inputs and the MLP's, less what it frees as it goes), in hundredths. Fitted
 /// to the CUDA allocator's peaks (H200, `scripts/memory_bench.sh`): 0.202–0.213 over qwen1.5b and

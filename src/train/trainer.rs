@@ -649,15 +649,8 @@ pub fn refuse_unless_longest_fits(
     }
     let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
     let held = model.device.memory().live_bytes;
-    if let Some(g) = cfg
-        .memory_limit
-        .filter(|&g| held as f64 >= g * (1u64 << 30) as f64)
-    {
-        bail!(
-            "memory_limit = {g}: the model alone (weights, adapter and optimiser state) holds \
-             {:.2} GiB, more than the limit: raise memory_limit",
-            gib(held)
-        );
+    if let Some(m) = super::memory::model_over_limit(held, cfg.memory_limit) {
+        bail!("{m}");
     }
     let shape = step_shape(cfg, model, tokens);
     let available = match cfg.memory_limit {
