@@ -682,7 +682,7 @@ fn round_once_blocks(device: &Device) -> Result<bool> {
     let rounded = |block: usize, fold: bool| -> Result<Vec<f32>> {
         let y = crate::tensor::lora_linear_rounded(
             &x,
-            &w,
+            crate::tensor::Cols::all(&w),
             crate::tensor::Cols::all(&xa),
             p.b(),
             p.scale,
@@ -698,8 +698,42 @@ fn round_once_blocks(device: &Device) -> Result<bool> {
     let mut written = crate::tensor::matmul(&xa, false, p.b(), true, p.scale, DType::F32)?;
     crate::tensor::matmul_acc(&mut written, &x, false, &w, true, 1.0, 1.0)?;
     let written = written.to_dtype(DType::BF16)?.to_vec()?;
+    // The gate as the model stores it on a GPU, with its adapter's columns: written for this
+    // adapter, then for another (B halved; a new generation), then for this one again, each
+    // time the product follows the adapter it was given.
+    let in_weight = match &model.weights.layers[0].gate {
+        crate::model::weights::Weight::Extended(e) => {
+            let mut other = Lora::load_peft(&dir, &spec, device)?;
+            for (_, _, q) in other.pairs_mut() {
+                crate::tensor::scale(&mut q.b, 0.5)?;
+            }
+            other.refresh_compute_copies()?;
+            let q = other.get(0, Target::Gate).expect("gate adapter");
+            let product = |p: &crate::model::lora::LoraPair| -> Result<Vec<f32>> {
+                e.hold_adapter(p.b(), p.scale, p.generation(), 0)?;
+                let xa = crate::tensor::Cols::all(&xa);
+                crate::tensor::lora_linear_extended(&x, &e.ext, xa, DType::BF16, t)?.to_vec()
+            };
+            let first = product(p)?;
+            let halved = product(q)?;
+            let again = product(p)?;
+            let mut want_half =
+                crate::tensor::matmul(&xa, false, q.b(), true, q.scale, DType::F32)?;
+            crate::tensor::matmul_acc(&mut want_half, &x, false, &w, true, 1.0, 1.0)?;
+            Some((
+                first,
+                halved,
+                want_half.to_dtype(DType::BF16)?.to_vec()?,
+                again,
+            ))
+        }
+        _ if device.is_cuda() => {
+            anyhow::bail!("the model's gate is not stored with its adapter's columns")
+        }
+        _ => None,
+    };
     let mut ok = true;
-    for (what, got, want) in [
+    let mut rows = vec![
         ("blocks of 300 rows vs one block of 1000", &blocked, &whole),
         (
             "one block vs the sum written in f32 and cast",
@@ -711,7 +745,23 @@ fn round_once_blocks(device: &Device) -> Result<bool> {
             &folded,
             &written,
         ),
-    ] {
+    ];
+    if let Some((first, halved, want_half, again)) = &in_weight {
+        rows.extend([
+            (
+                "the adapter in the weight's own columns vs the sum written in f32 and cast",
+                first,
+                &written,
+            ),
+            (
+                "those columns rewritten for another adapter vs its sum in f32",
+                halved,
+                want_half,
+            ),
+            ("and rewritten for the first again", again, &written),
+        ]);
+    }
+    for (what, got, want) in rows {
         let row = parity::compare("", got, want, 0.0);
         let differ = got.iter().zip(want).filter(|(a, b)| a != b).count();
         let pass = row.rel <= 1e-3 && differ * 1000 <= got.len();

@@ -17,7 +17,7 @@ use lorafit::tensor::Device;
 fn dense(w: &Weight) -> Vec<f32> {
     match w {
         Weight::Dense(t) => t.to_vec().unwrap(),
-        Weight::Quant(_) => panic!("the CPU keeps every weight dense"),
+        Weight::Quant(_) | Weight::Extended(_) => panic!("the CPU keeps every weight dense"),
     }
 }
 

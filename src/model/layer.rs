@@ -225,20 +225,131 @@ pub(crate) fn linear_fwd(
     dropout: Option<(f32, u64)>,
     xa: Option<LoraSaved>,
     out_dtype: DType,
+    packed: Option<&Tensor>,
 ) -> Result<(Tensor, Option<LoraSaved>)> {
     let dt = out_dtype;
     let Some(p) = lora else {
-        return Ok((ops::matmul(x, false, &*w.dense()?, true, 1.0, dt)?, None));
+        return Ok((base_product(x, w, dt)?, None));
     };
     let saved = match xa {
         Some(xa) => xa,
         None => lora_input(x, p, dropout)?,
     };
-    let may_fold = matches!(w, Weight::Dense(_));
-    let w = w.dense()?;
-    let block = (ROUND_ONCE_BYTES / (4 * w.dim(0).max(1))).max(256);
-    let y = ops::lora_linear_rounded(x, &w, saved.xa(), p.b(), p.scale, dt, block, may_fold)?;
+    let block = (ROUND_ONCE_BYTES / (4 * w.rows_cols().0.max(1))).max(256);
+    let extended = match w {
+        Weight::Extended(e) if p.b().dtype() == DType::BF16 => Some(e),
+        _ => None,
+    };
+    let y = match (extended, packed) {
+        // The group's packed input holds this adapter's xa at its columns of the stacked
+        // product; the weight holds `scale · B` at the same columns.
+        (Some(e), Some(xp)) if xp.rows_cols().1 == e.ext.rows_cols().1 => {
+            e.hold_adapter(p.b(), p.scale, p.generation(), saved.cols.start)?;
+            ops::matmul(xp, false, &e.ext, true, 1.0, dt)?
+        }
+        // `scale · B` in the weight's own columns: only x's rows and xa are copied.
+        (Some(e), _) if p.rank <= e.pad() => {
+            e.hold_adapter(p.b(), p.scale, p.generation(), 0)?;
+            ops::lora_linear_extended(x, &e.ext, saved.xa(), dt, block)?
+        }
+        // A dense weight, a rank past the adapter columns, or a quantized base: the adapter
+        // folds through a copy of W made for the call, or its product is summed in f32 (W
+        // read in place, a quantized one dequantized first).
+        _ => match w.base() {
+            Some(wc) => {
+                ops::lora_linear_rounded(x, wc, saved.xa(), p.b(), p.scale, dt, block, true)?
+            }
+            None => {
+                let w = w.dense()?;
+                let (wc, xa) = (ops::Cols::all(&w), saved.xa());
+                ops::lora_linear_rounded(x, wc, xa, p.b(), p.scale, dt, block, false)?
+            }
+        },
+    };
     Ok((y, Some(saved)))
+}
+
+/// `[x | x Aᵀ of every adapter of the group | 0]` (`ops::pack_input`), the input that every
+/// projection of a shared-input group reads in one product each when all of `members` are
+/// stored with the same adapter columns (`weights::ExtendedWeight`) and the group's stacked
+/// product (`stacked_lora_inputs`) fits them. `None` otherwise, and where it would take more
+/// than `ROUND_ONCE_BYTES` (each projection then packs its input in row blocks).
+fn group_input(
+    x: &Tensor,
+    xa: &[Option<LoraSaved>; 7],
+    members: &[&Weight],
+) -> Result<Option<Tensor>> {
+    let Some(stack) = xa.iter().flatten().next().map(|s| s.xa.clone()) else {
+        return Ok(None);
+    };
+    let mut width = None;
+    for w in members {
+        let Weight::Extended(e) = w else {
+            return Ok(None);
+        };
+        let kd = e.ext.rows_cols().1;
+        if width.is_some_and(|w| w != kd) || e.pad() < stack.rows_cols().1 {
+            return Ok(None);
+        }
+        width = Some(kd);
+    }
+    match width {
+        Some(kd) if stack.dtype() == DType::BF16 && x.dim(0) * kd * 2 <= ROUND_ONCE_BYTES => {
+            Ok(Some(ops::pack_input(x, ops::Cols::all(&stack), kd)?))
+        }
+        _ => Ok(None),
+    }
+}
+
+/// `x Wᵀ` into `dt` with no adapter, W read in place (an extended weight's first columns).
+fn base_product(x: &Tensor, w: &Weight, dt: DType) -> Result<Tensor> {
+    let Weight::Extended(e) = w else {
+        return ops::matmul(x, false, &*w.dense()?, true, 1.0, dt);
+    };
+    let out = w.rows_cols().0;
+    let mut y = ops::scratch(&[x.dim(0), out], dt, x.device())?;
+    ops::matmul_acc_cols(
+        &mut y,
+        0..out,
+        ops::Cols::all(x),
+        false,
+        e.base(),
+        true,
+        1.0,
+        0.0,
+    )?;
+    Ok(y)
+}
+
+/// `into + dy W`, or `dy W` alone: a projection's input gradient through its frozen weight,
+/// accumulated onto what `into` holds (the LoRA term, other projections of the same input),
+/// W read in place (an extended weight's first columns).
+fn dx_through(into: Option<Tensor>, dy: &Tensor, w: &Weight) -> Result<Tensor> {
+    if let Weight::Extended(e) = w {
+        let k = e.k;
+        let (mut acc, beta) = match into {
+            Some(acc) => (acc, 1.0),
+            None => (ops::scratch(&[dy.dim(0), k], dy.dtype(), dy.device())?, 0.0),
+        };
+        ops::matmul_acc_cols(
+            &mut acc,
+            0..k,
+            ops::Cols::all(dy),
+            false,
+            e.base(),
+            false,
+            1.0,
+            beta,
+        )?;
+        return Ok(acc);
+    }
+    match into {
+        Some(mut acc) => {
+            ops::matmul_acc(&mut acc, dy, false, &*w.dense()?, false, 1.0, 1.0)?;
+            Ok(acc)
+        }
+        None => ops::matmul(dy, false, &*w.dense()?, false, 1.0, dy.dtype()),
+    }
 }
 
 /// The largest f32 sum `linear_fwd` holds at once (`ops::lora_linear_rounded`'s row blocks), and
@@ -356,6 +467,9 @@ fn shared_input_bwd(
         return dx.ok_or_else(|| anyhow::anyhow!("shared_input_bwd: no projection"));
     };
     let lo = lora.expect("a stacked A comes from an adapter");
+    if let Some(kd) = extended_group_width(&members, x, lo, l, &stacked)? {
+        return extended_group_bwd(members, x, lo, l, group, &stacked, kd);
+    }
     // Every adapter's dxa = s · dy B is written into its columns of one (T, Σr) matrix, which
     // the dA products read in place and the dx product takes whole: nothing is copied.
     let width = stacked.iter().map(|&(_, r)| r).sum();
@@ -398,8 +512,135 @@ fn shared_input_bwd(
     let mut dx = ops::matmul(&dxa, false, &st.a, false, 1.0, x.dtype())?;
     drop(dxa);
     for m in members {
-        ops::matmul_acc(&mut dx, &m.dy, false, &*m.w.dense()?, false, 1.0, 1.0)?;
+        dx = dx_through(Some(dx), &m.dy, m.w)?;
     }
+    Ok(dx)
+}
+
+/// The width `K + pad` of the group's weights where `extended_group_bwd` applies: every
+/// projection of the group carries an adapter of the stacked A and is stored with the group's
+/// adapter columns (`weights::ExtendedWeight`), all bf16. Each weight's columns are then made to
+/// hold its `scale · B` where its xa sits in the stacked product (the forward's packed input
+/// left them so; a forward that packed per projection, in a long pass, left them at 0).
+fn extended_group_width(
+    members: &[MemberBwd],
+    x: &Tensor,
+    lo: &Lora,
+    l: usize,
+    stacked: &[(Target, usize)],
+) -> Result<Option<usize>> {
+    let width: usize = stacked.iter().map(|&(_, r)| r).sum();
+    let same_set = members.len() == stacked.len()
+        && members
+            .iter()
+            .all(|m| stacked.iter().any(|&(tg, _)| tg == m.target));
+    if !same_set || x.dtype() != DType::BF16 {
+        return Ok(None);
+    }
+    let mut kd = None;
+    for m in members {
+        let Weight::Extended(e) = m.w else {
+            return Ok(None);
+        };
+        let p = lo.get(l, m.target);
+        let ext_kd = e.ext.rows_cols().1;
+        let fits = e.pad() >= width && kd.is_none_or(|d| d == ext_kd);
+        let bf16 = m.dy.dtype() == DType::BF16 && p.is_some_and(|p| p.b().dtype() == DType::BF16);
+        if !fits || !bf16 {
+            return Ok(None);
+        }
+        kd = Some(ext_kd);
+    }
+    let mut c0 = 0;
+    for &(tg, r) in stacked {
+        let m = members.iter().find(|m| m.target == tg);
+        if let (
+            Some(MemberBwd {
+                w: Weight::Extended(e),
+                ..
+            }),
+            Some(p),
+        ) = (m, lo.get(l, tg))
+        {
+            e.hold_adapter(p.b(), p.scale, p.generation(), c0)?;
+        }
+        c0 += r;
+    }
+    Ok(kd)
+}
+
+/// `shared_input_bwd` for a group that `extended_group_width` admits: one product a
+/// projection, `dy [W | 0 | scale · B | 0]`, summed over the group into one `(T, kd)` matrix,
+/// gives the base gradient in its first K columns and every adapter's `dxa = scale · dy B` at
+/// its place after them, where the dA products read it. The separate `dy B` product of each
+/// adapter (a pass over its dy) is gone. The output gradients are freed before dx is copied out.
+fn extended_group_bwd(
+    members: Vec<MemberBwd>,
+    x: &Tensor,
+    lo: &mut Lora,
+    l: usize,
+    group: usize,
+    stacked: &[(Target, usize)],
+    kd: usize,
+) -> Result<Tensor> {
+    let (t, k) = x.rows_cols();
+    let mut both = ops::scratch(&[t, kd], x.dtype(), x.device())?;
+    for (i, m) in members.iter().enumerate() {
+        let Weight::Extended(e) = m.w else {
+            anyhow::bail!("layer {l} {:?}: not stored with adapter columns", m.target);
+        };
+        let beta = if i == 0 { 0.0 } else { 1.0 };
+        let (dy, w) = (ops::Cols::all(&m.dy), ops::Cols::all(&e.ext));
+        ops::matmul_acc_cols(&mut both, 0..kd, dy, false, w, false, 1.0, beta)?;
+    }
+    let mut c0 = 0;
+    for &(tg, r) in stacked {
+        let m = members.iter().find(|m| m.target == tg);
+        let (Some(m), Some(p)) = (m, lo.get_mut(l, tg)) else {
+            anyhow::bail!("layer {l}: stacked adapter {tg:?} has no projection backward");
+        };
+        let saved = m
+            .saved
+            .ok_or_else(|| anyhow::anyhow!("layer {l} {tg:?}: no saved LoRA input"))?;
+        grad_b_acc(&m.dy, p, saved)?;
+        let dxa = ops::Cols {
+            t: &both,
+            start: k + c0,
+            end: k + c0 + r,
+        };
+        ops::matmul_acc_cols(
+            &mut p.grad_a,
+            0..k,
+            dxa,
+            true,
+            ops::Cols::all(x),
+            false,
+            1.0,
+            1.0,
+        )?;
+        c0 += r;
+    }
+    drop(members);
+    // dx = the base gradients' sum + dxa A (as in `shared_input_bwd`: bf16 C, not rounded once).
+    let st = lo
+        .stacked(l, group)
+        .ok_or_else(|| anyhow::anyhow!("layer {l}: no stacked A for group {group}"))?;
+    let mut dx = ops::slice_cols(&both, 0, k)?;
+    let dxa = ops::Cols {
+        t: &both,
+        start: k,
+        end: k + c0,
+    };
+    ops::matmul_acc_cols(
+        &mut dx,
+        0..k,
+        dxa,
+        false,
+        ops::Cols::all(&st.a),
+        false,
+        1.0,
+        1.0,
+    )?;
     Ok(dx)
 }
 
@@ -417,15 +658,7 @@ fn linear_bwd(
 ) -> Result<Tensor> {
     let dt = dy.dtype();
     // dx accumulates in place when the projection shares its input with others (q, k, v).
-    let base = |into: Option<Tensor>| -> Result<Tensor> {
-        Ok(match into {
-            Some(mut acc) => {
-                ops::matmul_acc(&mut acc, dy, false, &*w.dense()?, false, 1.0, 1.0)?;
-                acc
-            }
-            None => ops::matmul(dy, false, &*w.dense()?, false, 1.0, dt)?,
-        })
-    };
+    let base = |into: Option<Tensor>| dx_through(into, dy, w);
     let (Some(p), Some(saved)) = (lora, saved) else {
         return base(into);
     };
@@ -531,6 +764,7 @@ impl Model {
             ctx.dropout_for(l, Target::O),
             None,
             self.branch_dtype(w.post_attn_norm.is_some(), x.dtype()),
+            None,
         )?;
         saved[Target::O.index()] = o_saved;
         let mut o_post = None;
@@ -641,6 +875,11 @@ impl Model {
         let t = xn.dim(0);
         let pair = |tg: Target| lora.and_then(|lo| lo.get(l, tg));
         let mut xa = stacked_lora_inputs(xn, lora, l, GROUP_QKV, ctx)?;
+        let group: Vec<&Weight> = [Some(&w.q), w.k.as_ref(), w.v.as_ref()]
+            .into_iter()
+            .flatten()
+            .collect();
+        let packed = group_input(xn, &xa, &group)?;
         anyhow::ensure!(
             kept_kv.is_none() || w.k_norm.is_none(),
             "layer {l}: k and v are kept only without a k norm"
@@ -658,7 +897,15 @@ impl Model {
         }
         let mut lin = |inp: &Tensor, wt: &Weight, tg: Target| -> Result<Tensor> {
             let pre = xa[tg.index()].take();
-            let (y, sv) = linear_fwd(inp, wt, pair(tg), ctx.dropout_for(l, tg), pre, inp.dtype())?;
+            let (y, sv) = linear_fwd(
+                inp,
+                wt,
+                pair(tg),
+                ctx.dropout_for(l, tg),
+                pre,
+                inp.dtype(),
+                packed.as_ref(),
+            )?;
             saved[tg.index()] = sv;
             Ok(y)
         };
@@ -689,6 +936,8 @@ impl Model {
                 (Some(k), Some(v))
             }
         };
+        // The group's packed input goes before the norms and rotations allocate.
+        drop(packed);
         if let (Some(kb), Some(vb), Some(k), Some(v)) = (&w.k_bias, &w.v_bias, &mut k, &mut v) {
             if !kv_kept {
                 ops::add_bias(k, kb)?;
@@ -812,6 +1061,7 @@ impl Model {
         let w = &self.weights.layers[l];
         let pair = |tg: Target| lora.and_then(|lo| lo.get(l, tg));
         let mut xa = stacked_lora_inputs(xn2, lora, l, GROUP_GATE_UP, ctx)?;
+        let packed = group_input(xn2, &xa, &[&w.gate, &w.up])?;
         let (gate, sg) = linear_fwd(
             xn2,
             &w.gate,
@@ -819,6 +1069,7 @@ impl Model {
             ctx.dropout_for(l, Target::Gate),
             xa[Target::Gate.index()].take(),
             xn2.dtype(),
+            packed.as_ref(),
         )?;
         let (up, su) = linear_fwd(
             xn2,
@@ -827,7 +1078,9 @@ impl Model {
             ctx.dropout_for(l, Target::Up),
             xa[Target::Up.index()].take(),
             xn2.dtype(),
+            packed.as_ref(),
         )?;
+        drop(packed);
         let act = gate_act(self.spec.layers[l].activation, &gate, &up)?;
         let down_dropout = ctx.dropout_for(l, Target::Down);
         let (out, sd) = if want_output {
@@ -838,6 +1091,7 @@ impl Model {
                 down_dropout,
                 None,
                 out_dtype,
+                None,
             )?;
             (Some(y), sd)
         } else {
@@ -886,9 +1140,8 @@ impl Model {
                 // gradient is allocated, which lowers the step's peak by one (T, I) tensor.
                 let dxa = lora_bwd(d_out, &act, p, sv)?;
                 drop(act);
-                let mut d_act = ops::matmul(&dxa, false, p.a(), false, 1.0, d_out.dtype())?;
-                ops::matmul_acc(&mut d_act, d_out, false, &*w.down.dense()?, false, 1.0, 1.0)?;
-                d_act
+                let d_act = ops::matmul(&dxa, false, p.a(), false, 1.0, d_out.dtype())?;
+                dx_through(Some(d_act), d_out, &w.down)?
             }
             (pair, sv) => {
                 let d_act = linear_bwd(None, d_out, &act, &w.down, pair, sv, down_dropout)?;

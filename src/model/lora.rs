@@ -182,9 +182,25 @@ pub struct LoraPair {
     pub grad_b: Tensor,
     a_compute: Option<Tensor>,
     b_compute: Option<Tensor>,
+    /// Which values A and B hold, unique in the process: drawn anew by
+    /// `Lora::refresh_stacked`, which runs after every change of them, so that a weight holding
+    /// a copy of `scale · B` (`weights::ExtendedWeight`) knows whether it is current.
+    generation: u64,
+}
+
+/// The last `LoraPair::generation` drawn.
+static GENERATION: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+fn next_generation() -> u64 {
+    GENERATION.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1
 }
 
 impl LoraPair {
+    /// Which values A and B hold (a new number after every change, `Lora::refresh_stacked`).
+    pub fn generation(&self) -> u64 {
+        self.generation
+    }
+
     /// A and B in the device's compute dtype (the f32 masters on the CPU).
     pub fn a(&self) -> &Tensor {
         self.a_compute.as_ref().unwrap_or(&self.a)
@@ -289,8 +305,13 @@ impl Lora {
         self.stacked.get(layer).and_then(|g| g[group].as_ref())
     }
 
-    /// Re-stacks every group's A from the compute copies (after an update or any change of A).
+    /// Re-stacks every group's A from the compute copies (after an update or any change of A
+    /// or B), and marks every pair's values as new (`LoraPair::generation`).
     pub fn refresh_stacked(&mut self) -> Result<()> {
+        let generation = next_generation();
+        for (_, _, p) in self.pairs_mut() {
+            p.generation = generation;
+        }
         let mut stacked = Vec::with_capacity(self.layers.len());
         for row in &self.layers {
             let mut groups: [Option<StackedA>; 2] = Default::default();
@@ -777,6 +798,7 @@ impl LoraPair {
             grad_b: Tensor::zeros(&[out, r], DType::F32, device)?,
             a_compute: None,
             b_compute: None,
+            generation: next_generation(),
         })
     }
 }

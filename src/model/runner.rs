@@ -167,7 +167,13 @@ pub struct Model {
 }
 
 impl Model {
-    pub fn new(spec: ModelSpec, weights: ModelWeights, device: Device) -> Model {
+    /// The model of `spec` with `weights` on `device`. On a GPU the adapter-carrying
+    /// projections are stored with room for their adapter's columns where that pays
+    /// (`ModelWeights::extend_projections`).
+    pub fn new(spec: ModelSpec, mut weights: ModelWeights, device: Device) -> Model {
+        if device.is_cuda() {
+            weights.extend_projections();
+        }
         let inv_freq = spec.inv_freq();
         Model {
             spec,

@@ -241,6 +241,15 @@ pub enum Storage {
     Cuda(cuda::CudaStorage),
 }
 
+/// An identity of `t`'s elements while `t` lives: their address on the device or in host
+/// memory (for telling buffers apart, not for reading them).
+pub fn address(t: &Tensor) -> u64 {
+    match t.storage() {
+        Storage::Cuda(s) => s.ptr,
+        Storage::Cpu(v) => v.as_ptr() as u64,
+    }
+}
+
 /// Bytes of CPU tensors live on this thread, and their peak: the CPU's counterpart of the CUDA
 /// allocator's counters, read by the tests that hold the memory planner's estimates against
 /// what a CPU step holds (`cpu_memory`). Per thread, so that tests running side by side do not
@@ -836,7 +845,7 @@ const FOLD_F32_FLOOR_BYTES: usize = 32 << 20;
 #[allow(clippy::too_many_arguments)]
 pub fn lora_linear_rounded(
     x: &Tensor,
-    w: &Tensor,
+    w: Cols,
     xa: Cols,
     b: &Tensor,
     scale: f32,
@@ -849,11 +858,11 @@ pub fn lora_linear_rounded(
         w.rows_cols() == (n, k) && xa.rows_cols() == (t, r),
         "lora_linear_rounded: x {:?}, w {:?}, xa {:?}, b {:?}",
         x.shape(),
-        w.shape(),
+        [w.rows_cols().0, w.rows_cols().1],
         [xa.rows_cols().0, xa.rows_cols().1],
         b.shape()
     );
-    for o in [w, xa.t, b] {
+    for o in [w.t, xa.t, b] {
         same_device(x, o, "lora_linear_rounded")?;
     }
     // The rank-r product writes y first and the base GEMM accumulates onto it: the base GEMM
@@ -861,7 +870,7 @@ pub fn lora_linear_rounded(
     // whole (T, N) output a second time.
     let generic = || -> Result<Tensor> {
         let mut y = matmul(&*xa.to_tensor()?, false, b, true, scale, DType::F32)?;
-        matmul_acc(&mut y, x, false, w, true, 1.0, 1.0)?;
+        matmul_acc_cols(&mut y, 0..n, Cols::all(x), false, w, true, 1.0, 1.0)?;
         if y.dtype() == out_dtype {
             return Ok(y);
         }
@@ -869,28 +878,139 @@ pub fn lora_linear_rounded(
     };
     // (An empty product, which cuBLASLt refuses, takes the generic path.)
     let nonempty = t * k * n * r > 0;
-    let all_bf16 = [x, w, xa.t, b].iter().all(|o| o.dtype() == DType::BF16);
+    let all_bf16 = [x, w.t, xa.t, b].iter().all(|o| o.dtype() == DType::BF16);
     match x.device() {
         Device::Cuda(c)
             if nonempty && may_fold && all_bf16 && cuda::gemm::adapter_fold_pays(t, k, n, r) =>
         {
-            // The operands' copies take at most the bytes of the f32 sum they replace; for an
-            // f32 output, which holds no f32 sum beside itself, a quarter of them, or
-            // FOLD_F32_FLOOR_BYTES where that is more: qwen1.5b's o at 4608 rows then runs as
-            // one product instead of three row blocks (1.2 ms a step at 4.20 GiB on an H100,
-            // no change in the peak).
-            let sum_bytes = block.min(t) * n * 4;
-            let budget = if out_dtype == DType::F32 {
-                (sum_bytes / 4).max(FOLD_F32_FLOOR_BYTES)
-            } else {
-                sum_bytes
-            };
+            let budget = fold_budget(block, t, n, out_dtype);
             c.lora_linear_folded(x, w, xa, b, scale, out_dtype, budget)
         }
-        Device::Cuda(c) if nonempty && x.dtype() == w.dtype() && out_dtype != DType::F32 => {
+        Device::Cuda(c) if nonempty && x.dtype() == w.t.dtype() && out_dtype != DType::F32 => {
             c.lora_linear_rounded(x, w, xa, b, scale, out_dtype, block)
         }
         _ => generic(),
+    }
+}
+
+/// The bytes a folded product's operand copies may take (`lora_linear_rounded`,
+/// `lora_linear_extended`): at most those of the f32 sum they replace; for an f32 output, which
+/// holds no f32 sum beside itself, a quarter of them, or FOLD_F32_FLOOR_BYTES where that is more:
+/// qwen1.5b's o at 4608 rows then runs as one product instead of three row blocks (1.2 ms a step
+/// at 4.20 GiB on an H100, no change in the peak).
+fn fold_budget(block: usize, t: usize, n: usize, out_dtype: DType) -> usize {
+    let sum_bytes = block.min(t) * n * 4;
+    if out_dtype == DType::F32 {
+        (sum_bytes / 4).max(FOLD_F32_FLOOR_BYTES)
+    } else {
+        sum_bytes
+    }
+}
+
+/// `w` `[N, K]` stored with `cols` more columns, zero: `[W | 0]`, `[N, K + cols]`, the storage
+/// of a frozen weight whose adapter folds into its product without a copy of W
+/// (`lora_linear_extended`; `write_adapter_cols` fills the new columns).
+pub fn extend_cols(w: &Tensor, cols: usize) -> Result<Tensor> {
+    let (n, k) = w.rows_cols();
+    let mut ext = Tensor::zeros(&[n, k + cols], w.dtype(), w.device())?;
+    write_cols(&mut ext, 0, w)?;
+    Ok(ext)
+}
+
+/// Columns `cols` of every row of `w_ext` = `[0 | scale · b | 0]`, b's first column at
+/// `cols.start + at`, rounded to w_ext's dtype: a weight stored by `extend_cols` takes an
+/// adapter's current B where the adapter's xa sits in the input it is multiplied with
+/// (`pack_input`). It writes through a shared reference, as a device's kernels do, so only a
+/// GPU tensor can take it (the CPU keeps W and B apart).
+pub fn write_adapter_cols(
+    w_ext: &Tensor,
+    cols: std::ops::Range<usize>,
+    at: usize,
+    b: &Tensor,
+    scale: f32,
+) -> Result<()> {
+    same_device(w_ext, b, "write_adapter_cols")?;
+    match w_ext.device() {
+        Device::Cuda(c) => c.write_adapter_cols(w_ext, cols, at, b, scale),
+        Device::Cpu => bail!("write_adapter_cols: a CPU tensor cannot be written in place here"),
+    }
+}
+
+/// `[x | xa | 0]`, `[T, kd]` (kd at least x's and xa's widths together): the K-extended input
+/// that the projections of a shared-input group, each stored as `[W | adapter columns]`, read
+/// with no further copy (`model::layer`).
+pub fn pack_input(x: &Tensor, xa: Cols, kd: usize) -> Result<Tensor> {
+    let ((t, k), (ta, r)) = (x.rows_cols(), xa.rows_cols());
+    ensure!(
+        ta == t && k + r <= kd,
+        "pack_input: x {:?}, xa {ta}x{r}, into {kd} columns",
+        x.shape()
+    );
+    same_device(x, xa.t, "pack_input")?;
+    match x.device() {
+        Device::Cuda(c) if x.dtype() == DType::BF16 && xa.t.dtype() == DType::BF16 => {
+            c.pack_input(x, xa, kd)
+        }
+        _ => {
+            let mut out = Tensor::zeros(&[t, kd], x.dtype(), x.device())?;
+            write_cols(&mut out, 0, x)?;
+            write_cols(&mut out, k, &*xa.to_tensor()?)?;
+            Ok(out)
+        }
+    }
+}
+
+/// `lora_linear_rounded` for a weight stored as `[W | scale · B | 0]` (`extend_cols`, then
+/// `write_adapter_cols`): x `[T,K]`, w_ext `[N, K + cols]` with xa's `r <= cols`. The adapter's
+/// product joins the base product's K dimension with no copy of W, only of x's rows and xa
+/// (`CudaBackend::lora_linear_extended`), and the f32 sum is rounded once into `out_dtype`.
+/// The CPU sums both products in f32 from the weight's column windows (the same numbers as
+/// `lora_linear_rounded` with B scaled and rounded into the weight).
+pub fn lora_linear_extended(
+    x: &Tensor,
+    w_ext: &Tensor,
+    xa: Cols,
+    out_dtype: DType,
+    block: usize,
+) -> Result<Tensor> {
+    let ((t, k), (n, kd), r) = (x.rows_cols(), w_ext.rows_cols(), xa.rows_cols().1);
+    ensure!(
+        xa.rows_cols().0 == t && k + r <= kd,
+        "lora_linear_extended: x {:?}, w_ext {:?}, xa {r} columns",
+        x.shape(),
+        w_ext.shape()
+    );
+    same_device(x, w_ext, "lora_linear_extended")?;
+    same_device(x, xa.t, "lora_linear_extended")?;
+    let all_bf16 = [x, w_ext, xa.t].iter().all(|o| o.dtype() == DType::BF16);
+    match x.device() {
+        Device::Cuda(c) if all_bf16 && t * n > 0 => {
+            let budget = fold_budget(block, t, n, out_dtype);
+            c.lora_linear_extended(x, xa, w_ext, out_dtype, budget)
+        }
+        _ => {
+            let window = |cols: std::ops::Range<usize>| Cols {
+                t: w_ext,
+                start: cols.start,
+                end: cols.end,
+            };
+            let mut y = Tensor::zeros(&[t, n], DType::F32, x.device())?;
+            matmul_acc_cols(&mut y, 0..n, xa, false, window(k..k + r), true, 1.0, 0.0)?;
+            matmul_acc_cols(
+                &mut y,
+                0..n,
+                Cols::all(x),
+                false,
+                window(0..k),
+                true,
+                1.0,
+                1.0,
+            )?;
+            if out_dtype == DType::F32 {
+                return Ok(y);
+            }
+            y.to_dtype(out_dtype)
+        }
     }
 }
 
@@ -1608,13 +1728,39 @@ mod tests {
             tx(&xa, &[t, r]),
             tx(&b, &[n, r]),
         );
-        let whole = lora_linear_rounded(&xt, &wt, Cols::all(&xat), &bt, 1.5, DType::BF16, t, false)
-            .unwrap();
-        let blocked =
-            lora_linear_rounded(&xt, &wt, Cols::all(&xat), &bt, 1.5, DType::BF16, 3, false)
-                .unwrap();
-        let may_fold =
-            lora_linear_rounded(&xt, &wt, Cols::all(&xat), &bt, 1.5, DType::BF16, t, true).unwrap();
+        let whole = lora_linear_rounded(
+            &xt,
+            Cols::all(&wt),
+            Cols::all(&xat),
+            &bt,
+            1.5,
+            DType::BF16,
+            t,
+            false,
+        )
+        .unwrap();
+        let blocked = lora_linear_rounded(
+            &xt,
+            Cols::all(&wt),
+            Cols::all(&xat),
+            &bt,
+            1.5,
+            DType::BF16,
+            3,
+            false,
+        )
+        .unwrap();
+        let may_fold = lora_linear_rounded(
+            &xt,
+            Cols::all(&wt),
+            Cols::all(&xat),
+            &bt,
+            1.5,
+            DType::BF16,
+            t,
+            true,
+        )
+        .unwrap();
         assert_eq!(whole.shape(), &[t, n]);
         for i in 0..t {
             for j in 0..n {
@@ -1631,7 +1777,7 @@ mod tests {
         assert_eq!(whole.to_vec().unwrap(), may_fold.to_vec().unwrap());
         let err = lora_linear_rounded(
             &xt,
-            &wt,
+            Cols::all(&wt),
             Cols::all(&tx(&xa, &[r, t])),
             &bt,
             1.5,
@@ -1642,6 +1788,39 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(err.contains("xa [2, 7]"), "{err}");
+
+        // The same sum from a weight stored as [W | 1.5 B | 0] (`extend_cols` and the columns
+        // written by hand: the CPU refuses `write_adapter_cols`, which writes through a shared
+        // reference).
+        let pad = r + 3;
+        let mut ext = extend_cols(&wt, pad).unwrap();
+        assert_eq!(ext.shape(), &[n, k + pad]);
+        let err = write_adapter_cols(&ext, k..k + pad, 0, &bt, 1.5)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("CPU"), "{err}");
+        for j in 0..n {
+            let row = &mut ext.as_cpu_mut().unwrap()[j * (k + pad)..(j + 1) * (k + pad)];
+            assert_eq!(&row[..k], &w[j * k..(j + 1) * k]);
+            assert!(row[k..].iter().all(|&e| e == 0.0));
+            for c in 0..r {
+                row[k + c] = 1.5 * b[j * r + c];
+            }
+        }
+        let extended = lora_linear_extended(&xt, &ext, Cols::all(&xat), DType::BF16, t).unwrap();
+        for (g, e) in extended
+            .to_vec()
+            .unwrap()
+            .iter()
+            .zip(whole.to_vec().unwrap())
+        {
+            assert!((g - e).abs() < 1e-5, "{g} vs {e}");
+        }
+        let wide = tx(&v(t * (pad + 1), 0.1), &[t, pad + 1]);
+        let err = lora_linear_extended(&xt, &ext, Cols::all(&wide), DType::BF16, t)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("6 columns"), "{err}");
     }
 
     #[test]

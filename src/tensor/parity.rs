@@ -959,7 +959,7 @@ fn gemm_epilogue(cx: &mut Ctx, r: &mut Rng) -> Result<()> {
         .to_vec()?;
         let got = lora_linear_rounded(
             &ag,
-            &bg,
+            Cols::all(&bg),
             Cols::all(&cx.g(&xa, &[m, rank], bf)?),
             &cx.g(&lb, &[n, rank], bf)?,
             2.0,
@@ -1103,7 +1103,7 @@ fn gemm(cx: &mut Ctx, r: &mut Rng) -> Result<()> {
         let lb = r.bnormals(n * rank, 0.1);
         let want = lora_linear_rounded(
             &cx.c(&x, &[t, k])?,
-            &cx.c(&w, &[n, k])?,
+            Cols::all(&cx.c(&w, &[n, k])?),
             Cols::all(&cx.c(&xa, &[t, rank])?),
             &cx.c(&lb, &[n, rank])?,
             scale,
@@ -1123,7 +1123,7 @@ fn gemm(cx: &mut Ctx, r: &mut Rng) -> Result<()> {
         };
         let got = lora_linear_rounded(
             &cx.g(&x, &[t, k], bf)?,
-            &cx.g(&w, &[n, k], bf)?,
+            Cols::all(&cx.g(&w, &[n, k], bf)?),
             Cols {
                 t: &xa_g,
                 start: cols.start,
@@ -1140,6 +1140,7 @@ fn gemm(cx: &mut Ctx, r: &mut Rng) -> Result<()> {
             "parity row {t}x{k}x{n} r{rank}: folding would not pay, so the row would not fold"
         );
         let how = if fold { "folded" } else { "f32 sum" };
+        let bound = if out_dt == bf { BF16_FWD } else { F32_STAT };
         let row = cmp_t(
             &format!(
                 "lora_linear_rounded {t}x{k}x{n} r{rank} {how} blocks of {block} xa {xa_dt:?}{} -> {out_dt:?}",
@@ -1147,7 +1148,139 @@ fn gemm(cx: &mut Ctx, r: &mut Rng) -> Result<()> {
             ),
             &got,
             &want,
-            if out_dt == bf { BF16_FWD } else { F32_STAT },
+            bound,
+        )?;
+        cx.push(row);
+        if !fold || xa_dt != bf {
+            continue;
+        }
+        // The same sum from a weight stored with room for its adapter (`extend_cols`,
+        // `write_adapter_cols`, `lora_linear_extended`: no copy of W), those columns first
+        // holding another adapter's B, which the write must replace whole.
+        let pad = (rank + 5).next_multiple_of(8);
+        let w_ext = extend_cols(&cx.g(&w, &[n, k], bf)?, pad)?;
+        let (lb_g, wk) = (cx.g(&lb, &[n, rank], bf)?, k..k + pad);
+        let other = cx.g(&r.bnormals(n * rank, 0.1), &[n, rank], bf)?;
+        write_adapter_cols(&w_ext, wk.clone(), 2, &other, 3.0)?;
+        write_adapter_cols(&w_ext, wk, 0, &lb_g, scale)?;
+        let xa_win = Cols {
+            t: &xa_g,
+            start: cols.start,
+            end: cols.end,
+        };
+        let x_g = cx.g(&x, &[t, k], bf)?;
+        let got = lora_linear_extended(&x_g, &w_ext, xa_win, out_dt, block)?;
+        let row = cmp_t(
+            &format!(
+                "lora_linear_extended {t}x{k}x{n} r{rank} in {pad} columns blocks of {block}{} -> {out_dt:?}",
+                if win { " (xa columns of a wider product)" } else { "" }
+            ),
+            &got,
+            &want,
+            bound,
+        )?;
+        cx.push(row);
+        if win {
+            // A shared-input group's form: the whole wider product packed after x once
+            // (`pack_input`), this adapter's B at its columns' place in the weight, one GEMM.
+            let wide = xa_g.rows_cols().1;
+            let kd = k + wide.next_multiple_of(8);
+            let w_grp = extend_cols(&cx.g(&w, &[n, k], bf)?, kd - k)?;
+            write_adapter_cols(&w_grp, k..kd, cols.start, &lb_g, scale)?;
+            let x_ext = pack_input(&x_g, Cols::all(&xa_g), kd)?;
+            let got = matmul(&x_ext, false, &w_grp, true, 1.0, out_dt)?;
+            let row = cmp_t(
+                &format!("pack_input and the group's product {t}x{k}x{n} r{rank} at column {} of {wide} -> {out_dt:?}", cols.start),
+                &got,
+                &want,
+                bound,
+            )?;
+            cx.push(row);
+        }
+    }
+    // An adapter of a rank past a stored weight's adapter columns: the sum with W read as the
+    // first columns of the wider matrix, folded (its copy made from the window) and not.
+    for fold in [false, true] {
+        let (t, k, n, rank) = (333, 96, 300, 24);
+        let (x, w) = (r.bnormals(t * k, 1.0), r.bnormals(n * k, 0.1));
+        let (xa, lb) = (r.bnormals(t * rank, 1.0), r.bnormals(n * rank, 0.1));
+        let want = lora_linear_rounded(
+            &cx.c(&x, &[t, k])?,
+            Cols::all(&cx.c(&w, &[n, k])?),
+            Cols::all(&cx.c(&xa, &[t, rank])?),
+            &cx.c(&lb, &[n, rank])?,
+            0.75,
+            DType::F32,
+            t,
+            false,
+        )?;
+        let w_ext = extend_cols(&cx.g(&w, &[n, k], bf)?, 16)?;
+        let got = lora_linear_rounded(
+            &cx.g(&x, &[t, k], bf)?,
+            Cols {
+                t: &w_ext,
+                start: 0,
+                end: k,
+            },
+            Cols::all(&cx.g(&xa, &[t, rank], bf)?),
+            &cx.g(&lb, &[n, rank], bf)?,
+            0.75,
+            bf,
+            100,
+            fold,
+        )?;
+        let how = if fold { "folded" } else { "f32 sum" };
+        let row = cmp_t(
+            &format!(
+                "lora_linear_rounded {t}x{k}x{n} r{rank} {how}, W the columns of a wider matrix"
+            ),
+            &got,
+            &want,
+            BF16_FWD,
+        )?;
+        cx.push(row);
+    }
+    // write_adapter_cols: W's columns untouched, the adapter's `scale · b` rounded as the
+    // packing kernel rounds it at its place, zeros around it (what an earlier write left there
+    // included); pack_input against the CPU's copies, a width off 16 bytes (the scalar path).
+    for (n, k, rank, pad, at, scale) in [
+        (40usize, 24usize, 3usize, 8usize, 0usize, 0.75f32),
+        (33, 16, 16, 16, 0, 2.0),
+        (37, 24, 5, 16, 9, 0.75),
+    ] {
+        let w = r.bnormals(n * k, 0.5);
+        let lb = r.bnormals(n * rank, 0.5);
+        let mut want = vec![0f32; n * (k + pad)];
+        for i in 0..n {
+            want[i * (k + pad)..i * (k + pad) + k].copy_from_slice(&w[i * k..(i + 1) * k]);
+            for j in 0..rank {
+                let v = half::bf16::from_f32(scale * lb[i * rank + j]).to_f32();
+                want[i * (k + pad) + k + at + j] = v;
+            }
+        }
+        let w_ext = extend_cols(&cx.g(&w, &[n, k], bf)?, pad)?;
+        let first = cx.g(&r.bnormals(n * pad, 1.0), &[n, pad], bf)?;
+        write_adapter_cols(&w_ext, k..k + pad, 0, &first, 1.0)?;
+        write_adapter_cols(&w_ext, k..k + pad, at, &cx.g(&lb, &[n, rank], bf)?, scale)?;
+        let row = cmp_t(
+            &format!("write_adapter_cols {n}x{k} r{rank} at {at} of {pad} columns"),
+            &w_ext,
+            &cx.c(&want, &[n, k + pad])?,
+            0.0,
+        )?;
+        cx.push(row);
+        let (xa, kd) = (r.bnormals(n * rank, 1.0), k + pad + 3);
+        let want = pack_input(&cx.c(&w, &[n, k])?, Cols::all(&cx.c(&xa, &[n, rank])?), kd)?;
+        let got = pack_input(
+            &cx.g(&w, &[n, k], bf)?,
+            Cols::all(&cx.g(&xa, &[n, rank], bf)?),
+            kd,
+        )?;
+        let row = cmp_t(
+            &format!("pack_input {n}x{k} + {rank} into {kd}"),
+            &got,
+            &want,
+            0.0,
         )?;
         cx.push(row);
     }
@@ -1221,8 +1354,17 @@ fn gemm(cx: &mut Ctx, r: &mut Rng) -> Result<()> {
             let lb = cx.g(&r.bnormals(n * rank, 0.02), &[n, rank], bf)?;
             for fold in [false, true] {
                 let ms = cx.time(5, || {
-                    lora_linear_rounded(&x, &w, Cols::all(&xa), &lb, 2.0, bf, t / 2, fold)
-                        .map(|_| ())
+                    lora_linear_rounded(
+                        &x,
+                        Cols::all(&w),
+                        Cols::all(&xa),
+                        &lb,
+                        2.0,
+                        bf,
+                        t / 2,
+                        fold,
+                    )
+                    .map(|_| ())
                 })?;
                 let how = if fold {
                     "folded"

@@ -22,7 +22,7 @@
 
 use super::{catch, cuda_ptr, dt, eighth_octave_up, Arg, CudaBackend, HostCall};
 use crate::tensor::{Cols, DType, Tensor};
-use anyhow::{anyhow, Result};
+use anyhow::{anyhow, ensure, Result};
 use cudarc::cublaslt::sys as lt;
 use cudarc::driver::{result as drv, sys};
 use std::collections::HashMap;
@@ -717,7 +717,7 @@ impl CudaBackend {
         let ((ar, ac), (br, bc), (cr, cn)) = (a.rows_cols(), b.rows_cols(), cw.rows_cols());
         let (m, k) = if ta { (ac, ar) } else { (ar, ac) };
         let (k2, n) = if tb { (bc, br) } else { (br, bc) };
-        anyhow::ensure!(
+        ensure!(
             k == k2 && (cr, cn) == (m, n),
             "matmul_acc_cols: [{ar}x{ac}]{} x [{br}x{bc}]{} into [{cr}x{cn}]",
             if ta { "ᵀ" } else { "" },
@@ -764,7 +764,7 @@ impl CudaBackend {
     pub fn lora_linear_rounded(
         &self,
         x: &Tensor,
-        w: &Tensor,
+        w: Cols,
         xa: Cols,
         b: &Tensor,
         scale: f32,
@@ -772,7 +772,7 @@ impl CudaBackend {
         block: usize,
     ) -> Result<Tensor> {
         let (t, k) = x.rows_cols();
-        let (out, r) = (w.dim(0), b.dim(1));
+        let (out, r) = (w.rows_cols().0, b.dim(1));
         let y = self.empty(&[t, out], out_dtype)?;
         // At most 65535 · LORA_ROUND_ROWS rows a block: the kernel's grid has a y dimension of
         // rows / LORA_ROUND_ROWS.
@@ -794,7 +794,7 @@ impl CudaBackend {
             None => (Mat::cols(xa)?, b),
         };
         let (xm, sm) = (Mat::of(x)?, Mat::of(&scratch)?);
-        let (wm, bm) = (Mat::of(w)?, Mat::of(b)?);
+        let (wm, bm) = (Mat::cols(w)?, Mat::of(b)?);
         for a in (0..t).step_by(block) {
             let rows = block.min(t - a);
             let name = || format!("gemm lora sum {rows}x{out}x{k} r{r}");
@@ -866,44 +866,74 @@ pub(crate) fn adapter_fold_pays(t: usize, k: usize, out: usize, r: usize) -> boo
     saved > spent
 }
 
+/// Whether a projection of `k` inputs and `out` outputs whose frozen weight is stored with room
+/// for `cols` adapter columns (`ops::ExtendedWeight`) folds its adapter into the base product
+/// at any row count: `adapter_fold_pays` without the weight's copy, which such a weight does not
+/// need, so that only the input's copy is weighed against the f32 sum.
+pub(crate) fn extended_fold_pays(k: usize, out: usize, cols: usize) -> bool {
+    let (k, out) = (k as f64, out as f64);
+    8.0 * out > 4.0 * k + 2.0 * out * cols as f64 / 200.0
+}
+
 #[allow(clippy::too_many_arguments)]
 impl CudaBackend {
     /// `x Wᵀ + scale · xa Bᵀ` as one product over a K-extended operand pair,
     /// `[x | xa | 0] · [W | scale · B | 0]ᵀ`: cuBLASLt accumulates both terms in f32 and rounds
     /// the sum once into `out_dtype`, with no f32 sum in memory (`adapter_fold_pays` weighs the
-    /// copies against it). `[W | scale · B]` is built once a call, the input's side for at most
-    /// `budget` bytes of rows at a time (less the weight's copy; at least 2048 rows, which keep
-    /// the product efficient). All operands bf16 (the caller checked dtypes and shapes).
+    /// copies against it). `[W | scale · B]` is built once a call (`lora_linear_extended` reads
+    /// a weight stored that way), the input's side for at most `budget` bytes of rows at a time
+    /// (less the weight's copy). All operands bf16 (the caller checked dtypes and shapes).
     /// `scale · B` is rounded to bf16, exact for a power of two (the default scale is 2); the f32
     /// sum's path multiplies in f32.
     pub fn lora_linear_folded(
         &self,
         x: &Tensor,
-        w: &Tensor,
+        w: Cols,
         xa: Cols,
         b: &Tensor,
         scale: f32,
         out_dtype: DType,
         budget: usize,
     ) -> Result<Tensor> {
-        let (t, k) = x.rows_cols();
-        let (out, r) = (w.dim(0), b.dim(1));
+        let k = x.rows_cols().1;
+        let (out, r) = (w.rows_cols().0, b.dim(1));
         // The adapter's columns padded to 16 bytes, so that rows of both operands stay aligned
         // for cuBLASLt and the packing kernel's vector copies.
         let kd = k + r.next_multiple_of(8);
+        let w_ext = self.empty(&[out, kd], DType::BF16)?;
+        self.pack_k(Mat::cols(w)?, k, Mat::of(b)?, r, scale, &w_ext, out)?;
+        let budget = budget.saturating_sub(out * kd * 2);
+        self.lora_linear_extended(x, xa, &w_ext, out_dtype, budget)
+    }
+
+    /// `lora_linear_folded` with the weight already stored as `[W | scale · B | 0]`
+    /// (`w_ext` `[out, kd]`, `kd` at least `k` plus xa's width): only the input's side is
+    /// copied, for at most `budget` bytes of rows at a time (at least 2048 rows, which keep the
+    /// product efficient).
+    pub fn lora_linear_extended(
+        &self,
+        x: &Tensor,
+        xa: Cols,
+        w_ext: &Tensor,
+        out_dtype: DType,
+        budget: usize,
+    ) -> Result<Tensor> {
+        let (t, k) = x.rows_cols();
+        let (out, kd) = w_ext.rows_cols();
+        let r = xa.rows_cols().1;
+        ensure!(
+            k + r <= kd,
+            "lora_linear_extended: {k} inputs and {r} adapter columns in a weight {kd} wide"
+        );
         let bf = DType::BF16;
         let y = self.empty(&[t, out], out_dtype)?;
-        let w_ext = self.empty(&[out, kd], bf)?;
-        self.pack_k(Mat::of(w)?, k, Mat::of(b)?, r, scale, &w_ext, out)?;
-        let rows = (budget.saturating_sub(out * kd * 2) / (kd * 2))
-            .max(2048)
-            .min(t);
+        let rows = (budget / (kd * 2)).max(2048).min(t);
         let x_ext = self.empty(&[rows, kd], bf)?;
         let (xm, xam, xem, wem, ym) = (
             Mat::of(x)?,
             Mat::cols(xa)?,
             Mat::of(&x_ext)?,
-            Mat::of(&w_ext)?,
+            Mat::of(w_ext)?,
             Mat::of(&y)?,
         );
         for a in (0..t).step_by(rows) {
@@ -921,6 +951,60 @@ impl CudaBackend {
             })?;
         }
         Ok(y)
+    }
+
+    /// Columns `cols` of every row of `w_ext` = `[0 | scale · b | 0]`, b's first column at
+    /// `cols.start + at`: a weight stored with room for adapters (`ops::ExtendedWeight`) takes
+    /// an adapter's current B where its input's xa will sit. Written in place through a shared
+    /// reference; the weight's other columns are not touched.
+    pub fn write_adapter_cols(
+        &self,
+        w_ext: &Tensor,
+        cols: std::ops::Range<usize>,
+        at: usize,
+        b: &Tensor,
+        scale: f32,
+    ) -> Result<()> {
+        let ((out, kd), (bo, r)) = (w_ext.rows_cols(), b.rows_cols());
+        ensure!(
+            bo == out && cols.start <= cols.end && cols.end <= kd && at + r <= cols.len(),
+            "write_adapter_cols: b {:?} at {at} into columns {cols:?} of {:?}",
+            b.shape(),
+            w_ext.shape()
+        );
+        ensure!(
+            w_ext.dtype() == b.dtype(),
+            "write_adapter_cols: b {:?} into a {:?} weight",
+            b.dtype(),
+            w_ext.dtype()
+        );
+        let width = cols.len();
+        let dst = cuda_ptr(w_ext)? + (cols.start * w_ext.dtype().size()) as u64;
+        self.launch_n(
+            "lf_write_adapter_cols",
+            out * width,
+            &[
+                Arg::P(cuda_ptr(b)?),
+                Arg::I64(r as i64),
+                Arg::I64(r as i64),
+                Arg::I64(at as i64),
+                Arg::F32(scale),
+                Arg::P(dst),
+                Arg::I64(kd as i64),
+                Arg::I64(width as i64),
+                Arg::I64((out * width) as i64),
+                dt(w_ext.dtype()),
+            ],
+        )
+    }
+
+    /// `[x | xa | 0]`, `[T, kd]`: the K-extended input that every projection of a shared-input
+    /// group reads (`ops::pack_input`), all bf16.
+    pub fn pack_input(&self, x: &Tensor, xa: Cols, kd: usize) -> Result<Tensor> {
+        let ((t, k), r) = (x.rows_cols(), xa.rows_cols().1);
+        let x_ext = self.empty(&[t, kd], DType::BF16)?;
+        self.pack_k(Mat::of(x)?, k, Mat::cols(xa)?, r, 1.0, &x_ext, t)?;
+        Ok(x_ext)
     }
 
     /// Rows `[0, rows)` of `dst` `[·, kd]` = `[a | scale · b | 0]` (`lf_pack_k`), `a` `k` and
@@ -982,6 +1066,19 @@ mod tests {
             assert!(!adapter_fold_pays(1, hidden, mlp, 16), "one row");
         }
         assert!(adapter_fold_pays(4608, 1536, 8960, 256));
+    }
+
+    /// A weight stored with its adapter's columns folds where the input's copy costs less than
+    /// the f32 sum, at any row count: q, o, gate and up, not k, v or down, the same choice as a
+    /// training pass makes with the weight's copy counted.
+    #[test]
+    fn an_extended_weight_folds_where_the_input_copy_pays() {
+        for (hidden, kv, mlp) in [(4096, 1024, 14_336), (1536, 256, 8960), (2304, 1024, 9216)] {
+            assert!(extended_fold_pays(hidden, hidden, 16), "q and o");
+            assert!(extended_fold_pays(hidden, mlp, 16), "gate and up");
+            assert!(!extended_fold_pays(hidden, kv, 16), "k and v");
+            assert!(!extended_fold_pays(mlp, hidden, 16), "down");
+        }
     }
 
     #[test]

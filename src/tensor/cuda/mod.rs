@@ -327,7 +327,7 @@ pub struct CudaBackend {
 
 /// A device buffer (stream-ordered allocation, freed on drop, counted in `MemoryStats`).
 pub struct CudaStorage {
-    ptr: sys::CUdeviceptr,
+    pub(crate) ptr: sys::CUdeviceptr,
     bytes: usize,
     inner: Arc<Inner>,
 }

@@ -305,6 +305,19 @@ __device__ void gated_mul_bwd_bf16x8(const uint4* dh, const uint4* g, const uint
 GATED_KERNELS(silu_mul, Silu)
 GATED_KERNELS(gelu_tanh_mul, GeluTanh)
 
+// A frozen weight's adapter columns (src/tensor/cuda/gemm.rs, `write_adapter_cols`):
+// dst[r, j] = scale · b[r, j - at] for at <= j < at + kb, else 0, over rows x width elements (n);
+// rows of dst lie ldd elements apart (dst points at the first adapter column), rows of b ldb.
+// scale · b is rounded to dt as lf_pack_k rounds it.
+extern "C" __global__ void lf_write_adapter_cols(const void* b, i64 ldb, i64 kb, i64 at, float scale, void* dst,
+                                                 i64 ldd, i64 width, i64 n, int dt) {
+    GRID_STRIDE(i, n) {
+        const i64 r = i / width, j = i % width;
+        const bool in_b = j >= at && j < at + kb;
+        stf(dst, dt, r * ldd + j, in_b ? __fmul_rn(scale, ldf(b, dt, r * ldb + j - at)) : 0.f);
+    }
+}
+
 // dst[r, dc0 + j] = src[r, sc0 + j] over rows x width elements (n); one dtype.
 extern "C" __global__ void lf_copy_cols(const void* src, i64 src_cols, i64 sc0, void* dst, i64 dst_cols, i64 dc0,
                                         i64 width, i64 n, int dt) {
