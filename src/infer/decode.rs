@@ -307,7 +307,7 @@ impl<'m> Decoder<'m> {
         };
         drop(q);
         let o_dt = model.branch_dtype(w.post_attn_norm.is_some(), x.dtype());
-        let mut o = linear_fwd(&attn, &w.o, pair(Target::O), None, None, o_dt, None)?.0;
+        let mut o = linear_fwd(&attn, &w.o, pair(Target::O), None, None, o_dt, None, None)?.0;
         drop(attn);
         if let Some(pn) = &w.post_attn_norm {
             o = ops::rms_norm(&o, pn, s.rms_eps)?.0;

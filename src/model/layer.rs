@@ -218,6 +218,11 @@ fn token_chunks(t: usize, c: usize) -> Vec<(usize, usize)> {
 /// keeps the sum as it is; the others round it to bf16. `ops::lora_linear_rounded` holds at most
 /// `ROUND_ONCE_BYTES` of f32 sum at once, or on a GPU folds the adapter into the base product
 /// where that moves fewer bytes (not for a dequantized base, which would be copied again).
+/// A weight stored with its adapter's columns (`weights::ExtendedWeight`) folds it with no copy
+/// of W, reading `packed`, its shared-input group's input, where given (`group_input`). `bias`
+/// is added to y: inside that product's f32 sum where the weight holds it, else to the rounded
+/// output.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn linear_fwd(
     x: &Tensor,
     w: &Weight,
@@ -225,11 +230,16 @@ pub(crate) fn linear_fwd(
     dropout: Option<(f32, u64)>,
     xa: Option<LoraSaved>,
     out_dtype: DType,
-    packed: Option<&Tensor>,
+    packed: Option<&GroupInput>,
+    bias: Option<&Tensor>,
 ) -> Result<(Tensor, Option<LoraSaved>)> {
     let dt = out_dtype;
     let Some(p) = lora else {
-        return Ok((base_product(x, w, dt)?, None));
+        let mut y = base_product(x, w, dt)?;
+        if let Some(b) = bias {
+            ops::add_bias(&mut y, b)?;
+        }
+        return Ok((y, None));
     };
     let saved = match xa {
         Some(xa) => xa,
@@ -240,12 +250,15 @@ pub(crate) fn linear_fwd(
         Weight::Extended(e) if p.b().dtype() == DType::BF16 => Some(e),
         _ => None,
     };
-    let y = match (extended, packed) {
+    let mut bias_added = false;
+    let mut y = match (extended, packed) {
         // The group's packed input holds this adapter's xa at its columns of the stacked
-        // product; the weight holds `scale · B` at the same columns.
-        (Some(e), Some(xp)) if xp.rows_cols().1 == e.ext.rows_cols().1 => {
+        // product; the weight holds `scale · B` at the same columns, and its bias where the
+        // input holds 1.
+        (Some(e), Some(gi)) if gi.x.rows_cols().1 == e.ext.rows_cols().1 => {
             e.hold_adapter(p.b(), p.scale, p.generation(), saved.cols.start)?;
-            ops::matmul(xp, false, &e.ext, true, 1.0, dt)?
+            bias_added = gi.one_at.is_some() && gi.one_at == e.bias_at.map(|c| e.k + c);
+            ops::matmul(&gi.x, false, &e.ext, true, 1.0, dt)?
         }
         // `scale · B` in the weight's own columns: only x's rows and xa are copied.
         (Some(e), _) if p.rank <= e.pad() => {
@@ -266,36 +279,49 @@ pub(crate) fn linear_fwd(
             }
         },
     };
+    if let (Some(b), false) = (bias, bias_added) {
+        ops::add_bias(&mut y, b)?;
+    }
     Ok((y, Some(saved)))
 }
 
-/// `[x | x Aᵀ of every adapter of the group | 0]` (`ops::pack_input`), the input that every
-/// projection of a shared-input group reads in one product each when all of `members` are
-/// stored with the same adapter columns (`weights::ExtendedWeight`) and the group's stacked
-/// product (`stacked_lora_inputs`) fits them. `None` otherwise, and where it would take more
-/// than `ROUND_ONCE_BYTES` (each projection then packs its input in row blocks).
+/// The input every projection of a shared-input group reads in one product each:
+/// `[x | x Aᵀ of every adapter of the group | 0]`, with 1 in column `one_at` where the group's
+/// weights hold their biases (`weights::ExtendedWeight::bias_at`).
+pub(crate) struct GroupInput {
+    x: Tensor,
+    one_at: Option<usize>,
+}
+
+/// The group's `GroupInput` (`ops::pack_input`) when all of `members` are stored with the same
+/// adapter columns (`weights::ExtendedWeight`) and the group's stacked product
+/// (`stacked_lora_inputs`) fits them. `None` otherwise, and where it would take more than
+/// `ROUND_ONCE_BYTES` (each projection then packs its input in row blocks).
 fn group_input(
     x: &Tensor,
     xa: &[Option<LoraSaved>; 7],
     members: &[&Weight],
-) -> Result<Option<Tensor>> {
+) -> Result<Option<GroupInput>> {
     let Some(stack) = xa.iter().flatten().next().map(|s| s.xa.clone()) else {
         return Ok(None);
     };
-    let mut width = None;
+    let mut layout = None;
     for w in members {
         let Weight::Extended(e) = w else {
             return Ok(None);
         };
-        let kd = e.ext.rows_cols().1;
-        if width.is_some_and(|w| w != kd) || e.pad() < stack.rows_cols().1 {
+        let this = (e.ext.rows_cols().1, e.bias_at.map(|c| e.k + c));
+        if layout.is_some_and(|l| l != this) || e.pad() < stack.rows_cols().1 {
             return Ok(None);
         }
-        width = Some(kd);
+        layout = Some(this);
     }
-    match width {
-        Some(kd) if stack.dtype() == DType::BF16 && x.dim(0) * kd * 2 <= ROUND_ONCE_BYTES => {
-            Ok(Some(ops::pack_input(x, ops::Cols::all(&stack), kd)?))
+    match layout {
+        Some((kd, one_at))
+            if stack.dtype() == DType::BF16 && x.dim(0) * kd * 2 <= ROUND_ONCE_BYTES =>
+        {
+            let x = ops::pack_input(x, ops::Cols::all(&stack), kd, one_at)?;
+            Ok(Some(GroupInput { x, one_at }))
         }
         _ => Ok(None),
     }
@@ -765,6 +791,7 @@ impl Model {
             None,
             self.branch_dtype(w.post_attn_norm.is_some(), x.dtype()),
             None,
+            None,
         )?;
         saved[Target::O.index()] = o_saved;
         let mut o_post = None;
@@ -895,26 +922,24 @@ impl Model {
                 };
             }
         }
-        let mut lin = |inp: &Tensor, wt: &Weight, tg: Target| -> Result<Tensor> {
+        let mut lin = |wt: &Weight, tg: Target, bias: Option<&Tensor>| -> Result<Tensor> {
             let pre = xa[tg.index()].take();
             let (y, sv) = linear_fwd(
-                inp,
+                xn,
                 wt,
                 pair(tg),
                 ctx.dropout_for(l, tg),
                 pre,
-                inp.dtype(),
+                xn.dtype(),
                 packed.as_ref(),
+                bias,
             )?;
             saved[tg.index()] = sv;
             Ok(y)
         };
 
         let (nh, nkv, hd) = (s.n_heads, ls.n_kv_heads, ls.head_dim);
-        let mut q = lin(xn, &w.q, Target::Q)?;
-        if let Some(qb) = &w.q_bias {
-            ops::add_bias(&mut q, qb)?;
-        }
+        let mut q = lin(&w.q, Target::Q, w.q_bias.as_ref())?;
         // k and v: the donor's (a KV-sharing layer), kept from the forward, or projected here.
         anyhow::ensure!(
             shared != ls.owns_kv(),
@@ -927,23 +952,28 @@ impl Model {
                 let (Some(wk), wv) = (&w.k, &w.v) else {
                     anyhow::bail!("layer {l}: no k projection");
                 };
-                let k = lin(xn, wk, Target::K)?;
-                // attention_k_eq_v: v is the k projection's output, before the k norm.
-                let v = match wv {
-                    Some(wv) => lin(xn, wv, Target::V)?,
-                    None => k.try_clone()?,
+                // k and v take their biases when both have one.
+                let (kb, vb) = match (&w.k_bias, &w.v_bias) {
+                    (Some(kb), Some(vb)) => (Some(kb), Some(vb)),
+                    _ => (None, None),
                 };
-                (Some(k), Some(v))
+                match wv {
+                    Some(wv) => (Some(lin(wk, Target::K, kb)?), Some(lin(wv, Target::V, vb)?)),
+                    // attention_k_eq_v: v is the k projection's output before k's bias and norm.
+                    None => {
+                        let mut k = lin(wk, Target::K, None)?;
+                        let mut v = k.try_clone()?;
+                        if let (Some(kb), Some(vb)) = (kb, vb) {
+                            ops::add_bias(&mut k, kb)?;
+                            ops::add_bias(&mut v, vb)?;
+                        }
+                        (Some(k), Some(v))
+                    }
+                }
             }
         };
         // The group's packed input goes before the norms and rotations allocate.
         drop(packed);
-        if let (Some(kb), Some(vb), Some(k), Some(v)) = (&w.k_bias, &w.v_bias, &mut k, &mut v) {
-            if !kv_kept {
-                ops::add_bias(k, kb)?;
-                ops::add_bias(v, vb)?;
-            }
-        }
         let (mut q_pre, mut q_rstd, mut k_pre, mut k_rstd) = (None, None, None, None);
         if let Some(qn) = &w.q_norm {
             let qp = q.reshape(&[t * nh, hd])?;
@@ -1070,6 +1100,7 @@ impl Model {
             xa[Target::Gate.index()].take(),
             xn2.dtype(),
             packed.as_ref(),
+            None,
         )?;
         let (up, su) = linear_fwd(
             xn2,
@@ -1079,6 +1110,7 @@ impl Model {
             xa[Target::Up.index()].take(),
             xn2.dtype(),
             packed.as_ref(),
+            None,
         )?;
         drop(packed);
         let act = gate_act(self.spec.layers[l].activation, &gate, &up)?;
@@ -1091,6 +1123,7 @@ impl Model {
                 down_dropout,
                 None,
                 out_dtype,
+                None,
                 None,
             )?;
             (Some(y), sd)

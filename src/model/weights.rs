@@ -42,8 +42,12 @@ pub struct QuantWeight {
 pub struct ExtendedWeight {
     pub ext: Tensor,
     pub k: usize,
-    /// What the columns past `k` hold: the adapter's generation, B's address, its scale and
-    /// its first column (`None`: zeros).
+    /// The column after `k` that holds the projection's bias (Qwen2's q, k and v), which a
+    /// product then adds in its f32 sum where its input has 1 there (`ops::pack_input`); the
+    /// adapter columns end before it.
+    pub bias_at: Option<usize>,
+    /// What the adapter columns hold: the adapter's generation, B's address, its scale and its
+    /// first column (`None`: zeros).
     held: Mutex<Option<(u64, u64, u32, usize)>>,
 }
 
@@ -53,21 +57,34 @@ pub struct ExtendedWeight {
 pub const ADAPTER_COLS: usize = 16;
 
 impl ExtendedWeight {
-    /// W `[out, in]` with `pad` zero columns after it; `None` unless W is bf16 on a GPU.
-    pub fn of(w: &Tensor, pad: usize) -> Result<Option<ExtendedWeight>> {
+    /// W `[out, in]` with `pad` zero columns after it, and `bias` `[out]` in the last 8 of them
+    /// (`bias_at`) where given; `None` unless W is bf16 on a GPU.
+    pub fn of(w: &Tensor, pad: usize, bias: Option<&Tensor>) -> Result<Option<ExtendedWeight>> {
         if !w.device().is_cuda() || w.dtype() != DType::BF16 {
             return Ok(None);
         }
+        let (out, k) = w.rows_cols();
+        let ext = crate::tensor::extend_cols(w, pad)?;
+        let bias_at = match bias {
+            Some(b) if pad >= 8 && b.numel() == out && b.dtype() == w.dtype() => {
+                let at = pad - 8;
+                let column = b.try_clone()?.reshape(&[out, 1])?;
+                crate::tensor::write_adapter_cols(&ext, k + at..k + at + 1, 0, &column, 1.0)?;
+                Some(at)
+            }
+            _ => None,
+        };
         Ok(Some(ExtendedWeight {
-            ext: crate::tensor::extend_cols(w, pad)?,
-            k: w.rows_cols().1,
+            ext,
+            k,
+            bias_at,
             held: Mutex::new(None),
         }))
     }
 
-    /// Adapter columns after W.
+    /// Adapter columns after W (those before the bias's).
     pub fn pad(&self) -> usize {
-        self.ext.rows_cols().1 - self.k
+        self.bias_at.unwrap_or(self.ext.rows_cols().1 - self.k)
     }
 
     /// The columns past W hold `scale · b` of the adapter `generation`
@@ -79,8 +96,8 @@ impl ExtendedWeight {
         if *held != Some(want) {
             // Marked unheld first: a failed write leaves columns nobody may trust.
             *held = None;
-            let kd = self.ext.rows_cols().1;
-            crate::tensor::write_adapter_cols(&self.ext, self.k..kd, at, b, scale)?;
+            let end = self.k + self.pad();
+            crate::tensor::write_adapter_cols(&self.ext, self.k..end, at, b, scale)?;
             *held = Some(want);
         }
         Ok(())
@@ -128,9 +145,9 @@ impl Weight {
     /// Stores this weight with `pad` adapter columns (`ExtendedWeight::of`). The extended copy
     /// is made before W is let go, so a device without room for it keeps W dense (the adapter
     /// then folds through a copy of W per call, as it did before).
-    fn extend(&mut self, pad: usize) {
+    fn extend(&mut self, pad: usize, bias: Option<&Tensor>) {
         if let Weight::Dense(t) = self {
-            if let Ok(Some(e)) = ExtendedWeight::of(t, pad) {
+            if let Ok(Some(e)) = ExtendedWeight::of(t, pad, bias) {
                 *self = Weight::Extended(e);
             }
         }
@@ -262,7 +279,8 @@ impl ModelWeights {
     /// folding the adapter into the base product pays at any row count
     /// (`extended_fold_pays`, weighed for a shared-input group as a whole: one copy of its
     /// input serves every member): q, k, v, o, gate and up of the usual shapes, not down
-    /// (a wide input). Only bf16 weights on a GPU.
+    /// (a wide input). q, k and v's biases, where they have them, take 8 columns more, so that
+    /// their product adds them (`ExtendedWeight::bias_at`). Only bf16 weights on a GPU.
     pub fn extend_projections(&mut self) {
         use crate::tensor::cuda::gemm::extended_fold_pays;
         for l in &mut self.layers {
@@ -274,24 +292,32 @@ impl ModelWeights {
                 gate,
                 up,
                 down,
+                q_bias,
+                k_bias,
+                v_bias,
                 ..
             } = l;
-            let groups: [Vec<&mut Weight>; 4] = [
-                [Some(q), k.as_mut(), v.as_mut()]
-                    .into_iter()
-                    .flatten()
+            let qkv = [
+                (Some(q), q_bias),
+                (k.as_mut(), k_bias),
+                (v.as_mut(), v_bias),
+            ];
+            let groups: [Vec<(&mut Weight, Option<&Tensor>)>; 4] = [
+                qkv.into_iter()
+                    .filter_map(|(w, b)| w.map(|w| (w, b.as_ref())))
                     .collect(),
-                vec![gate, up],
-                vec![o],
-                vec![down],
+                vec![(gate, None), (up, None)],
+                vec![(o, None)],
+                vec![(down, None)],
             ];
             for group in groups {
-                let pad = ADAPTER_COLS * group.len();
-                let inputs = group[0].rows_cols().1;
-                let outputs: usize = group.iter().map(|w| w.rows_cols().0).sum();
+                let biased = group.iter().any(|(_, b)| b.is_some());
+                let pad = ADAPTER_COLS * group.len() + if biased { 8 } else { 0 };
+                let inputs = group[0].0.rows_cols().1;
+                let outputs: usize = group.iter().map(|(w, _)| w.rows_cols().0).sum();
                 if extended_fold_pays(inputs, outputs, pad) {
-                    for w in group {
-                        w.extend(pad);
+                    for (w, bias) in group {
+                        w.extend(pad, bias);
                     }
                 }
             }

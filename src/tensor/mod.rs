@@ -936,25 +936,30 @@ pub fn write_adapter_cols(
     }
 }
 
-/// `[x | xa | 0]`, `[T, kd]` (kd at least x's and xa's widths together): the K-extended input
-/// that the projections of a shared-input group, each stored as `[W | adapter columns]`, read
-/// with no further copy (`model::layer`).
-pub fn pack_input(x: &Tensor, xa: Cols, kd: usize) -> Result<Tensor> {
+/// `[x | xa | 0]`, `[T, kd]` (kd at least x's and xa's widths together), with 1 in column
+/// `one_at` (past them) where a product should add a bias held in the weight's column there:
+/// the K-extended input that the projections of a shared-input group, each stored as
+/// `[W | adapter columns | bias]`, read with no further copy (`model::layer`).
+pub fn pack_input(x: &Tensor, xa: Cols, kd: usize, one_at: Option<usize>) -> Result<Tensor> {
     let ((t, k), (ta, r)) = (x.rows_cols(), xa.rows_cols());
     ensure!(
-        ta == t && k + r <= kd,
-        "pack_input: x {:?}, xa {ta}x{r}, into {kd} columns",
+        ta == t && k + r <= kd && one_at.is_none_or(|c| c >= k + r && c < kd),
+        "pack_input: x {:?}, xa {ta}x{r}, into {kd} columns, 1 at {one_at:?}",
         x.shape()
     );
     same_device(x, xa.t, "pack_input")?;
     match x.device() {
         Device::Cuda(c) if x.dtype() == DType::BF16 && xa.t.dtype() == DType::BF16 => {
-            c.pack_input(x, xa, kd)
+            c.pack_input(x, xa, kd, one_at)
         }
         _ => {
             let mut out = Tensor::zeros(&[t, kd], x.dtype(), x.device())?;
             write_cols(&mut out, 0, x)?;
             write_cols(&mut out, k, &*xa.to_tensor()?)?;
+            if let Some(c) = one_at {
+                let ones = Tensor::from_f32(&vec![1.0; t], &[t, 1], x.dtype(), x.device())?;
+                write_cols(&mut out, c, &ones)?;
+            }
             Ok(out)
         }
     }

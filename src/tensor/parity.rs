@@ -496,6 +496,16 @@ fn elementwise(cx: &mut Ctx, r: &mut Rng) -> Result<()> {
         write_cols(&mut got, 11, &wg)?;
         let row = cmp_t("write_cols", &got, &want, 0.0)?;
         cx.push(row);
+        // The same at columns that are multiples of 16 bytes (lf_copy_cols_v16).
+        let want = slice_cols(&xc, 8, 40)?;
+        let got = slice_cols(&xg, 8, 40)?;
+        let row = cmp_t("slice_cols (16-byte columns)", &got, &want, 0.0)?;
+        cx.push(row);
+        let (mut want, mut got) = (xc.try_clone()?, xg.try_clone()?);
+        write_cols(&mut want, 16, &slice_cols(&xc, 0, 24)?)?;
+        write_cols(&mut got, 16, &slice_cols(&xg, 0, 24)?)?;
+        let row = cmp_t("write_cols (16-byte columns)", &got, &want, 0.0)?;
+        cx.push(row);
         let (wc, wg) = (slice_rows(&xc, 3, 9)?, slice_rows(&xg, 3, 9)?);
         let want = concat_rows(&[&xc, &wc])?;
         let got = concat_rows(&[&xg, &wg])?;
@@ -1187,12 +1197,31 @@ fn gemm(cx: &mut Ctx, r: &mut Rng) -> Result<()> {
             let kd = k + wide.next_multiple_of(8);
             let w_grp = extend_cols(&cx.g(&w, &[n, k], bf)?, kd - k)?;
             write_adapter_cols(&w_grp, k..kd, cols.start, &lb_g, scale)?;
-            let x_ext = pack_input(&x_g, Cols::all(&xa_g), kd)?;
+            let x_ext = pack_input(&x_g, Cols::all(&xa_g), kd, None)?;
             let got = matmul(&x_ext, false, &w_grp, true, 1.0, out_dt)?;
             let row = cmp_t(
                 &format!("pack_input and the group's product {t}x{k}x{n} r{rank} at column {} of {wide} -> {out_dt:?}", cols.start),
                 &got,
                 &want,
+                bound,
+            )?;
+            cx.push(row);
+            // With a bias in the weight's column after the adapters' and 1 in the input's:
+            // the product adds it in its f32 sum.
+            let bias = r.bnormals(n, 0.5);
+            let kd = kd + 8;
+            let w_grp = extend_cols(&cx.g(&w, &[n, k], bf)?, kd - k)?;
+            write_adapter_cols(&w_grp, k..kd - 8, cols.start, &lb_g, scale)?;
+            let bias_col = cx.g(&bias, &[n, 1], bf)?;
+            write_adapter_cols(&w_grp, kd - 8..kd - 7, 0, &bias_col, 1.0)?;
+            let x_ext = pack_input(&x_g, Cols::all(&xa_g), kd, Some(kd - 8))?;
+            let got = matmul(&x_ext, false, &w_grp, true, 1.0, out_dt)?;
+            let mut want_b = want.try_clone()?;
+            add_bias(&mut want_b, &cx.c(&bias, &[n])?)?;
+            let row = cmp_t(
+                &format!("pack_input and the group's product {t}x{k}x{n} r{rank} with its bias -> {out_dt:?}"),
+                &got,
+                &want_b,
                 bound,
             )?;
             cx.push(row);
@@ -1270,14 +1299,21 @@ fn gemm(cx: &mut Ctx, r: &mut Rng) -> Result<()> {
         )?;
         cx.push(row);
         let (xa, kd) = (r.bnormals(n * rank, 1.0), k + pad + 3);
-        let want = pack_input(&cx.c(&w, &[n, k])?, Cols::all(&cx.c(&xa, &[n, rank])?), kd)?;
+        let one_at = (at > 0).then_some(kd - 2);
+        let want = pack_input(
+            &cx.c(&w, &[n, k])?,
+            Cols::all(&cx.c(&xa, &[n, rank])?),
+            kd,
+            one_at,
+        )?;
         let got = pack_input(
             &cx.g(&w, &[n, k], bf)?,
             Cols::all(&cx.g(&xa, &[n, rank], bf)?),
             kd,
+            one_at,
         )?;
         let row = cmp_t(
-            &format!("pack_input {n}x{k} + {rank} into {kd}"),
+            &format!("pack_input {n}x{k} + {rank} into {kd}, 1 at {one_at:?}"),
             &got,
             &want,
             0.0,

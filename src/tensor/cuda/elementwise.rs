@@ -431,6 +431,33 @@ impl CudaBackend {
             src_col0 + width <= sc && dst_col0 + width <= dc,
             "copy_cols: columns {src_col0}+{width} of {sc} into {dst_col0}+{width} of {dc}"
         );
+        // 16 bytes a thread where every offset and both pointers allow it (the dx of a
+        // shared-input group copied out of its wider product, `model::layer`).
+        let es = src.dtype().size();
+        let unit = 16 / es;
+        let (sp, dp) = (cuda_ptr(src)?, cuda_ptr(dst)?);
+        if [sc, src_col0, dc, dst_col0, width]
+            .iter()
+            .all(|c| c % unit == 0)
+            && sp.is_multiple_of(16)
+            && dp.is_multiple_of(16)
+        {
+            let (w16, n16) = (width / unit, rows * width / unit);
+            return self.launch_n(
+                "lf_copy_cols_v16",
+                n16,
+                &[
+                    Arg::P(sp),
+                    Arg::I64((sc / unit) as i64),
+                    Arg::I64((src_col0 / unit) as i64),
+                    Arg::P(dp),
+                    Arg::I64((dc / unit) as i64),
+                    Arg::I64((dst_col0 / unit) as i64),
+                    Arg::I64(w16 as i64),
+                    Arg::I64(n16 as i64),
+                ],
+            );
+        }
         self.launch_n(
             "lf_copy_cols",
             rows * width,

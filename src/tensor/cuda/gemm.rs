@@ -901,7 +901,7 @@ impl CudaBackend {
         // for cuBLASLt and the packing kernel's vector copies.
         let kd = k + r.next_multiple_of(8);
         let w_ext = self.empty(&[out, kd], DType::BF16)?;
-        self.pack_k(Mat::cols(w)?, k, Mat::of(b)?, r, scale, &w_ext, out)?;
+        self.pack_k(Mat::cols(w)?, k, Mat::of(b)?, r, scale, &w_ext, out, None)?;
         let budget = budget.saturating_sub(out * kd * 2);
         self.lora_linear_extended(x, xa, &w_ext, out_dtype, budget)
     }
@@ -938,7 +938,16 @@ impl CudaBackend {
         );
         for a in (0..t).step_by(rows) {
             let n = rows.min(t - a);
-            self.pack_k(xm.rows_from(a), k, xam.rows_from(a), r, 1.0, &x_ext, n)?;
+            self.pack_k(
+                xm.rows_from(a),
+                k,
+                xam.rows_from(a),
+                r,
+                1.0,
+                &x_ext,
+                n,
+                None,
+            )?;
             let name = || format!("gemm lora folded {n}x{out}x{kd} r{r}");
             self.profiled(name, || {
                 self.gemm_at(
@@ -998,17 +1007,24 @@ impl CudaBackend {
         )
     }
 
-    /// `[x | xa | 0]`, `[T, kd]`: the K-extended input that every projection of a shared-input
-    /// group reads (`ops::pack_input`), all bf16.
-    pub fn pack_input(&self, x: &Tensor, xa: Cols, kd: usize) -> Result<Tensor> {
+    /// `[x | xa | 0]`, `[T, kd]`, with 1 in column `one_at`: the K-extended input that every
+    /// projection of a shared-input group reads (`ops::pack_input`), all bf16.
+    pub fn pack_input(
+        &self,
+        x: &Tensor,
+        xa: Cols,
+        kd: usize,
+        one_at: Option<usize>,
+    ) -> Result<Tensor> {
         let ((t, k), r) = (x.rows_cols(), xa.rows_cols().1);
         let x_ext = self.empty(&[t, kd], DType::BF16)?;
-        self.pack_k(Mat::of(x)?, k, Mat::cols(xa)?, r, 1.0, &x_ext, t)?;
+        self.pack_k(Mat::of(x)?, k, Mat::cols(xa)?, r, 1.0, &x_ext, t, one_at)?;
         Ok(x_ext)
     }
 
     /// Rows `[0, rows)` of `dst` `[·, kd]` = `[a | scale · b | 0]` (`lf_pack_k`), `a` `k` and
-    /// `b` `r` columns wide (each with its own row length), all bf16.
+    /// `b` `r` columns wide (each with its own row length), all bf16, with 1 in column `one_at`
+    /// (past `k + r`).
     fn pack_k(
         &self,
         a: Mat,
@@ -1018,6 +1034,7 @@ impl CudaBackend {
         scale: f32,
         dst: &Tensor,
         rows: usize,
+        one_at: Option<usize>,
     ) -> Result<()> {
         let kd = dst.rows_cols().1;
         // 16-byte copies: both rows' starts and a's width on 16 bytes (8 bf16).
@@ -1039,6 +1056,7 @@ impl CudaBackend {
                 Arg::F32(scale),
                 Arg::P(cuda_ptr(dst)?),
                 Arg::I64(kd as i64),
+                Arg::I64(one_at.map_or(-1, |c| c as i64)),
                 dt(DType::BF16),
                 Arg::I32(vec as i32),
             ],

@@ -318,6 +318,16 @@ extern "C" __global__ void lf_write_adapter_cols(const void* b, i64 ldb, i64 kb,
     }
 }
 
+// lf_copy_cols in 16-byte units: every count below is in them (the host checked that the
+// columns, starts and row lengths in bytes, and both pointers, are multiples of 16).
+extern "C" __global__ void lf_copy_cols_v16(const uint4* src, i64 src_cols, i64 sc0, uint4* dst, i64 dst_cols,
+                                            i64 dc0, i64 width, i64 n) {
+    GRID_STRIDE(i, n) {
+        const i64 r = i / width, j = i % width;
+        dst[r * dst_cols + dc0 + j] = src[r * src_cols + sc0 + j];
+    }
+}
+
 // dst[r, dc0 + j] = src[r, sc0 + j] over rows x width elements (n); one dtype.
 extern "C" __global__ void lf_copy_cols(const void* src, i64 src_cols, i64 sc0, void* dst, i64 dst_cols, i64 dc0,
                                         i64 width, i64 n, int dt) {
@@ -329,12 +339,13 @@ extern "C" __global__ void lf_copy_cols(const void* src, i64 src_cols, i64 sc0, 
 
 // A K-extended GEMM operand, one row a block (src/tensor/cuda/gemm.rs, `lora_linear_folded`:
 // a LoRA projection whose adapter joins the base product's K dimension):
-// dst[r, :] = [a[r, 0:ka] | scale · b[r, 0:kb] | 0 …] over kd >= ka + kb columns, one dtype (dt);
-// rows of a lie lda elements apart, rows of b ldb. a's part moves 16 bytes a thread when vec is
-// set (the host checked the pointers, ka, lda and kd for it). scale · b is rounded to dt (exact
-// for scale 1 and for the default LoRA scale 2). Grid (rows), any block size.
+// dst[r, :] = [a[r, 0:ka] | scale · b[r, 0:kb] | 0 …] over kd >= ka + kb columns, one dtype (dt),
+// with 1 in column one_at where that is past ka + kb (a bias's column; -1: none); rows of a lie
+// lda elements apart, rows of b ldb. a's part moves 16 bytes a thread when vec is set (the host
+// checked the pointers, ka, lda and kd for it). scale · b is rounded to dt (exact for scale 1 and
+// for the default LoRA scale 2). Grid (rows), any block size.
 extern "C" __global__ void lf_pack_k(const void* a, i64 lda, i64 ka, const void* b, i64 ldb, i64 kb,
-                                     float scale, void* dst, i64 kd, int dt, int vec) {
+                                     float scale, void* dst, i64 kd, i64 one_at, int dt, int vec) {
     const i64 row = blockIdx.x;
     if (vec) {
         const i64 es = dt ? 2 : 4;
@@ -345,8 +356,10 @@ extern "C" __global__ void lf_pack_k(const void* a, i64 lda, i64 ka, const void*
         for (i64 i = threadIdx.x; i < ka; i += blockDim.x)
             stf(dst, dt, row * kd + i, ldf(a, dt, row * lda + i));
     }
-    for (i64 j = threadIdx.x; j < kd - ka; j += blockDim.x)
-        stf(dst, dt, row * kd + ka + j, j < kb ? __fmul_rn(scale, ldf(b, dt, row * ldb + j)) : 0.f);
+    for (i64 j = threadIdx.x; j < kd - ka; j += blockDim.x) {
+        const float v = j < kb ? __fmul_rn(scale, ldf(b, dt, row * ldb + j)) : (ka + j == one_at ? 1.f : 0.f);
+        stf(dst, dt, row * kd + ka + j, v);
+    }
 }
 
 // c = a + alpha * b; c may be a (add_assign).
