@@ -500,36 +500,7 @@ fn shared_input_bwd(
     // the dA products read in place and the dx product takes whole: nothing is copied.
     let width = stacked.iter().map(|&(_, r)| r).sum();
     let mut dxa = ops::scratch(&[x.dim(0), width], x.dtype(), x.device())?;
-    let mut c0 = 0;
-    for &(t, r) in &stacked {
-        let m = members.iter().find(|m| m.target == t);
-        let (Some(m), Some(p)) = (m, lo.get_mut(l, t)) else {
-            anyhow::bail!("layer {l}: stacked adapter {t:?} has no projection backward");
-        };
-        let saved = m
-            .saved
-            .ok_or_else(|| anyhow::anyhow!("layer {l} {t:?}: no saved LoRA input"))?;
-        grad_b_acc(&m.dy, p, saved)?;
-        let (dy, b) = (ops::Cols::all(&m.dy), ops::Cols::all(p.b()));
-        ops::matmul_acc_cols(&mut dxa, c0..c0 + r, dy, false, b, false, p.scale, 0.0)?;
-        let window = ops::Cols {
-            t: &dxa,
-            start: c0,
-            end: c0 + r,
-        };
-        let kx = x.rows_cols().1;
-        ops::matmul_acc_cols(
-            &mut p.grad_a,
-            0..kx,
-            window,
-            true,
-            ops::Cols::all(x),
-            false,
-            1.0,
-            1.0,
-        )?;
-        c0 += r;
-    }
+    stacked_adapter_grads(&members, x, lo, l, &stacked, &mut dxa, 0, true)?;
     let st = lo.stacked(l, group).expect("checked above");
     // The rank-r product first, the base GEMMs accumulate onto it (bf16 C). Unlike the forward's
     // sum this is not rounded once: cuBLASLt rounds each base product before it adds C, so a LoRA
@@ -619,43 +590,18 @@ fn extended_group_bwd(
         let (dy, w) = (ops::Cols::all(&m.dy), ops::Cols::all(&e.ext));
         ops::matmul_acc_cols(&mut both, 0..kd, dy, false, w, false, 1.0, beta)?;
     }
-    let mut c0 = 0;
-    for &(tg, r) in stacked {
-        let m = members.iter().find(|m| m.target == tg);
-        let (Some(m), Some(p)) = (m, lo.get_mut(l, tg)) else {
-            anyhow::bail!("layer {l}: stacked adapter {tg:?} has no projection backward");
-        };
-        let saved = m
-            .saved
-            .ok_or_else(|| anyhow::anyhow!("layer {l} {tg:?}: no saved LoRA input"))?;
-        grad_b_acc(&m.dy, p, saved)?;
-        let dxa = ops::Cols {
-            t: &both,
-            start: k + c0,
-            end: k + c0 + r,
-        };
-        ops::matmul_acc_cols(
-            &mut p.grad_a,
-            0..k,
-            dxa,
-            true,
-            ops::Cols::all(x),
-            false,
-            1.0,
-            1.0,
-        )?;
-        c0 += r;
-    }
+    stacked_adapter_grads(&members, x, lo, l, stacked, &mut both, k, false)?;
     drop(members);
     // dx = the base gradients' sum + dxa A (as in `shared_input_bwd`: bf16 C, not rounded once).
     let st = lo
         .stacked(l, group)
         .ok_or_else(|| anyhow::anyhow!("layer {l}: no stacked A for group {group}"))?;
+    let width = stacked.iter().map(|&(_, r)| r).sum::<usize>();
     let mut dx = ops::slice_cols(&both, 0, k)?;
     let dxa = ops::Cols {
         t: &both,
         start: k,
-        end: k + c0,
+        end: k + width,
     };
     ops::matmul_acc_cols(
         &mut dx,
@@ -668,6 +614,56 @@ fn extended_group_bwd(
         1.0,
     )?;
     Ok(dx)
+}
+
+/// The LoRA gradients of a stacked group's adapters, in the stacked order: `dB += s · dyᵀ xa`,
+/// then (with `write`) `dxa = s · dy B` into its columns of `dxa`, from column `col0` on, and
+/// `dA += dxaᵀ x` read in place there (where `extended_group_bwd`'s product already put dxa,
+/// `write` is off).
+#[allow(clippy::too_many_arguments)]
+fn stacked_adapter_grads(
+    members: &[MemberBwd],
+    x: &Tensor,
+    lo: &mut Lora,
+    l: usize,
+    stacked: &[(Target, usize)],
+    dxa: &mut Tensor,
+    col0: usize,
+    write: bool,
+) -> Result<()> {
+    let k = x.rows_cols().1;
+    let mut c0 = col0;
+    for &(tg, r) in stacked {
+        let m = members.iter().find(|m| m.target == tg);
+        let (Some(m), Some(p)) = (m, lo.get_mut(l, tg)) else {
+            anyhow::bail!("layer {l}: stacked adapter {tg:?} has no projection backward");
+        };
+        let saved = m
+            .saved
+            .ok_or_else(|| anyhow::anyhow!("layer {l} {tg:?}: no saved LoRA input"))?;
+        grad_b_acc(&m.dy, p, saved)?;
+        if write {
+            let (dy, b) = (ops::Cols::all(&m.dy), ops::Cols::all(p.b()));
+            ops::matmul_acc_cols(dxa, c0..c0 + r, dy, false, b, false, p.scale, 0.0)?;
+        }
+        let window = ops::Cols {
+            t: dxa,
+            start: c0,
+            end: c0 + r,
+        };
+        ops::matmul_acc_cols(
+            &mut p.grad_a,
+            0..k,
+            window,
+            true,
+            ops::Cols::all(x),
+            false,
+            1.0,
+            1.0,
+        )?;
+        c0 += r;
+    }
+    Ok(())
 }
 
 /// Backward of `linear_fwd`: returns dx and accumulates dA, dB.

@@ -36,7 +36,7 @@ pub struct QuantWeight {
 /// adapter columns, `ADAPTER_COLS` a member, so that one packed input `[x | x Aᵀ of every member]`
 /// serves them all (`ops::pack_input`), each weight holding its B where its own `x Aᵀ` sits
 /// and zeros elsewhere; the backward then reads `dy [W | scale · B]` as the base gradient and
-/// the adapter's `scale · dy B` in one product (`model::layer::shared_input_bwd`).
+/// the adapter's `scale · dy B` in one product (`model::layer::extended_group_bwd`).
 /// The columns hold the adapter last written (`hold_adapter` rewrites them when the adapter,
 /// its place or its values changed); everything else reads W as the first `k` columns, in place.
 pub struct ExtendedWeight {

@@ -1733,39 +1733,11 @@ mod tests {
             tx(&xa, &[t, r]),
             tx(&b, &[n, r]),
         );
-        let whole = lora_linear_rounded(
-            &xt,
-            Cols::all(&wt),
-            Cols::all(&xat),
-            &bt,
-            1.5,
-            DType::BF16,
-            t,
-            false,
-        )
-        .unwrap();
-        let blocked = lora_linear_rounded(
-            &xt,
-            Cols::all(&wt),
-            Cols::all(&xat),
-            &bt,
-            1.5,
-            DType::BF16,
-            3,
-            false,
-        )
-        .unwrap();
-        let may_fold = lora_linear_rounded(
-            &xt,
-            Cols::all(&wt),
-            Cols::all(&xat),
-            &bt,
-            1.5,
-            DType::BF16,
-            t,
-            true,
-        )
-        .unwrap();
+        let sum = |block: usize, may_fold: bool| {
+            let (w, xa) = (Cols::all(&wt), Cols::all(&xat));
+            lora_linear_rounded(&xt, w, xa, &bt, 1.5, DType::BF16, block, may_fold).unwrap()
+        };
+        let (whole, blocked, may_fold) = (sum(t, false), sum(3, false), sum(t, true));
         assert_eq!(whole.shape(), &[t, n]);
         for i in 0..t {
             for j in 0..n {

@@ -867,7 +867,7 @@ pub(crate) fn adapter_fold_pays(t: usize, k: usize, out: usize, r: usize) -> boo
 }
 
 /// Whether a projection of `k` inputs and `out` outputs whose frozen weight is stored with room
-/// for `cols` adapter columns (`ops::ExtendedWeight`) folds its adapter into the base product
+/// for `cols` adapter columns (`model::weights::ExtendedWeight`) folds its adapter into the base product
 /// at any row count: `adapter_fold_pays` without the weight's copy, which such a weight does not
 /// need, so that only the input's copy is weighed against the f32 sum.
 pub(crate) fn extended_fold_pays(k: usize, out: usize, cols: usize) -> bool {
@@ -963,7 +963,7 @@ impl CudaBackend {
     }
 
     /// Columns `cols` of every row of `w_ext` = `[0 | scale · b | 0]`, b's first column at
-    /// `cols.start + at`: a weight stored with room for adapters (`ops::ExtendedWeight`) takes
+    /// `cols.start + at`: a weight stored with room for adapters (`model::weights::ExtendedWeight`) takes
     /// an adapter's current B where its input's xa will sit. Written in place through a shared
     /// reference; the weight's other columns are not touched.
     pub fn write_adapter_cols(
