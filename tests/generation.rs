@@ -812,6 +812,23 @@ fn generate_stops_on_the_generation_configs_eos_token_id() {
     .unwrap();
     let stops = infer::default_stop_tokens(&loaded.tokenizer, None, &loaded.model);
     assert!(stops.contains(&first) && stops.contains(&1), "{stops:?}");
+    // eval's replies (`infer::chat`) end there too: before, only the tokenizer's eos did.
+    let (tok, template) = (&loaded.tokenizer, loaded.template.as_ref());
+    let reply = infer::chat(&loaded.model, None, tok, template, "w9 w10", 8).unwrap();
+    assert_eq!(reply, "", "eval's reply past generation_config's eos");
+    std::fs::remove_file(&config).unwrap();
+    let loaded = lorafit::train::trainer::load_model_and_tokenizer(
+        model.to_str().unwrap(),
+        &Device::Cpu,
+        lorafit::model::BaseQuant::None,
+    )
+    .unwrap();
+    let (tok, template) = (&loaded.tokenizer, loaded.template.as_ref());
+    let reply = infer::chat(&loaded.model, None, tok, template, "w9 w10", 8).unwrap();
+    assert!(
+        !reply.is_empty(),
+        "without generation_config.json the reply runs on"
+    );
     for broken in ["{\"eos_token_id\": [1,", "{\"eos_token_id\": \"w4\"}"] {
         std::fs::write(&config, broken).unwrap();
         let (ok, got, err) = run_lorafit("generate", &model, &["w9 w10"], "");

@@ -412,6 +412,11 @@ pub fn default_stop_tokens(
     if let Some(w) = tok.generation_config_warning() {
         eprintln!("warning: {w}");
     }
+    stop_tokens(tok, template, model)
+}
+
+/// `default_stop_tokens` without its warning (`chat`, called once a prompt by eval).
+fn stop_tokens(tok: &TextTokenizer, template: Option<&ChatTemplate>, model: &Model) -> Vec<u32> {
     let mut stops: Vec<u32> = Vec::new();
     let from_template = template
         .map(|t| t.eos_token())
@@ -429,7 +434,8 @@ pub fn default_stop_tokens(
     stops
 }
 
-/// Renders a user message with the chat template (or uses it raw) and decodes the greedy reply.
+/// Renders a user message with the chat template (or uses it raw) and decodes the greedy reply,
+/// which ends at any of `default_stop_tokens` (as `generate` and `chat` end theirs).
 pub fn chat(
     model: &Model,
     lora: Option<&Lora>,
@@ -439,6 +445,10 @@ pub fn chat(
     max_new: usize,
 ) -> Result<String> {
     let ids = chat_prompt_ids(tok, template, &[Message::user(user)])?;
-    let out = generate_ids(model, lora, &ids, max_new, tok.eos_id())?;
-    tok.decode(&out)
+    let opts = GenerateOptions {
+        stop_tokens: stop_tokens(tok, template, model),
+        ..GenerateOptions::greedy(max_new, None)
+    };
+    let mut out = generate(model, lora, &[ids], &opts)?;
+    tok.decode(&out.remove(0).tokens)
 }

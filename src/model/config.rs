@@ -303,6 +303,28 @@ pub struct HfConfig {
     pub eos_token_id: Option<serde_json::Value>,
 }
 
+impl HfConfig {
+    /// `raw` read as an `HfConfig`; where a value has the wrong type (`"hidden_size": "64"`) or
+    /// a field is missing, an error that says so and quotes the field as written. `what` names
+    /// the object (`config.json`, its `text_config`).
+    pub fn from_raw(raw: &serde_json::Value, what: &str) -> Result<HfConfig> {
+        serde_json::from_value(raw.clone()).or_else(|e| {
+            // serde names the type it wanted, not the field: the same read from the object
+            // printed one field a line gives the line, which holds the field.
+            let pretty = serde_json::to_string_pretty(raw).unwrap_or_default();
+            let line = serde_json::from_str::<HfConfig>(&pretty)
+                .err()
+                .and_then(|e| pretty.lines().nth(e.line().saturating_sub(1)))
+                .map(|l| l.trim().trim_end_matches(','))
+                .filter(|l| l.contains(':'));
+            match line {
+                Some(l) => bail!("{what} is not a valid model config: {e}, at {l}"),
+                None => bail!("{what} is not a valid model config: {e}"),
+            }
+        })
+    }
+}
+
 /// A field's value as written, `null` included (serde reads a present `null` as an absent field).
 fn present<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<serde_json::Value>, D::Error> {
     serde_json::Value::deserialize(d).map(Some)
@@ -552,8 +574,7 @@ impl ModelSpec {
             }
         };
         refuse_unapplied_bias_flags(&raw, family)?;
-        let c: HfConfig = serde_json::from_value(raw.clone())
-            .context("config.json is not a valid model config")?;
+        let c = HfConfig::from_raw(&raw, "config.json")?;
         let spec = match family {
             Family::Gemma2 | Family::Gemma3 => super::gemma::spec_from_hf(&c, &raw, family)?,
             Family::MiniCpm => super::minicpm::spec_from_hf(&c, &raw)?,

@@ -171,8 +171,7 @@ pub fn spec_from_multimodal(raw: &serde_json::Value) -> Result<ModelSpec> {
             }
         }
     }
-    let c: HfConfig = serde_json::from_value(text.clone())
-        .context("config.json text_config is not a valid model config")?;
+    let c = HfConfig::from_raw(&text, "config.json text_config")?;
     let mut spec = spec_from_hf(&c, &text, Family::Gemma3)?;
     // Older checkpoints: language_model.model.*; newer: model.language_model.* (the loader
     // takes whichever the files hold).

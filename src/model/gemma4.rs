@@ -95,8 +95,7 @@ fn rope_table(
 
 /// `config.json` of a Gemma 4 text model, as a `ModelSpec`.
 pub fn spec_from_hf(raw: &serde_json::Value) -> Result<ModelSpec> {
-    let c: HfConfig =
-        serde_json::from_value(raw.clone()).context("config.json is not a valid model config")?;
+    let c = HfConfig::from_raw(raw, "config.json")?;
     let g: Gemma4Config =
         serde_json::from_value(raw.clone()).context("config.json: Gemma 4 fields")?;
     let act = g

@@ -76,6 +76,24 @@ mod tests {
         spec.layers.iter().map(|l| l.window).collect()
     }
 
+    /// A value of the wrong type names the field as written; a missing field is named by serde.
+    #[test]
+    fn a_mistyped_or_missing_field_is_named() {
+        let err = |text: &str| format!("{:#}", ModelSpec::from_config_json(text).unwrap_err());
+        let e = err(r#"{"architectures":["LlamaForCausalLM"],"hidden_size":"64",
+            "intermediate_size":96,"num_hidden_layers":2,"num_attention_heads":4,"vocab_size":200}"#);
+        assert!(e.contains(r#"at "hidden_size": "64""#), "{e}");
+        let e = err(r#"{"architectures":["LlamaForCausalLM"],"hidden_size":64,
+            "intermediate_size":96,"num_hidden_layers":2,"num_attention_heads":4,
+            "rms_norm_eps":"1e-5","vocab_size":200}"#);
+        assert!(e.contains(r#"at "rms_norm_eps": "1e-5""#), "{e}");
+        let e = err(
+            r#"{"architectures":["LlamaForCausalLM"],"intermediate_size":96,
+            "num_hidden_layers":2,"num_attention_heads":4,"vocab_size":200}"#,
+        );
+        assert!(e.contains("missing field `hidden_size`"), "{e}");
+    }
+
     /// As transformers' Qwen2 configuration: the window slides only with use_sliding_window, on
     /// the layers from max_window_layers on (28 by default), and an explicit layer_types list
     /// decides instead; sliding_window defaults to 4096 when it is not given.
