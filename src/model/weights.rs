@@ -33,8 +33,9 @@ pub struct QuantWeight {
 /// projection's adapter joins the base product's K dimension as `scale · B` in those columns,
 /// so that no call copies W (that copy cost an H100 about 3.6 ms of qwen1.5b's 126 ms step at
 /// 4.20 GiB). The projections of a shared-input group (q, k, v; gate, up) have one width of
-/// adapter columns, `ADAPTER_COLS` a member, so that one packed input `[x | x Aᵀ of every member]`
-/// serves them all (`ops::pack_input`), each weight holding its B where its own `x Aᵀ` sits
+/// adapter columns, `ADAPTER_COLS` a member, so that one packed input
+/// `[x | x Aᵀ of every member]` serves them all (`ops::pack_input`), each weight holding its B
+/// where its own `x Aᵀ` sits
 /// and zeros elsewhere; the backward then reads `dy [W | scale · B]` as the base gradient and
 /// the adapter's `scale · dy B` in one product (`model::layer::extended_group_bwd`).
 /// The columns hold the adapter last written (`hold_adapter` rewrites them when the adapter,

@@ -867,9 +867,9 @@ pub(crate) fn adapter_fold_pays(t: usize, k: usize, out: usize, r: usize) -> boo
 }
 
 /// Whether a projection of `k` inputs and `out` outputs whose frozen weight is stored with room
-/// for `cols` adapter columns (`model::weights::ExtendedWeight`) folds its adapter into the base product
-/// at any row count: `adapter_fold_pays` without the weight's copy, which such a weight does not
-/// need, so that only the input's copy is weighed against the f32 sum.
+/// for `cols` adapter columns (`model::weights::ExtendedWeight`) folds its adapter into the base
+/// product at any row count: `adapter_fold_pays` without the weight's copy, which such a weight
+/// does not need, so that only the input's copy is weighed against the f32 sum.
 pub(crate) fn extended_fold_pays(k: usize, out: usize, cols: usize) -> bool {
     let (k, out) = (k as f64, out as f64);
     8.0 * out > 4.0 * k + 2.0 * out * cols as f64 / 200.0
@@ -963,9 +963,10 @@ impl CudaBackend {
     }
 
     /// Columns `cols` of every row of `w_ext` = `[0 | scale · b | 0]`, b's first column at
-    /// `cols.start + at`: a weight stored with room for adapters (`model::weights::ExtendedWeight`) takes
-    /// an adapter's current B where its input's xa will sit. Written in place through a shared
-    /// reference; the weight's other columns are not touched.
+    /// `cols.start + at`: a weight stored with room for adapters
+    /// (`model::weights::ExtendedWeight`) takes an adapter's current B where its input's xa will
+    /// sit. Written in place through a shared reference; the weight's other columns are not
+    /// touched.
     pub fn write_adapter_cols(
         &self,
         w_ext: &Tensor,
