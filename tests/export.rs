@@ -977,3 +977,36 @@ fn base_files_the_merged_folder_takes_are_read_before_anything_is_written() {
     assert!(lorafit::export::earlier_artefacts(&p.output).is_empty());
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A base whose tensor holds a non-finite value is refused by export, naming the tensor (the
+/// base is loaded, with every check training makes, before anything is merged), and nothing is
+/// written.
+#[test]
+fn a_base_tensor_that_is_not_finite_stops_the_export() {
+    let dir = tmp("nan-base");
+    let model = common::tiny_run::model_folder(&dir);
+    let file = model.join("model.safetensors");
+    let bytes = std::fs::read(&file).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let name = "model.layers.0.self_attn.q_proj.weight";
+    let mut tensors = Vec::new();
+    for (key, view) in st.tensors() {
+        let mut data = lorafit::model::weights::view_to_f32(&view).unwrap();
+        if key == name {
+            data[5] = f32::NAN;
+        }
+        tensors.push((key, view.shape().to_vec(), data));
+    }
+    lorafit::model::weights::write_f32_safetensors(&file, &tensors).unwrap();
+    let mut p = plan(
+        &model,
+        &fixture("models/qwen2/adapter"),
+        &dir.join("out"),
+        vec![Format::Hf],
+    );
+    p.check = false;
+    let e = format!("{:#}", run(&p).err().expect("a NaN in the base"));
+    assert!(e.contains(name) && e.contains("non-finite"), "{e}");
+    assert!(lorafit::export::earlier_artefacts(&p.output).is_empty());
+    let _ = std::fs::remove_dir_all(&dir);
+}
