@@ -10,7 +10,7 @@
 //! Hugging Face's layout (q/k rows put back, Gemma's stored `1 + w` norms back to `w`), and
 //! `tokenizer.json` / `tokenizer_config.json` from the embedded tokenizer and chat template.
 
-use super::merge::add_pair;
+use super::merge::{add_delta, lora_delta};
 use crate::model::gguf_model::{config_from_gguf, GgufArch, GgufSource};
 use crate::model::weights::{
     norm_names, resolve_prefixes, view_to_f32, SafetensorsFolder, TensorSource,
@@ -251,8 +251,7 @@ pub fn merged_from_hf(
                 view_to_f32(&view).with_context(|| format!("{}: tensor {name}", path.display()))?;
             if let Some(&(l, t)) = targets.get(&name) {
                 let pair = lora.get(l, t).expect("named from the adapter's pairs");
-                add_pair(&mut data, view.shape(), pair, &name)
-                    .with_context(|| path.display().to_string())?;
+                add_delta(&mut data, &lora_delta(pair)?, &name)?;
                 merged.push(name.clone());
             }
             tensors.push(OutTensor {
@@ -402,7 +401,7 @@ pub fn merged_from_gguf(base: &Path, lora: &Lora, out: &Path, dtype: HfDtype) ->
         }
         if let Some(&(l, t)) = targets.get(&name) {
             let pair = lora.get(l, t).expect("named from the adapter's pairs");
-            add_pair(&mut data, &shape, pair, &name)?;
+            add_delta(&mut data, &lora_delta(pair)?, &name)?;
             merged.push(name.clone());
         }
         tensors.push(OutTensor {

@@ -29,18 +29,6 @@ fn on_cpu(t: &Tensor) -> Result<Tensor> {
     Tensor::from_f32(&data, &shape, DType::F32, &Device::Cpu)
 }
 
-/// Adds `pair`'s delta to the frozen `weight` of `shape` (row-major `[out, in]`) read from a
-/// checkpoint, which must be the pair's `[out, in]`: a tensor of the same size in another
-/// shape (transposed, or another projection's) is refused, naming it.
-pub fn add_pair(weight: &mut [f32], shape: &[usize], pair: &LoraPair, name: &str) -> Result<()> {
-    let want = [pair.b.dim(0), pair.a.dim(1)];
-    ensure!(
-        shape == want,
-        "{name}: the checkpoint's tensor has shape {shape:?}, the adapter's delta {want:?}"
-    );
-    add_delta(weight, &lora_delta(pair)?, name)
-}
-
 /// Adds `delta` to `weight` in place (both row-major `[out, in]`).
 pub fn add_delta(weight: &mut [f32], delta: &[f32], name: &str) -> Result<()> {
     ensure!(
@@ -115,16 +103,5 @@ mod tests {
         add_delta(&mut w, &got, "w").unwrap();
         assert_eq!(w[3], 1.0 + got[3]);
         assert!(add_delta(&mut w[1..], &got, "w").is_err());
-        // A checkpoint tensor of the delta's size in the transposed shape is refused.
-        let mut w = vec![1.0f32; out * inp];
-        add_pair(&mut w, &[out, inp], &pair, "w").unwrap();
-        assert_eq!(w[3], 1.0 + got[3]);
-        let e = add_pair(&mut w, &[inp, out], &pair, "q_proj")
-            .unwrap_err()
-            .to_string();
-        assert!(
-            e.contains("q_proj") && e.contains(&format!("[{inp}, {out}]")),
-            "{e}"
-        );
     }
 }
