@@ -11,8 +11,8 @@
 use super::config::Activation;
 use super::lora::{Lora, LoraPair, Target, GROUP_GATE_UP, GROUP_QKV};
 use super::runner::{Model, PassCtx};
-use super::weights::{Dense, Weight};
-use crate::tensor::{self as ops, AttnMask, AttnShape, DType, RopeTable, Tensor};
+use super::weights::Weight;
+use crate::tensor::{self as ops, AttnMask, AttnShape, DType, RopeTable, Tensor, TensorRef};
 use anyhow::Result;
 use std::sync::Arc;
 
@@ -171,21 +171,21 @@ fn gate_act_bwd_in_place(
 }
 
 /// `s · x`, borrowing `x` when `s` is 1.
-fn scaled(x: &Tensor, s: f32) -> Result<Dense<'_>> {
+fn scaled(x: &Tensor, s: f32) -> Result<TensorRef<'_>> {
     if s == 1.0 {
-        return Ok(Dense::Borrowed(x));
+        return Ok(TensorRef::Borrowed(x));
     }
     let mut y = x.try_clone()?;
     ops::scale(&mut y, s)?;
-    Ok(Dense::Owned(y))
+    Ok(TensorRef::Owned(y))
 }
 
 /// Rows `[from, T)` of `x` (borrowed when that is all of it).
-fn rows_from(x: &Tensor, from: usize) -> Result<Dense<'_>> {
+fn rows_from(x: &Tensor, from: usize) -> Result<TensorRef<'_>> {
     Ok(if from == 0 {
-        Dense::Borrowed(x)
+        TensorRef::Borrowed(x)
     } else {
-        Dense::Owned(ops::slice_rows(x, from, x.dim(0))?)
+        TensorRef::Owned(ops::slice_rows(x, from, x.dim(0))?)
     })
 }
 
@@ -1259,7 +1259,7 @@ impl Model {
         };
         // MLP: out = x1 + s·post(down(act(gate(xn2)) * up(xn2)))
         let d_out_c = match d_out_c {
-            Some(c) => Dense::Owned(c),
+            Some(c) => TensorRef::Owned(c),
             None => self.compute(d_out)?,
         };
         let d_branch = scaled(&d_out_c, ls.residual_scale)?;
@@ -1267,7 +1267,7 @@ impl Model {
             (Some((m, r)), Some(pn)) => {
                 let d = ops::rms_norm_bwd(&d_branch, m, pn, r)?;
                 drop(d_branch);
-                Dense::Owned(d)
+                TensorRef::Owned(d)
             }
             _ => d_branch,
         };
@@ -1336,7 +1336,7 @@ impl Model {
                 (Some((o, r)), Some(pn)) => {
                     let d = ops::rms_norm_bwd(&*self.compute(&d_branch)?, o, pn, r)?;
                     drop(d_branch);
-                    Dense::Owned(d)
+                    TensorRef::Owned(d)
                 }
                 _ => d_branch,
             }

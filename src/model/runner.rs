@@ -9,9 +9,9 @@
 use super::config::ModelSpec;
 use super::layer::{KvGrad, LayerActs, LayerEnv, LayerRun};
 use super::lora::{Lora, Target};
-use super::weights::{Dense, ModelWeights};
+use super::weights::ModelWeights;
 use crate::tensor::{
-    self as ops, AttnMask, DType, Device, Offloaded, Prefetched, RopeTable, Tensor,
+    self as ops, AttnMask, DType, Device, Offloaded, Prefetched, RopeTable, Tensor, TensorRef,
 };
 use anyhow::Result;
 
@@ -294,12 +294,12 @@ impl Model {
     }
 
     /// `t` in the compute dtype (borrowed when it already is).
-    pub(crate) fn compute<'a>(&self, t: &'a Tensor) -> Result<Dense<'a>> {
+    pub(crate) fn compute<'a>(&self, t: &'a Tensor) -> Result<TensorRef<'a>> {
         let dt = self.device.compute_dtype();
         Ok(if t.dtype() == dt {
-            Dense::Borrowed(t)
+            TensorRef::Borrowed(t)
         } else {
-            Dense::Owned(t.to_dtype(dt)?)
+            TensorRef::Owned(t.to_dtype(dt)?)
         })
     }
 

@@ -5,7 +5,7 @@
 //! projection matrix `[out, in]`, dense or kept quantized and dequantized per use.
 
 use super::config::ModelSpec;
-use crate::tensor::{DType, Device, Tensor};
+use crate::tensor::{DType, Device, Tensor, TensorRef};
 use anyhow::{bail, ensure, Context, Result};
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
@@ -125,13 +125,13 @@ impl Weight {
     }
     /// The dense matrix: borrowed, or freshly dequantized, or copied out of an extended
     /// weight's columns (the training paths read those in place, through `base`).
-    pub fn dense(&self) -> Result<Dense<'_>> {
+    pub fn dense(&self) -> Result<TensorRef<'_>> {
         match self {
-            Weight::Dense(t) => Ok(Dense::Borrowed(t)),
-            Weight::Quant(q) => Ok(Dense::Owned(
+            Weight::Dense(t) => Ok(TensorRef::Borrowed(t)),
+            Weight::Quant(q) => Ok(TensorRef::Owned(
                 q.backend.dequantize(&q.bytes, q.kind, q.rows, q.cols)?,
             )),
-            Weight::Extended(e) => Ok(Dense::Owned(crate::tensor::slice_cols(&e.ext, 0, e.k)?)),
+            Weight::Extended(e) => Ok(TensorRef::Owned(crate::tensor::slice_cols(&e.ext, 0, e.k)?)),
         }
     }
     /// The matrix as a window that a product reads in place: W's columns of an extended weight,
@@ -151,22 +151,6 @@ impl Weight {
             if let Ok(Some(e)) = ExtendedWeight::of(t, pad, bias) {
                 *self = Weight::Extended(e);
             }
-        }
-    }
-}
-
-/// A dense view of a `Weight`: the stored tensor, or a dequantized temporary.
-pub enum Dense<'a> {
-    Borrowed(&'a Tensor),
-    Owned(Tensor),
-}
-
-impl std::ops::Deref for Dense<'_> {
-    type Target = Tensor;
-    fn deref(&self) -> &Tensor {
-        match self {
-            Dense::Borrowed(t) => t,
-            Dense::Owned(t) => t,
         }
     }
 }

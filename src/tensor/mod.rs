@@ -729,27 +729,28 @@ impl<'a> Cols<'a> {
         self.start == 0 && self.end == self.t.rows_cols().1
     }
     /// The window as a tensor of its own: `t` itself when it spans every column, else a copy.
-    pub fn to_tensor(&self) -> Result<ColsTensor<'a>> {
+    pub fn to_tensor(&self) -> Result<TensorRef<'a>> {
         Ok(if self.is_all() {
-            ColsTensor::Whole(self.t)
+            TensorRef::Borrowed(self.t)
         } else {
-            ColsTensor::Copied(slice_cols(self.t, self.start, self.end)?)
+            TensorRef::Owned(slice_cols(self.t, self.start, self.end)?)
         })
     }
 }
 
-/// `Cols::to_tensor`'s answer: the tensor itself, or a copy of the window.
-pub enum ColsTensor<'a> {
-    Whole(&'a Tensor),
-    Copied(Tensor),
+/// A tensor borrowed as it is, or made for the occasion: a window's copy (`Cols::to_tensor`),
+/// a dequantized weight (`Weight::dense`), a conversion.
+pub enum TensorRef<'a> {
+    Borrowed(&'a Tensor),
+    Owned(Tensor),
 }
 
-impl std::ops::Deref for ColsTensor<'_> {
+impl std::ops::Deref for TensorRef<'_> {
     type Target = Tensor;
     fn deref(&self) -> &Tensor {
         match self {
-            ColsTensor::Whole(t) => t,
-            ColsTensor::Copied(t) => t,
+            TensorRef::Borrowed(t) => t,
+            TensorRef::Owned(t) => t,
         }
     }
 }
