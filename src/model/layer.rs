@@ -293,10 +293,9 @@ pub(crate) struct GroupInput {
     one_at: Option<usize>,
 }
 
-/// The group's `GroupInput` (`ops::pack_input`) when all of `members` are stored with the same
-/// adapter columns (`weights::ExtendedWeight`) and the group's stacked product
-/// (`stacked_lora_inputs`) fits them. `None` otherwise, and where it would take more than
-/// `ROUND_ONCE_BYTES` (each projection then packs its input in row blocks).
+/// The group's `GroupInput` (`ops::pack_input`) where `group_layout` admits `members` and the
+/// group's stacked product (`stacked_lora_inputs`). `None` otherwise, and where it would take
+/// more than `ROUND_ONCE_BYTES` (each projection then packs its input in row blocks).
 fn group_input(
     x: &Tensor,
     xa: &[Option<LoraSaved>; 7],
@@ -305,18 +304,7 @@ fn group_input(
     let Some(stack) = xa.iter().flatten().next().map(|s| s.xa.clone()) else {
         return Ok(None);
     };
-    let mut layout = None;
-    for w in members {
-        let Weight::Extended(e) = w else {
-            return Ok(None);
-        };
-        let this = (e.ext.rows_cols().1, e.bias_at.map(|c| e.k + c));
-        if layout.is_some_and(|l| l != this) || e.pad() < stack.rows_cols().1 {
-            return Ok(None);
-        }
-        layout = Some(this);
-    }
-    match layout {
+    match group_layout(members, stack.rows_cols().1) {
         Some((kd, one_at))
             if stack.dtype() == DType::BF16 && x.dim(0) * kd * 2 <= ROUND_ONCE_BYTES =>
         {
@@ -325,6 +313,24 @@ fn group_input(
         }
         _ => Ok(None),
     }
+}
+
+/// The width `K + pad` and bias column shared by `members` where all of them are stored with
+/// the same adapter columns (`weights::ExtendedWeight`) and those fit a stacked product `width`
+/// wide: the layout both `group_input` and `extended_group_width` need. `None` otherwise.
+fn group_layout(members: &[&Weight], width: usize) -> Option<(usize, Option<usize>)> {
+    let mut layout = None;
+    for w in members {
+        let Weight::Extended(e) = w else {
+            return None;
+        };
+        let this = (e.ext.rows_cols().1, e.bias_at.map(|c| e.k + c));
+        if layout.is_some_and(|l| l != this) || e.pad() < width {
+            return None;
+        }
+        layout = Some(this);
+    }
+    layout
 }
 
 /// `x Wᵀ` into `dt` with no adapter, W read in place (an extended weight's first columns).
@@ -534,19 +540,16 @@ fn extended_group_width(
     if !same_set || x.dtype() != DType::BF16 {
         return Ok(None);
     }
-    let mut kd = None;
-    for m in members {
-        let Weight::Extended(e) = m.w else {
-            return Ok(None);
-        };
+    let weights: Vec<&Weight> = members.iter().map(|m| m.w).collect();
+    let Some((kd, _)) = group_layout(&weights, width) else {
+        return Ok(None);
+    };
+    let bf16 = |m: &MemberBwd| {
         let p = lo.get(l, m.target);
-        let ext_kd = e.ext.rows_cols().1;
-        let fits = e.pad() >= width && kd.is_none_or(|d| d == ext_kd);
-        let bf16 = m.dy.dtype() == DType::BF16 && p.is_some_and(|p| p.b().dtype() == DType::BF16);
-        if !fits || !bf16 {
-            return Ok(None);
-        }
-        kd = Some(ext_kd);
+        m.dy.dtype() == DType::BF16 && p.is_some_and(|p| p.b().dtype() == DType::BF16)
+    };
+    if !members.iter().all(bf16) {
+        return Ok(None);
     }
     let mut c0 = 0;
     for &(tg, r) in stacked {
@@ -563,7 +566,7 @@ fn extended_group_width(
         }
         c0 += r;
     }
-    Ok(kd)
+    Ok(Some(kd))
 }
 
 /// `shared_input_bwd` for a group that `extended_group_width` admits: one product a
