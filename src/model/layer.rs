@@ -315,6 +315,72 @@ fn group_input(
     }
 }
 
+/// The projections of one shared-input group (or one alone) and their targets.
+type Members<'a> = Vec<(&'a Weight, Target)>;
+
+impl Model {
+    /// Makes every extended weight of the model hold its adapter where the next pass of `t`
+    /// tokens will read it (`group_layout`, within `ROUND_ONCE_BYTES`: at its place in the
+    /// group's stacked product, or at 0), in one launch after an optimiser step instead of one
+    /// at each weight's first use. `linear_fwd` still checks each weight and rewrites what this
+    /// did not foresee (an MLP chunk or row range of another size).
+    pub fn hold_adapters(&self, lora: &Lora, t: usize, ctx: &PassCtx) -> Result<()> {
+        let mut items = Vec::new();
+        for (l, w) in self.weights.layers.iter().enumerate() {
+            let groups: [(Option<usize>, Members); 4] = [
+                (
+                    Some(GROUP_QKV),
+                    [
+                        (Some(&w.q), Target::Q),
+                        (w.k.as_ref(), Target::K),
+                        (w.v.as_ref(), Target::V),
+                    ]
+                    .into_iter()
+                    .filter_map(|(w, tg)| w.map(|w| (w, tg)))
+                    .collect(),
+                ),
+                (
+                    Some(GROUP_GATE_UP),
+                    vec![(&w.gate, Target::Gate), (&w.up, Target::Up)],
+                ),
+                (None, vec![(&w.o, Target::O)]),
+                (None, vec![(&w.down, Target::Down)]),
+            ];
+            for (group, members) in groups {
+                let stacked = group
+                    .and_then(|g| lora.stacked(l, g))
+                    .filter(|st| ctx.dropout_for(l, st.members[0].0).is_none());
+                let weights: Vec<&Weight> = members.iter().map(|&(w, _)| w).collect();
+                let packed = stacked.filter(|st| {
+                    let width = st.members.iter().map(|&(_, r)| r).sum();
+                    group_layout(&weights, width)
+                        .is_some_and(|(kd, _)| t * kd * 2 <= ROUND_ONCE_BYTES)
+                });
+                for (w, tg) in members {
+                    let (Weight::Extended(e), Some(p)) = (w, lora.get(l, tg)) else {
+                        continue;
+                    };
+                    if p.b().dtype() != DType::BF16 {
+                        continue;
+                    }
+                    let at = match packed {
+                        Some(st) => st
+                            .members
+                            .iter()
+                            .take_while(|&&(m, _)| m != tg)
+                            .map(|&(_, r)| r)
+                            .sum(),
+                        None if p.rank <= e.pad() => 0,
+                        None => continue,
+                    };
+                    items.push((e, p.b(), p.scale, p.generation(), at));
+                }
+            }
+        }
+        super::weights::hold_adapters(&items)
+    }
+}
+
 /// The width `K + pad` and bias column shared by `members` where all of them are stored with
 /// the same adapter columns (`weights::ExtendedWeight`) and those fit a stacked product `width`
 /// wide: the layout both `group_input` and `extended_group_width` need. `None` otherwise.

@@ -377,6 +377,10 @@ impl Model {
             resident_layers,
         } = plan;
         let keep_kv = |l: usize| segment_size > 0 && l < keep_kv_layers && self.can_keep_kv(l);
+        if let (Some(lo), true) = (lora, self.device.is_cuda()) {
+            // After an optimiser step: every weight's adapter columns in one launch.
+            self.hold_adapters(lo, ids.len(), ctx)?;
+        }
         let mut kinds = self.kinds(ctx, read_from, mlp_chunk)?;
         let donor_layers = self.spec.kv_donors();
         let mut donor_kv: DonorKv = (0..self.spec.n_layers).map(|_| None).collect();

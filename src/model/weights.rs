@@ -52,6 +52,43 @@ pub struct ExtendedWeight {
     held: Mutex<Option<(u64, u64, u32, usize)>>,
 }
 
+/// `ExtendedWeight::hold_adapter` for every `(weight, b, scale, generation, at)`, the columns
+/// that hold something else written in one launch (`ops::write_adapter_cols_multi`).
+pub fn hold_adapters(items: &[(&ExtendedWeight, &Tensor, f32, u64, usize)]) -> Result<()> {
+    let mut stale = Vec::new();
+    let mut writes = Vec::new();
+    for &(e, b, scale, generation, at) in items {
+        let want = (generation, crate::tensor::address(b), scale.to_bits(), at);
+        let mut held = e.held.lock().unwrap_or_else(|p| p.into_inner());
+        if *held != Some(want) {
+            // Marked unheld first: a failed write leaves columns nobody may trust.
+            *held = None;
+            stale.push((e, want));
+            writes.push(crate::tensor::AdapterCols {
+                w_ext: &e.ext,
+                cols: e.k..e.k + e.pad(),
+                at,
+                b,
+                scale,
+            });
+        }
+    }
+    match writes.as_slice() {
+        [one] => crate::tensor::write_adapter_cols(
+            one.w_ext,
+            one.cols.clone(),
+            one.at,
+            one.b,
+            one.scale,
+        )?,
+        many => crate::tensor::write_adapter_cols_multi(many)?,
+    }
+    for (e, want) in stale {
+        *e.held.lock().unwrap_or_else(|p| p.into_inner()) = Some(want);
+    }
+    Ok(())
+}
+
 /// Adapter columns an `ExtendedWeight` keeps for each projection that reads the same input:
 /// ranks up to 16 (PEFT's default rank is 8, lorafit's 16) fold without a copy of W; a higher
 /// rank reads W as a copy, as before.
@@ -92,16 +129,7 @@ impl ExtendedWeight {
     /// (`LoraPair::generation`) from their column `at` on, zeros elsewhere: written here unless
     /// they already do.
     pub fn hold_adapter(&self, b: &Tensor, scale: f32, generation: u64, at: usize) -> Result<()> {
-        let want = (generation, crate::tensor::address(b), scale.to_bits(), at);
-        let mut held = self.held.lock().unwrap_or_else(|e| e.into_inner());
-        if *held != Some(want) {
-            // Marked unheld first: a failed write leaves columns nobody may trust.
-            *held = None;
-            let end = self.k + self.pad();
-            crate::tensor::write_adapter_cols(&self.ext, self.k..end, at, b, scale)?;
-            *held = Some(want);
-        }
-        Ok(())
+        hold_adapters(&[(self, b, scale, generation, at)])
     }
 
     /// W itself: the first `k` columns, read in place.

@@ -937,6 +937,34 @@ pub fn write_adapter_cols(
     }
 }
 
+/// One `write_adapter_cols` of `write_adapter_cols_multi`.
+pub struct AdapterCols<'a> {
+    pub w_ext: &'a Tensor,
+    pub cols: std::ops::Range<usize>,
+    pub at: usize,
+    pub b: &'a Tensor,
+    pub scale: f32,
+}
+
+/// `write_adapter_cols` for every item, in one launch on a GPU (a model's adapters after an
+/// optimiser step: `model::Model::hold_adapters`).
+pub fn write_adapter_cols_multi(items: &[AdapterCols]) -> Result<()> {
+    let Some(first) = items.first() else {
+        return Ok(());
+    };
+    for (i, it) in items.iter().enumerate() {
+        same_device(first.w_ext, it.w_ext, "write_adapter_cols_multi")
+            .and_then(|_| same_device(first.w_ext, it.b, "write_adapter_cols_multi"))
+            .with_context(|| format!("item {i}"))?;
+    }
+    match first.w_ext.device() {
+        Device::Cuda(c) => c.write_adapter_cols_multi(items),
+        Device::Cpu => {
+            bail!("write_adapter_cols_multi: a CPU tensor cannot be written in place here")
+        }
+    }
+}
+
 /// `[x | xa | 0]`, `[T, kd]` (kd at least x's and xa's widths together), with 1 in column
 /// `one_at` (past them) where a product should add a bias held in the weight's column there:
 /// the K-extended input that the projections of a shared-input group, each stored as

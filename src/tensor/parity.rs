@@ -1298,6 +1298,33 @@ fn gemm(cx: &mut Ctx, r: &mut Rng) -> Result<()> {
             0.0,
         )?;
         cx.push(row);
+        // The same write among others in one launch (write_adapter_cols_multi).
+        let (w_ext, other) = (
+            extend_cols(&cx.g(&w, &[n, k], bf)?, pad)?,
+            cx.g(&w, &[n, k], bf)?,
+        );
+        let other_ext = extend_cols(&other, pad)?;
+        let lb_g = cx.g(&lb, &[n, rank], bf)?;
+        let first = cx.g(&r.bnormals(n * pad, 1.0), &[n, pad], bf)?;
+        write_adapter_cols(&w_ext, k..k + pad, 0, &first, 1.0)?;
+        let item = |w_ext, at, b, scale| AdapterCols {
+            w_ext,
+            cols: k..k + pad,
+            at,
+            b,
+            scale,
+        };
+        write_adapter_cols_multi(&[
+            item(&other_ext, 0, &first, 0.5),
+            item(&w_ext, at, &lb_g, scale),
+        ])?;
+        let row = cmp_t(
+            &format!("write_adapter_cols_multi {n}x{k} r{rank} at {at} of {pad} columns"),
+            &w_ext,
+            &cx.c(&want, &[n, k + pad])?,
+            0.0,
+        )?;
+        cx.push(row);
         let (xa, kd) = (r.bnormals(n * rank, 1.0), k + pad + 3);
         let one_at = (at > 0).then_some(kd - 2);
         let want = pack_input(

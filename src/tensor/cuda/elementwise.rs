@@ -878,6 +878,56 @@ impl CudaBackend {
         )
     }
 
+    /// `write_adapter_cols` for every entry, in one launch.
+    pub fn write_adapter_cols_multi(&self, items: &[crate::tensor::AdapterCols]) -> Result<()> {
+        // AdapterColsSeg: b, dst, ldd, r, at, width, n, chunk0, (scale, dt).
+        let mut words = Vec::with_capacity(items.len() * 9);
+        let (mut entries, mut chunks) = (0, 0u64);
+        for it in items {
+            let ((out, kd), (bo, r)) = (it.w_ext.rows_cols(), it.b.rows_cols());
+            let width = it.cols.len();
+            ensure!(
+                bo == out
+                    && it.cols.start <= it.cols.end
+                    && it.cols.end <= kd
+                    && it.at + r <= width
+                    && it.w_ext.dtype() == it.b.dtype(),
+                "write_adapter_cols_multi: b {:?} {:?} at {} into columns {:?} of {:?} {:?}",
+                it.b.shape(),
+                it.b.dtype(),
+                it.at,
+                it.cols,
+                it.w_ext.shape(),
+                it.w_ext.dtype()
+            );
+            let n = out * width;
+            if n == 0 {
+                continue;
+            }
+            let es = it.w_ext.dtype().size();
+            words.extend([
+                cuda_ptr(it.b)?,
+                cuda_ptr(it.w_ext)? + (it.cols.start * es) as u64,
+                kd as u64,
+                r as u64,
+                it.at as u64,
+                width as u64,
+                n as u64,
+                chunks,
+                pack(it.scale.to_bits(), dt_code(it.w_ext.dtype())),
+            ]);
+            entries += 1;
+            chunks += n.div_ceil(MULTI_CHUNK) as u64;
+        }
+        self.launch_multi(
+            "lf_write_adapter_cols_multi",
+            &words,
+            entries,
+            chunks,
+            vec![],
+        )
+    }
+
     /// Every source converted into its (existing) destination: one launch, no allocation.
     pub fn cast_multi(&self, pairs: &mut [(&Tensor, &mut Tensor)]) -> Result<()> {
         // CastSeg: x, y, n, chunk0, (xdt, ydt).

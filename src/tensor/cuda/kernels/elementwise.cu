@@ -701,6 +701,32 @@ extern "C" __global__ void lf_adamw_multi(const AdamwSeg* segs, int ns, i64 n_ch
     }
 }
 
+struct AdapterColsSeg {
+    const void* b;
+    void* dst;
+    i64 ldd, r, at, width, n, chunk0;
+    float scale;
+    int dt;
+};
+static_assert(sizeof(AdapterColsSeg) == 72, "AdapterColsSeg layout");
+
+// lf_write_adapter_cols for every entry in one launch (the adapters of a whole model after an
+// optimiser step): dst[row, j] = scale · b[row, j - at] for at <= j < at + r, else 0, over
+// rows x width elements (n); dst points at the weight's first adapter column.
+extern "C" __global__ void lf_write_adapter_cols_multi(const AdapterColsSeg* segs, int ns, i64 n_chunks,
+                                                       int chunk) {
+    for (i64 c = blockIdx.x; c < n_chunks; c += gridDim.x) {
+        const AdapterColsSeg s = segs[seg_of(segs, ns, c)];
+        const i64 begin = (c - s.chunk0) * chunk, end = min(begin + chunk, s.n);
+        for (i64 i = begin + threadIdx.x; i < end; i += blockDim.x) {
+            const i64 row = i / s.width, j = i % s.width;
+            const bool in_b = j >= s.at && j < s.at + s.r;
+            const float v = in_b ? __fmul_rn(s.scale, ldf(s.b, s.dt, row * s.r + j - s.at)) : 0.f;
+            stf(s.dst, s.dt, row * s.ldd + j, v);
+        }
+    }
+}
+
 // y_k = x_k converted to y_k's dtype, for every pair (refreshing compute copies in place).
 extern "C" __global__ void lf_cast_multi(const CastSeg* segs, int ns, i64 n_chunks, int chunk) {
     for (i64 c = blockIdx.x; c < n_chunks; c += gridDim.x) {
