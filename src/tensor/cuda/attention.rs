@@ -2,11 +2,49 @@
 //! dim, GPU, grid size, softcap), shared-memory sizing, and the forward and backward launches.
 use super::*;
 
+/// Masks kept on the device after their upload, most recent first. A pass attends under one
+/// mask in every layer, forward and backward (two or three masks where a preference pair runs
+/// as separate sequences), so a few entries serve it; a mask is recognised by its host bytes,
+/// compared in full, so that a mask changed in place is never mistaken for the one uploaded.
+/// Entries are small: a mask whose device buffer passes `MASK_CACHE_ENTRY_MAX` (its tile
+/// table grows with the square of the length) is uploaded at each call instead.
+#[derive(Default)]
+pub(super) struct MaskCache {
+    entries: Vec<(Vec<u8>, i32, Arc<CudaStorage>, MaskArg)>,
+}
+
+const MASK_CACHE_ENTRIES: usize = 4;
+const MASK_CACHE_ENTRY_MAX: usize = 4 << 20;
+
+impl MaskCache {
+    fn find(&mut self, bytes: &[u8], window: i32) -> Option<(Arc<CudaStorage>, MaskArg)> {
+        let i = self
+            .entries
+            .iter()
+            .position(|(b, w, ..)| *w == window && b.as_slice() == bytes)?;
+        let e = self.entries.remove(i);
+        let hit = (e.2.clone(), e.3);
+        self.entries.insert(0, e);
+        Some(hit)
+    }
+
+    fn insert(&mut self, bytes: Vec<u8>, window: i32, s: Arc<CudaStorage>, arg: MaskArg) {
+        if s.bytes > MASK_CACHE_ENTRY_MAX {
+            return;
+        }
+        // An evicted buffer is freed in stream order, after the kernels that read it.
+        self.entries.truncate(MASK_CACHE_ENTRIES - 1);
+        self.entries.insert(0, (bytes, window, s, arg));
+    }
+}
+
 #[allow(clippy::too_many_arguments)]
 impl CudaBackend {
-    /// Uploads the mask as one buffer: ranges (16 B per query), positions, then per-64-key-tile
-    /// min and max positions; returns the buffer and the kernel argument pointing into it.
-    fn upload_mask(&self, mask: &AttnMask) -> Result<(CudaStorage, MaskArg)> {
+    /// The mask on the device as one buffer: ranges (16 B per query), positions, then
+    /// per-64-key-tile min and max positions, then the per-tile visibility table (filled on the
+    /// device, lf_attn_tile_flags). A mask uploaded by an earlier call with the same contents
+    /// is reused (`MaskCache`): every layer of a pass attends under one mask.
+    fn upload_mask(&self, mask: &AttnMask) -> Result<(Arc<CudaStorage>, MaskArg)> {
         let t = mask.len();
         let tiles = t.div_ceil(KEY_TILE).max(1);
         let off_pos = t * 16;
@@ -26,13 +64,15 @@ impl CudaBackend {
             buf[off_min + tile * 4..off_min + tile * 4 + 4].copy_from_slice(&mn.to_ne_bytes());
             buf[off_max + tile * 4..off_max + tile * 4 + 4].copy_from_slice(&mx.to_ne_bytes());
         }
-        // The per-tile visibility table follows, filled on the device (lf_attn_tile_flags).
-        let s = self.alloc(off_flags + tiles * tiles)?;
-        self.htod(&s, &buf)?;
         let window = match mask.window {
             None => -1,
             Some(w) => w.min(i32::MAX as u32) as i32,
         };
+        if let Some(hit) = self.masks.lock().unwrap().find(&buf, window) {
+            return Ok(hit);
+        }
+        let s = Arc::new(self.alloc(off_flags + tiles * tiles)?);
+        self.htod(&s, &buf)?;
         let arg = MaskArg {
             ranges: s.ptr,
             pos: s.ptr + off_pos as u64,
@@ -50,6 +90,10 @@ impl CudaBackend {
                 &[Arg::Mask(arg), Arg::I32(t as i32), Arg::P(arg.tile_flags)],
             )?;
         }
+        self.masks
+            .lock()
+            .unwrap()
+            .insert(buf, window, s.clone(), arg);
         Ok((s, arg))
     }
 

@@ -323,6 +323,9 @@ pub struct CudaBackend {
     inner: Arc<Inner>,
     /// cuBLASLt and the per-shape GEMM plans, created by the first product (see `gemm`).
     gemms: Mutex<Option<gemm::Gemms>>,
+    /// Masks already on the device, most recent first (`attention::MaskCache`): every layer of
+    /// a pass attends under the same mask, uploaded once.
+    masks: Mutex<attention::MaskCache>,
 }
 
 /// A device buffer (stream-ordered allocation, freed on drop, counted in `MemoryStats`).
@@ -689,6 +692,7 @@ impl CudaBackend {
             me: me.clone(),
             inner: Arc::new(inner),
             gemms: Mutex::new(None),
+            masks: Mutex::new(attention::MaskCache::default()),
         }))
     }
 
