@@ -150,14 +150,14 @@ pub struct LayerRun<'a> {
 }
 
 /// The gate activation times up: `act(gate) * up`.
-fn gate_act(act: Activation, gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+fn gated(act: Activation) -> ops::GatedAct {
     match act {
-        Activation::Silu => ops::silu_mul(gate, up),
-        Activation::GeluTanh => ops::gelu_tanh_mul(gate, up),
+        Activation::Silu => ops::GatedAct::Silu,
+        Activation::GeluTanh => ops::GatedAct::GeluTanh,
     }
 }
 
-/// Backward of `gate_act`, writing d(gate) over `gate` and d(up) over `up`.
+/// Backward of `ops::gated_mul`, writing d(gate) over `gate` and d(up) over `up`.
 fn gate_act_bwd_in_place(
     act: Activation,
     dh: &Tensor,
@@ -1178,24 +1178,36 @@ impl Model {
             None,
         )?;
         drop(packed);
-        let act = gate_act(self.spec.layers[l].activation, &gate, &up)?;
+        let kind = gated(self.spec.layers[l].activation);
         let down_dropout = ctx.dropout_for(l, Target::Down);
+        // The down adapter's input comes with the activation (one pass over the (T, I)
+        // tensors on a GPU); under dropout it reads a masked copy, made by `lora_input`.
+        let (act, down_xa) = match pair(Target::Down) {
+            Some(p) if down_dropout.is_none() => {
+                let (act, xa) = ops::gated_mul_xa(kind, &gate, &up, p.a())?;
+                (act, Some(LoraSaved::own(xa)))
+            }
+            _ => (ops::gated_mul(kind, &gate, &up)?, None),
+        };
         let (out, sd) = if want_output {
             let (y, sd) = linear_fwd(
                 &act,
                 &w.down,
                 pair(Target::Down),
                 down_dropout,
-                None,
+                down_xa,
                 out_dtype,
                 None,
                 None,
             )?;
             (Some(y), sd)
         } else {
-            let sd = pair(Target::Down)
-                .map(|p| lora_input(&act, p, down_dropout))
-                .transpose()?;
+            let sd = match down_xa {
+                Some(xa) => Some(xa),
+                None => pair(Target::Down)
+                    .map(|p| lora_input(&act, p, down_dropout))
+                    .transpose()?,
+            };
             (None, sd)
         };
         Ok((

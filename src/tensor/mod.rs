@@ -1222,6 +1222,44 @@ pub fn attention_bwd(
     dispatch!(q.device(), cpu::attention_bwd(d_o, q, k, v, o, lse, mask, s), c => c.attention_bwd(d_o, q, k, v, o, lse, mask, s))
 }
 
+/// A gated MLP activation `act(gate) * up`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GatedAct {
+    /// `silu_mul`.
+    Silu,
+    /// `gelu_tanh_mul`.
+    GeluTanh,
+}
+
+/// `act(gate) * up`.
+pub fn gated_mul(act: GatedAct, gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+    match act {
+        GatedAct::Silu => silu_mul(gate, up),
+        GatedAct::GeluTanh => gelu_tanh_mul(gate, up),
+    }
+}
+
+/// `h = act(gate) * up` with `h Aᵀ` (`a` `[r, I]`), the LoRA input of the projection that reads
+/// `h`, in `h`'s dtype: one pass over the `(T, I)` tensors on a GPU where the fused kernel
+/// serves the shapes (the product from the bf16 `h` as stored, in f32), else `gated_mul` and
+/// `matmul`.
+pub fn gated_mul_xa(
+    act: GatedAct,
+    gate: &Tensor,
+    up: &Tensor,
+    a: &Tensor,
+) -> Result<(Tensor, Tensor)> {
+    if let Device::Cuda(c) = gate.device() {
+        same_device(gate, a, "gated_mul_xa")?;
+        if let Some(out) = c.gated_mul_xa(act, gate, up, a)? {
+            return Ok(out);
+        }
+    }
+    let h = gated_mul(act, gate, up)?;
+    let xa = matmul(&h, false, a, true, 1.0, h.dtype())?;
+    Ok((h, xa))
+}
+
 /// The gated MLP activation: `silu(gate) * up`.
 pub fn silu_mul(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
     ensure!(

@@ -434,6 +434,54 @@ fn elementwise(cx: &mut Ctx, r: &mut Rng) -> Result<()> {
             cx.push(row);
         }
     }
+    // The activation fused with the down adapter's input (gated_mul_xa): h bit for bit what
+    // the activation alone writes, xa against the CPU's f32 and against the GPU's own product
+    // from the same bf16 h (one rounding apart: summation order). Widths not a multiple of 32
+    // and ranks past 16 take the unfused ops.
+    for act in [GatedAct::Silu, GatedAct::GeluTanh] {
+        for (t, n, rank) in [
+            (333, 1024, 16),
+            (64, 512, 3),
+            (17, 8960, 16),
+            (40, 1000, 8),
+            (9, 256, 20),
+        ] {
+            let (g, u, a) = (
+                r.bnormals(t * n, 2.0),
+                r.bnormals(t * n, 1.0),
+                r.bnormals(rank * n, 0.05),
+            );
+            let (hc, xac) = gated_mul_xa(
+                act,
+                &cx.c(&g, &[t, n])?,
+                &cx.c(&u, &[t, n])?,
+                &cx.c(&a, &[rank, n])?,
+            )?;
+            let (gg, ug, ag) = (
+                cx.g(&g, &[t, n], bf)?,
+                cx.g(&u, &[t, n], bf)?,
+                cx.g(&a, &[rank, n], bf)?,
+            );
+            let (hg, xag) = gated_mul_xa(act, &gg, &ug, &ag)?;
+            let tag = format!("gated_mul_xa {act:?} {t}x{n} r{rank}");
+            let row = cmp_t(&format!("{tag} h"), &hg, &hc, BF16_FWD)?;
+            cx.push(row);
+            let row = cmp_t(&format!("{tag} xa"), &xag, &xac, BF16_FWD)?;
+            cx.push(row);
+            let alone = gated_mul(act, &gg, &ug)?;
+            let row = cmp_t(&format!("{tag} h = the activation's own"), &hg, &alone, 0.0)?;
+            cx.push(row);
+            let xa_alone = matmul(&alone, false, &ag, true, 1.0, bf)?;
+            // One bf16 rounding of the same f32 sum taken in another order: 2^-8 relative.
+            let row = cmp_t(
+                &format!("{tag} xa = the product's own"),
+                &xag,
+                &xa_alone,
+                4e-3,
+            )?;
+            cx.push(row);
+        }
+    }
     // add_assign / add_bias / scale
     {
         let n = 3001;

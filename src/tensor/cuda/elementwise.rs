@@ -9,6 +9,8 @@ struct GateKernels {
     fwd8: &'static str,
     bwd: &'static str,
     bwd8: &'static str,
+    /// Fused with the down projection's LoRA input (`gated_mul_xa`).
+    xa: &'static str,
 }
 
 const SILU: GateKernels = GateKernels {
@@ -16,6 +18,7 @@ const SILU: GateKernels = GateKernels {
     fwd8: "lf_silu_mul_bf16x8",
     bwd: "lf_silu_mul_bwd",
     bwd8: "lf_silu_mul_bwd_bf16x8",
+    xa: "lf_silu_mul_xa",
 };
 
 const GELU_TANH: GateKernels = GateKernels {
@@ -23,6 +26,7 @@ const GELU_TANH: GateKernels = GateKernels {
     fwd8: "lf_gelu_tanh_mul_bf16x8",
     bwd: "lf_gelu_tanh_mul_bwd",
     bwd8: "lf_gelu_tanh_mul_bwd_bf16x8",
+    xa: "lf_gelu_tanh_mul_xa",
 };
 
 impl CudaBackend {
@@ -211,6 +215,58 @@ impl CudaBackend {
         up: &mut Tensor,
     ) -> Result<()> {
         self.gated_mul_bwd_in_place(&GELU_TANH, dh, gate, up)
+    }
+
+    /// `(act(gate) * up, (act(gate) * up) Aᵀ)` in one pass where the fused kernel serves the
+    /// shapes (all bf16, `I % 32 == 0`, rank up to 16, 16-byte aligned): `None` otherwise.
+    pub fn gated_mul_xa(
+        &self,
+        act: crate::tensor::GatedAct,
+        gate: &Tensor,
+        up: &Tensor,
+        a: &Tensor,
+    ) -> Result<Option<(Tensor, Tensor)>> {
+        let k = match act {
+            crate::tensor::GatedAct::Silu => &SILU,
+            crate::tensor::GatedAct::GeluTanh => &GELU_TANH,
+        };
+        let ((t, n), (r, an)) = (gate.rows_cols(), a.rows_cols());
+        let aligned = [gate, up, a]
+            .iter()
+            .map(|x| cuda_ptr(x))
+            .collect::<Result<Vec<_>>>()?
+            .iter()
+            .all(|p| p.is_multiple_of(16));
+        let serves = aligned
+            && [gate, up, a].iter().all(|x| x.dtype() == DType::BF16)
+            && gate.shape() == up.shape()
+            && gate.shape().len() == 2
+            && an == n
+            && n.is_multiple_of(32)
+            && (1..=16).contains(&r)
+            && t > 0;
+        if !serves {
+            return Ok(None);
+        }
+        let h = self.empty(gate.shape(), DType::BF16)?;
+        let xa = self.empty(&[t, r], DType::BF16)?;
+        self.launch(
+            k.xa,
+            (t.div_ceil(16) as u32, 1, 1),
+            256,
+            0,
+            &[
+                Arg::P(cuda_ptr(gate)?),
+                Arg::P(cuda_ptr(up)?),
+                Arg::P(cuda_ptr(a)?),
+                Arg::P(cuda_ptr(&h)?),
+                Arg::P(cuda_ptr(&xa)?),
+                Arg::I64(t as i64),
+                Arg::I32(n as i32),
+                Arg::I32(r as i32),
+            ],
+        )?;
+        Ok(Some((h, xa)))
     }
 
     /// `act(gate) * up` with `k`'s kernels.

@@ -305,6 +305,93 @@ __device__ void gated_mul_bwd_bf16x8(const uint4* dh, const uint4* g, const uint
 GATED_KERNELS(silu_mul, Silu)
 GATED_KERNELS(gelu_tanh_mul, GeluTanh)
 
+// act(gate) * up fused with the down projection's LoRA input xa = h Aᵀ (A [r, I], r <= 16):
+// h as gated_mul_bf16x8 writes it, bit for bit, and xa from those bf16 h on tensor cores, so
+// that h is not read back from memory by a separate product. One block of 8 warps per 16 rows;
+// warp w takes the 32-column chunks w, w + 8, ... of the row range and multiplies them into
+// f32 accumulators, and the block sums the 8 warps' partials in a fixed order (the result does
+// not depend on scheduling). I % 32 == 0, all bf16.
+//
+// The product's k order within a 32-column chunk is free (xa is a sum over k), so each thread
+// loads 8 contiguous columns of its two rows (16-byte loads) and the B fragments read A in the
+// same order: lane (g = lane/4, q = lane%4) holds columns 8q .. 8q+7 of rows g and g + 8; in
+// mma step s (0, 1), its k pairs (2q, 2q+1) and (8+2q, 9+2q) are columns 8q+4s+{0,1} and
+// 8q+4s+{2,3}, a bijection of the chunk's 32 columns onto the two steps' k.
+template <class A>
+__device__ void gated_mul_xa(const bf16* g, const bf16* u, const bf16* a, bf16* h, bf16* xa, i64 t, int n,
+                             int r) {
+    __shared__ float part[8][16][16];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, gq = lane >> 2, q = lane & 3;
+    const i64 row0 = (i64)blockIdx.x * 16;
+    const i64 ra = row0 + gq, rb = ra + 8;
+    const bool va = ra < t, vb = rb < t;
+    float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+    const uint4 zero = make_uint4(0, 0, 0, 0);
+    for (int c = warp * 32; c < n; c += 8 * 32) {
+        const int col = c + 8 * q;
+        uint4 hv[2];
+        #pragma unroll
+        for (int side = 0; side < 2; side++) {
+            const bool ok = side ? vb : va;
+            const i64 at = (side ? rb : ra) * n + col;
+            const uint4 gv = ok ? *(const uint4*)(g + at) : zero, uv = ok ? *(const uint4*)(u + at) : zero;
+            const __nv_bfloat162* gp = (const __nv_bfloat162*)&gv;
+            const __nv_bfloat162* up = (const __nv_bfloat162*)&uv;
+            __nv_bfloat162* op = (__nv_bfloat162*)&hv[side];
+            #pragma unroll
+            for (int j = 0; j < 4; j++) {
+                const float2 gf = __bfloat1622float2(gp[j]), uf = __bfloat1622float2(up[j]);
+                op[j] = __floats2bfloat162_rn(A::fwd(gf.x) * uf.x, A::fwd(gf.y) * uf.y);
+            }
+            if (ok) *(uint4*)(h + at) = hv[side];
+        }
+        // B fragments: rank gq (tile 0) and gq + 8 (tile 1), the same 8 columns.
+        uint4 bv[2];
+        #pragma unroll
+        for (int tile = 0; tile < 2; tile++) {
+            const int rank = gq + 8 * tile;
+            bv[tile] = rank < r ? *(const uint4*)(a + (i64)rank * n + col) : zero;
+        }
+        #pragma unroll
+        for (int s = 0; s < 2; s++) {
+            // a0, a2: row ra's k pairs; a1, a3: row rb's (mma.m16n8k16's A fragment order).
+            const u32 fa[4] = {s ? hv[0].z : hv[0].x, s ? hv[1].z : hv[1].x, s ? hv[0].w : hv[0].y,
+                               s ? hv[1].w : hv[1].y};
+            #pragma unroll
+            for (int tile = 0; tile < 2; tile++) {
+                const u32 b0 = s ? bv[tile].z : bv[tile].x, b1 = s ? bv[tile].w : bv[tile].y;
+                mma16816(acc[tile], fa, b0, b1);
+            }
+        }
+    }
+    // Accumulator fragment: c0, c1 at (row gq, rank 2q + {0, 1}), c2, c3 at row gq + 8.
+    #pragma unroll
+    for (int tile = 0; tile < 2; tile++) {
+        const int rank = 8 * tile + 2 * q;
+        part[warp][gq][rank] = acc[tile][0];
+        part[warp][gq][rank + 1] = acc[tile][1];
+        part[warp][gq + 8][rank] = acc[tile][2];
+        part[warp][gq + 8][rank + 1] = acc[tile][3];
+    }
+    __syncthreads();
+    const int rr = threadIdx.x >> 4, rank = threadIdx.x & 15;
+    if (row0 + rr < t && rank < r) {
+        float sum = 0.f;
+        #pragma unroll
+        for (int w = 0; w < 8; w++) sum += part[w][rr][rank];
+        xa[(row0 + rr) * r + rank] = __float2bfloat16(sum);
+    }
+}
+
+extern "C" __global__ void lf_silu_mul_xa(const bf16* g, const bf16* u, const bf16* a, bf16* h, bf16* xa, i64 t,
+                                          int n, int r) {
+    gated_mul_xa<Silu>(g, u, a, h, xa, t, n, r);
+}
+extern "C" __global__ void lf_gelu_tanh_mul_xa(const bf16* g, const bf16* u, const bf16* a, bf16* h, bf16* xa,
+                                               i64 t, int n, int r) {
+    gated_mul_xa<GeluTanh>(g, u, a, h, xa, t, n, r);
+}
+
 // A frozen weight's adapter columns (src/tensor/cuda/gemm.rs, `write_adapter_cols`):
 // dst[r, j] = scale · b[r, j - at] for at <= j < at + kb, else 0, over rows x width elements (n);
 // rows of dst lie ldd elements apart (dst points at the first adapter column), rows of b ldb.
