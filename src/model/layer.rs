@@ -1240,11 +1240,29 @@ impl Model {
         } = m;
         let w = &self.weights.layers[l];
         let down_dropout = ctx.dropout_for(l, Target::Down);
+        let kind = gated(self.spec.layers[l].activation);
         let d_act = match (
             lora.as_deref_mut()
                 .and_then(|lo| lo.get_mut(l, Target::Down)),
             saved[2].as_ref(),
         ) {
+            (Some(p), Some(sv)) if down_dropout.is_none() && d_out.device().is_cuda() => {
+                // On a GPU the adapter's `dxa A` joins d(act) inside the activation's backward
+                // (one pass over the (T, I) tensors fewer); `act` is freed first, as below.
+                let dxa = lora_bwd(d_out, &act, p, sv)?;
+                drop(act);
+                let mut d_base = dx_through(None, d_out, &w.down)?;
+                ops::gated_mul_bwd_lora_in_place(
+                    kind,
+                    &mut d_base,
+                    &dxa,
+                    p.a(),
+                    &mut gate,
+                    &mut up,
+                )?;
+                drop(d_base);
+                return self.gate_up_backward(l, gate, up, xn2, &saved, lora, ctx);
+            }
             (Some(p), Some(sv)) if down_dropout.is_none() => {
                 // The LoRA terms are the only reader of `act`: it is freed before the (T, I)
                 // gradient is allocated, which lowers the step's peak by one (T, I) tensor.
@@ -1261,6 +1279,22 @@ impl Model {
         };
         gate_act_bwd_in_place(self.spec.layers[l].activation, &d_act, &mut gate, &mut up)?;
         drop(d_act);
+        self.gate_up_backward(l, gate, up, xn2, &saved, lora, ctx)
+    }
+
+    /// d(xn2) from d(gate) and d(up), with their LoRA gradients: the tail of `mlp_backward`.
+    #[allow(clippy::too_many_arguments)]
+    fn gate_up_backward(
+        &self,
+        l: usize,
+        gate: Tensor,
+        up: Tensor,
+        xn2: &Tensor,
+        saved: &[Option<LoraSaved>; 3],
+        lora: Option<&mut Lora>,
+        ctx: &PassCtx,
+    ) -> Result<Tensor> {
+        let w = &self.weights.layers[l];
         let members = vec![
             MemberBwd {
                 dy: gate,

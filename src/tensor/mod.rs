@@ -1260,6 +1260,31 @@ pub fn gated_mul_xa(
     Ok((h, xa))
 }
 
+/// The backward of `act(gate) * up` from `d(h) = d_base + dxa A` (the gradient through a frozen
+/// projection and its adapter's term, `dxa` `[T, r]`, `a` `[r, I]`), written over `gate` and
+/// `up`. On a GPU where the fused kernel serves the shapes, `d(h)` is summed in f32 inside it and
+/// never stored; elsewhere the term is added into `d_base` first.
+pub fn gated_mul_bwd_lora_in_place(
+    act: GatedAct,
+    d_base: &mut Tensor,
+    dxa: &Tensor,
+    a: &Tensor,
+    gate: &mut Tensor,
+    up: &mut Tensor,
+) -> Result<()> {
+    if let Device::Cuda(c) = gate.device().clone() {
+        same_device(gate, a, "gated_mul_bwd_lora_in_place")?;
+        if c.gated_mul_bwd_lora_in_place(act, d_base, dxa, a, gate, up)? {
+            return Ok(());
+        }
+    }
+    matmul_acc(d_base, dxa, false, a, false, 1.0, 1.0)?;
+    match act {
+        GatedAct::Silu => silu_mul_bwd_in_place(d_base, gate, up),
+        GatedAct::GeluTanh => gelu_tanh_mul_bwd_in_place(d_base, gate, up),
+    }
+}
+
 /// The gated MLP activation: `silu(gate) * up`.
 pub fn silu_mul(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
     ensure!(

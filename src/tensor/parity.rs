@@ -482,6 +482,43 @@ fn elementwise(cx: &mut Ctx, r: &mut Rng) -> Result<()> {
             cx.push(row);
         }
     }
+    // Its backward with the adapter's dxa A added to d(h) (gated_mul_bwd_lora_in_place),
+    // against the CPU's f32; the same shapes, so that the unfused fallback runs too.
+    for act in [GatedAct::Silu, GatedAct::GeluTanh] {
+        for (t, n, rank) in [
+            (333, 1024, 16),
+            (64, 512, 3),
+            (17, 8960, 16),
+            (40, 1000, 8),
+            (9, 256, 20),
+            (45, 1004, 4),
+        ] {
+            let (g, u, d) = (
+                r.bnormals(t * n, 2.0),
+                r.bnormals(t * n, 1.0),
+                r.bnormals(t * n, 1.0),
+            );
+            let (dxa, a) = (r.bnormals(t * rank, 1.0), r.bnormals(rank * n, 0.3));
+            let run =
+                |dev_t: &dyn Fn(&[f32], &[usize]) -> Result<Tensor>| -> Result<(Tensor, Tensor)> {
+                    let (mut gt, mut ut, mut dt) = (
+                        dev_t(&g, &[t, n])?,
+                        dev_t(&u, &[t, n])?,
+                        dev_t(&d, &[t, n])?,
+                    );
+                    let (xt, at) = (dev_t(&dxa, &[t, rank])?, dev_t(&a, &[rank, n])?);
+                    gated_mul_bwd_lora_in_place(act, &mut dt, &xt, &at, &mut gt, &mut ut)?;
+                    Ok((gt, ut))
+                };
+            let (dgc, duc) = run(&|v, sh| cx.c(v, sh))?;
+            let (dgg, dug) = run(&|v, sh| cx.g(v, sh, bf))?;
+            let tag = format!("gated_mul_bwd_lora {act:?} {t}x{n} r{rank}");
+            let row = cmp_t(&format!("{tag} dgate"), &dgg, &dgc, BF16_GRAD)?;
+            cx.push(row);
+            let row = cmp_t(&format!("{tag} dup"), &dug, &duc, BF16_GRAD)?;
+            cx.push(row);
+        }
+    }
     // add_assign / add_bias / scale
     {
         let n = 3001;

@@ -11,6 +11,8 @@ struct GateKernels {
     bwd8: &'static str,
     /// Fused with the down projection's LoRA input (`gated_mul_xa`).
     xa: &'static str,
+    /// The backward with the down adapter's term added to d(h) (`gated_mul_bwd_lora_in_place`).
+    bwd_lora: &'static str,
 }
 
 const SILU: GateKernels = GateKernels {
@@ -19,6 +21,7 @@ const SILU: GateKernels = GateKernels {
     bwd: "lf_silu_mul_bwd",
     bwd8: "lf_silu_mul_bwd_bf16x8",
     xa: "lf_silu_mul_xa",
+    bwd_lora: "lf_silu_mul_bwd_lora",
 };
 
 const GELU_TANH: GateKernels = GateKernels {
@@ -27,7 +30,15 @@ const GELU_TANH: GateKernels = GateKernels {
     bwd: "lf_gelu_tanh_mul_bwd",
     bwd8: "lf_gelu_tanh_mul_bwd_bf16x8",
     xa: "lf_gelu_tanh_mul_xa",
+    bwd_lora: "lf_gelu_tanh_mul_bwd_lora",
 };
+
+fn gate_kernels(act: crate::tensor::GatedAct) -> &'static GateKernels {
+    match act {
+        crate::tensor::GatedAct::Silu => &SILU,
+        crate::tensor::GatedAct::GeluTanh => &GELU_TANH,
+    }
+}
 
 impl CudaBackend {
     pub fn rms_norm(&self, x: &Tensor, w: &Tensor, eps: f32) -> Result<(Tensor, Tensor)> {
@@ -217,6 +228,59 @@ impl CudaBackend {
         self.gated_mul_bwd_in_place(&GELU_TANH, dh, gate, up)
     }
 
+    /// The backward of `act(gate) * up` from `d_base + dxa A`, written over `gate` and `up`,
+    /// where the fused kernel serves the shapes (all bf16, `I % 8 == 0`, rank up to 16, 16-byte
+    /// aligned): false, with nothing written, otherwise.
+    pub fn gated_mul_bwd_lora_in_place(
+        &self,
+        act: crate::tensor::GatedAct,
+        d_base: &Tensor,
+        dxa: &Tensor,
+        a: &Tensor,
+        gate: &mut Tensor,
+        up: &mut Tensor,
+    ) -> Result<bool> {
+        let k = gate_kernels(act);
+        let ((t, n), (r, an), (xt, xr)) = (gate.rows_cols(), a.rows_cols(), dxa.rows_cols());
+        let ts = [d_base, dxa, a, &*gate, &*up];
+        let aligned = ts
+            .iter()
+            .map(|x| cuda_ptr(x))
+            .collect::<Result<Vec<_>>>()?
+            .iter()
+            .all(|p| p.is_multiple_of(16));
+        let serves = aligned
+            && ts.iter().all(|x| x.dtype() == DType::BF16)
+            && gate.shape() == up.shape()
+            && d_base.shape() == gate.shape()
+            && gate.shape().len() == 2
+            && an == n
+            && (xt, xr) == (t, r)
+            && n.is_multiple_of(8)
+            && (1..=16).contains(&r)
+            && t > 0;
+        if !serves {
+            return Ok(false);
+        }
+        self.launch(
+            k.bwd_lora,
+            (n.div_ceil(1024) as u32, t.div_ceil(32) as u32, 1),
+            256,
+            0,
+            &[
+                Arg::P(cuda_ptr(d_base)?),
+                Arg::P(cuda_ptr(dxa)?),
+                Arg::P(cuda_ptr(a)?),
+                Arg::P(cuda_ptr(gate)?),
+                Arg::P(cuda_ptr(up)?),
+                Arg::I64(t as i64),
+                Arg::I32(n as i32),
+                Arg::I32(r as i32),
+            ],
+        )?;
+        Ok(true)
+    }
+
     /// `(act(gate) * up, (act(gate) * up) Aᵀ)` in one pass where the fused kernel serves the
     /// shapes (all bf16, `I % 32 == 0`, rank up to 16, 16-byte aligned): `None` otherwise.
     pub fn gated_mul_xa(
@@ -226,10 +290,7 @@ impl CudaBackend {
         up: &Tensor,
         a: &Tensor,
     ) -> Result<Option<(Tensor, Tensor)>> {
-        let k = match act {
-            crate::tensor::GatedAct::Silu => &SILU,
-            crate::tensor::GatedAct::GeluTanh => &GELU_TANH,
-        };
+        let k = gate_kernels(act);
         let ((t, n), (r, an)) = (gate.rows_cols(), a.rows_cols());
         let aligned = [gate, up, a]
             .iter()

@@ -383,6 +383,74 @@ __device__ void gated_mul_xa(const bf16* g, const bf16* u, const bf16* a, bf16* 
     }
 }
 
+// Backward of act(gate) * up where the down projection's adapter adds its term to d(h):
+// d = d_base + dxa A (dxa [T, r], A [r, I], r <= 16) in f32, then (d gate, d up) written over
+// gate and up, as gated_mul_bwd_bf16x8 writes them from d. d_base is d(h) through the frozen
+// down weight, so that d(h) is never stored with the adapter's term. A block takes 1024
+// columns (4 a thread, A's 16 x 4 held in registers) of 32 rows (their dxa in shared memory).
+// I % 8 == 0, all bf16.
+template <class A>
+__device__ void gated_mul_bwd_lora(const bf16* d, const bf16* dxa, const bf16* a, bf16* g, bf16* u, i64 t, int n,
+                                   int r) {
+    __shared__ float sx[32][16];
+    const int col = blockIdx.x * 1024 + threadIdx.x * 4;
+    const i64 row0 = (i64)blockIdx.y * 32;
+    for (int i = threadIdx.x; i < 32 * 16; i += blockDim.x) {
+        const int rr = i >> 4, k = i & 15;
+        const i64 row = row0 + rr;
+        sx[rr][k] = row < t && k < r ? __bfloat162float(dxa[row * r + k]) : 0.f;
+    }
+    const bool ok = col < n;
+    float av[16][4];
+    #pragma unroll
+    for (int k = 0; k < 16; k++) {
+        float2 lo = make_float2(0.f, 0.f), hi = lo;
+        if (ok && k < r) {
+            const uint2 w = *(const uint2*)(a + (i64)k * n + col);
+            lo = __bfloat1622float2(*(const __nv_bfloat162*)&w.x);
+            hi = __bfloat1622float2(*(const __nv_bfloat162*)&w.y);
+        }
+        av[k][0] = lo.x, av[k][1] = lo.y, av[k][2] = hi.x, av[k][3] = hi.y;
+    }
+    __syncthreads();
+    if (!ok) return;
+    #pragma unroll 2
+    for (int rr = 0; rr < 32; rr++) {
+        const i64 row = row0 + rr;
+        if (row >= t) break;
+        const i64 at = row * n + col;
+        const uint2 dv = *(const uint2*)(d + at), gv = *(const uint2*)(g + at), uv = *(const uint2*)(u + at);
+        float lora[4] = {0.f, 0.f, 0.f, 0.f};
+        #pragma unroll
+        for (int k = 0; k < 16; k++) {
+            const float x = sx[rr][k];
+            #pragma unroll
+            for (int j = 0; j < 4; j++) lora[j] = fmaf(x, av[k][j], lora[j]);
+        }
+        const float2 d0 = __bfloat1622float2(*(const __nv_bfloat162*)&dv.x),
+                     d1 = __bfloat1622float2(*(const __nv_bfloat162*)&dv.y),
+                     g0 = __bfloat1622float2(*(const __nv_bfloat162*)&gv.x),
+                     g1 = __bfloat1622float2(*(const __nv_bfloat162*)&gv.y),
+                     u0 = __bfloat1622float2(*(const __nv_bfloat162*)&uv.x),
+                     u1 = __bfloat1622float2(*(const __nv_bfloat162*)&uv.y);
+        const float2 e0 = A::grad(d0.x + lora[0], g0.x, u0.x), e1 = A::grad(d0.y + lora[1], g0.y, u0.y),
+                     e2 = A::grad(d1.x + lora[2], g1.x, u1.x), e3 = A::grad(d1.y + lora[3], g1.y, u1.y);
+        const u32 dg0 = pack_bf16(e0.x, e1.x), dg1 = pack_bf16(e2.x, e3.x);
+        const u32 du0 = pack_bf16(e0.y, e1.y), du1 = pack_bf16(e2.y, e3.y);
+        *(uint2*)(g + at) = make_uint2(dg0, dg1);
+        *(uint2*)(u + at) = make_uint2(du0, du1);
+    }
+}
+
+extern "C" __global__ void lf_silu_mul_bwd_lora(const bf16* d, const bf16* dxa, const bf16* a, bf16* g, bf16* u,
+                                                i64 t, int n, int r) {
+    gated_mul_bwd_lora<Silu>(d, dxa, a, g, u, t, n, r);
+}
+extern "C" __global__ void lf_gelu_tanh_mul_bwd_lora(const bf16* d, const bf16* dxa, const bf16* a, bf16* g,
+                                                     bf16* u, i64 t, int n, int r) {
+    gated_mul_bwd_lora<GeluTanh>(d, dxa, a, g, u, t, n, r);
+}
+
 extern "C" __global__ void lf_silu_mul_xa(const bf16* g, const bf16* u, const bf16* a, bf16* h, bf16* xa, i64 t,
                                           int n, int r) {
     gated_mul_xa<Silu>(g, u, a, h, xa, t, n, r);
