@@ -438,14 +438,17 @@ fn elementwise(cx: &mut Ctx, r: &mut Rng) -> Result<()> {
     // the activation alone writes, xa against the CPU's f32 and against the GPU's own product
     // from the same bf16 h (one rounding apart: summation order). Widths not a multiple of 32
     // and ranks past 16 take the unfused ops.
+    // (T, I, rank): rows past a block's 16, one at I = 8960, I % 32 != 0, a rank past 16.
+    const GATED_SHAPES: [(usize, usize, usize); 6] = [
+        (333, 1024, 16),
+        (64, 512, 3),
+        (17, 8960, 16),
+        (40, 1000, 8),
+        (9, 256, 20),
+        (45, 1004, 4),
+    ];
     for act in [GatedAct::Silu, GatedAct::GeluTanh] {
-        for (t, n, rank) in [
-            (333, 1024, 16),
-            (64, 512, 3),
-            (17, 8960, 16),
-            (40, 1000, 8),
-            (9, 256, 20),
-        ] {
+        for (t, n, rank) in GATED_SHAPES {
             let (g, u, a) = (
                 r.bnormals(t * n, 2.0),
                 r.bnormals(t * n, 1.0),
@@ -483,35 +486,26 @@ fn elementwise(cx: &mut Ctx, r: &mut Rng) -> Result<()> {
         }
     }
     // Its backward with the adapter's dxa A added to d(h) (gated_mul_bwd_lora_in_place),
-    // against the CPU's f32; the same shapes, so that the unfused fallback runs too.
+    // against the CPU's f32; I % 8 != 0 and the rank past 16 take the unfused ops.
     for act in [GatedAct::Silu, GatedAct::GeluTanh] {
-        for (t, n, rank) in [
-            (333, 1024, 16),
-            (64, 512, 3),
-            (17, 8960, 16),
-            (40, 1000, 8),
-            (9, 256, 20),
-            (45, 1004, 4),
-        ] {
+        for (t, n, rank) in GATED_SHAPES {
             let (g, u, d) = (
                 r.bnormals(t * n, 2.0),
                 r.bnormals(t * n, 1.0),
                 r.bnormals(t * n, 1.0),
             );
             let (dxa, a) = (r.bnormals(t * rank, 1.0), r.bnormals(rank * n, 0.3));
-            let run =
-                |dev_t: &dyn Fn(&[f32], &[usize]) -> Result<Tensor>| -> Result<(Tensor, Tensor)> {
-                    let (mut gt, mut ut, mut dt) = (
-                        dev_t(&g, &[t, n])?,
-                        dev_t(&u, &[t, n])?,
-                        dev_t(&d, &[t, n])?,
-                    );
-                    let (xt, at) = (dev_t(&dxa, &[t, rank])?, dev_t(&a, &[rank, n])?);
-                    gated_mul_bwd_lora_in_place(act, &mut dt, &xt, &at, &mut gt, &mut ut)?;
-                    Ok((gt, ut))
-                };
-            let (dgc, duc) = run(&|v, sh| cx.c(v, sh))?;
-            let (dgg, dug) = run(&|v, sh| cx.g(v, sh, bf))?;
+            // On the CPU in f32 (gpu false) or on the device in bf16.
+            let run = |gpu: bool| -> Result<(Tensor, Tensor)> {
+                let on = |v: &[f32], sh: &[usize]| if gpu { cx.g(v, sh, bf) } else { cx.c(v, sh) };
+                let (mut gt, mut ut, mut dt) =
+                    (on(&g, &[t, n])?, on(&u, &[t, n])?, on(&d, &[t, n])?);
+                let (xt, at) = (on(&dxa, &[t, rank])?, on(&a, &[rank, n])?);
+                gated_mul_bwd_lora_in_place(act, &mut dt, &xt, &at, &mut gt, &mut ut)?;
+                Ok((gt, ut))
+            };
+            let (dgc, duc) = run(false)?;
+            let (dgg, dug) = run(true)?;
             let tag = format!("gated_mul_bwd_lora {act:?} {t}x{n} r{rank}");
             let row = cmp_t(&format!("{tag} dgate"), &dgg, &dgc, BF16_GRAD)?;
             cx.push(row);

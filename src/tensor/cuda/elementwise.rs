@@ -33,6 +33,16 @@ const GELU_TANH: GateKernels = GateKernels {
     bwd_lora: "lf_gelu_tanh_mul_bwd_lora",
 };
 
+/// Whether every tensor is bf16 and starts on 16 bytes (the fused gated kernels' vector loads).
+fn bf16_aligned(ts: &[&Tensor]) -> Result<bool> {
+    for t in ts {
+        if t.dtype() != DType::BF16 || !cuda_ptr(t)?.is_multiple_of(16) {
+            return Ok(false);
+        }
+    }
+    Ok(true)
+}
+
 fn gate_kernels(act: crate::tensor::GatedAct) -> &'static GateKernels {
     match act {
         crate::tensor::GatedAct::Silu => &SILU,
@@ -242,15 +252,7 @@ impl CudaBackend {
     ) -> Result<bool> {
         let k = gate_kernels(act);
         let ((t, n), (r, an), (xt, xr)) = (gate.rows_cols(), a.rows_cols(), dxa.rows_cols());
-        let ts = [d_base, dxa, a, &*gate, &*up];
-        let aligned = ts
-            .iter()
-            .map(|x| cuda_ptr(x))
-            .collect::<Result<Vec<_>>>()?
-            .iter()
-            .all(|p| p.is_multiple_of(16));
-        let serves = aligned
-            && ts.iter().all(|x| x.dtype() == DType::BF16)
+        let serves = bf16_aligned(&[d_base, dxa, a, gate, up])?
             && gate.shape() == up.shape()
             && d_base.shape() == gate.shape()
             && gate.shape().len() == 2
@@ -292,14 +294,7 @@ impl CudaBackend {
     ) -> Result<Option<(Tensor, Tensor)>> {
         let k = gate_kernels(act);
         let ((t, n), (r, an)) = (gate.rows_cols(), a.rows_cols());
-        let aligned = [gate, up, a]
-            .iter()
-            .map(|x| cuda_ptr(x))
-            .collect::<Result<Vec<_>>>()?
-            .iter()
-            .all(|p| p.is_multiple_of(16));
-        let serves = aligned
-            && [gate, up, a].iter().all(|x| x.dtype() == DType::BF16)
+        let serves = bf16_aligned(&[gate, up, a])?
             && gate.shape() == up.shape()
             && gate.shape().len() == 2
             && an == n
