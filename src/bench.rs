@@ -882,18 +882,16 @@ fn refusal(
     budget: usize,
     held: usize,
 ) -> String {
-    let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
     if let Some(m) = memory::model_over_limit(held, cfg.memory_limit) {
         return m;
     }
     format!(
-        "{} tokens in one pass: the plan ({}) needs an estimated {:.2} GiB of activations and \
-         {:.2} GiB are left for them; largest terms: {}; the longest pass that fits is about {} \
-         tokens",
+        "{} tokens in one pass: the plan ({}) needs an estimated {} of activations and {} are \
+         left for them; largest terms: {}; the longest pass that fits is about {} tokens",
         shape.tokens,
         memory::describe_plan(&crate::train::trainer::keep_plan(opts)),
-        gib(estimate.total()),
-        gib(budget),
+        memory::size_text(estimate.total()),
+        memory::size_text(budget),
         estimate.largest(3),
         memory::longest_that_fits(shape, cfg.mlp_chunk, cfg.offload, budget)
     )

@@ -64,19 +64,32 @@ impl Estimate {
         self.terms.iter().map(|(_, b)| b).sum()
     }
 
-    /// The `n` largest terms, largest first, as `name GiB` text.
+    /// The `n` largest terms, largest first, as `name size` text (`size_text`).
     pub fn largest(&self, n: usize) -> String {
         let mut t: Vec<_> = self.terms.iter().filter(|(_, b)| *b > 0).collect();
         t.sort_by_key(|(_, b)| std::cmp::Reverse(*b));
         t.iter()
             .take(n)
-            .map(|(name, b)| format!("{name} {:.2} GiB", *b as f64 / GIB))
+            .map(|(name, b)| format!("{name} {}", size_text(*b)))
             .collect::<Vec<_>>()
             .join(", ")
     }
 }
 
 const GIB: f64 = (1u64 << 30) as f64;
+
+/// `bytes` for a message: GiB to two places, or MiB / KiB where that would read 0.00 GiB (a
+/// tiny model's terms, a small `memory_limit`).
+pub fn size_text(bytes: usize) -> String {
+    let b = bytes as f64;
+    if b >= GIB / 10.0 {
+        format!("{:.2} GiB", b / GIB)
+    } else if b >= (1 << 20) as f64 {
+        format!("{:.1} MiB", b / (1 << 20) as f64)
+    } else {
+        format!("{:.1} KiB", b / 1024.0)
+    }
+}
 
 /// The refusal when the model alone (weights, adapter and optimiser state: `held` bytes) takes
 /// all of `memory_limit`, so that no plan of any length fits; `None` otherwise. The trainer's
@@ -85,8 +98,8 @@ pub fn model_over_limit(held: usize, memory_limit: Option<f64>) -> Option<String
     let g = memory_limit.filter(|&g| held as f64 >= g * GIB)?;
     Some(format!(
         "memory_limit = {g}: the model alone (weights, adapter and optimiser state) holds \
-         {:.2} GiB, more than the limit: raise memory_limit",
-        held as f64 / GIB
+         {}, more than the limit: raise memory_limit",
+        size_text(held)
     ))
 }
 
@@ -968,6 +981,17 @@ pub fn free_margin(free: usize) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Sizes in messages never read 0.00 GiB for something that is there: GiB from a tenth of
+    /// one, then MiB, then KiB.
+    #[test]
+    fn sizes_read_in_a_unit_that_shows_them() {
+        assert_eq!(size_text(3 << 30), "3.00 GiB");
+        assert_eq!(size_text(110 << 20), "0.11 GiB");
+        assert_eq!(size_text(2_200_000), "2.1 MiB");
+        assert_eq!(size_text(69_120), "67.5 KiB");
+        assert_eq!(size_text(0), "0.0 KiB");
+    }
 
     /// Llama-3-8B's shape.
     fn llama8b() -> ModelSpec {

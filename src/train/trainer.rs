@@ -647,22 +647,27 @@ pub fn refuse_unless_longest_fits(
     if estimate.total() <= budget {
         return Ok(());
     }
-    let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
+    let size = super::memory::size_text;
     let held = model.device.memory().live_bytes;
     if let Some(m) = super::memory::model_over_limit(held, cfg.memory_limit) {
         bail!("{m}");
     }
     let shape = step_shape(cfg, model, tokens);
     let available = match cfg.memory_limit {
+        Some(g) if model.device.is_cuda() => format!(
+            "{} are left for them under memory_limit = {g} (weights, adapter and optimiser \
+             state hold {})",
+            size(budget),
+            size(model.device.memory().live_bytes)
+        ),
         Some(g) => format!(
-            "{:.2} GiB are left for them under memory_limit = {g} (weights, adapter and optimiser \
-             state hold {:.2} GiB)",
-            gib(budget),
-            gib(model.device.memory().live_bytes)
+            "{} are left for them under memory_limit = {g} (on the CPU the limit is for the \
+             step's activations alone)",
+            size(budget)
         ),
         None => format!(
-            "{:.2} GiB of the device's free memory are left for them (less a margin)",
-            gib(budget)
+            "{} of the device's free memory are left for them (less a margin)",
+            size(budget)
         ),
     };
     let fixed = cfg.segment_size.is_some()
@@ -672,9 +677,9 @@ pub fn refuse_unless_longest_fits(
     let (_, smallest) = shape.smallest(cfg.mlp_chunk, cfg.offload);
     let advice = if fixed && smallest.total() <= budget {
         format!(
-            "The planner's smallest plan needs {:.2} GiB: unset segment_size, keep_attention, \
+            "The planner's smallest plan needs {}: unset segment_size, keep_attention, \
              keep_kv_layers and mlp_chunk to let it choose",
-            gib(smallest.total())
+            size(smallest.total())
         )
     } else {
         let longest = super::memory::longest_that_fits(shape, cfg.mlp_chunk, cfg.offload, budget);
@@ -694,10 +699,10 @@ pub fn refuse_unless_longest_fits(
         format!("{}, the longest,", item.describe(idx, &cfg.data))
     };
     bail!(
-        "{what} runs {tokens} tokens in one pass; its plan ({}) needs an estimated {:.2} GiB of \
+        "{what} runs {tokens} tokens in one pass; its plan ({}) needs an estimated {} of \
          activations and {available}. Largest terms: {}. {advice}",
         super::memory::describe_plan(&keep_plan(&opts)),
-        gib(estimate.total()),
+        size(estimate.total()),
         estimate.largest(3)
     )
 }
