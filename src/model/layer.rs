@@ -149,24 +149,11 @@ pub struct LayerRun<'a> {
     pub keep_mlp: bool,
 }
 
-/// The gate activation times up: `act(gate) * up`.
+/// A layer's gated activation `act(gate) * up` as the tensor layer names it.
 fn gated(act: Activation) -> ops::GatedAct {
     match act {
         Activation::Silu => ops::GatedAct::Silu,
         Activation::GeluTanh => ops::GatedAct::GeluTanh,
-    }
-}
-
-/// Backward of `ops::gated_mul`, writing d(gate) over `gate` and d(up) over `up`.
-fn gate_act_bwd_in_place(
-    act: Activation,
-    dh: &Tensor,
-    gate: &mut Tensor,
-    up: &mut Tensor,
-) -> Result<()> {
-    match act {
-        Activation::Silu => ops::silu_mul_bwd_in_place(dh, gate, up),
-        Activation::GeluTanh => ops::gelu_tanh_mul_bwd_in_place(dh, gate, up),
     }
 }
 
@@ -1277,7 +1264,7 @@ impl Model {
                 d_act
             }
         };
-        gate_act_bwd_in_place(self.spec.layers[l].activation, &d_act, &mut gate, &mut up)?;
+        ops::gated_mul_bwd_in_place(kind, &d_act, &mut gate, &mut up)?;
         drop(d_act);
         self.gate_up_backward(l, gate, up, xn2, &saved, lora, ctx)
     }

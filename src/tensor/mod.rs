@@ -1279,9 +1279,19 @@ pub fn gated_mul_bwd_lora_in_place(
         }
     }
     matmul_acc(d_base, dxa, false, a, false, 1.0, 1.0)?;
+    gated_mul_bwd_in_place(act, d_base, gate, up)
+}
+
+/// The backward of `act(gate) * up` from `dh`, written over `gate` and `up`.
+pub fn gated_mul_bwd_in_place(
+    act: GatedAct,
+    dh: &Tensor,
+    gate: &mut Tensor,
+    up: &mut Tensor,
+) -> Result<()> {
     match act {
-        GatedAct::Silu => silu_mul_bwd_in_place(d_base, gate, up),
-        GatedAct::GeluTanh => gelu_tanh_mul_bwd_in_place(d_base, gate, up),
+        GatedAct::Silu => silu_mul_bwd_in_place(dh, gate, up),
+        GatedAct::GeluTanh => gelu_tanh_mul_bwd_in_place(dh, gate, up),
     }
 }
 
