@@ -9,7 +9,7 @@
 //! nh/nkv heads of hd dims.
 
 use super::config::Activation;
-use super::lora::{Lora, LoraPair, Target, GROUP_GATE_UP, GROUP_QKV};
+use super::lora::{stacked_columns, Lora, LoraPair, Target, GROUP_GATE_UP, GROUP_QKV};
 use super::runner::{Model, PassCtx};
 use super::weights::Weight;
 use crate::tensor::{self as ops, AttnMask, AttnShape, DType, RopeTable, Tensor, TensorRef};
@@ -291,10 +291,8 @@ fn group_input(
     let Some(stack) = xa.iter().flatten().next().map(|s| s.xa.clone()) else {
         return Ok(None);
     };
-    match group_layout(members, stack.rows_cols().1) {
-        Some((kd, one_at))
-            if stack.dtype() == DType::BF16 && x.dim(0) * kd * 2 <= ROUND_ONCE_BYTES =>
-        {
+    match packed_layout(members, stack.rows_cols().1, x.dim(0)) {
+        Some((kd, one_at)) if stack.dtype() == DType::BF16 => {
             let x = ops::pack_input(x, ops::Cols::all(&stack), kd, one_at)?;
             Ok(Some(GroupInput { x, one_at }))
         }
@@ -307,8 +305,8 @@ type Members<'a> = Vec<(&'a Weight, Target)>;
 
 impl Model {
     /// Makes every extended weight of the model hold its adapter where the next pass of `t`
-    /// tokens will read it (`group_layout`, within `ROUND_ONCE_BYTES`: at its place in the
-    /// group's stacked product, or at 0), in one launch after an optimiser step instead of one
+    /// tokens will read it (`packed_layout`: at its place in the group's stacked product, or
+    /// at 0), in one launch after an optimiser step instead of one
     /// at each weight's first use. `linear_fwd` still checks each weight and rewrites what this
     /// did not foresee (an MLP chunk or row range of another size).
     pub fn hold_adapters(&self, lora: &Lora, t: usize, ctx: &PassCtx) -> Result<()> {
@@ -340,8 +338,7 @@ impl Model {
                 let weights: Vec<&Weight> = members.iter().map(|&(w, _)| w).collect();
                 let packed = stacked.filter(|st| {
                     let width = st.members.iter().map(|&(_, r)| r).sum();
-                    group_layout(&weights, width)
-                        .is_some_and(|(kd, _)| t * kd * 2 <= ROUND_ONCE_BYTES)
+                    packed_layout(&weights, width, t).is_some()
                 });
                 for (w, tg) in members {
                     let (Weight::Extended(e), Some(p)) = (w, lora.get(l, tg)) else {
@@ -351,12 +348,10 @@ impl Model {
                         continue;
                     }
                     let at = match packed {
-                        Some(st) => st
-                            .members
-                            .iter()
-                            .take_while(|&&(m, _)| m != tg)
-                            .map(|&(_, r)| r)
-                            .sum(),
+                        Some(st) => match stacked_columns(&st.members).find(|&(m, _)| m == tg) {
+                            Some((_, cols)) => cols.start,
+                            None => continue,
+                        },
                         None if p.rank <= e.pad() => 0,
                         None => continue,
                     };
@@ -366,6 +361,13 @@ impl Model {
         }
         super::weights::hold_adapters(&items)
     }
+}
+
+/// `group_layout` where the packed input of `rows` rows stays within `ROUND_ONCE_BYTES`: the
+/// layout a group's forward packs its input in (`group_input`), and so the columns its
+/// adapters are held at (`Model::hold_adapters`).
+fn packed_layout(members: &[&Weight], width: usize, rows: usize) -> Option<(usize, Option<usize>)> {
+    group_layout(members, width).filter(|&(kd, _)| rows * kd * 2 <= ROUND_ONCE_BYTES)
 }
 
 /// The width `K + pad` and bias column shared by `members` where all of them are stored with
@@ -473,13 +475,11 @@ pub(crate) fn stacked_lora_inputs(
         return Ok(out);
     }
     let xa = Arc::new(ops::matmul(x, false, &st.a, true, 1.0, x.dtype())?);
-    let mut c0 = 0;
-    for &(t, r) in &st.members {
+    for (t, cols) in stacked_columns(&st.members) {
         out[t.index()] = Some(LoraSaved {
             xa: xa.clone(),
-            cols: c0..c0 + r,
+            cols,
         });
-        c0 += r;
     }
     Ok(out)
 }
@@ -604,8 +604,7 @@ fn extended_group_width(
     if !members.iter().all(bf16) {
         return Ok(None);
     }
-    let mut c0 = 0;
-    for &(tg, r) in stacked {
+    for (tg, cols) in stacked_columns(stacked) {
         let m = members.iter().find(|m| m.target == tg);
         if let (
             Some(MemberBwd {
@@ -615,9 +614,8 @@ fn extended_group_width(
             Some(p),
         ) = (m, lo.get(l, tg))
         {
-            e.hold_adapter(p.b(), p.scale, p.generation(), c0)?;
+            e.hold_adapter(p.b(), p.scale, p.generation(), cols.start)?;
         }
-        c0 += r;
     }
     Ok(Some(kd))
 }

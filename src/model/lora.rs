@@ -237,6 +237,17 @@ pub struct StackedA {
     pub members: Vec<(Target, usize)>,
 }
 
+/// Each member's columns in a stacked product: the members' ranks laid end to end, in order.
+pub fn stacked_columns(
+    members: &[(Target, usize)],
+) -> impl Iterator<Item = (Target, std::ops::Range<usize>)> + '_ {
+    members.iter().scan(0, |c0, &(t, r)| {
+        let cols = *c0..*c0 + r;
+        *c0 += r;
+        Some((t, cols))
+    })
+}
+
 /// All adapters of a model: `layers[l][target.index()]`.
 pub struct Lora {
     pub config: LoraConfig,
