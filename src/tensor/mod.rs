@@ -477,7 +477,7 @@ fn same_device(a: &Tensor, b: &Tensor, op: &str) -> Result<()> {
 /// cut by an optional sliding window over *logical* positions (key k is visible to query q only if
 /// `pos[q] - pos[k] < window`). Plain causal attention is `[0, q+1) ∪ ∅`; the prefix-shared layout
 /// [prompt P; chosen C; rejected R] gives a rejected query `[0, P) ∪ [P+C, q+1)`.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct AttnMask {
     /// Per query: `[start0, end0, start1, end1]`.
     pub ranges: Vec<[u32; 4]>,

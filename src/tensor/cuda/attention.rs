@@ -4,37 +4,35 @@ use super::*;
 
 /// Masks kept on the device after their upload, most recent first. A pass attends under one
 /// mask in every layer, forward and backward (two or three masks where a preference pair runs
-/// as separate sequences), so a few entries serve it; a mask is recognised by its host bytes,
-/// compared in full, so that a mask changed in place is never mistaken for the one uploaded.
-/// Entries are small: a mask whose device buffer passes `MASK_CACHE_ENTRY_MAX` (its tile
-/// table grows with the square of the length) is uploaded at each call instead.
+/// as separate sequences), so a few entries serve it; a mask is recognised by its contents
+/// (ranges, positions and window, compared in full, before its upload bytes are built), so that
+/// a mask changed in place is never mistaken for the one uploaded. Entries are small: a mask
+/// whose device buffer passes `MASK_CACHE_ENTRY_MAX` (its tile table grows with the square of
+/// the length) is uploaded at each call instead.
 #[derive(Default)]
 pub(super) struct MaskCache {
-    entries: Vec<(Vec<u8>, i32, Arc<CudaStorage>, MaskArg)>,
+    entries: Vec<(AttnMask, Arc<CudaStorage>, MaskArg)>,
 }
 
 const MASK_CACHE_ENTRIES: usize = 4;
 const MASK_CACHE_ENTRY_MAX: usize = 4 << 20;
 
 impl MaskCache {
-    fn find(&mut self, bytes: &[u8], window: i32) -> Option<(Arc<CudaStorage>, MaskArg)> {
-        let i = self
-            .entries
-            .iter()
-            .position(|(b, w, ..)| *w == window && b.as_slice() == bytes)?;
+    fn find(&mut self, mask: &AttnMask) -> Option<(Arc<CudaStorage>, MaskArg)> {
+        let i = self.entries.iter().position(|(m, ..)| m == mask)?;
         let e = self.entries.remove(i);
-        let hit = (e.2.clone(), e.3);
+        let hit = (e.1.clone(), e.2);
         self.entries.insert(0, e);
         Some(hit)
     }
 
-    fn insert(&mut self, bytes: Vec<u8>, window: i32, s: Arc<CudaStorage>, arg: MaskArg) {
+    fn insert(&mut self, mask: &AttnMask, s: Arc<CudaStorage>, arg: MaskArg) {
         if s.bytes > MASK_CACHE_ENTRY_MAX {
             return;
         }
         // An evicted buffer is freed in stream order, after the kernels that read it.
         self.entries.truncate(MASK_CACHE_ENTRIES - 1);
-        self.entries.insert(0, (bytes, window, s, arg));
+        self.entries.insert(0, (mask.clone(), s, arg));
     }
 }
 
@@ -45,6 +43,9 @@ impl CudaBackend {
     /// device, lf_attn_tile_flags). A mask uploaded by an earlier call with the same contents
     /// is reused (`MaskCache`): every layer of a pass attends under one mask.
     fn upload_mask(&self, mask: &AttnMask) -> Result<(Arc<CudaStorage>, MaskArg)> {
+        if let Some(hit) = self.masks.lock().unwrap().find(mask) {
+            return Ok(hit);
+        }
         let t = mask.len();
         let tiles = t.div_ceil(KEY_TILE).max(1);
         let off_pos = t * 16;
@@ -68,9 +69,6 @@ impl CudaBackend {
             None => -1,
             Some(w) => w.min(i32::MAX as u32) as i32,
         };
-        if let Some(hit) = self.masks.lock().unwrap().find(&buf, window) {
-            return Ok(hit);
-        }
         let s = Arc::new(self.alloc(off_flags + tiles * tiles)?);
         self.htod(&s, &buf)?;
         let arg = MaskArg {
@@ -90,10 +88,7 @@ impl CudaBackend {
                 &[Arg::Mask(arg), Arg::I32(t as i32), Arg::P(arg.tile_flags)],
             )?;
         }
-        self.masks
-            .lock()
-            .unwrap()
-            .insert(buf, window, s.clone(), arg);
+        self.masks.lock().unwrap().insert(mask, s.clone(), arg);
         Ok((s, arg))
     }
 
