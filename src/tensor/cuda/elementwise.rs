@@ -996,22 +996,9 @@ impl CudaBackend {
         let mut words = Vec::with_capacity(items.len() * 9);
         let (mut entries, mut chunks) = (0, 0u64);
         for it in items {
-            let ((out, kd), (bo, r)) = (it.w_ext.rows_cols(), it.b.rows_cols());
+            super::gemm::check_adapter_cols(it.w_ext, &it.cols, it.at, it.b)?;
+            let ((out, kd), r) = (it.w_ext.rows_cols(), it.b.rows_cols().1);
             let width = it.cols.len();
-            ensure!(
-                bo == out
-                    && it.cols.start <= it.cols.end
-                    && it.cols.end <= kd
-                    && it.at + r <= width
-                    && it.w_ext.dtype() == it.b.dtype(),
-                "write_adapter_cols_multi: b {:?} {:?} at {} into columns {:?} of {:?} {:?}",
-                it.b.shape(),
-                it.b.dtype(),
-                it.at,
-                it.cols,
-                it.w_ext.shape(),
-                it.w_ext.dtype()
-            );
             let n = out * width;
             if n == 0 {
                 continue;

@@ -962,11 +962,8 @@ impl CudaBackend {
         Ok(y)
     }
 
-    /// Columns `cols` of every row of `w_ext` = `[0 | scale · b | 0]`, b's first column at
-    /// `cols.start + at`: a weight stored with room for adapters
-    /// (`model::weights::ExtendedWeight`) takes an adapter's current B where its input's xa will
-    /// sit. Written in place through a shared reference; the weight's other columns are not
-    /// touched.
+    /// `ops::write_adapter_cols`: written in place through a shared reference; the weight's
+    /// other columns are not touched.
     pub fn write_adapter_cols(
         &self,
         w_ext: &Tensor,
@@ -975,19 +972,8 @@ impl CudaBackend {
         b: &Tensor,
         scale: f32,
     ) -> Result<()> {
-        let ((out, kd), (bo, r)) = (w_ext.rows_cols(), b.rows_cols());
-        ensure!(
-            bo == out && cols.start <= cols.end && cols.end <= kd && at + r <= cols.len(),
-            "write_adapter_cols: b {:?} at {at} into columns {cols:?} of {:?}",
-            b.shape(),
-            w_ext.shape()
-        );
-        ensure!(
-            w_ext.dtype() == b.dtype(),
-            "write_adapter_cols: b {:?} into a {:?} weight",
-            b.dtype(),
-            w_ext.dtype()
-        );
+        check_adapter_cols(w_ext, &cols, at, b)?;
+        let ((out, kd), r) = (w_ext.rows_cols(), b.rows_cols().1);
         let width = cols.len();
         let dst = cuda_ptr(w_ext)? + (cols.start * w_ext.dtype().size()) as u64;
         self.launch_n(
@@ -1063,6 +1049,30 @@ impl CudaBackend {
             ],
         )
     }
+}
+
+/// That `b` fits columns `cols` of `w_ext` from column `at` of them, row for row and in the
+/// weight's dtype (`write_adapter_cols` and its multi-tensor form).
+pub(super) fn check_adapter_cols(
+    w_ext: &Tensor,
+    cols: &std::ops::Range<usize>,
+    at: usize,
+    b: &Tensor,
+) -> Result<()> {
+    let ((out, kd), (bo, r)) = (w_ext.rows_cols(), b.rows_cols());
+    ensure!(
+        bo == out && cols.start <= cols.end && cols.end <= kd && at + r <= cols.len(),
+        "write_adapter_cols: b {:?} at {at} into columns {cols:?} of {:?}",
+        b.shape(),
+        w_ext.shape()
+    );
+    ensure!(
+        w_ext.dtype() == b.dtype(),
+        "write_adapter_cols: b {:?} into a {:?} weight",
+        b.dtype(),
+        w_ext.dtype()
+    );
+    Ok(())
 }
 
 #[cfg(test)]
