@@ -47,6 +47,21 @@ impl Family {
             _ => false,
         }
     }
+
+    /// transformers' value for `num_key_value_heads` and `head_dim` when `config.json` leaves
+    /// them out, as the family's config class sets them; `None` is that class's derived value
+    /// (`num_attention_heads`; `hidden_size / num_attention_heads`). They are not all the same:
+    /// Mistral's class defaults to 8 kv heads, Qwen2's and Qwen3's to 32 (and Qwen3's head
+    /// to 128), Gemma 2's and 3's to 4 kv heads of 256. Gemma 4 reads its own (`gemma4.rs`).
+    pub fn absent_head_defaults(self) -> (Option<usize>, Option<usize>) {
+        match self {
+            Family::Llama | Family::MiniCpm | Family::Gemma4 => (None, None),
+            Family::Mistral => (Some(8), None),
+            Family::Qwen2 => (Some(32), None),
+            Family::Qwen3 => (Some(32), Some(128)),
+            Family::Gemma2 | Family::Gemma3 => (Some(4), Some(256)),
+        }
+    }
 }
 
 /// The architectures `from_config_json` accepts, for error messages.
@@ -430,9 +445,24 @@ impl HfConfig {
     /// SiLU gate, one rotary table, `head_dim^-½` scores); families adjust what they change.
     pub fn llama_spec(&self, family: Family) -> Result<ModelSpec> {
         self.check_numbers()?;
-        let n_kv_heads = self.num_key_value_heads.unwrap_or(self.num_attention_heads);
+        let (kv_default, head_default) = family.absent_head_defaults();
+        if let (None, Some(kv)) = (self.num_key_value_heads, kv_default) {
+            if !self.num_attention_heads.is_multiple_of(kv) {
+                bail!(
+                    "config.json has no num_key_value_heads, and {}'s default of {kv} does not \
+                     divide num_attention_heads {}: add num_key_value_heads to config.json",
+                    family.hf_name(),
+                    self.num_attention_heads
+                );
+            }
+        }
+        let n_kv_heads = self
+            .num_key_value_heads
+            .or(kv_default)
+            .unwrap_or(self.num_attention_heads);
         let head_dim = self
             .head_dim
+            .or(head_default)
             .unwrap_or(self.hidden_size / self.num_attention_heads.max(1));
         let (rope_key, rope_value) = match &self.rope_scaling {
             Some(v) if !v.is_null() => ("rope_scaling", Some(v)),

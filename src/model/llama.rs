@@ -94,6 +94,32 @@ mod tests {
         assert!(e.contains("missing field `hidden_size`"), "{e}");
     }
 
+    /// A head geometry left out of config.json takes the family's transformers default, which
+    /// is not always the one derived from the other keys; a default that cannot hold is refused
+    /// with the key to add.
+    #[test]
+    fn absent_head_keys_take_the_family_default() {
+        let spec = |arch: &str, heads: usize| {
+            ModelSpec::from_config_json(&format!(
+                r#"{{"architectures":["{arch}"],"hidden_size":2048,"intermediate_size":96,
+                "num_hidden_layers":2,"num_attention_heads":{heads},"vocab_size":200}}"#
+            ))
+        };
+        let geometry = |arch: &str, heads: usize| {
+            let s = spec(arch, heads).unwrap();
+            (s.n_kv_heads, s.head_dim)
+        };
+        assert_eq!(geometry("LlamaForCausalLM", 32), (32, 64));
+        assert_eq!(geometry("MistralForCausalLM", 32), (8, 64));
+        assert_eq!(geometry("Qwen2ForCausalLM", 32), (32, 64));
+        assert_eq!(geometry("Qwen3ForCausalLM", 32), (32, 128));
+        let e = format!("{:#}", spec("Qwen2ForCausalLM", 12).unwrap_err());
+        assert!(
+            e.contains("no num_key_value_heads") && e.contains("default of 32"),
+            "{e}"
+        );
+    }
+
     /// As transformers' Qwen2 configuration: the window slides only with use_sliding_window, on
     /// the layers from max_window_layers on (28 by default), and an explicit layer_types list
     /// decides instead; sliding_window defaults to 4096 when it is not given.
