@@ -326,6 +326,9 @@ pub struct CudaBackend {
     /// Masks already on the device, most recent first (`attention::MaskCache`): every layer of
     /// a pass attends under the same mask, uploaded once.
     masks: Mutex<attention::MaskCache>,
+    /// Zeroed counters that kernels summing a row group's slices in one pass count their
+    /// finished blocks in, and leave at zero (`slice_counts`).
+    slice_counts: Mutex<Option<Tensor>>,
 }
 
 /// A device buffer (stream-ordered allocation, freed on drop, counted in `MemoryStats`).
@@ -693,6 +696,7 @@ impl CudaBackend {
             inner: Arc::new(inner),
             gemms: Mutex::new(None),
             masks: Mutex::new(attention::MaskCache::default()),
+            slice_counts: Mutex::new(None),
         }))
     }
 
@@ -1085,6 +1089,21 @@ impl CudaBackend {
             buf,
             len: bytes.len(),
         })
+    }
+
+    /// The address of at least `n` zeroed u32 counters (grown as needed; a kernel that counts
+    /// in them sets each back to zero before it ends, and kernels run one at a time on the
+    /// stream).
+    pub(crate) fn slice_counts(&self, n: usize) -> Result<u64> {
+        let mut held = self
+            .slice_counts
+            .lock()
+            .map_err(|_| anyhow!("slice counters poisoned"))?;
+        if held.as_ref().is_none_or(|c| c.numel() < n) {
+            // f32 zeros are u32 zeros: the same 4 bytes.
+            *held = Some(self.zeros(&[n.next_power_of_two().max(1024)], DType::F32)?);
+        }
+        cuda_ptr(held.as_ref().expect("just set"))
     }
 
     pub fn zeros(&self, shape: &[usize], dtype: DType) -> Result<Tensor> {

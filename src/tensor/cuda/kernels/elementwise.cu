@@ -307,10 +307,15 @@ GATED_KERNELS(gelu_tanh_mul, GeluTanh)
 
 // act(gate) * up fused with the down projection's LoRA input xa = h Aᵀ (A [r, I], r <= 16):
 // h as gated_mul_bf16x8 writes it, bit for bit, and xa from those bf16 h on tensor cores, so
-// that h is not read back from memory by a separate product. One block of 8 warps per 16 rows;
-// warp w takes the 32-column chunks w, w + 8, ... of the row range and multiplies them into
-// f32 accumulators, and the block sums the 8 warps' partials in a fixed order (the result does
-// not depend on scheduling). I % 32 == 0, all bf16.
+// that h is not read back from memory by a separate product. Block (x, y) of 8 warps takes 16
+// rows and the columns of slice y (`slice` wide, a multiple of 32; the last may be narrower):
+// warp w takes the slice's 32-column chunks w, w + 8, ... and multiplies them into f32
+// accumulators, and the block sums its 8 warps' partials in a fixed order. With one slice that
+// sum is xa. With several, each block stores its sum in `part` ([slices][row groups][16 x 16]
+// f32), and the last of a row group's blocks to finish (counted in `count`, zero on entry and
+// left zero) adds the slices' sums in slice order: the result does not depend on scheduling.
+// Slices give the card many short blocks, where 16-row blocks over all of I were too few to
+// fill it evenly. I % 32 == 0, all bf16.
 //
 // The product's k order within a 32-column chunk is free (xa is a sum over k), so each thread
 // loads 8 contiguous columns of its two rows (16-byte loads) and the B fragments read A in the
@@ -319,15 +324,17 @@ GATED_KERNELS(gelu_tanh_mul, GeluTanh)
 // 8q+4s+{2,3}, a bijection of the chunk's 32 columns onto the two steps' k.
 template <class A>
 __device__ void gated_mul_xa(const bf16* g, const bf16* u, const bf16* a, bf16* h, bf16* xa, i64 t, int n,
-                             int r) {
-    __shared__ float part[8][16][16];
+                             int r, int slice, float* part, unsigned* count) {
+    __shared__ float wpart[8][16][16];
+    __shared__ bool last;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, gq = lane >> 2, q = lane & 3;
     const i64 row0 = (i64)blockIdx.x * 16;
     const i64 ra = row0 + gq, rb = ra + 8;
     const bool va = ra < t, vb = rb < t;
+    const int c_end = min(n, (int)(blockIdx.y + 1) * slice);
     float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
     const uint4 zero = make_uint4(0, 0, 0, 0);
-    for (int c = warp * 32; c < n; c += 8 * 32) {
+    for (int c = blockIdx.y * slice + warp * 32; c < c_end; c += 8 * 32) {
         const int col = c + 8 * q;
         uint4 hv[2];
         #pragma unroll
@@ -368,19 +375,34 @@ __device__ void gated_mul_xa(const bf16* g, const bf16* u, const bf16* a, bf16* 
     #pragma unroll
     for (int tile = 0; tile < 2; tile++) {
         const int rank = 8 * tile + 2 * q;
-        part[warp][gq][rank] = acc[tile][0];
-        part[warp][gq][rank + 1] = acc[tile][1];
-        part[warp][gq + 8][rank] = acc[tile][2];
-        part[warp][gq + 8][rank + 1] = acc[tile][3];
+        wpart[warp][gq][rank] = acc[tile][0];
+        wpart[warp][gq][rank + 1] = acc[tile][1];
+        wpart[warp][gq + 8][rank] = acc[tile][2];
+        wpart[warp][gq + 8][rank + 1] = acc[tile][3];
     }
     __syncthreads();
     const int rr = threadIdx.x >> 4, rank = threadIdx.x & 15;
-    if (row0 + rr < t && rank < r) {
-        float sum = 0.f;
-        #pragma unroll
-        for (int w = 0; w < 8; w++) sum += part[w][rr][rank];
-        xa[(row0 + rr) * r + rank] = __float2bfloat16(sum);
+    float sum = 0.f;
+    #pragma unroll
+    for (int w = 0; w < 8; w++) sum += wpart[w][rr][rank];
+    const bool out = row0 + rr < t && rank < r;
+    const int slices = gridDim.y;
+    if (slices == 1) {
+        if (out) xa[(row0 + rr) * r + rank] = __float2bfloat16(sum);
+        return;
     }
+    const i64 groups = gridDim.x;
+    part[((i64)blockIdx.y * groups + blockIdx.x) * 256 + threadIdx.x] = sum;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(&count[blockIdx.x], 1u) == (unsigned)slices - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    float total = 0.f;
+    for (int s = 0; s < slices; s++) total += __ldcg(&part[((i64)s * groups + blockIdx.x) * 256 + threadIdx.x]);
+    if (out) xa[(row0 + rr) * r + rank] = __float2bfloat16(total);
+    if (threadIdx.x == 0) count[blockIdx.x] = 0;
 }
 
 // Backward of act(gate) * up where the down projection's adapter adds its term to d(h):
@@ -414,31 +436,40 @@ __device__ void gated_mul_bwd_lora(const bf16* d, const bf16* dxa, const bf16* a
     }
     __syncthreads();
     if (!ok) return;
-    #pragma unroll 2
-    for (int rr = 0; rr < 32; rr++) {
-        const i64 row = row0 + rr;
-        if (row >= t) break;
-        const i64 at = row * n + col;
-        const uint2 dv = *(const uint2*)(d + at), gv = *(const uint2*)(g + at), uv = *(const uint2*)(u + at);
-        float lora[4] = {0.f, 0.f, 0.f, 0.f};
+    // Four rows a step, their loads issued before their arithmetic (memory latency bound).
+    for (int r0 = 0; r0 < 32; r0 += 4) {
+        uint2 dv[4], gv[4], uv[4];
         #pragma unroll
-        for (int k = 0; k < 16; k++) {
-            const float x = sx[rr][k];
-            #pragma unroll
-            for (int j = 0; j < 4; j++) lora[j] = fmaf(x, av[k][j], lora[j]);
+        for (int j = 0; j < 4; j++) {
+            const i64 row = row0 + r0 + j, at = row * n + col;
+            const bool in = row < t;
+            dv[j] = in ? *(const uint2*)(d + at) : make_uint2(0, 0);
+            gv[j] = in ? *(const uint2*)(g + at) : make_uint2(0, 0);
+            uv[j] = in ? *(const uint2*)(u + at) : make_uint2(0, 0);
         }
-        const float2 d0 = __bfloat1622float2(*(const __nv_bfloat162*)&dv.x),
-                     d1 = __bfloat1622float2(*(const __nv_bfloat162*)&dv.y),
-                     g0 = __bfloat1622float2(*(const __nv_bfloat162*)&gv.x),
-                     g1 = __bfloat1622float2(*(const __nv_bfloat162*)&gv.y),
-                     u0 = __bfloat1622float2(*(const __nv_bfloat162*)&uv.x),
-                     u1 = __bfloat1622float2(*(const __nv_bfloat162*)&uv.y);
-        const float2 e0 = A::grad(d0.x + lora[0], g0.x, u0.x), e1 = A::grad(d0.y + lora[1], g0.y, u0.y),
-                     e2 = A::grad(d1.x + lora[2], g1.x, u1.x), e3 = A::grad(d1.y + lora[3], g1.y, u1.y);
-        const u32 dg0 = pack_bf16(e0.x, e1.x), dg1 = pack_bf16(e2.x, e3.x);
-        const u32 du0 = pack_bf16(e0.y, e1.y), du1 = pack_bf16(e2.y, e3.y);
-        *(uint2*)(g + at) = make_uint2(dg0, dg1);
-        *(uint2*)(u + at) = make_uint2(du0, du1);
+        #pragma unroll
+        for (int j = 0; j < 4; j++) {
+            const int rr = r0 + j;
+            const i64 row = row0 + rr, at = row * n + col;
+            if (row >= t) break;
+            float lora[4] = {0.f, 0.f, 0.f, 0.f};
+            #pragma unroll
+            for (int k = 0; k < 16; k++) {
+                const float x = sx[rr][k];
+                #pragma unroll
+                for (int e = 0; e < 4; e++) lora[e] = fmaf(x, av[k][e], lora[e]);
+            }
+            const float2 d0 = __bfloat1622float2(*(const __nv_bfloat162*)&dv[j].x),
+                         d1 = __bfloat1622float2(*(const __nv_bfloat162*)&dv[j].y),
+                         g0 = __bfloat1622float2(*(const __nv_bfloat162*)&gv[j].x),
+                         g1 = __bfloat1622float2(*(const __nv_bfloat162*)&gv[j].y),
+                         u0 = __bfloat1622float2(*(const __nv_bfloat162*)&uv[j].x),
+                         u1 = __bfloat1622float2(*(const __nv_bfloat162*)&uv[j].y);
+            const float2 e0 = A::grad(d0.x + lora[0], g0.x, u0.x), e1 = A::grad(d0.y + lora[1], g0.y, u0.y),
+                         e2 = A::grad(d1.x + lora[2], g1.x, u1.x), e3 = A::grad(d1.y + lora[3], g1.y, u1.y);
+            *(uint2*)(g + at) = make_uint2(pack_bf16(e0.x, e1.x), pack_bf16(e2.x, e3.x));
+            *(uint2*)(u + at) = make_uint2(pack_bf16(e0.y, e1.y), pack_bf16(e2.y, e3.y));
+        }
     }
 }
 
@@ -452,12 +483,12 @@ extern "C" __global__ void lf_gelu_tanh_mul_bwd_lora(const bf16* d, const bf16* 
 }
 
 extern "C" __global__ void lf_silu_mul_xa(const bf16* g, const bf16* u, const bf16* a, bf16* h, bf16* xa, i64 t,
-                                          int n, int r) {
-    gated_mul_xa<Silu>(g, u, a, h, xa, t, n, r);
+                                          int n, int r, int slice, float* part, unsigned* count) {
+    gated_mul_xa<Silu>(g, u, a, h, xa, t, n, r, slice, part, count);
 }
 extern "C" __global__ void lf_gelu_tanh_mul_xa(const bf16* g, const bf16* u, const bf16* a, bf16* h, bf16* xa,
-                                               i64 t, int n, int r) {
-    gated_mul_xa<GeluTanh>(g, u, a, h, xa, t, n, r);
+                                               i64 t, int n, int r, int slice, float* part, unsigned* count) {
+    gated_mul_xa<GeluTanh>(g, u, a, h, xa, t, n, r, slice, part, count);
 }
 
 // A frozen weight's adapter columns (src/tensor/cuda/gemm.rs, `write_adapter_cols`):
