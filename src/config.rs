@@ -473,6 +473,9 @@ const TRL_NAMES: &[(&str, &str)] = &[
     ("loss_type", "dpo_loss_type"),
     // transformers' TrainingArguments.
     ("overwrite_output_dir", "overwrite"),
+    // TRL's ModelConfig and ScriptArguments, as its scripts take them.
+    ("model_name_or_path", "model"),
+    ("dataset_name", "data"),
 ];
 
 /// TRL and transformers settings that lorafit has no counterpart for, each with what lorafit
@@ -520,6 +523,7 @@ const TRL_NOT_TAKEN: &[(&str, &str)] = &[
     ("save_only_model", "lorafit always saves safetensors, and every checkpoint holds the adapter and the optimiser state (a resume needs both)"),
     ("eval_on_start", "lorafit validates at step 0 whenever a validation set is given (valid, or valid_fraction)"),
     ("data_seed", "seed governs the data order (and the held-out split)"),
+    ("use_peft", "lorafit always trains a LoRA adapter"),
 ];
 
 /// Edit distance between two short names (for "did you mean").

@@ -375,6 +375,8 @@ struct TrainArgs {
     #[arg(long)]
     tensorboard: bool,
     /// Any TrainConfig field as KEY=VALUE (VALUE in TOML syntax), e.g. --set orpo_lambda=0.2.
+    /// Any other flag is read as one, by lorafit's name or TRL's (--max_steps 10,
+    /// --learning_rate=2e-4, --use_rslora).
     #[arg(long = "set", value_name = "KEY=VALUE")]
     set: Vec<String>,
 }
@@ -973,17 +975,28 @@ fn apply_overrides(mut cfg: TrainConfig, a: &TrainArgs) -> Result<TrainConfig> {
         let mut table: toml::Table = toml::from_str(&cfg.to_toml()?)?;
         // TRL's `beta` is the β of the method the run ends with, whichever `--set` names it.
         let method = run_method(a)?.unwrap_or_else(|| cfg_method_name(&cfg));
+        // Every setting that cannot be taken is answered at once (a TRL command line brought
+        // over may hold several).
+        let mut refused = Vec::new();
         for kv in &a.set {
-            let (k, v) = kv
-                .split_once('=')
-                .with_context(|| format!("--set {kv}: expected KEY=VALUE"))?;
-            let name = TrainConfig::setting_name(k.trim(), &method)
-                .with_context(|| format!("--set {kv}"))?;
-            let value = TrainConfig::trl_value(k.trim(), &name, set_value(v))
-                .with_context(|| format!("--set {kv}"))?;
-            TrainConfig::check_type(k.trim(), &name, &value)
-                .with_context(|| format!("--set {kv}"))?;
-            table.insert(name, value);
+            let taken = (|| -> Result<(String, toml::Value)> {
+                let (k, v) = kv.split_once('=').context("expected KEY=VALUE")?;
+                let name = TrainConfig::setting_name(k.trim(), &method)?;
+                let value = TrainConfig::trl_value(k.trim(), &name, set_value(v))?;
+                TrainConfig::check_type(k.trim(), &name, &value)?;
+                Ok((name, value))
+            })();
+            match taken {
+                Ok((name, value)) => {
+                    table.insert(name, value);
+                }
+                Err(e) => refused.push(format!("{}: {e:#}", set_given(kv))),
+            }
+        }
+        match refused.len() {
+            0 => {}
+            1 => bail!("{}", refused[0]),
+            n => bail!("{n} settings cannot be taken:\n  {}", refused.join("\n  ")),
         }
         // Deserialised from the table itself: an error names the field and the value given,
         // not a line of the merged settings the user never wrote.
@@ -1395,8 +1408,92 @@ fn run_eval(a: EvalArgs) -> Result<()> {
     Ok(())
 }
 
+/// `lorafit train`'s arguments with every flag that is not one of its own rewritten as
+/// `--set NAME=VALUE` (dashes read as underscores): a setting by lorafit's name or by TRL's as
+/// its scripts pass them (`--max_steps 10`, `--learning-rate=2e-4`) takes TRL's meaning of the
+/// value (`--max_steps -1`: from the epochs); a TRL setting lorafit has no counterpart for is
+/// refused with what it does instead, and any other name with the nearest setting
+/// (`TrainConfig::setting_name`). A flag with no value after it (`--use_rslora`, followed by
+/// another flag or nothing) is `true`, as transformers' parser reads it. Other commands'
+/// arguments are left to the parser.
+fn settings_as_flags(args: Vec<std::ffi::OsString>) -> Vec<std::ffi::OsString> {
+    use clap::CommandFactory;
+    if args.get(1).and_then(|a| a.to_str()) != Some("train") {
+        return args;
+    }
+    let cmd = Cli::command();
+    let own: Vec<String> = cmd
+        .find_subcommand("train")
+        .map(|t| {
+            t.get_arguments()
+                .filter_map(|a| a.get_long().map(str::to_string))
+                .chain(["help".to_string()])
+                .collect()
+        })
+        .unwrap_or_default();
+    let mut out = Vec::with_capacity(args.len());
+    let mut it = args.into_iter().peekable();
+    while let Some(arg) = it.next() {
+        let Some(flag) = arg.to_str().and_then(|a| a.strip_prefix("--")) else {
+            out.push(arg);
+            continue;
+        };
+        if flag.is_empty() {
+            // `--`: what follows is not a flag.
+            out.push(arg);
+            out.extend(it);
+            break;
+        }
+        let (name, inline) = match flag.split_once('=') {
+            Some((n, v)) => (n, Some(v.to_string())),
+            None => (flag, None),
+        };
+        let key = name.replace('-', "_");
+        if own.iter().any(|o| o == name) {
+            out.push(arg);
+            continue;
+        }
+        let (value, given) = match inline {
+            Some(v) => (v, format!("--{flag}")),
+            None => match it.peek().and_then(|n| n.to_str()) {
+                Some(n) if !n.starts_with("--") => {
+                    let v = n.to_string();
+                    it.next();
+                    let given = format!("--{name} {v}");
+                    (v, given)
+                }
+                _ => ("true".to_string(), format!("--{name}")),
+            },
+        };
+        let set = format!("{key}={value}");
+        FLAGS_AS_SETTINGS.with(|f| f.borrow_mut().push((set.clone(), given)));
+        out.push("--set".into());
+        out.push(set.into());
+    }
+    out
+}
+
+thread_local! {
+    /// The `--set` entries `settings_as_flags` made, each with the flag as it was given, so that
+    /// a refusal names what the user wrote.
+    static FLAGS_AS_SETTINGS: std::cell::RefCell<Vec<(String, String)>> =
+        const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// How a `--set` entry was given: `--set KEY=VALUE`, or the flag `settings_as_flags` read as it.
+fn set_given(kv: &str) -> String {
+    FLAGS_AS_SETTINGS
+        .with(|f| {
+            f.borrow()
+                .iter()
+                .find(|(set, _)| set == kv)
+                .map(|(_, given)| given.clone())
+        })
+        .unwrap_or_else(|| format!("--set {kv}"))
+}
+
 fn main() {
-    let cli = Cli::parse();
+    let cli = Cli::parse_from(settings_as_flags(std::env::args_os().collect()));
     let result = match cli.cmd {
         Cmd::Train(a) => run_train(a),
         Cmd::Lint(a) => match run_lint(a) {

@@ -926,3 +926,57 @@ fn trl_beta_follows_the_runs_method() {
         toml::from_str(&std::fs::read_to_string(out.join("plan.toml")).unwrap()).unwrap();
     assert_eq!(plan["steps"].as_integer(), Some(8));
 }
+
+/// `lorafit train` takes settings as flags the way TRL's scripts pass them (underscores or
+/// dashes, `=` or a separate value, a bare flag for true), with TRL's meaning of each value, and
+/// answers every TRL setting it has no counterpart for at once, naming each flag as given.
+#[test]
+fn trl_flags_are_settings() {
+    let root = scratch("trl-flags");
+    model_folder(&root);
+    data_file(&root.join("train.jsonl"), 8, 1);
+    let out = root.join("run-flags");
+    let flags = [
+        "--max_steps",
+        "-1",
+        "--learning_rate=5e-5",
+        "--lora-r",
+        "8",
+        "--use_rslora",
+        "--beta",
+        "0.07",
+    ];
+    let o = train(&root, &out, &flags.map(s));
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let plan: toml::Table =
+        toml::from_str(&std::fs::read_to_string(out.join("plan.toml")).unwrap()).unwrap();
+    // 8 rows, one a step: max_steps = -1 is "from the epochs".
+    assert_eq!(plan["steps"].as_integer(), Some(8));
+    assert_eq!(plan["lr"].as_float(), Some(5e-5));
+    assert_eq!(plan["rank"].as_integer(), Some(8));
+    assert_eq!(plan["rslora"].as_bool(), Some(true));
+    assert_eq!(plan["orpo_lambda"].as_float(), Some(0.07));
+
+    let out = root.join("run-refused");
+    let flags = [
+        "--per_device_train_batch_size",
+        "2",
+        "--bf16",
+        "--max_stepz",
+        "1",
+    ];
+    let o = train(&root, &out, &flags.map(s));
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success() && !out.join("plan.toml").exists(),
+        "{e}"
+    );
+    for want in [
+        "3 settings cannot be taken",
+        "--per_device_train_batch_size 2: `per_device_train_batch_size` (TRL's)",
+        "--bf16: `bf16` (TRL's)",
+        "--max_stepz 1: unknown setting `max_stepz` (did you mean `max_steps`?)",
+    ] {
+        assert!(e.contains(want), "{want:?} in {e}");
+    }
+}

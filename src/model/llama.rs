@@ -179,8 +179,8 @@ mod tests {
     fn sliding_layer_types_without_a_window_are_refused() {
         let text = r#"{"architectures":["Qwen2ForCausalLM"],"hidden_size":64,
             "intermediate_size":96,"num_hidden_layers":2,"num_attention_heads":4,
-            "vocab_size":200,"sliding_window":8,"use_sliding_window":false,
-            "layer_types":["full_attention","sliding_attention"]}"#;
+            "num_key_value_heads":2,"vocab_size":200,"sliding_window":8,
+            "use_sliding_window":false,"layer_types":["full_attention","sliding_attention"]}"#;
         let e = format!("{:#}", ModelSpec::from_config_json(text).unwrap_err());
         assert!(
             e.contains("layer_types[1]") && e.contains("use_sliding_window"),
