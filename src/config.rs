@@ -772,6 +772,22 @@ impl TrainConfig {
         Ok(out)
     }
 
+    /// A settings file as its table, before names are resolved: TOML, or a TRL recipe in YAML
+    /// (`.yaml`, `.yml`) or JSON (`.json`) (`recipe_file`).
+    pub fn settings_table(path: &Path) -> Result<toml::Table> {
+        let text =
+            std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+        let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("");
+        match ext.to_ascii_lowercase().as_str() {
+            "yaml" | "yml" => crate::recipe_file::table(&text)
+                .with_context(|| format!("{}: not a recipe lorafit reads", path.display())),
+            "json" => crate::recipe_file::json_table(&text)
+                .with_context(|| format!("{}: not a recipe lorafit reads", path.display())),
+            _ => toml::from_str(&text)
+                .with_context(|| format!("{}: not a TOML file", path.display())),
+        }
+    }
+
     pub fn from_toml_file(path: &Path) -> Result<TrainConfig> {
         TrainConfig::from_toml_file_for(path, None)
     }
@@ -780,18 +796,7 @@ impl TrainConfig {
     /// (a flag over the file's): TRL's `beta` then becomes that method's β (`dpo_beta`,
     /// `simpo_beta`, ORPO's λ), not the one the file's own method, or its absence, would pick.
     pub fn from_toml_file_for(path: &Path, method: Option<&str>) -> Result<TrainConfig> {
-        let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("");
-        if matches!(ext, "yaml" | "yml" | "json") {
-            bail!(
-                "{}: a {} file; lorafit reads its settings from TOML (`key = value` lines, as plan.toml is written; TRL's names are accepted)",
-                path.display(),
-                ext.to_uppercase()
-            );
-        }
-        let text =
-            std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-        let mut table: toml::Table = toml::from_str(&text)
-            .with_context(|| format!("{}: not a TOML file", path.display()))?;
+        let mut table = TrainConfig::settings_table(path)?;
         if let Some(m) = method {
             table.insert("method".into(), toml::Value::String(m.to_string()));
         }

@@ -16,6 +16,7 @@ pub mod hub_cache;
 pub mod infer;
 pub mod model;
 pub mod plot;
+pub mod recipe_file;
 pub mod serve;
 pub mod tensor;
 pub mod train;

@@ -1062,9 +1062,8 @@ fn output_named(a: &TrainArgs) -> Result<bool> {
             .is_some_and(|(k, _)| matches!(k.trim(), "output" | "output_dir"))
     });
     let file_names_output = match &a.config {
-        Some(p) => std::fs::read_to_string(p)
+        Some(p) => TrainConfig::settings_table(p)
             .ok()
-            .and_then(|t| toml::from_str::<toml::Table>(&t).ok())
             .is_some_and(|t| t.contains_key("output") || t.contains_key("output_dir")),
         None => false,
     };

@@ -172,7 +172,7 @@ fn sft_text_rows_without_prompt_plan() {
 }
 
 /// A run's TOML may use TRL's names (`beta` by method); a misspelt name is refused with the
-/// nearest one; a YAML file is named as such; one setting under two names is refused.
+/// nearest one; a YAML recipe is checked the same way; one setting under two names is refused.
 #[test]
 fn settings_files_take_trl_names_and_name_mistakes() {
     use lorafit::config::TrainConfig;
@@ -233,8 +233,21 @@ fn settings_files_take_trl_names_and_name_mistakes() {
     }
     let e = err(&write("twice.toml", "lr = 1e-4\nlearning_rate = 2e-4\n"));
     assert!(e.contains("`lr` is given twice"), "{e}");
-    let e = err(&write("run.yaml", "learning_rate: 1e-4\n"));
-    assert!(e.contains("run.yaml") && e.contains("YAML"), "{e}");
+    // A TRL recipe in YAML goes through the same checks; what is not flat is refused with
+    // its line.
+    let e = err(&write("run.yaml", "learning_rate: 1e-4\nbf16: true\n"));
+    assert!(
+        e.contains("run.yaml") && e.contains("`bf16` (TRL's)"),
+        "{e}"
+    );
+    let e = err(&write(
+        "mixer.yaml",
+        "learning_rate: 1e-4\ndataset_mixer:\n  uf: 1.0\n",
+    ));
+    assert!(
+        e.contains("mixer.yaml") && e.contains("line 3: `dataset_mixer` holds a mapping"),
+        "{e}"
+    );
     let e = err(&write("batches.toml", "record_batches = \"yes\"\n"));
     assert!(
         e.contains("batches.toml") && e.contains("record_batches"),

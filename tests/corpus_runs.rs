@@ -212,9 +212,9 @@ fn bad_runs_are_errors_that_name_file_and_setting() {
         out: fresh("yaml"),
         args: vec![
             s("--config"),
-            file(&cfgs, "run.yaml", "learning_rate: 1e-4\n"),
+            file(&cfgs, "run.yaml", "learning_rate: 1e-4\nbf16: true\n"),
         ],
-        expect: vec![s("run.yaml"), s("YAML")],
+        expect: vec![s("run.yaml"), s("`bf16` (TRL's)")],
     });
     cases.push(Case {
         name: "set_without_value",
@@ -956,6 +956,33 @@ fn trl_flags_are_settings() {
     assert_eq!(plan["rank"].as_integer(), Some(8));
     assert_eq!(plan["rslora"].as_bool(), Some(true));
     assert_eq!(plan["orpo_lambda"].as_float(), Some(0.07));
+
+    // The same settings as a TRL recipe in YAML (the helper's own --sets would override the
+    // file, so the run is called here with the file alone).
+    let recipe = file(
+        &root,
+        "recipe.yaml",
+        "# ORPO\nmax_steps: -1\nlearning_rate: 5.0e-5\nlora_r: 8\nuse_rslora: yes\nbeta: 0.07\n\
+         max_length: 48\nmax_prompt_length: 24\nsave_steps: 0\n",
+    );
+    let out = root.join("run-recipe");
+    let o = Command::new(env!("CARGO_BIN_EXE_lorafit"))
+        .args(["train", "--model"])
+        .arg(root.join("model"))
+        .arg("--data")
+        .arg(root.join("train.jsonl"))
+        .arg("--output")
+        .arg(&out)
+        .args(["--config", &recipe])
+        .env("NO_COLOR", "1")
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let recipe_plan: toml::Table =
+        toml::from_str(&std::fs::read_to_string(out.join("plan.toml")).unwrap()).unwrap();
+    for key in ["steps", "lr", "rank", "rslora", "orpo_lambda"] {
+        assert_eq!(recipe_plan[key], plan[key], "{key}");
+    }
 
     let out = root.join("run-refused");
     let flags = [
