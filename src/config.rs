@@ -524,6 +524,20 @@ const TRL_NOT_TAKEN: &[(&str, &str)] = &[
     ("eval_on_start", "lorafit validates at step 0 whenever a validation set is given (valid, or valid_fraction)"),
     ("data_seed", "seed governs the data order (and the held-out split)"),
     ("use_peft", "lorafit always trains a LoRA adapter"),
+    ("logging_first_step", "a log line every log_every steps (TRL's logging_steps)"),
+    ("dataset_train_split", "data takes the training split's files (a pattern such as 'data/train-*.parquet' for its shards)"),
+    ("dataset_test_split", "valid takes the validation split's files (a pattern such as 'data/test-*.parquet' for its shards)"),
+    ("dataset_config", "data and valid take the files of one configuration's splits"),
+    ("do_train", "lorafit train always trains"),
+    ("do_eval", "validation runs whenever valid or valid_fraction is given"),
+    ("trust_remote_code", "lorafit runs its own implementation of each family and no code from the model's folder"),
+    ("torch_dtype", "the base loads as its files say (bf16 on CUDA, f32 on the CPU; base_quant quantizes it)"),
+    ("dtype", "the base loads as its files say (bf16 on CUDA, f32 on the CPU; base_quant quantizes it)"),
+    ("attn_implementation", "lorafit runs its own attention kernels"),
+    ("load_in_4bit", "base_quant = \"q4_k\" (or \"q4_0\", \"q4_1\") quantizes the frozen base on load"),
+    ("load_in_8bit", "base_quant = \"q8_0\" quantizes the frozen base on load"),
+    ("bnb_4bit_quant_type", "base_quant names the quantization (q8_0, q4_0, q4_1, q4_k)"),
+    ("use_bnb_nested_quant", "base_quant names the quantization (q8_0, q4_0, q4_1, q4_k)"),
 ];
 
 /// Edit distance between two short names (for "did you mean").

@@ -996,7 +996,24 @@ fn apply_overrides(mut cfg: TrainConfig, a: &TrainArgs) -> Result<TrainConfig> {
         match refused.len() {
             0 => {}
             1 => bail!("{}", refused[0]),
-            n => bail!("{n} settings cannot be taken:\n  {}", refused.join("\n  ")),
+            n => {
+                // The list of settings once, after every refusal, not once a refusal.
+                let mut list = String::new();
+                let lines: Vec<&str> = refused
+                    .iter()
+                    .map(|e| match e.split_once(" (settings: ") {
+                        Some((head, rest)) => {
+                            list = format!("\nsettings: {}", rest.trim_end_matches(')'));
+                            head
+                        }
+                        None => e.as_str(),
+                    })
+                    .collect();
+                bail!(
+                    "{n} settings cannot be taken:\n  {}{list}",
+                    lines.join("\n  ")
+                )
+            }
         }
         // Deserialised from the table itself: an error names the field and the value given,
         // not a line of the merged settings the user never wrote.
@@ -1463,6 +1480,13 @@ fn settings_as_flags(args: Vec<std::ffi::OsString>) -> Vec<std::ffi::OsString> {
                 }
                 _ => ("true".to_string(), format!("--{name}")),
             },
+        };
+        // transformers' parser turns off a flag that is on by default with `--no_NAME`.
+        let (key, value) = match key.strip_prefix("no_") {
+            Some(rest) if value == "true" && !given.contains(' ') && !given.contains('=') => {
+                (rest.to_string(), "false".to_string())
+            }
+            _ => (key, value),
         };
         let set = format!("{key}={value}");
         FLAGS_AS_SETTINGS.with(|f| f.borrow_mut().push((set.clone(), given)));

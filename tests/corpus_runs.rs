@@ -989,8 +989,10 @@ fn trl_flags_are_settings() {
         "--per_device_train_batch_size",
         "2",
         "--bf16",
+        "--no_remove_unused_columns",
         "--max_stepz",
         "1",
+        "--foo",
     ];
     let o = train(&root, &out, &flags.map(s));
     let e = String::from_utf8_lossy(&o.stderr);
@@ -999,11 +1001,16 @@ fn trl_flags_are_settings() {
         "{e}"
     );
     for want in [
-        "3 settings cannot be taken",
+        "5 settings cannot be taken",
         "--per_device_train_batch_size 2: `per_device_train_batch_size` (TRL's)",
         "--bf16: `bf16` (TRL's)",
+        // transformers' parser's `--no_NAME`: NAME off.
+        "--no_remove_unused_columns: `remove_unused_columns` (TRL's)",
         "--max_stepz 1: unknown setting `max_stepz` (did you mean `max_steps`?)",
+        "--foo: unknown setting `foo`",
     ] {
         assert!(e.contains(want), "{want:?} in {e}");
     }
+    // The list of settings, where a name is far from all of them, once for all refusals.
+    assert!(e.matches("settings: ").count() <= 1, "{e}");
 }
