@@ -540,6 +540,31 @@ const TRL_NOT_TAKEN: &[(&str, &str)] = &[
     ("use_bnb_nested_quant", "base_quant names the quantization (q8_0, q4_0, q4_1, q4_k)"),
 ];
 
+/// Every refusal of a set of settings at once (a config or command line brought from TRL may
+/// hold several): one as it is, several under `many` with their count, the list of settings
+/// that an unknown name appends printed once after all of them.
+pub fn refuse_at_once(refusals: &[String], many: &str) -> Result<()> {
+    match refusals {
+        [] => Ok(()),
+        [one] => bail!("{one}"),
+        all => {
+            let mut list = None;
+            let lines: Vec<&str> = all
+                .iter()
+                .map(|e| match e.split_once(" (settings: ") {
+                    Some((head, rest)) => {
+                        list = Some(rest.trim_end_matches(')'));
+                        head
+                    }
+                    None => e.as_str(),
+                })
+                .collect();
+            let list = list.map(|l| format!("\nsettings: {l}")).unwrap_or_default();
+            bail!("{} {many}:\n  {}{list}", all.len(), lines.join("\n  "))
+        }
+    }
+}
+
 /// Edit distance between two short names (for "did you mean").
 fn edit_distance(a: &str, b: &str) -> usize {
     let b: Vec<char> = b.chars().collect();
@@ -756,30 +781,7 @@ impl TrainConfig {
             given_as.insert(name.clone(), k);
             out.insert(name, v);
         }
-        match unknown.as_slice() {
-            [] => {}
-            [one] => bail!("{one}"),
-            many => {
-                // The list of settings once, after every name, not once a name.
-                let mut list = None;
-                let lines: Vec<&str> = many
-                    .iter()
-                    .map(|e| match e.split_once(" (settings: ") {
-                        Some((head, rest)) => {
-                            list = Some(rest.trim_end_matches(')'));
-                            head
-                        }
-                        None => e.as_str(),
-                    })
-                    .collect();
-                let list = list.map(|l| format!("\nsettings: {l}")).unwrap_or_default();
-                bail!(
-                    "{} settings lorafit does not take:\n  {}{list}",
-                    many.len(),
-                    lines.join("\n  ")
-                )
-            }
-        }
+        refuse_at_once(&unknown, "settings lorafit does not take")?;
         for (name, v) in &out {
             TrainConfig::check_type(&given_as[name], name, v)?;
         }

@@ -379,6 +379,10 @@ struct TrainArgs {
     /// --learning_rate=2e-4, --use_rslora).
     #[arg(long = "set", value_name = "KEY=VALUE")]
     set: Vec<String>,
+    /// The `--set` entries `settings_as_flags` made of other flags, each with the flag as it was
+    /// given, so that a refusal names what the user wrote.
+    #[arg(skip)]
+    flags_as_settings: Vec<(String, String)>,
 }
 
 /// Model, adapter, device and decoding flags shared by `generate` and `chat`.
@@ -990,31 +994,10 @@ fn apply_overrides(mut cfg: TrainConfig, a: &TrainArgs) -> Result<TrainConfig> {
                 Ok((name, value)) => {
                     table.insert(name, value);
                 }
-                Err(e) => refused.push(format!("{}: {e:#}", set_given(kv))),
+                Err(e) => refused.push(format!("{}: {e:#}", set_given(a, kv))),
             }
         }
-        match refused.len() {
-            0 => {}
-            1 => bail!("{}", refused[0]),
-            n => {
-                // The list of settings once, after every refusal, not once a refusal.
-                let mut list = String::new();
-                let lines: Vec<&str> = refused
-                    .iter()
-                    .map(|e| match e.split_once(" (settings: ") {
-                        Some((head, rest)) => {
-                            list = format!("\nsettings: {}", rest.trim_end_matches(')'));
-                            head
-                        }
-                        None => e.as_str(),
-                    })
-                    .collect();
-                bail!(
-                    "{n} settings cannot be taken:\n  {}{list}",
-                    lines.join("\n  ")
-                )
-            }
-        }
+        lorafit::config::refuse_at_once(&refused, "settings cannot be taken")?;
         // Deserialised from the table itself: an error names the field and the value given,
         // not a line of the merged settings the user never wrote.
         cfg = table.try_into().context("--set")?;
@@ -1432,10 +1415,14 @@ fn run_eval(a: EvalArgs) -> Result<()> {
 /// (`TrainConfig::setting_name`). A flag with no value after it (`--use_rslora`, followed by
 /// another flag or nothing) is `true`, as transformers' parser reads it. Other commands'
 /// arguments are left to the parser.
-fn settings_as_flags(args: Vec<std::ffi::OsString>) -> Vec<std::ffi::OsString> {
+/// Returns the arguments and, for each `--set` made, the flag as given.
+fn settings_as_flags(
+    args: Vec<std::ffi::OsString>,
+) -> (Vec<std::ffi::OsString>, Vec<(String, String)>) {
     use clap::CommandFactory;
+    let mut made = Vec::new();
     if args.get(1).and_then(|a| a.to_str()) != Some("train") {
-        return args;
+        return (args, made);
     }
     let cmd = Cli::command();
     let own: Vec<String> = cmd
@@ -1489,36 +1476,29 @@ fn settings_as_flags(args: Vec<std::ffi::OsString>) -> Vec<std::ffi::OsString> {
             _ => (key, value),
         };
         let set = format!("{key}={value}");
-        FLAGS_AS_SETTINGS.with(|f| f.borrow_mut().push((set.clone(), given)));
+        made.push((set.clone(), given));
         out.push("--set".into());
         out.push(set.into());
     }
-    out
-}
-
-thread_local! {
-    /// The `--set` entries `settings_as_flags` made, each with the flag as it was given, so that
-    /// a refusal names what the user wrote.
-    static FLAGS_AS_SETTINGS: std::cell::RefCell<Vec<(String, String)>> =
-        const { std::cell::RefCell::new(Vec::new()) };
+    (out, made)
 }
 
 /// How a `--set` entry was given: `--set KEY=VALUE`, or the flag `settings_as_flags` read as it.
-fn set_given(kv: &str) -> String {
-    FLAGS_AS_SETTINGS
-        .with(|f| {
-            f.borrow()
-                .iter()
-                .find(|(set, _)| set == kv)
-                .map(|(_, given)| given.clone())
-        })
-        .unwrap_or_else(|| format!("--set {kv}"))
+fn set_given(a: &TrainArgs, kv: &str) -> String {
+    a.flags_as_settings
+        .iter()
+        .find(|(set, _)| set == kv)
+        .map_or_else(|| format!("--set {kv}"), |(_, given)| given.clone())
 }
 
 fn main() {
-    let cli = Cli::parse_from(settings_as_flags(std::env::args_os().collect()));
+    let (args, flags_as_settings) = settings_as_flags(std::env::args_os().collect());
+    let cli = Cli::parse_from(args);
     let result = match cli.cmd {
-        Cmd::Train(a) => run_train(a),
+        Cmd::Train(mut a) => {
+            a.flags_as_settings = flags_as_settings;
+            run_train(a)
+        }
         Cmd::Lint(a) => match run_lint(a) {
             Ok(true) => Ok(()),
             Ok(false) => std::process::exit(1),

@@ -4,48 +4,65 @@
 //! as `[a, b]` or as `- item` lines under its key. That YAML subset is read here as PyYAML reads
 //! it (`yes`/`no`/`on`/`off` are booleans, `null` or `~` or nothing leaves a setting at its
 //! default, `1e-4` is a number as transformers casts it); what lies past it (a nested mapping, a
-//! block string, anchors, a second document) is refused with its line, never guessed at.
+//! block string, anchors, a second document) is refused with its line, never guessed at. A JSON
+//! value becomes a settings value here for the job server's configs too (`json_to_toml`).
 
 use anyhow::{bail, Result};
+use serde_json::Value;
 
 /// A JSON recipe (one object of settings) as a table, a `null` setting left out; a nested
-/// object is refused with its key.
+/// object is refused with its key, as YAML's nested mapping is.
 pub fn json_table(text: &str) -> Result<toml::Table> {
-    use serde_json::Value as J;
-    let J::Object(map) = serde_json::from_str::<J>(text)? else {
+    let Value::Object(map) = serde_json::from_str::<Value>(text)? else {
         bail!("not one JSON object of settings");
-    };
-    let scalar = |key: &str, v: &J| -> Result<Option<toml::Value>> {
-        Ok(Some(match v {
-            J::Null => return Ok(None),
-            J::Bool(b) => toml::Value::Boolean(*b),
-            J::Number(n) => match n.as_i64() {
-                Some(i) => toml::Value::Integer(i),
-                None => toml::Value::Float(n.as_f64().unwrap_or(f64::NAN)),
-            },
-            J::String(s) => toml::Value::String(s.clone()),
-            J::Array(_) | J::Object(_) => {
-                bail!("`{key}` holds a nested value; lorafit's settings are flat")
-            }
-        }))
     };
     let mut out = toml::Table::new();
     for (key, v) in &map {
-        let value = match v {
-            J::Array(items) => {
-                let mut list = Vec::new();
-                for item in items {
-                    list.extend(scalar(key, item)?);
-                }
-                Some(toml::Value::Array(list))
-            }
-            other => scalar(key, other)?,
-        };
-        if let Some(value) = value {
+        if v.is_object() || v.as_array().is_some_and(|a| a.iter().any(Value::is_object)) {
+            bail!("`{key}` holds a nested value; lorafit's settings are flat");
+        }
+        if let Some(value) = json_to_toml(key, v).map_err(anyhow::Error::msg)? {
             out.insert(key.clone(), value);
         }
     }
     Ok(out)
+}
+
+/// A JSON value as TOML (a settings table's value: the job server's configs, JSON recipes);
+/// `null` means "unset" (the default) and yields None; a null inside a list or a number TOML
+/// cannot hold is refused, naming the setting.
+pub fn json_to_toml(key: &str, v: &Value) -> Result<Option<toml::Value>, String> {
+    Ok(Some(match v {
+        Value::Null => return Ok(None),
+        Value::Bool(b) => toml::Value::Boolean(*b),
+        Value::Number(n) => match (n.as_i64(), n.as_f64()) {
+            (Some(i), _) => toml::Value::Integer(i),
+            (None, Some(_)) if n.is_u64() => {
+                return Err(format!("setting `{key}`: {n} is too large"))
+            }
+            (None, Some(f)) => toml::Value::Float(f),
+            (None, None) => return Err(format!("setting `{key}`: {n} is not a number TOML holds")),
+        },
+        Value::String(s) => toml::Value::String(s.clone()),
+        Value::Array(items) => toml::Value::Array(
+            items
+                .iter()
+                .map(|item| {
+                    json_to_toml(key, item)?
+                        .ok_or_else(|| format!("setting `{key}`: null inside a list"))
+                })
+                .collect::<Result<_, _>>()?,
+        ),
+        Value::Object(map) => {
+            let mut t = toml::Table::new();
+            for (k, item) in map {
+                if let Some(v) = json_to_toml(&format!("{key}.{k}"), item)? {
+                    t.insert(k.clone(), v);
+                }
+            }
+            toml::Value::Table(t)
+        }
+    }))
 }
 
 /// The YAML recipe `text` as a table of its settings (a `null` one left out).

@@ -275,41 +275,6 @@ async fn guard(State(app): State<Arc<App>>, req: Request, next: Next) -> Respons
 // Config: JSON → the same TOML table the CLI builds → TrainConfig
 // ---------------------------------------------------------------------------------------------
 
-/// A JSON value as TOML; `null` means "unset" (the default) and yields None.
-fn json_to_toml(key: &str, v: &Value) -> Result<Option<toml::Value>, String> {
-    Ok(Some(match v {
-        Value::Null => return Ok(None),
-        Value::Bool(b) => toml::Value::Boolean(*b),
-        Value::Number(n) => match (n.as_i64(), n.as_f64()) {
-            (Some(i), _) => toml::Value::Integer(i),
-            (None, Some(_)) if n.is_u64() => {
-                return Err(format!("setting `{key}`: {n} is too large"))
-            }
-            (None, Some(f)) => toml::Value::Float(f),
-            (None, None) => return Err(format!("setting `{key}`: {n} is not a number TOML holds")),
-        },
-        Value::String(s) => toml::Value::String(s.clone()),
-        Value::Array(items) => toml::Value::Array(
-            items
-                .iter()
-                .map(|item| {
-                    json_to_toml(key, item)?
-                        .ok_or_else(|| format!("setting `{key}`: null inside a list"))
-                })
-                .collect::<Result<_, _>>()?,
-        ),
-        Value::Object(map) => {
-            let mut t = toml::Table::new();
-            for (k, item) in map {
-                if let Some(v) = json_to_toml(&format!("{key}.{k}"), item)? {
-                    t.insert(k.clone(), v);
-                }
-            }
-            toml::Value::Table(t)
-        }
-    }))
-}
-
 /// A submitted config as the CLI reads a settings file: TRL's names normalised, unknown names
 /// refused with the nearest one, types checked. `TrainConfig::validate` runs once the config's
 /// paths are confined (`Submission::confine`, `validated`), since they name files in the roots,
@@ -323,7 +288,7 @@ pub fn parse_config(body: &Value) -> ApiResult<(TrainConfig, bool)> {
     };
     let mut table = toml::Table::new();
     for (k, v) in map {
-        if let Some(v) = json_to_toml(k, v).map_err(ApiError::bad_request)? {
+        if let Some(v) = crate::recipe_file::json_to_toml(k, v).map_err(ApiError::bad_request)? {
             table.insert(k.clone(), v);
         }
     }

@@ -658,7 +658,7 @@ pub fn refuse_unless_longest_fits(
             "{} are left for them under memory_limit = {g} (weights, adapter and optimiser \
              state hold {})",
             size(budget),
-            size(model.device.memory().live_bytes)
+            size(held)
         ),
         Some(g) => format!(
             "{} are left for them under memory_limit = {g} (on the CPU the limit is for the \
