@@ -248,6 +248,23 @@ fn settings_files_take_trl_names_and_name_mistakes() {
         e.contains("mixer.yaml") && e.contains("line 3: `dataset_mixer` holds a mapping"),
         "{e}"
     );
+    // A JSON recipe: a nested object and a null inside a list are refused, naming the setting.
+    let e = err(&write(
+        "nested.json",
+        r#"{"learning_rate": 1e-4, "model_init_kwargs": {"dtype": "bfloat16"}}"#,
+    ));
+    assert!(
+        e.contains("nested.json") && e.contains("`model_init_kwargs` holds a nested value"),
+        "{e}"
+    );
+    let e = err(&write(
+        "nulls.json",
+        r#"{"lora_target_modules": ["q_proj", null]}"#,
+    ));
+    assert!(
+        e.contains("nulls.json") && e.contains("`lora_target_modules`: null inside a list"),
+        "{e}"
+    );
     let e = err(&write("batches.toml", "record_batches = \"yes\"\n"));
     assert!(
         e.contains("batches.toml") && e.contains("record_batches"),
