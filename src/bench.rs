@@ -72,6 +72,11 @@ pub struct BenchArgs {
     #[arg(long)]
     pub resident_layers: Option<usize>,
 
+    /// Segmented plans on the device: keep every activation of the N layers below the top
+    /// instead of the planner's choice (as many as fit), to measure what they save
+    #[arg(long)]
+    pub full_layers: Option<usize>,
+
     /// Print the plan the planner would choose for the first workload on a GPU of `--gpu-gib`
     /// GiB, with its estimated device and host memory, and run nothing (no GPU needed; the
     /// model's own bytes estimated from its shape)
@@ -478,7 +483,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
         let line = serde_json::json!({
             "tool": "lorafit", "shape": a.shape, "P": w.prompt_len, "R": w.resp_len, "device": device.name(), "predicted_host_gib": gib(predicted_host),
-            "segment_size": opts.segment_size, "segment_auto": w.segment_size.is_none(), "keep_attention": opts.keep_attention, "keep_kv_layers": opts.keep_kv_layers, "kv_layers_kept": model.kv_layers_kept(opts.keep_kv_layers), "mlp_chunk": opts.mlp_chunk, "mlp_chunk_auto": w.mlp_chunk.is_none(), "offload": opts.offload, "nested": opts.nested, "resident_layers": opts.resident_layers, "pinned_gib": gib(pinned_bytes(&device)), "memory_limit_gib": a.memory_limit, "base_quant": a.base_quant.name(), "head": format!("{:?}", a.head).to_lowercase(), "prefix_shared": a.prefix_shared,
+            "segment_size": opts.segment_size, "segment_auto": w.segment_size.is_none(), "keep_attention": opts.keep_attention, "keep_kv_layers": opts.keep_kv_layers, "kv_layers_kept": model.kv_layers_kept(opts.keep_kv_layers), "mlp_chunk": opts.mlp_chunk, "mlp_chunk_auto": w.mlp_chunk.is_none(), "offload": opts.offload, "nested": opts.nested, "resident_layers": opts.resident_layers, "full_layers": opts.full_layers, "pinned_gib": gib(pinned_bytes(&device)), "memory_limit_gib": a.memory_limit, "base_quant": a.base_quant.name(), "head": format!("{:?}", a.head).to_lowercase(), "prefix_shared": a.prefix_shared,
             "s_per_step": med, "host_queue_s": host_med, "launches_per_step": launches,
             "device_busy": (!busy.is_empty()).then(|| busy.iter().sum::<f64>() / busy.len() as f64), "pairs_per_s": 1.0 / med, "tokens_per_s": tokens as f64 / med,
             "model_tflops_per_step": flops / 1e12, "gemm_peak_tflops": peak_flops / 1e12, "mfu": flops / med / peak_flops,
@@ -858,7 +863,8 @@ fn workload_config(a: &BenchArgs, w: &Workload, base: &TrainConfig) -> TrainConf
 }
 
 /// The pass options the trainer would choose for `shape` under `budget`, with an offloaded
-/// plan's resident layers as `--resident-layers` sets them.
+/// plan's resident layers as `--resident-layers` sets them and a segmented plan's full layers
+/// as `--full-layers` does.
 fn plan_pass(
     a: &BenchArgs,
     cfg: &TrainConfig,
@@ -868,6 +874,9 @@ fn plan_pass(
     let mut opts = pass_options_for(cfg, shape, budget, None);
     if let (Some(r), true) = (a.resident_layers, opts.offload) {
         opts.resident_layers = r;
+    }
+    if let (Some(f), true) = (a.full_layers, opts.segment_size > 0) {
+        opts.full_layers = f;
     }
     opts
 }

@@ -809,6 +809,7 @@ impl TrajectoryCase<'_> {
             offload: offload.is_some(),
             nested: false,
             resident_layers: offload.unwrap_or(0),
+            full_layers: 0,
             head: crate::train::head::HeadTier::Chunked,
             head_chunk: 16,
             dropout: None,

@@ -133,6 +133,7 @@ fn run_family(name: &str) {
             offload: seg == 2,
             nested: seg > 1,
             resident_layers: 0,
+            full_layers: usize::from(seg == 1),
         };
         let (hidden, state) = model
             .forward_keeping(&ids, Some(&lora), &ctx, plan)

@@ -1399,21 +1399,27 @@ fn segmented_backward_is_bit_identical() {
         // recomputed; k and v of the lowest layers kept or recomputed; the boundaries in the
         // host-side store or on the device; segments recomputed whole or layer by layer).
         // Offloaded, the top `resident` layers below the top keep theirs on the device.
-        for (seg, keep, top_mlp, kv, offload, nested, resident) in [
-            (1usize, false, true, 0, false, false, 0),
-            (1, false, true, 0, true, false, 0),
-            (2, false, false, 1, false, false, 0),
-            (2, false, false, 1, false, true, 0),
-            (1, true, false, 2, true, false, 0),
-            (1, true, false, 2, true, false, 2),
-            (2, true, true, 0, false, false, 0),
-            (2, true, true, 2, true, true, 0),
-            (2, true, true, 2, true, true, 1),
+        for (seg, keep, top_mlp, kv, offload, nested, resident, full) in [
+            (1usize, false, true, 0, false, false, 0, 0usize),
+            (1, false, true, 0, true, false, 0, 0),
+            (2, false, false, 1, false, false, 0, 0),
+            (2, false, false, 1, false, true, 0, 0),
+            (1, true, false, 2, true, false, 0, 0),
+            (1, true, false, 2, true, false, 2, 0),
+            (2, true, true, 0, false, false, 0, 0),
+            (2, true, true, 2, true, true, 0, 0),
+            (2, true, true, 2, true, true, 1, 0),
             // Segments of three: a donor and its sharer in one segment, the other apart.
-            (3, false, true, 0, false, false, 0),
-            (3, false, true, 0, true, false, 0),
-            (3, true, false, 1, true, false, 2),
-            (3, true, true, 1, false, true, 0),
+            (3, false, true, 0, false, false, 0, 0),
+            (3, false, true, 0, true, false, 0, 0),
+            (3, true, false, 1, true, false, 2, 0),
+            (3, true, true, 1, false, true, 0, 0),
+            // The `full` layers below the top keep every activation; the segments lie below.
+            (1, true, true, 2, false, false, 0, 1),
+            (1, false, false, 0, false, false, 0, 2),
+            (2, true, true, 1, false, true, 0, 1),
+            (1, true, false, 2, true, false, 1, 1),
+            (3, true, true, 1, false, false, 0, 1),
         ] {
             let plan = ForwardPlan {
                 segment_size: seg,
@@ -1425,6 +1431,7 @@ fn segmented_backward_is_bit_identical() {
                 offload,
                 nested,
                 resident_layers: resident,
+                full_layers: full,
             };
             let d1 = model_grads(&m.model, &mut m.lora, &ctx, &m.c, plan);
             let g1 = grads(&m.lora);
@@ -1432,7 +1439,7 @@ fn segmented_backward_is_bit_identical() {
                 assert!(
                     a == b,
                     "{name}: segment_size {seg} (keep attention {keep}, top MLP {top_mlp}, \
-                     offload {offload}, resident {resident}, nested {nested}) gradient #{i} differs from segment_size 0 (max|diff| {:.3e})",
+                     offload {offload}, resident {resident}, nested {nested}, full {full}) gradient #{i} differs from segment_size 0 (max|diff| {:.3e})",
                     max_diff(a, b).0
                 );
             }

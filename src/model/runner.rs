@@ -150,6 +150,11 @@ pub struct ForwardPlan {
     /// copies out and back where the device has room (the forward's copies out can fill the
     /// host link).
     pub resident_layers: usize,
+    /// With segments: the highest this many layers below the top keep all their activations
+    /// from the forward, as the top one does, and are not recomputed; the segments lie below
+    /// them. Where the device has room past the kept attention and k/v, each such layer spares
+    /// its share of the recomputation (about a layer's forward).
+    pub full_layers: usize,
 }
 
 /// A loaded model: spec, frozen weights, and its device.
@@ -375,8 +380,11 @@ impl Model {
             offload,
             nested,
             resident_layers,
+            full_layers,
         } = plan;
         let keep_kv = |l: usize| segment_size > 0 && l < keep_kv_layers && self.can_keep_kv(l);
+        // With segments, the layers from here up keep their activations (`full_layers`).
+        let full_from = self.spec.n_layers - 1 - full_layers.min(self.spec.n_layers - 1);
         if let (Some(lo), true) = (lora, self.device.is_cuda()) {
             // After an optimiser step: every weight's adapter columns in one launch.
             self.hold_adapters(lo, ids.len(), ctx)?;
@@ -401,8 +409,8 @@ impl Model {
             let offload_l = offload && l + 1 + resident_layers < n;
             // With segments, the top layer keeps its activations from the forward: the backward
             // starts there, so a recomputation would rebuild them at once, and they are live at
-            // the step's peak either way.
-            let top = l + 1 == n;
+            // the step's peak either way. So do the `full_layers` below it.
+            let top = l >= full_from;
             if offload {
                 // The kept tensors of two layers down have had a layer's time to reach the host.
                 kept_attention.settle_below(l.saturating_sub(1))?;
@@ -467,6 +475,7 @@ impl Model {
                 nested,
                 kinds,
                 donor_kv,
+                full_from,
             },
         ))
     }
@@ -491,7 +500,6 @@ impl Model {
         // each layer's last kernel, for the next layer's first projection.
         let mut dc = None;
         drop(state.last);
-        let n = self.spec.n_layers;
         if state.segment_size == 0 {
             for (l, a) in state.acts.into_iter().enumerate().rev() {
                 (d, dc) = self.layer_backward(
@@ -507,19 +515,21 @@ impl Model {
             }
             return self.embed_bwd(d);
         }
-        // With segments `acts` holds the top layer's, kept from the forward.
-        for a in state.acts {
+        // With segments `acts` holds the layers' from `full_from` up, kept from the forward.
+        let full_from = state.full_from;
+        for (i, a) in state.acts.into_iter().enumerate().rev() {
+            let l = full_from + i;
             (d, dc) = self.layer_backward(
-                n - 1,
+                l,
                 &d,
                 dc,
                 a,
                 lora.as_deref_mut(),
                 ctx,
-                kinds.env(ctx, self, n - 1, &donor_kv),
+                kinds.env(ctx, self, l, &donor_kv),
                 &mut kv_grads,
             )?;
-            self.device.memtrace(|| format!("backward layer {}", n - 1));
+            self.device.memtrace(|| format!("backward layer {l}"));
         }
         let mut kept_attention = state.kept_attention;
         let mut kept_kv = state.kept_kv;
@@ -527,7 +537,7 @@ impl Model {
         // The next boundary down, on its way back from the host while this segment runs.
         let mut coming: Option<Prefetched> = None;
         while let Some((start, b)) = boundaries.pop() {
-            let end = (start + state.segment_size).min(n - 1);
+            let end = (start + state.segment_size).min(full_from);
             let x = match b {
                 Boundary::Device(x) => x,
                 Boundary::Host(h) => match coming.take() {
@@ -716,7 +726,8 @@ impl Model {
 
 /// What `Model::forward` keeps for `Model::backward`.
 pub struct ForwardState {
-    /// Every layer's activations without segments; the top layer's alone with them.
+    /// Every layer's activations without segments; with them, those of the layers from
+    /// `full_from` up.
     acts: Vec<LayerActs>,
     /// With segments: `(first layer, its input)` of each segment below the top layer.
     boundaries: Vec<(usize, Boundary)>,
@@ -734,6 +745,8 @@ pub struct ForwardState {
     kinds: Kinds,
     /// The KV donors' k and v (`DonorKv`).
     donor_kv: DonorKv,
+    /// With segments: the lowest layer whose activations `acts` holds (`ForwardPlan::full_layers`).
+    full_from: usize,
 }
 
 /// One layer of a segment being recomputed: its activations, or (`ForwardPlan::nested`) its

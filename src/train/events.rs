@@ -55,6 +55,8 @@ pub struct PassRecord {
     pub nested: bool,
     /// Offloaded: the top layers whose boundaries and kept tensors stayed on the device.
     pub resident_layers: usize,
+    /// The layers below the top that kept all their activations (`ForwardPlan::full_layers`).
+    pub full_layers: usize,
     /// `train::memory`'s estimate of the pass's activation bytes.
     pub estimated_bytes: usize,
 }

@@ -292,6 +292,7 @@ impl TrainEvents for MetricsFile {
                         "keep_kv_layers": s.pass.keep_kv_layers, "mlp_chunk": s.pass.mlp_chunk,
                         "offload": s.pass.offload, "nested": s.pass.nested,
                         "resident_layers": s.pass.resident_layers,
+                        "full_layers": s.pass.full_layers,
                         "estimated_bytes": s.pass.estimated_bytes,
                     },
                 }))

@@ -47,6 +47,7 @@ pub fn estimate_bytes(
         host_budget: 0,
         nested: false,
         resident: 0,
+        full: 0,
         dequantized: 0,
     };
     shape.terms(segment_size, keep_attention, 0).total()
@@ -119,6 +120,7 @@ pub fn estimate(shape: StepShape, plan: &KeepPlan) -> Estimate {
         .offloaded(plan.offload)
         .nested(plan.nested)
         .resident(plan.resident_layers)
+        .full(plan.full_layers)
         .terms(plan.segment_size, plan.keep_attention, plan.keep_kv_layers)
 }
 
@@ -156,6 +158,9 @@ pub struct KeepPlan {
     /// Offloaded: the highest layers below the top whose boundaries and kept tensors stay on the
     /// device (`ForwardPlan::resident_layers`).
     pub resident_layers: usize,
+    /// With segments: the layers below the top that keep all their activations
+    /// (`ForwardPlan::full_layers`).
+    pub full_layers: usize,
 }
 
 /// Bytes of host memory a plan's offloaded layer boundaries and kept tensors take (0 without
@@ -164,6 +169,7 @@ pub fn host_bytes(shape: StepShape, plan: &KeepPlan) -> usize {
     shape
         .offloaded(plan.offload)
         .resident(plan.resident_layers)
+        .full(plan.full_layers)
         .host_bytes_of(plan.segment_size, plan.keep_attention, plan.keep_kv_layers)
 }
 
@@ -207,6 +213,10 @@ pub struct StepShape<'a> {
     /// Bytes of the dense temporary a product with the largest quantized base weight makes
     /// (`ModelWeights::largest_quantized` in the compute dtype; 0 with a dense base).
     pub dequantized: usize,
+    /// With segments: this many layers below the top keep all their activations
+    /// (`ForwardPlan::full_layers`); the boundaries and kept tensors are those of the layers
+    /// below them.
+    pub full: usize,
 }
 
 impl StepShape<'_> {
@@ -248,6 +258,18 @@ impl StepShape<'_> {
         StepShape { resident, ..*self }
     }
 
+    /// This workload with `full` layers below the top keeping all their activations.
+    pub fn full(&self, full: usize) -> Self {
+        StepShape { full, ..*self }
+    }
+
+    /// The layers that keep boundaries and kept tensors at segment sizes above 0: those below
+    /// the top one and the `full` layers under it.
+    fn segmented_layers(&self) -> usize {
+        let n = self.spec.n_layers;
+        n - 1 - self.full.min(n - 1)
+    }
+
     /// Whether layer `l`'s boundary and kept tensors stay on the device although offloaded.
     fn is_resident(&self, l: usize) -> bool {
         l + 1 + self.resident >= self.spec.n_layers
@@ -259,18 +281,19 @@ impl StepShape<'_> {
         if !self.offload || s == 0 {
             return 0;
         }
-        (0..self.spec.n_layers - 1)
+        (0..self.segmented_layers())
             .step_by(s)
             .filter(|&l| self.is_resident(l))
             .count()
     }
 
-    /// Layer boundaries a pass keeps at segment size `s`.
+    /// Layer boundaries a pass keeps at segment size `s` (fitted to the allocator: one more
+    /// layer than those below the top is counted).
     fn boundary_count(&self, s: usize) -> usize {
         if s == 0 {
             0
         } else {
-            self.spec.n_layers.div_ceil(s)
+            (self.segmented_layers() + 1).div_ceil(s)
         }
     }
 
@@ -290,20 +313,20 @@ impl StepShape<'_> {
         if !self.offload || s == 0 {
             return 0;
         }
-        let n = self.spec.n_layers;
+        let below = self.segmented_layers();
         let attention = if keep_attention {
             let per_layer = self.attention_bytes();
-            (0..n - 1)
+            (0..below)
                 .filter(|&l| !self.is_resident(l))
                 .map(|l| per_layer[l])
                 .sum()
         } else {
             0
         };
-        let kv_layers = (0..kv.min(n - 1)).filter(|&l| !self.is_resident(l)).count();
+        let kv_layers = (0..kv.min(below)).filter(|&l| !self.is_resident(l)).count();
         // The boundaries the forward keeps: every s-th layer's input below the top layer (the
         // device term's `boundary_count`, fitted to the allocator, counts the top's too).
-        ((n - 1).div_ceil(s) - self.resident_boundaries(s)) * self.boundary_bytes()
+        (below.div_ceil(s) - self.resident_boundaries(s)) * self.boundary_bytes()
             + attention
             + kv_layers * kv_bytes(self.spec, self.tokens, self.dtype_bytes)
     }
@@ -332,10 +355,10 @@ impl StepShape<'_> {
     /// layers' and the window's, not their sum (H200, llama8b with 6-22 resident layers: the sum
     /// over-predicted the allocator's peak by 2.5-6.4%).
     fn offloaded_kept_peak(&self, s: usize, bytes: impl Fn(usize) -> usize) -> usize {
-        let n = self.spec.n_layers;
+        let (n, below) = (self.spec.n_layers, self.segmented_layers());
         (0..n)
             .map(|j| {
-                (0..j.min(n - 1))
+                (0..j.min(below))
                     .filter(|&l| self.is_resident(l) || l + 2 * s >= j)
                     .map(&bytes)
                     .sum::<usize>()
@@ -386,6 +409,7 @@ impl StepShape<'_> {
                     offload,
                     nested,
                     resident_layers: 0,
+                    full_layers: 0,
                 };
                 (plan, shape.terms(s, false, 0))
             });
@@ -476,15 +500,17 @@ impl StepShape<'_> {
         } else {
             // Offloaded, only the layers on the device at the worst point of the backward count
             // (`offloaded_kept_peak`); on the device, every layer's.
+            // The `full` layers below the top keep their activations instead (`live` below).
+            let full = self.full.min(l - 1);
             let attention = if !keep_attention {
                 0
             } else if self.offload {
                 let per_layer = self.attention_bytes();
                 self.offloaded_kept_peak(segment_size, |l| per_layer[l])
             } else {
-                self.attention_bytes().iter().sum()
+                self.attention_bytes()[..l - full].iter().sum()
             };
-            let kv_layers = keep_kv_layers.min(l - 1);
+            let kv_layers = keep_kv_layers.min(l - 1 - full);
             let kept_kv = if self.offload {
                 let per_layer = kv_bytes(spec, tokens, c);
                 self.offloaded_kept_peak(
@@ -492,7 +518,7 @@ impl StepShape<'_> {
                     |i| if i < kv_layers { per_layer } else { 0 },
                 )
             } else {
-                keep_kv_layers.min(l) * kv_bytes(spec, tokens, c)
+                keep_kv_layers.min(l - full) * kv_bytes(spec, tokens, c)
             };
             // Offloaded, one boundary is on its way out and one on its way back at a time.
             let on_device = if self.offload {
@@ -500,17 +526,16 @@ impl StepShape<'_> {
             } else {
                 self.boundary_count(segment_size)
             };
+            // The activations live at once: a recomputed segment's (one layer's, nested), or at the
+            // head the top layer's and the `full` layers' under it, whichever is more.
+            let recomputed = if self.nested { 1 } else { segment_size.min(l) };
             vec![
                 ("layer boundaries", on_device * self.boundary_bytes()),
                 ("kept attention outputs", attention),
                 ("kept k and v", kept_kv),
                 (
                     "one segment's activations",
-                    if self.nested {
-                        layer
-                    } else {
-                        segment_size.min(l) * layer
-                    },
+                    recomputed.max(full + 1) * layer,
                 ),
                 (
                     "a segment's layer inputs",
@@ -522,7 +547,7 @@ impl StepShape<'_> {
                 ),
                 (
                     "a layer's backward",
-                    if segment_size > 1 && !self.nested {
+                    if (segment_size > 1 && !self.nested) || full > 0 {
                         backward
                     } else {
                         0
@@ -611,6 +636,7 @@ fn auto_plan_of(shape: StepShape, budget: usize, layer_by_layer: bool) -> KeepPl
         offload: shape.offload && segment_size > 0,
         nested: nested && segment_size > 1,
         resident_layers: 0,
+        full_layers: 0,
     };
     if est(0, false) <= budget {
         return plan(0, false, false);
@@ -708,6 +734,25 @@ pub fn resolve_plan(
         } else {
             0
         };
+        // On the device, the layers under the top keep all their activations as far as the
+        // budget has room past the kept attention and k/v: each spares its recomputation. Like
+        // resident layers they only make a step faster, so they take the budget only up to
+        // `RESIDENT_SHARE_PERCENT`.
+        let full_layers = if !offload && !nested && segment_size > 0 && fits {
+            (0..shape.spec.n_layers - 1)
+                .rev()
+                .find(|&f| {
+                    shape.full(f).fits(
+                        segment_size,
+                        keep_attention,
+                        keep_kv_layers,
+                        resident_budget,
+                    )
+                })
+                .unwrap_or(0)
+        } else {
+            0
+        };
         let plan = KeepPlan {
             segment_size,
             keep_attention,
@@ -716,6 +761,7 @@ pub fn resolve_plan(
             offload,
             nested,
             resident_layers,
+            full_layers,
         };
         (plan, fits)
     };
@@ -770,6 +816,12 @@ pub fn describe_plan(plan: &KeepPlan) -> String {
     }
     if plan.keep_kv_layers > 0 {
         parts.push(format!("k/v of {} layers kept", plan.keep_kv_layers));
+    }
+    if plan.full_layers > 0 {
+        parts.push(format!(
+            "every activation of the top {} layers kept",
+            plan.full_layers + 1
+        ));
     }
     if plan.mlp_chunk > 0 {
         parts.push(format!("MLP chunk {}", plan.mlp_chunk));
@@ -1013,6 +1065,7 @@ mod tests {
             host_budget: 0,
             nested: false,
             resident: 0,
+            full: 0,
             dequantized: 0,
         }
     }
@@ -1037,6 +1090,7 @@ mod tests {
             offload: true,
             nested: false,
             resident_layers,
+            full_layers: 0,
         };
         // 22 resident layers (9..=30): their attention outputs; of the 11 k/v layers (0..=10) only
         // layers 9 and 10 are resident, and the window never holds more than two.
@@ -1089,6 +1143,39 @@ mod tests {
         assert_eq!(plan(70), (3, false, false));
         assert_eq!(plan(50), (4, false, true));
         assert_eq!(plan(10), (4, false, true));
+    }
+
+    /// Past the kept attention and k/v, the layers under the top keep every activation as far as
+    /// the budget's resident share has room: none at the segment-1 plan's own estimate, more as
+    /// the budget grows, each plan within the share, and every activation kept once that fits.
+    #[test]
+    fn full_layers_fill_the_room_past_the_kept_tensors() {
+        let spec = llama8b();
+        let gib = 1usize << 30;
+        let sh = shape(&spec, 18_432, false);
+        let plan = |budget: usize| resolve_plan(sh, None, None, None, None, Some(false), budget);
+        let seg1 = KeepPlan {
+            full_layers: 0,
+            ..plan(30 * gib)
+        };
+        assert_eq!((seg1.segment_size, seg1.keep_attention), (1, true));
+        let est = |p: &KeepPlan| estimate(sh, p).total();
+        let at_own = plan(est(&seg1) * 100 / RESIDENT_SHARE_PERCENT);
+        assert_eq!(at_own.full_layers, 0, "{at_own:?}");
+        let mut last = 0;
+        for budget_gib in [30, 60, 80] {
+            let p = plan(budget_gib * gib);
+            assert_eq!((p.segment_size, p.keep_attention), (1, true), "{p:?}");
+            assert!(p.full_layers > last, "{budget_gib} GiB: {p:?}");
+            assert!(est(&p) <= budget_gib * gib / 100 * RESIDENT_SHARE_PERCENT);
+            let one_more = KeepPlan {
+                full_layers: p.full_layers + 1,
+                ..p
+            };
+            assert!(est(&one_more) > budget_gib * gib / 100 * RESIDENT_SHARE_PERCENT);
+            last = p.full_layers;
+        }
+        assert_eq!(plan(100 * gib).segment_size, 0);
     }
 
     #[test]
@@ -1225,6 +1312,7 @@ mod tests {
             offload,
             nested: false,
             resident_layers: 0,
+            full_layers: 0,
         };
         let terms = |offload| estimate(host(200 * gib), &plan1(offload));
         let bytes = |e: &Estimate, name| e.terms.iter().find(|t| t.0 == name).unwrap().1;
@@ -1488,6 +1576,7 @@ mod tests {
                 } else {
                     0
                 },
+                full: 0,
             };
             let predicted = live_before + shape.terms(1, true, kv).total() as f64 / GIB;
             let ratio = predicted / measured;

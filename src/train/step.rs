@@ -30,6 +30,9 @@ pub struct PassOptions {
     /// With offload: layers whose boundaries and kept tensors stay on the device
     /// (`ForwardPlan::resident_layers`).
     pub resident_layers: usize,
+    /// With segments: layers below the top that keep all their activations
+    /// (`ForwardPlan::full_layers`).
+    pub full_layers: usize,
     pub head: HeadTier,
     pub head_chunk: usize,
     pub dropout: Option<(f32, u64)>,
@@ -197,6 +200,7 @@ fn forward_all(
                 offload: keep && opts.offload,
                 nested: keep && opts.nested,
                 resident_layers: opts.resident_layers,
+                full_layers: if keep { opts.full_layers } else { 0 },
             };
             let (hidden, st) = model.forward_keeping(&s.ids, lora, &ctx, plan)?;
             Ok(Forwarded {

@@ -505,6 +505,7 @@ pub fn pass_options_for(
         offload: plan.offload,
         nested: plan.nested,
         resident_layers: plan.resident_layers,
+        full_layers: plan.full_layers,
         head: cfg.head,
         head_chunk: shape.head_chunk_rows,
         dropout,
@@ -553,6 +554,7 @@ pub fn step_shape_of<'a>(
         nested: false,
         resident: 0,
         dequantized: 0,
+        full: 0,
     }
 }
 
@@ -575,6 +577,7 @@ pub fn pass_estimate(model: &Model, tokens: usize, opts: &PassOptions) -> super:
         nested: opts.nested,
         resident: opts.resident_layers,
         dequantized: dequantized_bytes(model),
+        full: opts.full_layers,
     };
     super::memory::estimate(shape, &keep_plan(opts))
 }
@@ -589,6 +592,7 @@ pub fn keep_plan(opts: &PassOptions) -> super::memory::KeepPlan {
         offload: opts.offload,
         nested: opts.nested,
         resident_layers: opts.resident_layers,
+        full_layers: opts.full_layers,
     }
 }
 
@@ -1303,6 +1307,7 @@ pub fn train_with(
                 offload: pass.offload,
                 nested: pass.nested,
                 resident_layers: pass.resident_layers,
+                full_layers: pass.full_layers,
                 estimated_bytes,
             },
             eta_seconds: elapsed / done as f64 * (total_steps - state.step) as f64,
