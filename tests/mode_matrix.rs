@@ -53,6 +53,7 @@ fn run(
         // Segments of 2 recomputed layer by layer.
         nested: seg == 2,
         resident_layers: 0,
+        full_layers: 0,
         head,
         head_chunk: chunk,
         dropout: None,

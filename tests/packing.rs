@@ -48,6 +48,7 @@ fn options(segment_size: usize, offload: bool) -> PassOptions {
         offload,
         nested: false,
         resident_layers: 0,
+        full_layers: 0,
         head: HeadTier::Chunked,
         head_chunk: 4,
         dropout: None,

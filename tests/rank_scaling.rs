@@ -257,6 +257,7 @@ fn by_bits_adapter_reloads_with_the_same_logits() {
             offload: false,
             nested: false,
             resident_layers: 0,
+            full_layers: 0,
             head: HeadTier::Chunked,
             head_chunk: DEFAULT_CHUNK,
             dropout: None,

@@ -526,6 +526,7 @@ fn grad_accum_equals_summed_batch() {
         offload: false,
         nested: false,
         resident_layers: 0,
+        full_layers: 0,
         head: HeadTier::Chunked,
         head_chunk: DEFAULT_CHUNK,
         dropout: None,
@@ -1378,6 +1379,7 @@ fn longest_estimates(loaded: &Loaded, items: &[Item], c: &TrainConfig) -> (usize
             offload: false,
             nested: false,
             resident_layers: 0,
+            full_layers: 0,
         },
     )
     .total();
