@@ -145,6 +145,14 @@ impl Ctx<'_> {
     fn g(&self, v: &[f32], shape: &[usize], dt: DType) -> Result<Tensor> {
         Tensor::from_f32(v, shape, dt, self.dev)
     }
+    /// `g` on the device under test, `c` (f32, on the CPU) for the reference run.
+    fn on(&self, on_gpu: bool, v: &[f32], shape: &[usize], dt: DType) -> Result<Tensor> {
+        if on_gpu {
+            self.g(v, shape, dt)
+        } else {
+            self.c(v, shape)
+        }
+    }
     fn push(&mut self, r: ParityRow) {
         // LORAFIT_PARITY_VERBOSE=1 prints each row as it is measured (to see how far a run got).
         if std::env::var_os("LORAFIT_PARITY_VERBOSE").is_some() {
@@ -1493,13 +1501,7 @@ fn gemm(cx: &mut Ctx, r: &mut Rng) -> Result<()> {
         let bv = r.bnormals(b_st.0 * bw, 1.0);
         let cv = r.bnormals(m * cw, 1.0);
         let run = |on_gpu: bool| -> Result<Tensor> {
-            let mk = |v: &[f32], shape: &[usize], dt: DType| {
-                if on_gpu {
-                    cx.g(v, shape, dt)
-                } else {
-                    cx.c(v, shape)
-                }
-            };
+            let mk = |v: &[f32], shape: &[usize], dt: DType| cx.on(on_gpu, v, shape, dt);
             let a = mk(&av, &[a_st.0, aw], bf)?;
             let b = mk(&bv, &[b_st.0, bw], bf)?;
             let mut c = mk(&cv, &[m, cw], cdt)?;
@@ -1545,13 +1547,7 @@ fn gemm(cx: &mut Ctx, r: &mut Rng) -> Result<()> {
         let bv = r.bnormals(k * n, 1.0);
         let cv = r.bnormals(m * cw, 1.0);
         let run = |on_gpu: bool| -> Result<Tensor> {
-            let mk = |v: &[f32], shape: &[usize], dt: DType| {
-                if on_gpu {
-                    cx.g(v, shape, dt)
-                } else {
-                    cx.c(v, shape)
-                }
-            };
+            let mk = |v: &[f32], shape: &[usize], dt: DType| cx.on(on_gpu, v, shape, dt);
             let (a, b, c) = (
                 mk(&av, &[m, aw], bf)?,
                 mk(&bv, &[k, n], bf)?,
@@ -1596,13 +1592,7 @@ fn gemm(cx: &mut Ctx, r: &mut Rng) -> Result<()> {
             "parity row {t}x{k}x{n} r{rank}: the adapter would fold, so the residual would not join the products"
         );
         let run = |on_gpu: bool| -> Result<Tensor> {
-            let mk = |v: &[f32], shape: &[usize], dt: DType| {
-                if on_gpu {
-                    cx.g(v, shape, dt)
-                } else {
-                    cx.c(v, shape)
-                }
-            };
+            let mk = |v: &[f32], shape: &[usize], dt: DType| cx.on(on_gpu, v, shape, dt);
             let (xt, wt, xat, bt) = (
                 mk(&x, &[t, k], bf)?,
                 mk(&w, &[n, k], bf)?,

@@ -14,6 +14,11 @@
 //! - Then, with segments, k and v of as many of the lowest layers as still fit
 //!   (`keep_kv_layers`; none for models with q/k norms), sparing their projections in the
 //!   recomputation.
+//! - Then, on the device (not offloaded, not layer by layer), the layers under the top keep
+//!   every activation as the top one does (`full_layers`), as many as fit within
+//!   `RESIDENT_SHARE_PERCENT` of the budget: each spares its share of the recomputation, and
+//!   its boundary and kept tensors are not needed. Between segment 1's footprint and every
+//!   activation kept, the step then grows faster with the memory it is given.
 //! - Whole-sequence MLPs before MLP token chunks; both before a layer-by-layer recomputation of
 //!   each segment (one more forward; one layer's activations live), the last resort.
 //! - The boundaries in pinned host memory (`host_budget`), with the kept attention outputs and
@@ -335,6 +340,23 @@ impl StepShape<'_> {
     fn fits(&self, s: usize, keep_attention: bool, kv: usize, budget: usize) -> bool {
         self.terms(s, keep_attention, kv).total() <= budget
             && self.host_bytes_of(s, keep_attention, kv) <= self.host_budget
+    }
+
+    /// The largest count below `below` whose workload (`with(self, count)`) fits `budget` at
+    /// this plan; 0 when none does.
+    fn most_that_fit(
+        &self,
+        below: usize,
+        with: fn(&Self, usize) -> Self,
+        s: usize,
+        keep_attention: bool,
+        kv: usize,
+        budget: usize,
+    ) -> usize {
+        (0..below)
+            .rev()
+            .find(|&c| with(self, c).fits(s, keep_attention, kv, budget))
+            .unwrap_or(0)
     }
 
     /// Per layer, the bytes of its kept attention output and lse.
@@ -719,37 +741,18 @@ pub fn resolve_plan(
         // make one fit, so they take the budget only up to `RESIDENT_SHARE_PERCENT`: a miss of
         // the estimate then stays under it.
         let resident_budget = budget / 100 * RESIDENT_SHARE_PERCENT;
+        let n = shape.spec.n_layers;
+        let (s, keep, kv) = (segment_size, keep_attention, keep_kv_layers);
         let resident_layers = if offload && fits {
-            (0..shape.spec.n_layers)
-                .rev()
-                .find(|&r| {
-                    shape.resident(r).fits(
-                        segment_size,
-                        keep_attention,
-                        keep_kv_layers,
-                        resident_budget,
-                    )
-                })
-                .unwrap_or(0)
+            shape.most_that_fit(n, StepShape::resident, s, keep, kv, resident_budget)
         } else {
             0
         };
         // On the device, the layers under the top keep all their activations as far as the
         // budget has room past the kept attention and k/v: each spares its recomputation. Like
-        // resident layers they only make a step faster, so they take the budget only up to
-        // `RESIDENT_SHARE_PERCENT`.
+        // resident layers they only make a step faster, so they too take the resident share.
         let full_layers = if !offload && !nested && segment_size > 0 && fits {
-            (0..shape.spec.n_layers - 1)
-                .rev()
-                .find(|&f| {
-                    shape.full(f).fits(
-                        segment_size,
-                        keep_attention,
-                        keep_kv_layers,
-                        resident_budget,
-                    )
-                })
-                .unwrap_or(0)
+            shape.most_that_fit(n - 1, StepShape::full, s, keep, kv, resident_budget)
         } else {
             0
         };

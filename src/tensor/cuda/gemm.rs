@@ -691,20 +691,8 @@ impl CudaBackend {
             return self.add_assign(c, &tmp, 1.0);
         }
         self.inner.bind()?;
-        let dname = |d: DType| match d {
-            DType::F32 => "f32",
-            DType::BF16 => "bf16",
-        };
-        let c_dtype = c.dtype();
-        let pname = || {
-            format!(
-                "gemm {}->{} {}{} {m}x{n}x{k}",
-                dname(a.dtype()),
-                dname(c_dtype),
-                if ta { "T" } else { "N" },
-                if tb { "T" } else { "N" }
-            )
-        };
+        let (a_dtype, c_dtype) = (a.dtype(), c.dtype());
+        let pname = || product_name(a_dtype, c_dtype, ta, tb, (m, n, k), "");
         self.profiled(pname, || {
             self.gemm(c, (a, ta), (b, tb), (m, k, n), (alpha, beta))
         })
@@ -727,51 +715,18 @@ impl CudaBackend {
         alpha: f32,
         beta: f32,
     ) -> Result<bool> {
-        let direct = matches!(
-            (a.t.dtype(), b.t.dtype(), c.dtype()),
-            (DType::BF16, DType::BF16, _) | (DType::F32, DType::F32, DType::F32)
-        );
         let cw = Cols {
             t: c,
             start: cc.start,
             end: cc.end,
         };
-        let mats = [Mat::cols(a)?, Mat::cols(b)?, Mat::cols(cw)?];
-        if !direct
-            || mats
-                .iter()
-                .any(|m| m.ptr % 16 != 0 || (m.ld * m.dtype.size()) % 16 != 0)
-        {
+        let Some(([am, bm, cm], (m, k, n))) =
+            in_place_operands("matmul_acc_cols", cw, a, ta, b, tb)?
+        else {
             return Ok(false);
-        }
-        let ((ar, ac), (br, bc), (cr, cn)) = (a.rows_cols(), b.rows_cols(), cw.rows_cols());
-        let (m, k) = if ta { (ac, ar) } else { (ar, ac) };
-        let (k2, n) = if tb { (bc, br) } else { (br, bc) };
-        ensure!(
-            k == k2 && (cr, cn) == (m, n),
-            "matmul_acc_cols: [{ar}x{ac}]{} x [{br}x{bc}]{} into [{cr}x{cn}]",
-            if ta { "ᵀ" } else { "" },
-            if tb { "ᵀ" } else { "" }
-        );
-        if m == 0 || n == 0 || k == 0 {
-            // cuBLASLt refuses empty products; the copying path handles them.
-            return Ok(false);
-        }
+        };
         self.inner.bind()?;
-        let dname = |d: DType| match d {
-            DType::F32 => "f32",
-            DType::BF16 => "bf16",
-        };
-        let pname = || {
-            format!(
-                "gemm {}->{} {}{} {m}x{n}x{k} (cols)",
-                dname(a.t.dtype()),
-                dname(cw.t.dtype()),
-                if ta { "T" } else { "N" },
-                if tb { "T" } else { "N" }
-            )
-        };
-        let [am, bm, cm] = mats;
+        let pname = || product_name(a.t.dtype(), cw.t.dtype(), ta, tb, (m, n, k), " (cols)");
         self.profiled(pname, || {
             self.gemm_at(cm, (am, ta), (bm, tb), (m, k, n), (alpha, beta))
         })?;
@@ -794,53 +749,85 @@ impl CudaBackend {
         alpha: f32,
         beta: f32,
     ) -> Result<Option<Tensor>> {
-        let direct = matches!(
-            (a.t.dtype(), b.t.dtype(), c.t.dtype()),
-            (DType::BF16, DType::BF16, _) | (DType::F32, DType::F32, DType::F32)
-        );
-        let mats = [Mat::cols(a)?, Mat::cols(b)?, Mat::cols(c)?];
-        if !direct
-            || mats
-                .iter()
-                .any(|m| m.ptr % 16 != 0 || (m.ld * m.dtype.size()) % 16 != 0)
-        {
+        let Some(([am, bm, cm], (m, k, n))) = in_place_operands("matmul_onto", c, a, ta, b, tb)?
+        else {
             return Ok(None);
-        }
-        let ((ar, ac), (br, bc), (cr, cn)) = (a.rows_cols(), b.rows_cols(), c.rows_cols());
-        let (m, k) = if ta { (ac, ar) } else { (ar, ac) };
-        let (k2, n) = if tb { (bc, br) } else { (br, bc) };
-        ensure!(
-            k == k2 && (cr, cn) == (m, n),
-            "matmul_onto: [{ar}x{ac}]{} x [{br}x{bc}]{} onto [{cr}x{cn}]",
-            if ta { "ᵀ" } else { "" },
-            if tb { "ᵀ" } else { "" }
-        );
-        if m == 0 || n == 0 || k == 0 || !(n * c.t.dtype().size()).is_multiple_of(16) {
-            // cuBLASLt refuses empty products, and D's rows must stay on 16 bytes.
+        };
+        if !(n * c.t.dtype().size()).is_multiple_of(16) {
+            // D's rows must stay on 16 bytes too.
             return Ok(None);
         }
         self.inner.bind()?;
         let d = self.empty(&[m, n], c.t.dtype())?;
-        let dname = |d: DType| match d {
-            DType::F32 => "f32",
-            DType::BF16 => "bf16",
-        };
-        let pname = || {
-            format!(
-                "gemm {}->{} {}{} {m}x{n}x{k} (onto)",
-                dname(a.t.dtype()),
-                dname(c.t.dtype()),
-                if ta { "T" } else { "N" },
-                if tb { "T" } else { "N" }
-            )
-        };
-        let [am, bm, cm] = mats;
+        let pname = || product_name(a.t.dtype(), c.t.dtype(), ta, tb, (m, n, k), " (onto)");
         let dm = Mat::of(&d)?;
         self.profiled(pname, || {
             self.gemm_into(dm, cm, (am, ta), (bm, tb), (m, k, n), (alpha, beta))
         })?;
         Ok(Some(d))
     }
+}
+
+/// A product's row in the profile: `gemm bf16->f32 NT 4608x1536x16` and a tag.
+fn product_name(
+    a: DType,
+    c: DType,
+    ta: bool,
+    tb: bool,
+    (m, n, k): (usize, usize, usize),
+    tag: &str,
+) -> String {
+    let name = |d: DType| match d {
+        DType::F32 => "f32",
+        DType::BF16 => "bf16",
+    };
+    let t = |x: bool| if x { "T" } else { "N" };
+    format!(
+        "gemm {}->{} {}{} {m}x{n}x{k}{tag}",
+        name(a),
+        name(c),
+        t(ta),
+        t(tb)
+    )
+}
+
+/// A product's operands `[a, b, c]` and its `(m, k, n)` (`in_place_operands`).
+type InPlace = ([Mat; 3], (usize, usize, usize));
+
+/// The operands of a product over column windows as cuBLASLt takes them in place, and its
+/// `(m, k, n)`: `None` where it cannot (operands neither both bf16 nor all f32, a window's first
+/// element or row length off 16 bytes, an empty product, which cuBLASLt refuses), for the caller's
+/// copying path. Mismatched shapes are refused, naming `op`.
+fn in_place_operands(
+    op: &str,
+    c: Cols,
+    a: Cols,
+    ta: bool,
+    b: Cols,
+    tb: bool,
+) -> Result<Option<InPlace>> {
+    let direct = matches!(
+        (a.t.dtype(), b.t.dtype(), c.t.dtype()),
+        (DType::BF16, DType::BF16, _) | (DType::F32, DType::F32, DType::F32)
+    );
+    let mats = [Mat::cols(a)?, Mat::cols(b)?, Mat::cols(c)?];
+    let aligned = |m: &Mat| m.ptr.is_multiple_of(16) && (m.ld * m.dtype.size()).is_multiple_of(16);
+    if !direct || !mats.iter().all(aligned) {
+        return Ok(None);
+    }
+    let ((ar, ac), (br, bc), (cr, cn)) = (a.rows_cols(), b.rows_cols(), c.rows_cols());
+    let (m, k) = if ta { (ac, ar) } else { (ar, ac) };
+    let (k2, n) = if tb { (bc, br) } else { (br, bc) };
+    ensure!(
+        k == k2 && (cr, cn) == (m, n),
+        "{op}: [{ar}x{ac}]{} x [{br}x{bc}]{} into [{cr}x{cn}]",
+        if ta { "ᵀ" } else { "" },
+        if tb { "ᵀ" } else { "" }
+    );
+    if m == 0 || n == 0 || k == 0 {
+        return Ok(None);
+    }
+    Ok(Some((mats, (m, k, n))))
 }
 
 /// Ranks up to which `lora_linear_rounded` adds the adapter's product in its rounding kernel
