@@ -522,7 +522,8 @@ impl StepShape<'_> {
         } else {
             // Offloaded, only the layers on the device at the worst point of the backward count
             // (`offloaded_kept_peak`); on the device, every layer's.
-            // The `full` layers below the top keep their activations instead (`live` below).
+            // The `full` layers below the top keep their activations instead (counted with the
+            // activations live at once below).
             let full = self.full.min(l - 1);
             let attention = if !keep_attention {
                 0
