@@ -795,11 +795,13 @@ struct TrajectoryCase<'a> {
 impl TrajectoryCase<'_> {
     /// The pass options of every step: the layer boundaries on the device (`offload` None) or
     /// offloaded but for the top `Some(resident)` layers' (with them, the kept k/v and, with
-    /// `keep_attention`, the attention outputs).
+    /// `keep_attention`, the attention outputs); `full` layers under the top keeping every
+    /// activation.
     fn pass_options(
         &self,
         offload: Option<usize>,
         keep_attention: bool,
+        full: usize,
     ) -> crate::train::step::PassOptions {
         crate::train::step::PassOptions {
             segment_size: self.segment_size,
@@ -809,7 +811,7 @@ impl TrajectoryCase<'_> {
             offload: offload.is_some(),
             nested: false,
             resident_layers: offload.unwrap_or(0),
-            full_layers: 0,
+            full_layers: full,
             head: crate::train::head::HeadTier::Chunked,
             head_chunk: 16,
             dropout: None,
@@ -823,6 +825,7 @@ fn orpo_trajectory(
     model: &Model,
     offload: Option<usize>,
     keep_attention: bool,
+    full: usize,
 ) -> Result<(Vec<f64>, Vec<f64>)> {
     use crate::train::objectives::SftScope;
     use crate::train::optim::{apply_update, AdamState, OptimOptions};
@@ -839,7 +842,7 @@ fn orpo_trajectory(
     )?;
     let mut adam = AdamState::new(&lora)?;
     let o = OptimOptions::default();
-    let opts = case.pass_options(offload, keep_attention);
+    let opts = case.pass_options(offload, keep_attention, full);
     let obj = Objective::Orpo {
         lambda: 0.1,
         scope: SftScope::Full,
@@ -856,18 +859,20 @@ fn orpo_trajectory(
 }
 
 /// `case` on the device with its layer boundaries, kept attention outputs and kept k/v offloaded
-/// to host memory (all of them, and all but the top half's) and without: the losses and gradient
-/// norms must agree bit for bit (the deterministic attention backward, so that two runs of the
-/// same plan do), and the offloaded runs must have pinned host memory.
+/// to host memory (all of them, and all but the top half's), with the top half's layers keeping
+/// every activation (`full_layers`), and on the device alone: the losses and gradient norms must
+/// agree bit for bit (the deterministic attention backward, so that two runs of the same plan
+/// do), and the offloaded runs must have pinned host memory.
 fn offload_is_exact(case: &TrajectoryCase) -> Result<bool> {
     let device = &case.gpu.device;
     let half = case.gpu.spec.n_layers / 2;
     device.set_numerics(true, false)?;
-    let runs = [None, Some(0), Some(half)].map(|o| orpo_trajectory(case, case.gpu, o, true));
+    let runs = [(None, 0), (Some(0), 0), (Some(half), 0), (None, half)]
+        .map(|(o, full)| orpo_trajectory(case, case.gpu, o, true, full));
     // Back to the defaults the other checks run with.
     device.set_numerics(false, true)?;
-    let [kept, offloaded, resident] = runs;
-    let (kept, offloaded, resident) = (kept?, offloaded?, resident?);
+    let [kept, offloaded, resident, full] = runs;
+    let (kept, offloaded, resident, full) = (kept?, offloaded?, resident?, full?);
     let pinned = match device {
         Device::Cuda(c) => c.pinned_bytes(),
         Device::Cpu => 0,
@@ -877,6 +882,18 @@ fn offload_is_exact(case: &TrajectoryCase) -> Result<bool> {
         |r: &(Vec<f64>, Vec<f64>)| bits(&kept.0) == bits(&r.0) && bits(&kept.1) == bits(&r.1);
     let same = same_as_kept(&offloaded) && same_as_kept(&resident);
     let ok = same && (pinned > 0 || !device.is_cuda());
+    let full_same = same_as_kept(&full);
+    println!(
+        "train {}: every activation of the top {} layers kept vs recomputed, {} steps: losses and grad norms {}  {}",
+        case.name,
+        half + 1,
+        case.steps,
+        if full_same { "bit-identical" } else { "differ" },
+        if full_same { "ok" } else { "FAIL" }
+    );
+    if !full_same {
+        println!("  kept      {:?}\n  full      {:?}", kept.0, full.0);
+    }
     println!(
         "train {}: boundaries, attention outputs and k/v offloaded (all, and all but the top {half} layers') vs on the device, {} steps: losses and grad norms {}, {:.1} MiB pinned  {}",
         case.name,
@@ -891,13 +908,13 @@ fn offload_is_exact(case: &TrajectoryCase) -> Result<bool> {
             kept.0, offloaded.0, resident.0
         );
     }
-    Ok(ok)
+    Ok(ok && full_same)
 }
 
 /// Runs `case` on both devices and prints its rows; whether the losses stay within the bound.
 fn trajectory_parity(case: &TrajectoryCase) -> Result<bool> {
-    let (cpu, cpu_norm) = orpo_trajectory(case, case.cpu, None, false)?;
-    let (gpu, gpu_norm) = orpo_trajectory(case, case.gpu, None, false)?;
+    let (cpu, cpu_norm) = orpo_trajectory(case, case.cpu, None, false, 0)?;
+    let (gpu, gpu_norm) = orpo_trajectory(case, case.gpu, None, false, 0)?;
     let rel = |a: &[f64], b: &[f64]| -> Vec<f64> {
         a.iter().zip(b).map(|(g, c)| ((g - c) / c).abs()).collect()
     };
