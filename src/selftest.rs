@@ -819,13 +819,12 @@ impl TrajectoryCase<'_> {
     }
 }
 
-/// Per-step losses and gradient norms (before clipping) of `case` on `model`.
+/// Per-step losses and gradient norms (before clipping) of `case` on `model`, every step run with
+/// `opts`.
 fn orpo_trajectory(
     case: &TrajectoryCase,
     model: &Model,
-    offload: Option<usize>,
-    keep_attention: bool,
-    full: usize,
+    opts: crate::train::step::PassOptions,
 ) -> Result<(Vec<f64>, Vec<f64>)> {
     use crate::train::objectives::SftScope;
     use crate::train::optim::{apply_update, AdamState, OptimOptions};
@@ -842,7 +841,6 @@ fn orpo_trajectory(
     )?;
     let mut adam = AdamState::new(&lora)?;
     let o = OptimOptions::default();
-    let opts = case.pass_options(offload, keep_attention, full);
     let obj = Objective::Orpo {
         lambda: 0.1,
         scope: SftScope::Full,
@@ -863,12 +861,12 @@ fn orpo_trajectory(
 /// every activation (`full_layers`), and on the device alone: the losses and gradient norms must
 /// agree bit for bit (the deterministic attention backward, so that two runs of the same plan
 /// do), and the offloaded runs must have pinned host memory.
-fn offload_is_exact(case: &TrajectoryCase) -> Result<bool> {
+fn kept_plans_are_exact(case: &TrajectoryCase) -> Result<bool> {
     let device = &case.gpu.device;
     let half = case.gpu.spec.n_layers / 2;
     device.set_numerics(true, false)?;
     let runs = [(None, 0), (Some(0), 0), (Some(half), 0), (None, half)]
-        .map(|(o, full)| orpo_trajectory(case, case.gpu, o, true, full));
+        .map(|(o, full)| orpo_trajectory(case, case.gpu, case.pass_options(o, true, full)));
     // Back to the defaults the other checks run with.
     device.set_numerics(false, true)?;
     let [kept, offloaded, resident, full] = runs;
@@ -913,8 +911,9 @@ fn offload_is_exact(case: &TrajectoryCase) -> Result<bool> {
 
 /// Runs `case` on both devices and prints its rows; whether the losses stay within the bound.
 fn trajectory_parity(case: &TrajectoryCase) -> Result<bool> {
-    let (cpu, cpu_norm) = orpo_trajectory(case, case.cpu, None, false, 0)?;
-    let (gpu, gpu_norm) = orpo_trajectory(case, case.gpu, None, false, 0)?;
+    let opts = case.pass_options(None, false, 0);
+    let (cpu, cpu_norm) = orpo_trajectory(case, case.cpu, opts)?;
+    let (gpu, gpu_norm) = orpo_trajectory(case, case.gpu, opts)?;
     let rel = |a: &[f64], b: &[f64]| -> Vec<f64> {
         a.iter().zip(b).map(|(g, c)| ((g - c) / c).abs()).collect()
     };
@@ -1054,7 +1053,7 @@ pub fn train_parity(device: &Device) -> Result<usize> {
         bound: 2e-2,
     };
     failed += !trajectory_parity(&case)? as usize;
-    failed += !offload_is_exact(&case)? as usize;
+    failed += !kept_plans_are_exact(&case)? as usize;
 
     let Some(path) = crate::model::smollm2::find() else {
         println!("train SmolLM2-135M-Instruct: SKIPPED (the GGUF is not cached; `lorafit demo` fetches it)");

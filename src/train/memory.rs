@@ -524,7 +524,7 @@ impl StepShape<'_> {
             // (`offloaded_kept_peak`); on the device, every layer's.
             // The `full` layers below the top keep their activations instead (counted with the
             // activations live at once below).
-            let full = self.full.min(l - 1);
+            let full = l - 1 - self.segmented_layers();
             let attention = if !keep_attention {
                 0
             } else if self.offload {
