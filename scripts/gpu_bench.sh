@@ -69,6 +69,7 @@ def key(r): return (r.get("shape") or r.get("arch"), int(r.get("P") or r.get("pr
 def plan(r):
     p = f"seg {r['segment_size']}" + (" +attn" if r.get('keep_attention') else "") + \
         (f" +kv{r['keep_kv_layers']}" if r.get('keep_kv_layers') else "") + \
+        (f" full{r['full_layers']}" if r.get('full_layers') else "") + \
         (f" mlp{r['mlp_chunk']}" if r.get('mlp_chunk') else "") + (" nested" if r.get('nested') else "") + \
         (" host" if r.get('offload') else "")
     return p + (f" @{r['memory_limit_gib']}G" if r.get('memory_limit_gib') else "")

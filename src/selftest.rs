@@ -995,7 +995,7 @@ const SMOLLM2_PAIRS: [(&str, &str, &str); 6] = [
 ///   lr 1e-4, the setting whose 10% CUDA-vs-CPU gap the 2-layer rows did not see. Its bound,
 ///   2e-2, is 2.5× lorafit's measured worst (7.9e-3 on the H200, 2026-12-02; 5.7e-2 before the
 ///   LoRA sums were rounded once) and well below PyTorch bf16's 9% mean gap on the harness's run
-///   (`scripts/numerics_harness.py`; the README's numerics section).
+///   (`scripts/numerics_harness.py`; `docs/numerics.md`).
 pub fn train_parity(device: &Device) -> Result<usize> {
     let mut failed = !round_once_blocks(device)? as usize;
     let mut rng = crate::tensor::Rng(5);
