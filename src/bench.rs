@@ -364,6 +364,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         device.set_memory_limit(cfg.memory_limit);
         let shape = step_shape(&cfg, &model, tokens_in_pass);
         let opts = plan_pass(&a, &cfg, shape, budget);
+        note_plan_flags(&a, &opts);
         // A workload whose plan does not fit is refused, as the trainer refuses it, with one
         // RESULT line that says why.
         let estimate = crate::train::trainer::pass_estimate(&model, tokens_in_pass, &opts);
@@ -872,13 +873,44 @@ fn plan_pass(
     budget: usize,
 ) -> PassOptions {
     let mut opts = pass_options_for(cfg, shape, budget, None);
+    let layers = shape.spec.n_layers;
     if let (Some(r), true) = (a.resident_layers, opts.offload) {
-        opts.resident_layers = r;
+        opts.resident_layers = r.min(layers);
     }
     if let (Some(f), true) = (a.full_layers, opts.segment_size > 0) {
-        opts.full_layers = f;
+        // The top layer always keeps its activations: at most the layers below it.
+        opts.full_layers = f.min(layers - 1);
     }
     opts
+}
+
+/// What `--resident-layers` and `--full-layers` did to a workload's plan, where that is
+/// not what they asked: said on stderr, so that a row is not read as a plan it did not run.
+fn note_plan_flags(a: &BenchArgs, opts: &PassOptions) {
+    match a.resident_layers {
+        Some(_) if !opts.offload => eprintln!(
+            "--resident-layers has no effect: the plan holds its layer boundaries on the device \
+             (it is not offloaded)"
+        ),
+        Some(r) if r > opts.resident_layers => eprintln!(
+            "--resident-layers {r}: the model has {} layers, all resident",
+            opts.resident_layers
+        ),
+        _ => {}
+    }
+    match a.full_layers {
+        Some(_) if opts.segment_size == 0 => eprintln!(
+            "--full-layers has no effect: the plan keeps every activation (no segments; \
+             --segment-size sets them)"
+        ),
+        Some(f) if f > opts.full_layers => eprintln!(
+            "--full-layers {f}: the model has {} layers, and all {} below the top one keep \
+             their activations",
+            opts.full_layers + 1,
+            opts.full_layers
+        ),
+        _ => {}
+    }
 }
 
 /// Why a pass whose plan does not fit is refused: the plan, its estimate against the budget,
@@ -953,6 +985,7 @@ fn plan_only_line(a: &BenchArgs) -> Result<serde_json::Value> {
         shape.dequantized = memory::largest_projection(&spec) * 2;
     }
     let opts = plan_pass(a, &cfg, shape, budget);
+    note_plan_flags(a, &opts);
     let plan = crate::train::trainer::keep_plan(&opts);
     let estimate = memory::estimate(shape, &plan);
     let g = |b: usize| (b as f64 / gib * 100.0).round() / 100.0;

@@ -148,6 +148,28 @@ fn base_quant_offers_what_bench_draws() {
     }
 }
 
+/// `--full-layers` and `--resident-layers` are measuring knobs over the planner's choice: where
+/// the plan has no place for them, or the model fewer layers, the row runs and says so, and its
+/// JSON carries what ran.
+#[test]
+fn plan_knobs_say_where_they_do_not_apply() {
+    let (code, text) = bench(&["--full-layers", "5", "--resident-layers", "3"]);
+    assert_eq!(code, Some(0), "{text}");
+    assert!(text.contains("--full-layers has no effect"), "{text}");
+    assert!(text.contains("--resident-layers has no effect"), "{text}");
+    assert!(text.contains("\"full_layers\":0"), "{text}");
+    let (code, text) = bench(&["--full-layers", "100", "--segment-size", "1"]);
+    assert_eq!(code, Some(0), "{text}");
+    assert!(
+        text.contains("--full-layers 100: the model has 2 layers, and all 1 below the top one"),
+        "{text}"
+    );
+    assert!(text.contains("\"full_layers\":1,"), "{text}");
+    let (code, text) = bench(&["--full-layers", "1", "--segment-size", "1"]);
+    assert_eq!(code, Some(0), "{text}");
+    assert!(!text.contains("--full-layers"), "{text}");
+}
+
 #[test]
 fn every_workload_is_checked_before_the_first_runs() {
     refused(bench(&["--also", "0,8"]), &["--also", "field 1"]);
