@@ -318,7 +318,7 @@ impl<'m> Decoder<'m> {
         let (x1, xn2, _) = ops::add_rms_norm_to(&x, &o, &w.mlp_norm, s.rms_eps, cdt)?;
         drop((x, o));
         let mlp_dt = model.branch_dtype(w.post_mlp_norm.is_some(), x1.dtype());
-        let (mlp_out, _) = model.mlp_forward(l, &xn2, lora, &ctx, true, mlp_dt)?;
+        let (mlp_out, _) = model.mlp_forward(l, &xn2, lora, &ctx, true, mlp_dt, None)?;
         drop(xn2);
         let mut mlp_out = mlp_out.context("the MLP output was asked for")?;
         if let Some(pn) = &w.post_mlp_norm {

@@ -624,7 +624,7 @@ fn extended_group_width(
 /// projection, `dy [W | 0 | scale · B | 0]`, summed over the group into one `(T, kd)` matrix,
 /// gives the base gradient in its first K columns and every adapter's `dxa = scale · dy B` at
 /// its place after them, where the dA products read it. The separate `dy B` product of each
-/// adapter (a pass over its dy) is gone. The output gradients are freed before dx is copied out.
+/// adapter (a pass over its dy) is gone. The output gradients are freed before dx is made.
 fn extended_group_bwd(
     members: Vec<MemberBwd>,
     x: &Tensor,
@@ -650,24 +650,19 @@ fn extended_group_bwd(
     let st = lo
         .stacked(l, group)
         .ok_or_else(|| anyhow::anyhow!("layer {l}: no stacked A for group {group}"))?;
+    // The base gradients' columns are the product's C, read in place, and dx its new output.
     let width = stacked.iter().map(|&(_, r)| r).sum::<usize>();
-    let mut dx = ops::slice_cols(&both, 0, k)?;
+    let base = ops::Cols {
+        t: &both,
+        start: 0,
+        end: k,
+    };
     let dxa = ops::Cols {
         t: &both,
         start: k,
         end: k + width,
     };
-    ops::matmul_acc_cols(
-        &mut dx,
-        0..k,
-        dxa,
-        false,
-        ops::Cols::all(&st.a),
-        false,
-        1.0,
-        1.0,
-    )?;
-    Ok(dx)
+    ops::matmul_onto(base, dxa, false, ops::Cols::all(&st.a), false, 1.0, 1.0)
 }
 
 /// The LoRA gradients of a stacked group's adapters, in the stacked order: `dB += s · dyᵀ xa`,
@@ -862,6 +857,8 @@ impl Model {
         // The MLP's output is needed for the layer's output, and for its post norm's backward.
         // And for the per-layer input branch, which reads the layer's output before it.
         let need_out = want_output || w.post_mlp_norm.is_some() || w.per_layer.is_some();
+        // Whether the MLP's output already holds the residual.
+        let mut joined = false;
         let (mlp_out, mlp) = if (chunked || !keep_mlp) && !need_out {
             // The backward recomputes the MLP; nothing reads its output now.
             (None, None)
@@ -870,13 +867,20 @@ impl Model {
             let mut out = Tensor::zeros(x1.shape(), mlp_dt, x1.device())?;
             for (a, b) in token_chunks(rows, env.mlp_chunk) {
                 let xc = ops::slice_rows(&xn2, a, b)?;
-                let (o, _) = self.mlp_forward(l, &xc, lora, ctx, true, mlp_dt)?;
+                let (o, _) = self.mlp_forward(l, &xc, lora, ctx, true, mlp_dt, None)?;
                 let o = o.expect("the MLP output was asked for");
                 ops::scatter_add_rows(&mut out, &(a as u32..b as u32).collect::<Vec<_>>(), &o)?;
             }
             (Some(out), None)
         } else {
-            let (out, m) = self.mlp_forward(l, &xn2, lora, ctx, need_out, mlp_dt)?;
+            // Without a post norm the layer's output is the residual plus the MLP's: the down
+            // projection adds it (`mlp_forward`'s `residual`).
+            let residual = w
+                .post_mlp_norm
+                .is_none()
+                .then_some((&x1, ls.residual_scale));
+            let (out, m) = self.mlp_forward(l, &xn2, lora, ctx, need_out, mlp_dt, residual)?;
+            joined = residual.is_some();
             (out, keep_mlp.then_some(m))
         };
         let mut mlp_post = None;
@@ -889,6 +893,7 @@ impl Model {
             (m, _) => m,
         };
         let mut out = match mlp_out.filter(|_| need_out) {
+            Some(h) if joined => Some(h),
             Some(mlp_out) => Some(ops::add(&x1, &mlp_out, ls.residual_scale)?),
             None => None,
         };
@@ -1128,7 +1133,9 @@ impl Model {
     }
 
     /// The gated MLP on normed inputs `xn2` (any token range); its output (in `out_dtype`) only
-    /// with `want_output`.
+    /// with `want_output`, and with `residual = (r, s)` that output is `r + s · mlp` (the layer's
+    /// output; a plain down weight adds r inside its products, `ops::lora_linear_onto`).
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn mlp_forward(
         &self,
         l: usize,
@@ -1137,6 +1144,7 @@ impl Model {
         ctx: &PassCtx,
         want_output: bool,
         out_dtype: DType,
+        residual: Option<(&Tensor, f32)>,
     ) -> Result<(Option<Tensor>, MlpActs)> {
         let w = &self.weights.layers[l];
         let pair = |tg: Target| lora.and_then(|lo| lo.get(l, tg));
@@ -1175,16 +1183,34 @@ impl Model {
             _ => (ops::gated_mul(kind, &gate, &up)?, None),
         };
         let (out, sd) = if want_output {
-            let (y, sd) = linear_fwd(
-                &act,
-                &w.down,
-                pair(Target::Down),
-                down_dropout,
-                down_xa,
-                out_dtype,
-                None,
-                None,
-            )?;
+            let (y, sd) = match (residual, &w.down, pair(Target::Down), down_xa) {
+                // A plain weight's adapter sum (`linear_fwd`'s `lora_linear_rounded`) with the
+                // residual added inside its products.
+                (Some((res, rs)), Weight::Dense(wd), Some(p), Some(xa))
+                    if down_dropout.is_none() && res.dtype() == out_dtype =>
+                {
+                    let block = (ROUND_ONCE_BYTES / (4 * wd.rows_cols().0.max(1))).max(256);
+                    let (wc, b) = (ops::Cols::all(wd), p.b());
+                    let y = ops::lora_linear_onto(res, rs, &act, wc, xa.xa(), b, p.scale, block)?;
+                    (y, Some(xa))
+                }
+                (residual, _, _, down_xa) => {
+                    let (y, sd) = linear_fwd(
+                        &act,
+                        &w.down,
+                        pair(Target::Down),
+                        down_dropout,
+                        down_xa,
+                        out_dtype,
+                        None,
+                        None,
+                    )?;
+                    match residual {
+                        Some((res, rs)) => (ops::add(res, &y, rs)?, sd),
+                        None => (y, sd),
+                    }
+                }
+            };
             (Some(y), sd)
         } else {
             let sd = match down_xa {
@@ -1377,7 +1403,7 @@ impl Model {
             // Recomputed all at once (the forward did not keep it).
             None if env.mlp_chunk == 0 || t <= env.mlp_chunk => {
                 let (_, m) =
-                    self.mlp_forward(l, &a.xn2, lora.as_deref(), ctx, false, a.xn2.dtype())?;
+                    self.mlp_forward(l, &a.xn2, lora.as_deref(), ctx, false, a.xn2.dtype(), None)?;
                 self.mlp_backward(l, &d_mlp, &a.xn2, m, lora.as_deref_mut(), ctx)?
             }
             // Recomputed chunk by chunk.
@@ -1386,7 +1412,7 @@ impl Model {
                 for (c0, c1) in token_chunks(t, env.mlp_chunk) {
                     let xc = ops::slice_rows(&a.xn2, c0, c1)?;
                     let (_, m) =
-                        self.mlp_forward(l, &xc, lora.as_deref(), ctx, false, xc.dtype())?;
+                        self.mlp_forward(l, &xc, lora.as_deref(), ctx, false, xc.dtype(), None)?;
                     let dc = self.mlp_backward(
                         l,
                         &ops::slice_rows(&d_mlp, c0, c1)?,

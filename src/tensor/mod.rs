@@ -797,6 +797,39 @@ pub fn matmul_acc_cols(
     write_cols(c, cc.start, &part)
 }
 
+/// `beta · c + alpha · op(a) @ op(b)` as a new tensor in `c`'s dtype, `c` a column window: the
+/// sum a copy of the window followed by `matmul_acc_cols` gives, the same numbers. On a GPU,
+/// where cuBLASLt can address the windows, one product reads the window as its C and writes
+/// the new tensor as its D, and the copy is never made.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_onto(
+    c: Cols,
+    a: Cols,
+    ta: bool,
+    b: Cols,
+    tb: bool,
+    alpha: f32,
+    beta: f32,
+) -> Result<Tensor> {
+    let ccols = c.t.rows_cols().1;
+    ensure!(
+        c.start <= c.end && c.end <= ccols,
+        "matmul_onto: c's columns {}..{} of {ccols}",
+        c.start,
+        c.end
+    );
+    same_device(a.t, c.t, "matmul_onto")?;
+    if let Device::Cuda(cu) = c.t.device().clone() {
+        if let Some(d) = cu.matmul_onto(c, a, ta, b, tb, alpha, beta)? {
+            return Ok(d);
+        }
+    }
+    let mut d = slice_cols(c.t, c.start, c.end)?;
+    let n = d.rows_cols().1;
+    matmul_acc_cols(&mut d, 0..n, a, ta, b, tb, alpha, beta)?;
+    Ok(d)
+}
+
 /// `dst[:, start..start + src.cols] = src` (same rows and dtype).
 pub fn write_cols(dst: &mut Tensor, start: usize, src: &Tensor) -> Result<()> {
     let ((r, w), (dr, dc)) = (src.rows_cols(), dst.rows_cols());
@@ -892,6 +925,54 @@ pub fn lora_linear_rounded(
         }
         _ => generic(),
     }
+}
+
+/// `residual + rs · (x Wᵀ + scale · xa Bᵀ)` in the residual's dtype: a LoRA projection whose
+/// output joins a residual stream (the MLP's down projection, giving the layer's output). It is
+/// `lora_linear_rounded` into that dtype followed by `add`, and on the CPU, and wherever a GPU
+/// would fold the adapter or round the sum, that is what runs. On a GPU with an f32 residual and
+/// bf16 operands, the rank-r product reads the residual as its C and writes the new output, and
+/// the base product accumulates onto it: the same terms summed in f32, with no pass over the
+/// residual and the projection's output (the f32 sums differ in order, not in what they add).
+#[allow(clippy::too_many_arguments)]
+pub fn lora_linear_onto(
+    residual: &Tensor,
+    rs: f32,
+    x: &Tensor,
+    w: Cols,
+    xa: Cols,
+    b: &Tensor,
+    scale: f32,
+    block: usize,
+) -> Result<Tensor> {
+    let ((t, k), (n, r)) = (x.rows_cols(), b.rows_cols());
+    ensure!(
+        residual.rows_cols() == (t, n),
+        "lora_linear_onto: residual {:?} for a [{t}x{n}] output",
+        residual.shape()
+    );
+    same_device(x, residual, "lora_linear_onto")?;
+    let all_bf16 = [x, w.t, xa.t, b].iter().all(|o| o.dtype() == DType::BF16);
+    let fused = matches!(x.device(), Device::Cuda(_))
+        && residual.dtype() == DType::F32
+        && all_bf16
+        && t * k * n * r > 0
+        && !cuda::gemm::adapter_fold_pays(t, k, n, r);
+    if !fused {
+        let y = lora_linear_rounded(x, w, xa, b, scale, residual.dtype(), block, true)?;
+        return add(residual, &y, rs);
+    }
+    let mut y = matmul_onto(
+        Cols::all(residual),
+        xa,
+        false,
+        Cols::all(b),
+        true,
+        scale * rs,
+        1.0,
+    )?;
+    matmul_acc_cols(&mut y, 0..n, Cols::all(x), false, w, true, rs, 1.0)?;
+    Ok(y)
 }
 
 /// The bytes a folded product's operand copies may take (`lora_linear_rounded`,
@@ -1900,6 +1981,58 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("6 columns"), "{err}");
+    }
+
+    /// `matmul_onto` is a new tensor `beta · c + alpha · a b` that leaves the window it reads as
+    /// it was, and `lora_linear_onto` on the CPU is `lora_linear_rounded` then `add`, bit for
+    /// bit; a residual of the wrong shape is refused naming it.
+    #[test]
+    fn onto_products_leave_their_c_and_add_the_residual() {
+        let v = |len: usize, s: f32| -> Vec<f32> {
+            (0..len).map(|i| ((i * 29 % 13) as f32 - 6.0) * s).collect()
+        };
+        let tx = |d: Vec<f32>, shape: &[usize]| Tensor::cpu(d, shape).unwrap();
+        let (m, k, n) = (5, 4, 3);
+        let (a, b, c) = (
+            tx(v(m * k, 0.5), &[m, k]),
+            tx(v(k * n, 0.25), &[k, n]),
+            tx(v(m * 7, 1.0), &[m, 7]),
+        );
+        let before = c.to_vec().unwrap();
+        let window = Cols {
+            t: &c,
+            start: 2,
+            end: 2 + n,
+        };
+        let d = matmul_onto(window, Cols::all(&a), false, Cols::all(&b), false, 0.5, 2.0).unwrap();
+        assert_eq!(c.to_vec().unwrap(), before);
+        let (av, bv) = (a.to_vec().unwrap(), b.to_vec().unwrap());
+        for i in 0..m {
+            for j in 0..n {
+                let ab: f32 = (0..k).map(|q| av[i * k + q] * bv[q * n + j]).sum();
+                let want = 2.0 * before[i * 7 + 2 + j] + 0.5 * ab;
+                let got = d.as_cpu().unwrap()[i * n + j];
+                assert!((got - want).abs() < 1e-5, "({i}, {j}): {got} vs {want}");
+            }
+        }
+
+        let (t, r) = (6, 2);
+        let (x, w, xa, lb) = (
+            tx(v(t * k, 0.3), &[t, k]),
+            tx(v(n * k, 0.2), &[n, k]),
+            tx(v(t * r, 0.7), &[t, r]),
+            tx(v(n * r, 0.05), &[n, r]),
+        );
+        let res = tx(v(t * n, 0.9), &[t, n]);
+        let (wc, xac) = (Cols::all(&w), Cols::all(&xa));
+        let got = lora_linear_onto(&res, 0.25, &x, wc, xac, &lb, 1.5, t).unwrap();
+        let y = lora_linear_rounded(&x, wc, xac, &lb, 1.5, DType::F32, t, true).unwrap();
+        let want = add(&res, &y, 0.25).unwrap();
+        assert_eq!(got.to_vec().unwrap(), want.to_vec().unwrap());
+        let err = lora_linear_onto(&xa, 1.0, &x, wc, xac, &lb, 1.5, t)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("residual [6, 2]"), "{err}");
     }
 
     #[test]

@@ -145,6 +145,14 @@ impl Ctx<'_> {
     fn g(&self, v: &[f32], shape: &[usize], dt: DType) -> Result<Tensor> {
         Tensor::from_f32(v, shape, dt, self.dev)
     }
+    /// `g` on the device under test, `c` (f32, on the CPU) for the reference run.
+    fn on(&self, on_gpu: bool, v: &[f32], shape: &[usize], dt: DType) -> Result<Tensor> {
+        if on_gpu {
+            self.g(v, shape, dt)
+        } else {
+            self.c(v, shape)
+        }
+    }
     fn push(&mut self, r: ParityRow) {
         // LORAFIT_PARITY_VERBOSE=1 prints each row as it is measured (to see how far a run got).
         if std::env::var_os("LORAFIT_PARITY_VERBOSE").is_some() {
@@ -1493,13 +1501,7 @@ fn gemm(cx: &mut Ctx, r: &mut Rng) -> Result<()> {
         let bv = r.bnormals(b_st.0 * bw, 1.0);
         let cv = r.bnormals(m * cw, 1.0);
         let run = |on_gpu: bool| -> Result<Tensor> {
-            let mk = |v: &[f32], shape: &[usize], dt: DType| {
-                if on_gpu {
-                    cx.g(v, shape, dt)
-                } else {
-                    cx.c(v, shape)
-                }
-            };
+            let mk = |v: &[f32], shape: &[usize], dt: DType| cx.on(on_gpu, v, shape, dt);
             let a = mk(&av, &[a_st.0, aw], bf)?;
             let b = mk(&bv, &[b_st.0, bw], bf)?;
             let mut c = mk(&cv, &[m, cw], cdt)?;
@@ -1528,6 +1530,84 @@ fn gemm(cx: &mut Ctx, r: &mut Rng) -> Result<()> {
             &got,
             &want,
             if cdt == bf { BF16_FWD } else { F32_STAT },
+        )?;
+        cx.push(row);
+    }
+    // matmul_onto: the output a new tensor, C a column window of a wider matrix read in place
+    // (cuBLASLt's C apart from its D on the GPU), against the CPU's copy and accumulation; the
+    // last row's window starts off 16 bytes (the copying path).
+    for (m, k, n, cdt, beta, c0) in [
+        (300usize, 48usize, 64usize, bf, 1.0f32, 16usize),
+        (200, 32, 96, DType::F32, 1.0, 8),
+        (300, 48, 64, bf, 0.0, 40),
+        (300, 40, 16, bf, 1.0, 3),
+    ] {
+        let (aw, cw) = (k + 16, n + 40);
+        let av = r.bnormals(m * aw, 1.0);
+        let bv = r.bnormals(k * n, 1.0);
+        let cv = r.bnormals(m * cw, 1.0);
+        let run = |on_gpu: bool| -> Result<Tensor> {
+            let mk = |v: &[f32], shape: &[usize], dt: DType| cx.on(on_gpu, v, shape, dt);
+            let (a, b, c) = (
+                mk(&av, &[m, aw], bf)?,
+                mk(&bv, &[k, n], bf)?,
+                mk(&cv, &[m, cw], cdt)?,
+            );
+            let (a, c) = (
+                Cols {
+                    t: &a,
+                    start: 8,
+                    end: 8 + k,
+                },
+                Cols {
+                    t: &c,
+                    start: c0,
+                    end: c0 + n,
+                },
+            );
+            matmul_onto(c, a, false, Cols::all(&b), false, 0.5, beta)
+        };
+        let (got, want) = (run(true)?, run(false)?);
+        let row = cmp_t(
+            &format!("matmul_onto {m}x{k}x{n} -> {cdt:?} beta {beta}, C at column {c0}"),
+            &got,
+            &want,
+            if cdt == bf { BF16_FWD } else { F32_STAT },
+        )?;
+        cx.push(row);
+    }
+    // lora_linear_onto: the down projection with the f32 residual added inside its products
+    // (and residual scales 1 and 0.25), against the CPU's sum then add.
+    for (t, k, n, rank, rs) in [
+        (333usize, 384usize, 64usize, 16usize, 1.0f32),
+        (200, 192, 64, 8, 0.25),
+    ] {
+        let x = r.bnormals(t * k, 1.0);
+        let w = r.bnormals(n * k, 0.1);
+        let xa = r.bnormals(t * rank, 1.0);
+        let lb = r.bnormals(n * rank, 0.1);
+        let res = r.normals(t * n, 1.0);
+        ensure!(
+            !adapter_fold_pays(t, k, n, rank),
+            "parity row {t}x{k}x{n} r{rank}: the adapter would fold, so the residual would not join the products"
+        );
+        let run = |on_gpu: bool| -> Result<Tensor> {
+            let mk = |v: &[f32], shape: &[usize], dt: DType| cx.on(on_gpu, v, shape, dt);
+            let (xt, wt, xat, bt) = (
+                mk(&x, &[t, k], bf)?,
+                mk(&w, &[n, k], bf)?,
+                mk(&xa, &[t, rank], bf)?,
+                mk(&lb, &[n, rank], bf)?,
+            );
+            let rest = mk(&res, &[t, n], DType::F32)?;
+            lora_linear_onto(&rest, rs, &xt, Cols::all(&wt), Cols::all(&xat), &bt, 2.0, t)
+        };
+        let (got, want) = (run(true)?, run(false)?);
+        let row = cmp_t(
+            &format!("lora_linear_onto {t}x{k}x{n} r{rank} residual scale {rs} (f32)"),
+            &got,
+            &want,
+            F32_STAT,
         )?;
         cx.push(row);
     }

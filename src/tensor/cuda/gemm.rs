@@ -49,6 +49,9 @@ struct Key {
     lda: i64,
     ldb: i64,
     ldc: i64,
+    /// The output's leading dimension: `ldc` where the product writes over C, else D's own
+    /// (`gemm_into`: C read from one place, D written to another).
+    ldd: i64,
     a_f32: bool,
     c_f32: bool,
     reads_c: bool,
@@ -68,6 +71,7 @@ impl Key {
             lda: g(self.lda),
             ldb: g(self.ldb),
             ldc: g(self.ldc),
+            ldd: g(self.ldd),
             ..*self
         }
     }
@@ -79,6 +83,7 @@ struct Plan {
     a: lt::cublasLtMatrixLayout_t,
     b: lt::cublasLtMatrixLayout_t,
     c: lt::cublasLtMatrixLayout_t,
+    d: lt::cublasLtMatrixLayout_t,
     algo: lt::cublasLtMatmulAlgo_t,
 }
 
@@ -89,6 +94,7 @@ impl Drop for Plan {
             let _ = lt::cublasLtMatrixLayoutDestroy(self.a);
             let _ = lt::cublasLtMatrixLayoutDestroy(self.b);
             let _ = lt::cublasLtMatrixLayoutDestroy(self.c);
+            let _ = lt::cublasLtMatrixLayoutDestroy(self.d);
             let _ = lt::cublasLtMatmulDescDestroy(self.desc);
         }
     }
@@ -200,6 +206,7 @@ impl Key {
             a: layout(self.a_f32, ar, ac, self.lda)?,
             b: layout(self.a_f32, br, bc, self.ldb)?,
             c: layout(self.c_f32, self.m, self.n, self.ldc)?,
+            d: layout(self.c_f32, self.m, self.n, self.ldd)?,
             // SAFETY: plain data; replaced before any use.
             algo: unsafe { std::mem::zeroed() },
         })
@@ -276,7 +283,7 @@ impl Gemms {
                     o.c as *const c_void,
                     plan.c,
                     o.d as *mut c_void,
-                    plan.c,
+                    plan.d,
                     algo,
                     cuda_ptr(&self.workspace)? as *mut c_void,
                     WORKSPACE_BYTES,
@@ -304,7 +311,7 @@ impl Gemms {
                 plan.a,
                 plan.b,
                 plan.c,
-                plan.c,
+                plan.d,
                 algo,
                 &mut result,
             )
@@ -363,7 +370,7 @@ impl Gemms {
                     plan.a,
                     plan.b,
                     plan.c,
-                    plan.c,
+                    plan.d,
                     pref,
                     results.len() as i32,
                     results.as_mut_ptr(),
@@ -460,15 +467,36 @@ impl CudaBackend {
     pub(super) fn gemm_at(
         &self,
         c: Mat,
+        a: (Mat, bool),
+        b: (Mat, bool),
+        mkn: (usize, usize, usize),
+        ab: (f32, f32),
+    ) -> Result<()> {
+        self.gemm_into(c, c, a, b, mkn, ab)
+    }
+
+    /// `d = alpha op(a) op(b) + beta c` with C read from one place and D written to another
+    /// (each with its own leading dimension, one dtype): a copy of C into D before the product
+    /// is not needed. `gemm_at` is the case `d == c`.
+    pub(super) fn gemm_into(
+        &self,
+        d: Mat,
+        c: Mat,
         (a, ta): (Mat, bool),
         (b, tb): (Mat, bool),
         (m, k, n): (usize, usize, usize),
         (alpha, beta): (f32, f32),
     ) -> Result<()> {
-        let (pa, pb, pc) = (a.ptr, b.ptr, c.ptr);
+        ensure!(
+            d.dtype == c.dtype,
+            "gemm_into: C is {:?}, D {:?}",
+            c.dtype,
+            d.dtype
+        );
+        let (pa, pb, pc, pd) = (a.ptr, b.ptr, c.ptr, d.ptr);
         // Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T: cuBLASLt's A is our
         // b, its B our a, and its (m, n) our (n, m).
-        let align = [pa, pb, pc]
+        let align = [pa, pb, pc, pd]
             .iter()
             .map(|p| p.trailing_zeros().min(8))
             .min()
@@ -482,6 +510,7 @@ impl CudaBackend {
             lda: b.ld as i64,
             ldb: a.ld as i64,
             ldc: c.ld as i64,
+            ldd: d.ld as i64,
             a_f32: a.dtype == DType::F32,
             c_f32: c.dtype == DType::F32,
             reads_c: beta != 0.0,
@@ -491,7 +520,7 @@ impl CudaBackend {
             a: pb,
             b: pa,
             c: pc,
-            d: pc,
+            d: pd,
             alpha,
             beta,
         };
@@ -534,9 +563,10 @@ impl CudaBackend {
         if !g.tune || algos.len() == 1 || flops < TUNE_MIN_FLOPS {
             return Ok((plan, false));
         }
-        // Candidates write into scratch when C is read, leaving the call's C as it was.
-        let scratch = if key.reads_c {
-            match self.empty(&[key.m as usize * key.n as usize], c_dtype) {
+        // Candidates write into scratch when they would overwrite the C they read, leaving the
+        // call's C as it was (column-major: `n` columns `ldd` apart).
+        let scratch = if key.reads_c && ops.d == ops.c {
+            match self.empty(&[key.ldd as usize * key.n as usize], c_dtype) {
                 Ok(t) => Some(t),
                 Err(_) => return Ok((plan, false)),
             }
@@ -661,20 +691,8 @@ impl CudaBackend {
             return self.add_assign(c, &tmp, 1.0);
         }
         self.inner.bind()?;
-        let dname = |d: DType| match d {
-            DType::F32 => "f32",
-            DType::BF16 => "bf16",
-        };
-        let c_dtype = c.dtype();
-        let pname = || {
-            format!(
-                "gemm {}->{} {}{} {m}x{n}x{k}",
-                dname(a.dtype()),
-                dname(c_dtype),
-                if ta { "T" } else { "N" },
-                if tb { "T" } else { "N" }
-            )
-        };
+        let (a_dtype, c_dtype) = (a.dtype(), c.dtype());
+        let pname = || product_name(a_dtype, c_dtype, ta, tb, (m, n, k), "");
         self.profiled(pname, || {
             self.gemm(c, (a, ta), (b, tb), (m, k, n), (alpha, beta))
         })
@@ -697,56 +715,119 @@ impl CudaBackend {
         alpha: f32,
         beta: f32,
     ) -> Result<bool> {
-        let direct = matches!(
-            (a.t.dtype(), b.t.dtype(), c.dtype()),
-            (DType::BF16, DType::BF16, _) | (DType::F32, DType::F32, DType::F32)
-        );
         let cw = Cols {
             t: c,
             start: cc.start,
             end: cc.end,
         };
-        let mats = [Mat::cols(a)?, Mat::cols(b)?, Mat::cols(cw)?];
-        if !direct
-            || mats
-                .iter()
-                .any(|m| m.ptr % 16 != 0 || (m.ld * m.dtype.size()) % 16 != 0)
-        {
+        let Some(([am, bm, cm], (m, k, n))) =
+            in_place_operands("matmul_acc_cols", cw, a, ta, b, tb)?
+        else {
             return Ok(false);
-        }
-        let ((ar, ac), (br, bc), (cr, cn)) = (a.rows_cols(), b.rows_cols(), cw.rows_cols());
-        let (m, k) = if ta { (ac, ar) } else { (ar, ac) };
-        let (k2, n) = if tb { (bc, br) } else { (br, bc) };
-        ensure!(
-            k == k2 && (cr, cn) == (m, n),
-            "matmul_acc_cols: [{ar}x{ac}]{} x [{br}x{bc}]{} into [{cr}x{cn}]",
-            if ta { "ᵀ" } else { "" },
-            if tb { "ᵀ" } else { "" }
-        );
-        if m == 0 || n == 0 || k == 0 {
-            // cuBLASLt refuses empty products; the copying path handles them.
-            return Ok(false);
-        }
+        };
         self.inner.bind()?;
-        let dname = |d: DType| match d {
-            DType::F32 => "f32",
-            DType::BF16 => "bf16",
-        };
-        let pname = || {
-            format!(
-                "gemm {}->{} {}{} {m}x{n}x{k} (cols)",
-                dname(a.t.dtype()),
-                dname(cw.t.dtype()),
-                if ta { "T" } else { "N" },
-                if tb { "T" } else { "N" }
-            )
-        };
-        let [am, bm, cm] = mats;
+        let pname = || product_name(a.t.dtype(), cw.t.dtype(), ta, tb, (m, n, k), " (cols)");
         self.profiled(pname, || {
             self.gemm_at(cm, (am, ta), (bm, tb), (m, k, n), (alpha, beta))
         })?;
         Ok(true)
     }
+}
+
+#[allow(clippy::too_many_arguments)]
+impl CudaBackend {
+    /// `ops::matmul_onto`: a new `[m, n]` tensor `beta · c + alpha · op(a) op(b)`, the window `c`
+    /// read in place as the product's C and the output its D, where cuBLASLt takes the windows as
+    /// they lie (as `matmul_acc_cols`). `None`, having done nothing, for any other case.
+    pub fn matmul_onto(
+        &self,
+        c: Cols,
+        a: Cols,
+        ta: bool,
+        b: Cols,
+        tb: bool,
+        alpha: f32,
+        beta: f32,
+    ) -> Result<Option<Tensor>> {
+        let Some(([am, bm, cm], (m, k, n))) = in_place_operands("matmul_onto", c, a, ta, b, tb)?
+        else {
+            return Ok(None);
+        };
+        if !(n * c.t.dtype().size()).is_multiple_of(16) {
+            // D's rows must stay on 16 bytes too.
+            return Ok(None);
+        }
+        self.inner.bind()?;
+        let d = self.empty(&[m, n], c.t.dtype())?;
+        let pname = || product_name(a.t.dtype(), c.t.dtype(), ta, tb, (m, n, k), " (onto)");
+        let dm = Mat::of(&d)?;
+        self.profiled(pname, || {
+            self.gemm_into(dm, cm, (am, ta), (bm, tb), (m, k, n), (alpha, beta))
+        })?;
+        Ok(Some(d))
+    }
+}
+
+/// A product's row in the profile: `gemm bf16->f32 NT 4608x1536x16` and a tag.
+fn product_name(
+    a: DType,
+    c: DType,
+    ta: bool,
+    tb: bool,
+    (m, n, k): (usize, usize, usize),
+    tag: &str,
+) -> String {
+    let name = |d: DType| match d {
+        DType::F32 => "f32",
+        DType::BF16 => "bf16",
+    };
+    let t = |x: bool| if x { "T" } else { "N" };
+    format!(
+        "gemm {}->{} {}{} {m}x{n}x{k}{tag}",
+        name(a),
+        name(c),
+        t(ta),
+        t(tb)
+    )
+}
+
+/// A product's operands `[a, b, c]` and its `(m, k, n)` (`in_place_operands`).
+type InPlace = ([Mat; 3], (usize, usize, usize));
+
+/// The operands of a product over column windows as cuBLASLt takes them in place, and its
+/// `(m, k, n)`: `None` where it cannot (operands neither both bf16 nor all f32, a window's first
+/// element or row length off 16 bytes, an empty product, which cuBLASLt refuses), for the caller's
+/// copying path. Mismatched shapes are refused, naming `op`.
+fn in_place_operands(
+    op: &str,
+    c: Cols,
+    a: Cols,
+    ta: bool,
+    b: Cols,
+    tb: bool,
+) -> Result<Option<InPlace>> {
+    let direct = matches!(
+        (a.t.dtype(), b.t.dtype(), c.t.dtype()),
+        (DType::BF16, DType::BF16, _) | (DType::F32, DType::F32, DType::F32)
+    );
+    let mats = [Mat::cols(a)?, Mat::cols(b)?, Mat::cols(c)?];
+    let aligned = |m: &Mat| m.ptr.is_multiple_of(16) && (m.ld * m.dtype.size()).is_multiple_of(16);
+    if !direct || !mats.iter().all(aligned) {
+        return Ok(None);
+    }
+    let ((ar, ac), (br, bc), (cr, cn)) = (a.rows_cols(), b.rows_cols(), c.rows_cols());
+    let (m, k) = if ta { (ac, ar) } else { (ar, ac) };
+    let (k2, n) = if tb { (bc, br) } else { (br, bc) };
+    ensure!(
+        k == k2 && (cr, cn) == (m, n),
+        "{op}: [{ar}x{ac}]{} x [{br}x{bc}]{} into [{cr}x{cn}]",
+        if ta { "ᵀ" } else { "" },
+        if tb { "ᵀ" } else { "" }
+    );
+    if m == 0 || n == 0 || k == 0 {
+        return Ok(None);
+    }
+    Ok(Some((mats, (m, k, n))))
 }
 
 /// Ranks up to which `lora_linear_rounded` adds the adapter's product in its rounding kernel
@@ -1125,6 +1206,7 @@ mod tests {
             lda: 4096,
             ldb: 15_646,
             ldc: 4096,
+            ldd: 4096,
             a_f32: false,
             c_f32: true,
             reads_c: false,
