@@ -936,6 +936,17 @@ __device__ __forceinline__ void dual_scores(float (&s)[N / 8][4], float (&dp)[N 
     }
 }
 
+// A (tile, head) grid (gridDim.x tiles of gridDim.y heads) read in rank-major order: the block
+// launched n-th takes head n % heads and the (n / heads)-th tile, so that every head's first
+// tiles run before any head's later ones. Each block's work is unchanged; only which block
+// does it.
+__device__ __forceinline__ int rank_major_head() {
+    return (int)(((i64)blockIdx.y * gridDim.x + blockIdx.x) % gridDim.y);
+}
+__device__ __forceinline__ int rank_major_rank() {
+    return (int)(((i64)blockIdx.y * gridDim.x + blockIdx.x) / gridDim.y);
+}
+
 // ------------------------------------------------------------------------------------------------
 // Forward v2. grid (ceil(T/128), n_heads), 256 threads; warp w owns query rows 16w.. of the tile.
 // The warp's Q fragments stay in registers (about 206 registers at head_dim 128: one block of 8
@@ -956,8 +967,8 @@ __device__ void attn2_fwd(const bf16* __restrict__ q, const bf16* __restrict__ k
     bf16* vs = ks + 2 * BK_ * SS;
     unsigned char* fl = (unsigned char*)(vs + 2 * BK_ * SS);
 
-    const int h = blockIdx.y, kvh = h / (nh / nkv);
-    const int q0 = (gridDim.x - 1 - blockIdx.x) * BQ_;
+    const int h = rank_major_head(), kvh = h / (nh / nkv);
+    const int q0 = (gridDim.x - 1 - rank_major_rank()) * BQ_;  // heaviest first (rank_major_head)
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
     const i64 qstride = (i64)nh * HD, kstride = (i64)nkv * HD;
     const float sl2 = CAP ? LOG2E : scale * LOG2E;
@@ -1068,8 +1079,8 @@ __device__ void attn2_dq(const bf16* __restrict__ q, const bf16* __restrict__ k,
     bf16* vs = ks + 2 * BK_ * SS;
     unsigned char* fl = (unsigned char*)(vs + 2 * BK_ * SS);
 
-    const int h = blockIdx.y, kvh = h / (nh / nkv);
-    const int q0 = (gridDim.x - 1 - blockIdx.x) * BQ_;
+    const int h = rank_major_head(), kvh = h / (nh / nkv);
+    const int q0 = (gridDim.x - 1 - rank_major_rank()) * BQ_;  // heaviest first (rank_major_head)
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
     const i64 qstride = (i64)nh * HD, kstride = (i64)nkv * HD;
     const float sl2 = scale * LOG2E;
@@ -1341,9 +1352,9 @@ __device__ __forceinline__ void tile_dq_add(float* __restrict__ dq_acc, const bf
 
 // ------------------------------------------------------------------------------------------------
 // Key-major backward: the block owns BK_ keys (warp w: keys 16w.., the M dimension of S^T and
-// dP^T) and loops over the visible 64-query tiles of query head blockIdx.y; grid (ceil(T/BK_),
-// n_heads), 2 * BK_ threads. P^T and dS^T stay in registers as the A operands of dV += P^T dO and
-// dK += dS^T Q; dK/dV go out as key_tile_store writes them.
+// dP^T) and loops over the visible 64-query tiles of its query head (rank_major_head); grid
+// (ceil(T/BK_), n_heads), 2 * BK_ threads. P^T and dS^T stay in registers as the A operands of
+// dV += P^T dO and dK += dS^T Q; dK/dV go out as key_tile_store writes them.
 //   dK/dV v2 (BK_ 64, no WITH_DQ): dQ comes from its own kernel (attn2_dq), no atomics.
 //   Backward v4 (BK_ 128, WITH_DQ), one pass: dS^T also goes to shared memory, from which the
 //   tile's dQ = dS K is computed (warp w: query rows 16(w % 4).., head dims (w / 4) * HD/2..) and
@@ -1371,8 +1382,8 @@ __device__ void attn_keys_bwd(const bf16* __restrict__ q, const bf16* __restrict
     float* dsum = ls + 2 * BQ_;
     unsigned char* fl = (unsigned char*)(dsum + 2 * BQ_);
 
-    const int h = blockIdx.y, group = nh / nkv, kvh = h / group;
-    const int k0 = blockIdx.x * BK_;
+    const int h = rank_major_head(), group = nh / nkv, kvh = h / group;
+    const int ktile = rank_major_rank(), k0 = ktile * BK_;  // heaviest first (rank_major_head)
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
     const i64 qstride = (i64)nh * HD, kstride = (i64)nkv * HD;
     const float sl2 = CAP ? LOG2E : scale * LOG2E;
@@ -1387,7 +1398,7 @@ __device__ void attn_keys_bwd(const bf16* __restrict__ q, const bf16* __restrict
     cp_async_commit();
     // Visibility per query tile from the block's 64-key tiles; a tail tile past T makes the block
     // partial (so keys >= T always take the per-element test).
-    for (int it = threadIdx.x; it < nqt; it += NT) fl[it] = tile_flag(mk, t, it, 1, blockIdx.x * (BK_ / 64), BK_ / 64);
+    for (int it = threadIdx.x; it < nqt; it += NT) fl[it] = tile_flag(mk, t, it, 1, ktile * (BK_ / 64), BK_ / 64);
     __syncthreads();
     auto load_q = [&](int it, int b) {
         load_query_tile<HD, BQ_, NT>(qs + b * BQ_ * SS, dos + b * BQ_ * SS, ls + b * BQ_, dsum + b * BQ_, qg, og, lg,
@@ -1478,8 +1489,8 @@ __device__ void attn3_fwd(const bf16* __restrict__ q, const bf16* __restrict__ k
     bf16* vs = ks + 2 * BK_ * SS;
     unsigned char* fl = (unsigned char*)(vs + 2 * BK_ * SS);
 
-    const int h = blockIdx.y, kvh = h / (nh / nkv);
-    const int q0 = (gridDim.x - 1 - blockIdx.x) * BQ_;
+    const int h = rank_major_head(), kvh = h / (nh / nkv);
+    const int q0 = (gridDim.x - 1 - rank_major_rank()) * BQ_;  // heaviest first (rank_major_head)
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
     const i64 qstride = (i64)nh * HD, kstride = (i64)nkv * HD;
     const float sl2 = CAP ? LOG2E : scale * LOG2E;
@@ -1638,7 +1649,8 @@ INSTANTIATE4(128, true, _cap)
 
 // ------------------------------------------------------------------------------------------------
 // Backward v6 (head_dim 256), one pass like version 4: the block owns 64 keys and loops over the
-// visible 64-query tiles of query head blockIdx.y; grid (ceil(T/64), n_heads), 256 threads.
+// visible 64-query tiles of its query head (rank_major_head); grid (ceil(T/64), n_heads), 256
+// threads.
 // At head_dim 256 a warp cannot hold dK and dV of 16 keys over all head dims (256 registers), so
 // warp w owns keys 16(w % 4).. and head dims 128(w / 4).. of dK and dV (128 registers), and the
 // two warps of a key-row group share the elementwise work of the tile pair:
@@ -1670,8 +1682,8 @@ __device__ void attn6_bwd(const bf16* __restrict__ q, const bf16* __restrict__ k
     float* dsum = ls + 2 * BQ_;
     unsigned char* fl = (unsigned char*)(dsum + 2 * BQ_);
 
-    const int h = blockIdx.y, group = nh / nkv, kvh = h / group;
-    const int k0 = blockIdx.x * BK_;
+    const int h = rank_major_head(), group = nh / nkv, kvh = h / group;
+    const int ktile = rank_major_rank(), k0 = ktile * BK_;  // heaviest first (rank_major_head)
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
     const int wr = w & 3, role = __shfl_sync(0xffffffffu, w >> 2, 0), dh = role * DW;
     const i64 qstride = (i64)nh * HD, kstride = (i64)nkv * HD;
@@ -1685,7 +1697,7 @@ __device__ void attn6_bwd(const bf16* __restrict__ q, const bf16* __restrict__ k
     cp_tile<HD, BK_, NT>(ks, k + (i64)kvh * HD, kstride, k0, t);
     cp_tile<HD, BK_, NT>(vs, v + (i64)kvh * HD, kstride, k0, t);
     cp_async_commit();
-    for (int it = threadIdx.x; it < nqt; it += NT) fl[it] = tile_flag(mk, t, it, 1, blockIdx.x, 1);
+    for (int it = threadIdx.x; it < nqt; it += NT) fl[it] = tile_flag(mk, t, it, 1, ktile, 1);
     __syncthreads();
     auto load_q = [&](int it, int b) {
         load_query_tile<HD, BQ_, NT>(qs + b * BQ_ * SS, dos + b * BQ_ * SS, ls + b * BQ_, dsum + b * BQ_, qg, og, lg,
@@ -2010,8 +2022,12 @@ __device__ void attn5_fwd(const bf16* __restrict__ q, const bf16* __restrict__ k
     u64 *full_k = bars, *full_v = bars + 2, *empty_k = bars + 4, *empty_v = bars + 6;
     unsigned char* fl = (unsigned char*)(bars + 8);
 
-    const int h = blockIdx.y, kvh = h / (nh / nkv);
-    const int q0 = (gridDim.x - 1 - blockIdx.x) * BQ_;
+    // Blocks take their (query tile, head) in launch order heaviest tile first across all heads:
+    // the last query tiles (most keys visible) of every head, then the next. Taken head by head,
+    // a grid of a few waves (12 heads at T = 4608: 432 blocks on 132 SMs) ends with one head's
+    // heavy tiles still running on a few SMs.
+    const int h = rank_major_head(), kvh = h / (nh / nkv);
+    const int q0 = (gridDim.x - 1 - rank_major_rank()) * BQ_;
     // wg through a shuffle from lane 0: the compiler then knows it is warp-uniform and keeps the
     // operand descriptors that depend on it in uniform registers.
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
@@ -2222,8 +2238,11 @@ __device__ void attn5_bwd(const bf16* __restrict__ q, const bf16* __restrict__ k
     // accumulators and stores them once (no partials). The key tile's flags are the same for every
     // head, so its visible query tiles repeat per head.
     const int group = nh / nkv, heads = head_loop ? group : 1;
-    const int h0 = head_loop ? blockIdx.x * group : blockIdx.y, kvh = h0 / group;
-    const int ktile = head_loop ? blockIdx.y : blockIdx.x, k0 = ktile * BK_;
+    // Both grids give key tiles in launch order heaviest first across all heads (tile 0: every
+    // query visible under a causal mask), as the forward does: the head loop's grid is (kv head,
+    // key tile), and per-head blocks take theirs in the forward's rank-major order.
+    const int h0 = head_loop ? blockIdx.x * group : rank_major_head(), kvh = h0 / group;
+    const int ktile = head_loop ? blockIdx.y : rank_major_rank(), k0 = ktile * BK_;
     // wg through a shuffle from lane 0: the compiler then knows it is warp-uniform and keeps the
     // operand descriptors that depend on it in uniform registers.
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
@@ -2599,8 +2618,8 @@ __device__ void attn7_dq(const bf16* __restrict__ q, const bf16* __restrict__ k,
     bf16* dss = (bf16*)(pm + BQ_ * PS);         // [BQ_][DSS]: dS
     unsigned char* fl = (unsigned char*)(dss + BQ_ * DSS);
 
-    const int h = blockIdx.y, kvh = h / (nh / nkv);
-    const int q0 = (gridDim.x - 1 - blockIdx.x) * BQ_;
+    const int h = rank_major_head(), kvh = h / (nh / nkv);
+    const int q0 = (gridDim.x - 1 - rank_major_rank()) * BQ_;  // heaviest first (rank_major_head)
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
     const int qg = w & 3, role = w >> 2, dh = role * DW;
     const i64 qstride = (i64)nh * HD, kstride = (i64)nkv * HD;
@@ -2744,8 +2763,8 @@ __device__ void attn7_dkdv(const bf16* __restrict__ q, const bf16* __restrict__ 
     float* dsum = ls + 2 * BQ_;                 // two buffers of BQ_ D
     unsigned char* fl = (unsigned char*)(dsum + 2 * BQ_);
 
-    const int h = blockIdx.y, group = nh / nkv, kvh = h / group;
-    const int k0 = blockIdx.x * BK_;
+    const int h = rank_major_head(), group = nh / nkv, kvh = h / group;
+    const int ktile = rank_major_rank(), k0 = ktile * BK_;  // heaviest first (rank_major_head)
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
     // Scores: keys 16kr.., queries 16qc.. of the step, S^T (role 0) or dP^T (role 1).
     // Accumulators: keys 16kr.., head dims dh...
