@@ -276,10 +276,16 @@ fn elementwise(cx: &mut Ctx, r: &mut Rng) -> Result<()> {
         let row = cmp_t("embedding bwd (f32)", &got, &want, F32_TIGHT)?;
         cx.push(row);
     }
-    // rms_norm: rows the 4-wide kernels take (h 1536: 4 groups per thread or fewer; h 6144: up to
-    // 8), and rows they do not (h % 4 != 0)
+    // rms_norm: rows the 4-wide kernels take (h 576, 1536, 2048 and 4096: up to 4 groups per
+    // thread, some threads idle; h 6144: up to 8), and rows they do not (h % 4 != 0)
     rms_norm_rows(cx, r, 5, 90, " (h 90, scalar)")?;
-    for (rows, h, label) in [(37, 1536, ""), (9, 6144, " (h 6144)")] {
+    for (rows, h, label) in [
+        (37, 1536, ""),
+        (21, 576, " (h 576)"),
+        (13, 2048, " (h 2048)"),
+        (11, 4096, " (h 4096)"),
+        (9, 6144, " (h 6144)"),
+    ] {
         let (w, dy) = rms_norm_rows(cx, r, rows, h, label)?;
         let wg = cx.g(&w, &[h], bf)?;
         // The fused residual forms, as the layer uses them: an f32 stream plus a bf16 branch
@@ -368,8 +374,10 @@ fn elementwise(cx: &mut Ctx, r: &mut Rng) -> Result<()> {
         )?;
         cx.push(row);
     }
-    // rope: bf16 pairs of pairs (head_dim 64), and the scalar kernel (head_dim 6: odd half)
-    for (t, nh, hd) in [(29, 3, 64), (11, 2, 6)] {
+    // rope: bf16 eight pairs a thread (head_dim 64 and 128: a half of whole 16-byte chunks),
+    // pairs of pairs (head_dim 20: an even half of 10), and the scalar kernel (head_dim 6: odd
+    // half)
+    for (t, nh, hd) in [(29, 3, 64), (37, 12, 128), (13, 2, 20), (11, 2, 6)] {
         let pos: Vec<i32> = (0..t as i32).map(|p| p * 7 + 3).collect();
         let inv: Vec<f32> = (0..hd / 2)
             .map(|i| 10000f32.powf(-((2 * i) as f32) / hd as f32))
@@ -567,6 +575,39 @@ fn elementwise(cx: &mut Ctx, r: &mut Rng) -> Result<()> {
                 "{:.2} TB/s; product and backward apart {apart:.3} ms",
                 moved(5.0, fused)
             ),
+        ));
+    }
+    // The forward norm's time at the layer's rows of a 3584 / 512 pair (T = 4608; f32 residual
+    // in, bf16 out) for qwen1.5b's width and llama8b's, and rope's, each with the bandwidth over
+    // the bytes it must move (x read, y written). Short kernels: an allocation and a launch on
+    // the host per call may take longer than the kernel, so the times are upper bounds.
+    if cx.dev.is_cuda() {
+        let t = 4608;
+        for h in [1536, 4096] {
+            let x = cx.g(&r.normals(t * h, 1.0), &[t, h], DType::F32)?;
+            let w = cx.g(&r.bnormals(h, 1.0), &[h], bf)?;
+            let ms = cx.time(10, || rms_norm_to(&x, &w, 1e-6, bf).map(|_| ()))?;
+            let tbs = (t * h * 6) as f64 / (ms * 1e-3) / 1e12;
+            cx.push(timing(
+                &format!("rms_norm {t}x{h} f32 -> bf16"),
+                ms,
+                format!("{tbs:.2} TB/s"),
+            ));
+        }
+        // rope of qwen1.5b's q (12 heads of 128) over the same rows.
+        let (nh, hd) = (12, 128);
+        let pos: Vec<i32> = (0..t as i32).collect();
+        let inv: Vec<f32> = (0..hd / 2)
+            .map(|i| 10000f32.powf(-((2 * i) as f32) / hd as f32))
+            .collect();
+        let table = RopeTable::new(&pos, &inv, cx.dev)?;
+        let x = cx.g(&r.bnormals(t * nh * hd, 1.0), &[t, nh * hd], bf)?;
+        let ms = cx.time(10, || rope(&x, &table, nh, false).map(|_| ()))?;
+        let tbs = (t * nh * hd * 4) as f64 / (ms * 1e-3) / 1e12;
+        cx.push(timing(
+            &format!("rope {t}x{nh}x{hd} bf16"),
+            ms,
+            format!("{tbs:.2} TB/s"),
         ));
     }
     // add_assign / add_bias / scale

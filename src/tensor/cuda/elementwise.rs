@@ -188,8 +188,19 @@ impl CudaBackend {
             Arg::I32(table.head_dim as i32),
             Arg::F32(if inverse { -1.0 } else { 1.0 }),
         ];
-        // bf16 with an even half: two pairs per thread (that kernel takes no dtype flag).
-        if x.dtype() == DType::BF16 && half.is_multiple_of(2) {
+        // bf16 with a half of whole 16-byte chunks, aligned: eight pairs per thread through
+        // 16-byte loads and 32-bit indices; with an even half: two pairs per thread (neither
+        // kernel takes a dtype flag).
+        let chunks = t * n_heads * half / 8;
+        let x8 = half.is_multiple_of(8)
+            && chunks < i32::MAX as usize
+            && cuda_ptr(x)?.is_multiple_of(16)
+            && cuda_ptr(&y)?.is_multiple_of(16);
+        if x.dtype() == DType::BF16 && x8 {
+            args.remove(1);
+            args[4] = Arg::I32(chunks as i32);
+            self.launch_n("lf_rope_bf16x8", chunks, &args)?;
+        } else if x.dtype() == DType::BF16 && half.is_multiple_of(2) {
             args.remove(1);
             self.launch_n("lf_rope_bf16x2", t * n_heads * half / 2, &args)?;
         } else {
