@@ -20,7 +20,8 @@
 # builds before prepare_modules), and builds before 5cb9bfd draw random weights on the host (about
 # 45 s for llama8b): budget 2-3 minutes a build. A build named NAME.xz is decompressed (Python's
 # lzma; the GPU machine has no xz) into /tmp first. Rows go to $OUT/ab.jsonl (or /tmp), each
-# build's stderr to $OUT/ab-NAME.err, and a table to stdout.
+# build's stderr to $OUT/ab-NAME.err (gathered into $OUT/errs.tgz at the end), and a table to
+# stdout.
 set -u
 if [ "${1:-}" = "--build" ]; then
   shift
@@ -65,3 +66,8 @@ for r in rows:
     print(f"{r['build']:<16} {str(r['P'])+'/'+str(r['R']):>11} {r.get('segment_size')!s:>4} {r.get('keep_kv_layers')!s:>4} | "
           f"{r['s_per_step']:>8.3f} {r['peak_gib']:>7.2f} {r['mfu']:>6.1%} | {r['s_per_step']/base:.3f}")
 PY
+# The GPU machine sends back at most 8 files from $OUT: the per-run stderr logs go back as one
+# archive (errs.tgz) beside the JSON lines.
+if [ -n "${OUT:-}" ] && ls "$out"/*.err >/dev/null 2>&1; then
+  (cd "$out" && tar czf errs.tgz ./*.err && rm -f ./*.err)
+fi

@@ -13,7 +13,8 @@
 # is that anchor's peak on the row (or an earlier row of the same shape and P), e.g.
 # "llama8b 3584 512 unsloth auto" "llama8b 3584 512 - auto --memory-limit @unsloth".
 # Every lorafit row is printed beside every anchor of its shape and P. Results go to $OUT (or
-# /tmp) as JSON lines, each lorafit row's stderr to lorafit-ROW-SHAPE-P.err.
+# /tmp) as JSON lines, each lorafit row's stderr to lorafit-ROW-SHAPE-P.err (with $OUT set, the
+# .err files of the call go into one errs.tgz, as the GPU machine sends back at most 8 files).
 set -u
 bin=$1; shift
 out=${OUT:-/tmp}
@@ -89,3 +90,8 @@ for r in ours:
             line += f"{'-':<13} {'':>7} {'':>6} |"
         print(line)
 PY
+# The GPU machine sends back at most 8 files from $OUT: the per-run stderr logs go back as one
+# archive (errs.tgz) beside the JSON lines.
+if [ -n "${OUT:-}" ] && ls "$out"/*.err >/dev/null 2>&1; then
+  (cd "$out" && tar czf errs.tgz ./*.err && rm -f ./*.err)
+fi
