@@ -966,9 +966,20 @@ fn plan_only_line(a: &BenchArgs) -> Result<serde_json::Value> {
     let spec = named_shape(&a.shape)?;
     let held = memory::model_bytes(&spec, a.base_quant, a.rank);
     let free = ((gpu * gib) as usize).saturating_sub(held + CONTEXT_BYTES);
+    let free = free.saturating_sub(memory::free_margin(free));
+    // As `memory::budget` on a device: a limit is held to what the card has free.
     let budget = match a.memory_limit {
-        Some(g) => memory::plannable_under_limit((g * gib) as usize, held),
-        None => free.saturating_sub(memory::free_margin(free)),
+        Some(g) => {
+            let under_limit = memory::plannable_under_limit((g * gib) as usize, held);
+            if under_limit > free {
+                eprintln!(
+                    "note: --memory-limit {g} is more than the {gpu} GiB card leaves free for \
+                     activations; the plan is held to the card"
+                );
+            }
+            under_limit.min(free)
+        }
+        None => free,
     };
     let host_budget = match (a.offload, a.host_gib) {
         (Some(false), _) => 0,
@@ -1322,6 +1333,17 @@ mod tests {
             "{l}"
         );
         assert!(peak <= 4.2 && l.get("refused").is_none(), "{l}");
+        // A limit above the card plans as the card does: llama8b at 14336 / 2048 on 80 GB is
+        // the same plan under a 200 GiB limit as under none, within the card.
+        let card = "--plan-only --shape llama8b --prompt-len 14336 --resp-len 2048 --gpu-gib 80 \
+                    --host-gib 125";
+        let (free, over) = (line(card), line(&format!("{card} --memory-limit 200")));
+        assert_eq!(over["plan"], free["plan"], "{over}");
+        assert_eq!(over["activation_budget_gib"], free["activation_budget_gib"]);
+        assert!(
+            over["predicted_peak_gib"].as_f64().unwrap() < 80.0,
+            "{over}"
+        );
         // Without the GPU's size there is nothing to plan against.
         let cli = Cli::parse_from(["bench", "--plan-only", "--shape", "llama8b"]);
         let err = plan_only_line(&cli.bench).unwrap_err().to_string();
