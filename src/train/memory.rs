@@ -919,7 +919,16 @@ pub fn budget(device: &crate::tensor::Device, memory_limit: Option<f64>) -> anyh
             let held = device.memory().live_bytes;
             match device {
                 crate::tensor::Device::Cpu => limit.saturating_sub(held),
-                crate::tensor::Device::Cuda(_) => plannable_under_limit(limit, held).min(free),
+                crate::tensor::Device::Cuda(_) => {
+                    let under_limit = plannable_under_limit(limit, held);
+                    if under_limit > free {
+                        eprintln!(
+                            "note: memory_limit {g} GiB is more than the device leaves free for \
+                             activations; the plan is held to the device"
+                        );
+                    }
+                    under_limit.min(free)
+                }
             }
         }
         None => free,
