@@ -969,16 +969,7 @@ fn plan_only_line(a: &BenchArgs) -> Result<serde_json::Value> {
     let free = free.saturating_sub(memory::free_margin(free));
     // As `memory::budget` on a device: a limit is held to what the card has free.
     let budget = match a.memory_limit {
-        Some(g) => {
-            let under_limit = memory::plannable_under_limit((g * gib) as usize, held);
-            if under_limit > free {
-                eprintln!(
-                    "note: --memory-limit {g} is more than the {gpu} GiB card leaves free for \
-                     activations; the plan is held to the card"
-                );
-            }
-            under_limit.min(free)
-        }
+        Some(g) => memory::gpu_budget_under_limit(g, held, free),
         None => free,
     };
     let host_budget = match (a.offload, a.host_gib) {

@@ -232,7 +232,7 @@ pub(crate) fn linear_fwd(
         Some(xa) => xa,
         None => lora_input(x, p, dropout)?,
     };
-    let block = (ROUND_ONCE_BYTES / (4 * w.rows_cols().0.max(1))).max(256);
+    let block = round_once_rows(w.rows_cols().0);
     let extended = match w {
         Weight::Extended(e) if p.b().dtype() == DType::BF16 => Some(e),
         _ => None,
@@ -442,6 +442,12 @@ fn dx_through(into: Option<Tensor>, dy: &Tensor, w: &Weight) -> Result<Tensor> {
 /// The largest f32 sum `linear_fwd` holds at once (`ops::lora_linear_rounded`'s row blocks), and
 /// the bytes a folded product's operand copies may take.
 const ROUND_ONCE_BYTES: usize = 256 << 20;
+
+/// The rows of a projection with `out` outputs whose f32 sum fits `ROUND_ONCE_BYTES` (at least
+/// 256): the `block` of `ops::lora_linear_rounded` and `ops::lora_linear_onto`.
+fn round_once_rows(out: usize) -> usize {
+    (ROUND_ONCE_BYTES / (4 * out.max(1))).max(256)
+}
 
 /// What `linear_fwd` keeps for the backward, without the projection itself (a recomputed layer
 /// whose output is not needed).
@@ -1189,7 +1195,7 @@ impl Model {
                 (Some((res, rs)), Weight::Dense(wd), Some(p), Some(xa))
                     if down_dropout.is_none() && res.dtype() == out_dtype =>
                 {
-                    let block = (ROUND_ONCE_BYTES / (4 * wd.rows_cols().0.max(1))).max(256);
+                    let block = round_once_rows(wd.rows_cols().0);
                     let (wc, b) = (ops::Cols::all(wd), p.b());
                     let y = ops::lora_linear_onto(res, rs, &act, wc, xa.xa(), b, p.scale, block)?;
                     (y, Some(xa))

@@ -919,20 +919,26 @@ pub fn budget(device: &crate::tensor::Device, memory_limit: Option<f64>) -> anyh
             let held = device.memory().live_bytes;
             match device {
                 crate::tensor::Device::Cpu => limit.saturating_sub(held),
-                crate::tensor::Device::Cuda(_) => {
-                    let under_limit = plannable_under_limit(limit, held);
-                    if under_limit > free {
-                        eprintln!(
-                            "note: memory_limit {g} GiB is more than the device leaves free for \
-                             activations; the plan is held to the device"
-                        );
-                    }
-                    under_limit.min(free)
-                }
+                crate::tensor::Device::Cuda(_) => gpu_budget_under_limit(g, held, free),
             }
         }
         None => free,
     })
+}
+
+/// A GPU step's activation budget under `memory_limit` `g` GiB with `held` bytes held, where
+/// the device leaves `free` bytes to plan (after `free_margin`): `plannable_under_limit`, held to
+/// `free`, saying so where the limit asks for more (`budget`, and `lorafit bench --plan-only` for
+/// a card of a given size).
+pub fn gpu_budget_under_limit(g: f64, held: usize, free: usize) -> usize {
+    let under_limit = plannable_under_limit((g * GIB) as usize, held);
+    if under_limit > free {
+        eprintln!(
+            "note: memory_limit {g} GiB is more than the device leaves free for activations; \
+             the plan is held to the device"
+        );
+    }
+    under_limit.min(free)
 }
 
 /// Bytes of host memory that offloaded layer boundaries may pin: on CUDA the host memory still
