@@ -115,7 +115,9 @@ pub struct KvGrad {
 pub struct MlpActs {
     gate: Tensor, // (T, I)
     up: Tensor,   // (T, I)
-    act: Tensor,  // (T, I) act(gate) * up
+    /// (T, I) act(gate) * up; None where a recomputation left it unwritten for a backward
+    /// that takes it from gate and up (`mlp_grads_fused`).
+    act: Option<Tensor>,
     /// LoRA inputs of gate, up, down.
     lora: [Option<LoraSaved>; 3],
 }
@@ -515,6 +517,38 @@ fn grad_b_acc(dy: &Tensor, p: &mut LoraPair, saved: &LoraSaved) -> Result<()> {
     )
 }
 
+/// Whether layer `l`'s MLP backward sums its three LoRA gradients that read the `(T, I)` tensors
+/// inside the activation's backward (`ops::gated_mul_bwd_lora_grads`): on a GPU, with adapters
+/// on gate and up (stacked) and on down, and no dropout on them. Its recomputation then writes
+/// no h.
+pub(crate) fn mlp_grads_fused(
+    l: usize,
+    lora: Option<&Lora>,
+    ctx: &PassCtx,
+    dev: &crate::tensor::Device,
+) -> bool {
+    let targets = [Target::Gate, Target::Up, Target::Down];
+    dev.is_cuda()
+        && lora.is_some_and(|lo| {
+            lo.stacked(l, GROUP_GATE_UP).is_some()
+                && targets
+                    .iter()
+                    .all(|&tg| lo.get(l, tg).is_some() && ctx.dropout_for(l, tg).is_none())
+        })
+}
+
+/// Layer `l`'s gate, up and down adapters, each borrowed mutably at once.
+fn mlp_pairs(lo: &mut Lora, l: usize) -> [Option<&mut LoraPair>; 3] {
+    let mut out: [Option<&mut LoraPair>; 3] = [None, None, None];
+    let slots = [Target::Gate, Target::Up, Target::Down].map(|t| t.index());
+    for (i, pair) in lo.layers[l].iter_mut().enumerate() {
+        if let Some(at) = slots.iter().position(|&s| s == i) {
+            out[at] = pair.as_mut();
+        }
+    }
+    out
+}
+
 /// One projection of a shared-input group in `shared_input_bwd`: its output gradient, weight,
 /// target and what its forward saved.
 struct MemberBwd<'a> {
@@ -522,6 +556,9 @@ struct MemberBwd<'a> {
     w: &'a Weight,
     target: Target,
     saved: Option<&'a LoraSaved>,
+    /// Its `dB` was already accumulated (inside the MLP activation's backward,
+    /// `ops::gated_mul_bwd_lora_grads`).
+    grad_b_done: bool,
 }
 
 /// Backward of the projections of `lora::SHARED_INPUT[group]` that read the same `x`: d(x), with
@@ -696,7 +733,9 @@ fn stacked_adapter_grads(
         let saved = m
             .saved
             .ok_or_else(|| anyhow::anyhow!("layer {l} {tg:?}: no saved LoRA input"))?;
-        grad_b_acc(&m.dy, p, saved)?;
+        if !m.grad_b_done {
+            grad_b_acc(&m.dy, p, saved)?;
+        }
         if write {
             let (dy, b) = (ops::Cols::all(&m.dy), ops::Cols::all(p.b()));
             ops::matmul_acc_cols(dxa, c0..c0 + r, dy, false, b, false, p.scale, 0.0)?;
@@ -1181,6 +1220,20 @@ impl Model {
         let down_dropout = ctx.dropout_for(l, Target::Down);
         // The down adapter's input comes with the activation (one pass over the (T, I)
         // tensors on a GPU); under dropout it reads a masked copy, made by `lora_input`.
+        // A recomputation that wants no output does not write h where the backward takes it from
+        // gate and up (`mlp_grads_fused`).
+        let fused = mlp_grads_fused(l, lora, ctx, xn2.device());
+        if let (false, true, Some(p)) = (want_output, fused, pair(Target::Down)) {
+            let xa = ops::gated_mul_xa_only(kind, &gate, &up, p.a())?;
+            let lora = [sg, su, Some(LoraSaved::own(xa))];
+            let acts = MlpActs {
+                gate,
+                up,
+                act: None,
+                lora,
+            };
+            return Ok((None, acts));
+        }
         let (act, down_xa) = match pair(Target::Down) {
             Some(p) if down_dropout.is_none() => {
                 let (act, xa) = ops::gated_mul_xa(kind, &gate, &up, p.a())?;
@@ -1227,6 +1280,9 @@ impl Model {
             };
             (None, sd)
         };
+        // Kept even where the backward would take h from gate and up: the memory planner counts
+        // three (T, I) tensors a kept layer (`memory::StepShape::terms`).
+        let act = Some(act);
         Ok((
             out,
             MlpActs {
@@ -1258,6 +1314,46 @@ impl Model {
         let w = &self.weights.layers[l];
         let down_dropout = ctx.dropout_for(l, Target::Down);
         let kind = gated(self.spec.layers[l].activation);
+        // On a GPU, with adapters on gate, up (stacked) and down and no dropout: the three LoRA
+        // gradients that read the (T, I) tensors (dA_down from h, dB_gate and dB_up from the
+        // gradients written over gate and up) are summed inside the activation's backward.
+        let fused = mlp_grads_fused(l, lora.as_deref(), ctx, d_out.device());
+        if let (true, Some(lo), [Some(sg), Some(su), Some(sd)]) =
+            (fused, lora.as_deref_mut(), &saved)
+        {
+            if let [Some(pg), Some(pu), Some(pd)] = mlp_pairs(lo, l) {
+                drop(act);
+                grad_b_acc(d_out, pd, sd)?;
+                let dxa = ops::matmul(d_out, false, pd.b(), false, pd.scale, d_out.dtype())?;
+                let mut d_base = dx_through(None, d_out, &w.down)?;
+                let (a_down, grad_a_down) = pd.a_with_grad();
+                let grads = ops::GatedLoraGrads {
+                    xa_gate: sg.xa(),
+                    scale_gate: pg.scale,
+                    grad_b_gate: &mut pg.grad_b,
+                    xa_up: su.xa(),
+                    scale_up: pu.scale,
+                    grad_b_up: &mut pu.grad_b,
+                    grad_a_down,
+                };
+                ops::gated_mul_bwd_lora_grads(
+                    kind,
+                    &mut d_base,
+                    &dxa,
+                    a_down,
+                    &mut gate,
+                    &mut up,
+                    grads,
+                )?;
+                drop((d_base, dxa));
+                return self.gate_up_backward(l, gate, up, xn2, &saved, lora, ctx, true);
+            }
+        }
+        // h as the forward made it (made again where that forward expected the fused backward).
+        let act = match act {
+            Some(act) => act,
+            None => ops::gated_mul(kind, &gate, &up)?,
+        };
         let d_act = match (
             lora.as_deref_mut()
                 .and_then(|lo| lo.get_mut(l, Target::Down)),
@@ -1278,7 +1374,7 @@ impl Model {
                     &mut up,
                 )?;
                 drop(d_base);
-                return self.gate_up_backward(l, gate, up, xn2, &saved, lora, ctx);
+                return self.gate_up_backward(l, gate, up, xn2, &saved, lora, ctx, false);
             }
             (Some(p), Some(sv)) if down_dropout.is_none() => {
                 // The LoRA terms are the only reader of `act`: it is freed before the (T, I)
@@ -1296,10 +1392,11 @@ impl Model {
         };
         ops::gated_mul_bwd_in_place(kind, &d_act, &mut gate, &mut up)?;
         drop(d_act);
-        self.gate_up_backward(l, gate, up, xn2, &saved, lora, ctx)
+        self.gate_up_backward(l, gate, up, xn2, &saved, lora, ctx, false)
     }
 
-    /// d(xn2) from d(gate) and d(up), with their LoRA gradients: the tail of `mlp_backward`.
+    /// d(xn2) from d(gate) and d(up), with their LoRA gradients (their `dB` already taken where
+    /// `grad_b_done`): the tail of `mlp_backward`.
     #[allow(clippy::too_many_arguments)]
     fn gate_up_backward(
         &self,
@@ -1310,6 +1407,7 @@ impl Model {
         saved: &[Option<LoraSaved>; 3],
         lora: Option<&mut Lora>,
         ctx: &PassCtx,
+        grad_b_done: bool,
     ) -> Result<Tensor> {
         let w = &self.weights.layers[l];
         let members = vec![
@@ -1318,12 +1416,14 @@ impl Model {
                 w: &w.gate,
                 target: Target::Gate,
                 saved: saved[0].as_ref(),
+                grad_b_done,
             },
             MemberBwd {
                 dy: up,
                 w: &w.up,
                 target: Target::Up,
                 saved: saved[1].as_ref(),
+                grad_b_done,
             },
         ];
         shared_input_bwd(members, xn2, lora, l, GROUP_GATE_UP, ctx)
@@ -1507,6 +1607,7 @@ impl Model {
             w: &w.q,
             target: Target::Q,
             saved: a.lora[Target::Q.index()].as_ref(),
+            grad_b_done: false,
         };
         if let Some(donor) = ls.kv_source {
             // A sharer: its dK and dV belong to the donor, whose backward comes later.
@@ -1559,12 +1660,14 @@ impl Model {
                     w: wk,
                     target: Target::K,
                     saved: a.lora[Target::K.index()].as_ref(),
+                    grad_b_done: false,
                 });
                 members.push(MemberBwd {
                     dy: dv,
                     w: wv,
                     target: Target::V,
                     saved: a.lora[Target::V.index()].as_ref(),
+                    grad_b_done: false,
                 });
             }
             // attention_k_eq_v: v was the k projection's output.
@@ -1576,6 +1679,7 @@ impl Model {
                     w: wk,
                     target: Target::K,
                     saved: a.lora[Target::K.index()].as_ref(),
+                    grad_b_done: false,
                 });
             }
         }

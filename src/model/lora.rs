@@ -209,6 +209,11 @@ impl LoraPair {
         self.b_compute.as_ref().unwrap_or(&self.b)
     }
 
+    /// `a()` beside A's gradient, mutable: for a kernel that reads one and adds into the other.
+    pub fn a_with_grad(&mut self) -> (&Tensor, &mut Tensor) {
+        (self.a_compute.as_ref().unwrap_or(&self.a), &mut self.grad_a)
+    }
+
     /// (master, gradient, compute copy) of A and of B, for an optimiser that updates all three
     /// in one pass.
     pub fn update_parts(&mut self) -> [(&mut Tensor, &mut Tensor, Option<&mut Tensor>); 2] {

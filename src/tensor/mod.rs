@@ -1332,13 +1332,26 @@ pub fn gated_mul_xa(
 ) -> Result<(Tensor, Tensor)> {
     if let Device::Cuda(c) = gate.device() {
         same_device(gate, a, "gated_mul_xa")?;
-        if let Some(out) = c.gated_mul_xa(act, gate, up, a)? {
-            return Ok(out);
+        if let Some((Some(h), xa)) = c.gated_mul_xa(act, gate, up, a, true)? {
+            return Ok((h, xa));
         }
     }
     let h = gated_mul(act, gate, up)?;
     let xa = matmul(&h, false, a, true, 1.0, h.dtype())?;
     Ok((h, xa))
+}
+
+/// `gated_mul_xa`'s `h Aᵀ` alone: on a GPU where the fused kernel serves the shapes, `h` is
+/// never written (a recomputed layer whose backward takes `h` from gate and up,
+/// `gated_mul_bwd_lora_grads`).
+pub fn gated_mul_xa_only(act: GatedAct, gate: &Tensor, up: &Tensor, a: &Tensor) -> Result<Tensor> {
+    if let Device::Cuda(c) = gate.device() {
+        same_device(gate, a, "gated_mul_xa_only")?;
+        if let Some((_, xa)) = c.gated_mul_xa(act, gate, up, a, false)? {
+            return Ok(xa);
+        }
+    }
+    Ok(gated_mul_xa(act, gate, up, a)?.1)
 }
 
 /// The backward of `act(gate) * up` from `d(h) = d_base + dxa A` (the gradient through a frozen
@@ -1361,6 +1374,53 @@ pub fn gated_mul_bwd_lora_in_place(
     }
     matmul_acc(d_base, dxa, false, a, false, 1.0, 1.0)?;
     gated_mul_bwd_in_place(act, d_base, gate, up)
+}
+
+/// The LoRA gradients that read a gated MLP's `(T, I)` tensors, for
+/// `gated_mul_bwd_lora_grads`: the gate and up projections' `dB += s · dyᵀ xa` (their `xa`
+/// where their forward left it) and the down projection's `dA += dxaᵀ h`.
+pub struct GatedLoraGrads<'a> {
+    pub xa_gate: Cols<'a>,
+    pub scale_gate: f32,
+    pub grad_b_gate: &'a mut Tensor,
+    pub xa_up: Cols<'a>,
+    pub scale_up: f32,
+    pub grad_b_up: &'a mut Tensor,
+    pub grad_a_down: &'a mut Tensor,
+}
+
+/// `gated_mul_bwd_lora_in_place` with `grads` accumulated: `dA_down += dxaᵀ h`, `h` the
+/// activation as the forward rounded it, and the gate and up adapters' `dB` from the gradients
+/// written over `gate` and `up`. On a GPU where the fused kernel serves the shapes, the sums are
+/// taken from the values in registers inside the one pass over the `(T, I)` tensors (so `h` need
+/// not be kept); elsewhere `h` is made again and the products run apart.
+pub fn gated_mul_bwd_lora_grads(
+    act: GatedAct,
+    d_base: &mut Tensor,
+    dxa: &Tensor,
+    a: &Tensor,
+    gate: &mut Tensor,
+    up: &mut Tensor,
+    mut grads: GatedLoraGrads,
+) -> Result<()> {
+    if let Device::Cuda(c) = gate.device().clone() {
+        same_device(gate, a, "gated_mul_bwd_lora_grads")?;
+        if c.gated_mul_bwd_lora_grads(act, d_base, dxa, a, gate, up, &mut grads)? {
+            return Ok(());
+        }
+    }
+    let h = gated_mul(act, gate, up)?;
+    matmul_acc(grads.grad_a_down, dxa, true, &h, false, 1.0, 1.0)?;
+    drop(h);
+    gated_mul_bwd_lora_in_place(act, d_base, dxa, a, gate, up)?;
+    for (dy, xa, scale, grad_b) in [
+        (&*gate, grads.xa_gate, grads.scale_gate, grads.grad_b_gate),
+        (&*up, grads.xa_up, grads.scale_up, grads.grad_b_up),
+    ] {
+        let n = grad_b.rows_cols().1;
+        matmul_acc_cols(grad_b, 0..n, Cols::all(dy), true, xa, false, scale, 1.0)?;
+    }
+    Ok(())
 }
 
 /// The backward of `act(gate) * up` from `dh`, written over `gate` and `up`.

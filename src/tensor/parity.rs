@@ -506,6 +506,10 @@ fn elementwise(cx: &mut Ctx, r: &mut Rng) -> Result<()> {
             let (_, again) = gated_mul_xa(act, &gg, &ug, &ag)?;
             let row = cmp_t(&format!("{tag} xa the same again"), &again, &xag, 0.0)?;
             cx.push(row);
+            // Without h stored (a recomputed layer's): the same xa.
+            let only = gated_mul_xa_only(act, &gg, &ug, &ag)?;
+            let row = cmp_t(&format!("{tag} xa without h"), &only, &xag, 0.0)?;
+            cx.push(row);
         }
     }
     // Its backward with the adapter's dxa A added to d(h) (gated_mul_bwd_lora_in_place),
@@ -534,6 +538,110 @@ fn elementwise(cx: &mut Ctx, r: &mut Rng) -> Result<()> {
             cx.push(row);
             let row = cmp_t(&format!("{tag} dup"), &dug, &duc, BF16_GRAD)?;
             cx.push(row);
+        }
+    }
+    // The backward with the three LoRA gradients that read its tensors summed inside it
+    // (gated_mul_bwd_lora_grads): gate's and up's xa are columns of one stacked product, and the
+    // gradients start from values the sums are added onto. Against the CPU's f32, and against
+    // the GPU's own ops apart (activation again, products, the unfused backward).
+    // (T, I, rank down, gate, up): rows past a 16-row step, I = 8960, column blocks past I,
+    // three different ranks; then an odd rank and I % 32 != 0, which take the ops apart.
+    const GRAD_SHAPES: [(usize, usize, usize, usize, usize); 5] = [
+        (333, 1024, 16, 16, 16),
+        (17, 8960, 16, 16, 16),
+        (200, 2080, 4, 8, 16),
+        (64, 512, 3, 16, 16),
+        (40, 1000, 8, 8, 8),
+    ];
+    for act in [GatedAct::Silu, GatedAct::GeluTanh] {
+        for (t, n, rd, rg, ru) in GRAD_SHAPES {
+            let (g, u, d) = (
+                r.bnormals(t * n, 2.0),
+                r.bnormals(t * n, 1.0),
+                r.bnormals(t * n, 1.0),
+            );
+            let (dxa, a) = (r.bnormals(t * rd, 1.0), r.bnormals(rd * n, 0.3));
+            let xa = r.bnormals(t * (rg + ru), 1.0);
+            let (ga, gbg, gbu) = (
+                r.normals(rd * n, 0.1),
+                r.normals(n * rg, 0.1),
+                r.normals(n * ru, 0.1),
+            );
+            // (d gate, d up, dA_down, dB_gate, dB_up): on the CPU in f32, on the device in
+            // bf16 fused (or apart, with `apart`).
+            let run = |gpu: bool, apart: bool| -> Result<[Tensor; 5]> {
+                let on = |v: &[f32], sh: &[usize]| if gpu { cx.g(v, sh, bf) } else { cx.c(v, sh) };
+                let f32s = |v: &[f32], sh: &[usize]| {
+                    if gpu {
+                        cx.g(v, sh, DType::F32)
+                    } else {
+                        cx.c(v, sh)
+                    }
+                };
+                let (mut gt, mut ut, mut dt) =
+                    (on(&g, &[t, n])?, on(&u, &[t, n])?, on(&d, &[t, n])?);
+                let (xt, at, xat) = (
+                    on(&dxa, &[t, rd])?,
+                    on(&a, &[rd, n])?,
+                    on(&xa, &[t, rg + ru])?,
+                );
+                let (mut gat, mut gbgt, mut gbut) = (
+                    f32s(&ga, &[rd, n])?,
+                    f32s(&gbg, &[n, rg])?,
+                    f32s(&gbu, &[n, ru])?,
+                );
+                let (xg, xu) = (
+                    Cols {
+                        t: &xat,
+                        start: 0,
+                        end: rg,
+                    },
+                    Cols {
+                        t: &xat,
+                        start: rg,
+                        end: rg + ru,
+                    },
+                );
+                if apart {
+                    let h = gated_mul(act, &gt, &ut)?;
+                    matmul_acc(&mut gat, &xt, true, &h, false, 1.0, 1.0)?;
+                    gated_mul_bwd_lora_in_place(act, &mut dt, &xt, &at, &mut gt, &mut ut)?;
+                    matmul_acc_cols(&mut gbgt, 0..rg, Cols::all(&gt), true, xg, false, 2.0, 1.0)?;
+                    matmul_acc_cols(&mut gbut, 0..ru, Cols::all(&ut), true, xu, false, 0.5, 1.0)?;
+                } else {
+                    let grads = GatedLoraGrads {
+                        xa_gate: xg,
+                        scale_gate: 2.0,
+                        grad_b_gate: &mut gbgt,
+                        xa_up: xu,
+                        scale_up: 0.5,
+                        grad_b_up: &mut gbut,
+                        grad_a_down: &mut gat,
+                    };
+                    gated_mul_bwd_lora_grads(act, &mut dt, &xt, &at, &mut gt, &mut ut, grads)?;
+                }
+                Ok([gt, ut, gat, gbgt, gbut])
+            };
+            let want = run(false, false)?;
+            let got = run(true, false)?;
+            let apart = run(true, true)?;
+            let tag = format!("gated_mul_bwd_lora_grads {act:?} {t}x{n} r{rd}/{rg}/{ru}");
+            for (i, what) in ["dgate", "dup", "dA_down", "dB_gate", "dB_up"]
+                .iter()
+                .enumerate()
+            {
+                let row = cmp_t(&format!("{tag} {what}"), &got[i], &want[i], BF16_GRAD)?;
+                cx.push(row);
+                // The same bf16 inputs: f32 sums in another order, one bf16 rounding apart
+                // where the result is bf16.
+                let row = cmp_t(
+                    &format!("{tag} {what} = the ops apart"),
+                    &got[i],
+                    &apart[i],
+                    4e-3,
+                )?;
+                cx.push(row);
+            }
         }
     }
     // The fused pair's times beside the ops they replace, at qwen1.5b's MLP over a 3584 / 512
@@ -574,6 +682,51 @@ fn elementwise(cx: &mut Ctx, r: &mut Rng) -> Result<()> {
             format!(
                 "{:.2} TB/s; product and backward apart {apart:.3} ms",
                 moved(5.0, fused)
+            ),
+        ));
+        // With the three LoRA gradients summed inside, against that backward and the three
+        // products it replaces (dA_down from the activation as kept, dB_gate and dB_up).
+        let h = gated_mul(GatedAct::Silu, &g, &u)?;
+        let xa = cx.g(&r.bnormals(t * 2 * rank, 1.0), &[t, 2 * rank], bf)?;
+        let zeros = |sh: &[usize]| cx.g(&vec![0.0; sh[0] * sh[1]], sh, DType::F32);
+        let (mut ga, mut gbg, mut gbu) =
+            (zeros(&[rank, n])?, zeros(&[n, rank])?, zeros(&[n, rank])?);
+        let (xg, xu) = (
+            Cols {
+                t: &xa,
+                start: 0,
+                end: rank,
+            },
+            Cols {
+                t: &xa,
+                start: rank,
+                end: 2 * rank,
+            },
+        );
+        let with_grads = cx.time(5, || {
+            let grads = GatedLoraGrads {
+                xa_gate: xg,
+                scale_gate: 2.0,
+                grad_b_gate: &mut gbg,
+                xa_up: xu,
+                scale_up: 2.0,
+                grad_b_up: &mut gbu,
+                grad_a_down: &mut ga,
+            };
+            gated_mul_bwd_lora_grads(GatedAct::Silu, &mut di, &dxa, &a, &mut gi, &mut ui, grads)
+        })?;
+        let apart = cx.time(5, || {
+            matmul_acc(&mut ga, &dxa, true, &h, false, 1.0, 1.0)?;
+            gated_mul_bwd_lora_in_place(GatedAct::Silu, &mut di, &dxa, &a, &mut gi, &mut ui)?;
+            matmul_acc_cols(&mut gbg, 0..rank, Cols::all(&gi), true, xg, false, 2.0, 1.0)?;
+            matmul_acc_cols(&mut gbu, 0..rank, Cols::all(&ui), true, xu, false, 2.0, 1.0)
+        })?;
+        cx.push(timing(
+            &format!("gated_mul_bwd_lora_grads {t}x{n} r{rank} (fused)"),
+            with_grads,
+            format!(
+                "{:.2} TB/s; backward and the three products apart {apart:.3} ms",
+                moved(5.0, with_grads)
             ),
         ));
     }

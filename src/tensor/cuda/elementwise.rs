@@ -1,6 +1,7 @@
 //! Host side of `kernels/elementwise.cu`: RMSNorm (with the residual add and its backward),
 //! RoPE, the gated activations, adds and scales, row slices and gathers, the log-softmax gather
 //! and softcap of the head, dropout, sums of squares, AdamW and the multi-tensor casts.
+use super::gemm::Mat;
 use super::*;
 
 /// The kernels of one gated MLP activation `act(gate) * up`: any dtype, and bf16 eight at a time.
@@ -13,6 +14,8 @@ struct GateKernels {
     xa: &'static str,
     /// The backward with the down adapter's term added to d(h) (`gated_mul_bwd_lora_in_place`).
     bwd_lora: &'static str,
+    /// That backward with the LoRA gradients that read its tensors (`gated_mul_bwd_lora_grads`).
+    bwd_lora_grads: &'static str,
 }
 
 const SILU: GateKernels = GateKernels {
@@ -22,6 +25,7 @@ const SILU: GateKernels = GateKernels {
     bwd8: "lf_silu_mul_bwd_bf16x8",
     xa: "lf_silu_mul_xa",
     bwd_lora: "lf_silu_mul_bwd_lora",
+    bwd_lora_grads: "lf_silu_mul_bwd_lora_grads",
 };
 
 const GELU_TANH: GateKernels = GateKernels {
@@ -31,6 +35,7 @@ const GELU_TANH: GateKernels = GateKernels {
     bwd8: "lf_gelu_tanh_mul_bwd_bf16x8",
     xa: "lf_gelu_tanh_mul_xa",
     bwd_lora: "lf_gelu_tanh_mul_bwd_lora",
+    bwd_lora_grads: "lf_gelu_tanh_mul_bwd_lora_grads",
 };
 
 /// Columns of one slice of the fused forward's blocks (`gated_mul_xa` in
@@ -298,15 +303,122 @@ impl CudaBackend {
         Ok(true)
     }
 
+    /// `gated_mul_bwd_lora_in_place` with the LoRA gradients that read its tensors
+    /// (`tensor::GatedLoraGrads`) summed inside the same pass, where the fused kernel serves the
+    /// shapes (all bf16, `I % 32 == 0`, even ranks up to 16, 16-byte aligned (T, I) tensors and
+    /// 4-byte aligned rank rows, f32 gradients): false, with nothing written, otherwise.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gated_mul_bwd_lora_grads(
+        &self,
+        act: crate::tensor::GatedAct,
+        d_base: &Tensor,
+        dxa: &Tensor,
+        a: &Tensor,
+        gate: &mut Tensor,
+        up: &mut Tensor,
+        grads: &mut crate::tensor::GatedLoraGrads,
+    ) -> Result<bool> {
+        let k = gate_kernels(act);
+        let ((t, n), (rd, an), (xt, xr)) = (gate.rows_cols(), a.rows_cols(), dxa.rows_cols());
+        let width = |c: &crate::tensor::Cols| c.end - c.start;
+        let (rg, ru) = (width(&grads.xa_gate), width(&grads.xa_up));
+        let rank_ok = |r: usize| (2..=16).contains(&r) && r.is_multiple_of(2);
+        let rows = |c: &crate::tensor::Cols| -> Result<bool> {
+            let m = Mat::cols(*c)?;
+            Ok(c.t.dtype() == DType::BF16
+                && c.t.rows_cols().0 == t
+                && m.ptr.is_multiple_of(4)
+                && m.ld.is_multiple_of(2))
+        };
+        let f32_shaped = |g: &Tensor, shape: [usize; 2]| {
+            g.dtype() == DType::F32 && g.shape() == shape.as_slice()
+        };
+        let serves = bf16_aligned(&[d_base, dxa, a, gate, up])?
+            && gate.shape() == up.shape()
+            && d_base.shape() == gate.shape()
+            && gate.shape().len() == 2
+            && an == n
+            && (xt, xr) == (t, rd)
+            && n.is_multiple_of(32)
+            && rank_ok(rd)
+            && rank_ok(rg)
+            && rank_ok(ru)
+            && rows(&grads.xa_gate)?
+            && rows(&grads.xa_up)?
+            && f32_shaped(grads.grad_a_down, [rd, n])
+            && f32_shaped(grads.grad_b_gate, [n, rg])
+            && f32_shaped(grads.grad_b_up, [n, ru])
+            && t > 0;
+        if !serves {
+            return Ok(false);
+        }
+        // Row groups enough for about four blocks of four warps a multiprocessor.
+        let (col_blocks, steps) = (n.div_ceil(128), t.div_ceil(16));
+        let want = (4 * self.inner.sm_count as usize).div_ceil(col_blocks);
+        let groups = want.clamp(1, steps);
+        let steps_per_group = steps.div_ceil(groups);
+        let groups = steps.div_ceil(steps_per_group);
+        // Each row group's sums; freed after the launches are queued (stream-ordered reuse).
+        let part = self.empty(&[groups * 3 * 16 * n], DType::F32)?;
+        let (xg, xu) = (Mat::cols(grads.xa_gate)?, Mat::cols(grads.xa_up)?);
+        self.launch(
+            k.bwd_lora_grads,
+            (col_blocks as u32, groups as u32, 1),
+            128,
+            0,
+            &[
+                Arg::P(cuda_ptr(d_base)?),
+                Arg::P(cuda_ptr(dxa)?),
+                Arg::I32(rd as i32),
+                Arg::I32(rd as i32),
+                Arg::P(cuda_ptr(a)?),
+                Arg::P(cuda_ptr(gate)?),
+                Arg::P(cuda_ptr(up)?),
+                Arg::P(xg.ptr),
+                Arg::I32(xg.ld as i32),
+                Arg::I32(rg as i32),
+                Arg::P(xu.ptr),
+                Arg::I32(xu.ld as i32),
+                Arg::I32(ru as i32),
+                Arg::P(cuda_ptr(&part)?),
+                Arg::I64(t as i64),
+                Arg::I32(n as i32),
+                Arg::I32(steps_per_group as i32),
+            ],
+        )?;
+        self.launch(
+            "lf_gated_lora_grads_finish",
+            ((3 * 16 * n).div_ceil(256) as u32, 1, 1),
+            256,
+            0,
+            &[
+                Arg::P(cuda_ptr(&part)?),
+                Arg::I32(groups as i32),
+                Arg::I32(n as i32),
+                Arg::P(cuda_ptr(grads.grad_a_down)?),
+                Arg::I32(rd as i32),
+                Arg::P(cuda_ptr(grads.grad_b_gate)?),
+                Arg::I32(rg as i32),
+                Arg::F32(grads.scale_gate),
+                Arg::P(cuda_ptr(grads.grad_b_up)?),
+                Arg::I32(ru as i32),
+                Arg::F32(grads.scale_up),
+            ],
+        )?;
+        Ok(true)
+    }
+
     /// `(act(gate) * up, (act(gate) * up) Aᵀ)` in one pass where the fused kernel serves the
     /// shapes (all bf16, `I % 32 == 0`, rank up to 16, 16-byte aligned): `None` otherwise.
+    /// With `keep_h` false, only xa is written and h is `None`.
     pub fn gated_mul_xa(
         &self,
         act: crate::tensor::GatedAct,
         gate: &Tensor,
         up: &Tensor,
         a: &Tensor,
-    ) -> Result<Option<(Tensor, Tensor)>> {
+        keep_h: bool,
+    ) -> Result<Option<(Option<Tensor>, Tensor)>> {
         let k = gate_kernels(act);
         let ((t, n), (r, an)) = (gate.rows_cols(), a.rows_cols());
         let serves = bf16_aligned(&[gate, up, a])?
@@ -319,7 +431,10 @@ impl CudaBackend {
         if !serves {
             return Ok(None);
         }
-        let h = self.empty(gate.shape(), DType::BF16)?;
+        let h = match keep_h {
+            true => Some(self.empty(gate.shape(), DType::BF16)?),
+            false => None,
+        };
         let xa = self.empty(&[t, r], DType::BF16)?;
         let (groups, slices) = (t.div_ceil(16), n.div_ceil(GATED_XA_SLICE));
         // Each block's 16 x 16 f32 sum, and the row groups' counts of finished blocks.
@@ -341,7 +456,7 @@ impl CudaBackend {
                 Arg::P(cuda_ptr(gate)?),
                 Arg::P(cuda_ptr(up)?),
                 Arg::P(cuda_ptr(a)?),
-                Arg::P(cuda_ptr(&h)?),
+                Arg::P(h.as_ref().map(cuda_ptr).transpose()?.unwrap_or(0)),
                 Arg::P(cuda_ptr(&xa)?),
                 Arg::I64(t as i64),
                 Arg::I32(n as i32),
