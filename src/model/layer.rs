@@ -517,10 +517,19 @@ fn grad_b_acc(dy: &Tensor, p: &mut LoraPair, saved: &LoraSaved) -> Result<()> {
     )
 }
 
+/// `LORAFIT_FUSED_MLP_GRADS=1`: the training step takes the MLP backward of `mlp_grads_fused`.
+/// Off by default until its kernel (`lf_silu_mul_bwd_lora_grads`) has passed the CUDA parity
+/// rows (`gated_mul_bwd_lora_grads` in `selftest --device cuda`, group `elementwise`) and the
+/// training rows with it on (groups `model`, `train`); those op rows run it whatever this says.
+fn fused_mlp_grads_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("LORAFIT_FUSED_MLP_GRADS").is_ok_and(|v| v == "1"))
+}
+
 /// Whether layer `l`'s MLP backward sums its three LoRA gradients that read the `(T, I)` tensors
-/// inside the activation's backward (`ops::gated_mul_bwd_lora_grads`): on a GPU, with adapters
-/// on gate and up (stacked) and on down, and no dropout on them. Its recomputation then writes
-/// no h.
+/// inside the activation's backward (`ops::gated_mul_bwd_lora_grads`): on a GPU where
+/// `fused_mlp_grads_enabled`, with adapters on gate and up (stacked) and on down, and no dropout
+/// on them. Its recomputation then writes no h.
 pub(crate) fn mlp_grads_fused(
     l: usize,
     lora: Option<&Lora>,
@@ -529,6 +538,7 @@ pub(crate) fn mlp_grads_fused(
 ) -> bool {
     let targets = [Target::Gate, Target::Up, Target::Down];
     dev.is_cuda()
+        && fused_mlp_grads_enabled()
         && lora.is_some_and(|lo| {
             lo.stacked(l, GROUP_GATE_UP).is_some()
                 && targets
