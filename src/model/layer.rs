@@ -1228,8 +1228,6 @@ impl Model {
         drop(packed);
         let kind = gated(self.spec.layers[l].activation);
         let down_dropout = ctx.dropout_for(l, Target::Down);
-        // The down adapter's input comes with the activation (one pass over the (T, I)
-        // tensors on a GPU); under dropout it reads a masked copy, made by `lora_input`.
         // A recomputation that wants no output does not write h where the backward takes it from
         // gate and up (`mlp_grads_fused`).
         let fused = mlp_grads_fused(l, lora, ctx, xn2.device());
@@ -1244,6 +1242,8 @@ impl Model {
             };
             return Ok((None, acts));
         }
+        // The down adapter's input comes with the activation (one pass over the (T, I)
+        // tensors on a GPU); under dropout it reads a masked copy, made by `lora_input`.
         let (act, down_xa) = match pair(Target::Down) {
             Some(p) if down_dropout.is_none() => {
                 let (act, xa) = ops::gated_mul_xa(kind, &gate, &up, p.a())?;
