@@ -369,7 +369,7 @@ impl CudaBackend {
             &[
                 Arg::P(cuda_ptr(d_base)?),
                 Arg::P(cuda_ptr(dxa)?),
-                Arg::I32(rd as i32),
+                Arg::I32(xr as i32), // dxa's row length
                 Arg::I32(rd as i32),
                 Arg::P(cuda_ptr(a)?),
                 Arg::P(cuda_ptr(gate)?),
