@@ -602,6 +602,184 @@ fn gelu_tanh_mul_matches_definition_and_fd() {
     assert_eq!(ui.as_cpu().unwrap(), du.as_cpu().unwrap());
 }
 
+/// One gated MLP with adapters on gate, up and down, in f64 from its definition:
+/// `Σ c ∘ (h Wdᵀ + sd (h Adᵀ) Bdᵀ)`, `h = act(gate) up`, `gate = g0 + sg xa_g Bgᵀ`,
+/// `up = u0 + su xa_u Buᵀ` (rows `t`, width `i`, outputs `h_out`; `xa` is `[xa_g | xa_u]`).
+struct AdaptedMlp {
+    t: usize,
+    i: usize,
+    h_out: usize,
+    ranks: (usize, usize, usize),
+    scales: (f64, f64, f64),
+    xa: Vec<f32>,
+    bd: Vec<f32>,
+    wd: Vec<f32>,
+    c: Vec<f32>,
+    act: fn(f64) -> f64,
+}
+
+impl AdaptedMlp {
+    fn loss(&self, g0: &[f32], u0: &[f32], bg: &[f32], bu: &[f32], ad: &[f32]) -> f64 {
+        let (rd, rg, ru) = self.ranks;
+        let (sg, su, sd) = self.scales;
+        let w = rg + ru;
+        let mut total = 0.0;
+        for r in 0..self.t {
+            let xa = &self.xa[r * w..(r + 1) * w];
+            let h: Vec<f64> = (0..self.i)
+                .map(|j| {
+                    let lg: f64 = (0..rg).map(|k| xa[k] as f64 * bg[j * rg + k] as f64).sum();
+                    let lu: f64 = (0..ru)
+                        .map(|k| xa[rg + k] as f64 * bu[j * ru + k] as f64)
+                        .sum();
+                    let gate = g0[r * self.i + j] as f64 + sg * lg;
+                    let up = u0[r * self.i + j] as f64 + su * lu;
+                    (self.act)(gate) * up
+                })
+                .collect();
+            let ha: Vec<f64> = (0..rd)
+                .map(|k| (0..self.i).map(|j| h[j] * ad[k * self.i + j] as f64).sum())
+                .collect();
+            for o in 0..self.h_out {
+                let base: f64 = (0..self.i)
+                    .map(|j| h[j] * self.wd[o * self.i + j] as f64)
+                    .sum();
+                let lora: f64 = (0..rd).map(|k| ha[k] * self.bd[o * rd + k] as f64).sum();
+                total += self.c[r * self.h_out + o] as f64 * (base + sd * lora);
+            }
+        }
+        total
+    }
+}
+
+#[test]
+fn gated_mul_bwd_lora_grads_matches_fd() {
+    // The MLP backward that takes the three LoRA gradients reading its (T, I) tensors with the
+    // activation's backward (dA_down from h made again, dB_gate and dB_up from the gradients
+    // it writes): its CPU form, the reference of its CUDA kernel's parity rows, against finite
+    // differences of the whole MLP. Three ranks, xa_gate and xa_up as columns of one matrix, and
+    // gradients that start from nonzero values (they are added onto).
+    let silu = |x: f64| x / (1.0 + (-x).exp());
+    for (name, act, kind) in [
+        ("silu", silu as fn(f64) -> f64, ops::GatedAct::Silu),
+        (
+            "gelu_tanh",
+            gelu_tanh_f64 as fn(f64) -> f64,
+            ops::GatedAct::GeluTanh,
+        ),
+    ] {
+        let (tt, i, h_out, rd, rg, ru) = (5, 8, 6, 2, 2, 3);
+        let (sg, su, sd) = (2.0f32, 0.5f32, 1.5f32);
+        let mlp = AdaptedMlp {
+            t: tt,
+            i,
+            h_out,
+            ranks: (rd, rg, ru),
+            scales: (sg as f64, su as f64, sd as f64),
+            xa: rv(tt * (rg + ru), 70, 1.0),
+            bd: rv(h_out * rd, 71, 0.5),
+            wd: rv(h_out * i, 72, 0.5),
+            c: rand_vec(tt * h_out, 73),
+            act,
+        };
+        let (g0, u0) = (rv(tt * i, 74, 2.0), rv(tt * i, 75, 1.0));
+        let (bg, bu, ad) = (
+            rv(i * rg, 76, 0.5),
+            rv(i * ru, 77, 0.5),
+            rv(rd * i, 78, 0.5),
+        );
+        let (ga0, gbg0, gbu0) = (
+            rv(rd * i, 79, 0.1),
+            rv(i * rg, 80, 0.1),
+            rv(i * ru, 81, 0.1),
+        );
+        // The forward's gate and up, and the backward's inputs, as the layer makes them.
+        let lin = |x0: &[f32], b: &[f32], r: usize, off: usize, s: f32| -> Vec<f32> {
+            (0..tt * i)
+                .map(|e| {
+                    let (row, j) = (e / i, e % i);
+                    let xa = &mlp.xa[row * (rg + ru) + off..];
+                    x0[e] + s * (0..r).map(|k| xa[k] * b[j * r + k]).sum::<f32>()
+                })
+                .collect()
+        };
+        let (mut gate, mut up) = (
+            t(&lin(&g0, &bg, rg, 0, sg), &[tt, i]),
+            t(&lin(&u0, &bu, ru, rg, su), &[tt, i]),
+        );
+        let c = t(&mlp.c, &[tt, h_out]);
+        let mut d_base =
+            ops::matmul(&c, false, &t(&mlp.wd, &[h_out, i]), false, 1.0, DType::F32).unwrap();
+        let dxa = ops::matmul(&c, false, &t(&mlp.bd, &[h_out, rd]), false, sd, DType::F32).unwrap();
+        let xa = t(&mlp.xa, &[tt, rg + ru]);
+        let (mut ga, mut gbg, mut gbu) =
+            (t(&ga0, &[rd, i]), t(&gbg0, &[i, rg]), t(&gbu0, &[i, ru]));
+        let grads = ops::GatedLoraGrads {
+            xa_gate: ops::Cols {
+                t: &xa,
+                start: 0,
+                end: rg,
+            },
+            scale_gate: sg,
+            grad_b_gate: &mut gbg,
+            xa_up: ops::Cols {
+                t: &xa,
+                start: rg,
+                end: rg + ru,
+            },
+            scale_up: su,
+            grad_b_up: &mut gbu,
+            grad_a_down: &mut ga,
+        };
+        let ad_t = t(&ad, &[rd, i]);
+        ops::gated_mul_bwd_lora_grads(kind, &mut d_base, &dxa, &ad_t, &mut gate, &mut up, grads)
+            .unwrap();
+        let added = |g: &Tensor, g0: &[f32]| -> Vec<f32> {
+            g.as_cpu()
+                .unwrap()
+                .iter()
+                .zip(g0)
+                .map(|(a, b)| a - b)
+                .collect()
+        };
+        check_all(
+            &format!("{name} mlp d gate"),
+            &g0,
+            gate.as_cpu().unwrap(),
+            TOL_SMOOTH,
+            |x| mlp.loss(x, &u0, &bg, &bu, &ad),
+        );
+        check_all(
+            &format!("{name} mlp d up"),
+            &u0,
+            up.as_cpu().unwrap(),
+            TOL_SMOOTH,
+            |x| mlp.loss(&g0, x, &bg, &bu, &ad),
+        );
+        check_all(
+            &format!("{name} mlp dB_gate"),
+            &bg,
+            &added(&gbg, &gbg0),
+            TOL_SMOOTH,
+            |x| mlp.loss(&g0, &u0, x, &bu, &ad),
+        );
+        check_all(
+            &format!("{name} mlp dB_up"),
+            &bu,
+            &added(&gbu, &gbu0),
+            TOL_SMOOTH,
+            |x| mlp.loss(&g0, &u0, &bg, x, &ad),
+        );
+        check_all(
+            &format!("{name} mlp dA_down"),
+            &ad,
+            &added(&ga, &ga0),
+            TOL_LINEAR,
+            |x| mlp.loss(&g0, &u0, &bg, &bu, x),
+        );
+    }
+}
+
 #[test]
 fn softcap_logsoftmax_gather_bwd_matches_fd() {
     let (rows, v) = (6, 11);
