@@ -183,7 +183,11 @@ def check(t, n, rd, rg, ru, groups_want):
     print(f"t={t} n={n} r={rd}/{rg}/{ru} groups={groups}: dgate dup dA_down dB_gate dB_up", ok)
     return all(ok)
 
+# (T, I, ranks down/gate/up, row groups asked for): rows past a 16-row step, a last column block
+# past I, three different ranks, more groups than steps, one row, one warp's columns.
 assert check(37, 160, 16, 16, 16, 2)
 assert check(20, 96, 4, 8, 16, 3)
 assert check(16, 64, 2, 14, 6, 1)
+assert check(50, 416, 8, 16, 2, 9)
+assert check(1, 32, 16, 16, 16, 1)
 print("all exact")
