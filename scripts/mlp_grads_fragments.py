@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Lane-by-lane emulation of `gated_mul_bwd_lora_grads` (src/tensor/cuda/kernels/elementwise.cu).
+"""Lane-by-lane emulation of `gated_mul_bwd_lora_grads` (src/tensor/cuda/kernels/mlp_grads.cu).
 
 The kernel keeps every value in mma fragments: its loads, the adapter's term, the transposes
 (`movmatrix`) into B fragments and the sums it writes are index bookkeeping that a wrong lane or

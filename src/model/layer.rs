@@ -518,7 +518,7 @@ fn grad_b_acc(dy: &Tensor, p: &mut LoraPair, saved: &LoraSaved) -> Result<()> {
 }
 
 /// `LORAFIT_FUSED_MLP_GRADS=1`: the training step takes the MLP backward of `mlp_grads_fused`.
-/// Off by default until its kernel (`lf_silu_mul_bwd_lora_grads`) has passed the CUDA parity
+/// Off by default until its kernels (`kernels/mlp_grads.cu`) have passed the CUDA parity
 /// rows (`gated_mul_bwd_lora_grads` in `selftest --device cuda`, group `elementwise`) and the
 /// training rows with it on (groups `model`, `train`); those op rows run it whatever this says.
 fn fused_mlp_grads_enabled() -> bool {

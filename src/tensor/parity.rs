@@ -622,10 +622,10 @@ fn elementwise(cx: &mut Ctx, r: &mut Rng) -> Result<()> {
                 }
                 Ok([gt, ut, gat, gbgt, gbut])
             };
+            let tag = format!("gated_mul_bwd_lora_grads {act:?} {t}x{n} r{rd}/{rg}/{ru}");
             let want = run(false, false)?;
             let got = run(true, false)?;
             let apart = run(true, true)?;
-            let tag = format!("gated_mul_bwd_lora_grads {act:?} {t}x{n} r{rd}/{rg}/{ru}");
             for (i, what) in ["dgate", "dup", "dA_down", "dB_gate", "dB_up"]
                 .iter()
                 .enumerate()
@@ -718,17 +718,16 @@ fn elementwise(cx: &mut Ctx, r: &mut Rng) -> Result<()> {
         let apart = cx.time(5, || {
             matmul_acc(&mut ga, &dxa, true, &h, false, 1.0, 1.0)?;
             gated_mul_bwd_lora_in_place(GatedAct::Silu, &mut di, &dxa, &a, &mut gi, &mut ui)?;
-            matmul_acc_cols(&mut gbg, 0..rank, Cols::all(&gi), true, xg, false, 2.0, 1.0)?;
-            matmul_acc_cols(&mut gbu, 0..rank, Cols::all(&ui), true, xu, false, 2.0, 1.0)
+            let (g, u) = (Cols::all(&gi), Cols::all(&ui));
+            matmul_acc_cols(&mut gbg, 0..rank, g, true, xg, false, 2.0, 1.0)?;
+            matmul_acc_cols(&mut gbu, 0..rank, u, true, xu, false, 2.0, 1.0)
         })?;
-        cx.push(timing(
-            &format!("gated_mul_bwd_lora_grads {t}x{n} r{rank} (fused)"),
-            with_grads,
-            format!(
-                "{:.2} TB/s; backward and the three products apart {apart:.3} ms",
-                moved(5.0, with_grads)
-            ),
-        ));
+        let note = format!(
+            "{:.2} TB/s; backward and the three products apart {apart:.3} ms",
+            moved(5.0, with_grads)
+        );
+        let op = format!("gated_mul_bwd_lora_grads {t}x{n} r{rank} (fused)");
+        cx.push(timing(&op, with_grads, note));
     }
     // The forward norm's time at the layer's rows of a 3584 / 512 pair (T = 4608; f32 residual
     // in, bf16 out) for qwen1.5b's width and llama8b's, and rope's, each with the bandwidth over

@@ -26,6 +26,7 @@ pub const MODULES: &[(&str, &str)] = &[
     ("cce", include_str!("kernels/cce.cu")),
     ("objective", include_str!("kernels/objective.cu")),
     ("decode", include_str!("kernels/decode.cu")),
+    ("mlp_grads", include_str!("kernels/mlp_grads.cu")),
 ];
 
 /// The part of attention.cu (its `LF_ATTN_PART`) that module `name` compiles, for the attention
@@ -58,6 +59,8 @@ pub fn module_of(func: &str) -> &'static str {
         "objective"
     } else if func.starts_with("lf_dec_") {
         "decode"
+    } else if func.starts_with("lf_mlpg_") {
+        "mlp_grads"
     } else {
         "elementwise"
     }
@@ -535,7 +538,8 @@ mod tests {
         }
         if only.is_none() && body.is_none() {
             // One kernel of each attention version and of the shared ones, with and without the
-            // softcap, in the module the host loads it from (checked above).
+            // softcap, and the MLP gradients' kernels, in the module the host loads each from
+            // (checked above).
             for k in [
                 "lf_attn_fwd_128",
                 "lf_attn_bwd_dkdv_64_cap",
@@ -550,6 +554,8 @@ mod tests {
                 "lf_attn5_bwd_128_cap",
                 "lf_attn6_bwd_256",
                 "lf_attn7_dkdv_512_cap",
+                "lf_mlpg_silu",
+                "lf_mlpg_finish",
             ] {
                 assert!(found.contains(k), "no module compiles {k}");
             }

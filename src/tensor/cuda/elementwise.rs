@@ -25,7 +25,7 @@ const SILU: GateKernels = GateKernels {
     bwd8: "lf_silu_mul_bwd_bf16x8",
     xa: "lf_silu_mul_xa",
     bwd_lora: "lf_silu_mul_bwd_lora",
-    bwd_lora_grads: "lf_silu_mul_bwd_lora_grads",
+    bwd_lora_grads: "lf_mlpg_silu",
 };
 
 const GELU_TANH: GateKernels = GateKernels {
@@ -35,7 +35,7 @@ const GELU_TANH: GateKernels = GateKernels {
     bwd8: "lf_gelu_tanh_mul_bwd_bf16x8",
     xa: "lf_gelu_tanh_mul_xa",
     bwd_lora: "lf_gelu_tanh_mul_bwd_lora",
-    bwd_lora_grads: "lf_gelu_tanh_mul_bwd_lora_grads",
+    bwd_lora_grads: "lf_mlpg_gelu_tanh",
 };
 
 /// Columns of one slice of the fused forward's blocks (`gated_mul_xa` in
@@ -387,7 +387,7 @@ impl CudaBackend {
             ],
         )?;
         self.launch(
-            "lf_gated_lora_grads_finish",
+            "lf_mlpg_finish",
             ((3 * 16 * n).div_ceil(256) as u32, 1, 1),
             256,
             0,

@@ -61,3 +61,27 @@ __device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
 
 __device__ __forceinline__ u32 lds32(const bf16* p) { return *(const u32*)p; }
 
+// The gated MLP activations act(gate) * up of elementwise.cu and mlp_grads.cu: `fwd(g)` and
+// `grad(d, g, u)`, the (d gate, d up) of one element.
+struct Silu {
+    static __device__ __forceinline__ float fwd(float g) { return g / (1.f + expf(-g)); }
+    static __device__ __forceinline__ float2 grad(float d, float g, float u) {
+        const float sig = 1.f / (1.f + expf(-g));
+        return make_float2(d * u * (sig * (1.f + g * (1.f - sig))), d * g * sig);
+    }
+};
+
+// transformers' gelu_pytorch_tanh: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
+#define LF_GELU_K 0.7978845608028654f
+#define LF_GELU_A 0.044715f
+struct GeluTanh {
+    static __device__ __forceinline__ float fwd(float x) {
+        return 0.5f * x * (1.f + tanhf(LF_GELU_K * x * (1.f + LF_GELU_A * x * x)));
+    }
+    static __device__ __forceinline__ float2 grad(float d, float x, float u) {
+        const float x2 = x * x, t = tanhf(LF_GELU_K * x * (1.f + LF_GELU_A * x2));
+        const float y = 0.5f * x * (1.f + t);
+        const float dy = 0.5f * (1.f + t) + 0.5f * x * (1.f - t * t) * LF_GELU_K * (1.f + 3.f * LF_GELU_A * x2);
+        return make_float2(d * u * dy, d * y);
+    }
+};
