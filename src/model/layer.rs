@@ -495,10 +495,16 @@ pub(crate) fn stacked_lora_inputs(
 /// The LoRA part of a projection's backward without dropout: accumulates `dB += s · dyᵀ xa` and
 /// `dA += dxaᵀ x`, returns `dxa = s · dy B`.
 fn lora_bwd(dy: &Tensor, x: &Tensor, p: &mut LoraPair, saved: &LoraSaved) -> Result<Tensor> {
-    grad_b_acc(dy, p, saved)?;
-    let dxa = ops::matmul(dy, false, p.b(), false, p.scale, dy.dtype())?;
+    let dxa = lora_bwd_b(dy, p, saved)?;
     ops::matmul_acc(&mut p.grad_a, &dxa, true, x, false, 1.0, 1.0)?;
     Ok(dxa)
+}
+
+/// `lora_bwd` without `dA` (for a caller that takes it elsewhere): accumulates `dB += s · dyᵀ xa`,
+/// returns `dxa = s · dy B`.
+fn lora_bwd_b(dy: &Tensor, p: &mut LoraPair, saved: &LoraSaved) -> Result<Tensor> {
+    grad_b_acc(dy, p, saved)?;
+    ops::matmul(dy, false, p.b(), false, p.scale, dy.dtype())
 }
 
 /// `dB += s · dyᵀ xa`, xa read where its forward left it.
@@ -545,18 +551,6 @@ pub(crate) fn mlp_grads_fused(
                     .iter()
                     .all(|&tg| lo.get(l, tg).is_some() && ctx.dropout_for(l, tg).is_none())
         })
-}
-
-/// Layer `l`'s gate, up and down adapters, each borrowed mutably at once.
-fn mlp_pairs(lo: &mut Lora, l: usize) -> [Option<&mut LoraPair>; 3] {
-    let mut out: [Option<&mut LoraPair>; 3] = [None, None, None];
-    let slots = [Target::Gate, Target::Up, Target::Down].map(|t| t.index());
-    for (i, pair) in lo.layers[l].iter_mut().enumerate() {
-        if let Some(at) = slots.iter().position(|&s| s == i) {
-            out[at] = pair.as_mut();
-        }
-    }
-    out
 }
 
 /// One projection of a shared-input group in `shared_input_bwd`: its output gradient, weight,
@@ -1331,10 +1325,11 @@ impl Model {
         if let (true, Some(lo), [Some(sg), Some(su), Some(sd)]) =
             (fused, lora.as_deref_mut(), &saved)
         {
-            if let [Some(pg), Some(pu), Some(pd)] = mlp_pairs(lo, l) {
+            // Gate's, up's and down's adapters, each borrowed mutably at once.
+            let slots = [Target::Gate, Target::Up, Target::Down].map(|t| t.index());
+            if let Ok([Some(pg), Some(pu), Some(pd)]) = lo.layers[l].get_disjoint_mut(slots) {
                 drop(act);
-                grad_b_acc(d_out, pd, sd)?;
-                let dxa = ops::matmul(d_out, false, pd.b(), false, pd.scale, d_out.dtype())?;
+                let dxa = lora_bwd_b(d_out, pd, sd)?;
                 let mut d_base = dx_through(None, d_out, &w.down)?;
                 let (a_down, grad_a_down) = pd.a_with_grad();
                 let grads = ops::GatedLoraGrads {

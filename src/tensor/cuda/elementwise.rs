@@ -323,12 +323,12 @@ impl CudaBackend {
         let width = |c: &crate::tensor::Cols| c.end - c.start;
         let (rg, ru) = (width(&grads.xa_gate), width(&grads.xa_up));
         let rank_ok = |r: usize| (2..=16).contains(&r) && r.is_multiple_of(2);
-        let rows = |c: &crate::tensor::Cols| -> Result<bool> {
-            let m = Mat::cols(*c)?;
-            Ok(c.t.dtype() == DType::BF16
+        let (xg, xu) = (Mat::cols(grads.xa_gate)?, Mat::cols(grads.xa_up)?);
+        let rows = |c: &crate::tensor::Cols, m: &Mat| {
+            c.t.dtype() == DType::BF16
                 && c.t.rows_cols().0 == t
                 && m.ptr.is_multiple_of(4)
-                && m.ld.is_multiple_of(2))
+                && m.ld.is_multiple_of(2)
         };
         let f32_shaped = |g: &Tensor, shape: [usize; 2]| {
             g.dtype() == DType::F32 && g.shape() == shape.as_slice()
@@ -343,8 +343,8 @@ impl CudaBackend {
             && rank_ok(rd)
             && rank_ok(rg)
             && rank_ok(ru)
-            && rows(&grads.xa_gate)?
-            && rows(&grads.xa_up)?
+            && rows(&grads.xa_gate, &xg)
+            && rows(&grads.xa_up, &xu)
             && f32_shaped(grads.grad_a_down, [rd, n])
             && f32_shaped(grads.grad_b_gate, [n, rg])
             && f32_shaped(grads.grad_b_up, [n, ru])
@@ -360,7 +360,6 @@ impl CudaBackend {
         let groups = steps.div_ceil(steps_per_group);
         // Each row group's sums; freed after the launches are queued (stream-ordered reuse).
         let part = self.empty(&[groups * 3 * 16 * n], DType::F32)?;
-        let (xg, xu) = (Mat::cols(grads.xa_gate)?, Mat::cols(grads.xa_up)?);
         self.launch(
             k.bwd_lora_grads,
             (col_blocks as u32, groups as u32, 1),
